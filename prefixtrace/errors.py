@@ -1,0 +1,92 @@
+"""The exception tree of prefixtrace, and its one mapping onto HTTP.
+
+    PrefixtraceError
+    ├── InvalidRequest           400  the client sent something we cannot serve
+    │   └── ContextExceedsCapacity 400  prompt + max_tokens can never fit
+    ├── ModelNotFound            404  the request names a model we do not serve
+    ├── UpstreamError            502  the upstream server failed or is unreachable
+    │   └── UpstreamTimeout      504
+    ├── EngineError              500  the embedded engine failed
+    │   └── EngineNotReady       503  the model is still loading
+    └── RecorderError            500  the recorder database failed
+
+Library code raises these; only `proxy` turns them into HTTP responses (via
+`http_status` and `to_openai_error`) and only `prefixtrace.cli` turns them into
+CLI errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PrefixtraceError(Exception):
+    """Base of every error prefixtrace raises on purpose."""
+
+    code = "internal_error"
+
+    def __init__(self, message: str, **details: Any):
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class InvalidRequest(PrefixtraceError):
+    code = "invalid_request_error"
+
+
+class ContextExceedsCapacity(InvalidRequest):
+    code = "context_exceeds_capacity"
+
+
+class ModelNotFound(PrefixtraceError):
+    code = "model_not_found"
+
+
+class UpstreamError(PrefixtraceError):
+    code = "upstream_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    code = "upstream_timeout"
+
+
+class EngineError(PrefixtraceError):
+    code = "engine_error"
+
+
+class EngineNotReady(EngineError):
+    code = "engine_not_ready"
+
+
+class RecorderError(PrefixtraceError):
+    code = "recorder_error"
+
+
+# Most specific class first: `http_status` walks the MRO, so a subclass missing
+# here falls back to its parent's status rather than to 500.
+HTTP_STATUS: dict[type[PrefixtraceError], int] = {
+    ContextExceedsCapacity: 400,
+    InvalidRequest: 400,
+    ModelNotFound: 404,
+    UpstreamTimeout: 504,
+    UpstreamError: 502,
+    EngineNotReady: 503,
+    EngineError: 500,
+    RecorderError: 500,
+    PrefixtraceError: 500,
+}
+
+
+def http_status(exc: PrefixtraceError) -> int:
+    for cls in type(exc).__mro__:
+        if cls in HTTP_STATUS:
+            return HTTP_STATUS[cls]
+    return 500
+
+
+def to_openai_error(exc: PrefixtraceError) -> dict[str, Any]:
+    """The OpenAI-style error body: {"error": {"message", "type", "code", ...}}."""
+    error = {"message": exc.message, "type": exc.code, "code": exc.code}
+    error.update(exc.details)
+    return {"error": error}
