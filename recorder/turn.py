@@ -1,0 +1,37 @@
+"""`Turn`: everything the proxy knows about one request/response pair.
+
+This dataclass is the only thing the proxy hands to the recorder. The proxy
+fills it while it serves; the recorder decides how it is stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Turn:
+    request_id: str
+    started_at: float  # unix seconds when the request arrived
+    endpoint: str  # "/v1/chat/completions"
+    upstream: str  # "embedded:<model name>" or the upstream base URL
+    request_body: Any  # parsed JSON body (dict), or the raw text when it did not parse
+    request_headers: dict[str, str] = field(default_factory=dict)  # unfiltered; the recorder redacts
+    session_id: str | None = None  # X-Session-Id, `user` or `prompt_cache_key`; None = infer later
+    client_addr: str | None = None
+    stream: bool = False
+    status: int = 0  # HTTP status sent to the client
+    error: str | None = None  # reason when status >= 400, or "client disconnected"
+    response_text: str = ""
+    reasoning_text: str = ""
+    tool_calls: list[dict] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None  # None = upstream did not say (never record unknown as 0)
+    usage: dict | None = None  # the usage object exactly as sent to the client
+    ttft_s: float | None = None  # time to first content token
+    total_s: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # seconds since start, one per SSE chunk
+    render: dict | None = None  # engine-side facts: {"prompt_token_ids": [...]} when embedded
