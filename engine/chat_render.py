@@ -1,0 +1,85 @@
+"""Render an OpenAI chat request into prompt token ids with the model's own template.
+
+The model's chat template decides the prompt, so the engine renders with it
+(through the tokenizer mlx-lm loaded) instead of a generic format: that is the
+prompt whose prefix the cache must match turn after turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+
+from prefixtrace.errors import InvalidRequest
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+@dataclass(slots=True)
+class RenderedPrompt:
+    text: str
+    token_ids: list[int]
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """Validate OpenAI messages and reduce them to what chat templates expect.
+
+    Templates index `content` as a string, so text-part arrays are flattened and
+    a missing content (an assistant turn that only calls tools) becomes "".
+    """
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
+        role = message.get("role")
+        if role not in ROLES:
+            raise InvalidRequest(f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}", param="messages")
+        m = dict(message)
+        m["content"] = _flatten_content(m.get("content"), i)
+        out.append(m)
+    return out
+
+
+def _flatten_content(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidRequest(f"messages[{index}]: content part of type {kind!r} is not supported by this engine")
+        return "".join(texts)
+    raise InvalidRequest(f"messages[{index}].content must be a string or an array of text parts")
+
+
+def render_prompt(
+    tokenizer,
+    messages: list[dict],
+    *,
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> RenderedPrompt:
+    kwargs = dict(chat_template_kwargs or {})
+    kwargs.pop("add_generation_prompt", None)
+    kwargs.pop("tokenize", None)
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+    except TemplateError as exc:
+        raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
+    except (TypeError, KeyError, AttributeError) as exc:
+        raise InvalidRequest(f"the chat template could not render the messages: {exc!r}") from exc
+    # The template already wrote every special token (BOS included when the
+    # template wants one), so the tokenizer must not add its own.
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    return RenderedPrompt(text=text, token_ids=list(token_ids))
