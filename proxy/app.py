@@ -1,0 +1,121 @@
+"""The FastAPI app: OpenAI-compatible endpoints in front of one backend.
+
+A backend is either the embedded engine (`EngineBackend`) or an upstream
+server (`UpstreamBackend`); both expose `open(request) -> chat` whose chat
+object streams SSE (`sse()`) or returns a whole body (`whole()`). Every request,
+failed ones included, leaves exactly one `Turn` with the recorder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from prefixtrace.errors import PrefixtraceError, http_status, to_openai_error
+from proxy import sse
+from proxy.chat_request import parse_body, parse_chat_request
+from proxy.turn_builder import TurnBuilder
+from recorder.turn import Turn
+
+log = logging.getLogger("prefixtrace.proxy")
+CHAT_PATH = "/v1/chat/completions"
+
+
+class TurnSink(Protocol):
+    def record(self, turn: Turn) -> None: ...
+
+
+def create_app(backend, recorder: TurnSink) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if hasattr(backend, "aclose"):
+            await backend.aclose()
+
+    app = FastAPI(title="prefixtrace", lifespan=lifespan)
+    app.state.backend = backend
+    app.state.recorder = recorder
+
+    @app.get("/health")
+    async def health():
+        if await backend.ready():
+            return {"status": "ok", "backend": backend.label}
+        return JSONResponse({"status": "loading", "backend": backend.label}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models():
+        try:
+            return await backend.models()
+        except PrefixtraceError as exc:
+            return JSONResponse(to_openai_error(exc), status_code=http_status(exc))
+
+    @app.post(CHAT_PATH)
+    async def chat_completions(request: Request):
+        turn = Turn(
+            request_id=uuid.uuid4().hex,
+            started_at=time.time(),
+            endpoint=CHAT_PATH,
+            upstream=backend.label,
+            request_body=None,
+            request_headers=dict(request.headers),
+            client_addr=f"{request.client.host}:{request.client.port}" if request.client else None,
+        )
+        builder = TurnBuilder(turn)
+        raw = await request.body()
+        try:
+            body = parse_body(raw)
+            turn.request_body = body
+            req = parse_chat_request(body, turn.request_headers)
+            turn.session_id, turn.stream = req.session_id, req.stream
+            chat = await backend.open(req, builder, turn.request_headers)
+        except PrefixtraceError as exc:
+            if turn.request_body is None:
+                turn.request_body = raw.decode("utf-8", errors="replace")
+            status = http_status(exc)
+            recorder.record(builder.finish(status, exc.message))
+            return JSONResponse(to_openai_error(exc), status_code=status)
+        if chat.streams_events:
+            return StreamingResponse(
+                _stream_and_record(chat, builder, recorder),
+                status_code=chat.status,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            data, content_type = await chat.whole()
+        except PrefixtraceError as exc:
+            status = http_status(exc)
+            recorder.record(builder.finish(status, exc.message))
+            return JSONResponse(to_openai_error(exc), status_code=status)
+        except asyncio.CancelledError:
+            chat.cancel()
+            recorder.record(builder.finish(499, "client disconnected"))
+            raise
+        recorder.record(builder.finish(chat.status))
+        return Response(data, status_code=chat.status, media_type=content_type)
+
+    return app
+
+
+async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):
+    error = None
+    try:
+        async for event in chat.sse():
+            yield event
+    except PrefixtraceError as exc:  # failed after the headers went out: tell the client in-band
+        error = exc.message
+        yield sse.encode(to_openai_error(exc))
+        yield sse.DONE
+    except (asyncio.CancelledError, GeneratorExit):
+        error = "client disconnected"
+        chat.cancel()
+        raise
+    finally:
+        recorder.record(builder.finish(chat.status, error))

@@ -1,0 +1,103 @@
+"""Parse and validate an OpenAI chat-completions request body.
+
+Validation happens here, once, before any backend sees the request, so a bad
+request fails with a 400 and a reason whichever backend serves it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from engine.sampling import SamplingParams
+from prefixtrace.errors import InvalidRequest
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    body: dict  # the body as the client sent it, for pass-through and recording
+    model: str | None
+    messages: list
+    stream: bool
+    include_usage: bool
+    tools: list | None
+    chat_template_kwargs: dict | None
+    sampling: SamplingParams
+    session_id: str | None
+
+
+def parse_body(raw: bytes) -> dict:
+    if not raw.strip():
+        raise InvalidRequest("the request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def parse_chat_request(body: dict, headers: dict[str, str] | None = None) -> ChatRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' is required and must be a non-empty array", param="messages")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise InvalidRequest("'tools' must be an array", param="tools")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise InvalidRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    stream_options = body.get("stream_options") or {}
+    headers = {k.lower(): v for k, v in (headers or {}).items()}
+    return ChatRequest(
+        body=body,
+        model=body.get("model"),
+        messages=messages,
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
+        tools=tools,
+        chat_template_kwargs=kwargs,
+        sampling=_sampling(body),
+        session_id=headers.get("x-session-id") or _str_or_none(body.get("user")) or _str_or_none(body.get("prompt_cache_key")),
+    )
+
+
+def _sampling(body: dict) -> SamplingParams:
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    return SamplingParams(
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
+        max_tokens=None if max_tokens is None else _int(max_tokens, "max_tokens"),
+        seed=None if body.get("seed") is None else _int(body["seed"], "seed"),
+        stop=list(stop) if isinstance(stop, list) else _bad("stop", "a string or an array of strings"),
+    )
+
+
+def _number(body: dict, key: str, default: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _bad(key, "a number")
+    return float(value)
+
+
+def _int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _bad(key, "an integer")
+    return value
+
+
+def _bad(key: str, expected: str):
+    raise InvalidRequest(f"'{key}' must be {expected}", param=key)
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None

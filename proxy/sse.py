@@ -1,0 +1,26 @@
+"""Server-sent events as OpenAI streams them: `data: <json>\\n\\n`, ending in `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+
+DONE = b"data: [DONE]\n\n"
+
+
+def encode(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def decode_data(event: bytes) -> dict | None:
+    """The JSON payload of one SSE event, or None for [DONE], comments and non-JSON data."""
+    data = [line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:")]
+    if not data:
+        return None
+    payload = b"\n".join(data)
+    if payload.strip() == b"[DONE]":
+        return None
+    try:
+        obj = json.loads(payload)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return obj if isinstance(obj, dict) else None

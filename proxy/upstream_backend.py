@@ -1,0 +1,153 @@
+"""Forward chat completions to any OpenAI-compatible server over httpx.
+
+Streams are passed through event by event as they arrive (never buffered
+whole); each event is also parsed so the turn can be recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import AsyncIterator
+
+import httpx
+
+from prefixtrace.errors import UpstreamError, UpstreamTimeout
+from proxy import sse
+from proxy.chat_request import ChatRequest
+from proxy.turn_builder import TurnBuilder
+
+# Headers that describe one hop, not the request; httpx sets its own.
+_HOP_HEADERS = {
+    "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
+    "upgrade", "proxy-authorization", "proxy-connection", "accept-encoding", "x-session-id",
+}
+
+
+@contextlib.contextmanager
+def map_httpx_errors(url: str):
+    """Translate httpx's exceptions into the prefixtrace tree, in one place."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise UpstreamTimeout(f"upstream {url} timed out: {type(exc).__name__}", upstream=url) from exc
+    except httpx.HTTPError as exc:
+        raise UpstreamError(f"upstream {url} is unreachable: {type(exc).__name__}: {exc}", upstream=url) from exc
+
+
+def normalize_base_url(url: str) -> str:
+    """Accept `http://h:p`, `http://h:p/` or `http://h:p/v1`; return the part before /v1."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+class UpstreamBackend:
+    def __init__(self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None, timeout: float = 600.0):
+        self.base_url = normalize_base_url(base_url)
+        self.client = httpx.AsyncClient(
+            base_url=self.base_url,
+            transport=transport,
+            timeout=httpx.Timeout(timeout, connect=10.0),
+        )
+
+    @property
+    def label(self) -> str:
+        return self.base_url
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def ready(self) -> bool:
+        try:
+            response = await self.client.get("/v1/models", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code < 500
+
+    async def models(self) -> dict:
+        with map_httpx_errors(self.base_url):
+            response = await self.client.get("/v1/models")
+        if response.status_code >= 400:
+            raise UpstreamError(f"upstream {self.base_url} answered {response.status_code} to /v1/models")
+        return response.json()
+
+    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]) -> "UpstreamChat":
+        body = dict(req.body)
+        if req.stream:
+            # Ask for usage so every turn can be recorded; the client only sees
+            # the usage chunk if it asked for it itself.
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        forward = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+        request = self.client.build_request("POST", "/v1/chat/completions", json=body, headers=forward)
+        with map_httpx_errors(self.base_url):
+            response = await self.client.send(request, stream=True)
+        return UpstreamChat(req, builder, response, self.base_url)
+
+
+class UpstreamChat:
+    def __init__(self, req: ChatRequest, builder: TurnBuilder, response: httpx.Response, url: str):
+        self.req = req
+        self.builder = builder
+        self.response = response
+        self.url = url
+        self.status = response.status_code
+        self.content_type = response.headers.get("content-type", "application/json")
+
+    @property
+    def streams_events(self) -> bool:
+        return self.status < 400 and self.content_type.startswith("text/event-stream")
+
+    def cancel(self) -> None:
+        pass  # closing the response (in `sse`'s finally) is what tells the upstream
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        event = bytearray()
+        try:
+            with map_httpx_errors(self.url):
+                async for line in self.response.aiter_lines():
+                    if line:
+                        event += line.encode() + b"\n"
+                        continue
+                    if event:
+                        out = self._pass(bytes(event) + b"\n")
+                        event.clear()
+                        if out:
+                            yield out
+                if event:
+                    out = self._pass(bytes(event) + b"\n")
+                    if out:
+                        yield out
+        finally:
+            await self.response.aclose()
+
+    def _pass(self, event: bytes) -> bytes | None:
+        chunk = sse.decode_data(event)
+        if chunk is None:
+            return event
+        self.builder.on_chunk(chunk)
+        if "error" in chunk and not chunk.get("choices"):
+            self.builder.turn.error = str(chunk["error"])
+        usage_only = not chunk.get("choices") and chunk.get("usage")
+        if usage_only and not self.req.include_usage:
+            return None
+        return event
+
+    async def whole(self) -> tuple[bytes, str]:
+        """The whole body (non-streamed requests and upstream errors), recorded as it passes."""
+        try:
+            with map_httpx_errors(self.url):
+                data = await self.response.aread()
+        finally:
+            await self.response.aclose()
+        try:
+            body = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        if isinstance(body, dict):
+            if self.status < 400:
+                self.builder.on_response(body)
+            else:
+                self.builder.turn.error = str(body.get("error", body))[:2000]
+        elif self.status >= 400:
+            self.builder.turn.error = data[:2000].decode(errors="replace")
+        return data, self.content_type
