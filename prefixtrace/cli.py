@@ -1,0 +1,106 @@
+"""The `prefixtrace` command: thin shells over library calls.
+
+Each command builds a library object, makes one call, and turns a
+`PrefixtraceError` into a `click.ClickException`; no SQL or model code here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from prefixtrace.errors import PrefixtraceError
+
+
+def _library_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PrefixtraceError as exc:
+            raise click.ClickException(exc.message) from exc
+
+    return wrapper
+
+
+@click.group()
+@click.version_option(package_name="prefixtrace")
+def cli():
+    """prefixtrace: a caching reverse proxy and prompt-stability analyzer for coding-agent traffic.
+
+    Serve an OpenAI-compatible endpoint (embedded MLX engine or any upstream),
+    record every turn to SQLite, and find where each prompt stopped extending
+    the previous one.
+
+    Example: prefixtrace serve && prefixtrace analyze prefixtrace.db
+    """
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind. Loopback unless you ask otherwise.")
+@click.option("--port", default=8765, show_default=True, type=int, help="Port to listen on.")
+@click.option("--db", default="prefixtrace.db", show_default=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="SQLite database that records every turn (relative to the current directory).")
+@click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="An mlx-lm model directory. Default: the bundled SmolLM2-135M-Instruct.")
+@click.option("--upstream", metavar="URL", help="Forward to this OpenAI-compatible server instead of the embedded engine.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
+              help="Activation dtype of the embedded engine. Default: the fastest measured on this platform.")
+@click.option("--cache-memory-gb", default=2.0, show_default=True, type=float, help="Byte budget of the in-memory prefix cache.")
+@click.option("--prefill-step-size", default=512, show_default=True, type=int, help="Tokens per prefill chunk.")
+@click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
+@_library_errors
+def serve(host, port, db, model, upstream, dtype, cache_memory_gb, prefill_step_size, log_level):
+    """Run the OpenAI-compatible proxy and record every turn.
+
+    Endpoints: POST /v1/chat/completions (streamed and not), GET /v1/models,
+    GET /health (200 once the model is loaded). Every response reports
+    usage.prompt_tokens_details.cached_tokens.
+
+    Example: prefixtrace serve --port 8765 --db traffic.db
+    """
+    from prefixtrace.serve import ServeConfig, serve as run_serve
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if upstream is None and sys.platform == "linux":
+        from engine.cpu_runtime import maybe_reexec_with_openblas
+
+        maybe_reexec_with_openblas(sys.argv)
+    if dtype is None and upstream is None:
+        from engine.cpu_runtime import default_dtype
+
+        dtype = default_dtype()
+    run_serve(ServeConfig(host=host, port=port, db=db, model=model, upstream=upstream, dtype=dtype,
+                          cache_memory_gb=cache_memory_gb, prefill_step_size=prefill_step_size, log_level=log_level))
+
+
+@cli.command()
+@click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Describe this mlx-lm model directory instead of the bundled default.")
+@_library_errors
+def models(model):
+    """List the model the embedded engine serves, converting the bundled default on first use.
+
+    Example: prefixtrace models
+    """
+    from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+
+    path = model or default_model_dir()
+    name = model.name if model else DEFAULT_MODEL_NAME
+    config = json.loads((path / "config.json").read_text())
+    click.echo(json.dumps({"name": name, "aliases": ["default"], "path": str(path),
+                           "model_type": config.get("model_type"),
+                           "context_length": config.get("max_position_embeddings")}, indent=2))
+
+
+def main():
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Build and run the proxy: backend (embedded engine or upstream) + recorder + uvicorn."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from engine.engine import Engine
+from proxy.app import create_app
+from proxy.engine_backend import EngineBackend
+from proxy.upstream_backend import UpstreamBackend
+from recorder.store import Recorder
+
+log = logging.getLogger("prefixtrace.serve")
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8765
+    db: Path = Path("prefixtrace.db")
+    model: Path | None = None  # None: the bundled default model
+    upstream: str | None = None
+    dtype: str | None = None
+    cache_memory_gb: float = 2.0
+    prefill_step_size: int = 512
+    log_level: str = "info"
+
+
+def build_backend(config: ServeConfig):
+    if config.upstream:
+        log.info("forwarding to upstream %s", config.upstream)
+        return UpstreamBackend(config.upstream)
+    if config.model is None:
+        from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+
+        model_dir, name = default_model_dir(), DEFAULT_MODEL_NAME
+    else:
+        model_dir, name = config.model, None
+    engine = Engine(
+        model_dir,
+        name=name,
+        dtype=config.dtype,
+        cache_bytes=int(config.cache_memory_gb * (1 << 30)),
+        prefill_step_size=config.prefill_step_size,
+    ).start()
+    log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
+    return EngineBackend(engine)
+
+
+def serve(config: ServeConfig) -> None:
+    backend = build_backend(config)
+    with Recorder(config.db) as recorder:
+        log.info("recording to %s", config.db.resolve())
+        app = create_app(backend, recorder)
+        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+        if isinstance(backend, EngineBackend):
+            backend.engine.shutdown()

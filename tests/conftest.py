@@ -1,0 +1,75 @@
+"""Shared fixtures: the tiny model, a real uvicorn server on 127.0.0.1, the openai client."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from engine.engine import Engine
+from proxy.app import create_app
+from proxy.engine_backend import EngineBackend
+from recorder.store import Recorder
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_MODEL = ROOT / "fixtures" / "tiny-llama"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(app):
+    """Run `app` under a real uvicorn server on a random loopback port."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture
+def tiny_engine():
+    """A fresh engine (and so an empty prefix cache) per test; loading takes milliseconds."""
+    engine = Engine(TINY_MODEL, name="tiny-llama", dtype="float32").start()
+    engine.wait_ready(60)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def recorder(tmp_path):
+    with Recorder(tmp_path / "traffic.db") as rec:
+        yield rec
+
+
+@pytest.fixture
+def engine_server(tiny_engine, recorder):
+    """A real proxy with the embedded tiny engine; yields (base_url, recorder)."""
+    with running_server(create_app(EngineBackend(tiny_engine), recorder)) as url:
+        yield url, recorder
+
+
+@pytest.fixture
+def openai_client(engine_server):
+    from openai import OpenAI
+
+    url, _ = engine_server
+    return OpenAI(base_url=url + "/v1", api_key="sk-test-secret-0123456789abcdef", max_retries=0, timeout=60)
