@@ -68,6 +68,8 @@ class Engine:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="prefixtrace-engine", daemon=True)
+        # Written by the engine thread only; read anywhere (ints are atomic to read).
+        self.stats = {"requests": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
 
     # --- lifecycle (any thread) -------------------------------------------------
 
@@ -202,6 +204,7 @@ class Engine:
             self._keep(seq, cache)
         end = time.perf_counter()
         first = first_token_at or end
+        self._count(seq, finish)
         seq.emit(
             Finished(
                 finish,
@@ -212,6 +215,13 @@ class Engine:
                 decode_s=end - first,
             )
         )
+
+    def _count(self, seq: Sequence, finish: str) -> None:
+        self.stats["requests"] += 1
+        self.stats["cancelled"] += finish == "cancelled"
+        self.stats["prompt_tokens"] += seq.num_prompt_tokens
+        self.stats["cached_tokens"] += seq.num_cached_tokens
+        self.stats["generated_tokens"] += seq.num_completion_tokens
 
     def _keep(self, seq: Sequence, cache) -> None:
         """Store what was computed (also for a cancelled or failed run) for later prefixes."""

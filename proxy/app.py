@@ -105,17 +105,28 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
 
 
 async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):
-    error = None
+    recorded = False
+
+    def record(error: str | None = None) -> None:
+        nonlocal recorded
+        if not recorded:
+            recorded = True
+            recorder.record(builder.finish(chat.status, error))
+
     try:
         async for event in chat.sse():
+            if event == sse.DONE:
+                # Record before the client can see the end of the stream, so a
+                # client that reads [DONE] can rely on the turn being queued.
+                record()
             yield event
     except PrefixtraceError as exc:  # failed after the headers went out: tell the client in-band
-        error = exc.message
+        record(exc.message)
         yield sse.encode(to_openai_error(exc))
         yield sse.DONE
     except (asyncio.CancelledError, GeneratorExit):
-        error = "client disconnected"
         chat.cancel()
+        record("client disconnected")
         raise
     finally:
-        recorder.record(builder.finish(chat.status, error))
+        record()
