@@ -1,0 +1,212 @@
+"""JSONL import/export of recorded turns (format: docs/FORMATS.md).
+
+Import is all-or-nothing: the whole file is parsed and validated first, and
+only then written in a single transaction, so a bad line 900 never leaves lines
+1-899 half-imported. Re-importing the same file is idempotent (rows are keyed
+by request id; bare request lines get an id derived from their content and
+line number).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from prefixtrace.errors import InvalidRequest
+from recorder.reader import iter_turns
+from recorder.redact import Redactor
+from recorder.schema import open_db, write_turns
+from recorder.turn import Turn
+
+DEFAULT_ENDPOINT = "/v1/chat/completions"
+DEFAULT_UPSTREAM = "import"
+# Bare lines carry no time; they are spaced this far apart after `base_ts` so
+# that ordering by time keeps file order.
+BARE_LINE_SPACING_S = 0.001
+
+
+def turn_to_record(turn: Turn) -> dict[str, Any]:
+    """The wrapped JSONL object for one turn. Every key is always present, so
+    export -> import -> export is byte-identical."""
+    return {
+        "id": turn.request_id,
+        "session": turn.session_id,
+        "ts": turn.started_at,
+        "endpoint": turn.endpoint,
+        "upstream": turn.upstream,
+        "client": turn.client_addr,
+        "stream": turn.stream,
+        "request": turn.request_body,
+        "request_headers": turn.request_headers,
+        "response": {
+            "status": turn.status,
+            "error": turn.error,
+            "text": turn.response_text,
+            "reasoning": turn.reasoning_text,
+            "tool_calls": turn.tool_calls,
+            "finish_reason": turn.finish_reason,
+        },
+        "usage": turn.usage,
+        "tokens": {
+            "prompt": turn.prompt_tokens,
+            "completion": turn.completion_tokens,
+            "cached": turn.cached_tokens,
+        },
+        "timing": {"ttft_s": turn.ttft_s, "total_s": turn.total_s, "chunk_times": turn.chunk_times},
+        "render": turn.render,
+    }
+
+
+def export_jsonl(db_path: str | Path, out: str | Path | IO[str], session: str | None = None) -> int:
+    """Writes one line per stored turn (ordered by time) to `out`, a path or
+    an open text file. Returns the number of lines written."""
+    turns = iter_turns(db_path, session=session)
+    if hasattr(out, "write"):
+        return _write(turns, out)
+    with open(out, "w", encoding="utf-8") as fh:
+        return _write(turns, fh)
+
+
+def _write(turns: Iterator[Turn], fh: IO[str]) -> int:
+    n = 0
+    for turn in turns:
+        fh.write(json.dumps(turn_to_record(turn), ensure_ascii=False) + "\n")
+        n += 1
+    return n
+
+
+def import_jsonl(
+    path: str | Path,
+    db_path: str | Path,
+    *,
+    base_ts: float | None = None,
+    redact_patterns: list[str] | None = None,
+) -> int:
+    """Imports a JSONL file into the database at `db_path` (created if
+    missing). All lines or none; returns the number of turns imported.
+
+    Raises `InvalidRequest` naming the first bad line.
+    """
+    turns = read_jsonl(path, base_ts=base_ts)
+    db = open_db(db_path)
+    try:
+        write_turns(db, turns, Redactor(redact_patterns))
+    finally:
+        db.close()
+    return len(turns)
+
+
+def read_jsonl(path: str | Path, *, base_ts: float | None = None) -> list[Turn]:
+    """Parses a JSONL file into Turns without touching any database (the
+    analyzer uses this to analyse a file directly). Blank lines are skipped."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"cannot read {p}: {exc}") from exc
+    base = time.time() if base_ts is None else base_ts
+    turns = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(f"{p}:{lineno}: not valid JSON: {exc.msg}", line=lineno) from exc
+        try:
+            turns.append(record_to_turn(obj, lineno=lineno, base_ts=base, source=p.name))
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{p}:{lineno}: {exc.message}", line=lineno) from exc
+    return turns
+
+
+def _derived_id(source: str, lineno: int, obj: Any) -> str:
+    digest = hashlib.sha256(f"{source}\0{lineno}\0".encode() + json.dumps(obj, sort_keys=True).encode())
+    return f"import-{digest.hexdigest()[:16]}"
+
+
+def _get(obj: dict, key: str, types: tuple[type, ...], default: Any = None) -> Any:
+    value = obj.get(key, default)
+    if value is not None and not isinstance(value, types):
+        raise InvalidRequest(f"{key!r} must be {' or '.join(t.__name__ for t in types)}, got {type(value).__name__}")
+    return value
+
+
+def _int(obj: dict, key: str) -> int | None:
+    value = obj.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise InvalidRequest(f"{key!r} must be an integer or null, got {value!r}")
+    return value
+
+
+def _usage_counts(usage: dict | None) -> tuple[int | None, int | None, int | None]:
+    # Only used when a line has no "tokens" block (hand-written or third-party
+    # files). Missing cached count stays None: unknown is not zero.
+    if not usage:
+        return None, None, None
+    details = usage.get("prompt_tokens_details") or {}
+    cached = _int(details, "cached_tokens") if isinstance(details, dict) else None
+    return _int(usage, "prompt_tokens"), _int(usage, "completion_tokens"), cached
+
+
+def record_to_turn(obj: Any, *, lineno: int = 0, base_ts: float = 0.0, source: str = "") -> Turn:
+    """One JSONL object (wrapped form, or a bare chat-completions request
+    body) as a Turn."""
+    if not isinstance(obj, dict):
+        raise InvalidRequest(f"expected a JSON object, got {type(obj).__name__}")
+    if "request" not in obj:
+        if not isinstance(obj.get("messages"), list):
+            raise InvalidRequest('expected a wrapped turn (with "request") or a request body (with "messages")')
+        return Turn(
+            request_id=_derived_id(source, lineno, obj),
+            started_at=base_ts + lineno * BARE_LINE_SPACING_S,
+            endpoint=DEFAULT_ENDPOINT,
+            upstream=DEFAULT_UPSTREAM,
+            request_body=obj,
+            stream=bool(obj.get("stream", False)),
+        )
+
+    request = obj["request"]
+    if not isinstance(request, (dict, str)):
+        raise InvalidRequest(f'"request" must be an object (or raw text), got {type(request).__name__}')
+    response = _get(obj, "response", (dict,)) or {}
+    tokens = _get(obj, "tokens", (dict,))
+    timing = _get(obj, "timing", (dict,)) or {}
+    usage = _get(obj, "usage", (dict,))
+    ts = _get(obj, "ts", (int, float))
+    if isinstance(ts, bool):
+        raise InvalidRequest('"ts" must be a number')
+    if tokens is not None:
+        counts = (_int(tokens, "prompt"), _int(tokens, "completion"), _int(tokens, "cached"))
+    else:
+        counts = _usage_counts(usage)
+    chunk_times = _get(timing, "chunk_times", (list,)) or []
+    return Turn(
+        request_id=_get(obj, "id", (str,)) or _derived_id(source, lineno, obj),
+        started_at=float(ts) if ts is not None else base_ts + lineno * BARE_LINE_SPACING_S,
+        endpoint=_get(obj, "endpoint", (str,)) or DEFAULT_ENDPOINT,
+        upstream=_get(obj, "upstream", (str,)) or DEFAULT_UPSTREAM,
+        request_body=request,
+        request_headers=_get(obj, "request_headers", (dict,)) or {},
+        session_id=_get(obj, "session", (str,)),
+        client_addr=_get(obj, "client", (str,)),
+        stream=bool(_get(obj, "stream", (bool,), False)),
+        status=_int(response, "status") or 0,
+        error=_get(response, "error", (str,)),
+        response_text=_get(response, "text", (str,)) or "",
+        reasoning_text=_get(response, "reasoning", (str,)) or "",
+        tool_calls=_get(response, "tool_calls", (list,)),
+        finish_reason=_get(response, "finish_reason", (str,)),
+        prompt_tokens=counts[0],
+        completion_tokens=counts[1],
+        cached_tokens=counts[2],
+        usage=usage,
+        ttft_s=_get(timing, "ttft_s", (int, float)),
+        total_s=_get(timing, "total_s", (int, float)),
+        chunk_times=chunk_times,
+        render=_get(obj, "render", (dict,)),
+    )

@@ -1,0 +1,73 @@
+"""Read-side API over a recorder database, for the analyzer and the CLI.
+
+Readers open their own connection; WAL mode lets them run while a `Recorder`
+is writing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from recorder.schema import open_db, row_to_turn
+from recorder.turn import Turn
+
+
+def iter_turns(db_path: str | Path, session: str | None = None) -> Iterator[Turn]:
+    """Yields stored turns ordered by `started_at` (then request_id, so ties
+    are stable). With `session`, only turns recorded with that session_id."""
+    # Opened eagerly (not inside the generator) so a missing or foreign file
+    # fails at the call, not at the first next().
+    db = open_db(db_path, create=False)
+    return _iter_rows(db, session)
+
+
+def _iter_rows(db, session: str | None) -> Iterator[Turn]:
+    try:
+        where, params = ("session_id = ?", [session]) if session is not None else (None, None)
+        for row in db["turns"].rows_where(where, params, order_by="started_at, request_id"):
+            yield row_to_turn(row)
+    finally:
+        db.close()
+
+
+def _iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def db_info(db_path: str | Path) -> dict[str, Any]:
+    """Summary of a recorder database.
+
+    Keys: path, schema_version, turns, sessions (distinct explicit
+    session_ids), unlabelled_turns (no session_id: grouped by inference at
+    analysis time), size_bytes (main file plus WAL), first_ts / last_ts (unix
+    seconds or None) and first / last (ISO 8601 UTC).
+    """
+    p = Path(db_path)
+    db = open_db(p, create=False)
+    try:
+        version = int(db["meta"].get("schema_version")["value"])
+        turns, sessions, unlabelled, first, last = db.execute(
+            "select count(*), count(distinct session_id), sum(session_id is null),"
+            " min(started_at), max(started_at) from turns"
+        ).fetchone()
+    finally:
+        db.close()
+    size = sum(os.path.getsize(f) for f in (p, Path(f"{p}-wal")) if f.exists())
+    return {
+        "path": str(p),
+        "schema_version": version,
+        "turns": turns,
+        "sessions": sessions,
+        "unlabelled_turns": unlabelled or 0,
+        "size_bytes": size,
+        "first_ts": first,
+        "last_ts": last,
+        "first": _iso(first),
+        "last": _iso(last),
+    }

@@ -1,0 +1,163 @@
+"""`Recorder`: writes Turns to SQLite off the response path.
+
+The proxy calls `record(turn)` from its event loop, so `record` must never do
+I/O. It only puts the turn on a bounded queue; one writer thread owns the
+SQLite connection (sqlite connections are not shared across threads) and
+commits each turn in its own transaction as soon as it is dequeued, so a
+`kill -9` loses at most the turns still queued, never a written one.
+
+A full queue makes `record` block rather than drop: losing turns silently
+would make the analysis lie, and a full queue means the disk is far behind,
+which back-pressure surfaces. Size the queue so this never happens in normal
+operation (the default holds 10,000 turns).
+
+Ownership: after `record(turn)` the recorder owns `turn`; the caller must not
+mutate it (it is serialised later, on the writer thread).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from prefixtrace.errors import RecorderError
+from recorder.redact import Redactor
+from recorder.schema import open_db, write_turns
+from recorder.turn import Turn
+
+_STOP = object()
+
+
+class Recorder:
+    """Records Turns into the SQLite database at `path` (created if missing).
+
+    Args:
+        path: database file.
+        max_queue: turns that may wait for the writer before `record` blocks.
+        redact_patterns: regexes for secret-shaped strings; None = defaults.
+        tracer: `callable(sql, params)` called for every query the writer runs.
+
+    Example::
+
+        with Recorder("traffic.db") as rec:
+            rec.record(turn)
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        max_queue: int = 10_000,
+        redact_patterns: Iterable[str] | None = None,
+        tracer: Callable | None = None,
+    ):
+        if max_queue < 1:
+            raise RecorderError(f"max_queue must be >= 1, got {max_queue}")
+        self.path = Path(path)
+        self._redactor = Redactor(redact_patterns)
+        self._tracer = tracer
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        # Progress counters, guarded by `_cond`: flush() waits for `_done` to
+        # reach the `_enqueued` value it saw, so turns recorded after the flush
+        # began do not extend it.
+        self._cond = threading.Condition()
+        self._enqueued = 0
+        self._done = 0
+        self._errors: list[BaseException] = []
+        self._closed = False
+        self._ready = threading.Event()
+        self._open_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="prefixtrace-recorder", daemon=True)
+        self._thread.start()
+        # Open (and migrate) synchronously so a bad path fails here, at start-up,
+        # rather than silently on the writer thread.
+        self._ready.wait()
+        if self._open_error is not None:
+            raise self._open_error
+
+    # -- public API ---------------------------------------------------------
+
+    def record(self, turn: Turn) -> None:
+        """Enqueues `turn` and returns; blocks only while the queue is full."""
+        if not isinstance(turn, Turn):
+            raise RecorderError(f"record() takes a Turn, got {type(turn).__name__}")
+        with self._cond:
+            if self._closed:
+                raise RecorderError("recorder is closed")
+            self._enqueued += 1
+        self._queue.put(turn)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every turn recorded so far is written.
+
+        Returns False if `timeout` expired first. Raises `RecorderError` if any
+        write failed since the last flush (the failed turns are lost; the
+        writer keeps going with the rest).
+        """
+        with self._cond:
+            target = self._enqueued
+            self._cond.wait_for(lambda: self._done >= target or not self._thread.is_alive(), timeout)
+            flushed = self._done >= target
+            errors, self._errors = self._errors, []
+        if errors:
+            raise RecorderError(
+                f"{len(errors)} turn(s) could not be written: {errors[0]}", failed=len(errors)
+            ) from errors[0]
+        return flushed
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flushes, then stops the writer thread. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+        with self._cond:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise RecorderError(
+                f"{len(errors)} turn(s) could not be written: {errors[0]}", failed=len(errors)
+            ) from errors[0]
+
+    @property
+    def pending(self) -> int:
+        """Turns recorded but not yet written."""
+        with self._cond:
+            return self._enqueued - self._done
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- writer thread --------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            db = open_db(self.path, tracer=self._tracer)
+        except BaseException as exc:  # reported to the constructor
+            self._open_error = exc if isinstance(exc, RecorderError) else RecorderError(str(exc))
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while True:
+                item = self._queue.get()
+                if item is _STOP:
+                    return
+                try:
+                    write_turns(db, [item], self._redactor)
+                except Exception as exc:  # keep recording the rest; flush() reports it
+                    with self._cond:
+                        self._errors.append(exc)
+                with self._cond:
+                    self._done += 1
+                    self._cond.notify_all()
+        finally:
+            db.close()
+            with self._cond:
+                self._cond.notify_all()

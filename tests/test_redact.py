@@ -1,0 +1,101 @@
+import json
+import sqlite3
+
+import pytest
+
+from prefixtrace.errors import InvalidRequest
+from recorder import REDACTED, Recorder, Redactor, Turn, iter_turns
+
+OPENAI_KEY = "sk-proj-AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"
+ANTHROPIC_KEY = "sk-ant-api03-ZyXwVuTsRqPoNmLkJiHgFeDcBa9876543210"
+AWS_KEY = "AKIAIOSFODNN7EXAMPLE"
+BEARER = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N"
+COOKIE = "sessionid=c00kiev4lue-very-private"
+
+
+def test_credential_headers_dropped_case_insensitively():
+    headers = {
+        "Authorization": f"Bearer {OPENAI_KEY}",
+        "PROXY-AUTHORIZATION": "Basic Zm9vOmJhcg==",
+        "X-Api-Key": ANTHROPIC_KEY,
+        "api-key": "azure-key-value",
+        "Cookie": COOKIE,
+        "Set-Cookie": COOKIE,
+        "Content-Type": "application/json",
+        "X-Custom": f"token {OPENAI_KEY}",
+    }
+    assert Redactor().headers(headers) == {"Content-Type": "application/json", "X-Custom": f"token {REDACTED}"}
+
+
+def test_default_patterns():
+    r = Redactor()
+    assert r.text(f"key={OPENAI_KEY}.") == f"key={REDACTED}."
+    assert r.text(ANTHROPIC_KEY) == REDACTED
+    assert r.text(f"aws {AWS_KEY} done") == f"aws {REDACTED} done"
+    assert r.text(f"Authorization: Bearer {BEARER}") == f"Authorization: {REDACTED}"
+
+
+def test_prose_is_not_redacted():
+    text = "Bearer tokens are explained in sk-learn docs; AKIA is a prefix."
+    assert Redactor().text(text) == text
+
+
+def test_nested_values_and_keys_are_redacted():
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": f"use {OPENAI_KEY}"}]}], OPENAI_KEY: 1}
+    out = Redactor().value(body)
+    assert OPENAI_KEY not in json.dumps(out)
+    assert out["messages"][0]["content"][0]["text"] == f"use {REDACTED}"
+
+
+def test_custom_patterns_replace_defaults():
+    r = Redactor([r"ghp_[A-Za-z0-9]{10,}"])
+    assert r.text("ghp_abcdefghijklmnop and " + OPENAI_KEY) == f"{REDACTED} and {OPENAI_KEY}"
+
+
+def test_bad_pattern_raises_invalid_request():
+    with pytest.raises(InvalidRequest, match="redaction pattern"):
+        Redactor(["(unclosed"])
+
+
+def test_secrets_never_reach_the_db_file(tmp_path):
+    db = tmp_path / "t.db"
+    secrets = [OPENAI_KEY, ANTHROPIC_KEY, AWS_KEY, BEARER, COOKIE, "azure-key-value"]
+    turn = Turn(
+        request_id="r1",
+        started_at=1.0,
+        endpoint="/v1/chat/completions",
+        upstream="u",
+        request_body={
+            "model": "m",
+            "messages": [{"role": "user", "content": f"deploy with {OPENAI_KEY} and {AWS_KEY}, Bearer {BEARER}"}],
+        },
+        request_headers={
+            "authorization": f"Bearer {OPENAI_KEY}",
+            "x-api-key": ANTHROPIC_KEY,
+            "Api-Key": "azure-key-value",
+            "cookie": COOKIE,
+        },
+        response_text=f"I will use {ANTHROPIC_KEY}",
+        tool_calls=[{"function": {"name": "sh", "arguments": json.dumps({"env": AWS_KEY})}}],
+        error=f"upstream said: bad key {OPENAI_KEY}",
+    )
+    rec = Recorder(db)
+    rec.record(turn)
+    rec.flush()
+
+    def raw_bytes() -> bytes:
+        return b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("t.db"))
+
+    assert (tmp_path / "t.db-wal").exists()
+    data = raw_bytes()  # main file + -wal while the writer is still open
+    for secret in secrets:
+        assert secret.encode() not in data, secret
+    rec.close()
+    data = raw_bytes()  # after the checkpoint into the main file
+    for secret in secrets:
+        assert secret.encode() not in data, secret
+
+    headers = sqlite3.connect(db).execute("select request_headers from turns").fetchone()[0]
+    assert json.loads(headers) == {}
+    (stored,) = iter_turns(db)
+    assert REDACTED in stored.request_body["messages"][0]["content"]
