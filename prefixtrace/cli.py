@@ -6,7 +6,6 @@ Each command builds a library object, makes one call, and turns a
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import sys
@@ -14,18 +13,8 @@ from pathlib import Path
 
 import click
 
-from prefixtrace.errors import PrefixtraceError
-
-
-def _library_errors(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except PrefixtraceError as exc:
-            raise click.ClickException(exc.message) from exc
-
-    return wrapper
+from prefixtrace import cli_analyze, cli_recorder
+from prefixtrace.cli_common import library_errors as _library_errors
 
 
 @click.group()
@@ -96,6 +85,10 @@ def models(model):
     click.echo(json.dumps({"name": name, "aliases": ["default"], "path": str(path),
                            "model_type": config.get("model_type"),
                            "context_length": config.get("max_position_embeddings")}, indent=2))
+
+
+for _command in (cli_analyze.analyze, cli_analyze.check, *cli_recorder.COMMANDS):
+    cli.add_command(_command)
 
 
 def main():

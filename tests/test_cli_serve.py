@@ -1,0 +1,78 @@
+"""`prefixtrace serve` as a user runs it: a subprocess, from another working directory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, TINY_MODEL, free_port
+
+
+@contextmanager
+def serve_process(args: list[str], cwd: Path, env: dict | None = None, ready_timeout: float = 120):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixtrace.cli", "serve", "--port", str(port), *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"serve exited early:\n{proc.stdout.read()}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError("serve did not become healthy")
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_serve_records_a_turn_in_the_working_directory(tmp_path):
+    with serve_process(["--model", str(TINY_MODEL)], cwd=tmp_path) as (url, proc):
+        r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       json={"model": "default", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    output = proc.stdout.read()
+    db = tmp_path / "prefixtrace.db"
+    assert db.exists(), output
+    con = sqlite3.connect(db)
+    assert con.execute("select count(*), max(status) from turns").fetchone() == (1, 200)
+
+
+def test_serve_binds_loopback_by_default(tmp_path):
+    with serve_process(["--model", str(TINY_MODEL)], cwd=tmp_path) as (url, _):
+        assert url.startswith("http://127.0.0.1:")
+        # nothing listens on the machine's other addresses
+        import socket
+
+        hostname_ip = socket.gethostbyname(socket.gethostname())
+        if hostname_ip.startswith("127."):
+            pytest.skip("no non-loopback address to probe")
+        port = int(url.rsplit(":", 1)[1])
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://{hostname_ip}:{port}/health", timeout=2)
