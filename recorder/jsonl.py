@@ -19,7 +19,9 @@ from typing import IO, Any
 from prefixtrace.errors import InvalidRequest
 from recorder.reader import iter_turns
 from recorder.redact import Redactor
-from recorder.schema import open_db, write_turns
+from recorder.bodies import scan_object
+from recorder.rows import write_turns
+from recorder.schema import open_db
 from recorder.turn import Turn
 
 DEFAULT_ENDPOINT = "/v1/chat/completions"
@@ -61,6 +63,26 @@ def turn_to_record(turn: Turn) -> dict[str, Any]:
     }
 
 
+def record_line(turn: Turn) -> str:
+    """One exported line (no newline). The request body is written as the
+    exact text that was stored, so a body's own spelling (key order, spacing,
+    escapes) survives export. A body whose text spans lines (pretty-printed)
+    cannot sit in a JSONL line as is: it goes in as parsed JSON, and its exact
+    text rides along in an extra `request_raw` key."""
+    record = turn_to_record(turn)
+    raw = turn.request_raw if not isinstance(turn.request_body, str) else None
+    if raw is None:
+        return json.dumps(record, ensure_ascii=False)
+    if "\n" in raw or "\r" in raw:
+        record["request_raw"] = raw
+        return json.dumps(record, ensure_ascii=False)
+    keys = list(record)
+    cut = keys.index("request")
+    before = json.dumps({k: record[k] for k in keys[:cut]}, ensure_ascii=False)
+    after = json.dumps({k: record[k] for k in keys[cut + 1 :]}, ensure_ascii=False)
+    return f"{before[:-1]}, \"request\": {raw}, {after[1:]}"
+
+
 def export_jsonl(db_path: str | Path, out: str | Path | IO[str], session: str | None = None) -> int:
     """Writes one line per stored turn (ordered by time) to `out`, a path or
     an open text file. Returns the number of lines written."""
@@ -74,7 +96,7 @@ def export_jsonl(db_path: str | Path, out: str | Path | IO[str], session: str | 
 def _write(turns: Iterator[Turn], fh: IO[str]) -> int:
     n = 0
     for turn in turns:
-        fh.write(json.dumps(turn_to_record(turn), ensure_ascii=False) + "\n")
+        fh.write(record_line(turn) + "\n")
         n += 1
     return n
 
@@ -118,10 +140,31 @@ def read_jsonl(path: str | Path, *, base_ts: float | None = None) -> list[Turn]:
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"{p}:{lineno}: not valid JSON: {exc.msg}", line=lineno) from exc
         try:
-            turns.append(record_to_turn(obj, lineno=lineno, base_ts=base, source=p.name))
+            turn = record_to_turn(obj, lineno=lineno, base_ts=base, source=p.name)
         except InvalidRequest as exc:
             raise InvalidRequest(f"{p}:{lineno}: {exc.message}", line=lineno) from exc
+        turn.request_raw = _raw_request(line, obj)
+        turns.append(turn)
     return turns
+
+
+def _raw_request(line: str, obj: Any) -> str | None:
+    """The request body's exact text inside `line`, kept so the database
+    stores the body byte for byte (the recorder checks it against the parsed
+    body before trusting it)."""
+    if not isinstance(obj, dict):
+        return None
+    if "request" not in obj:  # a bare body: the line is the body
+        return line.strip(" \t\r\n")
+    if isinstance(obj.get("request_raw"), str):
+        return obj["request_raw"]
+    if not isinstance(obj["request"], dict):
+        return None
+    scanned = scan_object(line.strip(" \t\r\n"))
+    if scanned is None:
+        return None
+    start, end = scanned[1]["request"]
+    return line.strip(" \t\r\n")[start:end]
 
 
 def _derived_id(source: str, lineno: int, obj: Any) -> str:

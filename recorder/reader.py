@@ -12,7 +12,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from recorder.schema import open_db, row_to_turn
+from recorder.rows import BodyStore, row_to_turn
+from recorder.schema import open_db
 from recorder.turn import Turn
 
 
@@ -27,9 +28,10 @@ def iter_turns(db_path: str | Path, session: str | None = None) -> Iterator[Turn
 
 def _iter_rows(db, session: str | None) -> Iterator[Turn]:
     try:
+        bodies = BodyStore(db)
         where, params = ("session_id = ?", [session]) if session is not None else (None, None)
-        for row in db["turns"].rows_where(where, params, order_by="started_at, request_id"):
-            yield row_to_turn(row)
+        for row in db["turn_log"].rows_where(where, params, order_by="started_at, request_id"):
+            yield row_to_turn(row, bodies)
     finally:
         db.close()
 
@@ -46,7 +48,9 @@ def db_info(db_path: str | Path) -> dict[str, Any]:
     Keys: path, schema_version, turns, sessions (distinct explicit
     session_ids), unlabelled_turns (no session_id: grouped by inference at
     analysis time), size_bytes (main file plus WAL), first_ts / last_ts (unix
-    seconds or None) and first / last (ISO 8601 UTC).
+    seconds or None), first / last (ISO 8601 UTC), unique_messages and
+    unique_message_bytes (the content-addressed store) and message_refs (how
+    many messages all stored requests list: what raw bodies would repeat).
     """
     p = Path(db_path)
     db = open_db(p, create=False)
@@ -54,8 +58,15 @@ def db_info(db_path: str | Path) -> dict[str, Any]:
         version = int(db["meta"].get("schema_version")["value"])
         turns, sessions, unlabelled, first, last = db.execute(
             "select count(*), count(distinct session_id), sum(session_id is null),"
-            " min(started_at), max(started_at) from turns"
+            " min(started_at), max(started_at) from turn_log"
         ).fetchone()
+        messages, message_bytes = db.execute("select count(*), coalesce(sum(length(cast(body as blob))), 0)"
+                                             " from messages").fetchone()
+        refs = db.execute(
+            "with recursive depth(id, n) as (select id, 1 from prefixes where parent = 0 union all"
+            " select p.id, depth.n + 1 from prefixes p join depth on p.parent = depth.id)"
+            " select coalesce(sum(depth.n), 0) from turn_log t join depth on depth.id = t.body_prefix"
+        ).fetchone()[0]
     finally:
         db.close()
     size = sum(os.path.getsize(f) for f in (p, Path(f"{p}-wal")) if f.exists())
@@ -70,4 +81,7 @@ def db_info(db_path: str | Path) -> dict[str, Any]:
         "last_ts": last,
         "first": _iso(first),
         "last": _iso(last),
+        "unique_messages": messages,
+        "unique_message_bytes": message_bytes,
+        "message_refs": refs,
     }

@@ -1,10 +1,20 @@
-"""The recorder's SQLite schema, its migrations, and Turn <-> row conversion.
+"""The recorder's SQLite schema and its migrations.
 
 The schema is versioned: `meta.schema_version` says how many entries of
 `MIGRATIONS` have been applied. To change the schema, append a function to
 `MIGRATIONS`; never edit an existing one (databases in the field already ran
 it). Opening a database written by a newer prefixtrace fails loudly instead of
 guessing.
+
+Layout since version 2 (docs/FORMATS.md has the columns):
+
+    messages   one row per distinct message text, addressed by its hash
+    body_parts one row per distinct body head / tail (everything but the messages)
+    prefixes   one row per distinct message-list prefix: (parent prefix, message)
+    turn_log   one row per turn: metadata, response, and the request body as
+               head + messages of prefix `body_prefix` joined by `body_sep` + tail
+    turns      a view with the version-1 columns, `request_body` rebuilt in SQL,
+               so ad-hoc queries and older scripts keep working
 """
 
 from __future__ import annotations
@@ -12,15 +22,23 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Callable
-from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
 import sqlite_utils
 
 from prefixtrace.errors import RecorderError
-from recorder.redact import DEFAULT_REDACTOR, Redactor
-from recorder.turn import Turn
+
+# Metadata columns shared by v1 `turns` and v2 `turn_log`, in v1 order.
+META_COLUMNS = (
+    "request_id", "started_at", "session_id", "endpoint", "upstream", "client_addr", "stream",
+    "status", "error", "model",
+)
+RESULT_COLUMNS = (
+    "request_headers", "response_text", "reasoning_text", "tool_calls", "finish_reason",
+    "prompt_tokens", "completion_tokens", "cached_tokens", "usage", "ttft_s", "total_s",
+    "chunk_times", "render",
+)
+BODY_COLUMNS = ("body_json", "body_head", "body_sep", "body_tail", "body_prefix")
 
 
 def _m001_initial(db: sqlite_utils.Database) -> None:
@@ -58,10 +76,61 @@ def _m001_initial(db: sqlite_utils.Database) -> None:
     db["turns"].create_index(["started_at"], index_name="idx_turns_started")
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m001_initial]
-SCHEMA_VERSION = len(MIGRATIONS)
+# The request body rebuilt from its parts, for the `turns` view. The recursive
+# walk goes from the turn's prefix up to the root; ordering by depth descending
+# puts the messages back in request order. Library code rebuilds bodies in
+# Python (`recorder.rows.BodyStore`) and does not depend on group_concat's order.
+_VIEW_BODY = """
+CASE WHEN t.body_prefix IS NULL THEN (
+  SELECT CASE WHEN t.body_json THEN b.body ELSE json_quote(b.body) END FROM body_parts b WHERE b.id = t.body_head)
+ELSE (SELECT b.body FROM body_parts b WHERE b.id = t.body_head) || (
+  WITH RECURSIVE walk(id, depth) AS (
+    SELECT t.body_prefix, 0
+    UNION ALL SELECT p.parent, walk.depth + 1 FROM walk JOIN prefixes p ON p.id = walk.id WHERE p.parent != 0)
+  SELECT group_concat(body, t.body_sep) FROM (
+    SELECT m.body AS body FROM walk JOIN prefixes p ON p.id = walk.id
+    JOIN messages m ON m.id = p.message_id ORDER BY walk.depth DESC)
+) || (SELECT b.body FROM body_parts b WHERE b.id = t.body_tail) END
+"""
 
-JSON_COLUMNS = ("request_body", "request_headers", "tool_calls", "usage", "chunk_times", "render")
+
+def _m002_content_addressed(db: sqlite_utils.Database) -> None:
+    # Imported here: the body codec lives with the row code, which imports this module.
+    from recorder.rows import BodyStore
+
+    db.execute("CREATE TABLE messages (id INTEGER PRIMARY KEY, hash BLOB NOT NULL UNIQUE, body TEXT NOT NULL)")
+    db.execute("CREATE TABLE body_parts (id INTEGER PRIMARY KEY, hash BLOB NOT NULL UNIQUE, body TEXT NOT NULL)")
+    db.execute(
+        "CREATE TABLE prefixes (id INTEGER PRIMARY KEY, parent INTEGER NOT NULL, message_id INTEGER NOT NULL,"
+        " UNIQUE (parent, message_id))"
+    )
+    db.execute(
+        "CREATE TABLE turn_log (request_id TEXT PRIMARY KEY NOT NULL, started_at REAL NOT NULL, session_id TEXT,"
+        " endpoint TEXT NOT NULL, upstream TEXT NOT NULL, client_addr TEXT, stream INTEGER, status INTEGER,"
+        " error TEXT, model TEXT, body_json INTEGER NOT NULL, body_head INTEGER NOT NULL, body_sep TEXT,"
+        " body_tail INTEGER, body_prefix INTEGER, request_headers TEXT, response_text TEXT, reasoning_text TEXT,"
+        " tool_calls TEXT, finish_reason TEXT, prompt_tokens INTEGER, completion_tokens INTEGER,"
+        " cached_tokens INTEGER, usage TEXT, ttft_s REAL, total_s REAL, chunk_times TEXT, render TEXT)"
+    )
+    bodies = BodyStore(db)
+    columns = META_COLUMNS + RESULT_COLUMNS
+    for row in db.query("SELECT * FROM turns"):
+        value = json.loads(row["request_body"]) if row["request_body"] is not None else ""
+        if isinstance(value, str):  # v1 kept a body that was not JSON as a JSON string
+            parts = bodies.put(value, is_json=False)
+        else:
+            parts = bodies.put(row["request_body"], is_json=True)
+        db["turn_log"].insert({**{c: row[c] for c in columns}, **parts})
+    db.execute("DROP TABLE turns")
+    db.execute("CREATE INDEX idx_turn_log_session_started ON turn_log (session_id, started_at)")
+    db.execute("CREATE INDEX idx_turn_log_started ON turn_log (started_at)")
+    meta = ", ".join(f"t.{c}" for c in META_COLUMNS)
+    rest = ", ".join(f"t.{c}" for c in RESULT_COLUMNS)
+    db.execute(f"CREATE VIEW turns AS SELECT {meta}, {_VIEW_BODY} AS request_body, {rest} FROM turn_log t")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m001_initial, _m002_content_addressed]
+SCHEMA_VERSION = len(MIGRATIONS)
 
 
 def schema_version(db: sqlite_utils.Database) -> int:
@@ -93,79 +162,23 @@ def migrate(db: sqlite_utils.Database) -> int:
         raise RecorderError(f"cannot open recorder database: {exc}") from exc
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
-
-
-def turn_to_row(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> dict[str, Any]:
-    """The `turns` row for `turn`, redacted. Everything stored passes through
-    here, so this is the one place secrets are stopped."""
-    body = redactor.value(turn.request_body)
-    model = body.get("model") if isinstance(body, dict) else None
-    return {
-        "request_id": turn.request_id,
-        "started_at": float(turn.started_at),
-        "session_id": turn.session_id,
-        "endpoint": turn.endpoint,
-        "upstream": turn.upstream,
-        "client_addr": turn.client_addr,
-        "stream": int(bool(turn.stream)),
-        "status": turn.status,
-        "error": redactor.text(turn.error) if turn.error is not None else None,
-        "model": model if isinstance(model, str) else None,
-        "request_body": _dumps(body),
-        "request_headers": _dumps(redactor.headers(turn.request_headers)),
-        "response_text": redactor.text(turn.response_text or ""),
-        "reasoning_text": redactor.text(turn.reasoning_text or ""),
-        "tool_calls": None if turn.tool_calls is None else _dumps(redactor.value(turn.tool_calls)),
-        "finish_reason": turn.finish_reason,
-        "prompt_tokens": turn.prompt_tokens,
-        "completion_tokens": turn.completion_tokens,
-        "cached_tokens": turn.cached_tokens,
-        "usage": None if turn.usage is None else _dumps(turn.usage),
-        "ttft_s": turn.ttft_s,
-        "total_s": turn.total_s,
-        "chunk_times": _dumps(list(turn.chunk_times or [])),
-        "render": None if turn.render is None else _dumps(turn.render),
-    }
-
-
-_TURN_FIELDS = {f.name for f in fields(Turn)}
-
-
-def row_to_turn(row: dict[str, Any]) -> Turn:
-    data = dict(row)
-    for col in JSON_COLUMNS:
-        if data.get(col) is not None:
-            data[col] = json.loads(data[col])
-    data["stream"] = bool(data.get("stream"))
-    data["request_headers"] = data.get("request_headers") or {}
-    data["chunk_times"] = data.get("chunk_times") or []
-    data["response_text"] = data.get("response_text") or ""
-    data["reasoning_text"] = data.get("reasoning_text") or ""
-    # Columns without a Turn field (e.g. `model`, derived from the body) are
-    # query conveniences only.
-    return Turn(**{k: v for k, v in data.items() if k in _TURN_FIELDS})
-
-
-def write_turns(db: sqlite_utils.Database, turns: list[Turn], redactor: Redactor = DEFAULT_REDACTOR) -> None:
-    """Writes `turns` in one transaction (all or nothing). A request_id that is
-    already stored is replaced, so re-importing a file is idempotent."""
-    rows = [turn_to_row(t, redactor) for t in turns]
-    try:
-        with db.atomic():
-            db["turns"].insert_all(rows, pk="request_id", replace=True)
-    except sqlite3.DatabaseError as exc:
-        raise RecorderError(f"writing turns failed: {exc}") from exc
-
-
 def open_db(path: str | Path, *, tracer: Callable | None = None, create: bool = True) -> sqlite_utils.Database:
-    """Opens (and migrates) a recorder database in WAL mode."""
+    """Opens (and migrates) a recorder database in WAL mode.
+
+    A file that is not a SQLite database, or not a recorder database, raises
+    `RecorderError` before anything is written to it.
+    """
     p = Path(path)
     if not create and not p.exists():
         raise RecorderError(f"no recorder database at {p}")
     try:
         db = sqlite_utils.Database(p, tracer=tracer)
+        # Read before any write: a corrupt or foreign file must fail here,
+        # not after WAL mode or a migration has touched it.
+        tables = set(db.table_names())
+        if tables and "meta" not in tables:
+            db.close()
+            raise RecorderError(f"{p} is a SQLite database but not a prefixtrace recorder database")
         # WAL: readers (the analyzer) never block the writer. synchronous=NORMAL
         # in WAL mode still survives kill -9 of the process (committed frames
         # are in the OS page cache); only power loss can drop the last commits.

@@ -3,8 +3,14 @@
 The proxy calls `record(turn)` from its event loop, so `record` must never do
 I/O. It only puts the turn on a bounded queue; one writer thread owns the
 SQLite connection (sqlite connections are not shared across threads) and
-commits each turn in its own transaction as soon as it is dequeued, so a
-`kill -9` loses at most the turns still queued, never a written one.
+commits what is queued as soon as it is dequeued (several waiting turns share
+one transaction: group commit), so a `kill -9` loses at most the turns still
+queued, never a written one.
+
+`record` returns a `concurrent.futures.Future` that resolves once the turn is
+committed. The proxy awaits it (`record_async`) right before the client sees
+the end of its response, so a client that got a whole response can rely on the
+turn surviving a crash; only that response waits, and only for its own commit.
 
 A full queue makes `record` block rather than drop: losing turns silently
 would make the analysis lie, and a full queue means the disk is far behind,
@@ -17,17 +23,24 @@ mutate it (it is serialised later, on the writer thread).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from pathlib import Path
 
 from prefixtrace.errors import RecorderError
 from recorder.redact import Redactor
-from recorder.schema import open_db, write_turns
+from recorder.rows import BodyStore, write_turns
+from recorder.schema import open_db
 from recorder.turn import Turn
 
+log = logging.getLogger("prefixtrace.recorder")
 _STOP = object()
+# Turns committed in one transaction at most; bounds the latency one commit adds.
+_MAX_BATCH = 64
 
 
 class Recorder:
@@ -79,15 +92,40 @@ class Recorder:
 
     # -- public API ---------------------------------------------------------
 
-    def record(self, turn: Turn) -> None:
-        """Enqueues `turn` and returns; blocks only while the queue is full."""
+    def record(self, turn: Turn) -> Future:
+        """Enqueues `turn` and returns a Future that resolves (to None) once the
+        turn is committed, or with the `RecorderError` that lost it. Blocks
+        only while the queue is full."""
+        return self._put(turn, block=True)
+
+    async def record_async(self, turn: Turn) -> None:
+        """Records `turn` and waits, without blocking the event loop, until it
+        is committed. A full queue makes this caller wait for room (in a worker
+        thread) instead of dropping the turn. A failed write is logged, not
+        raised: the response it belongs to was served; `flush` reports it."""
+        try:
+            done = self._put(turn, block=False)
+        except queue.Full:
+            done = await asyncio.to_thread(self._put, turn, True)
+        try:
+            await asyncio.wrap_future(done)
+        except RecorderError as exc:
+            log.error("turn %s was not recorded: %s", turn.request_id, exc.message)
+
+    def _put(self, turn: Turn, block: bool) -> Future:
         if not isinstance(turn, Turn):
             raise RecorderError(f"record() takes a Turn, got {type(turn).__name__}")
+        done: Future = Future()
         with self._cond:
             if self._closed:
                 raise RecorderError("recorder is closed")
+            if not block:
+                self._queue.put_nowait((turn, done))  # raises queue.Full; nothing counted yet
+                self._enqueued += 1
+                return done
             self._enqueued += 1
-        self._queue.put(turn)
+        self._queue.put((turn, done))
+        return done
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every turn recorded so far is written.
@@ -144,20 +182,45 @@ class Recorder:
             self._ready.set()
             return
         self._ready.set()
+        bodies = BodyStore(db)
         try:
-            while True:
-                item = self._queue.get()
-                if item is _STOP:
-                    return
-                try:
-                    write_turns(db, [item], self._redactor)
-                except Exception as exc:  # keep recording the rest; flush() reports it
-                    with self._cond:
-                        self._errors.append(exc)
-                with self._cond:
-                    self._done += 1
-                    self._cond.notify_all()
+            stop = False
+            while not stop:
+                batch = [self._queue.get()]
+                while len(batch) < _MAX_BATCH and batch[-1] is not _STOP:
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                if batch[-1] is _STOP:
+                    batch.pop()
+                    stop = True
+                if batch:
+                    self._write(db, bodies, batch)
         finally:
             db.close()
             with self._cond:
                 self._cond.notify_all()
+
+    def _write(self, db, bodies: BodyStore, batch: list[tuple[Turn, Future]]) -> None:
+        try:
+            write_turns(db, [turn for turn, _ in batch], self._redactor, bodies)
+            results = [None] * len(batch)
+        except Exception:
+            # One bad turn must not take the others with it: retry one by one.
+            results = []
+            for turn, _ in batch:
+                try:
+                    write_turns(db, [turn], self._redactor, bodies)
+                    results.append(None)
+                except Exception as exc:
+                    results.append(exc if isinstance(exc, RecorderError) else RecorderError(str(exc)))
+        with self._cond:
+            self._errors.extend(r for r in results if r is not None)
+            self._done += len(batch)
+            self._cond.notify_all()
+        for (_, done), result in zip(batch, results):
+            if result is None:
+                done.set_result(None)
+            else:
+                done.set_exception(result)

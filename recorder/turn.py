@@ -35,3 +35,7 @@ class Turn:
     total_s: float | None = None
     chunk_times: list[float] = field(default_factory=list)  # seconds since start, one per SSE chunk
     render: dict | None = None  # engine-side facts: {"prompt_token_ids": [...]} when embedded
+    # The body's exact JSON text when known (JSONL/HAR import, or a proxy that
+    # passes it on): the recorder stores it byte for byte when it parses to
+    # `request_body`. Not part of equality: it is another spelling of the body.
+    request_raw: str | None = field(default=None, compare=False, repr=False)

@@ -38,7 +38,7 @@ class BlockingTracer:
         self.release = threading.Event()
 
     def __call__(self, sql, params):
-        if sql.lstrip().upper().startswith("INSERT") and "turns" in sql:
+        if sql.lstrip().upper().startswith("INSERT") and "turn_log" in sql:
             self.entered.set()
             self.release.wait(10)
 
@@ -58,8 +58,8 @@ def test_schema_version_index_and_wal(tmp_path):
         pass
     conn = sqlite3.connect(db)
     assert conn.execute("select value from meta where key='schema_version'").fetchone() == (str(SCHEMA_VERSION),)
-    indexes = {r[1] for r in conn.execute("pragma index_list(turns)")}
-    assert "idx_turns_session_started" in indexes
+    indexes = {r[1] for r in conn.execute("pragma index_list(turn_log)")}
+    assert "idx_turn_log_session_started" in indexes
     assert conn.execute("pragma journal_mode").fetchone() == ("wal",)
 
 

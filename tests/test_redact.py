@@ -99,3 +99,22 @@ def test_secrets_never_reach_the_db_file(tmp_path):
     assert json.loads(headers) == {}
     (stored,) = iter_turns(db)
     assert REDACTED in stored.request_body["messages"][0]["content"]
+
+
+def test_raw_body_text_is_redacted_too(tmp_path):
+    db = tmp_path / "t.db"
+    plain = '{"model":"m","messages":[{"role":"user","content":"key %s"}]}' % OPENAI_KEY
+    # the same key spelled with a JSON escape: invisible to the text regexes,
+    # so the recorder must fall back to the redacted, re-serialised body
+    escaped = plain.replace(OPENAI_KEY, "\\u0073" + OPENAI_KEY[1:])
+    with Recorder(db) as rec:
+        for i, raw in enumerate([plain, escaped]):
+            turn = Turn(request_id=f"r{i}", started_at=float(i), endpoint="/v1/chat/completions", upstream="u",
+                        request_body=json.loads(raw), request_raw=raw)
+            rec.record(turn)
+    stored = list(iter_turns(db))
+    assert stored[0].request_raw == plain.replace(OPENAI_KEY, REDACTED)  # still the client's spelling
+    for t in stored:
+        assert t.request_body["messages"][0]["content"] == f"key {REDACTED}"
+    data = b"".join(p.read_bytes() for p in tmp_path.iterdir())
+    assert OPENAI_KEY[3:].encode() not in data

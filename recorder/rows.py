@@ -1,0 +1,254 @@
+"""Turn <-> `turn_log` row, with request bodies stored content-addressed.
+
+A body is stored as `head + sep.join(messages) + tail` (see `recorder.bodies`).
+Each distinct message text is one `messages` row, and the ordered message list
+is a chain in `prefixes`: (parent prefix, message). An agent session that
+appends a few messages per turn therefore adds a few `prefixes` rows per turn,
+not a copy of the conversation, and the whole body is still rebuilt byte for
+byte. Head and tail (model, tools, sampling parameters: the same every turn of
+a session, and kilobytes once tools are declared) are content-addressed too,
+in `body_parts`.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import fields
+from typing import Any
+
+import sqlite_utils
+
+from prefixtrace.errors import RecorderError
+from recorder.bodies import message_hash, split_body
+from recorder.redact import DEFAULT_REDACTOR, Redactor
+from recorder.turn import Turn
+
+JSON_COLUMNS = ("request_headers", "tool_calls", "usage", "chunk_times", "render")
+# Writer-side id caches are dropped past this many entries; a miss only costs a lookup.
+_CACHE_LIMIT = 500_000
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def body_text(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> tuple[str, bool]:
+    """The redacted body text to store and whether it is JSON.
+
+    The exact text the client sent (`turn.request_raw`) is kept when, after
+    redaction, it still parses to the redacted body; otherwise (no raw text, or
+    a secret spelled with JSON escapes the text regexes cannot see) the
+    redacted body is serialised, which never lets a secret through.
+    """
+    body = turn.request_body
+    if isinstance(body, str):  # the body did not parse: keep its text
+        return redactor.text(body), False
+    redacted = redactor.value(body)
+    if turn.request_raw is not None:
+        candidate = redactor.text(turn.request_raw)
+        try:
+            if json.loads(candidate) == redacted:
+                return candidate, True
+        except ValueError:
+            pass
+    return _dumps(redacted), True
+
+
+class BodyStore:
+    """Stores and rebuilds request bodies in one database connection.
+
+    The id caches make a long session's turns cost one lookup per *new*
+    message; they describe committed and in-transaction rows, so after a
+    rolled-back transaction call `reset()`.
+    """
+
+    def __init__(self, db: sqlite_utils.Database):
+        self.db = db
+        self._message_ids: dict[bytes, int] = {}
+        self._part_ids: dict[bytes, int] = {}
+        self._part_texts: dict[int, str] = {}
+        self._prefix_ids: dict[tuple[int, int], int] = {}
+        self._prefix_rows: dict[int, tuple[int, int]] = {}
+        self._message_bodies: dict[int, str] = {}
+
+    def reset(self) -> None:
+        self._message_ids.clear()
+        self._part_ids.clear()
+        self._part_texts.clear()
+        self._prefix_ids.clear()
+        self._prefix_rows.clear()
+        self._message_bodies.clear()
+
+    # -- write ----------------------------------------------------------------
+
+    def put(self, text: str, *, is_json: bool) -> dict[str, Any]:
+        """Stores the messages of `text`; returns the turn's body columns."""
+        split = split_body(text) if is_json else None
+        if split is None:
+            return {"body_json": int(is_json), "body_head": self._text_id("body_parts", self._part_ids, text),
+                    "body_sep": None, "body_tail": None, "body_prefix": None}
+        prefix = 0
+        for message in split.messages:
+            prefix = self._prefix_id(prefix, self._text_id("messages", self._message_ids, message))
+        return {"body_json": 1, "body_head": self._text_id("body_parts", self._part_ids, split.head),
+                "body_sep": split.sep, "body_tail": self._text_id("body_parts", self._part_ids, split.tail),
+                "body_prefix": prefix}
+
+    def _text_id(self, table: str, cache: dict[bytes, int], text: str) -> int:
+        """Id of `text` in a content-addressed table (`messages` or `body_parts`), stored if new."""
+        digest = message_hash(text)
+        found = cache.get(digest)
+        if found is None:
+            row = self.db.execute(f"SELECT id FROM {table} WHERE hash = ?", [digest]).fetchone()
+            if row is None:
+                found = self.db.execute(f"INSERT INTO {table} (hash, body) VALUES (?, ?)", [digest, text]).lastrowid
+            else:
+                found = row[0]
+            if len(cache) > _CACHE_LIMIT:
+                cache.clear()
+            cache[digest] = found
+        return found
+
+    def _part(self, part_id: int) -> str:
+        text = self._part_texts.get(part_id)
+        if text is None:
+            row = self.db.execute("SELECT body FROM body_parts WHERE id = ?", [part_id]).fetchone()
+            if row is None:
+                raise RecorderError(f"database is inconsistent: body part {part_id} is missing")
+            if len(self._part_texts) > 1024:
+                self._part_texts.clear()
+            text = self._part_texts[part_id] = row[0]
+        return text
+
+    def _prefix_id(self, parent: int, message_id: int) -> int:
+        key = (parent, message_id)
+        found = self._prefix_ids.get(key)
+        if found is None:
+            row = self.db.execute("SELECT id FROM prefixes WHERE parent = ? AND message_id = ?", key).fetchone()
+            if row is None:
+                found = self.db.execute("INSERT INTO prefixes (parent, message_id) VALUES (?, ?)", key).lastrowid
+            else:
+                found = row[0]
+            if len(self._prefix_ids) > _CACHE_LIMIT:
+                self._prefix_ids.clear()
+            self._prefix_ids[key] = found
+        return found
+
+    # -- read -----------------------------------------------------------------
+
+    def text(self, row: dict[str, Any]) -> str:
+        """The stored body text of a `turn_log` row."""
+        head = self._part(row["body_head"])
+        if row["body_prefix"] is None:
+            return head
+        return head + row["body_sep"].join(self._messages(row["body_prefix"])) + self._part(row["body_tail"])
+
+    def _messages(self, prefix: int) -> list[str]:
+        ids = []
+        while prefix:
+            if prefix not in self._prefix_rows:
+                self._load_prefix_chain(prefix)
+            prefix, message_id = self._prefix_rows[prefix]
+            ids.append(message_id)
+        ids.reverse()
+        missing = [i for i in set(ids) if i not in self._message_bodies]
+        for chunk in range(0, len(missing), 500):
+            part = missing[chunk : chunk + 500]
+            marks = ",".join("?" * len(part))
+            for mid, body in self.db.execute(f"SELECT id, body FROM messages WHERE id IN ({marks})", part):
+                self._message_bodies[mid] = body
+        try:
+            return [self._message_bodies[i] for i in ids]
+        finally:
+            if len(self._message_bodies) > 4096:  # bound memory; a session's messages fit easily
+                self._message_bodies.clear()
+
+    def _load_prefix_chain(self, prefix: int) -> None:
+        rows = self.db.execute(
+            "WITH RECURSIVE walk(id) AS (SELECT ? UNION ALL SELECT p.parent FROM walk JOIN prefixes p"
+            " ON p.id = walk.id WHERE p.parent != 0) SELECT p.id, p.parent, p.message_id FROM walk"
+            " JOIN prefixes p ON p.id = walk.id",
+            [prefix],
+        ).fetchall()
+        if not rows:
+            raise RecorderError(f"database is inconsistent: message prefix {prefix} is missing")
+        for pid, parent, message_id in rows:
+            self._prefix_rows[pid] = (parent, message_id)
+
+
+def turn_to_row(turn: Turn, bodies: BodyStore, redactor: Redactor = DEFAULT_REDACTOR) -> dict[str, Any]:
+    """The `turn_log` row for `turn`, redacted, its messages stored. Everything
+    stored passes through here, so this is the one place secrets are stopped."""
+    text, is_json = body_text(turn, redactor)
+    body = turn.request_body
+    model = redactor.value(body.get("model")) if isinstance(body, dict) else None
+    return {
+        "request_id": turn.request_id,
+        "started_at": float(turn.started_at),
+        "session_id": turn.session_id,
+        "endpoint": turn.endpoint,
+        "upstream": turn.upstream,
+        "client_addr": turn.client_addr,
+        "stream": int(bool(turn.stream)),
+        "status": turn.status,
+        "error": redactor.text(turn.error) if turn.error is not None else None,
+        "model": model if isinstance(model, str) else None,
+        **bodies.put(text, is_json=is_json),
+        "request_headers": _dumps(redactor.headers(turn.request_headers)),
+        "response_text": redactor.text(turn.response_text or ""),
+        "reasoning_text": redactor.text(turn.reasoning_text or ""),
+        "tool_calls": None if turn.tool_calls is None else _dumps(redactor.value(turn.tool_calls)),
+        "finish_reason": turn.finish_reason,
+        "prompt_tokens": turn.prompt_tokens,
+        "completion_tokens": turn.completion_tokens,
+        "cached_tokens": turn.cached_tokens,
+        "usage": None if turn.usage is None else _dumps(turn.usage),
+        "ttft_s": turn.ttft_s,
+        "total_s": turn.total_s,
+        "chunk_times": _dumps(list(turn.chunk_times or [])),
+        "render": None if turn.render is None else _dumps(turn.render),
+    }
+
+
+_TURN_FIELDS = {f.name for f in fields(Turn)}
+
+
+def row_to_turn(row: dict[str, Any], bodies: BodyStore) -> Turn:
+    data = dict(row)
+    for col in JSON_COLUMNS:
+        if data.get(col) is not None:
+            data[col] = json.loads(data[col])
+    text = bodies.text(row)
+    if row["body_json"]:
+        data["request_body"], data["request_raw"] = json.loads(text), text
+    else:
+        data["request_body"] = text
+    data["stream"] = bool(data.get("stream"))
+    data["request_headers"] = data.get("request_headers") or {}
+    data["chunk_times"] = data.get("chunk_times") or []
+    data["response_text"] = data.get("response_text") or ""
+    data["reasoning_text"] = data.get("reasoning_text") or ""
+    # Columns without a Turn field (`model`, the body parts) are storage only.
+    return Turn(**{k: v for k, v in data.items() if k in _TURN_FIELDS})
+
+
+def write_turns(
+    db: sqlite_utils.Database,
+    turns: list[Turn],
+    redactor: Redactor = DEFAULT_REDACTOR,
+    bodies: BodyStore | None = None,
+) -> None:
+    """Writes `turns` in one transaction (all or nothing). A request_id that is
+    already stored is replaced, so re-importing a file is idempotent."""
+    bodies = bodies or BodyStore(db)
+    try:
+        with db.atomic():
+            rows = [turn_to_row(t, bodies, redactor) for t in turns]
+            db["turn_log"].insert_all(rows, pk="request_id", replace=True)
+    except sqlite3.DatabaseError as exc:
+        bodies.reset()
+        raise RecorderError(f"writing turns failed: {exc}") from exc
+    except BaseException:
+        bodies.reset()
+        raise
