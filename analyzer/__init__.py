@@ -1,30 +1,19 @@
-"""The analyzer: where each prompt of a session stopped extending the previous one."""
+"""The analyzer: where each prompt of a session stopped extending the previous one, why, and at what cost."""
 
-from analyzer.divergence import Divergence, compare, compare_rendered
-from analyzer.render import Rendered, render_request
-from analyzer.report import Problem, SessionReport, TurnReport, analyze, check, format_text, load_turns, to_json
-from analyzer.sessions import Session, group_sessions
+from analyzer.analysis import Analyzer, Break, Report, SessionResult, TurnResult, analyze
+from analyzer.causes import CAUSES
+from analyzer.check import CheckResult, Problem, assert_prefix_stable, check, to_junit
+from analyzer.divergence import common_prefix_len, compare
+from analyzer.load import Request, load
+from analyzer.render import GenericRenderer, Rendered, TemplateRenderer, make_renderer, render_request
+from analyzer.report import format_text, to_json
 from analyzer.tokens import Tokenizer, default_tokenizer, load_tokenizer
 
 __all__ = sorted(
     [
-        "Divergence",
-        "Problem",
-        "Rendered",
-        "Session",
-        "SessionReport",
-        "Tokenizer",
-        "TurnReport",
-        "analyze",
-        "check",
-        "compare",
-        "compare_rendered",
-        "default_tokenizer",
-        "format_text",
-        "group_sessions",
-        "load_tokenizer",
-        "load_turns",
-        "render_request",
-        "to_json",
+        "Analyzer", "Break", "CAUSES", "CheckResult", "GenericRenderer", "Problem", "Rendered", "Report", "Request",
+        "SessionResult", "TemplateRenderer", "Tokenizer", "TurnResult", "analyze", "assert_prefix_stable", "check",
+        "common_prefix_len", "compare", "default_tokenizer", "format_text", "load", "load_tokenizer",
+        "make_renderer", "render_request", "to_json", "to_junit",
     ]
 )

@@ -1,71 +1,30 @@
-"""Where one request's rendered prompt stops extending the previous one's.
+"""Where one rendered prompt stops extending the previous one, in chars and tokens.
 
-A pair is `append_only` when the previous prompt (without its trailing
-generation prompt, which the next request legitimately replaces with a user
-or tool message) is a prefix of the next rendering: then the server's prefix
-cache can reuse all of it. Otherwise it `diverged`, and everything after the
-first differing character must be prefilled again.
+Token counts come from per-segment counts, cached by string: a segment
+(message content or template literal) is tokenized once per run however many
+turns repeat it. The sum of segment counts equals the count of the whole
+text when segment boundaries are also tokenizer pre-token boundaries, which
+holds for ChatML-style templates (a content starts after the role line's
+newline and ends before a special marker); elsewhere it is off by a token or
+so per boundary. The benchmark measures the difference against full
+tokenisation. The common prefix is tokenized exactly: only the window around
+the first difference is tokenized afresh.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
-from analyzer.render import Rendered, render_request
-from analyzer.tokens import Tokenizer, as_tokenizer
+from analyzer.render import Rendered
+from analyzer.tokens import Tokenizer
 
-EXCERPT_CHARS = 40
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """Comparison of two consecutive requests (prev -> next).
-
-    `offset` is the first differing char in the whole rendered text (None when
-    append-only). `message_index`/`offset_in_message` locate it in `next`'s
-    messages (in `prev`'s when next is shorter); `offset_in_message` counts
-    from the start of the message's rendered content and is None when the
-    divergence is in the role line, the tools block or past the end.
-    """
-
-    classification: str  # "append_only" | "diverged"
-    common_chars: int
-    common_tokens: int
-    prev_tokens: int
-    next_tokens: int
-    tokenizer: str
-    offset: int | None = None
-    region: str | None = None  # "tools" | "header" | "body" | "generation_prompt" | "end"
-    message_index: int | None = None
-    offset_in_message: int | None = None
-    before: str = ""  # text just before the divergence (shared by both)
-    prev_after: str = ""  # what prev had from there
-    next_after: str = ""  # what next has from there
-
-    @property
-    def append_only(self) -> bool:
-        return self.classification == "append_only"
-
-    def describe(self) -> str:
-        if self.append_only:
-            return "append-only"
-        if self.region == "tools":
-            return f"tools @ char {self.offset}"
-        where = f"msg {self.message_index}" if self.message_index is not None else (self.region or "?")
-        if self.offset_in_message is not None:
-            return f"{where} @ char {self.offset_in_message}"
-        return f"{where} ({self.region})"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"append_only": self.append_only}
+WINDOW = 160  # chars of context on each side of a break, in reports
+_TAIL = 64  # chars past the divergence tokenized to settle the last common token
 
 
-def common_prefix_len(a: str | list, b: str | list, _chunk: int = 4096) -> int:
-    """Length of the common prefix of two strings or token lists. Compares
-    in chunks first: prompts run to hundreds of kB, and slice equality runs
-    in C while a per-char Python loop does not."""
+def common_prefix_len(a, b, _chunk: int = 4096) -> int:
+    """Length of the common prefix of two strings or lists (chunked: slice
+    equality runs in C, a per-item Python loop does not)."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i : i + _chunk] == b[i : i + _chunk]:
@@ -76,46 +35,71 @@ def common_prefix_len(a: str | list, b: str | list, _chunk: int = 4096) -> int:
     return i
 
 
-def compare_rendered(
-    prev: Rendered,
-    next: Rendered,
-    tokenizer: Tokenizer | Callable[[str], list[int]] | None = None,
-    *,
-    prev_ids: list[int] | None = None,
-    next_ids: list[int] | None = None,
-) -> Divergence:
-    """Compares two renderings. Pass `prev_ids`/`next_ids` (token ids of the
-    full texts) to avoid re-tokenizing when walking a session."""
-    tok = as_tokenizer(tokenizer)
-    prev_ids = tok(prev.text) if prev_ids is None else prev_ids
-    next_ids = tok(next.text) if next_ids is None else next_ids
-    common_chars = common_prefix_len(prev.text, next.text)
-    base = dict(
-        common_chars=common_chars,
-        common_tokens=common_prefix_len(prev_ids, next_ids),
-        prev_tokens=len(prev_ids),
-        next_tokens=len(next_ids),
-        tokenizer=tok.name,
+class SegmentCounter:
+    """Token counts per segment string, cached for the whole run."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[str, int] = {}
+
+    def count(self, s: str) -> int:
+        n = self._cache.get(s)
+        if n is None:
+            n = self._cache[s] = len(self.tokenizer(s))
+        return n
+
+    def total(self, r: Rendered) -> int:
+        c = self._cache
+        get = c.get
+        total = 0
+        for s in r.segments:
+            n = get(s)
+            if n is None:
+                n = self.count(s)
+            total += n
+        return total
+
+
+@dataclass
+class Comparison:
+    append_only: bool
+    common_chars: int
+    common_tokens: int
+    prev_chars: int
+    next_chars: int
+    message_index: int | None = None  # in next (in prev when next ended first)
+    before: str = ""  # prev around the break
+    after: str = ""  # next around the break
+    window_start: int = 0  # char offset where `before`/`after` start
+
+
+def compare(prev: Rendered, next: Rendered, counter: SegmentCounter) -> Comparison:
+    """Compares two renderings (prev -> next)."""
+    ps, ns = prev.segments, next.segments
+    d, chars, toks = 0, 0, 0
+    n = min(len(ps), len(ns))
+    count = counter.count
+    while d < n and (ps[d] is ns[d] or ps[d] == ns[d]):
+        chars += len(ps[d])
+        toks += count(ps[d])
+        d += 1
+    if d == len(ps):
+        return Comparison(True, chars, toks, chars, chars + sum(map(len, ns[d:])))
+    prev_rest, next_rest = "".join(ps[d:]), "".join(ns[d:])
+    c = common_prefix_len(prev_rest, next_rest)
+    prev_chars, next_chars = chars + len(prev_rest), chars + len(next_rest)
+    if c == len(prev_rest):
+        # prev ends inside a segment next extends (e.g. a grown literal): still append-only.
+        return Comparison(True, chars + c, toks + len(counter.tokenizer(prev_rest)), prev_chars, next_chars)
+    tok = counter.tokenizer
+    common_toks = common_prefix_len(tok(prev_rest[: c + _TAIL]), tok(next_rest[: c + _TAIL]))
+    offset = chars + c
+    where = next if offset < next_chars else prev
+    start = max(0, c - WINDOW)
+    return Comparison(
+        False, offset, toks + common_toks, prev_chars, next_chars,
+        message_index=where.locate(offset),
+        before=prev_rest[start : c + WINDOW],
+        after=next_rest[start : c + WINDOW],
+        window_start=chars + start,
     )
-    if common_chars >= prev.prompt_end:
-        return Divergence("append_only", **base)
-
-    # Locate in `next` unless it ended first (a truncated/shortened request).
-    where = next if common_chars < len(next.text) else prev
-    region, index, in_msg = where.locate(common_chars)
-    return Divergence(
-        "diverged",
-        **base,
-        offset=common_chars,
-        region=region,
-        message_index=index,
-        offset_in_message=in_msg,
-        before=prev.text[max(0, common_chars - EXCERPT_CHARS) : common_chars],
-        prev_after=prev.text[common_chars : common_chars + EXCERPT_CHARS],
-        next_after=next.text[common_chars : common_chars + EXCERPT_CHARS],
-    )
-
-
-def compare(prev_body: Any, next_body: Any, tokenizer=None) -> Divergence:
-    """Compares two request bodies (dicts as sent to /v1/chat/completions)."""
-    return compare_rendered(render_request(prev_body), render_request(next_body), tokenizer)

@@ -1,161 +1,238 @@
-"""Canonical text rendering of a chat request, for prefix comparison.
+"""Rendered level: a request as the server's chat template would render it,
+without the generation prompt (the next request legitimately replaces it).
 
-The server's prefix cache hits only while the *rendered* prompt of a request
-extends the previous one, so the analyzer compares renderings, not JSON. We
-cannot know each server's chat template, so we use one ChatML-like form that
-keeps everything a template would plausibly render and drops what none does:
+A rendering is a list of segments: message contents (the very string
+objects of the request, so unchanged messages cost nothing to compare or to
+count) and the template's literal text between them. Two renderers:
 
-    <|im_start|>tools\\n[...tools JSON...]<|im_end|>\\n      (only with tools)
-    <|im_start|>{role}\\n{content}<|im_end|>\\n               (per message)
-    <|im_start|>assistant\\n                                 (generation prompt)
-
-Tools come first because real templates put them into the system prompt.
-JSON is dumped with keys in the order the client sent them: HF chat templates
-render `tojson` without sorting, so a client that reorders keys really does
-break the cache, and we want to see that. Sampling and transport fields
-(`stream`, `max_tokens`, `temperature`, `prompt_cache_key`, ...) are never
-rendered and `cache_control` markers are stripped everywhere.
+- `TemplateRenderer`: a real Jinja chat template (`--template FILE.jinja`
+  or `--model DIR` -> tokenizer_config.json's `chat_template`), in an
+  environment like Hugging Face's (`trim_blocks`, `lstrip_blocks`, a
+  `tojson` that keeps key order, `raise_exception`), honouring `tools` and
+  `chat_template_kwargs`. Speed trick: contents are replaced by short
+  sentinels before rendering and spliced back after, so the template only
+  ever handles a few kB however long the prompt. Contents a template might
+  inspect (think/tool markers) are passed through unchanged, and leading or
+  trailing whitespace stays outside the sentinel so `strip`/`trim` behave.
+- `GenericRenderer` (no template given), ChatML-like and documented in
+  docs/ANALYZER.md: tools block first, then `<|im_start|>{role}\\n{body}<|im_end|>\\n`
+  per message, with reasoning as `<think>…</think>` and tool calls as JSON.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
 from typing import Any
 
+from analyzer.canon import flatten_content, messages_of, strip_ignored
 from prefixtrace.errors import InvalidRequest
 
 START, END = "<|im_start|>", "<|im_end|>\n"
-GENERATION_PROMPT = f"{START}assistant\n"
-IGNORED_KEYS = frozenset({"cache_control"})
+HEAD = -1  # owner of segments before the first message (tools, template preamble)
+_SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
+# Contents containing these are rendered as they are: templates look into them.
+_SENSITIVE = ("<think>", "</think>", "<tool_response>", "</tool_response>", "<tool_call>", "\ue000", "\ue001")
 
 
-@dataclass(frozen=True, slots=True)
-class MessageSpan:
-    start: int  # block start: the `<|im_start|>` of this message
-    body_start: int  # first char after the role line: offsets "inside the message" count from here
-    end: int  # one past the block's trailing newline
+class RenderError(InvalidRequest):
+    """The template refused the request (e.g. a system message not at the start)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass
 class Rendered:
-    """A rendered request. `text[:prompt_end]` is everything but the
-    generation prompt; `spans[i]` is message i's [start, end)."""
+    """`segments[i]` belongs to message `owners[i]` (HEAD = before any).
+    `kinds[i]` is "content", "reasoning" or "" (template literal)."""
 
-    text: str
-    spans: list[MessageSpan]
-    tools_span: tuple[int, int] | None
-    prompt_end: int
+    segments: list[str]
+    owners: list[int]
+    kinds: list[str]
+    renderer: str
+    num_messages: int = 0
+    roles: list[str] = field(default_factory=list)
 
-    @property
-    def num_messages(self) -> int:
-        return len(self.spans)
+    @cached_property
+    def text(self) -> str:
+        return "".join(self.segments)
 
-    def locate(self, offset: int) -> tuple[str, int | None, int | None]:
-        """Where char `offset` falls: (region, message index, offset in body).
+    def locate(self, offset: int) -> int:
+        """Message index at char `offset`: the owner of the segment there;
+        template text between messages belongs to the message it introduces."""
+        pos = 0
+        for seg, owner in zip(self.segments, self.owners):
+            pos += len(seg)
+            if offset < pos:
+                return owner
+        return self.num_messages - 1 if self.num_messages else HEAD
 
-        region is "tools", "header" (a message's role line), "body",
-        "generation_prompt" or "end" (offset at or past the end of the text).
-        """
-        if self.tools_span and self.tools_span[0] <= offset < self.tools_span[1]:
-            return "tools", None, None
-        for i, span in enumerate(self.spans):
-            if span.start <= offset < span.end:
-                if offset < span.body_start:
-                    return "header", i, None
-                return "body", i, offset - span.body_start
-        if offset < len(self.text):
-            return "generation_prompt", None, None
-        return "end", None, None
-
-
-def _strip(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _strip(v) for k, v in value.items() if k not in IGNORED_KEYS}
-    if isinstance(value, list):
-        return [_strip(v) for v in value]
-    return value
+    def reasoning(self) -> set[tuple[int, str]]:
+        return {(o, s) for s, o, k in zip(self.segments, self.owners, self.kinds) if k == "reasoning"}
 
 
 def _dumps(value: Any) -> str:
-    return json.dumps(_strip(value), ensure_ascii=False)
+    return json.dumps(strip_ignored(value), ensure_ascii=False)
 
 
-def _content_text(content: Any) -> str:
-    """Flattens string content or an array of parts. Text parts are
-    concatenated as-is (as most templates do); other parts (images, Anthropic
-    tool_use/tool_result blocks) render as JSON, since changing them changes
-    what the server sees."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out = []
-        for part in content:
-            if isinstance(part, str):
-                out.append(part)
-            elif isinstance(part, dict) and part.get("type") in ("text", "input_text") and "text" in part:
-                out.append(str(part["text"]))
+class GenericRenderer:
+    name = "generic-chatml"
+
+    def render(self, body: Any) -> Rendered:
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            raise InvalidRequest("request has no \"messages\" list")
+        out = Rendered([], [], [], self.name)
+        add = lambda s, o, k="": (out.segments.append(s), out.owners.append(o), out.kinds.append(k)) if s else None
+        if body.get("tools"):
+            add(f"{START}tools\n{_dumps(body['tools'])}{END}", HEAD)
+        messages = messages_of(body)
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, dict):
+                raise InvalidRequest(f"message {i} is not an object")
+            role = str(msg.get("role", ""))
+            out.roles.append(role)
+            add(f"{START}{role}{' name=' + str(msg['name']) if msg.get('name') else ''}\n", i)
+            reasoning = next((msg[k] for k in ("reasoning_content", "reasoning") if isinstance(msg.get(k), str)), "")
+            if reasoning:
+                add("<think>\n", i)
+                add(reasoning, i, "reasoning")
+                add("\n</think>\n", i)
+            content = flatten_content(msg.get("content"))
+            if isinstance(content, str):
+                add(content, i, "content")
+            elif content is not None:
+                add(_dumps(content), i)
+            if msg.get("tool_calls"):
+                add(("\n" if content else "") + _dumps(msg["tool_calls"]), i)
+            add(END, i)
+        out.num_messages = len(messages)
+        return out
+
+
+def _hf_tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+               sort_keys: bool = False) -> str:
+    # transformers' version: no key sorting, no HTML escaping (jinja's own tojson does both).
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise(message: str) -> None:
+    raise RenderError(f"template: {message}")
+
+
+class TemplateRenderer:
+    """A Jinja chat template. `special` holds bos_token/eos_token etc."""
+
+    def __init__(self, source: str, name: str, special: dict[str, str] | None = None):
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _hf_tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: "1970-01-01"  # fixed: the analysis must be reproducible
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as exc:
+            raise InvalidRequest(f"cannot load chat template {name}: {exc}") from exc
+        self.name = name
+        self.special = special or {}
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TemplateRenderer:
+        p = Path(path)
+        try:
+            return cls(p.read_text(encoding="utf-8"), f"template:{p.name}")
+        except OSError as exc:
+            raise InvalidRequest(f"cannot read template {p}: {exc}") from exc
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> TemplateRenderer:
+        p = Path(path)
+        try:
+            config = json.loads((p / "tokenizer_config.json").read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise InvalidRequest(f"cannot read {p / 'tokenizer_config.json'}: {exc}") from exc
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if not template and (p / "chat_template.jinja").is_file():
+            template = (p / "chat_template.jinja").read_text(encoding="utf-8")
+        if not isinstance(template, str) or not template:
+            raise InvalidRequest(f"{p} has no chat_template")
+        special = {}
+        for k in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            v = config.get(k)
+            special[k] = v.get("content", "") if isinstance(v, dict) else (v or "")
+        return cls(template, f"model:{p.name}", special)
+
+    def render(self, body: Any) -> Rendered:
+        from jinja2.exceptions import TemplateError
+
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            raise InvalidRequest("request has no \"messages\" list")
+        originals: list[tuple[str, int, str]] = []
+        messages = messages_of(body)
+        skeleton = [self._skeleton(m, i, originals) for i, m in enumerate(messages)]
+        kwargs = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else {}
+        tools = strip_ignored(body.get("tools")) or None
+        try:
+            text = self.template.render(
+                **{**self.special, **kwargs}, messages=skeleton, tools=tools, add_generation_prompt=False
+            )
+        except RenderError:
+            raise
+        except (TemplateError, TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
+            raise RenderError(f"template {self.name} failed: {type(exc).__name__}: {exc}") from exc
+        out = Rendered([], [], [], self.name, len(messages), [str(m.get("role", "")) for m in messages])
+        parts = _SENTINEL_RE.split(text)
+        pending: list[str] = []  # literal text waiting for the owner of the next content
+        for j, part in enumerate(parts):
+            if j % 2 == 0:
+                if part:
+                    pending.append(part)
+                continue
+            s, owner, kind = originals[int(part)]
+            for lit in pending:
+                out.segments.append(lit), out.owners.append(owner), out.kinds.append("")
+            pending = []
+            out.segments.append(s), out.owners.append(owner), out.kinds.append(kind)
+        last = len(messages) - 1 if messages else HEAD
+        for lit in pending:
+            out.segments.append(lit), out.owners.append(last), out.kinds.append("")
+        return out
+
+    @staticmethod
+    def _skeleton(msg: Any, index: int, originals: list) -> Any:
+        if not isinstance(msg, dict):
+            raise InvalidRequest(f"message {index} is not an object")
+        out = dict(msg)
+        out["content"] = flatten_content(msg.get("content"))
+        for key, kind in (("content", "content"), ("reasoning_content", "reasoning"), ("reasoning", "reasoning")):
+            value = out.get(key)
+            if not isinstance(value, str) or not value.strip() or any(s in value for s in _SENSITIVE):
+                continue
+            core = value.strip()
+            lead = value[: len(value) - len(value.lstrip())]
+            trail = value[len(value.rstrip()):]
+            if lead or trail:
+                core = value[len(lead): len(value) - len(trail)]
             else:
-                out.append(_dumps(part))
-        return "".join(out)
-    return _dumps(content)
+                core = value  # keep the very object: identity makes counting and comparing free
+            out[key] = f"{lead}\ue000{len(originals)}\ue001{trail}"
+            originals.append((core, index, kind))
+        return out
 
 
-def _message_body(msg: dict) -> str:
-    body = _content_text(msg.get("content"))
-    reasoning = msg.get("reasoning_content") or msg.get("reasoning")
-    if isinstance(reasoning, str) and reasoning:
-        # Clients that drop past reasoning from history change the prompt;
-        # render it where Qwen/DeepSeek-style templates put it.
-        body = f"<think>\n{reasoning}\n</think>\n{body}"
-    if msg.get("tool_calls"):
-        body += ("\n" if body else "") + _dumps(msg["tool_calls"])
-    return body
+def make_renderer(template: str | Path | None = None, model: str | Path | None = None):
+    """The renderer for CLI-style options: a template file, a model dir, or generic."""
+    if template is not None:
+        return TemplateRenderer.from_file(template)
+    if model is not None:
+        return TemplateRenderer.from_model_dir(model)
+    return GenericRenderer()
 
 
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise InvalidRequest('request has no "messages" list')
-    system = body.get("system")  # Anthropic /v1/messages keeps it top-level
-    if system:
-        messages = [{"role": "system", "content": system}, *messages]
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise InvalidRequest(f"message {i} is not an object")
-    return messages
-
-
-def render_request(body: Any) -> Rendered:
-    """Renders a chat-completions (or Anthropic messages) request body, or a
-    completions body (`prompt` string, one pseudo-message). Raises
-    `InvalidRequest` for anything else (e.g. a body that was not JSON)."""
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"cannot render a {type(body).__name__} request body")
-    if "messages" not in body and isinstance(body.get("prompt"), str):
-        text = body["prompt"]
-        return Rendered(text, [MessageSpan(0, 0, len(text))], None, len(text))
-
-    parts: list[str] = []
-    pos = 0
-    tools_span = None
-    if body.get("tools"):
-        block = f"{START}tools\n{_dumps(body['tools'])}{END}"
-        parts.append(block)
-        tools_span = (0, len(block))
-        pos = len(block)
-    spans = []
-    for msg in _messages(body):
-        role = str(msg.get("role", ""))
-        if msg.get("name"):
-            role += f" name={msg['name']}"
-        header = f"{START}{role}\n"
-        block = f"{header}{_message_body(msg)}{END}"
-        spans.append(MessageSpan(pos, pos + len(header), pos + len(block)))
-        parts.append(block)
-        pos += len(block)
-    prompt_end = pos
-    parts.append(GENERATION_PROMPT)
-    return Rendered("".join(parts), spans, tools_span, prompt_end)
+def render_request(body: Any, renderer=None) -> Rendered:
+    """Renders one request body (generic renderer unless one is given)."""
+    return (renderer or GenericRenderer()).render(body)

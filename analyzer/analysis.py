@@ -1,0 +1,250 @@
+"""The analysis: per session and turn, did the prompt extend the previous one,
+where did it break, why, and what did it cost.
+
+One pass over the requests in time order. Per session only the previous
+turn's payload and rendering are kept, so memory stays flat however long the
+recording. Order of work per request, cheapest first: payload keys (cached
+per message object), session, render (sentinel skeleton), compare segments
+(identity first), tokenize only new segments and the break window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from analyzer.canon import Canonicalizer, Payload, first_changed, params_of
+from analyzer.causes import Cause, classify, payload_cause
+from analyzer.divergence import SegmentCounter, compare
+from analyzer.load import Request, load, share_prefix
+from analyzer.render import GenericRenderer, Rendered, make_renderer
+from analyzer.sessions import SessionGrouper
+from analyzer.tokens import Tokenizer, as_tokenizer
+from prefixtrace.errors import InvalidRequest
+
+DISAGREE_FRACTION = 0.10  # reported vs predicted cached share of the prompt
+
+
+@dataclass
+class Break:
+    cause: str
+    subtype: str | None
+    message_index: int | None
+    role: str | None
+    char_offset: int
+    token_offset: int
+    before: str
+    after: str
+    path: str | None = None  # payload-level JSON path (deepdiff), when the client changed something
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class TurnResult:
+    index: int
+    request_id: str
+    ts: float
+    line: int | None
+    prompt_tokens: int | None  # analysis tokenizer, whole rendering
+    common_prefix_tokens: int | None
+    reprefill_tokens: int | None
+    reported_prompt_tokens: int | None
+    reported_cached_tokens: int | None  # None = the server did not say (unknown, not a miss)
+    predicted_cached_tokens: int | None = None  # block-aligned when --block-size
+    block_reprefill_tokens: int | None = None
+    reprefill_seconds: float | None = None
+    cached_disagrees: bool | None = None  # None when nothing was reported
+    brk: Break | None = None
+    payload_change: str | None = None  # what the payload diff saw, even when the render did not break
+    note: str = ""  # "first", "unrenderable: …"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "brk"}
+        d["break"] = self.brk.to_dict() if self.brk else None
+        return d
+
+
+def _totals(turns: Iterable[TurnResult], rate: float | None) -> dict[str, Any]:
+    by_cause: dict[str, dict[str, Any]] = {}
+    total = reprefill = 0
+    for t in turns:
+        total += t.prompt_tokens or 0
+        reprefill += t.reprefill_tokens or 0
+        if t.brk:
+            c = by_cause.setdefault(t.brk.cause, {"breaks": 0, "reprefill_tokens": 0})
+            c["breaks"] += 1
+            c["reprefill_tokens"] += t.reprefill_tokens or 0
+    if rate:
+        for c in by_cause.values():
+            c["seconds"] = round(c["reprefill_tokens"] / rate, 1)
+    return {"prompt_tokens": total, "reprefill_tokens": reprefill,
+            "reprefill_seconds": round(reprefill / rate, 1) if rate else None,
+            "by_cause": dict(sorted(by_cause.items(), key=lambda kv: -kv[1]["reprefill_tokens"]))}
+
+
+@dataclass
+class SessionResult:
+    id: str
+    inferred: bool
+    turns: list[TurnResult] = field(default_factory=list)
+
+    def to_dict(self, rate: float | None = None) -> dict[str, Any]:
+        return {"id": self.id, "inferred": self.inferred, "turns": [t.to_dict() for t in self.turns],
+                "totals": _totals(self.turns, rate)}
+
+
+@dataclass
+class Report:
+    tokenizer: str
+    renderer: str
+    block_size: int | None
+    prefill_rate: float | None
+    sessions: list[SessionResult]
+    skipped: list[dict]
+
+    @property
+    def breaks(self) -> list[tuple[SessionResult, TurnResult]]:
+        return [(s, t) for s in self.sessions for t in s.turns if t.brk]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "tokenizer": self.tokenizer,
+            "renderer": self.renderer,
+            "block_size": self.block_size,
+            "prefill_rate": self.prefill_rate,
+            "skipped_lines": self.skipped,
+            "sessions": [s.to_dict(self.prefill_rate) for s in self.sessions],
+            "totals": _totals((t for s in self.sessions for t in s.turns), self.prefill_rate),
+        }
+
+
+@dataclass
+class _State:
+    payload: Payload
+    rendered: Rendered
+    tokens: int
+
+
+class Analyzer:
+    """Holds the per-run caches; `run(requests)` returns a Report."""
+
+    def __init__(self, renderer=None, tokenizer: Tokenizer | str | None = None, *, block_size: int | None = None,
+                 prefill_rate: float | None = None):
+        if block_size is not None and block_size <= 0:
+            raise InvalidRequest("--block-size must be positive")
+        if prefill_rate is not None and prefill_rate <= 0:
+            raise InvalidRequest("--prefill-rate must be positive")
+        self.renderer = renderer or GenericRenderer()
+        self.tokenizer = as_tokenizer(tokenizer)
+        self.counter = SegmentCounter(self.tokenizer)
+        self.canon = Canonicalizer()
+        self.block_size, self.prefill_rate = block_size, prefill_rate
+
+    def run(self, requests: list[Request], skipped: list[dict] | None = None) -> Report:
+        grouper = SessionGrouper()
+        results: dict[str, SessionResult] = {}
+        state: dict[str, _State | None] = {}
+        for i, req in enumerate(requests):
+            payload = self.canon.payload(req.body) if isinstance(req.body, dict) else None
+            roles = [str(m.get("role")) if isinstance(m, dict) else "" for m in payload.messages] if payload else None
+            sess = grouper.add(i, req.session, payload.keys if payload else None, roles)
+            res = results.get(sess.id)
+            if res is None:
+                res = results[sess.id] = SessionResult(sess.id, sess.inferred)
+                state[sess.id] = None
+            prev = state[sess.id]
+            if payload is not None and prev is not None:
+                payload.messages = share_prefix(prev.payload.messages, payload.messages)
+                req.body = {**req.body, "messages": payload.messages} if "system" not in req.body else req.body
+            turn = TurnResult(len(res.turns), req.id, req.ts, req.line, None, None, None,
+                              req.reported_prompt_tokens, req.reported_cached_tokens)
+            res.turns.append(turn)
+            try:
+                if payload is None:
+                    raise InvalidRequest("request body is not a JSON object")
+                rendered = self.renderer.render(req.body)
+            except InvalidRequest as exc:
+                turn.note = f"unrenderable: {exc.message}"
+                continue
+            tokens = self.counter.total(rendered)
+            turn.prompt_tokens = tokens
+            if prev is None:
+                turn.note, turn.common_prefix_tokens = "first", 0
+            else:
+                self._compare(turn, prev, payload, rendered)
+            turn.reprefill_tokens = tokens - turn.common_prefix_tokens
+            self._cost(turn)
+            state[sess.id] = _State(payload, rendered, tokens)
+            if i % 64 == 63:
+                self.canon.forget([s.payload for s in state.values() if s is not None])
+        sessions = [results[s.id] for s in grouper.sessions]
+        return Report(self.tokenizer.name, self.renderer.name, self.block_size, self.prefill_rate, sessions,
+                      skipped or [])
+
+    def _compare(self, turn: TurnResult, prev: _State, payload: Payload, rendered: Rendered) -> None:
+        model_changed = prev.payload.params.get("model") != payload.params.get("model")
+        pc = None
+        if first_changed(prev.payload.keys, payload.keys) != len(prev.payload.keys) or \
+                prev.payload.tools_key != payload.tools_key or prev.payload.params != payload.params:
+            pc = payload_cause(prev.payload, payload)
+            turn.payload_change = f"{pc.cause}{'/' + pc.subtype if pc.subtype else ''} at {pc.path}" if pc else None
+        cmp = compare(prev.rendered, rendered, self.counter)
+        if cmp.append_only and not model_changed:
+            turn.common_prefix_tokens = cmp.common_tokens
+            return
+        if cmp.append_only:  # another model: its server cache shares nothing with this one
+            cause = Cause("param_change", "model", None, "$.model")
+            turn.common_prefix_tokens = 0
+            offset, before, after = 0, "", ""
+        else:
+            cause = classify(prev.payload, payload, prev.rendered, rendered, cmp.message_index)
+            turn.common_prefix_tokens = 0 if model_changed else cmp.common_tokens
+            offset, before, after = cmp.common_chars, cmp.before, cmp.after
+        index = cause.message_index if cause.message_index is not None else cmp.message_index
+        msgs = payload.messages if index is not None and 0 <= index < len(payload.messages) else prev.payload.messages
+        role = msgs[index].get("role") if index is not None and 0 <= index < len(msgs) and isinstance(msgs[index], dict) else None
+        turn.brk = Break(cause.cause, cause.subtype, index, role, offset, turn.common_prefix_tokens, before, after,
+                         cause.path)
+
+    def _cost(self, turn: TurnResult) -> None:
+        predicted = turn.common_prefix_tokens
+        if self.block_size:
+            predicted = predicted // self.block_size * self.block_size
+            turn.block_reprefill_tokens = turn.prompt_tokens - predicted
+        turn.predicted_cached_tokens = predicted
+        if self.prefill_rate:
+            turn.reprefill_seconds = round((turn.block_reprefill_tokens or turn.reprefill_tokens) / self.prefill_rate, 2)
+        if turn.reported_cached_tokens is not None:
+            # Compare shares, not counts: the server's tokenizer is not ours.
+            reported_total = turn.reported_prompt_tokens or turn.prompt_tokens or 1
+            share_r = turn.reported_cached_tokens / max(1, reported_total)
+            share_p = predicted / max(1, turn.prompt_tokens)
+            turn.cached_disagrees = abs(share_r - share_p) > DISAGREE_FRACTION
+
+
+def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None = None, model: str | Path | None = None,
+            tokenizer: Tokenizer | str | None = None, block_size: int | None = None,
+            prefill_rate: float | None = None, renderer=None) -> Report:
+    """Analyses a recorder database, a JSONL file, or an iterable of request
+    bodies / Requests / recorder Turns.
+
+    Args:
+        template: a chat template file (.jinja).
+        model: a model directory: its tokenizer_config.json chat template and,
+            unless `tokenizer` is given, its tokenizer.json.
+        tokenizer: a Tokenizer or spec ("regex", "tiktoken:NAME", a
+            tokenizer.json path); default tiktoken o200k_base (offline copy).
+        block_size: also report the block-aligned figures of a paged cache.
+        prefill_rate: tokens per second, to price re-prefill in seconds.
+    """
+    renderer = renderer or make_renderer(template, model)
+    if tokenizer is None and model is not None and (Path(model) / "tokenizer.json").is_file():
+        tokenizer = str(Path(model) / "tokenizer.json")
+    loaded = load(source)
+    return Analyzer(renderer, tokenizer, block_size=block_size, prefill_rate=prefill_rate).run(
+        loaded.requests, loaded.skipped)

@@ -1,0 +1,214 @@
+"""Naming the cause of a prefix break. The names are fixed (docs/ANALYZER.md):
+
+    append_only         no break
+    system_rewrite      the system/developer head changed (subtype `volatile`:
+                        only a counter, timestamp, date, duration or percentage)
+    system_fold         payload append-only, but a later system/developer
+                        message lands in the rendered head
+    thinking_strip      an earlier assistant turn's reasoning was rendered
+                        before and is gone now (subtype `template` or `client`)
+    tools_change        tools added / removed / reordered / edited
+    history_edit        an earlier message's content changed (e.g. truncated)
+    compaction          history replaced by a summary / shrink
+    dropped_message     an earlier message disappeared
+    request_local_tail  the previous request's trailing one-shot message is gone
+    param_change        model, chat_template_kwargs, reasoning settings
+    serialization       same meaning, different bytes (JSON re-serialised,
+                        key order, whitespace; subtype `template` when only
+                        the rendering differs)
+
+The payload level says *what* the client changed; the rendered level says
+*whether and where* the prompt broke. A break is named from the payload when
+the client changed something at or before the rendered break, else from the
+template effect seen only in the rendering.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from analyzer.canon import REASONING_KEYS, Payload, canonical_message, first_changed
+
+CAUSES = (
+    "append_only", "system_rewrite", "system_fold", "thinking_strip", "tools_change", "history_edit",
+    "compaction", "dropped_message", "request_local_tail", "param_change", "serialization",
+)
+HEAD_ROLES = ("system", "developer")
+COMPACTION_SHRINK = 0.7  # next payload at most this fraction of prev's
+# Tokens that make a change "volatile": numbers with separators, percentages,
+# units of time, month/day names, am/pm.
+_VOLATILE_TOKEN = re.compile(
+    r"[\d.,:/+\-%]+|T|Z|ms|s|m|h|d|sec|secs|min|mins|hours?|days?|minutes?|seconds?|ago|am|pm|AM|PM|UTC"
+    r"|Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec|Mon|Tue|Wed|Thu|Fri|Sat|Sun"
+)
+_WORDS = re.compile(r"\d+(?:[.,:/\-]\d+)*%?|\w+|\S")
+
+
+@dataclass
+class Cause:
+    cause: str
+    subtype: str | None = None
+    message_index: int | None = None
+    path: str | None = None  # payload-level JSON path of the first change (deepdiff)
+
+
+def is_volatile(a: str, b: str) -> bool:
+    """True when every changed word between `a` and `b` is a number, date,
+    time, duration or percentage (a ticking counter, not a real edit)."""
+    aw, bw = _WORDS.findall(a), _WORDS.findall(b)
+    changed = False
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, aw, bw, autojunk=False).get_opcodes():
+        if op == "equal":
+            continue
+        changed = True
+        if not all(_VOLATILE_TOKEN.fullmatch(w) for w in aw[i1:i2] + bw[j1:j2]):
+            return False
+    return changed
+
+
+def _changed_region(a: str, b: str, pad: int = 40) -> tuple[str, str]:
+    """The differing middles of two strings, widened to whole words."""
+    p = 0
+    n = min(len(a), len(b))
+    while p < n and a[p] == b[p]:
+        p += 1
+    s = 0
+    while s < n - p and a[-1 - s] == b[-1 - s]:
+        s += 1
+    lo = max(0, p - pad)
+    return a[lo : len(a) - s + pad], b[lo : len(b) - s + pad]
+
+
+def _without_reasoning(msg: Any) -> Any:
+    if not isinstance(msg, dict):
+        return msg
+    out = {k: v for k, v in msg.items() if k not in REASONING_KEYS}
+    content = out.get("content")
+    if isinstance(content, str) and "</think>" in content:
+        out["content"] = content.split("</think>")[-1].lstrip("\n")
+    return out
+
+
+def _has_reasoning(msg: Any) -> bool:
+    return isinstance(msg, dict) and (any(msg.get(k) for k in REASONING_KEYS) or "</think>" in str(msg.get("content")))
+
+
+def normalize(value: Any) -> Any:
+    """Meaning, not bytes: sorted keys, JSON strings parsed, whitespace collapsed."""
+    if isinstance(value, dict):
+        return {k: normalize(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [normalize(v) for v in value]
+    if isinstance(value, str):
+        s = value.strip()
+        if s[:1] in "{[":
+            try:
+                return normalize(json.loads(s))
+            except ValueError:
+                pass
+        return " ".join(value.split())
+    return value
+
+
+def _leading_head(messages: list) -> int:
+    """Number of leading system/developer messages."""
+    n = 0
+    for m in messages:
+        if not (isinstance(m, dict) and m.get("role") in HEAD_ROLES):
+            break
+        n += 1
+    return n
+
+
+def tools_subtype(prev: list, next: list) -> str:
+    name = lambda t: json.dumps(t.get("function", t).get("name") if isinstance(t, dict) else t)
+    pn, nn = [name(t) for t in prev], [name(t) for t in next]
+    if set(pn) == set(nn):
+        return "reordered" if pn != nn else "edited"
+    if set(pn) < set(nn):
+        return "added"
+    if set(nn) < set(pn):
+        return "removed"
+    return "edited"
+
+
+def payload_cause(prev: Payload, next: Payload) -> Cause | None:
+    """What the client changed first, or None when the payload is append-only."""
+    from analyzer.canon import first_path
+
+    changed = [k for k in set(prev.params) | set(next.params) if prev.params.get(k) != next.params.get(k)]
+    if changed:
+        return Cause("param_change", ",".join(sorted(changed)), None, "$." + sorted(changed)[0])
+    if prev.tools_key != next.tools_key:
+        return Cause("tools_change", tools_subtype(prev.tools, next.tools), None,
+                     first_path(prev.tools, next.tools, "$.tools"))
+    k = first_changed(prev.keys, next.keys)
+    if k == len(prev.keys):
+        return None
+    pm = canonical_message(prev.messages[k])
+    nm = canonical_message(next.messages[k]) if k < len(next.messages) else None
+    path = first_path(pm, nm, f"$.messages[{k}]") if nm is not None else f"$.messages[{k}]"
+    head = _leading_head(prev.messages)
+    if k < head or (k == head and isinstance(nm, dict) and nm.get("role") in HEAD_ROLES):
+        a = str(pm.get("content", "")) if isinstance(pm, dict) else ""
+        b = str(nm.get("content", "")) if isinstance(nm, dict) else ""
+        ra, rb = _changed_region(a, b)
+        return Cause("system_rewrite", "volatile" if is_volatile(ra, rb) else "content", k, path)
+    if next.chars <= COMPACTION_SHRINK * prev.chars and len(next.keys) < len(prev.keys) - 1:
+        return Cause("compaction", None, k, path)
+    rest = prev.keys[k + 1 :]
+    if rest and next.keys[k : k + len(rest)] == rest:
+        role = pm.get("role") if isinstance(pm, dict) else None
+        empty = isinstance(pm, dict) and not pm.get("content") and not pm.get("tool_calls")
+        return Cause("dropped_message", f"empty_{role}" if empty else role, k, path)
+    if nm is not None and normalize(pm) == normalize(nm):
+        return Cause("serialization", None, k, path)
+    if nm is not None and _has_reasoning(pm) and _without_reasoning(pm) == _without_reasoning(nm):
+        return Cause("thinking_strip", "client", k, path)
+    if k == len(prev.keys) - 1 and prev.keys[k] not in next.keys:
+        same_slot = isinstance(nm, dict) and isinstance(pm, dict) and nm.get("role") == pm.get("role") and (
+            nm.get("tool_call_id") is not None and nm.get("tool_call_id") == pm.get("tool_call_id"))
+        if not same_slot:
+            return Cause("request_local_tail", pm.get("role") if isinstance(pm, dict) else None, k, path)
+    subtype = None
+    if isinstance(pm, dict) and isinstance(nm, dict):
+        a, b = pm.get("content"), nm.get("content")
+        if isinstance(a, str) and isinstance(b, str) and len(b) < len(a):
+            subtype = "truncated"
+    return Cause("history_edit", subtype, k, path)
+
+
+def render_cause(prev_r, next_r, next: Payload, message_index: int | None) -> Cause:
+    """A break the payload cannot explain: a template effect."""
+    if message_index is not None and 0 <= message_index < len(next.messages):
+        m = next.messages[message_index]
+        if message_index > 0 and isinstance(m, dict) and m.get("role") in HEAD_ROLES:
+            return Cause("system_fold", m.get("role"), message_index)
+    # A later system message folded into the head shows up as a changed head.
+    head = _leading_head(next.messages)
+    later = [i for i, m in enumerate(next.messages) if i >= head and isinstance(m, dict) and m.get("role") in HEAD_ROLES]
+    if later and (message_index is None or message_index < head or message_index < 0):
+        return Cause("system_fold", next.messages[later[0]].get("role"), later[0])
+    lost = prev_r.reasoning() - next_r.reasoning()
+    if lost:
+        return Cause("thinking_strip", "template", min(i for i, _ in lost))
+    return Cause("serialization", "template", message_index)
+
+
+def classify(prev: Payload, next: Payload, prev_r, next_r, render_break_index: int | None) -> Cause:
+    """The cause of a rendered break between prev and next."""
+    pc = payload_cause(prev, next)
+    if pc is None:
+        return render_cause(prev_r, next_r, next, render_break_index)
+    if pc.cause in ("param_change", "tools_change"):
+        return pc
+    # The client changed message k, but the rendering broke earlier: a template effect came first.
+    if render_break_index is not None and pc.message_index is not None and 0 <= render_break_index < pc.message_index:
+        rc = render_cause(prev_r, next_r, next, render_break_index)
+        if rc.cause != "serialization":
+            return rc
+    return pc

@@ -1,0 +1,98 @@
+"""The CI check: every transition is append-only or of an allowed cause.
+
+`check` returns a CheckResult; `assert_prefix_stable` is the same check for
+a harness's own test suite (request bodies in, AssertionError out), and
+`to_junit` writes one JUnit test case per session for CI dashboards.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from analyzer.analysis import Report, SessionResult, TurnResult, analyze
+from analyzer.causes import CAUSES
+from prefixtrace.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class Problem:
+    session_id: str
+    turn: TurnResult
+
+    def __str__(self) -> str:
+        b = self.turn.brk
+        return (f"session {self.session_id} turn {self.turn.index} ({self.turn.request_id}): {b.cause}"
+                f"{'/' + b.subtype if b.subtype else ''} at message {b.message_index} ({b.role}), "
+                f"char {b.char_offset}, token {b.token_offset}"
+                + (f", payload {b.path}" if b.path else "")
+                + f"\n  - {b.before!r}\n  + {b.after!r}")
+
+
+@dataclass
+class CheckResult:
+    report: Report
+    allow: frozenset[str]
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        if self.ok:
+            n = sum(len(s.turns) for s in self.report.sessions)
+            return f"ok: {n} request(s), every transition append-only or allowed ({', '.join(sorted(self.allow)) or 'none allowed'})"
+        first = self.problems[0]
+        return f"{len(self.problems)} transition(s) break the prefix; first: {first}"
+
+
+def parse_allow(allow: str | Iterable[str] | None) -> frozenset[str]:
+    if allow is None:
+        return frozenset()
+    names = [a.strip() for a in (allow.split(",") if isinstance(allow, str) else allow) if a.strip()]
+    unknown = [a for a in names if a not in CAUSES]
+    if unknown:
+        raise InvalidRequest(f"unknown cause(s) {', '.join(unknown)}; known: {', '.join(CAUSES)}")
+    return frozenset(names)
+
+
+def check(source: Any, *, allow: str | Iterable[str] | None = None, **analyze_kwargs: Any) -> CheckResult:
+    """Analyses `source` (see `analyze`) and collects the breaks not allowed."""
+    allowed = parse_allow(allow)
+    report = analyze(source, **analyze_kwargs)
+    result = CheckResult(report, allowed)
+    for s in report.sessions:
+        for t in s.turns:
+            if t.brk and t.brk.cause not in allowed:
+                result.problems.append(Problem(s.id, t))
+    return result
+
+
+def assert_prefix_stable(requests: Iterable[Any], *, allow: str | Iterable[str] | None = None,
+                         template: str | Path | None = None, **analyze_kwargs: Any) -> CheckResult:
+    """Raises AssertionError naming the first break that is not allowed.
+    `requests` are chat-completions bodies of one conversation, in order."""
+    result = check(list(requests), allow=allow, template=template, **analyze_kwargs)
+    if not result.ok:
+        raise AssertionError(result.summary())
+    return result
+
+
+def _session_case(s: SessionResult, problems: list[Problem]) -> ET.Element:
+    case = ET.Element("testcase", classname="prefixtrace.check", name=f"session {s.id}")
+    for p in problems:
+        failure = ET.SubElement(case, "failure", message=f"turn {p.turn.index}: {p.turn.brk.cause}", type=p.turn.brk.cause)
+        failure.text = str(p)
+    return case
+
+
+def to_junit(result: CheckResult, path: str | Path) -> None:
+    suite = ET.Element("testsuite", name="prefixtrace check", tests=str(len(result.report.sessions)),
+                       failures=str(len({p.session_id for p in result.problems})))
+    for s in result.report.sessions:
+        suite.append(_session_case(s, [p for p in result.problems if p.session_id == s.id]))
+    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
