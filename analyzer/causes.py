@@ -72,13 +72,10 @@ def is_volatile(a: str, b: str) -> bool:
 
 def _changed_region(a: str, b: str, pad: int = 40) -> tuple[str, str]:
     """The differing middles of two strings, widened to whole words."""
-    p = 0
-    n = min(len(a), len(b))
-    while p < n and a[p] == b[p]:
-        p += 1
-    s = 0
-    while s < n - p and a[-1 - s] == b[-1 - s]:
-        s += 1
+    from analyzer.divergence import common_prefix_len
+
+    p = common_prefix_len(a, b)
+    s = min(common_prefix_len(a[::-1], b[::-1]), min(len(a), len(b)) - p)
     lo = max(0, p - pad)
     return a[lo : len(a) - s + pad], b[lo : len(b) - s + pad]
 

@@ -116,6 +116,32 @@ def _hf_tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, se
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def _sandbox_class():
+    from jinja2.runtime import LoopContext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.utils import Namespace
+
+    class FastSandbox(ImmutableSandboxedEnvironment):
+        """The sandbox's attribute check costs ~2 us per `message.role`;
+        a plain key of a plain dict (our messages) is data, not code, so it
+        skips the check. Everything else goes through the sandbox."""
+
+        def getattr(self, obj, attribute):
+            t = type(obj)
+            if t is dict and type(attribute) is str and not hasattr(dict, attribute):
+                if attribute in obj:
+                    return obj[attribute]
+                return self.undefined(obj=obj, name=attribute)
+            if (t is LoopContext or t is Namespace) and type(attribute) is str and not attribute.startswith("_"):
+                try:
+                    return getattr(obj, attribute)
+                except AttributeError:
+                    pass
+            return super().getattr(obj, attribute)
+
+    return FastSandbox
+
+
 def _raise(message: str) -> None:
     raise RenderError(f"template: {message}")
 
@@ -125,9 +151,8 @@ class TemplateRenderer:
 
     def __init__(self, source: str, name: str, special: dict[str, str] | None = None):
         from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = _sandbox_class()(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _hf_tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: "1970-01-01"  # fixed: the analysis must be reproducible
@@ -137,6 +162,10 @@ class TemplateRenderer:
             raise InvalidRequest(f"cannot load chat template {name}: {exc}") from exc
         self.name = name
         self.special = special or {}
+        # Per message object: its skeleton and the sentinel ids it uses.
+        # Messages repeat from turn to turn as the same objects (see load.py).
+        self._skeletons: dict[int, tuple[Any, Any, list[int]]] = {}
+        self._originals: list[tuple[str, str]] = []  # sentinel id -> (string, kind)
 
     @classmethod
     def from_file(cls, path: str | Path) -> TemplateRenderer:
@@ -171,9 +200,14 @@ class TemplateRenderer:
 
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             raise InvalidRequest("request has no \"messages\" list")
-        originals: list[tuple[str, int, str]] = []
         messages = messages_of(body)
-        skeleton = [self._skeleton(m, i, originals) for i, m in enumerate(messages)]
+        owner_of: dict[int, int] = {}
+        skeleton = []
+        for i, m in enumerate(messages):
+            skel, sids = self._skeleton(m, i)
+            skeleton.append(skel)
+            for sid in sids:
+                owner_of[sid] = i
         kwargs = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else {}
         tools = strip_ignored(body.get("tools")) or None
         try:
@@ -192,7 +226,9 @@ class TemplateRenderer:
                 if part:
                     pending.append(part)
                 continue
-            s, owner, kind = originals[int(part)]
+            sid = int(part)
+            s, kind = self._originals[sid]
+            owner = owner_of.get(sid, HEAD)
             for lit in pending:
                 out.segments.append(lit), out.owners.append(owner), out.kinds.append("")
             pending = []
@@ -202,26 +238,31 @@ class TemplateRenderer:
             out.segments.append(lit), out.owners.append(last), out.kinds.append("")
         return out
 
-    @staticmethod
-    def _skeleton(msg: Any, index: int, originals: list) -> Any:
+    def _skeleton(self, msg: Any, index: int) -> tuple[Any, list[int]]:
+        hit = self._skeletons.get(id(msg))
+        if hit is not None and hit[0] is msg:
+            return hit[1], hit[2]
         if not isinstance(msg, dict):
             raise InvalidRequest(f"message {index} is not an object")
         out = dict(msg)
         out["content"] = flatten_content(msg.get("content"))
+        sids = []
         for key, kind in (("content", "content"), ("reasoning_content", "reasoning"), ("reasoning", "reasoning")):
             value = out.get(key)
             if not isinstance(value, str) or not value.strip() or any(s in value for s in _SENSITIVE):
                 continue
-            core = value.strip()
             lead = value[: len(value) - len(value.lstrip())]
             trail = value[len(value.rstrip()):]
-            if lead or trail:
-                core = value[len(lead): len(value) - len(trail)]
-            else:
-                core = value  # keep the very object: identity makes counting and comparing free
-            out[key] = f"{lead}\ue000{len(originals)}\ue001{trail}"
-            originals.append((core, index, kind))
-        return out
+            # Keep the very object when there is nothing to cut: identity makes counting and comparing free.
+            core = value[len(lead): len(value) - len(trail)] if lead or trail else value
+            sid = len(self._originals)
+            self._originals.append((core, kind))
+            out[key] = f"{lead}\ue000{sid}\ue001{trail}"
+            sids.append(sid)
+        if len(self._skeletons) > 200_000:  # bound the cache on huge runs; it refills from live messages
+            self._skeletons.clear()
+        self._skeletons[id(msg)] = (msg, out, sids)
+        return out, sids
 
 
 def make_renderer(template: str | Path | None = None, model: str | Path | None = None):

@@ -12,51 +12,77 @@ from prefixtrace.cli_common import library_errors, write_or_echo
 SRC = click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 
 
+def _render_options(fn):
+    for option in reversed([
+        click.option("--template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     help="Render with this chat template (.jinja), as the server would."),
+        click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
+                     help="Render with this model directory's chat template and count with its tokenizer.json."),
+        click.option("--tokenizer", "tokenizer_spec", metavar="SPEC",
+                     help="'regex', 'tiktoken:NAME' or a tokenizer.json path (default: the model's, else tiktoken o200k_base)."),
+        click.option("--block-size", type=int, help="Also report block-aligned figures for a paged cache of N-token blocks."),
+        click.option("--prefill-rate", type=float, metavar="TOK_PER_S", help="Price re-prefilled tokens in seconds."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+def _kwargs(template, model, tokenizer_spec, block_size, prefill_rate) -> dict:
+    return dict(template=template, model=model, tokenizer=tokenizer_spec, block_size=block_size,
+                prefill_rate=prefill_rate)
+
+
 @click.command()
 @SRC
-@click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Count tokens with this model directory's tokenizer (default: tiktoken o200k_base, else a regex splitter).")
-@click.option("--tokenizer", "tokenizer_spec", metavar="SPEC", help="'regex', 'tiktoken:NAME' or a tokenizer.json path.")
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@_render_options
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "html"]), default="text", show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here instead of stdout.")
-@click.option("--session", help="Only this session.")
 @library_errors
-def analyze(src, model, tokenizer_spec, fmt, out, session):
-    """Per session and turn: prompt tokens, reported cached tokens, common prefix
-    with the previous turn, and where the prompt first diverged.
+def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt, out):
+    """Per session and turn: did the prompt extend the previous one; if not, where
+    it broke (message, char and token offset), why (a fixed cause name) and what
+    it cost in re-prefilled tokens.
 
     SRC is a recorder database or a JSONL file (wrapped records or bare request
-    bodies, see docs/FORMATS.md); sessions without ids are inferred.
+    bodies, see docs/FORMATS.md); sessions without ids are inferred. Malformed
+    lines are reported with their line number and skipped.
 
-    Example: prefixtrace analyze prefixtrace.db --format json --out report.json
+    Example: prefixtrace analyze prefixtrace.db --template qwen3.jinja --format html --out report.html
     """
     from analyzer import analyze as run_analyze, format_text, to_json
+    from analyzer.html import to_html
 
-    reports = run_analyze(src, tokenizer=str(model) if model else tokenizer_spec, session=session)
-    write_or_echo(format_text(reports) if fmt == "text" else to_json(reports), out)
+    report = run_analyze(src, **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
+    text = {"text": format_text, "json": to_json, "html": to_html}[fmt](report)
+    write_or_echo(text, out)
 
 
 @click.command()
 @SRC
+@click.option("--allow", default="", metavar="CAUSES", help="Comma-separated causes that do not fail, e.g. compaction,request_local_tail.")
+@_render_options
+@click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), help="Also write a JUnit XML report here.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @library_errors
-def check(src, fmt):
-    """Exit 0 when every request of every session extends the previous one, else 1.
+def check(src, allow, template, model, tokenizer_spec, block_size, prefill_rate, junit, fmt):
+    """Exit 0 when every transition of every session is append-only or of an
+    allowed cause, else 1, naming the first offending turn, its cause and diff.
 
     Meant for CI: record (or script) a harness session, then assert that its
     prompts only ever grow at the end, so the server's prefix cache keeps working.
 
-    Example: prefixtrace check recorded-session.jsonl
+    Example: prefixtrace check recorded-session.jsonl --allow compaction,request_local_tail --junit prefix.xml
     """
-    from analyzer import check as run_check
+    from analyzer import check as run_check, to_junit
 
-    ok, problems = run_check(src)
+    result = run_check(src, allow=allow, **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
+    if junit:
+        to_junit(result, junit)
     if fmt == "json":
-        click.echo(json.dumps({"ok": ok, "problems": [p.to_dict() for p in problems]}, indent=2))
-    elif ok:
-        click.echo("ok: every request extends the previous one of its session")
+        click.echo(json.dumps({"ok": result.ok, "allow": sorted(result.allow), "problems": [
+            {"session": p.session_id, "turn": p.turn.to_dict()} for p in result.problems]}, indent=2))
     else:
-        click.echo(f"{len(problems)} request(s) do not extend the previous one:")
-        for problem in problems:
+        click.echo(result.summary())
+        for problem in result.problems[1:]:
             click.echo(f"- {problem}")
-    raise SystemExit(0 if ok else 1)
+    raise SystemExit(0 if result.ok else 1)

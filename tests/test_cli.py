@@ -38,7 +38,7 @@ def test_check_passes_an_append_only_session_and_fails_a_stale_counter():
     assert ok.exit_code == 0, ok.output
     bad = runner.invoke(cli, ["check", str(SESSIONS / "todo_stale.jsonl")])
     assert bad.exit_code == 1
-    assert "msg 0" in bad.output and "turns without an update" in bad.output
+    assert "message 0" in bad.output and "system_rewrite" in bad.output and "turns without an update" in bad.output
 
 
 def test_analyze_json_names_the_divergence(tmp_path):
@@ -46,8 +46,8 @@ def test_analyze_json_names_the_divergence(tmp_path):
     result = CliRunner().invoke(cli, ["analyze", str(SESSIONS / "todo_stale.jsonl"), "--format", "json", "--out", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
-    turns = report[0]["turns"] if isinstance(report, list) else report["sessions"][0]["turns"]
-    assert turns[1]["divergence"]["message_index"] == 0
+    turns = report["sessions"][0]["turns"]
+    assert turns[1]["break"]["message_index"] == 0 and turns[1]["break"]["cause"] == "system_rewrite"
 
 
 def test_import_export_round_trip_through_the_cli(tmp_path):

@@ -1,0 +1,81 @@
+"""The HTML report: one self-contained file (no external assets), a
+per-session timeline (stacked bars per turn: cached vs re-prefilled tokens,
+the re-prefilled part coloured by the break's cause) and the diff window of
+every break. Charts are inline SVG, so the file renders without scripts; a
+tiny script only marks the document as rendered (tests use it).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+
+from analyzer.analysis import Report
+from analyzer.causes import CAUSES
+
+COLOURS = dict(zip(CAUSES, ("#9aa5b1", "#d64545", "#e8833a", "#8e44ad", "#2d7dd2", "#f2c14e", "#3c9d5d",
+                             "#c2185b", "#00897b", "#6d4c41", "#546e7a")))
+CACHED = "#cfd8dc"
+BAR_W, GAP, HEIGHT = 6, 1, 120
+
+
+def _svg(session) -> str:
+    turns = [t for t in session.turns if t.prompt_tokens is not None]
+    top = max((t.prompt_tokens for t in turns), default=1) or 1
+    width = max(1, len(session.turns)) * (BAR_W + GAP)
+    bars = []
+    for t in session.turns:
+        if t.prompt_tokens is None:
+            continue
+        x = t.index * (BAR_W + GAP)
+        cached_h = HEIGHT * (t.common_prefix_tokens or 0) / top
+        re_h = HEIGHT * (t.reprefill_tokens or 0) / top
+        colour = COLOURS[t.brk.cause] if t.brk else COLOURS["append_only"]
+        tip = html.escape(f"turn {t.index}: {t.prompt_tokens:,} tokens, {t.common_prefix_tokens:,} cached, "
+                          f"{t.reprefill_tokens:,} re-prefilled" + (f" ({t.brk.cause})" if t.brk else ""))
+        bars.append(f'<g class="turn{" break" if t.brk else ""}"><title>{tip}</title>'
+                    f'<rect x="{x}" y="{HEIGHT - cached_h:.1f}" width="{BAR_W}" height="{cached_h:.1f}" fill="{CACHED}"/>'
+                    f'<rect x="{x}" y="{HEIGHT - cached_h - re_h:.1f}" width="{BAR_W}" height="{re_h:.1f}" fill="{colour}"/></g>')
+    return (f'<svg class="timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{HEIGHT}" '
+            f'viewBox="0 0 {width} {HEIGHT}">{"".join(bars)}</svg>')
+
+
+def to_html(report: Report) -> str:
+    d = report.to_dict()
+    esc = html.escape
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>prefixtrace analysis</title><style>",
+        "body{font:14px system-ui,sans-serif;margin:1.5em}pre{background:#f6f8fa;padding:.5em;white-space:pre-wrap;"
+        "word-break:break-all}.del{background:#ffebe9}.ins{background:#e6ffec}.legend span{display:inline-block;"
+        "margin-right:1em}.legend i{display:inline-block;width:.9em;height:.9em;margin-right:.3em}"
+        "svg.timeline{border-bottom:1px solid #999;display:block;margin:.5em 0}table{border-collapse:collapse}"
+        "td,th{padding:2px 8px;border-bottom:1px solid #eee;text-align:right}",
+        "</style></head><body>",
+        f"<h1>prefixtrace analysis</h1><p>renderer: <code>{esc(report.renderer)}</code> · tokenizer: "
+        f"<code>{esc(report.tokenizer)}</code> · {d['totals']['reprefill_tokens']:,} of "
+        f"{d['totals']['prompt_tokens']:,} prompt tokens re-prefilled</p>",
+        '<p class="legend">' + f'<span><i style="background:{CACHED}"></i>cached</span>'
+        + "".join(f'<span><i style="background:{c}"></i>{n}</span>' for n, c in COLOURS.items()) + "</p>",
+    ]
+    if d["totals"]["by_cause"]:
+        parts.append("<table><tr><th>cause</th><th>breaks</th><th>re-prefilled tokens</th></tr>")
+        for cause, c in d["totals"]["by_cause"].items():
+            parts.append(f"<tr><td>{cause}</td><td>{c['breaks']}</td><td>{c['reprefill_tokens']:,}</td></tr>")
+        parts.append("</table>")
+    for skipped in report.skipped:
+        parts.append(f"<p>skipped line {skipped['line']}: {esc(skipped['error'])}</p>")
+    for s in report.sessions:
+        breaks = [t for t in s.turns if t.brk]
+        parts.append(f'<section class="session" data-session="{esc(s.id)}"><h2>session {esc(s.id)}</h2>'
+                     f"<p>{len(s.turns)} turns, {len(breaks)} break(s)</p>{_svg(s)}")
+        for t in breaks:
+            b = t.brk
+            parts.append(f'<div class="break" data-cause="{b.cause}"><h3>turn {t.index}: {b.cause}'
+                         f"{'/' + b.subtype if b.subtype else ''}</h3><p>message {b.message_index} ({esc(str(b.role))}),"
+                         f" char {b.char_offset:,}, token {b.token_offset:,}, {t.reprefill_tokens:,} tokens re-prefilled"
+                         + (f", payload <code>{esc(b.path)}</code>" if b.path else "") + "</p>"
+                         f'<pre class="del">- {esc(b.before)}</pre><pre class="ins">+ {esc(b.after)}</pre></div>')
+        parts.append("</section>")
+    parts.append(f"<script>document.body.dataset.rendered = String(document.querySelectorAll('svg.timeline').length);"
+                 f"window.prefixtraceReport = {json.dumps(d['totals'])};</script></body></html>")
+    return "".join(parts)
