@@ -1,9 +1,8 @@
 """The embedded engine: one thread owns MLX and serves sequences from a queue.
 
-v0 runs one sequence at a time on mlx-lm's `generate_step` (chunked prefill,
-pipelined decode) over a KV cache restored from the prefix cache. The scheduler
-issue replaces the inner loop with continuous batching; the thread/queue
-boundary, the `Sequence` contract and the events stay.
+The thread loads the model, then alternates between taking new sequences off
+the queue and one `Scheduler.step()` (continuous batching over the prefix
+cache). Other threads only render prompts, submit sequences and read events.
 """
 
 from __future__ import annotations
@@ -11,25 +10,19 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import trim_prompt_cache
+from mlx_lm.generate import generation_stream
 
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
 from engine.model_files import load_model
 from engine.prefix_cache import PrefixCache
-from engine.sequence import Failed, Finished, Sequence, TextDelta
-from engine.stop_strings import StopMatcher
+from engine.scheduler import Scheduler
+from engine.sequence import Failed, Sequence
 from prefixtrace.errors import ContextExceedsCapacity, EngineError, EngineNotReady, PrefixtraceError
 
 log = logging.getLogger("prefixtrace.engine")
-
-
-class _Cancelled(Exception):
-    """Raised inside mlx-lm's prefill callback to stop a cancelled prefill between chunks."""
 
 
 class Engine:
@@ -42,6 +35,7 @@ class Engine:
         cache_bytes: byte budget of the in-memory prefix cache.
         default_max_tokens: completion cap when a request sets no max_tokens.
         prefill_step_size: tokens per prefill chunk (bounds the transient memory peak).
+        max_batch: most sequences decoding together.
     """
 
     def __init__(
@@ -53,6 +47,7 @@ class Engine:
         cache_bytes: int = 2 << 30,
         default_max_tokens: int = 4096,
         prefill_step_size: int = 512,
+        max_batch: int = 8,
     ):
         self.model_dir = Path(model_dir)
         self.name = name or self.model_dir.name
@@ -60,6 +55,7 @@ class Engine:
         self.cache_bytes = cache_bytes
         self.default_max_tokens = default_max_tokens
         self.prefill_step_size = prefill_step_size
+        self.max_batch = max_batch
         self.model = None
         self.tokenizer = None
         self.context_length: int = 0
@@ -67,9 +63,8 @@ class Engine:
         self._queue: queue.Queue[Sequence | None] = queue.Queue()
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
+        self.scheduler: Scheduler | None = None
         self._thread = threading.Thread(target=self._main, name="prefixtrace-engine", daemon=True)
-        # Written by the engine thread only; read anywhere (ints are atomic to read).
-        self.stats = {"requests": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
 
     # --- lifecycle (any thread) -------------------------------------------------
 
@@ -126,107 +121,44 @@ class Engine:
             self.model, self.tokenizer, config = load_model(self.model_dir, self.dtype)
             self.context_length = int(config.get("max_position_embeddings") or 4096)
             self.prefix_cache = PrefixCache(self.model, max_bytes=self.cache_bytes)
+            self.scheduler = Scheduler(
+                self.model,
+                self.tokenizer,
+                self.prefix_cache,
+                context_length=self.context_length,
+                max_batch=self.max_batch,
+                prefill_chunk=self.prefill_step_size,
+                default_max_tokens=self.default_max_tokens,
+            )
             log.info("model %s loaded from %s (context %d tokens)", self.name, self.model_dir, self.context_length)
         except BaseException as exc:  # reported through wait_ready()
             self._load_error = exc
             self._ready.set()
             return
         self._ready.set()
-        while (seq := self._queue.get()) is not None:
-            try:
-                self._run(seq)
-            except PrefixtraceError as exc:
-                seq.emit(Failed(exc))
-            except Exception as exc:
-                log.exception("engine failed on sequence %d", seq.seq_id)
-                seq.emit(Failed(EngineError(f"engine failure: {exc!r}")))
+        with mx.stream(generation_stream):
+            while self._take_requests(block=not self.scheduler.has_work):
+                if not self.scheduler.has_work:
+                    continue
+                try:
+                    self.scheduler.step()
+                except Exception as exc:
+                    log.exception("engine step failed; failing every in-flight request")
+                    error = exc if isinstance(exc, PrefixtraceError) else EngineError(f"engine failure: {exc!r}")
+                    self.scheduler.fail_all(Failed(error))
 
-    def _run(self, seq: Sequence) -> None:
-        if seq.cancelled:
-            seq.emit(Finished("cancelled", seq.num_prompt_tokens, 0, 0, 0.0, 0.0))
-            return
-        start = time.perf_counter()
-        hit = self.prefix_cache.lookup(seq.prompt_ids)
-        seq.num_cached_tokens = hit.num_cached
-        cache = hit.cache
-        params = seq.params
-        max_tokens = params.max_tokens or min(self.default_max_tokens, self.context_length - seq.num_prompt_tokens)
-        if params.seed is not None:
-            mx.random.seed(params.seed)
-        detok = self.tokenizer.detokenizer
-        detok.reset()
-        stops = StopMatcher(params.stop)
-        eos = set(self.tokenizer.eos_token_ids)
-        finish = "length"
-        first_token_at = None
-
-        def on_progress(done: int, total: int) -> None:
-            if seq.cancelled and done < total:
-                raise _Cancelled
-
-        tokens = generate_step(
-            mx.array(seq.prompt_ids[hit.num_cached :]),
-            self.model,
-            prompt_cache=cache,
-            sampler=params.make_sampler(),
-            max_tokens=max_tokens,
-            prefill_step_size=self.prefill_step_size,
-            prompt_progress_callback=on_progress,
-        )
+    def _take_requests(self, block: bool) -> bool:
+        """Move queued sequences into the scheduler; False once shutdown was asked."""
         try:
-            for token, _ in tokens:
-                if first_token_at is None:
-                    first_token_at = time.perf_counter()
-                seq.output_ids.append(token)
-                if token in eos:
-                    finish = "stop"
-                    break
-                detok.add_token(token)
-                text, hit_stop = stops.feed(detok.last_segment)
-                if text:
-                    seq.emit(TextDelta(text, [token]))
-                if hit_stop:
-                    finish = "stop"
-                    break
-                if seq.cancelled:
-                    finish = "cancelled"
-                    break
-            else:
-                detok.finalize()
-                text, _ = stops.feed(detok.last_segment)
-                text += stops.flush()
-                if text:
-                    seq.emit(TextDelta(text, []))
-        except _Cancelled:
-            finish = "cancelled"
-        finally:
-            tokens.close()
-            self._keep(seq, cache)
-        end = time.perf_counter()
-        first = first_token_at or end
-        self._count(seq, finish)
-        seq.emit(
-            Finished(
-                finish,
-                seq.num_prompt_tokens,
-                seq.num_completion_tokens,
-                seq.num_cached_tokens,
-                prefill_s=first - start,
-                decode_s=end - first,
-            )
-        )
+            item = self._queue.get(block=block)
+            while True:
+                if item is None:
+                    return False
+                self.scheduler.add(item)
+                item = self._queue.get_nowait()
+        except queue.Empty:
+            return True
 
-    def _count(self, seq: Sequence, finish: str) -> None:
-        self.stats["requests"] += 1
-        self.stats["cancelled"] += finish == "cancelled"
-        self.stats["prompt_tokens"] += seq.num_prompt_tokens
-        self.stats["cached_tokens"] += seq.num_cached_tokens
-        self.stats["generated_tokens"] += seq.num_completion_tokens
-
-    def _keep(self, seq: Sequence, cache) -> None:
-        """Store what was computed (also for a cancelled or failed run) for later prefixes."""
-        ids = seq.all_ids
-        extra = cache[0].offset - len(ids)
-        if extra > 0:  # mlx-lm fed a sampled token that was never delivered
-            trim_prompt_cache(cache, extra)
-        self.prefix_cache.store(ids, cache)
+    @property
+    def stats(self) -> dict:
+        return self.scheduler.stats if self.scheduler else {}

@@ -41,10 +41,12 @@ def cli():
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
               help="Activation dtype of the embedded engine. Default: the fastest measured on this platform.")
 @click.option("--cache-memory-gb", default=2.0, show_default=True, type=float, help="Byte budget of the in-memory prefix cache.")
-@click.option("--prefill-step-size", default=512, show_default=True, type=int, help="Tokens per prefill chunk.")
+@click.option("--prefill-chunk", default=512, show_default=True, type=click.IntRange(1),
+              help="Tokens per prefill chunk; decoding rows run between chunks.")
+@click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1), help="Most requests decoding together.")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @_library_errors
-def serve(host, port, db, model, upstream, dtype, cache_memory_gb, prefill_step_size, log_level):
+def serve(host, port, db, model, upstream, dtype, cache_memory_gb, prefill_chunk, max_batch, log_level):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions (streamed and not), GET /v1/models,
@@ -65,7 +67,8 @@ def serve(host, port, db, model, upstream, dtype, cache_memory_gb, prefill_step_
 
         dtype = default_dtype()
     run_serve(ServeConfig(host=host, port=port, db=db, model=model, upstream=upstream, dtype=dtype,
-                          cache_memory_gb=cache_memory_gb, prefill_step_size=prefill_step_size, log_level=log_level))
+                          cache_memory_gb=cache_memory_gb, prefill_chunk=prefill_chunk, max_batch=max_batch,
+                          log_level=log_level))
 
 
 @cli.command()

@@ -26,7 +26,8 @@ class ServeConfig:
     upstream: str | None = None
     dtype: str | None = None
     cache_memory_gb: float = 2.0
-    prefill_step_size: int = 512
+    prefill_chunk: int = 512
+    max_batch: int = 8
     log_level: str = "info"
 
 
@@ -45,7 +46,8 @@ def build_backend(config: ServeConfig):
         name=name,
         dtype=config.dtype,
         cache_bytes=int(config.cache_memory_gb * (1 << 30)),
-        prefill_step_size=config.prefill_step_size,
+        prefill_step_size=config.prefill_chunk,
+        max_batch=config.max_batch,
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
     return EngineBackend(engine)
