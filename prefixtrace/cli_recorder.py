@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -14,20 +15,21 @@ DB = click.argument("db", type=click.Path(exists=True, dir_okay=False, path_type
 
 @click.command()
 @DB
-@click.option("--format", "fmt", type=click.Choice(["jsonl"]), default="jsonl", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "har"]), default="jsonl", show_default=True)
 @click.option("--session", help="Only this session.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Output file (default: stdout).")
 @library_errors
 def export(db, fmt, session, out):
-    """Export recorded turns as JSONL, one wrapped record per line (docs/FORMATS.md).
+    """Export recorded turns as JSONL (one wrapped record per line) or HAR 1.2.
 
-    Example: prefixtrace export prefixtrace.db --session s1 --out s1.jsonl
+    Request bodies are written byte for byte as they were stored; see
+    docs/FORMATS.md. A file given with --out appears only once complete.
+
+    Example: prefixtrace export prefixtrace.db --format har --session s1 --out s1.har
     """
-    import sys
+    from recorder.sources import export as run_export
 
-    from recorder import export_jsonl
-
-    count = export_jsonl(db, out if out else sys.stdout, session=session)
+    count = run_export(db, out if out else sys.stdout, fmt, session=session)
     click.echo(f"exported {count} turn(s)", err=True)
 
 
@@ -36,40 +38,65 @@ def export(db, fmt, session, out):
 @click.option("--db", default="prefixtrace.db", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
 @library_errors
 def import_(file, db):
-    """Import a JSONL file (wrapped records or bare request bodies) into a database.
+    """Import a JSONL file (wrapped records or bare request bodies) or a HAR
+    file (from prefixtrace, a browser or mitmproxy) into a database.
 
-    All or nothing: a malformed line is reported with its number and nothing is written.
+    All or nothing: a malformed line or entry is reported with its number and
+    nothing is written.
 
-    Example: prefixtrace import traffic.jsonl --db prefixtrace.db
+    Example: prefixtrace import capture.har --db prefixtrace.db
     """
-    from recorder import import_jsonl
+    from recorder.sources import import_file
 
-    count = import_jsonl(file, db)
+    count = import_file(file, db)
     click.echo(f"imported {count} turn(s) into {db}")
 
 
 @click.command()
 @click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--target", required=True, metavar="URL", help="OpenAI-compatible server to replay against.")
+@click.option("--target", "targets", required=True, multiple=True, metavar="URL",
+              help="OpenAI-compatible server to replay against; repeat for an A/B comparison (the first is the baseline).")
 @click.option("--session", help="Only this session.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write the JSON report here.")
+@click.option("--concurrency", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Sessions replayed in parallel.")
+@click.option("--pace", type=click.Choice(["original", "asap"]), default="asap", show_default=True,
+              help="original: keep the recorded gaps between requests; asap: send each as soon as the last finished.")
+@click.option("--max-gap", type=float, metavar="SECONDS", help="With --pace original, cap each gap at this.")
+@click.option("--model", help="Send this model name instead of the recorded one.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the report here: JSON, or a self-contained HTML page when the name ends in .html.")
 @library_errors
-def replay(src, target, session, out):
-    """Re-send recorded requests, in order per session, and measure each turn.
+def replay(src, targets, session, concurrency, pace, max_gap, model, out):
+    """Re-send recorded requests (database, JSONL or HAR), in order per
+    session, to one or more servers, and measure each turn.
 
-    Reports per turn: status, prompt tokens, cached tokens as the target
-    reports them (? when it does not), the recorded cached tokens, TTFT, total.
+    Reports per turn and target: status, prompt tokens, cached tokens as the
+    target reports them (normalised across OpenAI, llama.cpp and Anthropic
+    usage; ? when not reported), the recorded cached tokens, TTFT and total
+    time; then medians and ratios to the first target. An unreachable target
+    is named and skipped; the others still run, and the exit status is 1.
 
-    Example: prefixtrace replay prefixtrace.db --target http://127.0.0.1:8080 --out replay.json
+    Example: prefixtrace replay prefixtrace.db --target http://127.0.0.1:8080 --target http://127.0.0.1:8081 --out ab.html
     """
-    from analyzer import load_turns
-    from recorder.replay import format_replay, replay as run_replay, write_report
+    from recorder.replay import replay as run_replay, write_report
+    from recorder.replay_report import format_replay
+    from recorder.sources import load_turns
 
-    turns = [t for t in load_turns(src) if session is None or t.session_id == session]
-    report = run_replay(turns, target)
+    turns = load_turns(src, session=session)
+    total = sum(1 for t in turns if isinstance(t.request_body, dict) and isinstance(t.request_body.get("messages"), list))
+    with click.progressbar(length=total * len(targets), label="replaying", file=sys.stderr,
+                           show_pos=True) as bar:
+        report = run_replay(turns, list(targets), concurrency=concurrency, pace=pace, model=model,
+                            max_gap_s=max_gap, progress=lambda url, turn: bar.update(1))
     click.echo(format_replay(report))
     if out:
         write_report(report, out)
+        click.echo(f"wrote {out}", err=True)
+    failed = [t for t in report["targets"] if t.get("error")]
+    for target in failed:
+        click.echo(f"Error: {target['error']}", err=True)
+    if failed:
+        sys.exit(1)
 
 
 @click.group()
@@ -84,7 +111,7 @@ def db():
 @DB
 @library_errors
 def info(db):
-    """Sessions, turns, size and date range of a recorder database.
+    """Sessions, turns, size, date range and message store of a recorder database.
 
     Example: prefixtrace db info prefixtrace.db
     """

@@ -79,7 +79,7 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
             if turn.request_body is None:
                 turn.request_body = raw.decode("utf-8", errors="replace")
             status = http_status(exc)
-            recorder.record(builder.finish(status, exc.message))
+            await _record_durably(recorder, builder.finish(status, exc.message))
             return JSONResponse(to_openai_error(exc), status_code=status)
         if chat.streams_events:
             return StreamingResponse(
@@ -92,16 +92,28 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
             data, content_type = await chat.whole()
         except PrefixtraceError as exc:
             status = http_status(exc)
-            recorder.record(builder.finish(status, exc.message))
+            await _record_durably(recorder, builder.finish(status, exc.message))
             return JSONResponse(to_openai_error(exc), status_code=status)
         except asyncio.CancelledError:
             chat.cancel()
             recorder.record(builder.finish(499, "client disconnected"))
             raise
-        recorder.record(builder.finish(chat.status))
+        await _record_durably(recorder, builder.finish(chat.status))
         return Response(data, status_code=chat.status, media_type=content_type)
 
     return app
+
+
+async def _record_durably(recorder: TurnSink, turn: Turn) -> None:
+    """Hands `turn` over and waits until it is committed, so a client that has
+    seen the end of its response can rely on the turn surviving a crash of the
+    proxy. Only this response waits, for its own commit; the event loop does
+    not (`Recorder.record_async` waits for queue room in a worker thread)."""
+    record_async = getattr(recorder, "record_async", None)
+    if record_async is None:
+        recorder.record(turn)
+    else:
+        await record_async(turn)
 
 
 async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):
@@ -113,15 +125,21 @@ async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):
             recorded = True
             recorder.record(builder.finish(chat.status, error))
 
+    async def record_durably(error: str | None = None) -> None:
+        nonlocal recorded
+        if not recorded:
+            recorded = True
+            await _record_durably(recorder, builder.finish(chat.status, error))
+
     try:
         async for event in chat.sse():
             if event == sse.DONE:
-                # Record before the client can see the end of the stream, so a
-                # client that reads [DONE] can rely on the turn being queued.
-                record()
+                # Commit before the client can see the end of the stream, so a
+                # client that reads [DONE] can rely on the turn being stored.
+                await record_durably()
             yield event
     except PrefixtraceError as exc:  # failed after the headers went out: tell the client in-band
-        record(exc.message)
+        await record_durably(exc.message)
         yield sse.encode(to_openai_error(exc))
         yield sse.DONE
     except (asyncio.CancelledError, GeneratorExit):

@@ -1,28 +1,37 @@
-"""Replay recorded requests against an OpenAI-compatible server and measure each turn.
+"""Replay recorded requests against OpenAI-compatible servers and measure each turn.
 
-v0: one target, each session's requests in order (sessions one after another),
-streamed with `stream_options.include_usage` so TTFT and usage are measured the
-same way for every server. The replay issue adds several targets, concurrency,
-pacing and the A/B report on top of `replay_session`.
+Each target is replayed in turn (one after another, so two builds never
+compete for the same machine); within a target, each session's requests go in
+recorded order, sessions in parallel up to `concurrency`. Every request is
+streamed with `stream_options.include_usage`, so TTFT and usage are measured
+the same way for every server, and cached prompt tokens are normalised across
+server families (`cached_from_usage`).
+
+A target that cannot be reached is named in its `error` and every one of its
+turns carries that error; the other targets still run. A target that answers
+with errors has them recorded per turn. The report's shape is documented in
+docs/FORMATS.md; `recorder.replay_report` summarises and renders it.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import httpx
 
-from prefixtrace.errors import UpstreamError
+from prefixtrace.errors import InvalidRequest, UpstreamError
 from proxy import sse
 from proxy.upstream_backend import map_httpx_errors, normalize_base_url
+from recorder.replay_report import format_replay, summarise, write_report  # noqa: F401 (re-exported)
 from recorder.turn import Turn
 
 # Per-request fields that change between a recording and a replay and would
 # otherwise make the server see a different request.
 _STRIP = ("stream", "stream_options", "n")
+PACES = ("original", "asap")
 
 
 @dataclass
@@ -30,7 +39,7 @@ class ReplayedTurn:
     session: str | None
     index: int
     request_id: str
-    status: int
+    status: int  # HTTP status; 0 = no response (unreachable, connection dropped)
     prompt_tokens: int | None
     cached_tokens: int | None  # None: the server did not report it
     completion_tokens: int | None
@@ -38,6 +47,13 @@ class ReplayedTurn:
     total_ms: float
     recorded_cached_tokens: int | None
     error: str | None = None
+
+    @property
+    def output_tokens(self) -> int | None:
+        return self.completion_tokens
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "output_tokens": self.output_tokens}
 
 
 def cached_from_usage(usage: dict | None, chunk: dict | None = None) -> int | None:
@@ -54,25 +70,37 @@ def cached_from_usage(usage: dict | None, chunk: dict | None = None) -> int | No
     return None
 
 
-def replay_turn(client: httpx.Client, turn: Turn, index: int) -> ReplayedTurn:
+def _has_output(chunk: dict) -> bool:
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls"):
+            return True
+    return False
+
+
+async def replay_turn(client: httpx.AsyncClient, turn: Turn, index: int, model: str | None = None) -> ReplayedTurn:
     body = {k: v for k, v in turn.request_body.items() if k not in _STRIP}
     body.update(stream=True, stream_options={"include_usage": True})
+    if model is not None:
+        body["model"] = model
     usage, last_chunk, ttft, status, error = None, None, None, 0, None
     t0 = time.perf_counter()
     try:
         with map_httpx_errors(str(client.base_url)):
-            with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
                 status = response.status_code
                 if status >= 400:
-                    error = response.read().decode(errors="replace")[:500]
+                    error = (await response.aread()).decode(errors="replace")[:500]
                 else:
-                    for line in response.iter_lines():
+                    async for line in response.aiter_lines():
                         chunk = sse.decode_data(line.encode()) if line.startswith("data:") else None
                         if not chunk:
                             continue
+                        if isinstance(chunk.get("error"), dict):  # failed after the headers: reported in-band
+                            error = str(chunk["error"].get("message"))[:500]
+                            continue
                         last_chunk = chunk
-                        if ttft is None and any((c.get("delta") or {}).get("content") or (c.get("delta") or {}).get("reasoning_content")
-                                                for c in chunk.get("choices") or []):
+                        if ttft is None and _has_output(chunk):
                             ttft = time.perf_counter() - t0
                         usage = chunk.get("usage") or usage
     except UpstreamError as exc:
@@ -93,34 +121,124 @@ def replay_turn(client: httpx.Client, turn: Turn, index: int) -> ReplayedTurn:
     )
 
 
-def replay(turns: Iterable[Turn], target: str, *, timeout: float = 600.0) -> dict:
-    """Send every replayable turn to `target`, in recorded order per session; return the report."""
+def group_sessions(turns: Iterable[Turn]) -> list[list[Turn]]:
+    """Replayable turns (chat bodies) per session, sessions in order of their
+    first turn, turns in recorded order. Turns without a session form one."""
     by_session: dict[str | None, list[Turn]] = {}
-    for turn in turns:
+    for turn in sorted(turns, key=lambda t: (t.started_at, t.request_id)):
         if isinstance(turn.request_body, dict) and isinstance(turn.request_body.get("messages"), list):
             by_session.setdefault(turn.session_id, []).append(turn)
-    url = normalize_base_url(target)
-    results = []
-    with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout, connect=10.0)) as client:
-        for session_turns in by_session.values():
-            for index, turn in enumerate(session_turns):
-                results.append(replay_turn(client, turn, index))
-    return {"targets": [{"url": url, "turns": [asdict(r) for r in results]}]}
+    return list(by_session.values())
 
 
-def format_replay(report: dict) -> str:
-    lines = []
-    for target in report["targets"]:
-        lines.append(f"target {target['url']}")
-        lines.append(f"{'session':<24} {'#':>3} {'status':>6} {'prompt':>8} {'cached':>8} {'recorded':>8} {'ttft ms':>9} {'total ms':>9}")
-        for t in target["turns"]:
-            q = lambda v: "?" if v is None else str(v)  # noqa: E731
-            lines.append(f"{(t['session'] or '-')[:24]:<24} {t['index']:>3} {t['status']:>6} {q(t['prompt_tokens']):>8} "
-                         f"{q(t['cached_tokens']):>8} {q(t['recorded_cached_tokens']):>8} {q(t['ttft_ms']):>9} {t['total_ms']:>9}"
-                         + (f"  error: {t['error'][:60]}" if t["error"] else ""))
-    return "\n".join(lines)
+def _gaps(session: list[Turn], t_first: float, max_gap_s: float | None) -> list[float]:
+    """Seconds to wait before each turn under `--pace original`: the first turn
+    waits for its session's original start offset, later turns for the
+    original think time between the previous response's end and this request."""
+    gaps = []
+    for k, turn in enumerate(session):
+        if k == 0:
+            gap = turn.started_at - t_first
+        else:
+            prev = session[k - 1]
+            gap = turn.started_at - (prev.started_at + (prev.total_s or 0.0))
+        gap = max(gap, 0.0)
+        gaps.append(gap if max_gap_s is None else min(gap, max_gap_s))
+    return gaps
 
 
-def write_report(report: dict, path) -> None:
-    with open(path, "w") as fh:
-        json.dump(report, fh, indent=2)
+async def _probe(client: httpx.AsyncClient, url: str) -> str | None:
+    """None when something answers HTTP at `url`, else why not."""
+    try:
+        await client.get("/v1/models", timeout=httpx.Timeout(10.0, connect=5.0))
+    except httpx.HTTPError as exc:
+        return f"target {url} is unreachable: {type(exc).__name__}: {exc}".rstrip(": ")
+    return None
+
+
+async def replay_target(
+    url: str,
+    sessions: list[list[Turn]],
+    *,
+    concurrency: int = 1,
+    pace: str = "asap",
+    model: str | None = None,
+    timeout: float = 600.0,
+    max_gap_s: float | None = None,
+    progress: Callable[[str, ReplayedTurn], None] | None = None,
+) -> dict:
+    """Replays `sessions` against one target; returns its report entry."""
+    url = normalize_base_url(url)
+    results: list[ReplayedTurn] = []
+    limits = httpx.Limits(max_connections=max(concurrency, 1) + 1)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout, connect=10.0), limits=limits) as client:
+        unreachable = await _probe(client, url)
+        if unreachable is not None:
+            for session in sessions:
+                for index, turn in enumerate(session):
+                    failed = ReplayedTurn(turn.session_id, index, turn.request_id, 0, None, None, None, None, 0.0,
+                                          turn.cached_tokens, unreachable)
+                    results.append(failed)
+                    if progress:
+                        progress(url, failed)
+            return _target_entry(url, results, sessions, unreachable)
+
+        slots = asyncio.Semaphore(max(concurrency, 1))
+        t_first = min((s[0].started_at for s in sessions), default=0.0)
+        t_start = time.monotonic()
+
+        async def run_session(session: list[Turn]) -> None:
+            gaps = _gaps(session, t_first, max_gap_s) if pace == "original" else [0.0] * len(session)
+            first_gap, gaps[0] = gaps[0], 0.0
+            # Sessions start at their original offsets; waiting for it holds no slot.
+            await asyncio.sleep(max(0.0, first_gap - (time.monotonic() - t_start)))
+            async with slots:
+                for index, (turn, gap) in enumerate(zip(session, gaps)):
+                    if gap:
+                        await asyncio.sleep(gap)
+                    result = await replay_turn(client, turn, index, model)
+                    results.append(result)
+                    if progress:
+                        progress(url, result)
+
+        await asyncio.gather(*(run_session(s) for s in sessions))
+    return _target_entry(url, results, sessions, None)
+
+
+def _target_entry(url: str, results: list[ReplayedTurn], sessions: list[list[Turn]], error: str | None) -> dict:
+    order = {t.request_id: (k, i) for k, s in enumerate(sessions) for i, t in enumerate(s)}
+    results.sort(key=lambda r: order[r.request_id])
+    turns = [r.to_dict() for r in results]
+    return {"url": url, "error": error, "turns": turns, "summary": summarise(turns)}
+
+
+def replay(
+    turns: Iterable[Turn],
+    targets: str | list[str],
+    *,
+    concurrency: int = 1,
+    pace: str = "asap",
+    model: str | None = None,
+    timeout: float = 600.0,
+    max_gap_s: float | None = None,
+    progress: Callable[[str, ReplayedTurn], None] | None = None,
+) -> dict:
+    """Replays every replayable turn against each target; returns the report
+    `{"targets": [{"url", "error", "turns": [...], "summary"}], "comparison"}`."""
+    if isinstance(targets, str):
+        targets = [targets]
+    if not targets:
+        raise InvalidRequest("replay needs at least one target")
+    if pace not in PACES:
+        raise InvalidRequest(f"unknown pace {pace!r}; expected one of {', '.join(PACES)}")
+    if concurrency < 1:
+        raise InvalidRequest(f"concurrency must be >= 1, got {concurrency}")
+    sessions = group_sessions(turns)
+    entries = [
+        asyncio.run(replay_target(url, sessions, concurrency=concurrency, pace=pace, model=model, timeout=timeout,
+                                  max_gap_s=max_gap_s, progress=progress))
+        for url in targets
+    ]
+    from recorder.replay_report import compare
+
+    return {"targets": entries, "comparison": compare(entries)}

@@ -38,6 +38,7 @@ RESULT_COLUMNS = (
     "prompt_tokens", "completion_tokens", "cached_tokens", "usage", "ttft_s", "total_s",
     "chunk_times", "render",
 )
+PAGE_SIZE = 1024
 BODY_COLUMNS = ("body_json", "body_head", "body_sep", "body_tail", "body_prefix")
 
 
@@ -179,6 +180,14 @@ def open_db(path: str | Path, *, tracer: Callable | None = None, create: bool = 
         if tables and "meta" not in tables:
             db.close()
             raise RecorderError(f"{p} is a SQLite database but not a prefixtrace recorder database")
+        if not tables:
+            # Small pages pack the message store tighter: a message larger
+            # than a page goes to full overflow pages, and what is left over
+            # per leaf page is at most about one small cell. Measured on the
+            # synthetic field log: 1.15x the unique message bytes at 1 KiB
+            # pages vs 1.20x at the default 4 KiB (docs/PERFORMANCE.md). The
+            # size can only be set before the first table exists.
+            db.execute(f"pragma page_size = {PAGE_SIZE}")
         # WAL: readers (the analyzer) never block the writer. synchronous=NORMAL
         # in WAL mode still survives kill -9 of the process (committed frames
         # are in the OS page cache); only power loss can drop the last commits.

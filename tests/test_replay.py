@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import httpx
 
-from analyzer import load_turns
 from engine.engine import Engine
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 from recorder.replay import replay
+from recorder.sources import load_turns
 from recorder.store import Recorder
 from tests.conftest import TINY_MODEL, free_port, running_server
 

@@ -1,0 +1,236 @@
+"""HAR 1.2 import/export of recorded turns (format: docs/FORMATS.md).
+
+Export writes one entry per turn that any HAR viewer can show: the request
+body is `postData.text` (the stored text, byte for byte), the response content
+is the reply rendered as a chat.completion (or SSE for streamed turns), and
+`timings.wait` is the TTFT. What HAR has no field for (session, token counts,
+chunk times, render facts, the exact original ts) goes in a custom
+`_prefixtrace` object (HAR allows `_`-prefixed fields), which is what makes
+export -> import -> export lossless.
+
+Import takes HAR from browsers and mitmproxy too: every POST whose body is a
+chat request (a JSON object with a `messages` list) becomes a turn; other
+entries (pages, assets, GETs) are skipped. Without `_prefixtrace`, the reply,
+usage and finish reason are read back from the response content, SSE or JSON.
+Import is all or nothing, like JSONL.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+from prefixtrace.errors import InvalidRequest
+from recorder.jsonl import DEFAULT_ENDPOINT, record_to_turn, turn_to_record
+from recorder.turn import Turn
+
+CREATOR = {"name": "prefixtrace", "version": "1"}
+_EXTRA = "_prefixtrace"
+_NO_HOST = "http://prefixtrace.invalid"  # URL base for turns whose upstream is not a URL (embedded engine)
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _ms(seconds: float | None) -> float:
+    return -1 if seconds is None else round(seconds * 1000, 3)
+
+
+def _response_content(turn: Turn) -> tuple[str, str]:
+    message: dict[str, Any] = {"role": "assistant", "content": turn.response_text}
+    if turn.reasoning_text:
+        message["reasoning_content"] = turn.reasoning_text
+    if turn.tool_calls:
+        message["tool_calls"] = turn.tool_calls
+    if turn.status >= 400 or turn.status == 0:
+        return "application/json", json.dumps({"error": {"message": turn.error}}, ensure_ascii=False)
+    if not turn.stream:
+        body = {"object": "chat.completion", "choices": [{"index": 0, "message": message,
+                                                          "finish_reason": turn.finish_reason}]}
+        if turn.usage is not None:
+            body["usage"] = turn.usage
+        return "application/json", json.dumps(body, ensure_ascii=False)
+    delta = {k: v for k, v in message.items() if k != "tool_calls"}
+    if turn.tool_calls:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(turn.tool_calls)]
+    chunks = [{"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta,
+                                                               "finish_reason": turn.finish_reason}]}]
+    if turn.usage is not None:
+        chunks.append({"object": "chat.completion.chunk", "choices": [], "usage": turn.usage})
+    text = "".join(f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    return "text/event-stream", text
+
+
+def turn_to_entry(turn: Turn) -> dict[str, Any]:
+    """One HAR entry; `_prefixtrace` carries everything HAR cannot."""
+    is_json = not isinstance(turn.request_body, str)
+    body = turn.request_body if not is_json else (turn.request_raw or json.dumps(turn.request_body, ensure_ascii=False))
+    base = turn.upstream.rstrip("/") if turn.upstream.startswith(("http://", "https://")) else _NO_HOST
+    mime, content = _response_content(turn)
+    extra = turn_to_record(turn)
+    del extra["request"], extra["request_headers"]  # in request.postData / request.headers
+    extra["request_is_json"] = is_json
+    ttft = turn.ttft_s
+    return {
+        "startedDateTime": _iso(turn.started_at),
+        "time": max(_ms(turn.total_s), 0),
+        "request": {
+            "method": "POST", "url": base + turn.endpoint, "httpVersion": "HTTP/1.1", "cookies": [],
+            "headers": [{"name": k, "value": v} for k, v in turn.request_headers.items()],
+            "queryString": [], "headersSize": -1, "bodySize": len(body.encode()),
+            "postData": {"mimeType": "application/json", "text": body},
+        },
+        "response": {
+            "status": turn.status, "statusText": "", "httpVersion": "HTTP/1.1", "cookies": [],
+            "headers": [{"name": "content-type", "value": mime}],
+            "content": {"size": len(content.encode()), "mimeType": mime, "text": content},
+            "redirectURL": "", "headersSize": -1, "bodySize": len(content.encode()),
+        },
+        "cache": {},
+        "timings": {"blocked": -1, "dns": -1, "connect": -1, "ssl": -1, "send": 0, "wait": _ms(ttft),
+                    "receive": -1 if ttft is None or turn.total_s is None else _ms(turn.total_s - ttft)},
+        _EXTRA: extra,
+    }
+
+
+def write_har(turns: Iterator[Turn], fh: IO[str]) -> int:
+    """Streams a HAR document (entries one by one: a database can be large)."""
+    fh.write(json.dumps({"log": {"version": "1.2", "creator": CREATOR}}, ensure_ascii=False)[:-2])
+    fh.write(', "entries": [')
+    n = 0
+    for turn in turns:
+        fh.write(("\n" if n == 0 else ",\n") + json.dumps(turn_to_entry(turn), ensure_ascii=False))
+        n += 1
+    fh.write("\n]}}\n")
+    return n
+
+
+# -- import ------------------------------------------------------------------
+
+
+def read_har(path: str | Path) -> list[Turn]:
+    """Parses a HAR file into Turns (chat-completion POSTs only), without a database."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"cannot read {p}: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"{p}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
+    log = doc.get("log") if isinstance(doc, dict) else None
+    entries = log.get("entries") if isinstance(log, dict) else None
+    if not isinstance(entries, list):
+        raise InvalidRequest(f"{p}: not a HAR file (no log.entries list)")
+    turns = []
+    for index, entry in enumerate(entries):
+        try:
+            turn = entry_to_turn(entry, index=index, source=p.name)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{p}: entry {index}: {exc.message}", entry=index) from exc
+        if turn is not None:
+            turns.append(turn)
+    return turns
+
+
+def _text(content: dict) -> str:
+    text = content.get("text") or ""
+    if content.get("encoding") == "base64":  # mitmproxy, for bodies it did not decode as text
+        try:
+            text = base64.b64decode(text).decode("utf-8")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidRequest(f"undecodable base64 content: {exc}") from exc
+    return text
+
+
+def _ts(entry: dict) -> float:
+    try:
+        return datetime.fromisoformat(entry["startedDateTime"].replace("Z", "+00:00")).timestamp()
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequest(f"bad or missing startedDateTime: {exc}") from exc
+
+
+def entry_to_turn(entry: Any, *, index: int = 0, source: str = "") -> Turn | None:
+    """One HAR entry as a Turn, or None when it is not a chat-completion POST."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("request"), dict):
+        raise InvalidRequest("entry has no request object")
+    request = entry["request"]
+    post = request.get("postData") if isinstance(request.get("postData"), dict) else {}
+    body_text = _text(post)
+    extra = entry.get(_EXTRA)
+    headers = {h["name"]: h["value"] for h in request.get("headers") or [] if isinstance(h, dict) and "name" in h}
+    if isinstance(extra, dict):  # our own export: lossless
+        is_json = extra.get("request_is_json", True)
+        try:
+            body = json.loads(body_text) if is_json else body_text
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(f"postData.text is not JSON: {exc.msg}") from exc
+        record = {k: v for k, v in extra.items() if k != "request_is_json"}
+        turn = record_to_turn({**record, "request": body, "request_headers": headers})
+        turn.request_raw = body_text if is_json else None
+        return turn
+    if str(request.get("method", "")).upper() != "POST":
+        return None
+    try:
+        body = json.loads(body_text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        return None
+    return _foreign_turn(entry, body, body_text, headers, index, source)
+
+
+def _foreign_turn(entry: dict, body: dict, body_text: str, headers: dict, index: int, source: str) -> Turn:
+    from proxy.turn_builder import TurnBuilder  # the proxy's chunk parser: one reading of the wire format
+
+    url = urlsplit(str(entry["request"].get("url", "")))
+    lower = {k.lower(): v for k, v in headers.items()}
+    session = lower.get("x-session-id") or body.get("user") or body.get("prompt_cache_key")
+    digest = hashlib.sha256(f"{source}\0{index}\0{entry.get('startedDateTime')}\0".encode() + body_text.encode())
+    turn = Turn(
+        request_id=f"har-{digest.hexdigest()[:16]}",
+        started_at=_ts(entry),
+        endpoint=url.path or DEFAULT_ENDPOINT,
+        upstream=f"{url.scheme}://{url.netloc}" if url.netloc else "import",
+        request_body=body,
+        request_headers=headers,
+        session_id=session if isinstance(session, str) else None,
+        stream=bool(body.get("stream")),
+    )
+    turn.request_raw = body_text
+    response = entry.get("response") if isinstance(entry.get("response"), dict) else {}
+    builder = TurnBuilder(turn)
+    content = _text(response.get("content") or {})
+    if "data:" in content:
+        for line in content.splitlines():
+            data = line[5:].strip() if line.startswith("data:") else ""
+            if data and data != "[DONE]":
+                try:
+                    chunk = json.loads(data)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(chunk, dict):
+                    builder.on_chunk(chunk)
+    elif content:
+        try:
+            parsed = json.loads(content)
+        except json.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict):
+            builder.on_response(parsed)
+    status = response.get("status") if isinstance(response.get("status"), int) else 0
+    builder.finish(status, None if status < 400 else content[:500] or None)
+    timings = entry.get("timings") if isinstance(entry.get("timings"), dict) else {}
+    wait, total = timings.get("wait"), entry.get("time")
+    # HAR times are milliseconds; -1 means "not measured". A browser's wait
+    # (time to first byte) is the closest thing to TTFT it records.
+    turn.ttft_s = wait / 1000 if isinstance(wait, (int, float)) and wait >= 0 else None
+    turn.total_s = total / 1000 if isinstance(total, (int, float)) and total >= 0 else None
+    turn.chunk_times = []
+    return turn

@@ -1,0 +1,90 @@
+"""One entry point per direction over every format: database, JSONL, HAR.
+
+`load_turns` reads any source (sniffed by content, not extension), `export`
+writes a database out as JSONL or HAR, `import_file` reads JSONL or HAR into a
+database, all or nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import IO
+
+from prefixtrace.errors import InvalidRequest
+from recorder.har import read_har, write_har
+from recorder.jsonl import _write as write_jsonl_lines
+from recorder.jsonl import read_jsonl
+from recorder.reader import iter_turns
+from recorder.redact import Redactor
+from recorder.rows import write_turns
+from recorder.schema import open_db
+from recorder.turn import Turn
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+FORMATS = ("jsonl", "har")
+_HAR_START = re.compile(rb'^\s*\{\s*"log"\s*:')
+
+
+def sniff(path: str | Path) -> str:
+    """"sqlite", "har" or "jsonl", from the file's first bytes."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as fh:
+            head = fh.read(4096)
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read {p}: {exc}") from exc
+    if head.startswith(SQLITE_MAGIC):
+        return "sqlite"
+    if _HAR_START.match(head.lstrip(b"\xef\xbb\xbf")) or p.suffix.lower() == ".har":
+        return "har"
+    return "jsonl"
+
+
+def load_turns(source: str | Path, session: str | None = None) -> list[Turn]:
+    """Every turn of a database, JSONL or HAR file, ordered by start time.
+    With `session`, only turns recorded with that session id."""
+    kind = sniff(source)
+    if kind == "sqlite":
+        return list(iter_turns(source, session=session))
+    turns = read_har(source) if kind == "har" else read_jsonl(source)
+    if session is not None:
+        turns = [t for t in turns if t.session_id == session]
+    return sorted(turns, key=lambda t: (t.started_at, t.request_id))
+
+
+def export(db_path: str | Path, out: str | Path | IO[str], fmt: str = "jsonl", session: str | None = None) -> int:
+    """Writes the turns of a database as `fmt` ("jsonl" or "har") to a path
+    or an open text file; returns how many. A path is written only once the
+    whole export succeeded (temporary file, then rename)."""
+    if fmt not in FORMATS:
+        raise InvalidRequest(f"unknown export format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    writer = write_har if fmt == "har" else write_jsonl_lines
+    turns = iter_turns(db_path, session=session)
+    if hasattr(out, "write"):
+        return writer(turns, out)
+    target = Path(out)
+    tmp = target.with_name(f".{target.name}.partial")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            count = writer(turns, fh)
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return count
+
+
+def import_file(path: str | Path, db_path: str | Path, *, redact_patterns: list[str] | None = None) -> int:
+    """Imports a JSONL or HAR file into the database at `db_path` (created if
+    missing): the whole file is parsed first, then written in one
+    transaction. Returns the number of turns imported."""
+    kind = sniff(path)
+    if kind == "sqlite":
+        raise InvalidRequest(f"{path} is a database; import takes a JSONL or HAR file")
+    turns = read_har(path) if kind == "har" else read_jsonl(path)
+    db = open_db(db_path)
+    try:
+        write_turns(db, turns, Redactor(redact_patterns))
+    finally:
+        db.close()
+    return len(turns)
