@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from analyzer.canon import Canonicalizer, Payload, first_changed, params_of
+from analyzer.canon import Canonicalizer, Payload, first_changed
 from analyzer.causes import Cause, classify, payload_cause
 from analyzer.divergence import SegmentCounter, compare
 from analyzer.load import Request, load, share_prefix
@@ -200,12 +200,15 @@ class Analyzer:
         if cmp.append_only:  # another model: its server cache shares nothing with this one
             cause = Cause("param_change", "model", None, "$.model")
             turn.common_prefix_tokens = 0
-            offset, before, after = 0, "", ""
+            offset = 0
+            before, after = f"model: {prev.payload.params.get('model')}", f"model: {payload.params.get('model')}"
         else:
             cause = classify(prev.payload, payload, prev.rendered, rendered, cmp.message_index)
             turn.common_prefix_tokens = 0 if model_changed else cmp.common_tokens
             offset, before, after = cmp.common_chars, cmp.before, cmp.after
         index = cause.message_index if cause.message_index is not None else cmp.message_index
+        if cause.cause in ("tools_change", "param_change") or (index is not None and index < 0):
+            index = None  # not a message: the tools block or the request parameters
         msgs = payload.messages if index is not None and 0 <= index < len(payload.messages) else prev.payload.messages
         role = msgs[index].get("role") if index is not None and 0 <= index < len(msgs) and isinstance(msgs[index], dict) else None
         turn.brk = Break(cause.cause, cause.subtype, index, role, offset, turn.common_prefix_tokens, before, after,

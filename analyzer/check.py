@@ -76,7 +76,12 @@ def assert_prefix_stable(requests: Iterable[Any], *, allow: str | Iterable[str] 
                          template: str | Path | None = None, **analyze_kwargs: Any) -> CheckResult:
     """Raises AssertionError naming the first break that is not allowed.
     `requests` are chat-completions bodies of one conversation, in order."""
-    result = check(list(requests), allow=allow, template=template, **analyze_kwargs)
+    from analyzer.load import Request
+
+    # One scripted conversation: one session, never inferred apart.
+    items = [r if not isinstance(r, dict) else Request(f"request-{i}", float(i), r, "assert_prefix_stable")
+             for i, r in enumerate(requests)]
+    result = check(items, allow=allow, template=template, **analyze_kwargs)
     if not result.ok:
         raise AssertionError(result.summary())
     return result
