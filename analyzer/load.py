@@ -240,10 +240,10 @@ def load(source: str | Path | Iterable[Any]) -> Loaded:
         for i, item in enumerate(items):
             if isinstance(item, Request):
                 loaded.requests.append(item)
-            elif isinstance(item, dict):
-                loaded.requests.append(Request(f"request-{i}", float(i), item, None, None))
-            else:
+            elif hasattr(item, "request_body"):  # a recorder Turn
                 loaded.requests.extend(_from_turns([item]).requests)
+            else:  # a body; one that is not an object is reported as unrenderable later
+                loaded.requests.append(Request(f"request-{i}", float(i), item, None, None))
     loaded.requests.sort(key=lambda r: r.ts)
     return loaded
 
