@@ -10,6 +10,9 @@ per message object), session, render (sentinel skeleton), compare segments
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +27,8 @@ from analyzer.sessions import SessionGrouper
 from analyzer.tokens import Tokenizer, as_tokenizer
 from prefixtrace.errors import InvalidRequest
 
-DISAGREE_FRACTION = 0.10  # reported vs predicted cached share of the prompt
+DISAGREE_FRACTION = 0.10
+PARALLEL_MIN_REQUESTS = 200  # below this, forking costs more than it saves  # reported vs predicted cached share of the prompt
 
 
 @dataclass
@@ -134,7 +138,7 @@ class Analyzer:
     """Holds the per-run caches; `run(requests)` returns a Report."""
 
     def __init__(self, renderer=None, tokenizer: Tokenizer | str | None = None, *, block_size: int | None = None,
-                 prefill_rate: float | None = None):
+                 prefill_rate: float | None = None, workers: int | None = None):
         if block_size is not None and block_size <= 0:
             raise InvalidRequest("--block-size must be positive")
         if prefill_rate is not None and prefill_rate <= 0:
@@ -144,26 +148,40 @@ class Analyzer:
         self.counter = SegmentCounter(self.tokenizer)
         self.canon = Canonicalizer()
         self.block_size, self.prefill_rate = block_size, prefill_rate
+        self.workers = workers if workers is not None else min(2, os.cpu_count() or 1)
 
     def run(self, requests: list[Request], skipped: list[dict] | None = None) -> Report:
+        # Phase 1, in order: payload keys and sessions (cheap, and inference is sequential).
         grouper = SessionGrouper()
-        results: dict[str, SessionResult] = {}
-        state: dict[str, _State | None] = {}
+        payloads: list[Payload | None] = []
+        last: dict[str, Payload] = {}
         for i, req in enumerate(requests):
             payload = self.canon.payload(req.body) if isinstance(req.body, dict) else None
             roles = [str(m.get("role")) if isinstance(m, dict) else "" for m in payload.messages] if payload else None
             sess = grouper.add(i, req.session, payload.keys if payload else None, roles)
-            res = results.get(sess.id)
-            if res is None:
-                res = results[sess.id] = SessionResult(sess.id, sess.inferred)
-                state[sess.id] = None
-            prev = state[sess.id]
-            if payload is not None and prev is not None:
-                payload.messages = share_prefix(prev.payload.messages, payload.messages)
-                req.body = {**req.body, "messages": payload.messages} if "system" not in req.body else req.body
-            turn = TurnResult(len(res.turns), req.id, req.ts, req.line, None, None, None,
+            if payload is not None:
+                prev = last.get(sess.id)
+                if prev is not None:
+                    payload.messages = share_prefix(prev.messages, payload.messages)
+                    if "system" not in req.body:
+                        req.body = {**req.body, "messages": payload.messages}
+                last[sess.id] = payload
+            payloads.append(payload)
+        # Phase 2, per session (independent, so spread over processes): render, count, compare.
+        jobs = [(s.id, s.inferred, s.indices) for s in grouper.sessions]
+        walked = _map_sessions(self, requests, payloads, jobs)
+        sessions = [SessionResult(sid, inferred, turns) for (sid, inferred, _), turns in zip(jobs, walked)]
+        return Report(self.tokenizer.name, self.renderer.name, self.block_size, self.prefill_rate, sessions,
+                      skipped or [])
+
+    def walk(self, requests: list[Request], payloads: list[Payload | None]) -> list[TurnResult]:
+        """The turns of one session, in order."""
+        turns: list[TurnResult] = []
+        prev: _State | None = None
+        for req, payload in zip(requests, payloads):
+            turn = TurnResult(len(turns), req.id, req.ts, req.line, None, None, None,
                               req.reported_prompt_tokens, req.reported_cached_tokens)
-            res.turns.append(turn)
+            turns.append(turn)
             try:
                 if payload is None:
                     raise InvalidRequest("request body is not a JSON object")
@@ -179,12 +197,8 @@ class Analyzer:
                 self._compare(turn, prev, payload, rendered)
             turn.reprefill_tokens = tokens - turn.common_prefix_tokens
             self._cost(turn)
-            state[sess.id] = _State(payload, rendered, tokens)
-            if i % 64 == 63:
-                self.canon.forget([s.payload for s in state.values() if s is not None])
-        sessions = [results[s.id] for s in grouper.sessions]
-        return Report(self.tokenizer.name, self.renderer.name, self.block_size, self.prefill_rate, sessions,
-                      skipped or [])
+            prev = _State(payload, rendered, tokens)
+        return turns
 
     def _compare(self, turn: TurnResult, prev: _State, payload: Payload, rendered: Rendered) -> None:
         model_changed = prev.payload.params.get("model") != payload.params.get("model")
@@ -230,9 +244,41 @@ class Analyzer:
             turn.cached_disagrees = abs(share_r - share_p) > DISAGREE_FRACTION
 
 
+_FORKED: tuple | None = None  # (analyzer, requests, payloads, jobs), inherited by forked workers
+
+
+def _walk_job(j: int) -> list[TurnResult]:
+    analyzer, requests, payloads, jobs = _FORKED
+    indices = jobs[j][2]
+    return analyzer.walk([requests[i] for i in indices], [payloads[i] for i in indices])
+
+
+def _map_sessions(analyzer: Analyzer, requests, payloads, jobs) -> list[list[TurnResult]]:
+    """Walks every session, in `analyzer.workers` forked processes when it
+    pays (Linux, enough requests): workers inherit the parsed requests by
+    fork, so nothing big is pickled, and only the small results come back."""
+    global _FORKED
+    workers = min(analyzer.workers, len(jobs))
+    if workers <= 1 or len(requests) < PARALLEL_MIN_REQUESTS or sys.platform != "linux":
+        return [_walk_job_local(analyzer, requests, payloads, job) for job in jobs]
+    # Biggest sessions first, so the pool's queue balances the load.
+    order = sorted(range(len(jobs)), key=lambda j: -len(jobs[j][2]))
+    _FORKED = (analyzer, requests, payloads, jobs)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            results = dict(zip(order, pool.map(_walk_job, order, chunksize=1)))
+    finally:
+        _FORKED = None
+    return [results[j] for j in range(len(jobs))]
+
+
+def _walk_job_local(analyzer: Analyzer, requests, payloads, job) -> list[TurnResult]:
+    return analyzer.walk([requests[i] for i in job[2]], [payloads[i] for i in job[2]])
+
+
 def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None = None, model: str | Path | None = None,
             tokenizer: Tokenizer | str | None = None, block_size: int | None = None,
-            prefill_rate: float | None = None, renderer=None) -> Report:
+            prefill_rate: float | None = None, renderer=None, workers: int | None = None) -> Report:
     """Analyses a recorder database, a JSONL file, or an iterable of request
     bodies / Requests / recorder Turns.
 
@@ -244,10 +290,11 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
             tokenizer.json path); default tiktoken o200k_base (offline copy).
         block_size: also report the block-aligned figures of a paged cache.
         prefill_rate: tokens per second, to price re-prefill in seconds.
+        workers: processes for the per-session work (default: up to 2).
     """
     renderer = renderer or make_renderer(template, model)
     if tokenizer is None and model is not None and (Path(model) / "tokenizer.json").is_file():
         tokenizer = str(Path(model) / "tokenizer.json")
     loaded = load(source)
-    return Analyzer(renderer, tokenizer, block_size=block_size, prefill_rate=prefill_rate).run(
+    return Analyzer(renderer, tokenizer, block_size=block_size, prefill_rate=prefill_rate, workers=workers).run(
         loaded.requests, loaded.skipped)
