@@ -81,15 +81,20 @@ def main() -> None:
             t0 = time.perf_counter()
             slow = naive(path, args.template)
             naive_s = time.perf_counter() - t0
-            diffs = []
+            diffs, rel, breaks_same = [], [], 0
             for s in report.sessions:
                 for t in s.turns:
                     p, c = slow[(s.id, t.index)]
                     diffs.append(max(abs(p - t.prompt_tokens), abs(c - t.common_prefix_tokens)))
+                    rel.append(abs(p - t.prompt_tokens) / max(1, p))
+                    # Same verdict: the naive method sees a break exactly where the fast one names one.
+                    breaks_same += (t.brk is not None) == (t.index > 0 and c < slow[(s.id, t.index - 1)][0])
             result |= {
                 "naive_s": round(naive_s, 2),
                 "speedup": round(naive_s / fast_s, 1),
                 "max_token_count_difference": max(diffs),
+                "max_relative_prompt_difference": round(max(rel), 5),
+                "turns_with_same_break_verdict": breaks_same,
                 "turns_with_exact_counts": sum(d == 0 for d in diffs),
                 "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             }

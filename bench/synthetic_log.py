@@ -16,7 +16,8 @@ volatile todo counters and a directive in the system prompt, a folded
 mid-conversation system message, user-role notices (thinking strip under a
 Qwen-style template), tool reorders/additions, an old tool output truncated,
 compactions, a dropped empty assistant turn, a request-local reminder, a
-reasoning-effort change and a re-serialised tool call.
+chat_template_kwargs change (preserve_thinking) and a re-serialised
+tool call.
 
 Requests of one session share their message dicts, so generating is cheap in
 memory; only serialisation materialises the ~0.5 GB of JSON.
@@ -34,7 +35,7 @@ from typing import Any
 # One o200k token is about this many chars of the text generated below
 # (common short words separated by spaces, code-ish lines): measured once,
 # only used to size messages and to fake the server's usage numbers.
-CHARS_PER_TOKEN = 5.2
+CHARS_PER_TOKEN = 4.6
 
 _WORDS = (
     "the of and to in is for on with that by this be are from or as at it an was not data file "
@@ -146,15 +147,18 @@ class _Session:
         elif kind == "abort":
             # An aborted turn: an empty assistant message sent once, then dropped.
             self.messages.append({"role": "assistant", "content": ""})
-            self._aborted = len(self.messages) - 1
+            self._aborted = (len(self.messages) - 1, self.i)
         elif kind == "reminder":
             self.tail = {"role": "user", "content": "<reminder>Keep the todo list current.</reminder>"}
         elif kind == "effort":
-            self.params = {"reasoning_effort": "high"}
+            # Keeping all past reasoning re-renders earlier assistant turns.
+            self.params = {**self.params, "chat_template_kwargs": {"preserve_thinking": True}}
         elif kind == "reserialize":
+            # The newest tool call has not been sent yet (see `step`): re-serialise the one before it.
+            seen = 0
             for j in range(len(self.messages) - 1, 1, -1):
                 m = self.messages[j]
-                if m["role"] == "assistant" and m.get("tool_calls"):
+                if m["role"] == "assistant" and m.get("tool_calls") and (seen := seen + 1) == 2:
                     calls = copy.deepcopy(m["tool_calls"])
                     fn = calls[0]["function"]
                     fn["arguments"] = json.dumps(json.loads(fn["arguments"]), indent=1)
@@ -163,10 +167,11 @@ class _Session:
 
     def step(self) -> tuple[dict, int]:
         """The next request body and its (faked) prompt token count."""
-        if getattr(self, "_aborted", None) is not None and self.i > 0:
-            del self.messages[self._aborted]
+        aborted = getattr(self, "_aborted", None)
+        if aborted is not None and self.i > aborted[1] + 1:  # sent twice, then dropped from history
+            del self.messages[aborted[0]]
             self._aborted = None
-        if self.tokens > self.cap:
+        if self.tokens > self.cap * 1.1:
             self.event("compact")
         messages = list(self.messages)
         if self.tail is not None:
@@ -185,7 +190,8 @@ class _Session:
 DEFAULT_EVENTS = [
     (0, 20, "todo_tick"), (0, 45, "todo_tick"), (0, 70, "todo_tick"), (0, 100, "directive"),
     (0, 130, "fold"), (1, 30, "notice"), (2, 40, "tools_reorder"), (3, 50, "truncate"),
-    (4, 60, "abort"), (5, 70, "reminder"), (6, 80, "effort"), (7, 90, "reserialize"), (2, 100, "tools_add"),
+    (4, 60, "abort"), (5, 70, "reminder"), (1, 60, "effort"), (7, 90, "reserialize"), (2, 100, "tools_add"),
+    (3, 125, "compact"),
 ]
 
 
@@ -194,8 +200,8 @@ def generate_records(
     n_sessions: int = 8,
     seed: int = 0,
     *,
-    start_tokens: int = 30_000,
-    cap_tokens: int = 185_000,
+    start_tokens: int = 46_000,
+    cap_tokens: int = 172_000,
     events: list[tuple[int, int, str]] | None = None,
     t0: float = 1_760_000_000.0,
 ) -> Iterator[dict]:
@@ -206,8 +212,9 @@ def generate_records(
         n_sessions: session 0 is the orchestrator (larger system prompt,
             more requests); the others are subagents.
         seed: everything is deterministic given the arguments.
-        start_tokens / cap_tokens: a session starts near `start_tokens` and
-            compacts back when it grows past `cap_tokens`.
+        start_tokens / cap_tokens: a session grows from about `start_tokens`
+            to about `cap_tokens` over its requests (compacting back if it
+            overshoots by 10%).
         events: (session, request index, kind) breaks to inject; see
             `DEFAULT_EVENTS` for the kinds.
     """
@@ -220,9 +227,6 @@ def generate_records(
                  start_tokens + (10_000 if k == 0 else 0), cap_tokens)
         for k in range(n_sessions)
     ]
-    # The orchestrator grows through two compaction cycles.
-    if sessions:
-        sessions[0].mean_growth *= 2
     plan: dict[tuple[int, int], list[str]] = {}
     for s, i, kind in DEFAULT_EVENTS if events is None else events:
         plan.setdefault((s, i), []).append(kind)
