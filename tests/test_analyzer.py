@@ -177,3 +177,13 @@ def test_check_and_fixture_function():
 def test_generic_render_has_no_generation_prompt():
     text = render_request({"messages": [{"role": "user", "content": "hi"}]}).text
     assert text == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_recorder_database_is_a_source(tmp_path):
+    from recorder.jsonl import import_jsonl
+
+    db = tmp_path / "t.db"
+    import_jsonl(SESSIONS / "todo_stale.jsonl", db)
+    report = analyze(db)
+    assert report.sessions[0].id == "todo-stale"
+    assert [t.brk.cause for t in report.sessions[0].turns[1:]] == ["system_rewrite"] * 3
