@@ -13,7 +13,6 @@ import threading
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream
 
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
 from engine.model_files import load_model
@@ -36,6 +35,7 @@ class Engine:
         default_max_tokens: completion cap when a request sets no max_tokens.
         prefill_step_size: tokens per prefill chunk (bounds the transient memory peak).
         max_batch: most sequences decoding together.
+        loader: optional callable returning (model, tokenizer, config), run on the engine thread.
     """
 
     def __init__(
@@ -48,8 +48,11 @@ class Engine:
         default_max_tokens: int = 4096,
         prefill_step_size: int = 512,
         max_batch: int = 8,
+        loader=None,
     ):
         self.model_dir = Path(model_dir)
+        # Runs on the engine thread; benchmarks pass one that builds a model in memory.
+        self._loader = loader or (lambda: load_model(self.model_dir, self.dtype))
         self.name = name or self.model_dir.name
         self.dtype = dtype
         self.cache_bytes = cache_bytes
@@ -62,6 +65,7 @@ class Engine:
         self.prefix_cache: PrefixCache | None = None
         self._queue: queue.Queue[Sequence | None] = queue.Queue()
         self._ready = threading.Event()
+        self._stopped = threading.Event()
         self._load_error: BaseException | None = None
         self.scheduler: Scheduler | None = None
         self._thread = threading.Thread(target=self._main, name="prefixtrace-engine", daemon=True)
@@ -84,8 +88,9 @@ class Engine:
         return self._ready.is_set() and self._load_error is None
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop serving; sequences still in flight get an EngineNotReady error."""
         self._queue.put(None)
-        self._thread.join(timeout)
+        self._stopped.wait(timeout)
 
     # --- requests (any thread) --------------------------------------------------
 
@@ -118,7 +123,20 @@ class Engine:
 
     def _main(self) -> None:
         try:
-            self.model, self.tokenizer, config = load_model(self.model_dir, self.dtype)
+            self._serve()
+        finally:
+            mx.synchronize()
+            self._stopped.set()
+            # Park rather than return. A returning thread runs MLX's thread-local
+            # destructors (its mx.compile cache), which take the GIL; when that
+            # races interpreter shutdown the process aborts ("terminate called
+            # without an active exception", seen under gdb). A parked daemon
+            # thread is simply dropped at exit.
+            threading.Event().wait()
+
+    def _serve(self) -> None:
+        try:
+            self.model, self.tokenizer, config = self._loader()
             self.context_length = int(config.get("max_position_embeddings") or 4096)
             self.prefix_cache = PrefixCache(self.model, max_bytes=self.cache_bytes)
             self.scheduler = Scheduler(
@@ -130,22 +148,27 @@ class Engine:
                 prefill_chunk=self.prefill_step_size,
                 default_max_tokens=self.default_max_tokens,
             )
+            mx.synchronize()
             log.info("model %s loaded from %s (context %d tokens)", self.name, self.model_dir, self.context_length)
         except BaseException as exc:  # reported through wait_ready()
             self._load_error = exc
             self._ready.set()
             return
         self._ready.set()
-        with mx.stream(generation_stream):
-            while self._take_requests(block=not self.scheduler.has_work):
-                if not self.scheduler.has_work:
-                    continue
-                try:
-                    self.scheduler.step()
-                except Exception as exc:
-                    log.exception("engine step failed; failing every in-flight request")
-                    error = exc if isinstance(exc, PrefixtraceError) else EngineError(f"engine failure: {exc!r}")
-                    self.scheduler.fail_all(Failed(error))
+        while self._take_requests(block=not self.scheduler.has_work):
+            if not self.scheduler.has_work:
+                continue
+            try:
+                self.scheduler.step()
+            except Exception as exc:
+                log.exception("engine step failed; failing every in-flight request")
+                error = exc if isinstance(exc, PrefixtraceError) else EngineError(f"engine failure: {exc!r}")
+                self.scheduler.fail_all(Failed(error))
+            if not self.scheduler.has_work:
+                # Idle: finish the decode step mlx-lm queued ahead, so no MLX work
+                # is left pending when the process exits.
+                mx.synchronize()
+        self.scheduler.fail_all(Failed(EngineNotReady("the engine is shutting down")))
 
     def _take_requests(self, block: bool) -> bool:
         """Move queued sequences into the scheduler; False once shutdown was asked."""

@@ -17,6 +17,7 @@ class SamplingParams:
     max_tokens: int | None = None  # None: up to the model's context, capped by the engine
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # vLLM's extension: run to max_tokens (benchmarks)
 
     def __post_init__(self):
         if not 0.0 <= self.temperature <= 2.0:

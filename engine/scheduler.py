@@ -14,8 +14,8 @@ Where we depart from mlx-lm's `BatchGenerator`, and why:
 * `BatchGenerator` interleaves one prefill chunk per decode step whatever the
   chunk costs; a 2k-token chunk freezes decoding rows for its whole duration.
   Here decode and prefill share time: a prefill chunk runs only once the
-  decode steps since the previous chunk took at least as long as that chunk,
-  so running rows keep at least half their solo rate.
+  decode steps since the previous chunk took 1.5x as long as that chunk, so
+  running rows keep more than half their solo rate.
 * Stop strings are matched on text (`StopMatcher`), eos/max_tokens by
   `GenerationBatch`; cancellation removes a row at the next step.
 """
@@ -33,6 +33,13 @@ from engine.prefix_cache import PrefixCache
 from engine.sampling import GREEDY
 from engine.sequence import Finished, Sequence, TextDelta
 from engine.stop_strings import StopMatcher
+
+
+# Seconds of decoding owed per second of prefill while both kinds of work wait.
+# 1.0 would split time evenly; decode steps also pay for the scheduling around
+# them, so a margin keeps running rows above half their solo rate (measured in
+# bench/bench_scheduler.py), at the price of a proportionally slower prefill.
+DECODE_PER_PREFILL_S = 1.5
 
 
 @dataclass(eq=False)
@@ -104,7 +111,9 @@ class Scheduler:
             t0 = time.perf_counter()
             self._decode()
             self._decode_s_since_prefill += time.perf_counter() - t0
-        if self.prefill is not None and (not self.rows or self._decode_s_since_prefill >= self._last_prefill_s):
+        if self.prefill is not None and (
+            not self.rows or self._decode_s_since_prefill >= self._last_prefill_s * DECODE_PER_PREFILL_S
+        ):
             t0 = time.perf_counter()
             self._prefill_chunk()
             self._last_prefill_s = time.perf_counter() - t0
@@ -155,7 +164,7 @@ class Scheduler:
             samplers=[params.make_sampler()],
             fallback_sampler=GREEDY,
             logits_processors=[[]],
-            stop_sequences=[self._eos_stops],
+            stop_sequences=[StopSequences() if params.ignore_eos else self._eos_stops],
             max_tokens=[max_tokens],
         ).generate([[seq.prompt_ids[-1]]])
         if self.batch is None or len(self.batch) == 0:
@@ -187,7 +196,7 @@ class Scheduler:
         """Record one sampled token and stream its text; the finish reason it causes, if any."""
         seq = row.seq
         seq.output_ids.append(token)
-        if token in self._eos:
+        if token in self._eos and not seq.params.ignore_eos:
             self._flush_text(row)
             return "stop"
         row.detok.add_token(token)

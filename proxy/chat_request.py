@@ -77,6 +77,7 @@ def _sampling(body: dict) -> SamplingParams:
         max_tokens=None if max_tokens is None else _int(max_tokens, "max_tokens"),
         seed=None if body.get("seed") is None else _int(body["seed"], "seed"),
         stop=list(stop) if isinstance(stop, list) else _bad("stop", "a string or an array of strings"),
+        ignore_eos=bool(body.get("ignore_eos", False)),
     )
 
 
