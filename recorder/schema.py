@@ -38,7 +38,7 @@ RESULT_COLUMNS = (
     "prompt_tokens", "completion_tokens", "cached_tokens", "usage", "ttft_s", "total_s",
     "chunk_times", "render",
 )
-PAGE_SIZE = 1024
+PAGE_SIZE = 512
 BODY_COLUMNS = ("body_json", "body_head", "body_sep", "body_tail", "body_prefix")
 
 
@@ -183,10 +183,10 @@ def open_db(path: str | Path, *, tracer: Callable | None = None, create: bool = 
         if not tables:
             # Small pages pack the message store tighter: a message larger
             # than a page goes to full overflow pages, and what is left over
-            # per leaf page is at most about one small cell. Measured on the
-            # synthetic field log: 1.15x the unique message bytes at 1 KiB
-            # pages vs 1.20x at the default 4 KiB (docs/PERFORMANCE.md). The
-            # size can only be set before the first table exists.
+            # per leaf page is at most about one small cell. On the synthetic
+            # field log the file is ~1.15x the unique message bytes at 512 B
+            # pages, ~1.2x at 1-4 KiB (docs/PERFORMANCE.md). The size can only
+            # be set before the first table exists.
             db.execute(f"pragma page_size = {PAGE_SIZE}")
         # WAL: readers (the analyzer) never block the writer. synchronous=NORMAL
         # in WAL mode still survives kill -9 of the process (committed frames
