@@ -61,7 +61,7 @@ def serve(host, port, db, model, upstream, dtype, cache_memory_gb, prefill_chunk
     if upstream is None and sys.platform == "linux":
         from engine.cpu_runtime import maybe_reexec_with_openblas
 
-        maybe_reexec_with_openblas(sys.argv)
+        maybe_reexec_with_openblas()
     if dtype is None and upstream is None:
         from engine.cpu_runtime import default_dtype
 

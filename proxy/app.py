@@ -72,6 +72,7 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
         try:
             body = parse_body(raw)
             turn.request_body = body
+            turn.request_raw = raw.decode("utf-8", errors="replace")
             req = parse_chat_request(body, turn.request_headers)
             turn.session_id, turn.stream = req.session_id, req.stream
             chat = await backend.open(req, builder, turn.request_headers)
