@@ -76,6 +76,7 @@ def main() -> None:
             "breaks_by_cause": {c: v["breaks"] for c, v in report.to_dict()["totals"]["by_cause"].items()},
             "fast_s": round(fast_s, 2),
             "peak_rss_mb_after_fast": round(fast_rss),
+            "peak_rss_mb_fast_workers": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
         }
         if not args.skip_naive:
             t0 = time.perf_counter()
