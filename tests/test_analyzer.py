@@ -187,3 +187,19 @@ def test_recorder_database_is_a_source(tmp_path):
     report = analyze(db)
     assert report.sessions[0].id == "todo-stale"
     assert [t.brk.cause for t in report.sessions[0].turns[1:]] == ["system_rewrite"] * 3
+
+
+def test_synthetic_interleaved_sessions_are_recovered_without_ids():
+    sys.path.insert(0, str(ROOT))
+    from bench.synthetic_log import generate_records
+
+    events = [(0, 5, "todo_tick"), (0, 9, "todo_tick"), (1, 6, "notice"), (2, 8, "tools_reorder")]
+    records = list(generate_records(n_requests=90, n_sessions=5, start_tokens=2500, cap_tokens=40000, events=events))
+    report = analyze([r["request"] for r in records])
+    truth = {}
+    for r in records:
+        truth.setdefault(r["session"], []).append(r["id"])
+    assert len(report.sessions) == len(truth)
+    ids = {r["id"]: i for i, r in enumerate(records)}
+    got = sorted(sorted(int(t.request_id.split("-")[1]) for t in s.turns) for s in report.sessions)
+    assert got == sorted(sorted(ids[i] for i in v) for v in truth.values())
