@@ -36,8 +36,9 @@ def _svg(session) -> str:
         bars.append(f'<g class="turn{" break" if t.brk else ""}"><title>{tip}</title>'
                     f'<rect x="{x}" y="{HEIGHT - cached_h:.1f}" width="{BAR_W}" height="{cached_h:.1f}" fill="{CACHED}"/>'
                     f'<rect x="{x}" y="{HEIGHT - cached_h - re_h:.1f}" width="{BAR_W}" height="{re_h:.1f}" fill="{colour}"/></g>')
-    return (f'<svg class="timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{HEIGHT}" '
-            f'viewBox="0 0 {width} {HEIGHT}">{"".join(bars)}</svg>')
+    # Scaled to the page width: a 300-turn session still fits on one screen.
+    return (f'<svg class="timeline" xmlns="http://www.w3.org/2000/svg" width="{min(width * 2, 1200)}" '
+            f'height="{HEIGHT}" viewBox="0 0 {width} {HEIGHT}" preserveAspectRatio="none">{"".join(bars)}</svg>')
 
 
 def to_html(report: Report) -> str:
