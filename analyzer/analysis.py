@@ -73,20 +73,23 @@ class TurnResult:
 
 
 def _totals(turns: Iterable[TurnResult], rate: float | None) -> dict[str, Any]:
+    """Sums per cause. Seconds follow the turns' own figure (block-aligned when
+    a block size was given), so they add up to the turns' `reprefill_seconds`."""
     by_cause: dict[str, dict[str, Any]] = {}
     total = reprefill = 0
+    seconds = 0.0
     for t in turns:
         total += t.prompt_tokens or 0
         reprefill += t.reprefill_tokens or 0
+        seconds += t.reprefill_seconds or 0.0
         if t.brk:
             c = by_cause.setdefault(t.brk.cause, {"breaks": 0, "reprefill_tokens": 0})
             c["breaks"] += 1
             c["reprefill_tokens"] += t.reprefill_tokens or 0
-    if rate:
-        for c in by_cause.values():
-            c["seconds"] = round(c["reprefill_tokens"] / rate, 1)
+            if rate:
+                c["seconds"] = round(c.get("seconds", 0.0) + (t.reprefill_seconds or 0.0), 1)
     return {"prompt_tokens": total, "reprefill_tokens": reprefill,
-            "reprefill_seconds": round(reprefill / rate, 1) if rate else None,
+            "reprefill_seconds": round(seconds, 1) if rate else None,
             "by_cause": dict(sorted(by_cause.items(), key=lambda kv: -kv[1]["reprefill_tokens"]))}
 
 
