@@ -1,9 +1,9 @@
 """Continuous batching: admit, prefill in chunks, decode rows together.
 
-Built on mlx-lm's batch pieces: `GenerationBatch` (batched decode over a
-left-padded `BatchKVCache`, per-row samplers, stop tokens, max_tokens, and
-`extract_cache`/`filter`/`extend` for rows that leave or join) and
-`PromptProcessingBatch.generate` (turning a prefilled cache into a decode row).
+Built on mlx-lm's `GenerationBatch`: batched decode over a left-padded
+`BatchKVCache` (here `RowBatchKVCache`, which skips the mask when no row is
+padded), per-row samplers, stop tokens, max_tokens, and
+`extract_cache`/`filter`/`extend` for rows that leave or join.
 Where we depart from mlx-lm's `BatchGenerator`, and why:
 
 * Prefill runs one sequence at a time on its own single-row `KVCache`, exactly
@@ -27,8 +27,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequences
+from mlx_lm.generate import GenerationBatch, StopSequences
 
+from engine.batch_cache import RowBatchKVCache
 from engine.prefix_cache import PrefixCache
 from engine.sampling import GREEDY
 from engine.sequence import Finished, Sequence, TextDelta
@@ -156,17 +157,18 @@ class Scheduler:
     def _start_decoding(self, job: _Prefill) -> None:
         seq, params = job.seq, job.seq.params
         max_tokens = params.max_tokens or min(self.default_max_tokens, self.context_length - seq.num_prompt_tokens)
-        joining = PromptProcessingBatch(
+        joining = GenerationBatch(
             self.model,
             [seq.seq_id],
-            [job.cache],
-            tokens=[list(seq.prompt_ids[:-1])],
-            samplers=[params.make_sampler()],
-            fallback_sampler=GREEDY,
-            logits_processors=[[]],
-            stop_sequences=[StopSequences() if params.ignore_eos else self._eos_stops],
-            max_tokens=[max_tokens],
-        ).generate([[seq.prompt_ids[-1]]])
+            mx.array(seq.prompt_ids[-1:]),
+            [RowBatchKVCache.merge([layer]) for layer in job.cache],
+            [list(seq.prompt_ids[:-1])],
+            [params.make_sampler()],
+            GREEDY,
+            [[]],
+            [StopSequences() if params.ignore_eos else self._eos_stops],
+            [max_tokens],
+        )
         if self.batch is None or len(self.batch) == 0:
             self.batch = joining
         else:

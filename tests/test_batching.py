@@ -108,3 +108,21 @@ def test_short_row_attention_ignores_left_padding():
         diff = mx.abs(got - ref).max().item()
         assert abs(ratio - 1.0) < 1e-4, (lengths[i], ratio)
         assert diff < 2e-3, (lengths[i], diff)
+
+
+def test_batch_cache_skips_the_mask_only_when_no_row_is_padded():
+    from engine.batch_cache import RowBatchKVCache
+
+    def layer(n: int) -> KVCache:
+        cache = KVCache()
+        cache.update_and_fetch(mx.zeros((1, 2, n, 4)), mx.zeros((1, 2, n, 4)))
+        return cache
+
+    batch = RowBatchKVCache.merge([layer(5)])
+    assert batch.make_mask(1) is None
+    batch.extend(RowBatchKVCache.merge([layer(9)]))
+    mask = batch.make_mask(1)
+    assert mask is not None and mask.shape[-1] == 10  # 9 cached + the new token
+    assert mask[0].sum().item() == 6 and mask[1].sum().item() == 10  # row 0 ignores its 4 padding slots
+    batch.filter([1])
+    assert batch.make_mask(1) is None
