@@ -1,14 +1,14 @@
 """Where one rendered prompt stops extending the previous one, in chars and tokens.
 
-Token counts come from per-segment counts, cached by string: a segment
-(message content or template literal) is tokenized once per run however many
-turns repeat it. The sum of segment counts equals the count of the whole
-text when segment boundaries are also tokenizer pre-token boundaries, which
-holds for ChatML-style templates (a content starts after the role line's
-newline and ends before a special marker); elsewhere it is off by a token or
-so per boundary. The benchmark measures the difference against full
-tokenisation. The common prefix is tokenized exactly: only the window around
-the first difference is tokenized afresh.
+Token counts come from per-group counts, cached for the whole run: a group
+is the run of segments from one chat-marker line to the next (a boundary is
+a `<|` right after a newline, where every BPE pre-tokenizer we use starts a
+new pre-token), so a group is tokenized once however many turns repeat it,
+and the sum of group counts equals the count of the whole text whenever
+those boundaries hold. Templates without such markers form fewer, larger
+groups; counts stay exact, caching gets weaker. The common prefix is
+tokenized exactly: only the window around the first difference is
+tokenized afresh.
 """
 
 from __future__ import annotations
@@ -35,29 +35,54 @@ def common_prefix_len(a, b, _chunk: int = 4096) -> int:
     return i
 
 
+_MARK = "<|"
+_BOUNDARY = "\n<|"
+
+
+def token_groups(r: Rendered) -> list[tuple[str, ...]]:
+    """The rendering as groups of segments (cached on the Rendered). Template
+    literals are split at boundaries; contents never are, so they keep their
+    identity."""
+    cached = r.__dict__.get("_groups")
+    if cached is not None:
+        return cached
+    groups: list[tuple[str, ...]] = []
+    cur: list[str] = []
+    for seg, kind in zip(r.segments, r.kinds):
+        if kind == "" and _BOUNDARY in seg:
+            parts = seg.split(_BOUNDARY)
+            pieces = [parts[0] + "\n", *(_MARK + p + "\n" for p in parts[1:-1]), _MARK + parts[-1]]
+        else:
+            pieces = [seg]
+        for piece in pieces:
+            if not piece:
+                continue
+            if cur and piece.startswith(_MARK) and cur[-1].endswith("\n"):
+                groups.append(tuple(cur))
+                cur = []
+            cur.append(piece)
+    if cur:
+        groups.append(tuple(cur))
+    r.__dict__["_groups"] = groups
+    return groups
+
+
 class SegmentCounter:
-    """Token counts per segment string, cached for the whole run."""
+    """Token counts per group, cached for the whole run (tuple keys hash
+    their strings, and a content string caches its own hash)."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self._cache: dict[str, int] = {}
+        self._cache: dict[tuple[str, ...], int] = {}
 
-    def count(self, s: str) -> int:
-        n = self._cache.get(s)
+    def count(self, group: tuple[str, ...]) -> int:
+        n = self._cache.get(group)
         if n is None:
-            n = self._cache[s] = len(self.tokenizer(s))
+            n = self._cache[group] = len(self.tokenizer("".join(group)))
         return n
 
     def total(self, r: Rendered) -> int:
-        c = self._cache
-        get = c.get
-        total = 0
-        for s in r.segments:
-            n = get(s)
-            if n is None:
-                n = self.count(s)
-            total += n
-        return total
+        return sum(map(self.count, token_groups(r)))
 
 
 @dataclass
@@ -75,17 +100,18 @@ class Comparison:
 
 def compare(prev: Rendered, next: Rendered, counter: SegmentCounter) -> Comparison:
     """Compares two renderings (prev -> next)."""
-    ps, ns = prev.segments, next.segments
+    ps, ns = token_groups(prev), token_groups(next)
     d, chars, toks = 0, 0, 0
     n = min(len(ps), len(ns))
     count = counter.count
-    while d < n and (ps[d] is ns[d] or ps[d] == ns[d]):
-        chars += len(ps[d])
+    while d < n and ps[d] == ns[d]:  # tuple equality tries identity first, element by element
+        chars += sum(map(len, ps[d]))
         toks += count(ps[d])
         d += 1
     if d == len(ps):
-        return Comparison(True, chars, toks, chars, chars + sum(map(len, ns[d:])))
-    prev_rest, next_rest = "".join(ps[d:]), "".join(ns[d:])
+        return Comparison(True, chars, toks, chars, chars + sum(len(s) for g in ns[d:] for s in g))
+    prev_rest = "".join(s for g in ps[d:] for s in g)
+    next_rest = "".join(s for g in ns[d:] for s in g)
     c = common_prefix_len(prev_rest, next_rest)
     prev_chars, next_chars = chars + len(prev_rest), chars + len(next_rest)
     if c == len(prev_rest):
