@@ -121,6 +121,8 @@ def _sandbox_class():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from jinja2.utils import Namespace
 
+    dict_attrs = frozenset(dir(dict))  # `m.items` etc. stay methods, checked by the sandbox
+
     class FastSandbox(ImmutableSandboxedEnvironment):
         """The sandbox's attribute check costs ~2 us per `message.role`;
         a plain key of a plain dict (our messages) is data, not code, so it
@@ -128,10 +130,11 @@ def _sandbox_class():
 
         def getattr(self, obj, attribute):
             t = type(obj)
-            if t is dict and type(attribute) is str and not hasattr(dict, attribute):
-                if attribute in obj:
+            if t is dict and attribute not in dict_attrs:
+                try:
                     return obj[attribute]
-                return self.undefined(obj=obj, name=attribute)
+                except (KeyError, TypeError):
+                    return self.undefined(obj=obj, name=attribute)
             if (t is LoopContext or t is Namespace) and type(attribute) is str and not attribute.startswith("_"):
                 try:
                     return getattr(obj, attribute)
