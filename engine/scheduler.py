@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, StopSequences
+from mlx_lm.models.cache import KVCache
 
 from engine.batch_cache import RowBatchKVCache
 from engine.prefix_cache import PrefixCache
@@ -58,6 +59,14 @@ class _Row:
     stops: StopMatcher
     started_at: float
     first_token_at: float | None = None
+
+
+def _batch_of_one(layer):
+    """The batched form of one row's layer cache: dense layers become a
+    `RowBatchKVCache`; other cache types batch through their own `merge`."""
+    if isinstance(layer, KVCache):
+        return RowBatchKVCache.merge([layer])
+    return layer.merge([layer])
 
 
 class Scheduler:
@@ -161,7 +170,7 @@ class Scheduler:
             self.model,
             [seq.seq_id],
             mx.array(seq.prompt_ids[-1:]),
-            [RowBatchKVCache.merge([layer]) for layer in job.cache],
+            [_batch_of_one(layer) for layer in job.cache],
             [list(seq.prompt_ids[:-1])],
             [params.make_sampler()],
             GREEDY,
