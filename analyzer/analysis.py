@@ -160,7 +160,9 @@ class Analyzer:
         last: dict[str, Payload] = {}
         for i, req in enumerate(requests):
             payload = self.canon.payload(req.body) if isinstance(req.body, dict) else None
-            roles = [str(m.get("role")) if isinstance(m, dict) else "" for m in payload.messages] if payload else None
+            roles = None  # only session inference needs them
+            if payload is not None and req.session is None:
+                roles = [str(m.get("role")) if isinstance(m, dict) else "" for m in payload.messages]
             sess = grouper.add(i, req.session, payload.keys if payload else None, roles)
             if payload is not None:
                 prev = last.get(sess.id)

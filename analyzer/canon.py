@@ -118,6 +118,8 @@ def first_changed(prev: list[str], next: list[str]) -> int:
     """Index of the first differing message key; len(prev) when `prev` is a
     prefix of `next` (append-only at the payload level)."""
     n = min(len(prev), len(next))
+    if prev[:n] == next[:n]:  # C-speed, identity first: the common append-only case
+        return n
     for i in range(n):
         if prev[i] is not next[i] and prev[i] != next[i]:
             return i

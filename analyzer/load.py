@@ -253,6 +253,9 @@ def share_prefix(prev: list | None, messages: list) -> list:
     `prev`'s objects (identity makes later per-message caches hit)."""
     if not prev:
         return messages
+    n = min(len(prev), len(messages))
+    if messages[:n] == prev[:n]:  # C-speed, identity first (the incremental parser already shares)
+        return prev[:n] + messages[n:]
     out = list(messages)
     for i in range(min(len(prev), len(out))):
         if out[i] is prev[i]:
