@@ -15,11 +15,12 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
+from engine.memory import DEFAULT_CEILING_FRACTION, MemoryModel, machine_memory_bytes, measured
 from engine.model_files import load_model
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler
 from engine.sequence import Failed, Sequence
-from prefixtrace.errors import ContextExceedsCapacity, EngineError, EngineNotReady, PrefixtraceError
+from prefixtrace.errors import EngineError, EngineNotReady, PrefixtraceError
 
 log = logging.getLogger("prefixtrace.engine")
 
@@ -36,6 +37,8 @@ class Engine:
         prefill_step_size: tokens per prefill chunk (bounds the transient memory peak).
         max_batch: most sequences decoding together.
         loader: optional callable returning (model, tokenizer, config), run on the engine thread.
+        memory_ceiling_bytes: what weights + KV + prefill peak may use (default: 3/4 of the
+            machine's or accelerator's memory, less the prefix cache's budget).
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class Engine:
         prefill_step_size: int = 512,
         max_batch: int = 8,
         loader=None,
+        memory_ceiling_bytes: int | None = None,
     ):
         self.model_dir = Path(model_dir)
         # Runs on the engine thread; benchmarks pass one that builds a model in memory.
@@ -59,6 +63,8 @@ class Engine:
         self.default_max_tokens = default_max_tokens
         self.prefill_step_size = prefill_step_size
         self.max_batch = max_batch
+        self.memory_ceiling_bytes = memory_ceiling_bytes
+        self.memory: MemoryModel | None = None
         self.model = None
         self.tokenizer = None
         self.context_length: int = 0
@@ -103,16 +109,16 @@ class Engine:
         )
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        need = num_prompt_tokens + (max_tokens or 1)
-        if need > self.context_length:
-            raise ContextExceedsCapacity(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens or 1}) exceeds the model's "
-                f"context of {self.context_length} tokens",
-                prompt_tokens=num_prompt_tokens,
-                max_tokens=max_tokens,
-                max_context_tokens=self.context_length,
-                retryable=False,
-            )
+        """Raise ContextExceedsCapacity (with the numbers) for a request that can never run."""
+        if not self.ready:
+            raise EngineNotReady("the model is still loading")
+        self.memory.check_fits(num_prompt_tokens, max_tokens)
+
+    def capacity(self) -> dict:
+        """The memory model's numbers, what the scheduler holds now, and MLX's own counters."""
+        if not self.ready:
+            raise EngineNotReady("the model is still loading")
+        return {**self.memory.numbers(), **self.scheduler.status(), "measured": measured()}
 
     def submit(self, seq: Sequence) -> None:
         if not self.ready:
@@ -139,6 +145,14 @@ class Engine:
             self.model, self.tokenizer, config = self._loader()
             self.context_length = int(config.get("max_position_embeddings") or 4096)
             self.prefix_cache = PrefixCache(self.model, max_bytes=self.cache_bytes)
+            ceiling = self.memory_ceiling_bytes
+            if ceiling is None:
+                # The prefix cache's budget is memory requests cannot use.
+                ceiling = int(machine_memory_bytes() * DEFAULT_CEILING_FRACTION) - self.cache_bytes
+            self.memory = MemoryModel.for_model(
+                self.model, context_length=self.context_length, prefill_chunk=self.prefill_step_size,
+                ceiling_bytes=ceiling,
+            )
             self.scheduler = Scheduler(
                 self.model,
                 self.tokenizer,
@@ -147,6 +161,7 @@ class Engine:
                 max_batch=self.max_batch,
                 prefill_chunk=self.prefill_step_size,
                 default_max_tokens=self.default_max_tokens,
+                memory=self.memory,
             )
             mx.synchronize()
             log.info("model %s loaded from %s (context %d tokens)", self.name, self.model_dir, self.context_length)

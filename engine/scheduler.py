@@ -22,19 +22,26 @@ Where we depart from mlx-lm's `BatchGenerator`, and why:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, StopSequences
 from mlx_lm.models.cache import KVCache
 
 from engine.batch_cache import RowBatchKVCache
+from engine.memory import HARD_WATERMARK, SOFT_WATERMARK, MemoryModel
 from engine.prefix_cache import PrefixCache
 from engine.sampling import GREEDY
-from engine.sequence import Finished, Sequence, TextDelta
+from engine.sequence import Failed, Finished, Sequence, TextDelta
+from engine.spill import SpillStore
 from engine.stop_strings import StopMatcher
+from prefixtrace.errors import EngineError
+
+log = logging.getLogger("prefixtrace.scheduler")
 
 
 # Seconds of decoding owed per second of prefill while both kinds of work wait.
@@ -61,6 +68,21 @@ class _Row:
     first_token_at: float | None = None
 
 
+@dataclass(eq=False)
+class _Paused:
+    """A sequence whose KV was spilled under memory pressure (or by the test hook)."""
+
+    seq: Sequence
+    path: Path
+    started_at: float
+    row: _Row | None = None  # decoding when paused; None for a parked prefill
+    sampler: object = None
+    pending: int = 0  # already emitted; fed first on resume
+    cached_ids: list[int] = field(default_factory=list)
+    remaining: int = 0
+    pos: int = 0  # parked prefill: prompt tokens in the spilled cache
+
+
 def _batch_of_one(layer):
     """The batched form of one row's layer cache: dense layers become a
     `RowBatchKVCache`; other cache types batch through their own `merge`."""
@@ -80,8 +102,14 @@ class Scheduler:
         max_batch: int = 8,
         prefill_chunk: int = 512,
         default_max_tokens: int = 4096,
+        memory: MemoryModel | None = None,
+        spill: SpillStore | None = None,
     ):
         self.model = model
+        self.memory = memory
+        self.spill = spill or SpillStore()
+        self.paused: deque[_Paused] = deque()
+        self._just_resumed: set[int] = set()
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         self.context_length = context_length
@@ -97,13 +125,22 @@ class Scheduler:
         self._decode_s_since_prefill = 0.0
         self._last_prefill_s = 0.0
         self.stats = {"requests": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
-                      "peak_batch": 0}
+                      "peak_batch": 0, "pauses": 0, "parks": 0, "resumes": 0, "aborts": 0}
 
     # --- asking ------------------------------------------------------------------
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefill or self.rows)
+        return bool(self.waiting or self.prefill or self.rows or self.paused)
+
+    def status(self) -> dict:
+        return {
+            "running": len(self.rows),
+            "prefilling": int(self.prefill is not None),
+            "waiting": len(self.waiting),
+            "paused": len(self.paused),
+            "kv_bytes_in_use": self._used_bytes() if self.memory else None,
+        }
 
     @property
     def num_running(self) -> int:
@@ -116,6 +153,9 @@ class Scheduler:
 
     def step(self) -> None:
         self._reap_cancelled()
+        if self.memory is not None:
+            self._relieve_pressure()
+        self._resume()
         self._admit()
         if self.rows:
             t0 = time.perf_counter()
@@ -132,7 +172,9 @@ class Scheduler:
     def fail_all(self, error_event) -> None:
         """After an exception inside a step: every in-flight sequence gets the error."""
         seqs = list(self.waiting) + ([self.prefill.seq] if self.prefill else []) + [r.seq for r in self.rows.values()]
+        seqs += [p.seq for p in self.paused]
         self.waiting.clear()
+        self.paused.clear()
         self.prefill, self.batch, self.rows = None, None, {}
         for seq in seqs:
             seq.emit(error_event)
@@ -140,7 +182,9 @@ class Scheduler:
     # --- admission and prefill ---------------------------------------------------
 
     def _admit(self) -> None:
-        while self.prefill is None and self.waiting and len(self.rows) < self.max_batch:
+        while self.prefill is None and self.waiting and len(self.rows) < self.max_batch and not self.paused:
+            if self.memory is not None and self._active() and not self._fits(self._prompt_need(self.waiting[0])):
+                return  # wait for memory; paused requests and running rows go first
             seq = self.waiting.popleft()
             if seq.cancelled:
                 self._count(seq, "cancelled")
@@ -190,6 +234,7 @@ class Scheduler:
     def _decode(self) -> None:
         leaving: dict[int, str] = {}
         for response in self.batch.next():
+            self._just_resumed.discard(response.uid)
             row = self.rows[response.uid]
             if row.first_token_at is None:
                 row.first_token_at = time.perf_counter()
@@ -202,6 +247,9 @@ class Scheduler:
                 leaving[response.uid] = "cancelled"
         if leaving:
             self._remove(leaving)
+        for uid, row in list(self.rows.items()):
+            if len(row.seq.output_ids) in row.seq.pause_at and row.seq.num_pauses < len(row.seq.pause_at):
+                self._pause_row(uid, reason="test hook")
 
     def _take_token(self, row: _Row, token: int) -> str | None:
         """Record one sampled token and stream its text; the finish reason it causes, if any."""
@@ -232,12 +280,149 @@ class Scheduler:
                 keep.append(index)
         self.batch.filter(keep)
 
+    # --- memory pressure: pause, park, resume --------------------------------------
+
+    def _active(self) -> int:
+        return len(self.rows) + (self.prefill is not None)
+
+    def _used_bytes(self) -> int:
+        tokens = sum(len(r.seq.prompt_ids) + len(r.seq.output_ids) for r in self.rows.values())
+        used = tokens * self.memory.kv_bytes_per_token
+        if self.prefill is not None:
+            used += self.prefill.pos * self.memory.kv_bytes_per_token + self.memory.transient_bytes
+        return used
+
+    def _fits(self, need: int, watermark: float = SOFT_WATERMARK) -> bool:
+        return self._used_bytes() + need <= watermark * self.memory.capacity_bytes
+
+    def _prompt_need(self, seq: Sequence) -> int:
+        return seq.num_prompt_tokens * self.memory.kv_bytes_per_token + self.memory.transient_bytes
+
+    def _final_need(self, seq: Sequence) -> int:
+        return self.memory.need_bytes(seq.num_prompt_tokens + self._max_tokens(seq))
+
+    def _max_tokens(self, seq: Sequence) -> int:
+        return seq.params.max_tokens or min(self.default_max_tokens, self.context_length - seq.num_prompt_tokens)
+
+    def _relieve_pressure(self) -> None:
+        """Above the hard watermark, pause (or park) the newest sequence that has made
+        progress since it last resumed; a lone sequence always runs (it fits alone)."""
+        while self._active() > 1 and self._used_bytes() > HARD_WATERMARK * self.memory.capacity_bytes:
+            candidates = [r.seq for uid, r in self.rows.items() if uid not in self._just_resumed]
+            if self.prefill is not None:
+                candidates.append(self.prefill.seq)
+            if not candidates:
+                self._abort_one()
+                return
+            victim = max(candidates, key=lambda s: (s.arrived_at, s.seq_id))
+            if self.prefill is not None and victim is self.prefill.seq:
+                self._park_prefill()
+            else:
+                self._pause_row(victim.seq_id, reason="hard memory pressure")
+
+    def _pause_row(self, uid: int, *, reason: str) -> None:
+        """Take a decoding row out of the batch with its exact state; its KV goes to disk."""
+        batch, row = self.batch, self.rows[uid]
+        index = batch.uids.index(uid)
+        # mlx-lm's GenerationBatch samples one token ahead; that token is the
+        # row's next output, so it is emitted now and fed first on resume.
+        pending = batch._next_tokens[index].item()
+        finish = self._take_token(row, pending)
+        remaining = batch.max_tokens[index] - batch._num_tokens[index] - 1
+        sampler = batch.samplers[index]
+        cache, cached_ids = batch.extract_cache(index), list(batch.tokens[index])
+        batch.filter([i for i in range(len(batch.uids)) if i != index])
+        if finish is not None or remaining <= 0:
+            self._finish(row, finish or "length", cache, cached_ids)
+            return
+        row.seq.num_pauses += 1
+        path = self.spill.spill(f"row-{uid}-{row.seq.num_pauses}", cache)
+        self.rows.pop(uid)
+        self.paused.append(_Paused(row.seq, path, row.started_at, row=row, sampler=sampler, pending=pending,
+                                   cached_ids=cached_ids, remaining=remaining))
+        del cache
+        mx.clear_cache()
+        self.stats["pauses"] += 1
+        log.info("paused request %d after %d output tokens (%s): %d KV tokens spilled",
+                 uid, len(row.seq.output_ids), reason, len(cached_ids))
+
+    def _park_prefill(self) -> None:
+        job, self.prefill = self.prefill, None
+        job.seq.num_pauses += 1
+        path = self.spill.spill(f"prefill-{job.seq.seq_id}-{job.seq.num_pauses}", job.cache)
+        self.paused.append(_Paused(job.seq, path, job.started_at, pos=job.pos))
+        job.cache = None
+        mx.clear_cache()
+        self.stats["parks"] += 1
+        log.info("parked prefill of request %d at %d/%d prompt tokens (hard memory pressure)",
+                 job.seq.seq_id, job.pos, job.seq.num_prompt_tokens)
+
+    def _resume(self) -> None:
+        """Paused sequences resume first-in first-out, before any new admission, once the
+        memory they need at their final length is free; never under hard pressure."""
+        while self.paused:
+            head = self.paused[0]
+            if head.row is None and self.prefill is not None:
+                return
+            if head.row is not None and len(self.rows) >= self.max_batch:
+                return
+            if self.memory is not None and self._active() and not self._fits(self._final_need(head.seq)):
+                return
+            self.paused.popleft()
+            cache = self.spill.restore(head.path)
+            if head.row is None:
+                self.prefill = _Prefill(head.seq, cache, head.pos, started_at=head.started_at)
+            else:
+                self._rejoin(head, cache)
+            self.stats["resumes"] += 1
+            log.info("resumed request %d (%s)", head.seq.seq_id, "prefill" if head.row is None else "decode")
+
+    def _rejoin(self, paused: _Paused, cache: list) -> None:
+        seq = paused.seq
+        joining = GenerationBatch(
+            self.model,
+            [seq.seq_id],
+            mx.array([paused.pending]),
+            [_batch_of_one(layer) for layer in cache],
+            [paused.cached_ids],
+            [paused.sampler],
+            GREEDY,
+            [[]],
+            [StopSequences() if seq.params.ignore_eos else self._eos_stops],
+            [paused.remaining],
+        )
+        if self.batch is None or len(self.batch) == 0:
+            self.batch = joining
+        else:
+            self.batch.extend(joining)
+        self.rows[seq.seq_id] = paused.row
+        self._just_resumed.add(seq.seq_id)
+
+    def _abort_one(self) -> None:
+        """Nothing can be paused: fail one request (largest live KV, newest on ties), never all."""
+        sizes = {uid: len(r.seq.prompt_ids) + len(r.seq.output_ids) for uid, r in self.rows.items()}
+        uid = max(sizes, key=lambda u: (sizes[u], self.rows[u].seq.arrived_at))
+        row = self.rows[uid]
+        index = self.batch.uids.index(uid)
+        self.batch.filter([i for i in range(len(self.batch.uids)) if i != index])
+        self.rows.pop(uid)
+        self._count(row.seq, "aborted")
+        self.stats["aborts"] += 1
+        log.warning("aborted request %d under memory pressure (%d KV tokens)", uid, sizes[uid])
+        row.seq.emit(Failed(EngineError("aborted under memory pressure; retry later", retryable=True)))
+
     def _reap_cancelled(self) -> None:
         if self.prefill is not None and self.prefill.seq.cancelled:
             job, self.prefill = self.prefill, None
             self.prefix_cache.store(job.seq.prompt_ids, job.cache)  # keep what was prefilled
             self._count(job.seq, "cancelled")
             job.seq.emit(Finished("cancelled", job.seq.num_prompt_tokens, 0, job.seq.num_cached_tokens, 0.0, 0.0))
+        for paused in [p for p in self.paused if p.seq.cancelled]:
+            self.paused.remove(paused)
+            paused.path.unlink(missing_ok=True)
+            self._count(paused.seq, "cancelled")
+            paused.seq.emit(Finished("cancelled", paused.seq.num_prompt_tokens, paused.seq.num_completion_tokens,
+                                     paused.seq.num_cached_tokens, 0.0, 0.0))
         cancelled = {uid: "cancelled" for uid, row in self.rows.items() if row.seq.cancelled}
         if cancelled:
             self._remove(cancelled)

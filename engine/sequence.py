@@ -53,6 +53,8 @@ class Sequence:
     arrived_at: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    pause_at: frozenset[int] = frozenset()  # test hook: pause when the output reaches these lengths
+    num_pauses: int = 0
     _cancel: threading.Event = field(default_factory=threading.Event)
 
     @property

@@ -43,10 +43,13 @@ def cli():
 @click.option("--cache-memory-gb", default=2.0, show_default=True, type=float, help="Byte budget of the in-memory prefix cache.")
 @click.option("--prefill-chunk", default=512, show_default=True, type=click.IntRange(1),
               help="Tokens per prefill chunk; decoding rows run between chunks.")
+@click.option("--memory-ceiling-gb", type=click.FloatRange(min=0, min_open=True),
+              help="Memory for weights + KV + prefill peak. Default: 3/4 of this machine's (or the accelerator's) "
+                   "memory, less the prefix cache's budget.")
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1), help="Most requests decoding together.")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @_library_errors
-def serve(host, port, db, model, upstream, dtype, cache_memory_gb, prefill_chunk, max_batch, log_level):
+def serve(host, port, db, model, upstream, dtype, cache_memory_gb, memory_ceiling_gb, prefill_chunk, max_batch, log_level):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions (streamed and not), GET /v1/models,
@@ -67,7 +70,7 @@ def serve(host, port, db, model, upstream, dtype, cache_memory_gb, prefill_chunk
 
         dtype = default_dtype()
     run_serve(ServeConfig(host=host, port=port, db=db, model=model, upstream=upstream, dtype=dtype,
-                          cache_memory_gb=cache_memory_gb, prefill_chunk=prefill_chunk, max_batch=max_batch,
+                          cache_memory_gb=cache_memory_gb, memory_ceiling_gb=memory_ceiling_gb, prefill_chunk=prefill_chunk, max_batch=max_batch,
                           log_level=log_level))
 
 

@@ -28,6 +28,7 @@ class ServeConfig:
     cache_memory_gb: float = 2.0
     prefill_chunk: int = 512
     max_batch: int = 8
+    memory_ceiling_gb: float | None = None
     log_level: str = "info"
 
 
@@ -48,6 +49,7 @@ def build_backend(config: ServeConfig):
         cache_bytes=int(config.cache_memory_gb * (1 << 30)),
         prefill_step_size=config.prefill_chunk,
         max_batch=config.max_batch,
+        memory_ceiling_bytes=None if config.memory_ceiling_gb is None else int(config.memory_ceiling_gb * (1 << 30)),
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
     return EngineBackend(engine)

@@ -43,11 +43,30 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
     app.state.backend = backend
     app.state.recorder = recorder
 
+    @app.middleware("http")
+    async def max_context_header(request: Request, call_next):
+        response = await call_next(request)
+        limit = getattr(backend, "max_context_tokens", None)
+        if limit is not None:
+            # Lets a harness compact before it hits the wall, on every response.
+            response.headers["X-Max-Context-Tokens"] = str(limit)
+        return response
+
     @app.get("/health")
     async def health():
         if await backend.ready():
-            return {"status": "ok", "backend": backend.label}
+            body = {"status": "ok", "backend": backend.label}
+            if hasattr(backend, "engine"):
+                body["engine"] = await backend.capacity()
+            return body
         return JSONResponse({"status": "loading", "backend": backend.label}, status_code=503)
+
+    @app.get("/v1/capacity")
+    async def capacity():
+        try:
+            return await backend.capacity()
+        except PrefixtraceError as exc:
+            return JSONResponse(to_openai_error(exc), status_code=http_status(exc))
 
     @app.get("/v1/models")
     async def models():

@@ -36,6 +36,13 @@ class EngineBackend:
     async def ready(self) -> bool:
         return self.engine.ready
 
+    async def capacity(self) -> dict:
+        return self.engine.capacity()
+
+    @property
+    def max_context_tokens(self) -> int | None:
+        return self.engine.memory.max_context_tokens if self.engine.ready else None
+
     async def models(self) -> dict:
         created = int(time.time())
         return {

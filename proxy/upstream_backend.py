@@ -64,6 +64,15 @@ class UpstreamBackend:
             return False
         return response.status_code < 500
 
+    max_context_tokens = None  # an upstream's limits are its own (see its /v1/capacity, if any)
+
+    async def capacity(self) -> dict:
+        with map_httpx_errors(self.base_url):
+            response = await self.client.get("/v1/capacity")
+        if response.status_code >= 400:
+            raise UpstreamError(f"upstream {self.base_url} has no capacity endpoint ({response.status_code})")
+        return response.json()
+
     async def models(self) -> dict:
         with map_httpx_errors(self.base_url):
             response = await self.client.get("/v1/models")

@@ -1,0 +1,104 @@
+"""The memory model: one formula for admission, pausing, resuming, never-fits and capacity.
+
+    need(request) = KV bytes per token x (prompt + max_tokens) + transient
+    capacity      = ceiling - weights
+
+`weights` is the model's parameter bytes; KV bytes per token come from the
+model's shape (dense: K and V, every layer, in the activation dtype); the
+transient peak is what one prefill chunk allocates on top of the KV (the
+chunk's activations and its logits). Decisions use these estimates, not live
+readings, so they are deterministic; `measured()` reports MLX's own counters
+next to them and a test keeps the two within a stated tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from prefixtrace.errors import ContextExceedsCapacity
+
+DEFAULT_CEILING_FRACTION = 0.75  # of the machine's (or accelerator's) memory
+SOFT_WATERMARK = 0.85  # of capacity: stop admitting new work
+HARD_WATERMARK = 0.95  # of capacity: pause running work
+
+
+def machine_memory_bytes() -> int:
+    info = mx.device_info()
+    if "memory_size" in info:  # Metal / CUDA report the accelerator's memory
+        return int(info["memory_size"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    weights_bytes: int
+    kv_bytes_per_token: int
+    transient_bytes: int
+    ceiling_bytes: int
+    context_length: int
+
+    @classmethod
+    def for_model(cls, model, *, context_length: int, prefill_chunk: int, ceiling_bytes: int | None = None):
+        weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        args = model.args
+        heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
+        head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+        itemsize = _activation_itemsize(model)
+        kv_per_token = 2 * args.num_hidden_layers * heads * head_dim * itemsize
+        # One chunk's activations (residual, attention projections, MLP) and its
+        # logits, which mlx-lm computes for every position of the chunk in float32.
+        hidden = args.hidden_size * (4 + 2 * args.intermediate_size // args.hidden_size)
+        transient = prefill_chunk * (hidden * itemsize + args.vocab_size * 4)
+        ceiling = ceiling_bytes if ceiling_bytes is not None else int(machine_memory_bytes() * DEFAULT_CEILING_FRACTION)
+        return cls(weights, kv_per_token, transient, ceiling, context_length)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """What the KV and the transient peak may use, beside the weights."""
+        return max(0, self.ceiling_bytes - self.weights_bytes)
+
+    @property
+    def max_context_tokens(self) -> int:
+        by_memory = (self.capacity_bytes - self.transient_bytes) // max(1, self.kv_bytes_per_token)
+        return int(max(0, min(by_memory, self.context_length)))
+
+    def need_bytes(self, num_tokens: int) -> int:
+        """KV of a sequence at its final length, plus one prefill chunk's peak."""
+        return self.kv_bytes_per_token * num_tokens + self.transient_bytes
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raise ContextExceedsCapacity if the request could not run even alone."""
+        total = prompt_tokens + (max_tokens or 1)
+        if total <= self.context_length and self.need_bytes(total) <= self.capacity_bytes:
+            return
+        why = "the model's context" if total > self.context_length else "the memory ceiling"
+        raise ContextExceedsCapacity(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens or 1}) can never fit: limited by {why}; "
+            f"at most {self.max_context_tokens} tokens fit",
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            retryable=False,
+            **self.numbers(),
+        )
+
+    def numbers(self) -> dict:
+        d = asdict(self)
+        d.update(capacity_bytes=self.capacity_bytes, max_context_tokens=self.max_context_tokens)
+        d.pop("context_length")
+        return d
+
+
+def measured() -> dict:
+    """MLX's own counters, for reports and the estimate-vs-measured test."""
+    return {"active_bytes": mx.get_active_memory(), "peak_bytes": mx.get_peak_memory(), "cache_bytes": mx.get_cache_memory()}
+
+
+def _activation_itemsize(model) -> int:
+    for _, v in tree_flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            return v.dtype.size
+    return 2
