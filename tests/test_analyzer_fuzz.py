@@ -24,7 +24,8 @@ message = st.one_of(
 )
 body = st.fixed_dictionaries({"messages": st.lists(message, max_size=6)},
                              optional={"model": st.sampled_from(["a", "b"]), "tools": st.just([{"type": "function"}])})
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# database=None: no .hypothesis/ directory left in the checkout.
+FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FUZZ
