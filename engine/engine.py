@@ -17,7 +17,7 @@ import mlx.core as mx
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
 from engine.memory import DEFAULT_CEILING_FRACTION, MemoryModel, machine_memory_bytes, measured
 from engine.model_files import load_model
-from engine.prefix_cache import PrefixCache
+from engine.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_DISK_BYTES, PrefixCache
 from engine.scheduler import Scheduler
 from engine.sequence import Failed, Sequence
 from prefixtrace.errors import EngineError, EngineNotReady, PrefixtraceError
@@ -37,6 +37,10 @@ class Engine:
         prefill_step_size: tokens per prefill chunk (bounds the transient memory peak).
         max_batch: most sequences decoding together.
         loader: optional callable returning (model, tokenizer, config), run on the engine thread.
+        cache_dir: directory of the prefix cache's disk tier (None: memory only); a restarted
+            engine on the same directory and model reuses the prompts cached there.
+        cache_disk_bytes: byte budget of the disk tier.
+        block_size: tokens per prefix-cache block (docs/CACHE.md).
         memory_ceiling_bytes: what weights + KV + prefill peak may use (default: 3/4 of the
             machine's or accelerator's memory, less the prefix cache's budget).
     """
@@ -52,6 +56,9 @@ class Engine:
         prefill_step_size: int = 512,
         max_batch: int = 8,
         loader=None,
+        cache_dir: str | Path | None = None,
+        cache_disk_bytes: int = DEFAULT_DISK_BYTES,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         memory_ceiling_bytes: int | None = None,
     ):
         self.model_dir = Path(model_dir)
@@ -63,6 +70,7 @@ class Engine:
         self.default_max_tokens = default_max_tokens
         self.prefill_step_size = prefill_step_size
         self.max_batch = max_batch
+        self.cache_dir, self.cache_disk_bytes, self.block_size = cache_dir, cache_disk_bytes, block_size
         self.memory_ceiling_bytes = memory_ceiling_bytes
         self.memory: MemoryModel | None = None
         self.model = None
@@ -144,7 +152,10 @@ class Engine:
         try:
             self.model, self.tokenizer, config = self._loader()
             self.context_length = int(config.get("max_position_embeddings") or 4096)
-            self.prefix_cache = PrefixCache(self.model, max_bytes=self.cache_bytes)
+            self.prefix_cache = PrefixCache(
+                self.model, max_bytes=self.cache_bytes, block_size=self.block_size, cache_dir=self.cache_dir,
+                disk_bytes=self.cache_disk_bytes, model_dir=self.model_dir if self.cache_dir else None,
+            )
             ceiling = self.memory_ceiling_bytes
             if ceiling is None:
                 # The prefix cache's budget is memory requests cannot use.
@@ -184,6 +195,7 @@ class Engine:
                 # is left pending when the process exits.
                 mx.synchronize()
         self.scheduler.fail_all(Failed(EngineNotReady("the engine is shutting down")))
+        self.prefix_cache.close()  # queued disk blocks land before shutdown() returns
 
     def _take_requests(self, block: bool) -> bool:
         """Move queued sequences into the scheduler; False once shutdown was asked."""

@@ -1,18 +1,49 @@
-"""In-memory prefix cache (v0): reuse the KV of the longest cached prompt prefix.
+"""Paged prefix cache: KV in hashed blocks, in memory and on disk.
 
-This is mlx-lm's `LRUPromptCache` (a token trie of whole KV caches with an LRU
-and a byte budget) plus the two things it leaves to its caller: an exact count
-of the tokens actually reused, and never handing back a cache that covers the
-whole prompt (the model must see at least one new token to produce logits).
-The paged, block-hashed memory+disk cache of the cache-tiers issue replaces it.
+A prompt's KV is cut into blocks of `block_size` tokens keyed by the chained
+hash of engine/block_hash.py, plus the exact tail after its last full block.
+`lookup` walks the prompt's chain through the memory tier, then the disk tier
+(a disk hit is promoted to memory), and where the chain stops it takes the
+longest common prefix with any cached child of the last matched block (a full
+block or a tail) and reuses that many of its positions. So `num_cached` is
+the exact common prefix with what is cached, not a block multiple
+(docs/CACHE.md, "Exactness").
+
+Engine thread only: the scheduler calls `lookup` on admission, `commit` after
+prefill chunks (progress survives a cancel, an abort or a restart) and
+`store` when a sequence ends. Disk writes leave the engine thread as host
+copies for the writer thread of engine/disk_cache.py.
+
+Only models whose caches are all plain `KVCache` layers are paged; for others
+(sliding windows, SSM state) the cache stays empty and says so once in the log.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.block_hash import chain_hash, model_fingerprint, root_hash
+from engine.cache_blocks import DENSE, Block, cut, from_numpy, is_dense, join, to_numpy
+from engine.disk_cache import DiskCache
+from engine.memory_cache import MemoryCache
+from prefixtrace.errors import EngineError
+
+log = logging.getLogger("prefixtrace.cache")
+
+DEFAULT_BLOCK_SIZE = 256  # measured in bench/bench_cache_tiers.py, justified in docs/CACHE.md
+DEFAULT_DISK_BYTES = 16 << 30
+# Commit during prefill once this many new full blocks are done. Each block is
+# copied once whether a commit or the final store copies it, so committing
+# every block costs only the chain hashing (see docs/CACHE.md).
+DEFAULT_COMMIT_BLOCKS = 1
 
 
 @dataclass(slots=True)
@@ -22,42 +53,252 @@ class CacheHit:
 
 
 class PrefixCache:
-    def __init__(self, model, *, max_bytes: int, max_entries: int = 64):
+    """Args:
+    model: the mlx-lm model (probed once with one token for its KV layout and dtype).
+    max_bytes: byte budget of the memory tier.
+    block_size: tokens per block.
+    cache_dir: directory of the disk tier (None: memory only).
+    disk_bytes: byte budget of the disk tier.
+    model_dir: the model's directory, fingerprinted into every key; required with cache_dir.
+    commit_blocks: commit during prefill every this many new full blocks.
+    """
+
+    def __init__(self, model, *, max_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 cache_dir: str | Path | None = None, disk_bytes: int = DEFAULT_DISK_BYTES,
+                 model_dir: str | Path | None = None, commit_blocks: int = DEFAULT_COMMIT_BLOCKS):
+        if block_size <= 0 or commit_blocks <= 0:
+            raise EngineError(f"block_size and commit_blocks must be positive ({block_size}, {commit_blocks})")
         self._model = model
-        self._lru = LRUPromptCache(max_size=max_entries, max_bytes=max_bytes)
+        self.block_size = block_size
+        self.commit_blocks = commit_blocks
+        probe = make_prompt_cache(model)
+        self.enabled = is_dense(probe)
+        if self.enabled:
+            model(mx.array([[0]]), cache=probe)  # one token: the KV dtype the model really produces
+            self._layout = [(tuple(c.keys.shape[:2]), tuple(c.keys.shape[3:]), c.keys.dtype) for c in probe]
+            self.cache_format = f"{DENSE}/{str(probe[0].keys.dtype).removeprefix('mlx.core.')}"
+        else:
+            log.warning("prefix cache disabled: the model's cache layers are not all plain KVCache")
+            self.cache_format = "none"
+        if cache_dir is not None and (model_dir is None or not (Path(model_dir) / "config.json").exists()):
+            raise EngineError("a disk prefix cache needs the model's directory (with config.json) to key its blocks")
+        # A memory-only cache lives and dies with this model object: any unique id will do.
+        fingerprint = model_fingerprint(model_dir) if model_dir is not None else f"process-{os.getpid()}-{id(model)}"
+        self.root = root_hash(model_fingerprint=fingerprint, cache_format=self.cache_format)
+        self.memory = MemoryCache(max_bytes)
+        self.disk = DiskCache(cache_dir, max_bytes=disk_bytes) if cache_dir is not None and self.enabled else None
         self.num_lookups = 0
         self.num_hit_tokens = 0
+        self.num_disk_blocks_read = 0
+        self.disk_bytes_read = 0
+        self.disk_read_s = 0.0
+
+    # --- asking -----------------------------------------------------------------
 
     @property
     def nbytes(self) -> int:
-        return self._lru.nbytes
+        return self.memory.nbytes
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self.memory)
+
+    @property
+    def stats(self) -> dict:
+        return {
+            "block_size": self.block_size, "cache_format": self.cache_format,
+            "memory_blocks": len(self.memory), "memory_bytes": self.memory.nbytes,
+            "disk_blocks": len(self.disk) if self.disk else 0, "disk_bytes": self.disk.nbytes if self.disk else 0,
+            "disk_blocks_read": self.num_disk_blocks_read, "disk_bytes_read": self.disk_bytes_read,
+            "disk_read_s": self.disk_read_s, "disk_corrupt": self.disk.num_corrupt if self.disk else 0,
+            "lookups": self.num_lookups, "hit_tokens": self.num_hit_tokens,
+        }
 
     def lookup(self, tokens: list[int]) -> CacheHit:
-        """A private copy of the cache for the longest stored prefix of `tokens`."""
+        """A private cache holding the longest cached prefix of `tokens`, never all of them."""
         self.num_lookups += 1
-        cache, rest = self._lru.fetch_nearest_cache("model", tokens)
-        if cache is None:
+        limit = len(tokens) - 1  # the step that samples the first output token needs an input
+        if not self.enabled or limit <= 0:
             return CacheHit(make_prompt_cache(self._model), 0)
-        num_cached = len(tokens) - len(rest)
-        if num_cached == len(tokens):
-            # Exact hit: give back one token so the step that samples the first
-            # output token has an input. Only trimmable caches are stored.
-            trim_prompt_cache(cache, 1)
-            num_cached -= 1
-        if cache[0].offset != num_cached:  # the trie and the cache must agree
+        bs, parent, pos = self.block_size, self.root, 0
+        parts, chain = [], []
+        while pos + bs <= limit:
+            key = chain_hash(parent, tokens[pos : pos + bs])
+            block = self._fetch(key)
+            if block is None or list(block.tokens) != list(tokens[pos : pos + bs]):
+                break
+            parts.append((block.layers, bs))
+            chain.append(key)
+            parent, pos = key, pos + bs
+        tail, n = self._best_child(parent, tokens[pos:limit])
+        if tail is not None:
+            parts.append((tail.layers, n))
+            chain.append(tail.key)
+            pos += n
+        if not parts:
             return CacheHit(make_prompt_cache(self._model), 0)
-        self.num_hit_tokens += num_cached
-        return CacheHit(cache, num_cached)
+        self._touch(chain)
+        cache = join(parts)
+        self.num_hit_tokens += pos
+        return CacheHit(cache, pos)
+
+    # --- acting -----------------------------------------------------------------
 
     def store(self, tokens: list[int], cache: list[Any]) -> None:
-        """Keep `cache`, whose first `cache[0].offset` tokens are `tokens[:offset]`.
+        """Keep the KV of `cache`, whose first `cache[0].offset` tokens are `tokens[:offset]`.
 
-        The cache object is taken over: the caller must not use it afterwards.
+        The cache object is taken over (the blocks are copies, so it is simply dropped).
         """
-        offset = cache[0].offset
-        if offset == 0 or not can_trim_prompt_cache(cache):
+        if not self.enabled or not is_dense(cache) or cache[0].offset == 0:
             return
-        self._lru.insert_cache("model", list(tokens[:offset]), cache)
+        offset = cache[0].offset
+        self._keep(list(tokens[:offset]), cache, first=0, tail=True)
+
+    def commit(self, tokens: list[int], cache: list[Any]) -> None:
+        """Keep the full blocks of a prefill in progress once `commit_blocks` new ones are done.
+
+        `cache` stays the caller's: blocks are copied out of it. Cheap when
+        nothing is new: the chain is hashed and the newest block found cached.
+        """
+        if not self.enabled or not is_dense(cache):
+            return
+        bs, n_full = self.block_size, min(len(tokens), cache[0].offset) // self.block_size
+        if n_full == 0:
+            return
+        keys = self._chain(tokens[: n_full * bs])
+        if self._cached(keys[-1]):
+            return
+        first = next(i for i, key in enumerate(keys) if not self._cached(key))
+        if n_full - first >= self.commit_blocks:
+            self._keep(list(tokens[: n_full * bs]), cache, first=first, tail=False)
+
+    def pin(self, tokens: list[int]) -> int:
+        """Protect the blocks of `tokens` (cached now or later) from eviction in both tiers;
+        the number of tokens they cover. Pins last for this process only."""
+        keys = self._keys_of(tokens)
+        for key in keys:
+            self.memory.pin(key)
+            if self.disk:
+                self.disk.pin(key)
+        return len(tokens) if keys else 0
+
+    def unpin(self, tokens: list[int]) -> None:
+        for key in self._keys_of(tokens):
+            self.memory.unpin(key)
+            if self.disk:
+                self.disk.unpin(key)
+
+    def flush(self) -> None:
+        """Wait for queued disk writes (tests, benchmarks, shutdown)."""
+        if self.disk:
+            self.disk.flush()
+
+    def close(self) -> None:
+        if self.disk:
+            self.disk.close()
+
+    # --- internals ----------------------------------------------------------------
+
+    def _chain(self, tokens) -> list[bytes]:
+        keys, parent, bs = [], self.root, self.block_size
+        for start in range(0, len(tokens) - bs + 1, bs):
+            parent = chain_hash(parent, tokens[start : start + bs])
+            keys.append(parent)
+        return keys
+
+    def _keys_of(self, tokens) -> list[bytes]:
+        keys = self._chain(tokens)
+        rest = len(tokens) % self.block_size
+        if rest:
+            keys.append(chain_hash(keys[-1] if keys else self.root, tokens[-rest:]))
+        return keys
+
+    def _cached(self, key: bytes) -> bool:
+        return key in self.memory and (self.disk is None or key in self.disk)
+
+    def _keep(self, tokens: list[int], cache, *, first: int, tail: bool) -> None:
+        """Copy blocks `first`.. of `tokens` (and the tail) out of `cache` into the tiers."""
+        bs = self.block_size
+        keys = self._chain(tokens)
+        ends = [(i * bs, (i + 1) * bs, key) for i, key in enumerate(keys)]
+        if tail and len(tokens) % bs:
+            ends.append((len(keys) * bs, len(tokens), chain_hash(keys[-1] if keys else self.root, tokens[len(keys) * bs :])))
+        chain, in_memory = [], True
+        for start, stop, key in ends:
+            parent = keys[start // bs - 1] if start else self.root
+            chain.append(key)
+            if start < first * bs or self._cached(key):
+                continue
+            block = self.memory.get(key)
+            if block is None:
+                block = Block(key, parent, tuple(tokens[start:stop]), cut(cache, start, stop))
+                self._drop_superseded(block)
+                if in_memory and self.memory.can_hold(block.nbytes):
+                    self.memory.put(block)  # may refuse it (budget full of its own chain)
+                # Past a refused block the rest of the chain would be stranded in memory.
+                in_memory = key in self.memory
+            if self.disk is not None and key not in self.disk:
+                self.disk.put(key, parent, block.tokens, to_numpy(block.layers), fmt=DENSE,
+                              cache_format=self.cache_format)
+        self._touch(chain)
+
+    def _drop_superseded(self, block: Block) -> None:
+        """A tail whose tokens begin `block`'s adds nothing once `block` is cached."""
+        n = block.num_tokens
+        for other in self.memory.children(block.parent):
+            if other.num_tokens < n and other.tokens == block.tokens[: other.num_tokens]:
+                self.memory.discard(other.key)
+        if self.disk is not None:
+            for key, toks in self.disk.children(block.parent):
+                if len(toks) < n and toks == block.tokens[: len(toks)]:
+                    self.disk.discard(key)
+
+    def _touch(self, chain: list[bytes]) -> None:
+        # Most recent last, walking the chain backwards: a prefix's first blocks
+        # are then evicted after its later ones, never before (a chain that lost
+        # its head is useless).
+        for key in reversed(chain):
+            self.memory.get(key)
+
+    def _best_child(self, parent: bytes, rest: list[int]) -> tuple[Block | None, int]:
+        """The cached child of `parent` sharing the most leading tokens with `rest`, and how many."""
+        if not rest:
+            return None, 0
+        rest = list(rest)
+        candidates = [(_common(b.tokens, rest), 0, b.key) for b in self.memory.children(parent)]
+        if self.disk is not None:
+            candidates += [(_common(t, rest), 1, k) for k, t in self.disk.children(parent) if k not in self.memory]
+        for n, _, key in sorted(candidates, key=lambda c: (-c[0], c[1])):
+            if n == 0:
+                break
+            block = self._fetch(key)
+            if block is not None and list(block.tokens[:n]) == rest[:n]:
+                return block, n
+        return None, 0
+
+    def _fetch(self, key: bytes) -> Block | None:
+        block = self.memory.get(key)
+        if block is not None or self.disk is None:
+            return block
+        t0 = time.perf_counter()
+        found = self.disk.get(key)
+        if found is None:
+            return None
+        header, arrays = found
+        if header.get("format") != DENSE or header.get("cache_format") != self.cache_format:
+            return None
+        layers = from_numpy(arrays)
+        if [(tuple(k.shape[:2]), tuple(k.shape[3:]), k.dtype) for k, _ in layers] != self._layout:
+            log.warning("prefix cache: disk block %s does not fit this model's KV layout; treated as a miss", key.hex())
+            self.disk.discard(key)
+            return None
+        block = Block(key, bytes.fromhex(header["parent"]), tuple(header["tokens"]), layers)
+        self.num_disk_blocks_read += 1
+        self.disk_bytes_read += block.nbytes
+        self.disk_read_s += time.perf_counter() - t0
+        if self.memory.can_hold(block.nbytes):
+            self.memory.put(block)
+        return block
+
+
+def _common(a, b) -> int:
+    return len(os.path.commonprefix([list(a), b]))

@@ -203,6 +203,7 @@ class Scheduler:
             self.model(mx.array(prompt[job.pos : job.pos + n])[None], cache=job.cache)
             mx.eval([c.state for c in job.cache])
             job.pos += n
+            self.prefix_cache.commit(prompt[: job.pos], job.cache)  # progress survives a cancel or abort
         if job.pos == len(prompt) - 1:
             self.prefill = None
             self._start_decoding(job)

@@ -41,6 +41,11 @@ def cli():
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
               help="Activation dtype of the embedded engine. Default: the fastest measured on this platform.")
 @click.option("--cache-memory-gb", default=2.0, show_default=True, type=float, help="Byte budget of the in-memory prefix cache.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Directory of the prefix cache's disk tier; a restarted server reuses the prompts cached there.")
+@click.option("--cache-disk-gb", default=16.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Byte budget of the disk tier (with --cache-dir).")
+@click.option("--block-size", type=click.IntRange(1), help="Tokens per prefix-cache block. Default: 256 (docs/CACHE.md).")
 @click.option("--prefill-chunk", default=512, show_default=True, type=click.IntRange(1),
               help="Tokens per prefill chunk; decoding rows run between chunks.")
 @click.option("--memory-ceiling-gb", type=click.FloatRange(min=0, min_open=True),
@@ -49,7 +54,8 @@ def cli():
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1), help="Most requests decoding together.")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @_library_errors
-def serve(host, port, db, model, upstream, dtype, cache_memory_gb, memory_ceiling_gb, prefill_chunk, max_batch, log_level):
+def serve(host, port, db, model, upstream, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
+          memory_ceiling_gb, prefill_chunk, max_batch, log_level):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions (streamed and not), GET /v1/models,
@@ -71,6 +77,7 @@ def serve(host, port, db, model, upstream, dtype, cache_memory_gb, memory_ceilin
         dtype = default_dtype()
     run_serve(ServeConfig(host=host, port=port, db=db, model=model, upstream=upstream, dtype=dtype,
                           cache_memory_gb=cache_memory_gb, memory_ceiling_gb=memory_ceiling_gb, prefill_chunk=prefill_chunk, max_batch=max_batch,
+                          cache_dir=cache_dir, cache_disk_gb=cache_disk_gb, block_size=block_size,
                           log_level=log_level))
 
 

@@ -29,6 +29,9 @@ class ServeConfig:
     prefill_chunk: int = 512
     max_batch: int = 8
     memory_ceiling_gb: float | None = None
+    cache_dir: Path | None = None  # disk tier of the prefix cache; None: memory only
+    cache_disk_gb: float = 16.0
+    block_size: int | None = None  # None: engine.prefix_cache.DEFAULT_BLOCK_SIZE
     log_level: str = "info"
 
 
@@ -50,6 +53,9 @@ def build_backend(config: ServeConfig):
         prefill_step_size=config.prefill_chunk,
         max_batch=config.max_batch,
         memory_ceiling_bytes=None if config.memory_ceiling_gb is None else int(config.memory_ceiling_gb * (1 << 30)),
+        cache_dir=config.cache_dir,
+        cache_disk_bytes=int(config.cache_disk_gb * (1 << 30)),
+        **({} if config.block_size is None else {"block_size": config.block_size}),
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
     return EngineBackend(engine)

@@ -1,0 +1,321 @@
+"""The disk tier: one checksummed file per block, an LRU index rebuilt by scanning.
+
+File layout (little-endian), `<dir>/<key[:2]>/<key hex>.blk`:
+
+    magic  b"PTBLK\\x00\\x01\\x00"     8 bytes (format version 1)
+    hlen   uint32                     length of the header
+    header JSON, utf-8                {"format", "cache_format", "key", "parent", "tokens",
+                                       "arrays": [{"name", "dtype", "np", "shape", "offset", "nbytes"}],
+                                       "payload_bytes"}
+    payload                           the arrays back to back, at their offsets
+    crc    uint32                     zlib.crc32 of header + payload
+
+`format` is "dense" today ("<layer>.k"/"<layer>.v" arrays); a codec (TurboQuant)
+writes its own format name and arrays under the same layout, and its cache
+format is part of the key chain, so the two never answer for each other.
+
+The index is the directory: on start every header is read back (not the
+payload) and a file whose header or size is wrong is deleted with one log
+line. The payload's checksum is verified on every read; a mismatch, a short
+file or a vanished file is a miss, never an exception and never wrong KV.
+
+Writes run on a writer thread: the engine thread hands over host (numpy)
+copies, and the writer frames, checksums, writes (temp file + rename, so a
+reader never sees half a block) and evicts least-recently-used unpinned files
+past the byte budget. The index is shared with the engine thread under a lock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("prefixtrace.cache")
+
+MAGIC = b"PTBLK\x00\x01\x00"
+_PREFIX = len(MAGIC) + 4
+_CRC = 4
+
+
+class CorruptBlock(Exception):
+    """A block file that cannot be trusted (internal: always turned into a miss)."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    parent: bytes
+    tokens: tuple[int, ...]
+    size: int
+
+
+def encode_header(*, fmt: str, cache_format: str, key: bytes, parent: bytes, tokens, arrays: dict) -> tuple[bytes, list]:
+    """The header bytes and the payload buffers, in order."""
+    specs, buffers, offset = [], [], 0
+    for name, (a, dtype) in arrays.items():
+        a = np.ascontiguousarray(a)
+        specs.append({"name": name, "dtype": dtype, "np": a.dtype.str, "shape": list(a.shape),
+                      "offset": offset, "nbytes": a.nbytes})
+        buffers.append(memoryview(a).cast("B"))
+        offset += a.nbytes
+    header = {"format": fmt, "cache_format": cache_format, "key": key.hex(), "parent": parent.hex(),
+              "tokens": list(tokens), "arrays": specs, "payload_bytes": offset}
+    return json.dumps(header, separators=(",", ":")).encode(), buffers
+
+
+def read_header(f) -> tuple[dict, int]:
+    """The parsed header and the file's expected total size; raises CorruptBlock."""
+    prefix = f.read(_PREFIX)
+    if len(prefix) < _PREFIX or prefix[: len(MAGIC)] != MAGIC:
+        raise CorruptBlock("bad magic or short file")
+    hlen = int.from_bytes(prefix[len(MAGIC):], "little")
+    raw = f.read(hlen)
+    if len(raw) != hlen:
+        raise CorruptBlock("truncated header")
+    try:
+        header = json.loads(raw)
+        return header, _PREFIX + hlen + int(header["payload_bytes"]) + _CRC
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptBlock(f"unreadable header: {exc}") from exc
+
+
+def decode(data: bytes) -> tuple[dict, dict]:
+    """Verify a whole file's bytes; the header and {name: (array view, dtype)}."""
+    if len(data) < _PREFIX or data[: len(MAGIC)] != MAGIC:
+        raise CorruptBlock("bad magic or short file")
+    hlen = int.from_bytes(data[len(MAGIC) : _PREFIX], "little")
+    try:
+        header = json.loads(data[_PREFIX : _PREFIX + hlen])
+        total = _PREFIX + hlen + int(header["payload_bytes"]) + _CRC
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptBlock(f"unreadable header: {exc}") from exc
+    if len(data) != total:
+        raise CorruptBlock(f"size {len(data)} != {total}")
+    if zlib.crc32(memoryview(data)[_PREFIX : total - _CRC]) != int.from_bytes(data[total - _CRC :], "little"):
+        raise CorruptBlock("checksum mismatch")
+    payload = memoryview(data)[_PREFIX + hlen : total - _CRC]
+    arrays = {}
+    for spec in header["arrays"]:
+        a = np.frombuffer(payload, dtype=np.dtype(spec["np"]), count=int(np.prod(spec["shape"])), offset=spec["offset"])
+        arrays[spec["name"]] = (a.reshape(spec["shape"]), spec["dtype"])
+    return header, arrays
+
+
+class DiskCache:
+    def __init__(self, root: str | Path, *, max_bytes: int):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._children: dict[bytes, set[bytes]] = {}
+        self._pins: dict[bytes, int] = {}
+        self._pending: set[bytes] = set()
+        self.nbytes = 0
+        self.num_corrupt = 0
+        self.bytes_written = 0
+        self._scan()
+        self._queue: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="prefixtrace-cache-writer", daemon=True)
+        self._writer.start()
+
+    # --- asking (engine thread) -----------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index or key in self._pending
+
+    def children(self, parent: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
+        with self._lock:
+            return [(k, self._index[k].tokens) for k in self._children.get(parent, ())]
+
+    def get(self, key: bytes) -> tuple[dict, dict] | None:
+        """The block's header and arrays, verified; None (a miss) for anything wrong."""
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+            header, arrays = decode(data)
+            if header["key"] != key.hex():
+                raise CorruptBlock("file holds another key")
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except (CorruptBlock, OSError, ValueError) as exc:
+            self.num_corrupt += 1
+            log.warning("prefix cache: dropping corrupt block file %s (%s); treated as a miss", path, exc)
+            self._forget(key, unlink=True)
+            return None
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+        try:
+            os.utime(path)  # the LRU order survives a restart through mtimes
+        except OSError:
+            pass
+        return header, arrays
+
+    # --- acting ---------------------------------------------------------------
+
+    def put(self, key: bytes, parent: bytes, tokens, arrays: dict, *, fmt: str, cache_format: str) -> None:
+        """Queue one block for writing; `arrays` are host copies the writer may keep."""
+        with self._lock:
+            if key in self._index or key in self._pending:
+                return
+            self._pending.add(key)
+        self._queue.put((key, parent, tuple(tokens), arrays, fmt, cache_format))
+
+    def discard(self, key: bytes) -> None:
+        self._forget(key, unlink=True)
+
+    def pin(self, key: bytes) -> None:
+        with self._lock:
+            self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: bytes) -> None:
+        with self._lock:
+            left = self._pins.get(key, 0) - 1
+            if left > 0:
+                self._pins[key] = left
+            else:
+                self._pins.pop(key, None)
+
+    def flush(self) -> None:
+        """Wait until every queued block is on disk (tests, benchmarks, shutdown)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._writer.join(10)
+
+    # --- the writer thread ----------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except Exception:  # a full or read-only disk must not kill the writer
+                log.exception("prefix cache: could not write a block")
+                with self._lock:
+                    self._pending.discard(item[0])
+            finally:
+                self._queue.task_done()
+
+    def _write(self, key, parent, tokens, arrays, fmt, cache_format) -> None:
+        header, buffers = encode_header(fmt=fmt, cache_format=cache_format, key=key, parent=parent,
+                                        tokens=tokens, arrays=arrays)
+        size = _PREFIX + len(header) + sum(b.nbytes for b in buffers) + _CRC
+        if not self._make_room(size, parent):
+            with self._lock:
+                self._pending.discard(key)
+            return
+        path = self._path(key)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        crc = zlib.crc32(header)
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + len(header).to_bytes(4, "little"))
+            f.write(header)
+            for b in buffers:
+                f.write(b)
+                crc = zlib.crc32(b, crc)
+            f.write(crc.to_bytes(4, "little"))
+        os.replace(tmp, path)
+        with self._lock:
+            self._pending.discard(key)
+            self._add(key, _Entry(parent, tokens, size))
+        self.bytes_written += size
+
+    def _make_room(self, size: int, parent: bytes) -> bool:
+        if size > self.max_bytes:
+            return False
+        victims = []
+        with self._lock:
+            keep, p = set(), parent
+            while p in self._index and p not in keep:
+                keep.add(p)
+                p = self._index[p].parent
+            while self.nbytes + size > self.max_bytes:
+                # Leaves first, least recently used first, never the new block's
+                # own ancestors (see memory_cache.py); none left: skip the write.
+                victim = next((k for k in self._index
+                               if k not in self._pins and k not in self._children and k not in keep), None)
+                if victim is None:
+                    break
+                victims.append(victim)
+                self._remove(victim)
+            fits = self.nbytes + size <= self.max_bytes
+        for key in victims:
+            self._path(key).unlink(missing_ok=True)
+        return fits
+
+    # --- index ----------------------------------------------------------------
+
+    def _path(self, key: bytes) -> Path:
+        name = key.hex()
+        return self.root / name[:2] / f"{name}.blk"
+
+    def _add(self, key: bytes, entry: _Entry) -> None:
+        self._index[key] = entry
+        self._children.setdefault(entry.parent, set()).add(key)
+        self.nbytes += entry.size
+
+    def _remove(self, key: bytes) -> None:
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self.nbytes -= entry.size
+            siblings = self._children.get(entry.parent)
+            if siblings is not None:
+                siblings.discard(key)
+                if not siblings:
+                    del self._children[entry.parent]
+
+    def _forget(self, key: bytes, *, unlink: bool = False) -> None:
+        with self._lock:
+            self._remove(key)
+        if unlink:
+            self._path(key).unlink(missing_ok=True)
+
+    def _scan(self) -> None:
+        """Rebuild the index from the files' headers; LRU order from their mtimes."""
+        found = []
+        for path in self.root.glob("*/*"):
+            if path.name.endswith(".tmp"):  # a write cut short by a crash
+                path.unlink(missing_ok=True)
+                continue
+            if not path.name.endswith(".blk"):
+                continue
+            try:
+                st = path.stat()
+                with open(path, "rb") as f:
+                    header, total = read_header(f)
+                if st.st_size != total:
+                    raise CorruptBlock(f"size {st.st_size} != {total}")
+                key = bytes.fromhex(header["key"])
+                if path.name != f"{key.hex()}.blk":
+                    raise CorruptBlock("file name does not match its key")
+                entry = _Entry(bytes.fromhex(header["parent"]), tuple(header["tokens"]), total)
+            except (CorruptBlock, OSError, ValueError, KeyError, TypeError) as exc:
+                self.num_corrupt += 1
+                log.warning("prefix cache: dropping corrupt block file %s (%s)", path, exc)
+                path.unlink(missing_ok=True)
+                continue
+            found.append((st.st_mtime_ns, key, entry))
+        for _, key, entry in sorted(found, key=lambda f: f[0]):
+            self._add(key, entry)
+        if found:
+            log.info("prefix cache: %d blocks (%.1f MB) on disk in %s", len(self._index), self.nbytes / 1e6, self.root)
