@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prefixtrace.errors import PrefixtraceError, http_status, to_openai_error
 from proxy import sse
 from proxy.chat_request import parse_body, parse_chat_request
+from proxy.dashboard import observe
 from proxy.turn_builder import TurnBuilder
 from recorder.turn import Turn
 
@@ -42,6 +43,7 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
     app = FastAPI(title="prefixtrace", lifespan=lifespan)
     app.state.backend = backend
     app.state.recorder = recorder
+    recorder = observe(app, backend, recorder)  # /ui, /metrics: every turn also feeds them
 
     @app.middleware("http")
     async def max_context_header(request: Request, call_next):

@@ -1,0 +1,166 @@
+"""Live analysis of the turns this proxy serves, for the dashboard and /metrics.
+
+`LiveSessions.observe(turn)` runs on the event loop for every recorded turn
+and only appends it to a pending list. `refresh()` (called by readers, in a
+worker thread) analyses what is pending incrementally: sessions are grouped
+online (`SessionGrouper`, the analyzer's own), and each new turn is compared
+with its session's previous turn only (`Analyzer.walk` over the pair), so the
+cost of a refresh is the new turns' renderings, never the whole history.
+
+Memory is bounded: per session only the last request is kept for comparison,
+and at most `max_turns` analysed turns (oldest sessions dropped first) are kept
+for display.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from analyzer.analysis import Analyzer, TurnResult
+from analyzer.canon import Payload
+from analyzer.divergence import SegmentCounter
+from analyzer.load import Request
+from analyzer.sessions import SessionGrouper
+from recorder.turn import Turn
+
+_COUNTER_CACHE_MAX = 100_000  # token-count cache entries before it is rebuilt
+
+
+@dataclass
+class LiveTurn:
+    """One served turn as the dashboard shows it."""
+
+    index: int
+    request_id: str
+    started_at: float
+    endpoint: str
+    upstream: str
+    status: int
+    prompt_tokens: int | None  # as the server reported (None: not reported)
+    cached_tokens: int | None  # as the server reported (None: unknown, not a miss)
+    completion_tokens: int | None
+    ttft_s: float | None
+    total_s: float | None
+    analysis: dict[str, Any]  # the analyzer's TurnResult.to_dict()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class LiveSession:
+    id: str
+    inferred: bool
+    turns: list[LiveTurn] = field(default_factory=list)
+    last: tuple[Request, Payload] | None = None
+    updated_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "inferred": self.inferred, "updated_at": self.updated_at,
+                "turns": [t.to_dict() for t in self.turns]}
+
+
+class LiveSessions:
+    """Incremental analyzer state over the turns served since start-up.
+
+    Args:
+        max_turns: analysed turns kept for display (oldest sessions dropped first).
+        on_break: `callable(cause, reprefill_tokens)` called once per analysed break
+            (the metrics' re-prefill-by-cause counter).
+    """
+
+    def __init__(self, *, max_turns: int = 2000, on_break: Callable[[str, int], None] | None = None):
+        self.analyzer = Analyzer(workers=1)
+        self.grouper = SessionGrouper()
+        self.sessions: OrderedDict[str, LiveSession] = OrderedDict()
+        self.max_turns = max_turns
+        self.on_break = on_break
+        self.version = 0  # bumps whenever an analysed turn is added
+        self._pending: list[Turn] = []
+        self._pending_lock = threading.Lock()
+        self._lock = threading.Lock()  # one refresh at a time
+        self._seen = 0
+
+    def observe(self, turn: Turn) -> None:
+        """Queue a recorded turn for analysis; cheap, no I/O (runs on the event loop)."""
+        with self._pending_lock:
+            self._pending.append(turn)
+
+    @property
+    def pending(self) -> int:
+        with self._pending_lock:
+            return len(self._pending)
+
+    def refresh(self) -> int:
+        """Analyse the pending turns; returns how many were analysed."""
+        with self._lock:
+            with self._pending_lock:
+                turns, self._pending = self._pending, []
+            for turn in sorted(turns, key=lambda t: t.started_at):
+                self._add(turn)
+            if turns:
+                self.version += 1
+                self._trim()
+            return len(turns)
+
+    def snapshot(self, since: float = 0.0) -> dict[str, Any]:
+        """Sessions (most recently updated first) updated after `since`."""
+        with self._lock:
+            sessions = sorted(self.sessions.values(), key=lambda s: -s.updated_at)
+            return {
+                "version": self.version,
+                "renderer": self.analyzer.renderer.name,
+                "tokenizer": self.analyzer.tokenizer.name,
+                "sessions": [s.to_dict() for s in sessions if s.updated_at > since],
+            }
+
+    # --- analysis (under self._lock) ---------------------------------------------
+
+    def _add(self, turn: Turn) -> None:
+        self._seen += 1
+        body = turn.request_body if isinstance(turn.request_body, dict) else None
+        payload = self.analyzer.canon.payload(body) if body is not None else None
+        roles = None
+        if payload is not None and turn.session_id is None:
+            roles = [str(m.get("role")) if isinstance(m, dict) else "" for m in payload.messages]
+        grouped = self.grouper.add(self._seen, turn.session_id, payload.keys if payload else None, roles)
+        session = self.sessions.get(grouped.id)
+        if session is None:
+            session = self.sessions[grouped.id] = LiveSession(grouped.id, grouped.inferred)
+        request = Request(turn.request_id, turn.started_at, body, turn.session_id, None,
+                          turn.prompt_tokens, turn.cached_tokens)
+        result = self._compare(session, request, payload)
+        if payload is not None and turn.status < 400:
+            session.last = (request, payload)
+        session.turns.append(LiveTurn(
+            len(session.turns), turn.request_id, turn.started_at, turn.endpoint, turn.upstream, turn.status,
+            turn.prompt_tokens, turn.cached_tokens, turn.completion_tokens, turn.ttft_s, turn.total_s,
+            result.to_dict(),
+        ))
+        session.updated_at = time.time()
+        if result.brk is not None and self.on_break is not None:
+            self.on_break(result.brk.cause, result.reprefill_tokens or 0)
+
+    def _compare(self, session: LiveSession, request: Request, payload: Payload | None) -> TurnResult:
+        if payload is None or session.last is None:
+            result = self.analyzer.walk([request], [payload])[0]
+        else:
+            prev_request, prev_payload = session.last
+            result = self.analyzer.walk([prev_request, request], [prev_payload, payload])[1]
+        result.index = len(session.turns)
+        return result
+
+    def _trim(self) -> None:
+        total = sum(len(s.turns) for s in self.sessions.values())
+        while total > self.max_turns and len(self.sessions) > 1:
+            oldest = min(self.sessions.values(), key=lambda s: s.updated_at)
+            total -= len(oldest.turns)
+            del self.sessions[oldest.id]
+        # Per-message caches: keep only what the live comparisons still need.
+        self.analyzer.canon.forget([s.last[1] for s in self.sessions.values() if s.last])
+        if len(self.analyzer.counter._cache) > _COUNTER_CACHE_MAX:
+            self.analyzer.counter = SegmentCounter(self.analyzer.tokenizer)
