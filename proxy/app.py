@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefixtrace.errors import PrefixtraceError, http_status, to_openai_error
 from proxy import sse
+from proxy.anthropic import add_messages_route
 from proxy.chat_request import parse_body, parse_chat_request
 from proxy.dashboard import observe
 from proxy.turn_builder import TurnBuilder
@@ -123,6 +124,7 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
         await _record_durably(recorder, builder.finish(chat.status))
         return Response(data, status_code=chat.status, media_type=content_type)
 
+    add_messages_route(app, backend, recorder, _record_durably)  # POST /v1/messages (Anthropic)
     return app
 
 

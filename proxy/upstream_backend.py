@@ -86,11 +86,17 @@ class UpstreamBackend:
             # Ask for usage so every turn can be recorded; the client only sees
             # the usage chunk if it asked for it itself.
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        response, url = await self.post("/v1/chat/completions", body, headers, session_id=req.session_id)
+        return UpstreamChat(req, builder, response, url)
+
+    async def post(self, path: str, body: dict, headers: dict[str, str], *,
+                   session_id: str | None = None) -> tuple[httpx.Response, str]:
+        """POST `body` to `path`, response streamed; returns it with the URL that answered
+        (`UpstreamPool` picks one of several by session; one upstream ignores `session_id`)."""
         forward = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
-        request = self.client.build_request("POST", "/v1/chat/completions", json=body, headers=forward)
+        request = self.client.build_request("POST", path, json=body, headers=forward)
         with map_httpx_errors(self.base_url):
-            response = await self.client.send(request, stream=True)
-        return UpstreamChat(req, builder, response, self.base_url)
+            return await self.client.send(request, stream=True), self.base_url
 
 
 class UpstreamChat:

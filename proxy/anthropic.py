@@ -1,0 +1,420 @@
+"""Anthropic's Messages API (`POST /v1/messages`), to the embedded engine or passed through upstream.
+
+Embedded engine: the request is translated into the chat messages the engine
+renders with the model's template (top-level `system` first; text, `tool_use`
+→ `tool_calls`, `tool_result` → `tool` messages, `thinking` → the assistant's
+`reasoning_content`; `cache_control` dropped: the prefix cache is automatic),
+and the engine's events are written back as an Anthropic message or event
+stream. Usage: `input_tokens` are the prompt tokens not served from the prefix
+cache, `cache_read_input_tokens` those that were, `cache_creation_input_tokens`
+is 0 (every prompt is cached automatically, at no extra cost).
+
+Upstream: the body goes to the upstream's `/v1/messages` unchanged (with
+`x-api-key` / `anthropic-version`); the response streams back event by event
+and is parsed on the way into the recorded `Turn`, whose
+`prompt_tokens = input + cache read + cache creation` and
+`cached_tokens = cache_read_input_tokens` (None when the upstream did not say).
+
+Recorded with endpoint "/v1/messages"; the body is stored as sent, so the
+analyzer reads the Anthropic shape (top-level `system`, `cache_control`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.sequence import Failed, Finished, TextDelta
+from prefixtrace.errors import InvalidRequest, PrefixtraceError, UpstreamError, http_status
+from proxy import sse
+from proxy.chat_request import ChatRequest, parse_body, parse_chat_request
+from proxy.turn_builder import TurnBuilder
+from proxy.upstream_backend import map_httpx_errors
+from recorder.turn import Turn
+
+MESSAGES_PATH = "/v1/messages"
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def to_anthropic_error(exc: PrefixtraceError) -> dict[str, Any]:
+    """Anthropic's error body: {"type": "error", "error": {"type", "message"}}."""
+    kind = ERROR_TYPES.get(http_status(exc), "api_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message, "code": exc.code, **exc.details}}
+
+
+# --- translation ------------------------------------------------------------------
+
+
+def to_chat_request(body: dict, headers: dict[str, str]) -> ChatRequest:
+    """The engine's view of a Messages request; `body` stays the client's, for recording."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' is required and must be a non-empty array", param="messages")
+    chat: list[dict] = []
+    system = _text_of(body.get("system"), "system") if body.get("system") else ""
+    if system:
+        chat.append({"role": "system", "content": system})
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise InvalidRequest(f"messages[{i}].role must be 'user' or 'assistant'", param="messages")
+        chat.extend(_translate_message(message, i))
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise InvalidRequest("'tools' must be an array", param="tools")
+    openai_body: dict[str, Any] = {
+        "model": body.get("model"), "messages": chat, "stream": bool(body.get("stream", False)),
+        "max_tokens": body.get("max_tokens"), "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+        "stop": body.get("stop_sequences"),
+    }
+    if tools:
+        openai_body["tools"] = [_translate_tool(t, j) for j, t in enumerate(tools)]
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
+        openai_body["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
+    metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+    if isinstance(metadata.get("user_id"), str):
+        openai_body["user"] = metadata["user_id"]
+    req = parse_chat_request({k: v for k, v in openai_body.items() if v is not None}, headers)
+    req.body = body
+    return req
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for block in content:
+            if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
+                parts.append(block["text"])
+            else:
+                kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+                raise InvalidRequest(f"{where}: block of type {kind!r} is not supported here", param=where)
+        return "".join(parts)
+    raise InvalidRequest(f"{where} must be a string or an array of text blocks", param=where)
+
+
+def _translate_message(message: dict, i: int) -> list[dict]:
+    """One Anthropic message → one or more chat messages (tool results become `tool` messages)."""
+    role, content = message["role"], message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise InvalidRequest(f"messages[{i}].content must be a string or an array of blocks", param="messages")
+    out: list[dict] = []
+    text: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict] = []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            text.append(str(block.get("text", "")))
+        elif kind == "thinking" and role == "assistant":
+            reasoning.append(str(block.get("thinking", "")))
+        elif kind == "redacted_thinking":
+            continue  # opaque to any template
+        elif kind == "tool_use" and role == "assistant":
+            calls.append({"id": block.get("id"), "type": "function", "function": {
+                "name": block.get("name", ""), "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
+        elif kind == "tool_result" and role == "user":
+            if text:  # keep the order: text before the result stays before it
+                out.append({"role": "user", "content": "".join(text)})
+                text = []
+            result = block.get("content", "")
+            body = result if isinstance(result, str) else _text_of(result, f"messages[{i}].tool_result")
+            if block.get("is_error"):
+                body = f"[error] {body}"
+            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": body})
+        else:
+            raise InvalidRequest(f"messages[{i}]: block of type {kind!r} is not supported by this engine",
+                                 param="messages")
+    if role == "assistant":
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+        if reasoning:
+            msg["reasoning_content"] = "".join(reasoning)
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    elif text or not out:
+        out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def _translate_tool(tool: Any, j: int) -> dict:
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+        raise InvalidRequest(f"tools[{j}] must be an object with a 'name'", param="tools")
+    fn = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
+    if tool.get("description"):
+        fn["description"] = tool["description"]
+    return {"type": "function", "function": fn}
+
+
+def record_usage(builder: TurnBuilder, usage: dict) -> None:
+    """Fill the turn from an Anthropic usage object (kept as sent in `turn.usage`)."""
+    turn = builder.turn
+    read, created = usage.get("cache_read_input_tokens"), usage.get("cache_creation_input_tokens")
+    if isinstance(usage.get("input_tokens"), int):
+        turn.prompt_tokens = usage["input_tokens"] + (read or 0) + (created or 0)
+    if isinstance(usage.get("output_tokens"), int):
+        turn.completion_tokens = usage["output_tokens"]
+    # Unknown stays None: an upstream that does not report cache reads is not a miss.
+    turn.cached_tokens = read if isinstance(read, int) else None
+    turn.usage = dict(usage)
+
+
+def _event(kind: str, data: dict) -> bytes:
+    return f"event: {kind}\n".encode() + sse.encode({"type": kind, **data})
+
+
+# --- embedded engine --------------------------------------------------------------
+
+
+class EngineMessages:
+    """One Messages request served by the engine; wraps the engine's `EngineChat`."""
+
+    status = 200
+
+    def __init__(self, chat, req: ChatRequest, builder: TurnBuilder):
+        self.chat, self.req, self.builder = chat, req, builder
+        self.id = "msg_" + uuid.uuid4().hex
+        self.model = req.model or chat.model
+
+    @property
+    def streams_events(self) -> bool:
+        return self.req.stream
+
+    def cancel(self) -> None:
+        self.chat.cancel()
+
+    def _usage(self, prompt: int, cached: int, output: int) -> dict:
+        return {"input_tokens": prompt - cached, "output_tokens": output,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+    def _message(self, content: list, stop_reason: str | None, usage: dict) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": None, "usage": usage}
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        seq = self.chat.seq
+        # The first event came after admission, so the cached count is known here.
+        start_usage = self._usage(seq.num_prompt_tokens, seq.num_cached_tokens, 0)
+        yield _event("message_start", {"message": self._message([], None, start_usage)})
+        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        async for event in self.chat.events():
+            if isinstance(event, TextDelta) and event.text:
+                self.builder.on_chunk({"choices": [{"index": 0, "delta": {"content": event.text}}]})
+                yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": event.text}})
+            elif isinstance(event, Finished):
+                usage = self._usage(event.prompt_tokens, event.cached_tokens, event.completion_tokens)
+                record_usage(self.builder, usage)
+                self.builder.turn.finish_reason = event.finish_reason
+                yield _event("content_block_stop", {"index": 0})
+                yield _event("message_delta", {"delta": {"stop_reason": STOP_REASONS.get(event.finish_reason, "end_turn"),
+                                                         "stop_sequence": None}, "usage": usage})
+                yield _event("message_stop", {})
+            elif isinstance(event, Failed):
+                raise event.error if isinstance(event.error, PrefixtraceError) else UpstreamError(str(event.error))
+
+    async def whole(self) -> tuple[bytes, str]:
+        parts: list[str] = []
+        async for event in self.chat.events():
+            if isinstance(event, TextDelta):
+                parts.append(event.text)
+            elif isinstance(event, Failed):
+                raise event.error
+            elif isinstance(event, Finished):
+                usage = self._usage(event.prompt_tokens, event.cached_tokens, event.completion_tokens)
+                body = self._message([{"type": "text", "text": "".join(parts)}],
+                                     STOP_REASONS.get(event.finish_reason, "end_turn"), usage)
+                turn = self.builder.turn
+                turn.response_text, turn.finish_reason = "".join(parts), event.finish_reason
+                if event.completion_tokens:
+                    turn.ttft_s = event.prefill_s
+                record_usage(self.builder, usage)
+                return json.dumps(body).encode(), "application/json"
+        raise RuntimeError("engine stream ended without a result")
+
+
+# --- upstream pass-through --------------------------------------------------------
+
+
+class UpstreamMessages:
+    """An upstream's Messages response, passed through and parsed into the turn."""
+
+    def __init__(self, response, builder: TurnBuilder, url: str):
+        self.response, self.builder, self.url = response, builder, url
+        self.status = response.status_code
+        self.content_type = response.headers.get("content-type", "application/json")
+        self._usage: dict = {}
+        self._tools: dict[int, dict] = {}
+
+    @property
+    def streams_events(self) -> bool:
+        return self.status < 400 and self.content_type.startswith("text/event-stream")
+
+    def cancel(self) -> None:
+        pass  # closing the response (in `sse`'s finally) is what tells the upstream
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        event = bytearray()
+        try:
+            with map_httpx_errors(self.url):
+                async for line in self.response.aiter_lines():
+                    if line:
+                        event += line.encode() + b"\n"
+                        continue
+                    if event:
+                        self._parse(sse.decode_data(bytes(event)))
+                        yield bytes(event) + b"\n"
+                        event.clear()
+                if event:
+                    self._parse(sse.decode_data(bytes(event)))
+                    yield bytes(event) + b"\n"
+        finally:
+            await self.response.aclose()
+            if self._tools:
+                self.builder.turn.tool_calls = [self._tools[i] for i in sorted(self._tools)]
+
+    def _parse(self, data: dict | None) -> None:
+        if not data:
+            return
+        kind, turn = data.get("type"), self.builder.turn
+        if kind == "message_start":
+            self._merge_usage((data.get("message") or {}).get("usage") or {})
+        elif kind == "content_block_start":
+            block = data.get("content_block") or {}
+            if block.get("type") == "tool_use":
+                self._tools[data.get("index", 0)] = {"id": block.get("id"), "type": "function",
+                                                     "function": {"name": block.get("name", ""), "arguments": ""}}
+        elif kind == "content_block_delta":
+            delta = data.get("delta") or {}
+            if delta.get("type") == "text_delta":
+                self.builder.on_chunk({"choices": [{"index": 0, "delta": {"content": delta.get("text", "")}}]})
+            elif delta.get("type") == "thinking_delta":
+                self.builder.on_chunk({"choices": [{"index": 0, "delta": {"reasoning": delta.get("thinking", "")}}]})
+            elif delta.get("type") == "input_json_delta" and data.get("index", 0) in self._tools:
+                self._tools[data["index"]]["function"]["arguments"] += delta.get("partial_json", "")
+                if turn.ttft_s is None:
+                    turn.ttft_s = self.builder.elapsed()
+        elif kind == "message_delta":
+            turn.finish_reason = (data.get("delta") or {}).get("stop_reason") or turn.finish_reason
+            self._merge_usage(data.get("usage") or {})
+        elif kind == "error":
+            turn.error = str(data.get("error"))[:2000]
+
+    def _merge_usage(self, usage: dict) -> None:
+        # message_delta counts are cumulative: they overwrite, and absent ones keep message_start's.
+        self._usage.update({k: v for k, v in usage.items() if v is not None})
+        record_usage(self.builder, self._usage)
+
+    async def whole(self) -> tuple[bytes, str]:
+        try:
+            with map_httpx_errors(self.url):
+                data = await self.response.aread()
+        finally:
+            await self.response.aclose()
+        try:
+            body = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        turn = self.builder.turn
+        if isinstance(body, dict) and self.status < 400:
+            blocks = body.get("content") or []
+            turn.response_text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
+            turn.reasoning_text = "".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking")
+            calls = [{"id": b.get("id"), "type": "function", "function": {
+                "name": b.get("name", ""), "arguments": json.dumps(b.get("input", {}))}}
+                for b in blocks if b.get("type") == "tool_use"]
+            turn.tool_calls = calls or None
+            turn.finish_reason = body.get("stop_reason")
+            record_usage(self.builder, body.get("usage") or {})
+        elif self.status >= 400:
+            turn.error = (str(body.get("error", body)) if isinstance(body, dict) else data.decode(errors="replace"))[:2000]
+        return data, self.content_type
+
+
+async def open_messages(backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
+    if hasattr(backend, "engine"):
+        return EngineMessages(await backend.open(req, builder, headers), req, builder)
+    response, url = await backend.post(MESSAGES_PATH, req.body, headers, session_id=req.session_id)
+    return UpstreamMessages(response, builder, url)
+
+
+# --- the route ----------------------------------------------------------------------
+
+
+def add_messages_route(app: FastAPI, backend, recorder, record_durably) -> None:
+    """`POST /v1/messages`; `record_durably(recorder, turn)` is the app's commit-before-the-end helper."""
+
+    @app.post(MESSAGES_PATH)
+    async def messages(request: Request):
+        turn = Turn(
+            request_id=uuid.uuid4().hex, started_at=time.time(), endpoint=MESSAGES_PATH, upstream=backend.label,
+            request_body=None, request_headers=dict(request.headers),
+            client_addr=f"{request.client.host}:{request.client.port}" if request.client else None,
+        )
+        builder = TurnBuilder(turn)
+        raw = await request.body()
+        try:
+            body = parse_body(raw)
+            turn.request_body, turn.request_raw = body, raw.decode("utf-8", errors="replace")
+            req = to_chat_request(body, turn.request_headers)
+            turn.session_id, turn.stream = req.session_id, req.stream
+            chat = await open_messages(backend, req, builder, turn.request_headers)
+        except PrefixtraceError as exc:
+            if turn.request_body is None:
+                turn.request_body = raw.decode("utf-8", errors="replace")
+            status = http_status(exc)
+            await record_durably(recorder, builder.finish(status, exc.message))
+            return JSONResponse(to_anthropic_error(exc), status_code=status)
+        if isinstance(chat, UpstreamMessages):
+            turn.upstream = chat.url
+        if chat.streams_events:
+            return StreamingResponse(_stream(chat, builder, recorder, record_durably), status_code=chat.status,
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            data, content_type = await chat.whole()
+        except PrefixtraceError as exc:
+            status = http_status(exc)
+            await record_durably(recorder, builder.finish(status, exc.message))
+            return JSONResponse(to_anthropic_error(exc), status_code=status)
+        except asyncio.CancelledError:
+            chat.cancel()
+            recorder.record(builder.finish(499, "client disconnected"))
+            raise
+        await record_durably(recorder, builder.finish(chat.status))
+        return Response(data, status_code=chat.status, media_type=content_type)
+
+
+async def _stream(chat, builder: TurnBuilder, recorder, record_durably):
+    recorded = False
+    try:
+        async for event in chat.sse():
+            if event.startswith(b"event: message_stop") and not recorded:
+                # Commit before the client sees the end of the stream (as chat completions do).
+                recorded = True
+                await record_durably(recorder, builder.finish(chat.status))
+            yield event
+    except PrefixtraceError as exc:  # after the headers went out: tell the client in-band
+        if not recorded:
+            recorded = True
+            await record_durably(recorder, builder.finish(chat.status, exc.message))
+        yield _event("error", {"error": to_anthropic_error(exc)["error"]})
+    except (asyncio.CancelledError, GeneratorExit):
+        chat.cancel()
+        if not recorded:
+            recorded = True
+            recorder.record(builder.finish(chat.status, "client disconnected"))
+        raise
+    finally:
+        if not recorded:
+            recorder.record(builder.finish(chat.status))
