@@ -141,11 +141,14 @@ def child(args) -> None:
     import mlx.core as mx
 
     model_dir = Path(args.model)
-    result = {"ld_preload": os.environ.get("LD_PRELOAD", ""), "mlx": mx.__version__}
+    result = {"ld_preload": os.environ.get("LD_PRELOAD", ""), "mlx": mx.__version__,
+              "loadavg_start": os.getloadavg()[0]}
     result.update(bench_matmul())
     result.update(bench_quantized_matmul())
     result.update(bench_model(model_dir, args.prompt_tokens, args.decode_tokens, args.slow_tokens))
     dump_reference(model_dir, Path(args.dump))
+    # Other work on the machine skews every number; show how busy it was.
+    result["loadavg_end"] = os.getloadavg()[0]
     print(json.dumps(result))
 
 
@@ -167,17 +170,22 @@ def report(base: dict, fast: dict, preload: str) -> None:
     print(f"mlx {base['mlx']}, {os.cpu_count()} CPUs; 'openblas' = LD_PRELOAD={preload}\n")
     print(f"{'metric':30} {'bundled BLAS':>13} {'openblas':>13} {'ratio':>7}  tokens")
     for key, value in base.items():
-        if not isinstance(value, float):
+        if not isinstance(value, float) or key.startswith("loadavg"):
             continue
         ratio = fast[key] / value if value else float("nan")
-        tokens = base.get(key.rsplit("_", 2)[0] + "_tokens", "")
+        tokens = base.get(key[: -len("_prefill_tps")] + "_tokens", "") if key.endswith("_prefill_tps") else ""
+        tokens = tokens or (base.get(key[: -len("_decode_tps")] + "_tokens", "") if key.endswith("_decode_tps") else "")
         print(f"{key:30} {value:13.2f} {fast[key]:13.2f} {ratio:6.1f}x  {tokens}")
+    for run, label in ((base, "bundled BLAS"), (fast, "openblas")):
+        print(f"1-min load average during the {label} run: {run.get('loadavg_start', 0):.1f} -> "
+              f"{run.get('loadavg_end', 0):.1f} ({os.cpu_count()} CPUs; above that, numbers are contended)")
     print(f"\n(as_loaded = mlx_lm.utils.load untouched; its logits come out {base['as_loaded_dtype']})")
+    print("tokens/s relative to float32 (quantized weights), same BLAS:")
     for run, label in ((base, "bundled BLAS"), (fast, "openblas")):
         for name in ("as_loaded", "float16", "bfloat16", "float32_dense"):
-            print(f"{label}: float32 vs {name}:"
-                  f" prefill {run['float32_prefill_tps'] / run[f'{name}_prefill_tps']:.2f}x,"
-                  f" decode {run['float32_decode_tps'] / run[f'{name}_decode_tps']:.2f}x")
+            print(f"  {label:12} {name:13}"
+                  f" prefill {run[f'{name}_prefill_tps'] / run['float32_prefill_tps']:6.2f}x,"
+                  f" decode {run[f'{name}_decode_tps'] / run['float32_decode_tps']:6.2f}x")
     for name in ("float32", "float32_dense"):
         print(f"out of the box (as_loaded, bundled BLAS) -> {name} + openblas:"
               f" prefill {fast[f'{name}_prefill_tps'] / base['as_loaded_prefill_tps']:.1f}x,"

