@@ -1,0 +1,411 @@
+"""TurboQuant KV caches: one row (`TurboQuantKVCache`) and left-padded rows
+(`BatchTurboQuantKVCache`), plus `make_tq_cache` / `to_turboquant`.
+
+Every token's K and V are encoded on arrival (norm + packed codes, see
+`engine.turboquant`). A position p of a row holding n tokens is *represented*
+by its decoded value once p < floor(n / group) * group, and by its dense value
+before that (the dense tail, fewer than `group` tokens); tokens that arrive
+in the current call are always seen dense by that call. The representation is
+a function of (row, position, how the row's tokens arrived) only, never of the
+batch it sits in, so a row decodes to the same K/V alone or batched.
+
+Attention runs on the model's own SDPA: `update_and_fetch` returns decoded
+K/V (codebook lookup x norm, inverse rotation) in the keys' dtype. The class
+has no `bits` attribute on purpose: mlx-lm's `scaled_dot_product_attention`
+dispatches on `hasattr(cache, "bits")` to its affine quantised kernel, which
+cannot read these codes. The faster path of the paper (rotate the query once,
+attend over codebook values) needs an explicit attention hook; see
+docs/TURBOQUANT.md.
+
+The batched form mirrors mlx-lm's `BatchKVCache` (merge/extend/filter/extract,
+left padding, per-row `offset`) and masks each row to its own columns.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
+
+from engine.turboquant import get_codec
+
+__all__ = ["TurboQuantKVCache", "BatchTurboQuantKVCache", "make_tq_cache", "to_turboquant"]
+
+DEFAULT_GROUP = 64
+
+
+def _floor(n: int, group: int) -> int:
+    return n - n % group
+
+
+def _grow(buf: mx.array | None, used: int, new: mx.array, step: int = 256) -> mx.array:
+    """Write `new` at columns [used, used + n) of `buf` (axis 2), growing it in steps."""
+    n = new.shape[2]
+    if buf is None or used + n > buf.shape[2]:
+        shape = list(new.shape)
+        shape[2] = ((used + n + step - 1) // step) * step
+        grown = mx.zeros(shape, new.dtype)
+        if buf is not None and used:
+            grown[:, :, :used] = buf[:, :, :used]
+        buf = grown
+    buf[:, :, used : used + n] = new
+    return buf
+
+
+class _Codes:
+    """Norms and packed codes of K or V for columns [0, used) of a (B, H, cap, .) buffer."""
+
+    def __init__(self):
+        self.norms: mx.array | None = None
+        self.codes: mx.array | None = None
+
+    def write(self, used: int, norms: mx.array, codes: mx.array) -> None:
+        self.norms = _grow(self.norms, used, norms)
+        self.codes = _grow(self.codes, used, codes)
+
+
+class TurboQuantKVCache(_BaseCache):
+    """One row of TurboQuant-coded K/V with a dense tail of < `group` recent tokens.
+
+    Args:
+        kv_bits: bits per coordinate (1..8; default 4).
+        seed: seed of the rotation; with (head_dim, kv_bits) it fixes the codec.
+        group: tokens stay dense until a whole group of them is complete.
+    """
+
+    def __init__(self, kv_bits: int = 4, seed: int = 0, group: int = DEFAULT_GROUP):
+        self.kv_bits, self.seed, self.group = kv_bits, seed, group
+        self.offset = 0
+        self.k = _Codes()
+        self.v = _Codes()
+        self.tail_k: mx.array | None = None  # dense values of positions [floor(offset), offset)
+        self.tail_v: mx.array | None = None
+
+    def codec(self, dim: int):
+        return get_codec(dim, self.kv_bits, self.seed)
+
+    def update_and_fetch(self, keys, values):
+        prev, n = self.offset, self.offset + keys.shape[2]
+        ck, cv = self.codec(keys.shape[-1]), self.codec(values.shape[-1])
+        self.k.write(prev, *ck.encode(keys))
+        self.v.write(prev, *cv.encode(values))
+        b = min(prev, _floor(n, self.group))  # positions < b are seen decoded
+        cut = b - _floor(prev, self.group)
+        dense_k = keys if self.tail_k is None else mx.concatenate([self.tail_k[:, :, cut:], keys], axis=2)
+        dense_v = values if self.tail_v is None else mx.concatenate([self.tail_v[:, :, cut:], values], axis=2)
+        if b:
+            dense_k = mx.concatenate([ck.decode(self.k.norms[:, :, :b], self.k.codes[:, :, :b], keys.dtype), dense_k], 2)
+            dense_v = mx.concatenate([cv.decode(self.v.norms[:, :, :b], self.v.codes[:, :, :b], values.dtype), dense_v], 2)
+        self.offset = n
+        keep = _floor(n, self.group)
+        self.tail_k, self.tail_v = dense_k[:, :, keep:], dense_v[:, :, keep:]
+        return dense_k, dense_v
+
+    @classmethod
+    def from_dense(cls, cache: KVCache, **kwargs) -> "TurboQuantKVCache":
+        """Quantise a dense `KVCache` (as if its tokens arrived in one call)."""
+        tq = cls(**kwargs)
+        if cache.keys is not None and cache.offset:
+            tq.update_and_fetch(cache.keys[:, :, : cache.offset], cache.values[:, :, : cache.offset])
+        return tq
+
+    def to_dense(self) -> KVCache:
+        """The K/V this cache represents, as a dense `KVCache`."""
+        dense = KVCache()
+        if self.offset:
+            b = _floor(self.offset, self.group)
+            parts = []
+            for codes, tail in ((self.k, self.tail_k), (self.v, self.tail_v)):
+                codec = self.codec(tail.shape[-1])
+                decoded = codec.decode(codes.norms[:, :, :b], codes.codes[:, :, :b], tail.dtype)
+                parts.append(mx.concatenate([decoded, tail], axis=2))
+            dense.state = (parts[0], parts[1], self.offset)
+        return dense
+
+    # --- mlx-lm cache protocol ---------------------------------------------------
+
+    def make_mask(self, *args, **kwargs):
+        return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    @classmethod
+    def merge(cls, caches) -> "BatchTurboQuantKVCache":
+        return BatchTurboQuantKVCache.merge(caches)
+
+    def size(self):
+        return self.offset
+
+    def empty(self):
+        return self.offset == 0
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n):
+        """Drop the last n tokens. Positions that were already quantised and fall
+        back into the dense tail keep their decoded value (it is all we have)."""
+        n = min(self.offset, n)
+        if not n:
+            return 0
+        new = self.offset - n
+        old_floor, new_floor = _floor(self.offset, self.group), _floor(new, self.group)
+        if new_floor >= old_floor:
+            self.tail_k, self.tail_v = self.tail_k[:, :, : new - old_floor], self.tail_v[:, :, : new - old_floor]
+        else:
+            dense = self.to_dense()
+            self.tail_k = dense.keys[:, :, new_floor:new]
+            self.tail_v = dense.values[:, :, new_floor:new]
+        self.offset = new
+        return n
+
+    @property
+    def state(self):
+        if not self.offset:
+            return []
+        o = self.offset
+        return (self.k.norms[:, :, :o], self.k.codes[:, :, :o], self.v.norms[:, :, :o], self.v.codes[:, :, :o],
+                self.tail_k, self.tail_v)
+
+    @state.setter
+    def state(self, v):
+        self.k, self.v = _Codes(), _Codes()
+        self.tail_k = self.tail_v = None
+        if v:
+            self.k.norms, self.k.codes, self.v.norms, self.v.codes, self.tail_k, self.tail_v = v
+
+    @property
+    def meta_state(self):
+        return tuple(map(str, (self.offset, self.kv_bits, self.seed, self.group)))
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.offset, self.kv_bits, self.seed, self.group = map(int, v)
+
+    @property
+    def nbytes(self):
+        if not self.offset:
+            return 0
+        return sum(a.nbytes for a in self.state)
+
+
+class BatchTurboQuantKVCache(_BaseCache):
+    """Left-padded rows of TurboQuant-coded K/V, batched like mlx-lm's `BatchKVCache`.
+
+    Codes cover columns [0, _idx); a dense window covers columns [_ws, _idx),
+    which holds every row's dense tail (fewer than `group` columns per row).
+    """
+
+    def __init__(self, left_padding: list[int], kv_bits: int = 4, seed: int = 0, group: int = DEFAULT_GROUP):
+        self.kv_bits, self.seed, self.group = kv_bits, seed, group
+        self._pads = list(left_padding)
+        self.left_padding = mx.array(self._pads)
+        self.offset = mx.array([-p for p in self._pads])
+        self._idx = 0
+        self._ws = 0
+        self.k = _Codes()
+        self.v = _Codes()
+        self.win_k: mx.array | None = None
+        self.win_v: mx.array | None = None
+
+    def _lengths(self) -> list[int]:
+        return [self._idx - p for p in self._pads]
+
+    def _window_start(self) -> int:
+        return min(p + _floor(self._idx - p, self.group) for p in self._pads)
+
+    def update_and_fetch(self, keys, values):
+        prev, N = self._idx, keys.shape[2]
+        new_idx = prev + N
+        ck, cv = get_codec(keys.shape[-1], self.kv_bits, self.seed), get_codec(values.shape[-1], self.kv_bits, self.seed)
+        self.k.write(prev, *ck.encode(keys))
+        self.v.write(prev, *cv.encode(values))
+        dense_k = keys if self.win_k is None else mx.concatenate([self.win_k, keys], axis=2)  # columns [ws, new_idx)
+        dense_v = values if self.win_v is None else mx.concatenate([self.win_v, values], axis=2)
+        ws = self._ws if self.win_k is not None else prev
+        # Per row, columns >= its boundary are seen dense.
+        bounds = [p + min(prev - p, _floor(new_idx - p, self.group)) for p in self._pads]
+        if prev == 0:
+            out_k, out_v = dense_k, dense_v
+        else:
+            cols = mx.arange(ws, new_idx)[None, None, :, None]
+            use_dense = cols >= mx.array(bounds)[:, None, None, None]
+            dec_k = ck.decode(self.k.norms[:, :, :new_idx], self.k.codes[:, :, :new_idx], keys.dtype)
+            dec_v = cv.decode(self.v.norms[:, :, :new_idx], self.v.codes[:, :, :new_idx], values.dtype)
+            out_k = mx.concatenate([dec_k[:, :, :ws], mx.where(use_dense, dense_k, dec_k[:, :, ws:])], axis=2)
+            out_v = mx.concatenate([dec_v[:, :, :ws], mx.where(use_dense, dense_v, dec_v[:, :, ws:])], axis=2)
+        self._idx = new_idx
+        self.offset = self.offset + N
+        new_ws = self._window_start()
+        self.win_k, self.win_v = dense_k[:, :, new_ws - ws :], dense_v[:, :, new_ws - ws :]
+        self._ws = new_ws
+        return out_k, out_v
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        if N == 1 and not any(self._pads):
+            return None
+        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+
+    # --- rows joining and leaving ------------------------------------------------
+
+    @classmethod
+    def merge(cls, caches: list[TurboQuantKVCache]) -> "BatchTurboQuantKVCache":
+        first = caches[0]
+        lengths = [c.offset for c in caches]
+        top = max(lengths)
+        pads = [top - n for n in lengths]
+        batch = cls(pads, first.kv_bits, first.seed, first.group)
+        full = [c for c in caches if c.offset]
+        if not full:
+            return batch
+        batch._idx = top
+        batch.offset = batch.offset + top
+        batch._ws = batch._window_start()
+        for name in ("k", "v"):
+            ref = getattr(full[0], name)
+            norms = mx.zeros((len(caches), ref.norms.shape[1], top, 1), ref.norms.dtype)
+            codes = mx.zeros((len(caches), ref.codes.shape[1], top, ref.codes.shape[3]), ref.codes.dtype)
+            tail_ref = getattr(full[0], "tail_" + name)
+            win = mx.zeros((len(caches), tail_ref.shape[1], top - batch._ws, tail_ref.shape[3]), tail_ref.dtype)
+            for i, (p, c) in enumerate(zip(pads, caches)):
+                if not c.offset:
+                    continue
+                src = getattr(c, name)
+                norms[i : i + 1, :, p:] = src.norms[:, :, : c.offset]
+                codes[i : i + 1, :, p:] = src.codes[:, :, : c.offset]
+                start = p + _floor(c.offset, c.group) - batch._ws
+                win[i : i + 1, :, start:] = getattr(c, "tail_" + name)
+            codes_obj = getattr(batch, name)
+            codes_obj.norms, codes_obj.codes = norms, codes
+            setattr(batch, "win_" + name, win)
+        return batch
+
+    def extract(self, idx: int) -> TurboQuantKVCache:
+        cache = TurboQuantKVCache(self.kv_bits, self.seed, self.group)
+        p = self._pads[idx]
+        n = self._idx - p
+        if not n:
+            return cache
+        cache.offset = n
+        for name in ("k", "v"):
+            src, dst = getattr(self, name), getattr(cache, name)
+            dst.norms = mx.contiguous(src.norms[idx : idx + 1, :, p : self._idx])
+            dst.codes = mx.contiguous(src.codes[idx : idx + 1, :, p : self._idx])
+            win = getattr(self, "win_" + name)
+            setattr(cache, "tail_" + name, mx.contiguous(win[idx : idx + 1, :, p + _floor(n, self.group) - self._ws :]))
+        return cache
+
+    def filter(self, batch_indices):
+        if not batch_indices:
+            raise ValueError("filter() needs at least one row to keep")
+        old_ws = self._ws
+        self._pads = [self._pads[i] for i in batch_indices]
+        self.left_padding = mx.array(self._pads)
+        self.offset = self.offset[mx.array(batch_indices)]
+        if self.k.codes is None:
+            return
+        new_ws = self._window_start()
+        shift = min(self._pads)
+        take = mx.array(batch_indices)
+        for codes in (self.k, self.v):
+            codes.norms = codes.norms[take, :, shift:]
+            codes.codes = codes.codes[take, :, shift:]
+        self.win_k = self.win_k[take, :, new_ws - old_ws :]
+        self.win_v = self.win_v[take, :, new_ws - old_ws :]
+        self._pads = [p - shift for p in self._pads]
+        self.left_padding = mx.array(self._pads)
+        self._idx -= shift
+        self._ws = new_ws - shift
+
+    def extend(self, other: "BatchTurboQuantKVCache"):
+        if self.k.codes is None and other.k.codes is None:
+            self._pads += other._pads
+            self.left_padding = mx.array(self._pads)
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        top = max(self._idx, other._idx)
+        ref = self if self.k.codes is not None else other
+        sides = []
+        for c in (self, other):
+            left = top - c._idx
+            pads = [p + left for p in c._pads]
+            ws = (c._ws if c.k.codes is not None else c._idx) + left
+            sides.append((c, left, pads, ws))
+        new_ws = min(s[3] for s in sides)
+
+        def cols(a, like, batch, left, total):
+            """`a` (or zeros shaped like `like`) left-padded to `total` columns."""
+            if a is None:
+                return mx.zeros((batch, like.shape[1], total, like.shape[3]), like.dtype)
+            return mx.pad(a, [(0, 0), (0, 0), (left, total - left - a.shape[2]), (0, 0)])
+
+        merged = {}
+        for name in ("norms_k", "codes_k", "norms_v", "codes_v", "win_k", "win_v"):
+            parts = []
+            for c, left, pads, ws in sides:
+                b = len(c._pads)
+                if name.startswith("win"):
+                    a = getattr(c, name)
+                    like = getattr(ref, name)
+                    pad_left = ws - new_ws
+                    parts.append(cols(a, like, b, pad_left, top - new_ws))
+                else:
+                    field, kv = name.split("_")
+                    src = getattr(c, kv)
+                    a = getattr(src, field)
+                    a = a[:, :, : c._idx] if a is not None else None
+                    parts.append(cols(a, getattr(getattr(ref, kv), field), b, left, top))
+            merged[name] = mx.concatenate(parts, axis=0)
+        self.k.norms, self.k.codes = merged["norms_k"], merged["codes_k"]
+        self.v.norms, self.v.codes = merged["norms_v"], merged["codes_v"]
+        self.win_k, self.win_v = merged["win_k"], merged["win_v"]
+        self._pads = sides[0][2] + sides[1][2]
+        self.left_padding = mx.array(self._pads)
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self._idx, self._ws = top, new_ws
+
+    # --- protocol ----------------------------------------------------------------
+
+    def size(self):
+        return self._idx
+
+    def empty(self):
+        return self.k.codes is None
+
+    def is_trimmable(self):
+        return False
+
+    @property
+    def state(self):
+        return []
+
+    @property
+    def nbytes(self):
+        if self.k.codes is None:
+            return 0
+        used = [c[:, :, : self._idx] for c in (self.k.norms, self.k.codes, self.v.norms, self.v.codes)]
+        return sum(a.nbytes for a in used) + self.win_k.nbytes + self.win_v.nbytes
+
+
+# --- building caches for a model -------------------------------------------------
+
+
+def _dense_set(num_layers: int, dense_layers) -> set[int]:
+    return {i % num_layers for i in dense_layers}
+
+
+def make_tq_cache(model, bits: int = 4, seed: int = 0, dense_layers=(-1,), group: int = DEFAULT_GROUP) -> list:
+    """One cache per layer: `TurboQuantKVCache`, or a dense `KVCache` for `dense_layers`."""
+    dense = _dense_set(len(model.layers), dense_layers)
+    return [KVCache() if i in dense else TurboQuantKVCache(bits, seed, group) for i in range(len(model.layers))]
+
+
+def to_turboquant(cache_list: list, bits: int = 4, seed: int = 0, dense_layers=(-1,), group: int = DEFAULT_GROUP):
+    """Per-layer caches with every dense `KVCache` outside `dense_layers` turned
+    into a `TurboQuantKVCache` (its tokens quantised). TurboQuant caches and
+    other cache types pass through unchanged."""
+    dense = _dense_set(len(cache_list), dense_layers)
+    out = []
+    for i, c in enumerate(cache_list):
+        if i not in dense and type(c) is KVCache:
+            c = TurboQuantKVCache.from_dense(c, kv_bits=bits, seed=seed, group=group)
+        out.append(c)
+    return out
