@@ -98,6 +98,7 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
             req = parse_chat_request(body, turn.request_headers)
             turn.session_id, turn.stream = req.session_id, req.stream
             chat = await backend.open(req, builder, turn.request_headers)
+            turn.upstream = getattr(chat, "url", None) or turn.upstream  # the pool's pick
         except PrefixtraceError as exc:
             if turn.request_body is None:
                 turn.request_body = raw.decode("utf-8", errors="replace")
