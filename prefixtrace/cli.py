@@ -37,7 +37,9 @@ def cli():
               help="SQLite database that records every turn (relative to the current directory).")
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="An mlx-lm model directory. Default: the bundled SmolLM2-135M-Instruct.")
-@click.option("--upstream", metavar="URL", help="Forward to this OpenAI-compatible server instead of the embedded engine.")
+@click.option("--upstream", "upstreams", metavar="URL", multiple=True,
+              help="Forward to this OpenAI/Anthropic-compatible server instead of the embedded engine. Repeat it "
+                   "for several: each session sticks to one, with health checks and failover (docs/DASHBOARD.md).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
               help="Activation dtype of the embedded engine. Default: the fastest measured on this platform.")
 @click.option("--cache-memory-gb", default=2.0, show_default=True, type=float, help="Byte budget of the in-memory prefix cache.")
@@ -54,28 +56,29 @@ def cli():
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1), help="Most requests decoding together.")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @_library_errors
-def serve(host, port, db, model, upstream, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
+def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
           memory_ceiling_gb, prefill_chunk, max_batch, log_level):
     """Run the OpenAI-compatible proxy and record every turn.
 
-    Endpoints: POST /v1/chat/completions (streamed and not), GET /v1/models,
-    GET /health (200 once the model is loaded). Every response reports
-    usage.prompt_tokens_details.cached_tokens.
+    Endpoints: POST /v1/chat/completions and POST /v1/messages (Anthropic;
+    both streamed and not), GET /v1/models, GET /health (200 once the model is
+    loaded), GET /ui (live dashboard), GET /metrics (Prometheus). Every
+    response reports its cached prompt tokens.
 
     Example: prefixtrace serve --port 8765 --db traffic.db
     """
     from prefixtrace.serve import ServeConfig, serve as run_serve
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if upstream is None and sys.platform == "linux":
+    if not upstreams and sys.platform == "linux":
         from engine.cpu_runtime import maybe_reexec_with_openblas
 
         maybe_reexec_with_openblas()
-    if dtype is None and upstream is None:
+    if dtype is None and not upstreams:
         from engine.cpu_runtime import default_dtype
 
         dtype = default_dtype()
-    run_serve(ServeConfig(host=host, port=port, db=db, model=model, upstream=upstream, dtype=dtype,
+    run_serve(ServeConfig(host=host, port=port, db=db, model=model, upstreams=list(upstreams), dtype=dtype,
                           cache_memory_gb=cache_memory_gb, memory_ceiling_gb=memory_ceiling_gb, prefill_chunk=prefill_chunk, max_batch=max_batch,
                           cache_dir=cache_dir, cache_disk_gb=cache_disk_gb, block_size=block_size,
                           log_level=log_level))

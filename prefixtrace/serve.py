@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -12,6 +12,7 @@ from engine.engine import Engine
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 from proxy.upstream_backend import UpstreamBackend
+from proxy.upstream_pool import UpstreamPool
 from recorder.store import Recorder
 
 log = logging.getLogger("prefixtrace.serve")
@@ -23,7 +24,7 @@ class ServeConfig:
     port: int = 8765
     db: Path = Path("prefixtrace.db")
     model: Path | None = None  # None: the bundled default model
-    upstream: str | None = None
+    upstreams: list[str] = field(default_factory=list)  # several: an UpstreamPool
     dtype: str | None = None
     cache_memory_gb: float = 2.0
     prefill_chunk: int = 512
@@ -36,9 +37,12 @@ class ServeConfig:
 
 
 def build_backend(config: ServeConfig):
-    if config.upstream:
-        log.info("forwarding to upstream %s", config.upstream)
-        return UpstreamBackend(config.upstream)
+    if len(config.upstreams) > 1:
+        log.info("forwarding to %d upstreams with session affinity: %s", len(config.upstreams), ", ".join(config.upstreams))
+        return UpstreamPool(config.upstreams)
+    if config.upstreams:
+        log.info("forwarding to upstream %s", config.upstreams[0])
+        return UpstreamBackend(config.upstreams[0])
     if config.model is None:
         from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
 

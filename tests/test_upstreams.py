@@ -163,3 +163,17 @@ def test_dead_pool_is_a_502_naming_the_upstreams():
 
     error = asyncio.run(go())
     assert "no upstream" in error.message and error.details["upstreams"] == dead and http_status(error) == 502
+
+
+def test_serve_builds_a_pool_from_repeated_upstreams():
+    from click.testing import CliRunner
+
+    from prefixtrace.cli import cli
+    from prefixtrace.serve import ServeConfig, build_backend
+    from proxy.upstream_backend import UpstreamBackend
+
+    assert isinstance(build_backend(ServeConfig(upstreams=["http://a:1", "http://b:2/v1"])), UpstreamPool)
+    one = build_backend(ServeConfig(upstreams=["http://a:1/v1"]))
+    assert isinstance(one, UpstreamBackend) and one.base_url == "http://a:1"
+    help_text = " ".join(CliRunner().invoke(cli, ["serve", "--help"]).output.split())
+    assert "--upstream URL" in help_text and "Repeat it" in help_text
