@@ -33,11 +33,17 @@ GAUSSIAN_LLOYD_MAX = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497}
 PAPER_D_MSE = {1: 0.36, 2: 0.117, 3: 0.03, 4: 0.009}
 
 
-def load_tiny(dtype=mx.float32):
-    from engine.model_files import load_model
+def load(path, dtype=mx.float32):
+    from mlx_lm.utils import load as mlx_load
 
-    model, tokenizer, _ = load_model(TINY_MODEL, "float32" if dtype == mx.float32 else "bfloat16")
+    model, tokenizer = mlx_load(str(path))
+    if dtype is not None:
+        model.set_dtype(dtype, predicate=lambda d: mx.issubdtype(d, mx.floating))
     return model, tokenizer
+
+
+def load_tiny(dtype=mx.float32):
+    return load(TINY_MODEL, dtype)
 
 
 def distortion(dim: int, bits: int, n: int = 8192, seed: int = 0) -> float:
@@ -159,9 +165,8 @@ def main() -> None:
     timings("tiny-llama float32", model, contexts, (1, 3))
     try:
         from engine.default_model import default_model_dir
-        from engine.model_files import load_model
 
-        big, _, _ = load_model(default_model_dir(), None)
+        big, _ = load(default_model_dir(), None)
     except Exception as exc:  # the default model's wheel may not be installed
         print(f"\ndefault model unavailable: {exc}")
         return

@@ -10,15 +10,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
 
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
 from engine.memory import DEFAULT_CEILING_FRACTION, MemoryModel, machine_memory_bytes, measured
-from engine.model_files import load_model
+from engine.model_files import load_model_dir
 from engine.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_DISK_BYTES, PrefixCache
 from engine.scheduler import Scheduler
+from engine.tq_cache import to_turboquant
 from engine.sequence import Failed, Sequence
 from prefixtrace.errors import EngineError, EngineNotReady, PrefixtraceError
 
@@ -43,6 +45,9 @@ class Engine:
         block_size: tokens per prefix-cache block (docs/CACHE.md).
         memory_ceiling_bytes: what weights + KV + prefill peak may use (default: 3/4 of the
             machine's or accelerator's memory, less the prefix cache's budget).
+        kv_quant: "none" or "turboquant" (KV of every layer but the last as TurboQuant codes,
+            docs/TURBOQUANT.md; the prefix cache pages dense caches only, so it stores nothing then).
+        kv_bits: bits per coordinate with kv_quant="turboquant" (1..8).
     """
 
     def __init__(
@@ -60,10 +65,15 @@ class Engine:
         cache_disk_bytes: int = DEFAULT_DISK_BYTES,
         block_size: int = DEFAULT_BLOCK_SIZE,
         memory_ceiling_bytes: int | None = None,
+        kv_quant: str = "none",
+        kv_bits: int = 4,
     ):
+        if kv_quant not in ("none", "turboquant") or not 1 <= kv_bits <= 8:
+            raise EngineError(f"kv_quant must be none|turboquant and kv_bits 1..8 (got {kv_quant!r}, {kv_bits})")
+        self.kv_quant, self.kv_bits = kv_quant, kv_bits
         self.model_dir = Path(model_dir)
         # Runs on the engine thread; benchmarks pass one that builds a model in memory.
-        self._loader = loader or (lambda: load_model(self.model_dir, self.dtype))
+        self._loader = loader or (lambda: load_model_dir(self.model_dir, self.dtype))
         self.name = name or self.model_dir.name
         self.dtype = dtype
         self.cache_bytes = cache_bytes
@@ -173,6 +183,7 @@ class Engine:
                 prefill_chunk=self.prefill_step_size,
                 default_max_tokens=self.default_max_tokens,
                 memory=self.memory,
+                adapt_cache=partial(to_turboquant, bits=self.kv_bits) if self.kv_quant == "turboquant" else None,
             )
             mx.synchronize()
             log.info("model %s loaded from %s (context %d tokens)", self.name, self.model_dir, self.context_length)

@@ -104,8 +104,11 @@ class Scheduler:
         default_max_tokens: int = 4096,
         memory: MemoryModel | None = None,
         spill: SpillStore | None = None,
+        adapt_cache=None,
     ):
         self.model = model
+        # Turns a prefix-cache hit into the caches prefill runs on (e.g. engine.tq_cache.to_turboquant).
+        self.adapt_cache = adapt_cache or (lambda cache: cache)
         self.memory = memory
         self.spill = spill or SpillStore()
         self.paused: deque[_Paused] = deque()
@@ -192,7 +195,7 @@ class Scheduler:
                 continue
             hit = self.prefix_cache.lookup(seq.prompt_ids)
             seq.num_cached_tokens = hit.num_cached
-            self.prefill = _Prefill(seq, hit.cache, hit.num_cached)
+            self.prefill = _Prefill(seq, self.adapt_cache(hit.cache), hit.num_cached)
 
     def _prefill_chunk(self) -> None:
         job = self.prefill
