@@ -54,10 +54,13 @@ def cli():
               help="Memory for weights + KV + prefill peak. Default: 3/4 of this machine's (or the accelerator's) "
                    "memory, less the prefix cache's budget.")
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1), help="Most requests decoding together.")
+@click.option("--kv-quant", default="none", show_default=True, type=click.Choice(["none", "turboquant"]),
+              help="KV cache storage of the embedded engine: dense, or TurboQuant codes (docs/TURBOQUANT.md).")
+@click.option("--kv-bits", default=4, show_default=True, type=click.IntRange(1, 8), help="Bits per coordinate with --kv-quant turboquant.")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @_library_errors
 def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
-          memory_ceiling_gb, prefill_chunk, max_batch, log_level):
+          memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, log_level):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions and POST /v1/messages (Anthropic;
@@ -81,7 +84,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
     run_serve(ServeConfig(host=host, port=port, db=db, model=model, upstreams=list(upstreams), dtype=dtype,
                           cache_memory_gb=cache_memory_gb, memory_ceiling_gb=memory_ceiling_gb, prefill_chunk=prefill_chunk, max_batch=max_batch,
                           cache_dir=cache_dir, cache_disk_gb=cache_disk_gb, block_size=block_size,
-                          log_level=log_level))
+                          kv_quant=kv_quant, kv_bits=kv_bits, log_level=log_level))
 
 
 @cli.command()

@@ -33,6 +33,8 @@ class ServeConfig:
     cache_dir: Path | None = None  # disk tier of the prefix cache; None: memory only
     cache_disk_gb: float = 16.0
     block_size: int | None = None  # None: engine.prefix_cache.DEFAULT_BLOCK_SIZE
+    kv_quant: str = "none"  # or "turboquant" (docs/TURBOQUANT.md)
+    kv_bits: int = 4
     log_level: str = "info"
 
 
@@ -59,6 +61,8 @@ def build_backend(config: ServeConfig):
         memory_ceiling_bytes=None if config.memory_ceiling_gb is None else int(config.memory_ceiling_gb * (1 << 30)),
         cache_dir=config.cache_dir,
         cache_disk_bytes=int(config.cache_disk_gb * (1 << 30)),
+        kv_quant=config.kv_quant,
+        kv_bits=config.kv_bits,
         **({} if config.block_size is None else {"block_size": config.block_size}),
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
