@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.sequence import Failed, Finished, TextDelta
-from prefixtrace.errors import InvalidRequest, PrefixtraceError, UpstreamError, http_status
+from prefixtrace.errors import EngineError, InvalidRequest, PrefixtraceError, http_status
 from proxy import sse
 from proxy.chat_request import ChatRequest, parse_body, parse_chat_request
 from proxy.turn_builder import TurnBuilder
@@ -221,7 +221,7 @@ class EngineMessages:
                                                          "stop_sequence": None}, "usage": usage})
                 yield _event("message_stop", {})
             elif isinstance(event, Failed):
-                raise event.error if isinstance(event.error, PrefixtraceError) else UpstreamError(str(event.error))
+                raise event.error if isinstance(event.error, PrefixtraceError) else EngineError(str(event.error))
 
     async def whole(self) -> tuple[bytes, str]:
         parts: list[str] = []
