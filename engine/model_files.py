@@ -1,16 +1,15 @@
-"""Load an mlx-lm model directory (placeholder until engine.cpu_runtime lands)."""
+"""Load an mlx-lm model directory for the engine: model, tokenizer and its config."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-import mlx.core as mx
-from mlx_lm.utils import load
+from engine.cpu_runtime import load_model
 
 
-def load_model(path: Path, dtype: str | None):
-    model, tokenizer, config = load(str(path), return_config=True)
-    if dtype is not None:
-        target = getattr(mx, dtype)
-        model.set_dtype(target, predicate=lambda d: mx.issubdtype(d, mx.floating))
+def load_model_dir(path: Path, dtype: str | None):
+    """(model, tokenizer, config); dtype and weight layout as `cpu_runtime.load_model` picks them."""
+    model, tokenizer = load_model(path, dtype)
+    config = json.loads((Path(path) / "config.json").read_text())
     return model, tokenizer, config

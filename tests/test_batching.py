@@ -57,7 +57,8 @@ def run_alone(messages, params: SamplingParams) -> tuple[list[int], str]:
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40)],
+    # Enough tokens that the long row is still decoding when the short ones join, however the machine is loaded.
+    [SamplingParams(temperature=0.0, max_tokens=120), SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=120)],
     ids=["greedy", "seeded"],
 )
 def test_rows_of_very_different_lengths_decode_as_they_would_alone(params):
