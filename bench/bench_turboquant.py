@@ -133,6 +133,7 @@ def decode_step_ms(model, caches, context: int, steps: int = 32, rows: int = 1) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--skip-tiny-timing", action="store_true")
     args = parser.parse_args()
     n = 2048 if args.quick else 16384
 
@@ -162,14 +163,23 @@ def main() -> None:
                 print(f"  context {context:>5}  rows {rows}: {dense:7.2f} -> {tq:7.2f}  ({tq / dense:.2f}x)")
 
     contexts = (512, 2048) if args.quick else (512, 2048, 8192)
-    timings("tiny-llama float32", model, contexts, (1, 3))
+    if not args.skip_tiny_timing:
+        timings("tiny-llama float32", model, contexts, (1, 3))
     try:
         from engine.default_model import default_model_dir
 
-        big, _ = load(default_model_dir(), None)
+        big, tok = load(default_model_dir(), None)
     except Exception as exc:  # the default model's wheel may not be installed
         print(f"\ndefault model unavailable: {exc}")
         return
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()[:6000]
+    tokens = mx.array(tok.encode(text)[:512])[None]
+    print(f"\nSmolLM2-135M (default model, as loaded), {tokens.shape[1]}-token prompt of docs/ARCHITECTURE.md")
+    print("bits  attn rel err (mean / max over layers)  next-token agreement (all TQ / last layer dense)")
+    for bits in (2, 3, 4, 8):
+        err = attention_error(big, tokens, bits)
+        print(f"{bits:>4}  {statistics.mean(err):.4f} / {max(err):.4f}                      "
+              f"{next_token_agreement(big, tokens, bits):.3f} / {next_token_agreement(big, tokens, bits, (-1,)):.3f}")
     timings("SmolLM2-135M (default model)", big, contexts, (1, 3))
 
 
