@@ -9,6 +9,7 @@ the cache it left. The files live in a private temporary directory (or
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -25,14 +26,25 @@ class SpillStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.bytes_written = 0
 
-    def spill(self, key: str, cache: list[KVCache]) -> Path:
-        arrays = {}
+    def spill(self, key: str, cache: list) -> Path:
+        arrays, meta = {}, {"layers": str(len(cache))}
         for i, layer in enumerate(cache):
-            if layer.keys is not None:
-                arrays[f"{i}.k"] = layer.keys[..., : layer.offset, :]
-                arrays[f"{i}.v"] = layer.values[..., : layer.offset, :]
+            if isinstance(layer, KVCache):
+                if layer.keys is not None:
+                    arrays[f"{i}.k"] = layer.keys[..., : layer.offset, :]
+                    arrays[f"{i}.v"] = layer.values[..., : layer.offset, :]
+                continue
+            # Other cache types (TurboQuant) round-trip through mlx-lm's cache
+            # protocol: `state` arrays plus `meta_state` strings.
+            meta[f"{i}.class"] = type(layer).__name__
+            meta[f"{i}.meta"] = json.dumps(list(layer.meta_state))
+            state = list(layer.state)
+            meta[f"{i}.n"] = str(len(state))
+            for j, array in enumerate(state):
+                if array is not None:
+                    arrays[f"{i}.s{j}"] = array
         path = self.dir / f"{key}.safetensors"
-        mx.save_safetensors(str(path), arrays, {"layers": str(len(cache))})
+        mx.save_safetensors(str(path), arrays, meta)
         self.bytes_written += path.stat().st_size
         return path
 
@@ -40,11 +52,25 @@ class SpillStore:
         arrays, meta = mx.load(str(path), return_metadata=True)
         cache = []
         for i in range(int(meta["layers"])):
+            if f"{i}.class" in meta:
+                cls = _other_cache_classes()[meta[f"{i}.class"]]
+                state = [arrays.get(f"{i}.s{j}") for j in range(int(meta[f"{i}.n"]))]
+                layer = cls.__new__(cls)
+                layer.state = state if any(a is not None for a in state) else []
+                layer.meta_state = json.loads(meta[f"{i}.meta"])
+                cache.append(layer)
+                continue
             layer = KVCache()
             if f"{i}.k" in arrays:
                 layer.keys, layer.values = arrays[f"{i}.k"], arrays[f"{i}.v"]
                 layer.offset = layer.keys.shape[2]
             cache.append(layer)
-        mx.eval([c.state for c in cache if c.keys is not None])
+        mx.eval(list(arrays.values()))
         path.unlink(missing_ok=True)
         return cache
+
+
+def _other_cache_classes() -> dict:
+    from engine.tq_cache import TurboQuantKVCache
+
+    return {"TurboQuantKVCache": TurboQuantKVCache}
