@@ -110,6 +110,31 @@ def mlx_lm_loop(model, tokens: int, vocab: int) -> float:
     return rate
 
 
+def steady_batch_decode(model, batch: int, tokens: int, vocab: int) -> float:
+    """tokens/s of mlx-lm's GenerationBatch alone, rows of equal length, no scheduler:
+    separates what the kernels give at this batch size from what the scheduler adds."""
+    from mlx_lm.generate import GenerationBatch, StopSequences
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.batch_cache import RowBatchKVCache
+    from engine.sampling import GREEDY
+
+    rows = prompts(batch, 16, vocab, seed=40 + batch)
+    caches = []
+    for p in rows:
+        cache = make_prompt_cache(model)
+        model(mx.array([p[:-1]]), cache=cache)
+        caches.append(cache)
+    layers = [RowBatchKVCache.merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+    gen = GenerationBatch(model, list(range(batch)), mx.array([p[-1] for p in rows]), layers, [p[:-1] for p in rows],
+                          [GREEDY] * batch, GREEDY, [[] for _ in rows], [StopSequences()] * batch, [tokens + 8] * batch)
+    gen.next()
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        gen.next()
+    return batch * tokens / (time.perf_counter() - t0)
+
+
 def copy_bandwidth_gbs() -> float:
     a = mx.ones((256, 1024, 1024), dtype=mx.float32)  # 1 GiB
     mx.eval(a)
@@ -188,6 +213,10 @@ def main() -> None:
         aggregate_decode(engine, b, 8, vocab)  # warm-up: the first step at a new batch shape compiles kernels
         agg[b] = statistics.median(aggregate_decode(engine, b, args.tokens, vocab) for _ in range(args.repeats))
     result["aggregate_decode_tok_s"] = {b: round(v, 2) for b, v in agg.items()}
+    steady = {b: statistics.median(steady_batch_decode(engine.model, b, args.tokens, vocab) for _ in range(args.repeats))
+              for b in (1, 2, 4, 8)}
+    result["generation_batch_alone_tok_s"] = {b: round(v, 2) for b, v in steady.items()}
+    result["generation_batch_alone_speedup_vs_b1"] = {b: round(v / steady[1], 2) for b, v in steady.items()}
     result["batch_speedup_vs_b1"] = {b: round(v / agg[1], 2) for b, v in agg.items()}
     plain = statistics.median(mlx_lm_loop(engine.model, args.tokens, vocab) for _ in range(args.repeats))
     result["mlx_lm_loop_b1_tok_s"] = round(plain, 2)
