@@ -14,12 +14,20 @@ from pathlib import Path
 import click
 
 from prefixtrace import cli_analyze, cli_recorder
-from prefixtrace.cli_common import library_errors as _library_errors
+from prefixtrace.cli_common import JSON_OPTION, echo_json, library_errors as _library_errors
+from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved
 
 
 @click.group()
+@click.option("--config", "config_file", metavar="FILE", envvar=CONFIG_ENV, show_envvar=True,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="TOML file of option defaults, one table per command (default: ./prefixtrace.toml, else "
+                   "~/.config/prefixtrace/prefixtrace.toml). A flag beats its environment variable, which beats "
+                   "this file. See docs/CONFIG.md.")
 @click.version_option(package_name="prefixtrace")
-def cli():
+@click.pass_context
+@_library_errors
+def cli(ctx, config_file):
     """prefixtrace: a caching reverse proxy and prompt-stability analyzer for coding-agent traffic.
 
     Serve an OpenAI-compatible endpoint (embedded MLX engine or any upstream),
@@ -28,6 +36,10 @@ def cli():
 
     Example: prefixtrace serve && prefixtrace analyze prefixtrace.db
     """
+    path = find_config(config_file)
+    ctx.meta["prefixtrace.config_file"] = path
+    if path is not None:
+        ctx.default_map = load_default_map(path, cli)
 
 
 @cli.command()
@@ -58,9 +70,11 @@ def cli():
               help="KV cache storage of the embedded engine: dense, or TurboQuant codes (docs/TURBOQUANT.md).")
 @click.option("--kv-bits", default=4, show_default=True, type=click.IntRange(1, 8), help="Bits per coordinate with --kv-quant turboquant.")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--print-config", is_flag=True,
+              help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
 @_library_errors
 def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
-          memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, log_level):
+          memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions and POST /v1/messages (Anthropic;
@@ -70,6 +84,11 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
 
     Example: prefixtrace serve --port 8765 --db traffic.db
     """
+    if print_config:
+        ctx = click.get_current_context()
+        echo_json({"config_file": ctx.find_root().meta.get("prefixtrace.config_file"),
+                   "options": resolved(ctx, skip=("print_config",))})
+        return
     from prefixtrace.serve import ServeConfig, serve as run_serve
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -90,11 +109,14 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
 @cli.command()
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Describe this mlx-lm model directory instead of the bundled default.")
+@JSON_OPTION
 @_library_errors
-def models(model):
+def models(model, as_json):
     """List the model the embedded engine serves, converting the bundled default on first use.
 
-    Example: prefixtrace models
+    Prints JSON either way; --json is accepted so scripts can pass it to every command.
+
+    Example: prefixtrace models --json
     """
     from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
 
@@ -108,6 +130,7 @@ def models(model):
 
 for _command in (cli_analyze.analyze, cli_analyze.check, *cli_recorder.COMMANDS):
     cli.add_command(_command)
+mirror_env(cli)  # PREFIXTRACE_<COMMAND>_<FLAG> for every option; serve's also PREFIXTRACE_<FLAG>
 
 
 def main():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from prefixtrace.cli_common import library_errors, write_or_echo
+from prefixtrace.cli_common import library_errors, progress, write_or_echo
 
 SRC = click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 
@@ -27,6 +27,9 @@ def _render_options(fn):
     return fn
 
 
+JSON_FORMAT = click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
+
+
 def _kwargs(template, model, tokenizer_spec, block_size, prefill_rate) -> dict:
     return dict(template=template, model=model, tokenizer=tokenizer_spec, block_size=block_size,
                 prefill_rate=prefill_rate)
@@ -36,9 +39,10 @@ def _kwargs(template, model, tokenizer_spec, block_size, prefill_rate) -> dict:
 @SRC
 @_render_options
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "html"]), default="text", show_default=True)
+@JSON_FORMAT
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here instead of stdout.")
 @library_errors
-def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt, out):
+def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt, as_json, out):
     """Per session and turn: did the prompt extend the previous one; if not, where
     it broke (message, char and token offset), why (a fixed cause name) and what
     it cost in re-prefilled tokens.
@@ -52,8 +56,9 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
     from analyzer import analyze as run_analyze, format_text, to_json
     from analyzer.html import to_html
 
-    report = run_analyze(src, **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
-    text = {"text": format_text, "json": to_json, "html": to_html}[fmt](report)
+    with progress(f"analyzing {src.name}"):
+        report = run_analyze(src, **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
+    text = {"text": format_text, "json": to_json, "html": to_html}["json" if as_json else fmt](report)
     write_or_echo(text, out)
 
 
@@ -63,8 +68,9 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
 @_render_options
 @click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), help="Also write a JUnit XML report here.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@JSON_FORMAT
 @library_errors
-def check(src, allow, template, model, tokenizer_spec, block_size, prefill_rate, junit, fmt):
+def check(src, allow, template, model, tokenizer_spec, block_size, prefill_rate, junit, fmt, as_json):
     """Exit 0 when every transition of every session is append-only or of an
     allowed cause, else 1, naming the first offending turn, its cause and diff.
 
@@ -75,10 +81,11 @@ def check(src, allow, template, model, tokenizer_spec, block_size, prefill_rate,
     """
     from analyzer import check as run_check, to_junit
 
-    result = run_check(src, allow=allow, **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
+    with progress(f"checking {src.name}"):
+        result = run_check(src, allow=allow, **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
     if junit:
         to_junit(result, junit)
-    if fmt == "json":
+    if fmt == "json" or as_json:
         click.echo(json.dumps({"ok": result.ok, "allow": sorted(result.allow), "problems": [
             {"session": p.session_id, "turn": p.turn.to_dict()} for p in result.problems]}, indent=2))
     else:

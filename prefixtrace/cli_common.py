@@ -1,8 +1,12 @@
-"""Helpers shared by the CLI modules: error translation and output."""
+"""Helpers shared by the CLI modules: error translation, output and progress."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
@@ -29,3 +33,34 @@ def write_or_echo(text: str, out: Path | None) -> None:
     else:
         out.write_text(text if text.endswith("\n") else text + "\n")
         click.echo(f"wrote {out}", err=True)
+
+
+JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
+
+
+def echo_json(value) -> None:
+    click.echo(json.dumps(value, indent=2, default=str))
+
+
+def stderr_is_tty() -> bool:
+    return sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def progress(label: str, total: int | None = None) -> Iterator[Callable[[int], None]]:
+    """Yields `advance(n=1)`. Draws a bar (or, with no `total`, a status line)
+    on stderr only when stderr is a terminal, and erases it when done; else
+    draws nothing, so pipes, logs and --json output stay clean."""
+    if not stderr_is_tty():
+        yield lambda n=1: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = [TextColumn("{task.description}"), BarColumn(), *([MofNCompleteColumn()] if total else []),
+               TimeElapsedColumn()]
+    # No refresh thread without a total: analyze forks worker processes, and a
+    # thread writing to stderr at fork time could leave a child a locked stream.
+    with Progress(*columns, console=Console(stderr=True), transient=True, auto_refresh=total is not None) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n=1: bar.advance(task, n)

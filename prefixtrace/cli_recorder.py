@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from prefixtrace.cli_common import library_errors, write_or_echo
+from prefixtrace.cli_common import JSON_OPTION, echo_json, library_errors, progress, write_or_echo
 
 DB = click.argument("db", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 
@@ -18,8 +18,10 @@ DB = click.argument("db", type=click.Path(exists=True, dir_okay=False, path_type
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "har"]), default="jsonl", show_default=True)
 @click.option("--session", help="Only this session.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Output file (default: stdout).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the summary as a JSON object: on stdout with --out, else on stderr after the data.")
 @library_errors
-def export(db, fmt, session, out):
+def export(db, fmt, session, out, as_json):
     """Export recorded turns as JSONL (one wrapped record per line) or HAR 1.2.
 
     Request bodies are written byte for byte as they were stored; see
@@ -30,14 +32,19 @@ def export(db, fmt, session, out):
     from recorder.sources import export as run_export
 
     count = run_export(db, out if out else sys.stdout, fmt, session=session)
-    click.echo(f"exported {count} turn(s)", err=True)
+    if as_json:
+        summary = {"exported": count, "db": str(db), "format": fmt, "session": session, "out": str(out) if out else None}
+        click.echo(json.dumps(summary), err=out is None)
+    else:
+        click.echo(f"exported {count} turn(s)", err=True)
 
 
 @click.command(name="import")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--db", default="prefixtrace.db", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
+@JSON_OPTION
 @library_errors
-def import_(file, db):
+def import_(file, db, as_json):
     """Import a JSONL file (wrapped records or bare request bodies) or a HAR
     file (from prefixtrace, a browser or mitmproxy) into a database.
 
@@ -48,8 +55,12 @@ def import_(file, db):
     """
     from recorder.sources import import_file
 
-    count = import_file(file, db)
-    click.echo(f"imported {count} turn(s) into {db}")
+    with progress(f"importing {file.name}"):
+        count = import_file(file, db)
+    if as_json:
+        echo_json({"imported": count, "file": str(file), "db": str(db)})
+    else:
+        click.echo(f"imported {count} turn(s) into {db}")
 
 
 @click.command()
@@ -65,8 +76,9 @@ def import_(file, db):
 @click.option("--model", help="Send this model name instead of the recorded one.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the report here: JSON, or a self-contained HTML page when the name ends in .html.")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole report as JSON instead of the table.")
 @library_errors
-def replay(src, targets, session, concurrency, pace, max_gap, model, out):
+def replay(src, targets, session, concurrency, pace, max_gap, model, out, as_json):
     """Re-send recorded requests (database, JSONL or HAR), in order per
     session, to one or more servers, and measure each turn.
 
@@ -84,11 +96,10 @@ def replay(src, targets, session, concurrency, pace, max_gap, model, out):
 
     turns = load_turns(src, session=session)
     total = sum(1 for t in turns if isinstance(t.request_body, dict) and isinstance(t.request_body.get("messages"), list))
-    with click.progressbar(length=total * len(targets), label="replaying", file=sys.stderr,
-                           show_pos=True) as bar:
+    with progress("replaying", total=total * len(targets)) as advance:
         report = run_replay(turns, list(targets), concurrency=concurrency, pace=pace, model=model,
-                            max_gap_s=max_gap, progress=lambda url, turn: bar.update(1))
-    click.echo(format_replay(report))
+                            max_gap_s=max_gap, progress=lambda url, turn: advance(1))
+    click.echo(json.dumps(report, indent=2) if as_json else format_replay(report))
     if out:
         write_report(report, out)
         click.echo(f"wrote {out}", err=True)
@@ -109,11 +120,14 @@ def db():
 
 @db.command()
 @DB
+@JSON_OPTION
 @library_errors
-def info(db):
+def info(db, as_json):
     """Sessions, turns, size, date range and message store of a recorder database.
 
-    Example: prefixtrace db info prefixtrace.db
+    Prints JSON either way; --json is accepted so scripts can pass it to every command.
+
+    Example: prefixtrace db info prefixtrace.db --json
     """
     from recorder import db_info
 
