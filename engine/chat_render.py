@@ -21,6 +21,7 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 class RenderedPrompt:
     text: str
     token_ids: list[int]
+    policy: dict | None = None  # what engine/render_policy.py applied (turn.render["policy"])
 
 
 def normalize_messages(messages: Any) -> list[dict]:

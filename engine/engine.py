@@ -19,6 +19,7 @@ from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
 from engine.memory import DEFAULT_CEILING_FRACTION, MemoryModel, machine_memory_bytes, measured
 from engine.model_files import load_model_dir
 from engine.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_DISK_BYTES, PrefixCache
+from engine.render_policy import DEFAULT_GUARD_TOKENS, BoundPolicy, NoticeRule, RenderPolicy, TemplateTraits
 from engine.scheduler import Scheduler
 from engine.tq_cache import to_turboquant
 from engine.sequence import Failed, Sequence
@@ -48,6 +49,13 @@ class Engine:
         kv_quant: "none" or "turboquant" (KV of every layer but the last as TurboQuant codes,
             docs/TURBOQUANT.md; the prefix cache pages dense caches only, so it stores nothing then).
         kv_bits: bits per coordinate with kv_quant="turboquant" (1..8).
+        mid_system_policy: "fold", "inline" or "strict": later system/developer messages
+            (docs/RENDER_POLICIES.md).
+        thinking_retention: "loop", "template" or "all": which past reasoning the prompt keeps.
+        thinking_retention_guard_tokens: with "loop", reasoning kept in one agent loop past this
+            many tokens is cut once.
+        notice_pattern: regex matched at the start of a user message's text that marks it as a
+            harness notice, not a real user turn (None: render_policy.DEFAULT_NOTICE_PATTERN).
     """
 
     def __init__(
@@ -67,10 +75,19 @@ class Engine:
         memory_ceiling_bytes: int | None = None,
         kv_quant: str = "none",
         kv_bits: int = 4,
+        mid_system_policy: str = "inline",
+        thinking_retention: str = "loop",
+        thinking_retention_guard_tokens: int = DEFAULT_GUARD_TOKENS,
+        notice_pattern: str | None = None,
     ):
         if kv_quant not in ("none", "turboquant") or not 1 <= kv_bits <= 8:
             raise EngineError(f"kv_quant must be none|turboquant and kv_bits 1..8 (got {kv_quant!r}, {kv_bits})")
         self.kv_quant, self.kv_bits = kv_quant, kv_bits
+        self.render_policy = RenderPolicy(
+            mid_system_policy, thinking_retention, thinking_retention_guard_tokens,
+            NoticeRule(notice_pattern) if notice_pattern is not None else NoticeRule(),
+        )
+        self._bound_policy: BoundPolicy | None = None  # bound to the template once the tokenizer is loaded
         self.model_dir = Path(model_dir)
         # Runs on the engine thread; benchmarks pass one that builds a model in memory.
         self._loader = loader or (lambda: load_model_dir(self.model_dir, self.dtype))
@@ -122,9 +139,10 @@ class Engine:
         """Render a chat request with the model's template. Thread-safe; no MLX work."""
         if not self.ready:
             raise EngineNotReady("the model is still loading")
-        return render_prompt(
-            self.tokenizer, normalize_messages(messages), tools=tools, chat_template_kwargs=chat_template_kwargs
-        )
+        applied = self._bound_policy.apply(normalize_messages(messages), chat_template_kwargs)
+        rendered = render_prompt(self.tokenizer, applied.messages, tools=tools, chat_template_kwargs=applied.template_kwargs)
+        rendered.policy = applied.record
+        return rendered
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Raise ContextExceedsCapacity (with the numbers) for a request that can never run."""
@@ -162,6 +180,12 @@ class Engine:
         try:
             self.model, self.tokenizer, config = self._loader()
             self.context_length = int(config.get("max_position_embeddings") or 4096)
+            traits = TemplateTraits.from_tokenizer(self.tokenizer)
+            self._bound_policy = BoundPolicy(
+                self.render_policy, traits, lambda s: len(self.tokenizer.encode(s, add_special_tokens=False)))
+            log.info("render policies: %s; template renders later system messages in place: %s, honours "
+                     "preserve_thinking: %s", self.render_policy.describe(), traits.inline_system,
+                     traits.preserve_thinking)
             self.prefix_cache = PrefixCache(
                 self.model, max_bytes=self.cache_bytes, block_size=self.block_size, cache_dir=self.cache_dir,
                 disk_bytes=self.cache_disk_bytes, model_dir=self.model_dir if self.cache_dir else None,

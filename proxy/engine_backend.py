@@ -58,6 +58,8 @@ class EngineBackend:
         )
         self.engine.check_fits(len(rendered.token_ids), req.sampling.max_tokens)
         builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
+        if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
+            builder.turn.render["policy"] = rendered.policy
         chat = EngineChat(req, builder, self.engine.name)
         seq = Sequence(rendered.token_ids, req.sampling, chat.emit_threadsafe(asyncio.get_running_loop()))
         chat.seq = seq
