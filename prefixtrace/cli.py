@@ -69,12 +69,24 @@ def cli(ctx, config_file):
 @click.option("--kv-quant", default="none", show_default=True, type=click.Choice(["none", "turboquant"]),
               help="KV cache storage of the embedded engine: dense, or TurboQuant codes (docs/TURBOQUANT.md).")
 @click.option("--kv-bits", default=4, show_default=True, type=click.IntRange(1, 8), help="Bits per coordinate with --kv-quant turboquant.")
+@click.option("--mid-system-policy", default="inline", show_default=True, type=click.Choice(["fold", "inline", "strict"]),
+              help="Later system/developer messages: merge into the head (re-prefills), keep in place as a marked "
+                   "note, or reject with a 400 (docs/RENDER_POLICIES.md).")
+@click.option("--thinking-retention", default="loop", show_default=True, type=click.Choice(["loop", "template", "all"]),
+              help="Past reasoning in the prompt: keep it through the agent loop (strip at real user messages), "
+                   "as the chat template does, or all of it (preserve_thinking).")
+@click.option("--thinking-retention-guard-tokens", default=30000, show_default=True, type=click.IntRange(1),
+              help="With --thinking-retention loop: reasoning kept in one loop past this many tokens is cut once.")
+@click.option("--notice-pattern", metavar="REGEX",
+              help="A user message whose text matches this at its start is a harness notice, not a real user turn "
+                   "(default: docs/RENDER_POLICIES.md).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
 @_library_errors
 def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
-          memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, log_level, print_config):
+          memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, mid_system_policy, thinking_retention,
+          thinking_retention_guard_tokens, notice_pattern, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions and POST /v1/messages (Anthropic;
@@ -103,7 +115,10 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
     run_serve(ServeConfig(host=host, port=port, db=db, model=model, upstreams=list(upstreams), dtype=dtype,
                           cache_memory_gb=cache_memory_gb, memory_ceiling_gb=memory_ceiling_gb, prefill_chunk=prefill_chunk, max_batch=max_batch,
                           cache_dir=cache_dir, cache_disk_gb=cache_disk_gb, block_size=block_size,
-                          kv_quant=kv_quant, kv_bits=kv_bits, log_level=log_level))
+                          kv_quant=kv_quant, kv_bits=kv_bits, mid_system_policy=mid_system_policy,
+                          thinking_retention=thinking_retention,
+                          thinking_retention_guard_tokens=thinking_retention_guard_tokens,
+                          notice_pattern=notice_pattern, log_level=log_level))
 
 
 @cli.command()

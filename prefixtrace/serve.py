@@ -35,6 +35,10 @@ class ServeConfig:
     block_size: int | None = None  # None: engine.prefix_cache.DEFAULT_BLOCK_SIZE
     kv_quant: str = "none"  # or "turboquant" (docs/TURBOQUANT.md)
     kv_bits: int = 4
+    mid_system_policy: str = "inline"  # fold|inline|strict (docs/RENDER_POLICIES.md)
+    thinking_retention: str = "loop"  # loop|template|all
+    thinking_retention_guard_tokens: int = 30000
+    notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
     log_level: str = "info"
 
 
@@ -63,9 +67,14 @@ def build_backend(config: ServeConfig):
         cache_disk_bytes=int(config.cache_disk_gb * (1 << 30)),
         kv_quant=config.kv_quant,
         kv_bits=config.kv_bits,
+        mid_system_policy=config.mid_system_policy,
+        thinking_retention=config.thinking_retention,
+        thinking_retention_guard_tokens=config.thinking_retention_guard_tokens,
+        notice_pattern=config.notice_pattern,
         **({} if config.block_size is None else {"block_size": config.block_size}),
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
+    log.info("render policies: %s", engine.render_policy.describe())
     return EngineBackend(engine)
 
 

@@ -177,3 +177,25 @@ def test_policies_are_recorded_per_turn_and_strict_is_a_400(policy_model, record
     (render,) = [json.loads(r[0]) for r in con.execute("select render from turns where status = 200")]
     assert render["policy"]["mid_system"] == "strict" and render["policy"]["thinking_retention"] == "loop"
     assert render["policy"]["notices"] == 1 and render["policy"]["kept_over_template"] == 1
+
+
+def test_serve_flags_reach_the_engine(policy_model):
+    from click.testing import CliRunner
+
+    from prefixtrace.cli import cli
+    from prefixtrace.serve import ServeConfig, build_backend
+
+    out = CliRunner().invoke(cli, ["serve", "--mid-system-policy", "fold", "--thinking-retention", "all",
+                                   "--thinking-retention-guard-tokens", "500", "--print-config"])
+    assert out.exit_code == 0, out.output
+    for flag in ("mid_system_policy", "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern"):
+        assert flag.replace("_", "-") in out.output or flag in out.output
+    backend = build_backend(ServeConfig(model=policy_model, mid_system_policy="fold", thinking_retention="all",
+                                        thinking_retention_guard_tokens=500, notice_pattern=r"NOTE:"))
+    try:
+        policy = backend.engine.render_policy
+        assert (policy.mid_system, policy.thinking_retention, policy.guard_tokens) == ("fold", "all", 500)
+        assert policy.notices.pattern == "NOTE:"
+    finally:
+        backend.engine.wait_ready(60)
+        backend.engine.shutdown()
