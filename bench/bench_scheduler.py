@@ -189,6 +189,7 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    parser.add_argument("--only", choices=["fairness"], help="run just this part")
     args = parser.parse_args()
 
     if args.random:
@@ -208,6 +209,13 @@ def main() -> None:
     vocab = engine.model.args.vocab_size
     result = {"device": str(mx.default_device()), "model": engine.name}
 
+    if args.only == "fairness":
+        runs = [fairness(engine, args.long, vocab) for _ in range(args.repeats)]
+        result["fairness_ratios"] = [r["ratio"] for r in runs]
+        result["fairness"] = sorted(runs, key=lambda r: r["ratio"])[len(runs) // 2]
+        engine.shutdown()
+        print(json.dumps(result, indent=2))
+        return
     agg = {}
     for b in (1, 2, 4, 8):
         aggregate_decode(engine, b, 8, vocab)  # warm-up: the first step at a new batch shape compiles kernels

@@ -14,7 +14,7 @@ Where we depart from mlx-lm's `BatchGenerator`, and why:
 * `BatchGenerator` interleaves one prefill chunk per decode step whatever the
   chunk costs; a 2k-token chunk freezes decoding rows for its whole duration.
   Here decode and prefill share time: a prefill chunk runs only once the
-  decode steps since the previous chunk took 1.5x as long as that chunk, so
+  decode steps since the previous chunk took 2x as long as that chunk, so
   running rows keep more than half their solo rate.
 * Stop strings are matched on text (`StopMatcher`), eos/max_tokens by
   `GenerationBatch`; cancellation removes a row at the next step.
@@ -46,9 +46,11 @@ log = logging.getLogger("prefixtrace.scheduler")
 
 # Seconds of decoding owed per second of prefill while both kinds of work wait.
 # 1.0 would split time evenly; decode steps also pay for the scheduling around
-# them, so a margin keeps running rows above half their solo rate (measured in
-# bench/bench_scheduler.py), at the price of a proportionally slower prefill.
-DECODE_PER_PREFILL_S = 1.5
+# them and run slower right after a chunk, so a margin is needed to keep running
+# rows above half their solo rate. Measured (bench/bench_scheduler.py): 1.5 gave
+# 0.58 of solo on the CPU but 0.41-0.53 on an H200; 2.0 is the setting recorded
+# in docs/PERFORMANCE.md. The price is a proportionally slower prefill.
+DECODE_PER_PREFILL_S = 2.0
 
 
 @dataclass(eq=False)
