@@ -104,12 +104,13 @@ class PrefixCache:
 
     @property
     def stats(self) -> dict:
+        disk = self.disk  # never `if self.disk`: DiskCache has __len__, so an empty one is falsy
         return {
             "block_size": self.block_size, "cache_format": self.cache_format,
             "memory_blocks": len(self.memory), "memory_bytes": self.memory.nbytes,
-            "disk_blocks": len(self.disk) if self.disk else 0, "disk_bytes": self.disk.nbytes if self.disk else 0,
+            "disk_blocks": len(disk) if disk is not None else 0, "disk_bytes": disk.nbytes if disk is not None else 0,
             "disk_blocks_read": self.num_disk_blocks_read, "disk_bytes_read": self.disk_bytes_read,
-            "disk_read_s": self.disk_read_s, "disk_corrupt": self.disk.num_corrupt if self.disk else 0,
+            "disk_read_s": self.disk_read_s, "disk_corrupt": disk.num_corrupt if disk is not None else 0,
             "lookups": self.num_lookups, "hit_tokens": self.num_hit_tokens,
         }
 
@@ -177,23 +178,23 @@ class PrefixCache:
         keys = self._keys_of(tokens)
         for key in keys:
             self.memory.pin(key)
-            if self.disk:
+            if self.disk is not None:
                 self.disk.pin(key)
         return len(tokens) if keys else 0
 
     def unpin(self, tokens: list[int]) -> None:
         for key in self._keys_of(tokens):
             self.memory.unpin(key)
-            if self.disk:
+            if self.disk is not None:
                 self.disk.unpin(key)
 
     def flush(self) -> None:
         """Wait for queued disk writes (tests, benchmarks, shutdown)."""
-        if self.disk:
+        if self.disk is not None:
             self.disk.flush()
 
     def close(self) -> None:
-        if self.disk:
+        if self.disk is not None:
             self.disk.close()
 
     # --- internals ----------------------------------------------------------------

@@ -171,3 +171,15 @@ def test_disk_tier_lru_by_size_and_pins(model, tmp_path):
     again = make(model, tmp_path, max_bytes=1 << 30)
     assert again.lookup(PROMPT + [1]).num_cached >= BS  # the pinned head block is still there
     again.close()
+
+
+def test_flush_waits_for_the_first_disk_write(model, tmp_path):
+    # An empty DiskCache is falsy (it has __len__): flush must still wait for it.
+    import time
+    pc = make(model, tmp_path)
+    write = pc.disk._write
+    pc.disk._write = lambda *a: (time.sleep(0.2), write(*a))
+    pc.store(PROMPT[:BS], prefill(model, PROMPT[:BS]))
+    pc.flush()
+    assert pc.stats["disk_blocks"] == 1 and pc.stats["disk_bytes"] > 0
+    pc.close()
