@@ -182,6 +182,12 @@ class PrefixCache:
                 self.disk.pin(key)
         return len(tokens) if keys else 0
 
+    def holds(self, tokens: list[int]) -> bool:
+        """Whether every block of `tokens` (its tail included) is in a tier now."""
+        return bool(tokens) and all(
+            key in self.memory or (self.disk is not None and key in self.disk) for key in self._keys_of(tokens)
+        )
+
     def unpin(self, tokens: list[int]) -> None:
         for key in self._keys_of(tokens):
             self.memory.unpin(key)

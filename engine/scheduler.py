@@ -33,6 +33,7 @@ from mlx_lm.generate import GenerationBatch, StopSequences
 from mlx_lm.models.cache import KVCache
 
 from engine.batch_cache import RowBatchKVCache
+from engine.cache_blocks import is_dense
 from engine.memory import HARD_WATERMARK, SOFT_WATERMARK, MemoryModel
 from engine.prefix_cache import PrefixCache
 from engine.sampling import GREEDY
@@ -75,7 +76,7 @@ class _Paused:
     """A sequence whose KV was spilled under memory pressure (or by the test hook)."""
 
     seq: Sequence
-    path: Path
+    path: Path | None  # the spilled KV; None for a prefill parked in the prefix cache
     started_at: float
     row: _Row | None = None  # decoding when paused; None for a parked prefill
     sampler: object = None
@@ -212,6 +213,8 @@ class Scheduler:
         if job.pos == len(prompt) - 1:
             self.prefill = None
             self._start_decoding(job)
+        elif job.seq.park_at is not None and job.pos >= job.seq.park_at and not job.seq.num_pauses:
+            self._park_prefill()
 
     def _start_decoding(self, job: _Prefill) -> None:
         seq, params = job.seq, job.seq.params
@@ -353,15 +356,41 @@ class Scheduler:
                  uid, len(row.seq.output_ids), reason, len(cached_ids))
 
     def _park_prefill(self) -> None:
+        """Free a prefill's live KV; it resumes from what it had computed.
+
+        Dense caches go into the prefix cache as pinned blocks (the same blocks
+        progress commits write), so resuming is an ordinary prefix lookup; other
+        cache types (TurboQuant), or a disabled prefix cache, spill to a file."""
         job, self.prefill = self.prefill, None
         job.seq.num_pauses += 1
-        path = self.spill.spill(f"prefill-{job.seq.seq_id}-{job.seq.num_pauses}", job.cache)
+        done = job.seq.prompt_ids[: job.pos]
+        path = None
+        if self.prefix_cache.enabled and is_dense(job.cache) and job.pos > 0:
+            self.prefix_cache.pin(done)
+            self.prefix_cache.store(done, job.cache)
+            if not self.prefix_cache.holds(done):  # no room in either tier
+                self.prefix_cache.unpin(done)
+                path = self.spill.spill(f"prefill-{job.seq.seq_id}-{job.seq.num_pauses}", job.cache)
+        else:
+            path = self.spill.spill(f"prefill-{job.seq.seq_id}-{job.seq.num_pauses}", job.cache)
         self.paused.append(_Paused(job.seq, path, job.started_at, pos=job.pos))
         job.cache = None
         mx.clear_cache()
         self.stats["parks"] += 1
-        log.info("parked prefill of request %d at %d/%d prompt tokens (hard memory pressure)",
-                 job.seq.seq_id, job.pos, job.seq.num_prompt_tokens)
+        log.info("parked prefill of request %d at %d/%d prompt tokens (hard memory pressure; %s)",
+                 job.seq.seq_id, job.pos, job.seq.num_prompt_tokens, "pinned in the prefix cache" if path is None
+                 else "spilled")
+
+    def _unpark(self, paused: _Paused) -> _Prefill:
+        seq = paused.seq
+        if paused.path is not None:
+            return _Prefill(seq, self.spill.restore(paused.path), paused.pos, started_at=paused.started_at)
+        hit = self.prefix_cache.lookup(seq.prompt_ids)
+        self.prefix_cache.unpin(seq.prompt_ids[: paused.pos])
+        if hit.num_cached < paused.pos:
+            log.warning("request %d resumed from %d of its %d prefilled tokens (cache evicted the rest)",
+                        seq.seq_id, hit.num_cached, paused.pos)
+        return _Prefill(seq, self.adapt_cache(hit.cache), hit.num_cached, started_at=paused.started_at)
 
     def _resume(self) -> None:
         """Paused sequences resume first-in first-out, before any new admission, once the
@@ -375,11 +404,10 @@ class Scheduler:
             if self.memory is not None and self._active() and not self._fits(self._final_need(head.seq)):
                 return
             self.paused.popleft()
-            cache = self.spill.restore(head.path)
             if head.row is None:
-                self.prefill = _Prefill(head.seq, cache, head.pos, started_at=head.started_at)
+                self.prefill = self._unpark(head)
             else:
-                self._rejoin(head, cache)
+                self._rejoin(head, self.spill.restore(head.path))
             self.stats["resumes"] += 1
             log.info("resumed request %d (%s)", head.seq.seq_id, "prefill" if head.row is None else "decode")
 
@@ -425,7 +453,10 @@ class Scheduler:
             job.seq.emit(Finished("cancelled", job.seq.num_prompt_tokens, 0, job.seq.num_cached_tokens, 0.0, 0.0))
         for paused in [p for p in self.paused if p.seq.cancelled]:
             self.paused.remove(paused)
-            paused.path.unlink(missing_ok=True)
+            if paused.path is not None:
+                paused.path.unlink(missing_ok=True)
+            elif paused.row is None:
+                self.prefix_cache.unpin(paused.seq.prompt_ids[: paused.pos])
             self._count(paused.seq, "cancelled")
             paused.seq.emit(Finished("cancelled", paused.seq.num_prompt_tokens, paused.seq.num_completion_tokens,
                                      paused.seq.num_cached_tokens, 0.0, 0.0))

@@ -54,6 +54,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     pause_at: frozenset[int] = frozenset()  # test hook: pause when the output reaches these lengths
+    park_at: int | None = None  # test hook: park the prefill once this many prompt tokens are in
     num_pauses: int = 0
     _cancel: threading.Event = field(default_factory=threading.Event)
 

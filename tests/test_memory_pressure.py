@@ -84,7 +84,7 @@ def test_concurrent_long_prompts_under_a_small_ceiling_all_complete_identically(
         running.append(submit(engine, ids, SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)))
         time.sleep(0.05)
     results = [(seq, wait(events)) for seq, events in running]
-    stats = engine.stats
+    stats = dict(engine.stats)
     engine.shutdown()
     assert [done.finish_reason for _, (_, done) in results] == ["length"] * 3
     assert stats["aborts"] == 0
@@ -132,3 +132,25 @@ def test_kv_estimate_matches_measured_memory():
     estimate = mm.kv_bytes_per_token * tokens
     step_slack = mm.kv_bytes_per_token * 256  # mlx-lm grows the cache 256 tokens at a time
     assert abs(measured - estimate) <= 0.10 * estimate + step_slack, (measured, estimate)
+
+
+@pytest.mark.parametrize("cache_bytes", [64 << 20, 0], ids=["pinned-in-prefix-cache", "spilled"])
+def test_parked_prefill_resumes_from_what_it_computed(cache_bytes, caplog):
+    engine = engine_with(prefill_step_size=16, cache_bytes=cache_bytes)
+    ids = prompt(engine, 30, "park")
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    ref, ref_events = submit(engine, ids, params)
+    wait(ref_events)
+    engine.shutdown()
+
+    engine = engine_with(prefill_step_size=16, cache_bytes=cache_bytes)
+    caplog.set_level("INFO", logger="prefixtrace.scheduler")
+    events: queue.Queue = queue.Queue()
+    seq = Sequence(list(ids), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), events.put, park_at=64)
+    engine.submit(seq)
+    _, done = wait(events)
+    stats = dict(engine.stats)
+    engine.shutdown()
+    assert stats["parks"] == 1 and stats["resumes"] == 1
+    assert seq.output_ids == ref.output_ids
+    assert ("pinned in the prefix cache" if cache_bytes else "spilled") in caplog.text
