@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_scheduler import bench_model_dir  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.sequence import Failed, Finished, Sequence, TextDelta  # noqa: E402
@@ -55,15 +56,7 @@ def main():
     parser.add_argument("--model", type=Path)
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     args = parser.parse_args()
-    model_dir = args.model
-    if model_dir is None:
-        try:
-            from engine.default_model import default_model_dir
-
-            model_dir = default_model_dir()
-        except Exception:
-            model_dir = ROOT / "fixtures" / "tiny-llama"
-    engine = Engine(model_dir, dtype="float32", prefill_step_size=2048, cache_bytes=0).start()
+    engine = Engine(bench_model_dir(args.model), dtype="float32", prefill_step_size=2048, cache_bytes=0).start()
     engine.wait_ready(600)
     one(engine, 256)  # warm-up
     rows = [one(engine, c) for c in args.contexts]

@@ -67,6 +67,18 @@ def random_loader(shape: dict, dtype=mx.bfloat16):
     return load
 
 
+def bench_model_dir(given: Path | None) -> Path:
+    """The model to measure: the one given, else the bundled default, else the tiny fixture."""
+    if given is not None:
+        return given
+    try:
+        from engine.default_model import default_model_dir
+
+        return default_model_dir()
+    except Exception:
+        return ROOT / "fixtures" / "tiny-llama"
+
+
 def submit(engine: Engine, prompt_ids: list[int], max_tokens: int):
     done = queue.Queue()
     seq = Sequence(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
@@ -196,15 +208,7 @@ def main() -> None:
         engine = Engine("random-" + args.random, loader=random_loader(QWEN3_8B), max_batch=8,
                         prefill_step_size=args.prefill_chunk, cache_bytes=0)
     else:
-        model_dir = args.model
-        if model_dir is None:
-            try:
-                from engine.default_model import default_model_dir
-
-                model_dir = default_model_dir()
-            except Exception:
-                model_dir = ROOT / "fixtures" / "tiny-llama"
-        engine = Engine(model_dir, dtype=args.dtype, max_batch=8, prefill_step_size=args.prefill_chunk, cache_bytes=0)
+        engine = Engine(bench_model_dir(args.model), dtype=args.dtype, max_batch=8, prefill_step_size=args.prefill_chunk, cache_bytes=0)
     engine.start().wait_ready(1800)
     vocab = engine.model.args.vocab_size
     result = {"device": str(mx.default_device()), "model": engine.name}

@@ -264,20 +264,11 @@ class UpstreamMessages:
         pass  # closing the response (in `sse`'s finally) is what tells the upstream
 
     async def sse(self) -> AsyncIterator[bytes]:
-        event = bytearray()
         try:
             with map_httpx_errors(self.url):
-                async for line in self.response.aiter_lines():
-                    if line:
-                        event += line.encode() + b"\n"
-                        continue
-                    if event:
-                        self._parse(sse.decode_data(bytes(event)))
-                        yield bytes(event) + b"\n"
-                        event.clear()
-                if event:
-                    self._parse(sse.decode_data(bytes(event)))
-                    yield bytes(event) + b"\n"
+                async for event in sse.iter_events(self.response.aiter_lines()):
+                    self._parse(sse.decode_data(event))
+                    yield event
         finally:
             await self.response.aclose()
             if self._tools:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import AsyncIterator
 
 DONE = b"data: [DONE]\n\n"
 
@@ -24,3 +25,16 @@ def decode_data(event: bytes) -> dict | None:
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
     return obj if isinstance(obj, dict) else None
+
+
+async def iter_events(lines: AsyncIterator[str]) -> AsyncIterator[bytes]:
+    """Group an upstream's SSE lines into whole events (`...\n\n`), each yielded as soon as it ends."""
+    event = bytearray()
+    async for line in lines:
+        if line:
+            event += line.encode() + b"\n"
+        elif event:
+            yield bytes(event) + b"\n"
+            event.clear()
+    if event:
+        yield bytes(event) + b"\n"

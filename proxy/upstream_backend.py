@@ -116,20 +116,10 @@ class UpstreamChat:
         pass  # closing the response (in `sse`'s finally) is what tells the upstream
 
     async def sse(self) -> AsyncIterator[bytes]:
-        event = bytearray()
         try:
             with map_httpx_errors(self.url):
-                async for line in self.response.aiter_lines():
-                    if line:
-                        event += line.encode() + b"\n"
-                        continue
-                    if event:
-                        out = self._pass(bytes(event) + b"\n")
-                        event.clear()
-                        if out:
-                            yield out
-                if event:
-                    out = self._pass(bytes(event) + b"\n")
+                async for event in sse.iter_events(self.response.aiter_lines()):
+                    out = self._pass(event)
                     if out:
                         yield out
         finally:
