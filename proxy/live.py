@@ -46,6 +46,7 @@ class LiveTurn:
     ttft_s: float | None
     total_s: float | None
     analysis: dict[str, Any]  # the analyzer's TurnResult.to_dict()
+    policy: dict[str, Any] | None = None  # render policies the engine applied (docs/RENDER_POLICIES.md)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -139,7 +140,7 @@ class LiveSessions:
         session.turns.append(LiveTurn(
             len(session.turns), turn.request_id, turn.started_at, turn.endpoint, turn.upstream, turn.status,
             turn.prompt_tokens, turn.cached_tokens, turn.completion_tokens, turn.ttft_s, turn.total_s,
-            result.to_dict(),
+            result.to_dict(), (turn.render or {}).get("policy"),
         ))
         session.updated_at = time.time()
         if result.brk is not None and self.on_break is not None:

@@ -59,6 +59,7 @@ def test_dashboard_shows_turns_and_breaks_live(engine_server, browser):
     # Both bars carry a re-prefilled segment; the second one has a cached part too (engine-reported).
     assert "re-prefilled" in page.get_attribute('.bar[data-turn="1"]', "title")
     assert page.text_content("#proxy-requests") == "2"
+    assert "mid_system=inline" in page.text_content(".policy")  # render policies per turn (issue 9)
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
 
@@ -70,5 +71,7 @@ def test_dashboard_api_escapes_nothing_and_page_uses_text_only(engine_server):
     data = httpx.get(url + "/ui/api/sessions").json()
     assert data["sessions"][0]["id"] == "agent-1"
     assert data["sessions"][0]["turns"][0]["analysis"]["note"] == "first"
+    policy = data["sessions"][0]["turns"][0]["policy"]  # what the engine's render policies did (issue 9)
+    assert policy["mid_system"] == "inline" and policy["thinking_retention"] in ("loop", "template")
     page = httpx.get(url + "/ui").text
     assert "innerHTML" not in page and "insertAdjacentHTML" not in page
