@@ -247,7 +247,7 @@ class Scheduler:
             row = self.rows[response.uid]
             if row.first_token_at is None:
                 row.first_token_at = time.perf_counter()
-            finish = self._take_token(row, response.token)
+            finish = self._take_token(row, response.token, response.logprobs)
             if response.finish_reason is not None:  # eos or max_tokens: the batch already let it go
                 self._finish(row, finish or response.finish_reason, response.prompt_cache, response.all_tokens)
             elif finish is not None:
@@ -260,10 +260,14 @@ class Scheduler:
             if len(row.seq.output_ids) in row.seq.pause_at and row.seq.num_pauses < len(row.seq.pause_at):
                 self._pause_row(uid, reason="test hook")
 
-    def _take_token(self, row: _Row, token: int) -> str | None:
+    def _take_token(self, row: _Row, token: int, logprobs=None) -> str | None:
         """Record one sampled token and stream its text; the finish reason it causes, if any."""
         seq = row.seq
         seq.output_ids.append(token)
+        if seq.record_logprobs and logprobs is not None:
+            top2 = mx.topk(logprobs, 2)
+            seq.token_logprobs.append(logprobs[token].item())
+            seq.top2_margins.append(abs((top2[1] - top2[0]).item()))
         if token in self._eos and not seq.params.ignore_eos:
             self._flush_text(row)
             return "stop"
@@ -336,7 +340,7 @@ class Scheduler:
         # mlx-lm's GenerationBatch samples one token ahead; that token is the
         # row's next output, so it is emitted now and fed first on resume.
         pending = batch._next_tokens[index].item()
-        finish = self._take_token(row, pending)
+        finish = self._take_token(row, pending, batch._next_logprobs[index])
         remaining = batch.max_tokens[index] - batch._num_tokens[index] - 1
         sampler = batch.samplers[index]
         cache, cached_ids = batch.extract_cache(index), list(batch.tokens[index])

@@ -55,6 +55,10 @@ class Sequence:
     num_cached_tokens: int = 0
     pause_at: frozenset[int] = frozenset()  # test hook: pause when the output reaches these lengths
     park_at: int | None = None  # test hook: park the prefill once this many prompt tokens are in
+    # When set, each output token's logprob and its top-1/top-2 margin are kept (identity tests, benchmarks).
+    record_logprobs: bool = False
+    token_logprobs: list[float] = field(default_factory=list)
+    top2_margins: list[float] = field(default_factory=list)
     num_pauses: int = 0
     _cancel: threading.Event = field(default_factory=threading.Event)
 

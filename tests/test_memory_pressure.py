@@ -25,7 +25,7 @@ def engine_with(**kwargs) -> Engine:
 
 def submit(engine: Engine, prompt_ids, params: SamplingParams, pause_at=()):
     events: queue.Queue = queue.Queue()
-    seq = Sequence(list(prompt_ids), params, events.put, pause_at=frozenset(pause_at))
+    seq = Sequence(list(prompt_ids), params, events.put, pause_at=frozenset(pause_at), record_logprobs=True)
     engine.submit(seq)
     return seq, events
 
@@ -58,6 +58,7 @@ def test_forced_pauses_leave_the_output_token_identical(params):
     assert isinstance(done, Finished) and done.finish_reason == "length"
     assert seq.num_pauses == 4 and engine.stats["resumes"] == 4
     assert seq.output_ids == ref.output_ids
+    assert seq.token_logprobs == ref.token_logprobs  # bit-identical, not just the same argmax
     assert text == ref_text
     engine.shutdown()
 
