@@ -10,8 +10,12 @@ part of it (docs/CACHE.md, "Exactness").
 
 Bytes: the payload is the arrays back to back, described in the block file's
 header (engine/disk_cache.py) by name, dtype, shape and byte offset. Format
-"dense" names them "<layer>.k" / "<layer>.v"; a codec's format (TurboQuant)
-can name its own arrays (norms, codes) under the same header scheme.
+"dense" names them "<layer>.k" / "<layer>.v". Format "turboquant/<bits>/<seed>/<group>"
+names a quantised layer's arrays "<layer>.kn"/".kc"/".vn"/".vc" (norms and
+packed codes of the block's positions, bit for bit what the live cache held)
+and, where the cut cache still held the block's last positions dense (its
+dense tail, fewer than `group` tokens), "<layer>.kd"/".vd"; layers the
+engine keeps dense (`dense_layers`) are "<layer>.k"/".v" in the same block.
 """
 
 from __future__ import annotations
@@ -23,9 +27,45 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 DENSE = "dense"
+TURBOQUANT = "turboquant"
 
 # numpy has no bfloat16: those arrays travel as their uint16 bit patterns.
 _AS_BITS = {mx.bfloat16: mx.uint16}
+
+
+@dataclass(eq=False, slots=True)
+class TQLayer:
+    """One TurboQuant layer of a block of n positions: norms (1, H, n, 1) and packed
+    codes (1, H, n, words) of K and V, and the dense K/V of its last m positions
+    [n - m, n) where the cut cache still held them dense (None when m = 0)."""
+
+    k_norms: mx.array
+    k_codes: mx.array
+    v_norms: mx.array
+    v_codes: mx.array
+    dense_k: mx.array | None = None
+    dense_v: mx.array | None = None
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.k_norms, self.k_codes, self.v_norms, self.v_codes, self.dense_k, self.dense_v)
+                if a is not None]
+
+    @property
+    def num_positions(self) -> int:
+        return self.k_norms.shape[2]
+
+    @property
+    def dense_from(self) -> int:
+        """The first position (in the block) whose dense K/V the block holds."""
+        return self.num_positions - (0 if self.dense_k is None else self.dense_k.shape[2])
+
+
+Layer = tuple  # (keys, values) of a dense layer, shape (1, heads, n, head_dim); or a TQLayer
+
+
+def _layer_arrays(layer) -> list[mx.array]:
+    return layer.arrays if isinstance(layer, TQLayer) else list(layer)
 
 
 @dataclass(eq=False, slots=True)
@@ -33,7 +73,7 @@ class Block:
     key: bytes
     parent: bytes
     tokens: tuple[int, ...]
-    layers: list[tuple[mx.array, mx.array]]  # per layer (keys, values), shape (1, heads, n, head_dim)
+    layers: list  # per layer: (keys, values) for a dense layer, a TQLayer for a TurboQuant one
 
     @property
     def num_tokens(self) -> int:
@@ -41,7 +81,7 @@ class Block:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+        return sum(a.nbytes for layer in self.layers for a in _layer_arrays(layer))
 
 
 def is_dense(cache: list) -> bool:
@@ -49,26 +89,52 @@ def is_dense(cache: list) -> bool:
     return bool(cache) and all(type(layer) is KVCache for layer in cache)
 
 
-def cut(cache: list[KVCache], start: int, stop: int) -> list[tuple[mx.array, mx.array]]:
+def _copy(a: mx.array) -> mx.array:
+    return mx.contiguous(a)
+
+
+def cut(cache: list, start: int, stop: int) -> list:
     """Private copies of positions [start, stop) of every layer, evaluated.
 
     A copy, not a slice view: a view would keep the whole live buffer alive
     and make the byte budget a lie (`mx.contiguous` of a slice allocates its
     own buffer, checked with mx.get_active_memory for 1 and 2 KV heads).
+    A `TurboQuantKVCache` layer gives its norms and codes of those positions
+    and the dense K/V of those of them in its dense tail.
     """
-    layers = [
-        (mx.contiguous(layer.keys[..., start:stop, :]), mx.contiguous(layer.values[..., start:stop, :]))
-        for layer in cache
-    ]
-    mx.eval(layers)
+    layers = [_cut_layer(layer, start, stop) for layer in cache]
+    mx.eval([_layer_arrays(layer) for layer in layers])
     return layers
 
 
-def join(parts: list[tuple[list[tuple[mx.array, mx.array]], int]]) -> list[KVCache]:
-    """Fresh per-layer caches holding the first `n` positions of each part, in order."""
+def _cut_layer(layer, start: int, stop: int):
+    if type(layer) is KVCache:
+        return _copy(layer.keys[..., start:stop, :]), _copy(layer.values[..., start:stop, :])
+    tail_start = layer.offset - layer.tail_k.shape[2]  # the dense tail covers [tail_start, offset)
+    first = max(start, tail_start)
+    dense_k = dense_v = None
+    if first < stop:
+        dense_k = _copy(layer.tail_k[:, :, first - tail_start : stop - tail_start])
+        dense_v = _copy(layer.tail_v[:, :, first - tail_start : stop - tail_start])
+    return TQLayer(_copy(layer.k.norms[:, :, start:stop]), _copy(layer.k.codes[:, :, start:stop]),
+                   _copy(layer.v.norms[:, :, start:stop]), _copy(layer.v.codes[:, :, start:stop]), dense_k, dense_v)
+
+
+def join(parts: list[tuple[list, int]], *, tq=None, dims=None) -> list:
+    """Fresh per-layer caches holding the first `n` positions of each part, in order.
+
+    Dense layers become `KVCache`s. TurboQuant layers become `TurboQuantKVCache`s
+    (`tq`: the engine's `TQConfig`; `dims`: per layer (k_dim, v_dim, dtype)) whose
+    norms and codes are the blocks' own, and whose dense tail (positions from the
+    last multiple of `group` on) takes each position's dense K/V where a block
+    holds it, else its decoded value, as `TurboQuantKVCache.trim` does.
+    """
     num_layers = len(parts[0][0])
     cache = []
     for i in range(num_layers):
+        if isinstance(parts[0][0][i], TQLayer):
+            cache.append(_join_tq([(layers[i], n) for layers, n in parts], tq, dims[i]))
+            continue
         keys = [layers[i][0][..., :n, :] for layers, n in parts]
         values = [layers[i][1][..., :n, :] for layers, n in parts]
         layer = KVCache()
@@ -76,30 +142,85 @@ def join(parts: list[tuple[list[tuple[mx.array, mx.array]], int]]) -> list[KVCac
         layer.values = values[0] if len(values) == 1 else mx.concatenate(values, axis=2)
         layer.offset = layer.keys.shape[2]
         cache.append(layer)
-    mx.eval([(c.keys, c.values) for c in cache])
+    mx.eval([c.state for c in cache])
     return cache
 
 
-def to_numpy(layers: list[tuple[mx.array, mx.array]]) -> dict[str, tuple[np.ndarray, str]]:
-    """Host copies for the disk writer (engine thread: it owns MLX), named for format "dense"."""
+def _join_tq(parts: list[tuple[TQLayer, int]], tq, dims):
+    from engine.tq_cache import TurboQuantKVCache  # tq_cache needs nothing from here; keep imports one-way
+    from engine.turboquant import get_codec
+
+    k_dim, v_dim, dtype = dims
+    ck, cv = get_codec(k_dim, tq.bits, tq.seed), get_codec(v_dim, tq.bits, tq.seed)
+
+    def cat(arrays):
+        return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=2)
+
+    total = sum(n for _, n in parts)
+    tail_start = total - total % tq.group
+    tail_k, tail_v, s = [], [], 0
+    for layer, n in parts:
+        lo, hi = max(s, tail_start) - s, s + n - s  # this part's positions in the tail, block-local
+        if lo < hi:
+            split = min(max(layer.dense_from, lo), hi)  # [lo, split) decoded, [split, hi) dense
+            if lo < split:
+                tail_k.append(ck.decode(layer.k_norms[:, :, lo:split], layer.k_codes[:, :, lo:split], dtype))
+                tail_v.append(cv.decode(layer.v_norms[:, :, lo:split], layer.v_codes[:, :, lo:split], dtype))
+            if split < hi:
+                d = layer.dense_from
+                tail_k.append(layer.dense_k[:, :, split - d : hi - d])
+                tail_v.append(layer.dense_v[:, :, split - d : hi - d])
+        s += n
+    first = parts[0][0]
+    heads = first.k_norms.shape[1]
+    tq_cache = TurboQuantKVCache(tq.bits, tq.seed, tq.group)
+    tq_cache.state = (
+        cat([layer.k_norms[:, :, :n] for layer, n in parts]), cat([layer.k_codes[:, :, :n] for layer, n in parts]),
+        cat([layer.v_norms[:, :, :n] for layer, n in parts]), cat([layer.v_codes[:, :, :n] for layer, n in parts]),
+        cat(tail_k) if tail_k else mx.zeros((1, heads, 0, k_dim), dtype),
+        cat(tail_v) if tail_v else mx.zeros((1, first.v_norms.shape[1], 0, v_dim), dtype),
+    )
+    tq_cache.offset = total
+    return tq_cache
+
+
+_TQ_NAMES = ("kn", "kc", "vn", "vc", "kd", "vd")
+
+
+def _host(a: mx.array) -> tuple[np.ndarray, str]:
+    dtype = str(a.dtype).removeprefix("mlx.core.")
+    return np.array(a.view(_AS_BITS[a.dtype]) if a.dtype in _AS_BITS else a), dtype
+
+
+def _device(a: np.ndarray, dtype: str) -> mx.array:
+    target = getattr(mx, dtype)
+    x = mx.array(a)
+    return x.view(target) if target in _AS_BITS else x
+
+
+def to_numpy(layers: list) -> dict[str, tuple[np.ndarray, str]]:
+    """Host copies for the disk writer (engine thread: it owns MLX), named as in the module docstring."""
     out = {}
-    for i, (k, v) in enumerate(layers):
-        for suffix, a in (("k", k), ("v", v)):
-            dtype = str(a.dtype).removeprefix("mlx.core.")
-            out[f"{i}.{suffix}"] = (np.array(a.view(_AS_BITS[a.dtype]) if a.dtype in _AS_BITS else a), dtype)
+    for i, layer in enumerate(layers):
+        if isinstance(layer, TQLayer):
+            fields = (layer.k_norms, layer.k_codes, layer.v_norms, layer.v_codes, layer.dense_k, layer.dense_v)
+            for name, a in zip(_TQ_NAMES, fields):
+                if a is not None:
+                    out[f"{i}.{name}"] = _host(a)
+        else:
+            out[f"{i}.k"], out[f"{i}.v"] = _host(layer[0]), _host(layer[1])
     return out
 
 
-def from_numpy(arrays: dict[str, tuple[np.ndarray, str]]) -> list[tuple[mx.array, mx.array]]:
+def from_numpy(arrays: dict[str, tuple[np.ndarray, str]]) -> list:
     """The inverse of `to_numpy` (engine thread)."""
     layers = []
-    for i in range(len(arrays) // 2):
-        pair = []
-        for suffix in ("k", "v"):
-            a, dtype = arrays[f"{i}.{suffix}"]
-            target = getattr(mx, dtype)
-            x = mx.array(a)
-            pair.append(x.view(target) if target in _AS_BITS else x)
-        layers.append(tuple(pair))
-    mx.eval(layers)
+    num_layers = 1 + max(int(name.split(".")[0]) for name in arrays) if arrays else 0
+    for i in range(num_layers):
+        if f"{i}.k" in arrays:
+            layers.append((_device(*arrays[f"{i}.k"]), _device(*arrays[f"{i}.v"])))
+        else:
+            fields = [_device(*arrays[f"{i}.{n}"]) if f"{i}.{n}" in arrays else None for n in _TQ_NAMES]
+            layers.append(TQLayer(*fields))
+    mx.eval([_layer_arrays(layer) for layer in layers])
     return layers

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,7 +20,7 @@ from engine.model_files import load_model_dir
 from engine.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_DISK_BYTES, PrefixCache
 from engine.render_policy import DEFAULT_GUARD_TOKENS, BoundPolicy, NoticeRule, RenderPolicy, TemplateTraits
 from engine.scheduler import Scheduler
-from engine.tq_cache import to_turboquant
+from engine.tq_cache import TQConfig
 from engine.sequence import Failed, Sequence
 from prefixtrace.errors import EngineError, EngineNotReady, PrefixtraceError
 
@@ -47,7 +46,7 @@ class Engine:
         memory_ceiling_bytes: what weights + KV + prefill peak may use (default: 3/4 of the
             machine's or accelerator's memory, less the prefix cache's budget).
         kv_quant: "none" or "turboquant" (KV of every layer but the last as TurboQuant codes,
-            docs/TURBOQUANT.md; the prefix cache pages dense caches only, so it stores nothing then).
+            docs/TURBOQUANT.md; the prefix cache then pages TurboQuant blocks, docs/CACHE.md).
         kv_bits: bits per coordinate with kv_quant="turboquant" (1..8).
         mid_system_policy: "fold", "inline" or "strict": later system/developer messages
             (docs/RENDER_POLICIES.md).
@@ -83,6 +82,7 @@ class Engine:
         if kv_quant not in ("none", "turboquant") or not 1 <= kv_bits <= 8:
             raise EngineError(f"kv_quant must be none|turboquant and kv_bits 1..8 (got {kv_quant!r}, {kv_bits})")
         self.kv_quant, self.kv_bits = kv_quant, kv_bits
+        self.tq = TQConfig(bits=kv_bits) if kv_quant == "turboquant" else None
         self.render_policy = RenderPolicy(
             mid_system_policy, thinking_retention, thinking_retention_guard_tokens,
             NoticeRule(notice_pattern) if notice_pattern is not None else NoticeRule(),
@@ -189,6 +189,7 @@ class Engine:
             self.prefix_cache = PrefixCache(
                 self.model, max_bytes=self.cache_bytes, block_size=self.block_size, cache_dir=self.cache_dir,
                 disk_bytes=self.cache_disk_bytes, model_dir=self.model_dir if self.cache_dir else None,
+                tq=self.tq,
             )
             ceiling = self.memory_ceiling_bytes
             if ceiling is None:
@@ -207,7 +208,7 @@ class Engine:
                 prefill_chunk=self.prefill_step_size,
                 default_max_tokens=self.default_max_tokens,
                 memory=self.memory,
-                adapt_cache=partial(to_turboquant, bits=self.kv_bits) if self.kv_quant == "turboquant" else None,
+                adapt_cache=self.tq.adapt if self.tq is not None else None,  # a TurboQuant hit passes through
             )
             mx.synchronize()
             log.info("model %s loaded from %s (context %d tokens)", self.name, self.model_dir, self.context_length)

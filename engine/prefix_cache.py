@@ -16,6 +16,10 @@ copies for the writer thread of engine/disk_cache.py.
 
 Only models whose caches are all plain `KVCache` layers are paged; for others
 (sliding windows, SSM state) the cache stays empty and says so once in the log.
+With a `TQConfig` (kv_quant="turboquant") the blocks hold each TurboQuant
+layer's norms and codes (and the dense layers dense) under their own format,
+and `lookup` returns `TurboQuantKVCache`s ready to use (docs/CACHE.md,
+"TurboQuant blocks").
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.block_hash import chain_hash, model_fingerprint, root_hash
-from engine.cache_blocks import DENSE, Block, cut, from_numpy, is_dense, join, to_numpy
+from engine.cache_blocks import DENSE, Block, TQLayer, cut, from_numpy, is_dense, join, to_numpy
 from engine.disk_cache import DiskCache
 from engine.memory_cache import MemoryCache
+from engine.tq_cache import TQConfig
+from engine.turboquant import get_codec
 from prefixtrace.errors import EngineError
 
 log = logging.getLogger("prefixtrace.cache")
@@ -61,25 +67,35 @@ class PrefixCache:
     disk_bytes: byte budget of the disk tier.
     model_dir: the model's directory, fingerprinted into every key; required with cache_dir.
     commit_blocks: commit during prefill every this many new full blocks.
+    tq: TurboQuant settings (None: the engine's KV is dense); the blocks and keys follow them.
     """
 
     def __init__(self, model, *, max_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  cache_dir: str | Path | None = None, disk_bytes: int = DEFAULT_DISK_BYTES,
-                 model_dir: str | Path | None = None, commit_blocks: int = DEFAULT_COMMIT_BLOCKS):
+                 model_dir: str | Path | None = None, commit_blocks: int = DEFAULT_COMMIT_BLOCKS,
+                 tq: TQConfig | None = None):
         if block_size <= 0 or commit_blocks <= 0:
             raise EngineError(f"block_size and commit_blocks must be positive ({block_size}, {commit_blocks})")
         self._model = model
         self.block_size = block_size
         self.commit_blocks = commit_blocks
+        self.tq = tq
         probe = make_prompt_cache(model)
         self.enabled = is_dense(probe)
+        self._dense_layers: set[int] = set(range(len(probe)))
         if self.enabled:
             model(mx.array([[0]]), cache=probe)  # one token: the KV dtype the model really produces
             self._layout = [(tuple(c.keys.shape[:2]), tuple(c.keys.shape[3:]), c.keys.dtype) for c in probe]
-            self.cache_format = f"{DENSE}/{str(probe[0].keys.dtype).removeprefix('mlx.core.')}"
+            self._dims = [(c.keys.shape[-1], c.values.shape[-1], c.keys.dtype) for c in probe]
+            dtype = str(probe[0].keys.dtype).removeprefix("mlx.core.")
+            self.block_format, self.cache_format = DENSE, f"{DENSE}/{dtype}"
+            if tq is not None:
+                self._dense_layers = tq.dense_set(len(probe))
+                self.block_format = tq.block_format
+                self.cache_format = f"{tq.block_format}/{dtype}/dense={','.join(map(str, sorted(self._dense_layers)))}"
         else:
             log.warning("prefix cache disabled: the model's cache layers are not all plain KVCache")
-            self.cache_format = "none"
+            self.block_format = self.cache_format = "none"
         if cache_dir is not None and (model_dir is None or not (Path(model_dir) / "config.json").exists()):
             raise EngineError("a disk prefix cache needs the model's directory (with config.json) to key its blocks")
         # A memory-only cache lives and dies with this model object: any unique id will do.
@@ -119,7 +135,7 @@ class PrefixCache:
         self.num_lookups += 1
         limit = len(tokens) - 1  # the step that samples the first output token needs an input
         if not self.enabled or limit <= 0:
-            return CacheHit(make_prompt_cache(self._model), 0)
+            return CacheHit(self._empty(), 0)
         bs, parent, pos = self.block_size, self.root, 0
         parts, chain = [], []
         while pos + bs <= limit:
@@ -135,10 +151,12 @@ class PrefixCache:
             parts.append((tail.layers, n))
             chain.append(tail.key)
             pos += n
+        if self.tq is not None:
+            parts, pos = self._exact_tq_prefix(parts, pos)
         if not parts:
-            return CacheHit(make_prompt_cache(self._model), 0)
+            return CacheHit(self._empty(), 0)
         self._touch(chain)
-        cache = join(parts)
+        cache = join(parts, tq=self.tq, dims=self._dims)
         self.num_hit_tokens += pos
         return CacheHit(cache, pos)
 
@@ -149,7 +167,7 @@ class PrefixCache:
 
         The cache object is taken over (the blocks are copies, so it is simply dropped).
         """
-        if not self.enabled or not is_dense(cache) or cache[0].offset == 0:
+        if not self.pageable(cache) or cache[0].offset == 0:
             return
         offset = cache[0].offset
         self._keep(list(tokens[:offset]), cache, first=0, tail=True)
@@ -160,7 +178,7 @@ class PrefixCache:
         `cache` stays the caller's: blocks are copied out of it. Cheap when
         nothing is new: the chain is hashed and the newest block found cached.
         """
-        if not self.enabled or not is_dense(cache):
+        if not self.pageable(cache):
             return
         bs, n_full = self.block_size, min(len(tokens), cache[0].offset) // self.block_size
         if n_full == 0:
@@ -171,6 +189,15 @@ class PrefixCache:
         first = next(i for i, key in enumerate(keys) if not self._cached(key))
         if n_full - first >= self.commit_blocks:
             self._keep(list(tokens[: n_full * bs]), cache, first=first, tail=False)
+
+    def pageable(self, cache: list) -> bool:
+        """Whether `cache` is in this cache's format: all plain `KVCache`s, or with a
+        `TQConfig` its TurboQuant layers (same bits, seed, group) and dense layers."""
+        if not self.enabled or len(cache) != len(self._layout):
+            return False
+        if self.tq is None:
+            return is_dense(cache)
+        return all(type(c) is KVCache if i in self._dense_layers else self.tq.matches(c) for i, c in enumerate(cache))
 
     def pin(self, tokens: list[int]) -> int:
         """Protect the blocks of `tokens` (cached now or later) from eviction in both tiers;
@@ -212,6 +239,9 @@ class PrefixCache:
             keys.append(parent)
         return keys
 
+    def _empty(self) -> list:
+        return self.tq.make_cache(self._model) if self.tq is not None else make_prompt_cache(self._model)
+
     def _keys_of(self, tokens) -> list[bytes]:
         keys = self._chain(tokens)
         rest = len(tokens) % self.block_size
@@ -244,7 +274,7 @@ class PrefixCache:
                 # Past a refused block the rest of the chain would be stranded in memory.
                 in_memory = key in self.memory
             if self.disk is not None and key not in self.disk:
-                self.disk.put(key, parent, block.tokens, to_numpy(block.layers), fmt=DENSE,
+                self.disk.put(key, parent, block.tokens, to_numpy(block.layers), fmt=self.block_format,
                               cache_format=self.cache_format)
         self._touch(chain)
 
@@ -291,10 +321,10 @@ class PrefixCache:
         if found is None:
             return None
         header, arrays = found
-        if header.get("format") != DENSE or header.get("cache_format") != self.cache_format:
+        if header.get("format") != self.block_format or header.get("cache_format") != self.cache_format:
             return None
         layers = from_numpy(arrays)
-        if [(tuple(k.shape[:2]), tuple(k.shape[3:]), k.dtype) for k, _ in layers] != self._layout:
+        if not self._fits_layout(layers, len(header["tokens"])):
             log.warning("prefix cache: disk block %s does not fit this model's KV layout; treated as a miss", key.hex())
             self.disk.discard(key)
             return None
@@ -305,6 +335,50 @@ class PrefixCache:
         if self.memory.can_hold(block.nbytes):
             self.memory.put(block)
         return block
+
+
+    def _exact_tq_prefix(self, parts: list, pos: int) -> tuple[list, int]:
+        """The parts and length of the TurboQuant prefix to restore: `pos`, or its last
+        multiple of `group` when a block lacks the dense K/V of a position in the
+        would-be dense tail (a position a cold run at that offset still holds dense
+        must not come back decoded; docs/CACHE.md, "TurboQuant blocks")."""
+        first_tq = next((i for i in range(len(self._layout)) if i not in self._dense_layers), None)
+        if first_tq is None:
+            return parts, pos
+        floor, start = pos - pos % self.tq.group, 0
+        for layers, n in parts:
+            if max(start, floor) - start < n and layers[first_tq].dense_from > max(start, floor) - start:
+                break
+            start += n
+        else:
+            return parts, pos
+        kept, start = [], 0
+        for layers, n in parts:
+            if floor - start > 0:
+                kept.append((layers, min(n, floor - start)))
+            start += n
+        return kept, floor
+
+    def _fits_layout(self, layers: list, n: int) -> bool:
+        """Whether a disk block's layers are this model's, in this cache's format, n positions each."""
+        if len(layers) != len(self._layout):
+            return False
+        for i, (layer, (heads, dim, dtype), (k_dim, v_dim, _)) in enumerate(zip(layers, self._layout, self._dims)):
+            if i in self._dense_layers:
+                if isinstance(layer, TQLayer):
+                    return False
+                k, v = layer
+                if (tuple(k.shape[:2]), tuple(k.shape[3:]), k.dtype, k.shape[2], v.shape[2]) != (heads, dim, dtype, n, n):
+                    return False
+                continue
+            if not isinstance(layer, TQLayer):
+                return False
+            words_k, words_v = get_codec(k_dim, self.tq.bits, self.tq.seed).words, get_codec(v_dim, self.tq.bits, self.tq.seed).words
+            if (tuple(layer.k_codes.shape), tuple(layer.v_codes.shape[2:])) != ((*heads, n, words_k), (n, words_v)):
+                return False
+            if layer.dense_k is not None and (layer.dense_k.dtype != dtype or layer.dense_k.shape[2] > n):
+                return False
+        return True
 
 
 def _common(a, b) -> int:

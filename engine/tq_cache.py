@@ -23,13 +23,16 @@ left padding, per-row `offset`) and masks each row to its own columns.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from engine.turboquant import get_codec
 
-__all__ = ["TurboQuantKVCache", "BatchTurboQuantKVCache", "make_tq_cache", "to_turboquant"]
+__all__ = ["TurboQuantKVCache", "BatchTurboQuantKVCache", "TQConfig", "make_tq_cache", "to_turboquant",
+           "dense_copy", "dense_copy_bytes", "append_suffix"]
 
 DEFAULT_GROUP = 64
 
@@ -408,4 +411,97 @@ def to_turboquant(cache_list: list, bits: int = 4, seed: int = 0, dense_layers=(
         if i not in dense and type(c) is KVCache:
             c = TurboQuantKVCache.from_dense(c, kv_bits=bits, seed=seed, group=group)
         out.append(c)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class TQConfig:
+    """An engine's TurboQuant settings: what its caches are made of and what the
+    prefix cache keys and stores (docs/CACHE.md, "TurboQuant blocks")."""
+
+    bits: int = 4
+    seed: int = 0
+    group: int = DEFAULT_GROUP
+    dense_layers: tuple[int, ...] = (-1,)
+
+    @property
+    def block_format(self) -> str:
+        return f"turboquant/{self.bits}/{self.seed}/{self.group}"
+
+    def dense_set(self, num_layers: int) -> set[int]:
+        return _dense_set(num_layers, self.dense_layers)
+
+    def make_cache(self, model) -> list:
+        return make_tq_cache(model, self.bits, self.seed, self.dense_layers, self.group)
+
+    def adapt(self, cache_list: list) -> list:
+        """`to_turboquant` with these settings: dense layers of a hit are quantised,
+        TurboQuant layers (a TurboQuant hit) pass through untouched."""
+        return to_turboquant(cache_list, self.bits, self.seed, self.dense_layers, self.group)
+
+    def matches(self, layer) -> bool:
+        return (type(layer) is TurboQuantKVCache and layer.kv_bits == self.bits and layer.seed == self.seed
+                and layer.group == self.group)
+
+
+# --- restored-prefix prefill: a dense copy for the suffix, then quantise only the suffix ---
+
+
+def dense_copy(cache_list: list, suffix: int) -> list:
+    """Dense `KVCache`s for a prefill of `suffix` more tokens after `cache_list`.
+
+    A TurboQuant layer of P tokens becomes a `KVCache` holding what a single
+    `update_and_fetch` of the whole suffix would see of it: positions below
+    min(P, floor(P + suffix)) decoded, the rest of its dense tail as is. Dense
+    layers are passed through (the same object). The TurboQuant caches are left
+    untouched; `append_suffix` adds the suffix to them afterwards."""
+    out = []
+    for c in cache_list:
+        if type(c) is not TurboQuantKVCache or not c.offset:
+            out.append(c)
+            continue
+        prev = c.offset
+        b = min(prev, _floor(prev + suffix, c.group))
+        cut = b - _floor(prev, c.group)
+        parts = []
+        for codes, tail in ((c.k, c.tail_k), (c.v, c.tail_v)):
+            decoded = c.codec(tail.shape[-1]).decode(codes.norms[:, :, :b], codes.codes[:, :, :b], tail.dtype)
+            parts.append(mx.concatenate([decoded, tail[:, :, cut:]], axis=2))
+        dense = KVCache()
+        dense.state = (parts[0], parts[1], prev)
+        out.append(dense)
+    mx.eval([c.state for c in out if c.offset])
+    return out
+
+
+def dense_copy_bytes(cache_list: list, total: int) -> int:
+    """Bytes the dense copies of `cache_list`'s TurboQuant layers take at `total` tokens."""
+    n = 0
+    for c in cache_list:
+        if type(c) is TurboQuantKVCache and c.offset:
+            n += (c.tail_k.shape[1] * c.tail_k.shape[3] + c.tail_v.shape[1] * c.tail_v.shape[3]) \
+                * c.tail_k.dtype.size * total
+    return n
+
+
+def append_suffix(quantised: list, dense: list) -> list:
+    """`quantised` with the positions `dense` holds past each TurboQuant layer's offset
+    encoded and appended; the prefix's norms and codes are not touched (bit for bit).
+    The dense tail becomes `dense`'s values from the last multiple of `group` on.
+    Dense layers are taken from `dense` (they are the same objects)."""
+    out = []
+    for q, d in zip(quantised, dense):
+        if type(q) is not TurboQuantKVCache or q is d:
+            out.append(d)
+            continue
+        prev, n = q.offset, d.offset
+        keys, values = d.keys[:, :, :n], d.values[:, :, :n]
+        if n > prev:
+            q.k.write(prev, *q.codec(keys.shape[-1]).encode(keys[:, :, prev:]))
+            q.v.write(prev, *q.codec(values.shape[-1]).encode(values[:, :, prev:]))
+        keep = _floor(n, q.group)
+        q.tail_k, q.tail_v = mx.contiguous(keys[:, :, keep:]), mx.contiguous(values[:, :, keep:])
+        q.offset = n
+        out.append(q)
+    mx.eval([c.state for c in out if c.offset])
     return out

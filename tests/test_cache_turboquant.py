@@ -1,0 +1,159 @@
+"""TurboQuant blocks in the paged prefix cache: bit-exact restore, in memory and from disk."""
+
+from __future__ import annotations
+
+import queue
+
+import mlx.core as mx
+import numpy as np
+
+from engine.cache_blocks import TQLayer, cut, from_numpy, join, to_numpy
+from engine.engine import Engine
+from engine.sampling import SamplingParams
+from engine.sequence import Failed, Finished, Sequence
+from engine.tq_cache import TQConfig, TurboQuantKVCache, append_suffix, dense_copy
+from tests.conftest import TINY_MODEL
+from tests.test_cache_engine import LONG
+
+PROMPT_LEN = 134  # 133 cached positions: two 64-token groups and a 5-token dense tail
+
+
+def tq_engine(**kw) -> Engine:
+    kw.setdefault("block_size", 16)
+    e = Engine(TINY_MODEL, dtype="float32", kv_quant="turboquant", **kw).start()
+    e.wait_ready(60)
+    return e
+
+
+def prompt_ids(e: Engine) -> list[int]:
+    ids = e.render(LONG).token_ids
+    assert len(ids) > PROMPT_LEN
+    return list(ids[:PROMPT_LEN])
+
+
+def generate(e: Engine, ids: list[int], max_tokens: int = 8) -> tuple[list[int], Finished]:
+    events: queue.Queue = queue.Queue()
+    seq = Sequence(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), events.put)
+    e.submit(seq)
+    while True:
+        event = events.get(timeout=60)
+        if isinstance(event, Failed):
+            raise event.error
+        if isinstance(event, Finished):
+            return seq.output_ids, event
+
+
+def host_state(cache: list) -> list:
+    """Host copies of every layer's state (TurboQuant: norms, codes, dense tail)."""
+    return [[np.array(a) for a in (layer.state[:2] if not isinstance(layer, TurboQuantKVCache) else layer.state)]
+            for layer in cache]
+
+
+def spy(e: Engine) -> tuple[list, list]:
+    """Record (on the engine thread) the caches handed to `store` and returned by `lookup`."""
+    stored, restored = [], []
+    cache = e.prefix_cache
+    real_store, real_lookup = cache.store, cache.lookup
+
+    def store(tokens, kv):
+        stored.append(host_state(kv))
+        real_store(tokens, kv)
+
+    def lookup(tokens):
+        hit = real_lookup(tokens)
+        restored.append((hit.num_cached, host_state(hit.cache), [type(c) for c in hit.cache]))
+        return hit
+
+    cache.store, cache.lookup = store, lookup
+    return stored, restored
+
+
+def test_turboquant_engine_restores_its_own_codes_bit_for_bit():
+    e = tq_engine()
+    try:
+        stored, restored = spy(e)
+        ids = prompt_ids(e)
+        first, done = generate(e, ids)
+        assert done.cached_tokens == 0 and stored
+        again, warm = generate(e, ids)
+        assert warm.cached_tokens == PROMPT_LEN - 1
+        num_cached, state, types = restored[-1]
+        assert num_cached == PROMPT_LEN - 1
+        assert types[0] is TurboQuantKVCache and types[-1] is not TurboQuantKVCache  # the last layer stays dense
+        n, tail_start = num_cached, num_cached - num_cached % 64
+        for got, want, kind in zip(state, stored[0], types):
+            if kind is TurboQuantKVCache:
+                for g, w in zip(got[:4], want[:4]):  # norms and codes of K and V
+                    assert g.shape[2] == n and np.array_equal(g, w[:, :, :n])
+                for g, w in zip(got[4:], want[4:]):  # the dense tail, as the first run held it
+                    assert g.shape[2] == n - tail_start and np.array_equal(g, w[:, :, : n - tail_start])
+            else:
+                for g, w in zip(got, want):
+                    assert np.array_equal(g[:, :, :n], w[:, :, :n])
+        assert again == first  # greedy continuation from the restored prefix = the first run's
+        # A second turn that extends the first reuses it too.
+        _, turn = generate(e, ids + first + ids[:20])
+        assert turn.cached_tokens >= PROMPT_LEN - 1
+    finally:
+        e.shutdown()
+
+
+def test_turboquant_blocks_survive_a_restart_and_stay_apart_from_dense(tmp_path):
+    first_engine = tq_engine(cache_dir=tmp_path)
+    ids = prompt_ids(first_engine)
+    first, done = generate(first_engine, ids)
+    first_engine.shutdown()  # flushes the disk writer
+
+    second = tq_engine(cache_dir=tmp_path)
+    try:
+        again, warm = generate(second, ids)
+        assert warm.cached_tokens == PROMPT_LEN - 1
+        assert second.prefix_cache.stats["disk_blocks_read"] > 0
+        assert second.prefix_cache.cache_format.startswith("turboquant/4/0/64/")
+        assert again == first
+    finally:
+        second.shutdown()
+
+    dense = Engine(TINY_MODEL, dtype="float32", block_size=16, cache_dir=tmp_path).start()
+    dense.wait_ready(60)
+    try:
+        _, cold = generate(dense, ids)
+        assert cold.cached_tokens == 0  # lossy KV never serves a dense engine
+    finally:
+        dense.shutdown()
+
+
+def _filled(n: int, seed: int = 0, group: int = 64) -> TurboQuantKVCache:
+    c = TurboQuantKVCache(4, 0, group)
+    k = mx.random.normal((1, 2, n, 16), key=mx.random.key(seed))
+    c.update_and_fetch(k, -k)
+    return c
+
+
+def test_turboquant_block_round_trips_through_host_copies():
+    c = _filled(150)
+    blocks = [cut([c], s, min(s + 64, 150)) for s in range(0, 150, 64)]
+    assert blocks[-1][0].dense_k.shape[2] == 150 - 128 and blocks[0][0].dense_k is None
+    back = [from_numpy(to_numpy(b)) for b in blocks]
+    assert all(isinstance(b[0], TQLayer) for b in back)
+    joined = join([(b, b[0].num_positions) for b in back], tq=TQConfig(group=64), dims=[(16, 16, mx.float32)])[0]
+    assert joined.offset == 150
+    for got, want in zip(joined.state, c.state):
+        assert np.array_equal(np.array(got), np.array(want))
+
+
+def test_dense_suffix_prefill_keeps_prefix_codes_bit_for_bit():
+    c = _filled(100)
+    before = [np.array(a) for a in c.state[:4]]
+    suffix = mx.random.normal((1, 2, 300, 16), key=mx.random.key(1))
+    dense = dense_copy([c], 300)[0]
+    assert dense.offset == 100
+    dense.update_and_fetch(suffix[:, :, :150], -suffix[:, :, :150])
+    dense.update_and_fetch(suffix[:, :, 150:], -suffix[:, :, 150:])
+    out = append_suffix([c], [dense])[0]
+    assert out is c and out.offset == 400 and out.tail_k.shape[2] == 400 - 384
+    for got, want in zip(out.state[:4], before):
+        assert np.array_equal(np.array(got)[:, :, :100], want)
+    # The suffix's codes are the codec's encoding of its dense K/V.
+    norms, codes = c.codec(16).encode(suffix)
+    assert np.array_equal(np.array(out.state[1])[:, :, 100:], np.array(codes))
