@@ -161,21 +161,29 @@ def copy_bandwidth_gbs() -> float:
 
 
 def fairness(engine: Engine, long_tokens: int, vocab: int) -> dict:
+    """A decoding row's rate while a long prompt prefills, against its solo rate measured
+    just before and just after (their mean: the solo rate drifts as the row's KV grows)."""
     row, row_done = submit(engine, prompts(1, 16, vocab, seed=1)[0], engine.context_length - 64)
     while row.num_completion_tokens < 4:
         time.sleep(0.001)
-    n0, t0 = row.num_completion_tokens, time.perf_counter()
-    time.sleep(3.0)
-    solo = (row.num_completion_tokens - n0) / (time.perf_counter() - t0)
+
+    def rate(seconds: float) -> float:
+        n0, t0 = row.num_completion_tokens, time.perf_counter()
+        time.sleep(seconds)
+        return (row.num_completion_tokens - n0) / (time.perf_counter() - t0)
+
+    before = rate(2.0)
     long_seq, long_done = submit(engine, prompts(1, long_tokens, vocab, seed=2)[0], 1)
     n1, t1 = row.num_completion_tokens, time.perf_counter()
     prefill = finish(long_done)
     during = (row.num_completion_tokens - n1) / (time.perf_counter() - t1)
+    after = rate(2.0)
     row.cancel()
     finish(row_done)
-    return {"solo_tok_s": round(solo, 2), "during_prefill_tok_s": round(during, 2),
-            "ratio": round(during / solo, 3), "long_prompt_tokens": long_tokens,
-            "long_prefill_s": round(prefill.prefill_s, 2)}
+    solo = (before + after) / 2
+    return {"solo_tok_s": round(solo, 2), "solo_before_after": [round(before, 2), round(after, 2)],
+            "during_prefill_tok_s": round(during, 2), "ratio": round(during / solo, 3),
+            "long_prompt_tokens": long_tokens, "long_prefill_s": round(prefill.prefill_s, 2)}
 
 
 def mixed_load(engine: Engine, long_len: int, vocab: int) -> dict:
