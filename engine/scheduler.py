@@ -40,6 +40,7 @@ from engine.sampling import GREEDY
 from engine.sequence import Failed, Finished, Sequence, TextDelta
 from engine.spill import SpillStore
 from engine.stop_strings import StopMatcher
+from engine.tq_cache import TurboQuantKVCache, append_suffix, dense_copy, dense_copy_bytes
 from prefixtrace.errors import EngineError
 
 log = logging.getLogger("prefixtrace.scheduler")
@@ -60,6 +61,8 @@ class _Prefill:
     cache: list
     pos: int  # prompt tokens already in `cache`
     started_at: float = field(default_factory=time.perf_counter)
+    # Restored-prefix prefill: the restored TurboQuant caches while `cache` is their dense copy.
+    quantised: list | None = None
 
 
 @dataclass(eq=False)
@@ -199,6 +202,30 @@ class Scheduler:
             hit = self.prefix_cache.lookup(seq.prompt_ids)
             seq.num_cached_tokens = hit.num_cached
             self.prefill = _Prefill(seq, self.adapt_cache(hit.cache), hit.num_cached)
+            self._dense_suffix(self.prefill)
+
+    def _dense_suffix(self, job: _Prefill) -> None:
+        """Restored-prefix prefill (docs/TURBOQUANT.md): before a suffix of more than one
+        chunk after a restored TurboQuant prefix, prefill on a dense copy of the prefix
+        (decoded once) instead of decoding the whole prefix again in every chunk; the
+        suffix is quantised and appended at the end (`_requantise`). Only if the copy fits."""
+        suffix = job.seq.num_prompt_tokens - 1 - job.pos
+        if job.pos == 0 or suffix <= self.prefill_chunk or not any(type(c) is TurboQuantKVCache for c in job.cache):
+            return
+        need = dense_copy_bytes(job.cache, job.pos + suffix)
+        if self.memory is not None and not self._fits(need):
+            log.info("request %d: suffix of %d tokens prefills on the quantised prefix of %d (a dense copy of "
+                     "%.1f MB does not fit)", job.seq.seq_id, suffix, job.pos, need / 1e6)
+            return
+        job.quantised, job.cache = job.cache, dense_copy(job.cache, suffix)
+        log.info("request %d: suffix of %d tokens prefills on a dense copy of the restored %d-token prefix "
+                 "(%.1f MB)", job.seq.seq_id, suffix, job.pos, need / 1e6)
+
+    def _requantise(self, job: _Prefill) -> None:
+        """End a dense-suffix prefill: the suffix is encoded and appended to the restored
+        TurboQuant caches, whose prefix codes stay as they were, bit for bit."""
+        if job.quantised is not None:
+            job.cache, job.quantised = append_suffix(job.quantised, job.cache), None
 
     def _prefill_chunk(self) -> None:
         job = self.prefill
@@ -212,6 +239,9 @@ class Scheduler:
             self.prefix_cache.commit(prompt[: job.pos], job.cache)  # progress survives a cancel or abort
         if job.pos == len(prompt) - 1:
             self.prefill = None
+            if job.quantised is not None:
+                self._requantise(job)
+                self.prefix_cache.commit(prompt[: job.pos], job.cache)
             self._start_decoding(job)
         elif job.seq.park_at is not None and job.pos >= job.seq.park_at and not job.seq.num_pauses:
             self._park_prefill()
@@ -366,6 +396,7 @@ class Scheduler:
         progress commits write), so resuming is an ordinary prefix lookup; other
         cache types (TurboQuant), or a disabled prefix cache, spill to a file."""
         job, self.prefill = self.prefill, None
+        self._requantise(job)
         job.seq.num_pauses += 1
         done = job.seq.prompt_ids[: job.pos]
         path = None
@@ -452,6 +483,7 @@ class Scheduler:
     def _reap_cancelled(self) -> None:
         if self.prefill is not None and self.prefill.seq.cancelled:
             job, self.prefill = self.prefill, None
+            self._requantise(job)
             self.prefix_cache.store(job.seq.prompt_ids, job.cache)  # keep what was prefilled
             self._count(job.seq, "cancelled")
             job.seq.emit(Finished("cancelled", job.seq.num_prompt_tokens, 0, job.seq.num_cached_tokens, 0.0, 0.0))

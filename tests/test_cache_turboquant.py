@@ -157,3 +157,24 @@ def test_dense_suffix_prefill_keeps_prefix_codes_bit_for_bit():
     # The suffix's codes are the codec's encoding of its dense K/V.
     norms, codes = c.codec(16).encode(suffix)
     assert np.array_equal(np.array(out.state[1])[:, :, 100:], np.array(codes))
+
+
+def test_restored_prefix_prefill_runs_dense_and_reuses_prefix_codes_bit_for_bit(caplog):
+    e = tq_engine(prefill_step_size=32)
+    try:
+        stored, restored = spy(e)
+        ids = prompt_ids(e)
+        generate(e, ids, max_tokens=2)
+        with caplog.at_level("INFO", logger="prefixtrace.scheduler"):
+            out, done = generate(e, ids + ids, max_tokens=4)  # a 134-token suffix: five 32-token chunks
+        assert len(out) == 4 and done.cached_tokens >= PROMPT_LEN - 1
+        assert any("prefills on a dense copy" in r.getMessage() for r in caplog.records)
+        n, before, types = restored[-1]
+        after = stored[-1]
+        for got, want, kind in zip(after, before, types):
+            if kind is TurboQuantKVCache:
+                assert got[1].shape[2] > n
+                for g, w in zip(got[:4], want[:4]):
+                    assert np.array_equal(g[:, :, :n], w)
+    finally:
+        e.shutdown()

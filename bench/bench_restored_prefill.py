@@ -1,0 +1,115 @@
+"""Restored-prefix prefill (issue 5): suffix prefill after a restored TurboQuant prefix.
+
+    python bench/bench_restored_prefill.py [--prefix 4096] [--suffix 2048] [--chunk 512] [--tiny]
+
+In one run, on the CPU default model (else fixtures/tiny-llama), median of
+`--repeat` for each:
+
+* cold TQ: a TurboQuant prefill of prefix + suffix in `--chunk` chunks; the
+  time of the suffix's chunks is "cold prefill of the same positions" (what a
+  TurboQuant engine does without a cache hit);
+* cold dense: the same with plain `KVCache`s (what a dense engine does);
+* restored, quantised path: the prefix restored from the prefix cache (disk
+  tier, TurboQuant blocks), the suffix prefilled chunk by chunk on the
+  `TurboQuantKVCache`s (every chunk decodes the whole prefix again);
+* restored, dense path (the scheduler's choice when the copy fits): one dense
+  copy of the restored layers, every chunk on `KVCache`, then the suffix
+  quantised and appended (`dense_copy` + chunks + `append_suffix`).
+
+Ratio = restored dense path / cold TQ suffix (target <= 1.0; upstream 2.41
+before its fix, 0.92 after). Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from bench.bench_cache_tiers import pick_model  # noqa: E402
+from engine.prefix_cache import PrefixCache  # noqa: E402
+from engine.tq_cache import TQConfig, append_suffix, dense_copy  # noqa: E402
+
+
+def prefill(model, tokens, cache, chunk) -> float:
+    t0 = time.perf_counter()
+    for start in range(0, len(tokens), chunk):
+        model(mx.array(tokens[start : start + chunk])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prefix", type=int, default=4096)
+    parser.add_argument("--suffix", type=int, default=2048)
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="use fixtures/tiny-llama")
+    args = parser.parse_args()
+    model_dir, loader, label = pick_model(args.tiny)
+    model = loader()[0]
+    vocab = model.args.vocab_size
+    tokens = [(i * 7919 + 13) % (vocab - 10) + 5 for i in range(args.prefix + args.suffix)]
+    head, tail = tokens[: args.prefix], tokens[args.prefix :]
+    tq = TQConfig()
+    work = Path(tempfile.mkdtemp(prefix="pt-restored-"))
+    try:
+        writer = PrefixCache(model, max_bytes=8 << 30, cache_dir=work, model_dir=model_dir, tq=tq)
+        seed = tq.make_cache(model)
+        prefill(model, head, seed, args.chunk)
+        writer.store(head, seed)
+        writer.close()
+        reader = PrefixCache(model, max_bytes=0, cache_dir=work, model_dir=model_dir, tq=tq)  # every hit from disk
+
+        cold_tq, cold_dense, restored_tq, restored_dense, restore_s = [], [], [], [], []
+        for _ in range(args.repeat):
+            cache = tq.make_cache(model)
+            prefill(model, head, cache, args.chunk)
+            cold_tq.append(prefill(model, tail, cache, args.chunk))
+            cache = make_prompt_cache(model)
+            prefill(model, head, cache, args.chunk)
+            cold_dense.append(prefill(model, tail, cache, args.chunk))
+
+            t0 = time.perf_counter()
+            hit = reader.lookup(tokens)
+            restore_s.append(time.perf_counter() - t0)
+            assert hit.num_cached == args.prefix, hit.num_cached
+            restored_tq.append(prefill(model, tail, hit.cache, args.chunk))
+
+            hit = reader.lookup(tokens)
+            t0 = time.perf_counter()
+            dense = dense_copy(hit.cache, len(tail))
+            prefill(model, tail, dense, args.chunk)
+            append_suffix(hit.cache, dense)
+            restored_dense.append(time.perf_counter() - t0)
+        reader.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    med = {name: statistics.median(v) for name, v in (
+        ("cold_tq_suffix_s", cold_tq), ("cold_dense_suffix_s", cold_dense), ("restored_quantised_path_s", restored_tq),
+        ("restored_dense_path_s", restored_dense), ("disk_restore_s", restore_s))}
+    print(json.dumps({
+        "model": label, "prefix": args.prefix, "suffix": args.suffix, "chunk": args.chunk, "repeat": args.repeat,
+        **{k: round(v, 4) for k, v in med.items()},
+        "ratio_dense_path_vs_cold_tq": round(med["restored_dense_path_s"] / med["cold_tq_suffix_s"], 3),
+        "ratio_dense_path_vs_cold_dense": round(med["restored_dense_path_s"] / med["cold_dense_suffix_s"], 3),
+        "ratio_quantised_path_vs_cold_tq": round(med["restored_quantised_path_s"] / med["cold_tq_suffix_s"], 3),
+        "ratio_quantised_path_vs_cold_dense": round(med["restored_quantised_path_s"] / med["cold_dense_suffix_s"], 3),
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
