@@ -394,7 +394,10 @@ class Scheduler:
 
         Dense caches go into the prefix cache as pinned blocks (the same blocks
         progress commits write), so resuming is an ordinary prefix lookup; other
-        cache types (TurboQuant), or a disabled prefix cache, spill to a file."""
+        cache types, or a disabled prefix cache, spill to a file. TurboQuant stays on
+        the spill path on purpose: a paged TQ hit can be cut back to a group boundary,
+        and re-prefilling that stretch in other chunks would change TQ's output, while
+        the spill file resumes bit for bit."""
         job, self.prefill = self.prefill, None
         self._requantise(job)
         job.seq.num_pauses += 1
