@@ -35,7 +35,7 @@ from prefixtrace.errors import EngineError, InvalidRequest, PrefixtraceError, ht
 from proxy import sse
 from proxy.chat_request import ChatRequest, parse_body, parse_chat_request
 from proxy.turn_builder import TurnBuilder
-from proxy.upstream_backend import map_httpx_errors
+from proxy.upstream_backend import Relayed, map_httpx_errors
 from recorder.turn import Turn
 
 MESSAGES_PATH = "/v1/messages"
@@ -246,22 +246,14 @@ class EngineMessages:
 # --- upstream pass-through --------------------------------------------------------
 
 
-class UpstreamMessages:
+class UpstreamMessages(Relayed):
     """An upstream's Messages response, passed through and parsed into the turn."""
 
     def __init__(self, response, builder: TurnBuilder, url: str):
-        self.response, self.builder, self.url = response, builder, url
-        self.status = response.status_code
-        self.content_type = response.headers.get("content-type", "application/json")
+        super().__init__(response, url)
+        self.builder = builder
         self._usage: dict = {}
         self._tools: dict[int, dict] = {}
-
-    @property
-    def streams_events(self) -> bool:
-        return self.status < 400 and self.content_type.startswith("text/event-stream")
-
-    def cancel(self) -> None:
-        pass  # closing the response (in `sse`'s finally) is what tells the upstream
 
     async def sse(self) -> AsyncIterator[bytes]:
         try:

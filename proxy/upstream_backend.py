@@ -99,10 +99,10 @@ class UpstreamBackend:
             return await self.client.send(request, stream=True), self.base_url
 
 
-class UpstreamChat:
-    def __init__(self, req: ChatRequest, builder: TurnBuilder, response: httpx.Response, url: str):
-        self.req = req
-        self.builder = builder
+class Relayed:
+    """An upstream response on its way to the client: its status, type, and whether it streams."""
+
+    def __init__(self, response: httpx.Response, url: str):
         self.response = response
         self.url = url
         self.status = response.status_code
@@ -114,6 +114,13 @@ class UpstreamChat:
 
     def cancel(self) -> None:
         pass  # closing the response (in `sse`'s finally) is what tells the upstream
+
+
+class UpstreamChat(Relayed):
+    def __init__(self, req: ChatRequest, builder: TurnBuilder, response: httpx.Response, url: str):
+        super().__init__(response, url)
+        self.req = req
+        self.builder = builder
 
     async def sse(self) -> AsyncIterator[bytes]:
         try:
