@@ -28,12 +28,13 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from engine.sequence import Failed, Finished, TextDelta
 from prefixtrace.errors import EngineError, InvalidRequest, PrefixtraceError, http_status
 from proxy import sse
 from proxy.chat_request import ChatRequest, parse_body, parse_chat_request
+from proxy.relay import record_durably, respond
 from proxy.turn_builder import TurnBuilder
 from proxy.upstream_backend import Relayed, map_httpx_errors
 from recorder.turn import Turn
@@ -299,17 +300,9 @@ class UpstreamMessages(Relayed):
         record_usage(self.builder, self._usage)
 
     async def whole(self) -> tuple[bytes, str]:
-        try:
-            with map_httpx_errors(self.url):
-                data = await self.response.aread()
-        finally:
-            await self.response.aclose()
-        try:
-            body = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            body = None
+        data, body = await self.read()
         turn = self.builder.turn
-        if isinstance(body, dict) and self.status < 400:
+        if body is not None and self.status < 400:
             blocks = body.get("content") or []
             turn.response_text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
             turn.reasoning_text = "".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking")
@@ -320,7 +313,7 @@ class UpstreamMessages(Relayed):
             turn.finish_reason = body.get("stop_reason")
             record_usage(self.builder, body.get("usage") or {})
         elif self.status >= 400:
-            turn.error = (str(body.get("error", body)) if isinstance(body, dict) else data.decode(errors="replace"))[:2000]
+            turn.error = (str(body.get("error", body)) if body is not None else data.decode(errors="replace"))[:2000]
         return data, self.content_type
 
 
@@ -334,8 +327,8 @@ async def open_messages(backend, req: ChatRequest, builder: TurnBuilder, headers
 # --- the route ----------------------------------------------------------------------
 
 
-def add_messages_route(app: FastAPI, backend, recorder, record_durably) -> None:
-    """`POST /v1/messages`; `record_durably(recorder, turn)` is the app's commit-before-the-end helper."""
+def add_messages_route(app: FastAPI, backend, recorder) -> None:
+    """`POST /v1/messages`, ending like chat completions (`proxy.relay.respond`)."""
 
     @app.post(MESSAGES_PATH)
     async def messages(request: Request):
@@ -360,25 +353,10 @@ def add_messages_route(app: FastAPI, backend, recorder, record_durably) -> None:
             return JSONResponse(to_anthropic_error(exc), status_code=status)
         if isinstance(chat, UpstreamMessages):
             turn.upstream = chat.url
-        if chat.streams_events:
-            return StreamingResponse(_stream(chat, builder, recorder, record_durably), status_code=chat.status,
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            data, content_type = await chat.whole()
-        except PrefixtraceError as exc:
-            status = http_status(exc)
-            await record_durably(recorder, builder.finish(status, exc.message))
-            return JSONResponse(to_anthropic_error(exc), status_code=status)
-        except asyncio.CancelledError:
-            chat.cancel()
-            recorder.record(builder.finish(499, "client disconnected"))
-            raise
-        await record_durably(recorder, builder.finish(chat.status))
-        return Response(data, status_code=chat.status, media_type=content_type)
+        return await respond(chat, builder, recorder, _stream(chat, builder, recorder), to_anthropic_error)
 
 
-async def _stream(chat, builder: TurnBuilder, recorder, record_durably):
+async def _stream(chat, builder: TurnBuilder, recorder):
     recorded = False
     try:
         async for event in chat.sse():

@@ -13,25 +13,21 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from prefixtrace.errors import PrefixtraceError, http_status, to_openai_error
 from proxy import sse
 from proxy.anthropic import add_messages_route
 from proxy.chat_request import parse_body, parse_chat_request
+from proxy.relay import TurnSink, record_durably, respond
 from proxy.dashboard import observe
 from proxy.turn_builder import TurnBuilder
 from recorder.turn import Turn
 
 log = logging.getLogger("prefixtrace.proxy")
 CHAT_PATH = "/v1/chat/completions"
-
-
-class TurnSink(Protocol):
-    def record(self, turn: Turn) -> None: ...
 
 
 def create_app(backend, recorder: TurnSink) -> FastAPI:
@@ -103,42 +99,12 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
             if turn.request_body is None:
                 turn.request_body = raw.decode("utf-8", errors="replace")
             status = http_status(exc)
-            await _record_durably(recorder, builder.finish(status, exc.message))
+            await record_durably(recorder, builder.finish(status, exc.message))
             return JSONResponse(to_openai_error(exc), status_code=status)
-        if chat.streams_events:
-            return StreamingResponse(
-                _stream_and_record(chat, builder, recorder),
-                status_code=chat.status,
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        try:
-            data, content_type = await chat.whole()
-        except PrefixtraceError as exc:
-            status = http_status(exc)
-            await _record_durably(recorder, builder.finish(status, exc.message))
-            return JSONResponse(to_openai_error(exc), status_code=status)
-        except asyncio.CancelledError:
-            chat.cancel()
-            recorder.record(builder.finish(499, "client disconnected"))
-            raise
-        await _record_durably(recorder, builder.finish(chat.status))
-        return Response(data, status_code=chat.status, media_type=content_type)
+        return await respond(chat, builder, recorder, _stream_and_record(chat, builder, recorder), to_openai_error)
 
-    add_messages_route(app, backend, recorder, _record_durably)  # POST /v1/messages (Anthropic)
+    add_messages_route(app, backend, recorder)  # POST /v1/messages (Anthropic)
     return app
-
-
-async def _record_durably(recorder: TurnSink, turn: Turn) -> None:
-    """Hands `turn` over and waits until it is committed, so a client that has
-    seen the end of its response can rely on the turn surviving a crash of the
-    proxy. Only this response waits, for its own commit; the event loop does
-    not (`Recorder.record_async` waits for queue room in a worker thread)."""
-    record_async = getattr(recorder, "record_async", None)
-    if record_async is None:
-        recorder.record(turn)
-    else:
-        await record_async(turn)
 
 
 async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):
@@ -150,21 +116,21 @@ async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):
             recorded = True
             recorder.record(builder.finish(chat.status, error))
 
-    async def record_durably(error: str | None = None) -> None:
+    async def record_committed(error: str | None = None) -> None:
         nonlocal recorded
         if not recorded:
             recorded = True
-            await _record_durably(recorder, builder.finish(chat.status, error))
+            await record_durably(recorder, builder.finish(chat.status, error))
 
     try:
         async for event in chat.sse():
             if event == sse.DONE:
                 # Commit before the client can see the end of the stream, so a
                 # client that reads [DONE] can rely on the turn being stored.
-                await record_durably()
+                await record_committed()
             yield event
     except PrefixtraceError as exc:  # failed after the headers went out: tell the client in-band
-        await record_durably(exc.message)
+        await record_committed(exc.message)
         yield sse.encode(to_openai_error(exc))
         yield sse.DONE
     except (asyncio.CancelledError, GeneratorExit):

@@ -115,6 +115,19 @@ class Relayed:
     def cancel(self) -> None:
         pass  # closing the response (in `sse`'s finally) is what tells the upstream
 
+    async def read(self) -> tuple[bytes, dict | None]:
+        """The whole body, and its JSON object when it is one."""
+        try:
+            with map_httpx_errors(self.url):
+                data = await self.response.aread()
+        finally:
+            await self.response.aclose()
+        try:
+            body = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        return data, body if isinstance(body, dict) else None
+
 
 class UpstreamChat(Relayed):
     def __init__(self, req: ChatRequest, builder: TurnBuilder, response: httpx.Response, url: str):
@@ -146,16 +159,8 @@ class UpstreamChat(Relayed):
 
     async def whole(self) -> tuple[bytes, str]:
         """The whole body (non-streamed requests and upstream errors), recorded as it passes."""
-        try:
-            with map_httpx_errors(self.url):
-                data = await self.response.aread()
-        finally:
-            await self.response.aclose()
-        try:
-            body = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            body = None
-        if isinstance(body, dict):
+        data, body = await self.read()
+        if body is not None:
             if self.status < 400:
                 self.builder.on_response(body)
             else:

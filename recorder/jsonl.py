@@ -113,7 +113,11 @@ def import_jsonl(
 
     Raises `InvalidRequest` naming the first bad line.
     """
-    turns = read_jsonl(path, base_ts=base_ts)
+    return store_turns(db_path, read_jsonl(path, base_ts=base_ts), redact_patterns)
+
+
+def store_turns(db_path: str | Path, turns: list[Turn], redact_patterns=None) -> int:
+    """Write `turns` into the database in one transaction (redacted); how many."""
     db = open_db(db_path)
     try:
         write_turns(db, turns, Redactor(redact_patterns))

@@ -14,11 +14,8 @@ from typing import IO
 from prefixtrace.errors import InvalidRequest
 from recorder.har import read_har, write_har
 from recorder.jsonl import _write as write_jsonl_lines
-from recorder.jsonl import read_jsonl
+from recorder.jsonl import read_jsonl, store_turns
 from recorder.reader import iter_turns
-from recorder.redact import Redactor
-from recorder.rows import write_turns
-from recorder.schema import open_db
 from recorder.turn import Turn
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -81,10 +78,4 @@ def import_file(path: str | Path, db_path: str | Path, *, redact_patterns: list[
     kind = sniff(path)
     if kind == "sqlite":
         raise InvalidRequest(f"{path} is a database; import takes a JSONL or HAR file")
-    turns = read_har(path) if kind == "har" else read_jsonl(path)
-    db = open_db(db_path)
-    try:
-        write_turns(db, turns, Redactor(redact_patterns))
-    finally:
-        db.close()
-    return len(turns)
+    return store_turns(db_path, read_har(path) if kind == "har" else read_jsonl(path), redact_patterns)
