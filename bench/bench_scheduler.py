@@ -99,9 +99,21 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return mx.random.randint(10, min(vocab, 30000) - 10, (n, length)).tolist()
 
 
-def aggregate_decode(engine: Engine, batch: int, tokens: int, vocab: int) -> float:
-    rows = [submit(engine, p, tokens) for p in prompts(batch, 16, vocab, seed=batch)]
+def aggregate_decode(engine: Engine, batch: int, tokens: int, vocab: int, together: bool = True) -> float:
+    """Tokens/s of `batch` equal-length requests, from submission to the last finish.
+    together: submitted in one call, so they prefill as one wave and decode unpadded;
+    otherwise one by one, as HTTP requests arrive (rows join at different lengths)."""
     t0 = time.perf_counter()
+    if together:
+        rows = []
+        for p in prompts(batch, 16, vocab, seed=batch):
+            done = queue.Queue()
+            seq = Sequence(p, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+                           lambda ev, done=done: done.put(ev) if isinstance(ev, (Finished, Failed)) else None)
+            rows.append((seq, done))
+        engine.submit_all([seq for seq, _ in rows])
+    else:
+        rows = [submit(engine, p, tokens) for p in prompts(batch, 16, vocab, seed=batch)]
     results = [finish(done) for _, done in rows]
     wall = time.perf_counter() - t0
     return sum(r.completion_tokens for r in results) / wall
@@ -122,16 +134,18 @@ def mlx_lm_loop(model, tokens: int, vocab: int) -> float:
     return rate
 
 
-def steady_batch_decode(model, batch: int, tokens: int, vocab: int) -> float:
-    """tokens/s of mlx-lm's GenerationBatch alone, rows of equal length, no scheduler:
-    separates what the kernels give at this batch size from what the scheduler adds."""
+def steady_batch_decode(model, batch: int, tokens: int, vocab: int, padded: bool = False) -> float:
+    """tokens/s of mlx-lm's GenerationBatch alone, rows of equal length (or, padded,
+    lengths 16, 17, ...: every step pays the padding mask), no scheduler: separates
+    what the kernels give at this batch size from what the scheduler adds."""
     from mlx_lm.generate import GenerationBatch, StopSequences
     from mlx_lm.models.cache import make_prompt_cache
 
     from engine.batch_cache import RowBatchKVCache
     from engine.sampling import GREEDY
 
-    rows = prompts(batch, 16, vocab, seed=40 + batch)
+    rows = prompts(batch, 16 + batch, vocab, seed=40 + batch)
+    rows = [p[: 16 + (i if padded else 0)] for i, p in enumerate(rows)]
     caches = []
     for p in rows:
         cache = make_prompt_cache(model)
@@ -209,7 +223,7 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
-    parser.add_argument("--only", choices=["fairness"], help="run just this part")
+    parser.add_argument("--only", choices=["fairness", "batch"], help="run just this part")
     args = parser.parse_args()
 
     if args.random:
@@ -228,16 +242,28 @@ def main() -> None:
         engine.shutdown()
         print(json.dumps(result, indent=2))
         return
-    agg = {}
-    for b in (1, 2, 4, 8):
+    sizes = (1, 2, 4, 8)
+    for b in sizes:
         aggregate_decode(engine, b, 8, vocab)  # warm-up: the first step at a new batch shape compiles kernels
-        agg[b] = statistics.median(aggregate_decode(engine, b, args.tokens, vocab) for _ in range(args.repeats))
+    # Repeats outermost, so a drift in the machine's speed touches every batch size alike.
+    runs = {(b, together): [] for b in sizes for together in (True, False)}
+    for _ in range(args.repeats):
+        for b in sizes:
+            for together in (True, False):
+                runs[b, together].append(aggregate_decode(engine, b, args.tokens, vocab, together))
+    agg = {b: statistics.median(runs[b, True]) for b in sizes}
+    staggered = {b: statistics.median(runs[b, False]) for b in sizes}
+    result["aggregate_runs_tok_s"] = {f"B{b}{'' if t else '_one_by_one'}": [round(x, 1) for x in v]
+                                      for (b, t), v in runs.items()}
     result["aggregate_decode_tok_s"] = {b: round(v, 2) for b, v in agg.items()}
-    steady = {b: statistics.median(steady_batch_decode(engine.model, b, args.tokens, vocab) for _ in range(args.repeats))
-              for b in (1, 2, 4, 8)}
-    result["generation_batch_alone_tok_s"] = {b: round(v, 2) for b, v in steady.items()}
-    result["generation_batch_alone_speedup_vs_b1"] = {b: round(v / steady[1], 2) for b, v in steady.items()}
     result["batch_speedup_vs_b1"] = {b: round(v / agg[1], 2) for b, v in agg.items()}
+    result["one_by_one_decode_tok_s"] = {b: round(v, 2) for b, v in staggered.items()}
+    result["one_by_one_speedup_vs_b1"] = {b: round(v / agg[1], 2) for b, v in staggered.items()}
+    for name, padded in (("generation_batch_alone", False), ("generation_batch_alone_padded", True)):
+        steady = {b: statistics.median(steady_batch_decode(engine.model, b, args.tokens, vocab, padded)
+                                       for _ in range(args.repeats)) for b in (1, 2, 4, 8)}
+        result[f"{name}_tok_s"] = {b: round(v, 2) for b, v in steady.items()}
+        result[f"{name}_speedup_vs_b1"] = {b: round(v / steady[1], 2) for b, v in steady.items()}
     plain = statistics.median(mlx_lm_loop(engine.model, args.tokens, vocab) for _ in range(args.repeats))
     result["mlx_lm_loop_b1_tok_s"] = round(plain, 2)
     result["engine_b1_vs_mlx_lm_loop"] = round(agg[1] / plain, 3)
@@ -250,6 +276,10 @@ def main() -> None:
         roofline = bw * 1e9 / bytes_per_token
         result.update(copy_bandwidth_gb_s=round(bw, 1), weights_gb=round(weights / 1e9, 2), roofline_b1_tok_s=round(roofline, 2),
                       engine_b1_of_roofline=round(agg[1] / roofline, 3), mlx_lm_loop_of_roofline=round(plain / roofline, 3))
+    if args.only == "batch":
+        engine.shutdown()
+        print(json.dumps(result, indent=2))
+        return
     runs = [fairness(engine, args.long, vocab) for _ in range(args.repeats)]
     result["fairness"] = sorted(runs, key=lambda r: r["ratio"])[len(runs) // 2]
     result["fairness_ratios"] = [r["ratio"] for r in runs]

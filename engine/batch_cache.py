@@ -27,8 +27,9 @@ class RowBatchKVCache(BatchKVCache):
         return merged
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
-        if N == 1 and self._pads is not None and not any(self._pads):
-            return None
+        if self._pads is not None and not any(self._pads) and not return_array and not kwargs.get("window_size"):
+            # Rows of equal length share one offset, so the plain causal kernel is exact.
+            return None if N == 1 else "causal"
         return super().make_mask(N, return_array=return_array, **kwargs)
 
     def prepare(self, *args, **kwargs):

@@ -161,6 +161,13 @@ class Engine:
             raise EngineNotReady("the model is still loading")
         self._queue.put(seq)
 
+    def submit_all(self, seqs: list[Sequence]) -> None:
+        """Submit several sequences so that the engine sees them in the same step (a
+        wave of equal-length prompts then prefills and decodes as one batch)."""
+        if not self.ready:
+            raise EngineNotReady("the model is still loading")
+        self._queue.put(list(seqs))
+
     # --- the engine thread ------------------------------------------------------
 
     def _main(self) -> None:
@@ -240,7 +247,8 @@ class Engine:
             while True:
                 if item is None:
                     return False
-                self.scheduler.add(item)
+                for seq in item if isinstance(item, list) else [item]:
+                    self.scheduler.add(seq)
                 item = self._queue.get_nowait()
         except queue.Empty:
             return True

@@ -10,7 +10,10 @@ Where we depart from mlx-lm's `BatchGenerator`, and why:
   as a request alone would, and the row joins the decode batch only when its
   prompt is in. Batched right-padded prefill would shave little on these
   machines and would make "a reply is the same alone or batched" depend on
-  padding arithmetic.
+  padding arithmetic. The one exception is a *wave*: sequences of the same
+  prompt length and the same cached prefix whose remaining prompt fits in one
+  chunk together prefill as one unpadded batch and join the decode batch
+  together, so rows that arrive together decode without a padding mask.
 * `BatchGenerator` interleaves one prefill chunk per decode step whatever the
   chunk costs; a 2k-token chunk freezes decoding rows for its whole duration.
   Here decode and prefill share time: a prefill chunk runs only once the
@@ -134,7 +137,7 @@ class Scheduler:
         self._decode_s_since_prefill = 0.0
         self._last_prefill_s = 0.0
         self.stats = {"requests": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
-                      "peak_batch": 0, "pauses": 0, "parks": 0, "resumes": 0, "aborts": 0}
+                      "peak_batch": 0, "pauses": 0, "parks": 0, "resumes": 0, "aborts": 0, "waves": 0}
 
     # --- asking ------------------------------------------------------------------
 
@@ -232,6 +235,11 @@ class Scheduler:
         prompt = job.seq.prompt_ids
         # The last prompt token is fed by the first decode step, which samples from it.
         n = min(self.prefill_chunk, len(prompt) - 1 - job.pos)
+        if n > 0 and n == len(prompt) - 1 - job.pos:
+            wave = self._companions(job, n)
+            if wave:
+                self._prefill_wave([job, *wave], n)
+                return
         if n > 0:
             self.model(mx.array(prompt[job.pos : job.pos + n])[None], cache=job.cache)
             mx.eval([c.state for c in job.cache])
@@ -246,27 +254,81 @@ class Scheduler:
         elif job.seq.park_at is not None and job.pos >= job.seq.park_at and not job.seq.num_pauses:
             self._park_prefill()
 
-    def _start_decoding(self, job: _Prefill) -> None:
-        seq, params = job.seq, job.seq.params
-        max_tokens = params.max_tokens or min(self.default_max_tokens, self.context_length - seq.num_prompt_tokens)
+    # Sequences a wave may look at beyond the one finishing its prompt: bounds the
+    # scan of a long queue, and how far a companion may overtake the ones it skips.
+    WAVE_SCAN = 32
+
+    def _companions(self, job: _Prefill, n: int) -> list[_Prefill]:
+        """Waiting sequences that can prefill their last `n` prompt tokens in the same
+        forward pass as `job`, with no padding: same prompt length, same cached prefix
+        length, dense caches. Rows that arrive together then also decode unpadded
+        (the fused attention kernel, no mask), instead of joining one by one at
+        different lengths. At most one prefill chunk of tokens in all."""
+        room = min(self.max_batch - len(self.rows) - 1, self.prefill_chunk // n - 1)
+        if room <= 0 or not self.waiting or self.paused or not is_dense(job.cache) or job.quantised is not None:
+            return []
+        wave, skipped, need = [], [], 0
+        while self.waiting and len(wave) < room and len(skipped) < self.WAVE_SCAN:
+            seq = self.waiting.popleft()
+            if seq.cancelled or seq.num_prompt_tokens != job.seq.num_prompt_tokens or seq.park_at is not None:
+                skipped.append(seq)
+                continue
+            if self.memory is not None and not self._fits(need + self._prompt_need(seq)):
+                skipped.append(seq)
+                break
+            hit = self.prefix_cache.lookup(seq.prompt_ids)
+            cache = self.adapt_cache(hit.cache)
+            if hit.num_cached != job.pos or not is_dense(cache):
+                skipped.append(seq)  # its lookup is repeated when it is admitted on its own
+                continue
+            seq.num_cached_tokens = hit.num_cached
+            need += self._prompt_need(seq)
+            wave.append(_Prefill(seq, cache, hit.num_cached))
+        self.waiting.extendleft(reversed(skipped))
+        return wave
+
+    def _prefill_wave(self, jobs: list[_Prefill], n: int) -> None:
+        """Prefill the last `n` prompt tokens of several equal-length sequences as one
+        batch and start them decoding together."""
+        self.prefill = None
+        pos = jobs[0].pos
+        layers = [RowBatchKVCache.merge([job.cache[i] for job in jobs]) for i in range(len(jobs[0].cache))]
+        self.model(mx.array([job.seq.prompt_ids[pos : pos + n] for job in jobs]), cache=layers)
+        mx.eval([c.state for c in layers])
+        for index, job in enumerate(jobs):
+            job.pos = pos + n
+            self.prefix_cache.commit(job.seq.prompt_ids[: job.pos], [c.extract(index) for c in layers])
+        self._start_decoding(jobs, layers)
+        self.stats["waves"] += 1
+        log.debug("prefilled %d sequences of %d tokens as one wave", len(jobs), n)
+
+    def _start_decoding(self, job: _Prefill | list[_Prefill], layers: list | None = None) -> None:
+        """Rows join the decode batch: one sequence on its own cache, or a wave on the
+        batched cache it was prefilled on."""
+        jobs = job if isinstance(job, list) else [job]
+        seqs = [j.seq for j in jobs]
         joining = GenerationBatch(
             self.model,
-            [seq.seq_id],
-            mx.array(seq.prompt_ids[-1:]),
-            [_batch_of_one(layer) for layer in job.cache],
-            [list(seq.prompt_ids[:-1])],
-            [params.make_sampler()],
+            [seq.seq_id for seq in seqs],
+            mx.array([seq.prompt_ids[-1] for seq in seqs]),
+            layers if layers is not None else [_batch_of_one(layer) for layer in jobs[0].cache],
+            [list(seq.prompt_ids[:-1]) for seq in seqs],
+            [seq.params.make_sampler() for seq in seqs],
             GREEDY,
-            [[]],
-            [StopSequences() if params.ignore_eos else self._eos_stops],
-            [max_tokens],
+            [[] for _ in seqs],
+            [StopSequences() if seq.params.ignore_eos else self._eos_stops for seq in seqs],
+            [seq.params.max_tokens or min(self.default_max_tokens, self.context_length - seq.num_prompt_tokens)
+             for seq in seqs],
         )
         if self.batch is None or len(self.batch) == 0:
             self.batch = joining
         else:
             self.batch.extend(joining)
         self.stats["peak_batch"] = max(self.stats["peak_batch"], len(self.batch))
-        self.rows[seq.seq_id] = _Row(seq, self.tokenizer.detokenizer, StopMatcher(params.stop), started_at=job.started_at)
+        for j in jobs:
+            params = j.seq.params
+            self.rows[j.seq.seq_id] = _Row(j.seq, self.tokenizer.detokenizer, StopMatcher(params.stop),
+                                           started_at=j.started_at)
 
     # --- decode ------------------------------------------------------------------
 

@@ -127,3 +127,46 @@ def test_batch_cache_skips_the_mask_only_when_no_row_is_padded():
     assert mask[0].sum().item() == 6 and mask[1].sum().item() == 10  # row 0 ignores its 4 padding slots
     batch.filter([1])
     assert batch.make_mask(1) is None
+
+
+WAVE = [[{"role": "user", "content": f"Write a haiku about a {w} and its neighbours."}] for w in ("owl", "bee", "cow", "ant")]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+     SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=40, ignore_eos=True)],
+    ids=["greedy", "seeded"],
+)
+def test_equal_length_prompts_arriving_together_prefill_as_one_wave(params):
+    """Same-length prompts submitted together prefill in one forward pass, decode as
+    an unpadded batch, and each still produces exactly what it produces alone."""
+    engine = fresh_engine()
+    lengths = {len(engine.render(m).token_ids) for m in WAVE}
+    assert len(lengths) == 1, lengths  # one word apart, same token count
+    engine.shutdown()
+    alone = [run_alone(m, params) for m in WAVE]
+
+    engine = fresh_engine()
+    seqs, queues = [], []
+    for messages in WAVE:
+        q: queue.Queue = queue.Queue()
+        seqs.append(Sequence(engine.render(messages).token_ids, SamplingParams(
+            **{f: getattr(params, f) for f in params.__slots__}), q.put))
+        queues.append(q)
+    engine.submit_all(seqs)
+    texts = [wait(q)[0] for q in queues]
+    stats = dict(engine.stats)
+    engine.shutdown()
+    assert stats["waves"] == 1 and stats["peak_batch"] == 4
+    for (ids_alone, text_alone), seq, text in zip(alone, seqs, texts):
+        assert seq.output_ids == ids_alone
+        assert text == text_alone
+
+
+def test_rows_of_equal_length_attend_with_the_plain_causal_kernel():
+    from engine.batch_cache import RowBatchKVCache
+
+    batch = RowBatchKVCache.merge([KVCache(), KVCache()])
+    assert batch.make_mask(5) == "causal" and batch.make_mask(1) is None
+    assert batch.make_mask(5, return_array=True).shape == (2, 1, 5, 5)
