@@ -14,6 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from engine import skinny_gemm
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
 from engine.memory import DEFAULT_CEILING_FRACTION, MemoryModel, machine_memory_bytes, measured
 from engine.model_files import load_model_dir
@@ -186,6 +187,7 @@ class Engine:
     def _serve(self) -> None:
         try:
             self.model, self.tokenizer, config = self._loader()
+            skinny_gemm.install(self.model)  # CUDA only: batched decode reads each weight once
             self.context_length = int(config.get("max_position_embeddings") or 4096)
             traits = TemplateTraits.from_tokenizer(self.tokenizer)
             self._bound_policy = BoundPolicy(

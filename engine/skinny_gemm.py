@@ -1,0 +1,173 @@
+"""Projections of a batched decode step (2-8 rows) on CUDA: read each weight once.
+
+Why this is hand-written: MLX's CUDA backend multiplies `x @ W.T` with its own
+bandwidth-bound gemv kernel only when x has a single row (`can_use_gemv`:
+M == 1); two to eight rows go to cuBLAS, whose kernels for such skinny
+products read the weights at about half that speed on an H200 (measured with
+`bench/profile_batch_step.py`: a 4096 -> 12288 projection, 78 us at M=1 and
+104 us at M=2..8 including ~50 us of synchronisation). A decode step is almost
+entirely such products, so on the lent H200 a B=2 step of a Qwen3-8B shape
+cost 1.9x a B=1 step (mlx-lm's `GenerationBatch` alone: 1.06-1.22x the
+tokens/s of B=1). No library at hand has a skinny bf16 GEMM for MLX arrays.
+
+The kernel gives each warp one weight row: its 32 lanes stream the row in
+16-byte loads, multiply every load with the same columns of each of the R
+input rows (x is at most 8 x K and stays in cache), and reduce the R partial
+sums across the warp. Weight bytes are read once whatever R is, which is what
+makes a decode step of 8 rows cost about what one row costs.
+
+`install(model)` swaps the model's `nn.Linear` layers for `SkinnyLinear`,
+which takes this path only on a CUDA device for 2..8 rows of bf16/fp16 with
+K a multiple of 256 and falls back to the layer's own matmul otherwise (so on
+a CPU, where CI runs, nothing changes). Set PREFIXTRACE_SKINNY_GEMM=0 to
+leave the model untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+__all__ = ["SkinnyLinear", "install", "skinny_matmul", "available", "use_kernel", "MAX_ROWS"]
+
+log = logging.getLogger("prefixtrace.engine")
+
+MAX_ROWS = 8
+_K_MULTIPLE = 256  # 32 lanes x 8 bf16 per 16-byte load
+
+_SOURCE = """
+    constexpr int VEC = 8;
+    const int lane = threadIdx.x & 31;
+    const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * RW;
+    if (row0 >= N) return;
+    float acc[RW][R];
+    #pragma unroll
+    for (int j = 0; j < RW; ++j)
+        #pragma unroll
+        for (int r = 0; r < R; ++r) acc[j][r] = 0.f;
+    #pragma unroll 2
+    for (int k = lane * VEC; k < K; k += 32 * VEC) {
+        float wf[RW][VEC];
+        #pragma unroll
+        for (int j = 0; j < RW; ++j) {
+            uint4 wv = *reinterpret_cast<const uint4*>(w + (size_t)(row0 + j) * K + k);
+            const T* wp = reinterpret_cast<const T*>(&wv);
+            #pragma unroll
+            for (int i = 0; i < VEC; ++i) wf[j][i] = static_cast<float>(wp[i]);
+        }
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)r * K + k));
+            const T* xp = reinterpret_cast<const T*>(&xv);
+            float xf[VEC];
+            #pragma unroll
+            for (int i = 0; i < VEC; ++i) xf[i] = static_cast<float>(xp[i]);
+            #pragma unroll
+            for (int j = 0; j < RW; ++j)
+                #pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[j][r] += wf[j][i] * xf[i];
+        }
+    }
+    #pragma unroll
+    for (int j = 0; j < RW; ++j)
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float v = acc[j][r];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+            if (lane == 0) out[(size_t)r * N + row0 + j] = static_cast<T>(v);
+        }
+"""
+
+_WARPS_PER_BLOCK = 8
+
+
+def available() -> bool:
+    """True where the kernel can run: a CUDA build of MLX with the GPU as default device."""
+    if os.environ.get("PREFIXTRACE_SKINNY_GEMM", "1") == "0":
+        return False
+    try:
+        return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    except AttributeError:  # an MLX without the CUDA module
+        return False
+
+
+@lru_cache(maxsize=1)
+def _kernel():
+    return mx.fast.cuda_kernel(name="prefixtrace_skinny_gemm", input_names=["x", "w"], output_names=["out"],
+                               source=_SOURCE)
+
+
+def rows_per_warp(rows: int, n: int) -> int:
+    """Weight rows each warp streams: more when x has more rows, so that each load of
+    x (from cache) serves several weight rows (measured, bench/bench_skinny_gemm.py)."""
+    rw = 2 if rows <= 2 else 4
+    while n % rw:
+        rw //= 2
+    return rw
+
+
+def skinny_matmul(x: mx.array, w: mx.array, rw: int | None = None) -> mx.array:
+    """x (R, K) @ w (N, K).T for R in 1..8, as one pass over w. CUDA only."""
+    rows, k = x.shape
+    n = w.shape[0]
+    rw = rw or rows_per_warp(rows, n)
+    return _kernel()(
+        inputs=[x.astype(w.dtype), w],
+        template=[("T", w.dtype), ("R", rows), ("K", k), ("N", n), ("RW", rw)],
+        grid=(n // rw * 32, 1, 1),
+        threadgroup=(32 * _WARPS_PER_BLOCK, 1, 1),
+        output_shapes=[(rows, n)],
+        output_dtypes=[w.dtype],
+    )[0]
+
+
+def use_kernel(rows: int, n: int) -> bool:
+    """Where the kernel beat MLX's matmul on the H200 (bench/bench_skinny_gemm.py,
+    docs/PERFORMANCE.md): 2-4 rows, except the LM head (N = 152k, where cuBLAS is
+    flat in the row count), and up to 8 rows for narrow outputs (N <= 2048, the
+    K/V projections). At 5-8 rows a wide projection becomes compute-bound on CUDA
+    cores (8 FMAs per weight per row) and cuBLAS's tensor-core kernels win."""
+    return (2 <= rows <= 4 and n < 65536) or (2 <= rows <= MAX_ROWS and n <= 2048)
+
+
+def _fits(weight: mx.array) -> bool:
+    return weight.ndim == 2 and weight.dtype in (mx.bfloat16, mx.float16) and weight.shape[1] % _K_MULTIPLE == 0
+
+
+class SkinnyLinear(nn.Linear):
+    """`nn.Linear` whose 2..8-row products go through `skinny_matmul` on CUDA."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "SkinnyLinear":
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)  # not nn.Linear's: it would allocate fresh random weights
+        new.weight = linear.weight
+        if "bias" in linear:
+            new.bias = linear.bias
+        return new
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = x.size // x.shape[-1]
+        if use_kernel(rows, self.weight.shape[0]) and _fits(self.weight) and available():
+            y = skinny_matmul(x.reshape(rows, x.shape[-1]), self.weight).reshape(*x.shape[:-1], -1)
+            return y + self.bias if "bias" in self else y
+        return super().__call__(x)
+
+
+def install(model: nn.Module) -> int:
+    """Swap every eligible `nn.Linear` of `model` for a `SkinnyLinear`; how many were
+    swapped (0 where the kernel cannot run, leaving the model as it was)."""
+    if not available():
+        return 0
+    swaps = [(name, SkinnyLinear.from_linear(m)) for name, m in model.named_modules()
+             if type(m) is nn.Linear and _fits(m.weight)]
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+        log.info("decode projections of 2-%d rows use the skinny GEMM kernel (%d layers)", MAX_ROWS, len(swaps))
+    return len(swaps)
