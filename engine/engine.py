@@ -21,7 +21,7 @@ from engine.model_files import load_model_dir
 from engine.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_DISK_BYTES, PrefixCache
 from engine.render_policy import DEFAULT_GUARD_TOKENS, BoundPolicy, NoticeRule, RenderPolicy, TemplateTraits
 from engine.scheduler import Scheduler
-from engine.tq_cache import TQConfig
+from engine.tq_cache import TQConfig, install_attention_hook
 from engine.sequence import Failed, Sequence
 from prefixtrace.errors import EngineError, EngineNotReady, PrefixtraceError
 
@@ -188,6 +188,8 @@ class Engine:
         try:
             self.model, self.tokenizer, config = self._loader()
             skinny_gemm.install(self.model)  # CUDA only: batched decode reads each weight once
+            if self.tq is not None:
+                install_attention_hook(self.model)  # attention in TurboQuant's rotated basis
             self.context_length = int(config.get("max_position_embeddings") or 4096)
             traits = TemplateTraits.from_tokenizer(self.tokenizer)
             self._bound_policy = BoundPolicy(

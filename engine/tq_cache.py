@@ -9,13 +9,15 @@ in the current call are always seen dense by that call. The representation is
 a function of (row, position, how the row's tokens arrived) only, never of the
 batch it sits in, so a row decodes to the same K/V alone or batched.
 
-Attention runs on the model's own SDPA: `update_and_fetch` returns decoded
-K/V (codebook lookup x norm, inverse rotation) in the keys' dtype. The class
-has no `bits` attribute on purpose: mlx-lm's `scaled_dot_product_attention`
-dispatches on `hasattr(cache, "bits")` to its affine quantised kernel, which
-cannot read these codes. The faster path of the paper (rotate the query once,
-attend over codebook values) needs an explicit attention hook; see
-docs/TURBOQUANT.md.
+Attention follows the paper: the query is rotated once and attends over
+codebook values x norms in the rotated basis, and the output is rotated back
+once; no cached vector is inverse-rotated. That needs a hook into mlx-lm's
+attention call (`install_attention_hook`, installed by `make_tq_cache`);
+without it `update_and_fetch`'s return value, decoded unrotated K/V in the
+keys' dtype, gives the same attention more slowly. The class has no `bits`
+attribute on purpose: mlx-lm's `scaled_dot_product_attention` dispatches on
+`hasattr(cache, "bits")` to its affine quantised kernel, which cannot read
+these codes.
 
 The batched form mirrors mlx-lm's `BatchKVCache` (merge/extend/filter/extract,
 left padding, per-row `offset`) and masks each row to its own columns.
@@ -32,7 +34,7 @@ from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 from engine.turboquant import get_codec
 
 __all__ = ["TurboQuantKVCache", "BatchTurboQuantKVCache", "TQConfig", "make_tq_cache", "to_turboquant",
-           "dense_copy", "dense_copy_bytes", "append_suffix"]
+           "install_attention_hook", "dense_copy", "dense_copy_bytes", "append_suffix"]
 
 DEFAULT_GROUP = 64
 
@@ -83,6 +85,7 @@ class TurboQuantKVCache(_BaseCache):
         self.v = _Codes()
         self.tail_k: mx.array | None = None  # dense values of positions [floor(offset), offset)
         self.tail_v: mx.array | None = None
+        self._step = None  # what the latest update_and_fetch's attention sees, for `attend`
 
     def codec(self, dim: int):
         return get_codec(dim, self.kv_bits, self.seed)
@@ -94,15 +97,34 @@ class TurboQuantKVCache(_BaseCache):
         self.v.write(prev, *cv.encode(values))
         b = min(prev, _floor(n, self.group))  # positions < b are seen decoded
         cut = b - _floor(prev, self.group)
+        # Positions [b, n), seen dense. The new tail is cut from these alone, so it
+        # never depends on (and never forces) a decode of the whole cache.
         dense_k = keys if self.tail_k is None else mx.concatenate([self.tail_k[:, :, cut:], keys], axis=2)
         dense_v = values if self.tail_v is None else mx.concatenate([self.tail_v[:, :, cut:], values], axis=2)
-        if b:
-            dense_k = mx.concatenate([ck.decode(self.k.norms[:, :, :b], self.k.codes[:, :, :b], keys.dtype), dense_k], 2)
-            dense_v = mx.concatenate([cv.decode(self.v.norms[:, :, :b], self.v.codes[:, :, :b], values.dtype), dense_v], 2)
+        self._step = (b, dense_k, dense_v)
         self.offset = n
-        keep = _floor(n, self.group)
+        keep = _floor(n, self.group) - b
         self.tail_k, self.tail_v = dense_k[:, :, keep:], dense_v[:, :, keep:]
-        return dense_k, dense_v
+        return self._fetch(rotated=False)
+
+    def _fetch(self, rotated: bool):
+        """The K/V of this step's attention: decoded positions [0, b) then the dense ones;
+        in the rotated basis (no inverse rotation of the cache) when `rotated`."""
+        b, dense_k, dense_v = self._step
+        out = []
+        for codes, dense in ((self.k, dense_k), (self.v, dense_v)):
+            codec = self.codec(dense.shape[-1])
+            decode = codec.decode_rotated if rotated else codec.decode
+            if rotated:
+                dense = codec.rotate(dense.astype(mx.float32)).astype(dense.dtype)
+            if b:
+                dense = mx.concatenate([decode(codes.norms[:, :, :b], codes.codes[:, :, :b], dense.dtype), dense], 2)
+            out.append(dense)
+        return out[0], out[1]
+
+    def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
+        """Attention of `queries` over this step's K/V (see `install_attention_hook`)."""
+        return _attend_rotated(self, queries, scale, mask)
 
     @classmethod
     def from_dense(cls, cache: KVCache, **kwargs) -> "TurboQuantKVCache":
@@ -208,6 +230,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         self.v = _Codes()
         self.win_k: mx.array | None = None
         self.win_v: mx.array | None = None
+        self._step = None
 
     def _lengths(self) -> list[int]:
         return [self._idx - p for p in self._pads]
@@ -226,21 +249,33 @@ class BatchTurboQuantKVCache(_BaseCache):
         ws = self._ws if self.win_k is not None else prev
         # Per row, columns >= its boundary are seen dense.
         bounds = [p + min(prev - p, _floor(new_idx - p, self.group)) for p in self._pads]
-        if prev == 0:
-            out_k, out_v = dense_k, dense_v
-        else:
-            cols = mx.arange(ws, new_idx)[None, None, :, None]
-            use_dense = cols >= mx.array(bounds)[:, None, None, None]
-            dec_k = ck.decode(self.k.norms[:, :, :new_idx], self.k.codes[:, :, :new_idx], keys.dtype)
-            dec_v = cv.decode(self.v.norms[:, :, :new_idx], self.v.codes[:, :, :new_idx], values.dtype)
-            out_k = mx.concatenate([dec_k[:, :, :ws], mx.where(use_dense, dense_k, dec_k[:, :, ws:])], axis=2)
-            out_v = mx.concatenate([dec_v[:, :, :ws], mx.where(use_dense, dense_v, dec_v[:, :, ws:])], axis=2)
+        self._step = (prev, new_idx, ws, bounds, dense_k, dense_v)
         self._idx = new_idx
         self.offset = self.offset + N
         new_ws = self._window_start()
         self.win_k, self.win_v = dense_k[:, :, new_ws - ws :], dense_v[:, :, new_ws - ws :]
         self._ws = new_ws
-        return out_k, out_v
+        return self._fetch(rotated=False)
+
+    def _fetch(self, rotated: bool):
+        prev, new_idx, ws, bounds, dense_k, dense_v = self._step
+        out = []
+        for codes, dense in ((self.k, dense_k), (self.v, dense_v)):
+            codec = get_codec(dense.shape[-1], self.kv_bits, self.seed)
+            if rotated:
+                dense = codec.rotate(dense.astype(mx.float32)).astype(dense.dtype)
+            if prev == 0:
+                out.append(dense)
+                continue
+            decode = codec.decode_rotated if rotated else codec.decode
+            cols = mx.arange(ws, new_idx)[None, None, :, None]
+            use_dense = cols >= mx.array(bounds)[:, None, None, None]
+            dec = decode(codes.norms[:, :, :new_idx], codes.codes[:, :, :new_idx], dense.dtype)
+            out.append(mx.concatenate([dec[:, :, :ws], mx.where(use_dense, dense, dec[:, :, ws:])], axis=2))
+        return out[0], out[1]
+
+    def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
+        return _attend_rotated(self, queries, scale, mask)
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
         if N == 1 and not any(self._pads):
@@ -388,6 +423,57 @@ class BatchTurboQuantKVCache(_BaseCache):
         return sum(a.nbytes for a in used) + self.win_k.nbytes + self.win_v.nbytes
 
 
+# --- attention in the rotated basis ------------------------------------------------
+
+
+def _attend_rotated(cache, queries: mx.array, scale: float, mask) -> mx.array:
+    """softmax(q K^T) V with q and K, V all rotated by the codec's Pi: scores are
+    unchanged (Pi is orthogonal), the output comes out rotated and is turned back
+    once per query instead of once per cached vector every step."""
+    keys, values = cache._fetch(rotated=True)
+    qc = get_codec(queries.shape[-1], cache.kv_bits, cache.seed)
+    vc = get_codec(values.shape[-1], cache.kv_bits, cache.seed)
+    q = qc.rotate(queries.astype(mx.float32)).astype(queries.dtype)
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    return vc.unrotate(out.astype(mx.float32)).astype(queries.dtype)
+
+
+def _hooked(original):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if sinks is None and isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):
+            # `keys`/`values` (the cache's unrotated K/V) go unused and, MLX being
+            # lazy, are never computed.
+            return cache.attend(queries, scale, mask)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention.prefixtrace_tq_hook = True
+    return scaled_dot_product_attention
+
+
+def install_attention_hook(model) -> int:
+    """Route attention over TurboQuant caches through `_attend_rotated`.
+
+    mlx-lm's attention modules call the `scaled_dot_product_attention` their own
+    module imported from `mlx_lm.models.base`; there is no per-cache dispatch
+    other than its affine-quantised branch. This rebinds that name, in each model
+    module `model` is built from, to a wrapper that hands TurboQuant caches to
+    their own `attend` and everything else to the original unchanged. Without the
+    hook a TurboQuant cache still gives the same attention (its `update_and_fetch`
+    returns decoded, unrotated K/V), only slower. Idempotent; returns the number of
+    modules rebound."""
+    import sys
+
+    done = 0
+    for name in {type(m).__module__ for _, m in model.named_modules()}:
+        module = sys.modules.get(name)
+        f = getattr(module, "scaled_dot_product_attention", None)
+        if f is None or getattr(f, "prefixtrace_tq_hook", False):
+            continue
+        module.scaled_dot_product_attention = _hooked(f)
+        done += 1
+    return done
+
+
 # --- building caches for a model -------------------------------------------------
 
 
@@ -397,6 +483,7 @@ def _dense_set(num_layers: int, dense_layers) -> set[int]:
 
 def make_tq_cache(model, bits: int = 4, seed: int = 0, dense_layers=(-1,), group: int = DEFAULT_GROUP) -> list:
     """One cache per layer: `TurboQuantKVCache`, or a dense `KVCache` for `dense_layers`."""
+    install_attention_hook(model)
     dense = _dense_set(len(model.layers), dense_layers)
     return [KVCache() if i in dense else TurboQuantKVCache(bits, seed, group) for i in range(len(model.layers))]
 

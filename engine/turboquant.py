@@ -113,6 +113,15 @@ class TurboQuantCodec:
         self._pidx, self._lsh, self._rsh, self._keep = (mx.array(a) for a in plan[1:5])
         self._w0, self._s0, self._w1, self._s1, self._spans = (mx.array(a) for a in plan[5:])
         self._mask = mx.array((1 << bits) - 1, dtype=mx.uint32)
+        # When bits divide 32 no code spans two words: unpack with shifts, no gathers.
+        self._shifts = mx.arange(0, 32, bits, dtype=mx.uint32) if 32 % bits == 0 else None
+        # When bits divide 8, one gather per byte of codes yields its 8 // bits codebook
+        # values at once (a 256-row table): the decode reads the codes once.
+        self._byte_table = None
+        if 8 % bits == 0:
+            per = 8 // bits
+            byte = np.arange(256)[:, None] >> (np.arange(per)[None, :] * bits) & ((1 << bits) - 1)
+            self._byte_table = mx.array(centroids.astype(np.float32)[byte])  # (256, per)
 
     # --- rotation ----------------------------------------------------------------
 
@@ -145,6 +154,9 @@ class TurboQuantCodec:
         return parts.sum(axis=-1).astype(mx.uint32)
 
     def unpack(self, packed: mx.array) -> mx.array:
+        if self._shifts is not None:
+            codes = (packed[..., None] >> self._shifts) & self._mask  # (..., words, 32 // bits)
+            return codes.reshape(*packed.shape[:-1], -1)[..., : self.dim]
         lo = packed[..., self._w0] >> self._s0
         hi = (packed[..., self._w1] << self._s1) * self._spans
         return (lo | hi) & self._mask
@@ -158,11 +170,25 @@ class TurboQuantCodec:
         unit = x / mx.maximum(norms, 1e-30)
         return norms, self.pack(self.quantize(self.rotate(unit)))
 
+    def lookup(self, packed: mx.array) -> mx.array:
+        """Codebook values (float32, rotated basis, unit norm) of packed codes."""
+        if self._byte_table is not None:
+            lead = packed.shape[:-1]
+            values = self._byte_table[mx.view(packed, mx.uint8)]  # little-endian: byte j holds codes j*per..
+            return values.reshape(*lead, -1)[..., : self.dim]
+        return self.centroids[self.unpack(packed).astype(mx.int32)]
+
     def decode(self, norms: mx.array, packed: mx.array, dtype=mx.float32) -> mx.array:
         if packed.size == 0:
             return mx.zeros((*packed.shape[:-1], self.dim), dtype)
-        y = self.centroids[self.unpack(packed).astype(mx.int32)]
-        return (self.unrotate(y) * norms).astype(dtype)
+        return (self.unrotate(self.lookup(packed)) * norms).astype(dtype)
+
+    def decode_rotated(self, norms: mx.array, packed: mx.array, dtype=mx.float32) -> mx.array:
+        """The vectors in the rotated basis (codebook value x norm, no inverse rotation):
+        attention with rotated queries needs only these, since Pi is orthogonal."""
+        if packed.size == 0:
+            return mx.zeros((*packed.shape[:-1], self.dim), dtype)
+        return (self.lookup(packed) * norms).astype(dtype)
 
     def nbytes_per_vector(self) -> int:
         return 4 * self.words + 4  # packed codes + a float32 norm

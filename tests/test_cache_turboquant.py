@@ -6,6 +6,7 @@ import queue
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache
 
 from engine.cache_blocks import TQLayer, cut, from_numpy, join, to_numpy
 from engine.engine import Engine
@@ -178,3 +179,67 @@ def test_restored_prefix_prefill_runs_dense_and_reuses_prefix_codes_bit_for_bit(
                     assert np.array_equal(g[:, :, :n], w)
     finally:
         e.shutdown()
+
+
+# --- attention in the rotated basis (engine.tq_cache.install_attention_hook) -----------
+
+
+def _tq_filled(cache, chunks, H=2, D=64, seed=3):
+    mx.random.seed(seed)
+    for n in chunks:
+        cache.update_and_fetch(mx.random.normal((1, H, n, D)), mx.random.normal((1, H, n, D)))
+    return cache
+
+
+def test_rotated_attention_equals_attention_over_the_decoded_cache():
+    cache = _tq_filled(TurboQuantKVCache(kv_bits=4, group=16), [70, 9])  # codes and a dense tail
+    for n in (1, 5):  # a decode step, and a chunk with a causal mask
+        keys, values = mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64))
+        dense_k, dense_v = cache.update_and_fetch(keys, values)
+        q = mx.random.normal((1, 4, n, 64))  # GQA: 4 query heads over 2 KV heads
+        mask = "causal" if n > 1 else None
+        ref = mx.fast.scaled_dot_product_attention(q, dense_k, dense_v, scale=0.125, mask=mask)
+        got = cache.attend(q, 0.125, mask)
+        assert mx.abs(got - ref).max().item() < 1e-4
+
+
+def test_rotated_attention_over_left_padded_rows():
+    rows = [_tq_filled(TurboQuantKVCache(kv_bits=3, group=16), chunks, seed=i)
+            for i, chunks in enumerate([[40], [7, 30, 1], [5]])]
+    batch = TurboQuantKVCache.merge(rows)
+    mask = batch.make_mask(1)  # as a model asks for it: before the layers add the new token
+    keys, values = mx.random.normal((3, 2, 1, 64)), mx.random.normal((3, 2, 1, 64))
+    dense_k, dense_v = batch.update_and_fetch(keys, values)
+    q = mx.random.normal((3, 2, 1, 64))
+    ref = mx.fast.scaled_dot_product_attention(q, dense_k, dense_v, scale=0.125, mask=mask)
+    assert mx.abs(batch.attend(q, 0.125, mask) - ref).max().item() < 1e-4
+
+
+def test_hook_routes_only_turboquant_caches():
+    from mlx_lm.models import llama
+
+    from engine.model_files import load_model_dir
+    from engine.tq_cache import install_attention_hook, make_tq_cache
+    from tests.conftest import TINY_MODEL
+
+    model, _, _ = load_model_dir(TINY_MODEL, "float32")
+    tokens = mx.array([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38] * 8])
+    dense_before = model(tokens, cache=[KVCache() for _ in model.layers])
+    install_attention_hook(model)
+    assert getattr(llama.scaled_dot_product_attention, "prefixtrace_tq_hook", False)
+    assert install_attention_hook(model) == 0  # idempotent
+    assert mx.array_equal(model(tokens, cache=[KVCache() for _ in model.layers]), dense_before)
+    # A TurboQuant cache gives the same logits through the hook as through its decoded K/V.
+    hooked = model(tokens, cache=make_tq_cache(model, bits=4, group=16))
+    original = llama.scaled_dot_product_attention
+    try:
+        from mlx_lm.models.base import scaled_dot_product_attention as plain
+        llama.scaled_dot_product_attention = plain
+        unhooked = model(tokens, cache=_tq_layers(model))
+    finally:
+        llama.scaled_dot_product_attention = original
+    assert mx.abs(hooked - unhooked).max().item() < 1e-3
+
+
+def _tq_layers(model):
+    return [KVCache() if i == len(model.layers) - 1 else TurboQuantKVCache(4, 0, 16) for i in range(len(model.layers))]
