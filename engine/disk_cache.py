@@ -23,6 +23,14 @@ Writes run on a writer thread: the engine thread hands over host (numpy)
 copies, and the writer frames, checksums, writes (temp file + rename, so a
 reader never sees half a block) and evicts least-recently-used unpinned files
 past the byte budget. The index is shared with the engine thread under a lock.
+
+Reads of a chain go ahead on a few reader threads (`get_many`): each reads
+one whole file with one `preadv` into a fresh numpy buffer and checks its CRC
+there (both release the GIL), a bounded window ahead of the engine thread,
+which takes the verified arrays in chain order. The index is only touched
+(LRU order, a damaged file dropped) as the engine thread takes a block, so a
+walk that stops early leaves the blocks it did not use exactly as they were.
+Reader threads never touch MLX or the index.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import queue
 import threading
 import zlib
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +53,13 @@ log = logging.getLogger("prefixtrace.cache")
 MAGIC = b"PTBLK\x00\x01\x00"
 _PREFIX = len(MAGIC) + 4
 _CRC = 4
+# Reader threads (their work is mostly waiting on the disk and CRC-32; 2 keep a
+# single-queue virtual disk busy, more help an SSD's queue), and how far a chain
+# read runs ahead of the engine thread: the files in flight (read or waiting to
+# be taken) stay under READ_AHEAD_BYTES (at least one), which bounds the host
+# memory a restore holds beyond its blocks.
+READ_THREADS = max(2, min(4, os.cpu_count() or 2))
+READ_AHEAD_BYTES = 128 << 20
 
 
 class CorruptBlock(Exception):
@@ -87,26 +103,89 @@ def read_header(f) -> tuple[dict, int]:
         raise CorruptBlock(f"unreadable header: {exc}") from exc
 
 
-def decode(data: bytes) -> tuple[dict, dict]:
-    """Verify a whole file's bytes; the header and {name: (array view, dtype)}."""
+def decode(data) -> tuple[dict, dict]:
+    """Verify a whole file's bytes (any buffer); the header and {name: (array view, dtype)}."""
+    data = memoryview(data).cast("B")
     if len(data) < _PREFIX or data[: len(MAGIC)] != MAGIC:
         raise CorruptBlock("bad magic or short file")
     hlen = int.from_bytes(data[len(MAGIC) : _PREFIX], "little")
     try:
-        header = json.loads(data[_PREFIX : _PREFIX + hlen])
+        header = json.loads(bytes(data[_PREFIX : _PREFIX + hlen]))
         total = _PREFIX + hlen + int(header["payload_bytes"]) + _CRC
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptBlock(f"unreadable header: {exc}") from exc
     if len(data) != total:
         raise CorruptBlock(f"size {len(data)} != {total}")
-    if zlib.crc32(memoryview(data)[_PREFIX : total - _CRC]) != int.from_bytes(data[total - _CRC :], "little"):
+    if zlib.crc32(data[_PREFIX : total - _CRC]) != int.from_bytes(data[total - _CRC :], "little"):
         raise CorruptBlock("checksum mismatch")
-    payload = memoryview(data)[_PREFIX + hlen : total - _CRC]
+    payload = data[_PREFIX + hlen : total - _CRC]
     arrays = {}
     for spec in header["arrays"]:
         a = np.frombuffer(payload, dtype=np.dtype(spec["np"]), count=int(np.prod(spec["shape"])), offset=spec["offset"])
         arrays[spec["name"]] = (a.reshape(spec["shape"]), spec["dtype"])
     return header, arrays
+
+
+def read_file(path: Path) -> np.ndarray:
+    """A whole file in one fresh buffer: one open, one fstat, one `preadv` (more only for a short read)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = np.empty(os.fstat(fd).st_size, np.uint8)
+        view, done = memoryview(buf), 0
+        while done < len(buf):
+            n = os.preadv(fd, [view[done:]], done)
+            if n == 0:  # the file shrank under us: decode() reports the short size
+                return buf[:done]
+            done += n
+        return buf
+    finally:
+        os.close(fd)
+
+
+class BlockReads:
+    """Blocks of a chain read ahead on the reader threads; `take` them in order.
+
+    A context manager: leaving it cancels the reads not yet started (the
+    running ones finish and are dropped, with no effect on the index).
+    """
+
+    def __init__(self, disk: DiskCache, keys: list[bytes]):
+        self._disk, self._keys, self._next = disk, list(keys), 0
+        self._ahead: dict[bytes, tuple[Future, int]] = {}
+        self._bytes = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._next < len(self._keys):
+            key = self._keys[self._next]
+            size = self._disk._size(key)
+            if self._ahead and self._bytes + size > READ_AHEAD_BYTES:
+                return
+            self._next += 1
+            if key not in self._ahead:
+                self._ahead[key] = (self._disk._pool().submit(self._disk._read, key), size)
+                self._bytes += size
+
+    def take(self, key: bytes) -> tuple[dict, dict] | None:
+        """What `DiskCache.get(key)` gives, from the read ahead when there is one."""
+        future, size = self._ahead.pop(key, (None, 0))
+        self._bytes -= size
+        self._fill()
+        if future is None:
+            return self._disk.get(key)
+        return self._disk._settle(key, future.result)
+
+    def close(self) -> None:
+        for future, _ in self._ahead.values():
+            future.cancel()
+        self._ahead.clear()
+        self._bytes, self._next = 0, len(self._keys)
+
+    def __enter__(self) -> BlockReads:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class DiskCache:
@@ -126,6 +205,7 @@ class DiskCache:
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="prefixtrace-cache-writer", daemon=True)
         self._writer.start()
+        self._readers: ThreadPoolExecutor | None = None  # started by the first chain read
 
     # --- asking (engine thread) -----------------------------------------------
 
@@ -142,16 +222,34 @@ class DiskCache:
 
     def get(self, key: bytes) -> tuple[dict, dict] | None:
         """The block's header and arrays, verified; None (a miss) for anything wrong."""
+        return self._settle(key, lambda: self._read(key))
+
+    def get_many(self, keys: list[bytes]) -> BlockReads:
+        """Read these blocks ahead (in order, a bounded window at a time) for `take`-ing in that order:
+
+            with disk.get_many(keys) as reads:
+                for key in keys:
+                    found = reads.take(key)   # as get(key)
+        """
+        return BlockReads(self, keys)
+
+    def _read(self, key: bytes) -> tuple[dict, dict]:
+        """Read and verify one file (any thread: no index, no MLX); raises on anything wrong."""
+        header, arrays = decode(read_file(self._path(key)))
+        if header["key"] != key.hex():
+            raise CorruptBlock("file holds another key")
+        return header, arrays
+
+    def _settle(self, key: bytes, read) -> tuple[dict, dict] | None:
+        """The engine thread takes one read (`read()` gives it or raises why not): the index
+        learns of a hit or of a damaged file."""
         path = self._path(key)
         try:
-            data = path.read_bytes()
-            header, arrays = decode(data)
-            if header["key"] != key.hex():
-                raise CorruptBlock("file holds another key")
+            header, arrays = read()
         except FileNotFoundError:
             self._forget(key)
             return None
-        except (CorruptBlock, OSError, ValueError) as exc:
+        except (CorruptBlock, OSError, ValueError, KeyError, TypeError) as exc:
             self.num_corrupt += 1
             log.warning("prefix cache: dropping corrupt block file %s (%s); treated as a miss", path, exc)
             self._forget(key, unlink=True)
@@ -164,6 +262,16 @@ class DiskCache:
         except OSError:
             pass
         return header, arrays
+
+    def _size(self, key: bytes) -> int:
+        with self._lock:
+            entry = self._index.get(key)
+        return entry.size if entry is not None else 0
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="prefixtrace-cache-reader")
+        return self._readers
 
     # --- acting ---------------------------------------------------------------
 
@@ -198,6 +306,9 @@ class DiskCache:
         self.flush()
         self._queue.put(None)
         self._writer.join(10)
+        if self._readers is not None:
+            self._readers.shutdown(wait=True, cancel_futures=True)
+            self._readers = None
 
     # --- the writer thread ----------------------------------------------------
 

@@ -24,6 +24,7 @@ and `lookup` returns `TurboQuantKVCache`s ready to use (docs/CACHE.md,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -138,14 +139,17 @@ class PrefixCache:
             return CacheHit(self._empty(), 0)
         bs, parent, pos = self.block_size, self.root, 0
         parts, chain = [], []
-        while pos + bs <= limit:
-            key = chain_hash(parent, tokens[pos : pos + bs])
-            block = self._fetch(key)
-            if block is None or list(block.tokens) != list(tokens[pos : pos + bs]):
-                break
-            parts.append((block.layers, bs))
-            chain.append(key)
-            parent, pos = key, pos + bs
+        keys = self._held_chain(tokens[:limit])
+        # The disk blocks of the chain are read and checked ahead on the reader
+        # threads while this thread turns the earlier ones into MLX arrays.
+        with self._disk_reads([k for k in keys if k not in self.memory]) as reads:
+            for key in keys:
+                block = self._fetch(key, reads)
+                if block is None or list(block.tokens) != list(tokens[pos : pos + bs]):
+                    break
+                parts.append((block.layers, bs))
+                chain.append(key)
+                parent, pos = key, pos + bs
         tail, n = self._best_child(parent, tokens[pos:limit])
         if tail is not None:
             parts.append((tail.layers, n))
@@ -232,6 +236,19 @@ class PrefixCache:
 
     # --- internals ----------------------------------------------------------------
 
+    def _held_chain(self, tokens) -> list[bytes]:
+        """The keys of `tokens`' full blocks up to the first one neither tier holds."""
+        keys, parent, bs = [], self.root, self.block_size
+        for start in range(0, len(tokens) - bs + 1, bs):
+            parent = chain_hash(parent, tokens[start : start + bs])
+            if parent not in self.memory and (self.disk is None or parent not in self.disk):
+                break
+            keys.append(parent)
+        return keys
+
+    def _disk_reads(self, keys: list[bytes]):
+        return self.disk.get_many(keys) if self.disk is not None and keys else contextlib.nullcontext()
+
     def _chain(self, tokens) -> list[bytes]:
         keys, parent, bs = [], self.root, self.block_size
         for start in range(0, len(tokens) - bs + 1, bs):
@@ -312,12 +329,13 @@ class PrefixCache:
                 return block, n
         return None, 0
 
-    def _fetch(self, key: bytes) -> Block | None:
+    def _fetch(self, key: bytes, reads=None) -> Block | None:
+        """The block from memory, else from disk (through `reads` when it reads ahead), promoted to memory."""
         block = self.memory.get(key)
         if block is not None or self.disk is None:
             return block
         t0 = time.perf_counter()
-        found = self.disk.get(key)
+        found = reads.take(key) if reads is not None else self.disk.get(key)
         if found is None:
             return None
         header, arrays = found
@@ -335,7 +353,6 @@ class PrefixCache:
         if self.memory.can_hold(block.nbytes):
             self.memory.put(block)
         return block
-
 
     def _exact_tq_prefix(self, parts: list, pos: int) -> tuple[list, int]:
         """The parts and length of the TurboQuant prefix to restore: `pos`, or its last
