@@ -1,6 +1,7 @@
 """Cache tiers (issue 5): warm vs cold TTFT, disk restore vs raw disk reads, block sizes.
 
     python bench/bench_cache_tiers.py [--tokens 4096] [--tiny] [--sizes 32,...,1024] [--trials 5] [--no-ttft]
+    python bench/bench_cache_tiers.py --random qwen3-8b --tokens 16384     # on the lent H200
 
 1. TTFT through the Engine API on a long prompt (CPU default model if it can be
    converted, else fixtures/tiny-llama): cold; the next turn (prompt + 32
@@ -49,6 +50,25 @@ def drop_page_cache(paths) -> None:
 
 def block_files(root: Path) -> list[Path]:
     return sorted(root.glob("*/*.blk"))
+
+
+def random_model(work: Path):
+    """A Qwen3-8B-shaped model with seeded random weights (GPU figures; no hub here) and a
+    directory holding its config, so the disk tier can fingerprint it across a restart."""
+    import mlx.core as mx
+
+    from bench.bench_scheduler import QWEN3_8B, random_loader
+
+    model_dir = work / "random-qwen3-8b"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(QWEN3_8B))
+    build = random_loader(QWEN3_8B)
+
+    def loader():
+        mx.random.seed(0)  # the same weights in the restarted engine
+        return build()
+
+    return model_dir, loader, "random Qwen3-8B shape (bfloat16)"
 
 
 def pick_model(tiny: bool):
@@ -234,16 +254,17 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, help="work directory (default: a temporary one under /tmp)")
     parser.add_argument("--trials", type=int, default=5, help="interleaved restore/raw trials (section 3)")
     parser.add_argument("--no-ttft", action="store_true", help="skip section 1 (its cold prefill is the slow part)")
+    parser.add_argument("--random", choices=["qwen3-8b"], help="random-weight model of this shape (GPU figures)")
     args = parser.parse_args()
-    if sys.platform == "linux" and not args.tiny:
+    if sys.platform == "linux" and not args.tiny and not args.random:
         from engine.cpu_runtime import maybe_reexec_with_openblas
 
         maybe_reexec_with_openblas()
     from engine.prefix_cache import DEFAULT_BLOCK_SIZE
 
-    model_dir, loader, label = pick_model(args.tiny)
-    model_dir_for_fp = model_dir
     work = Path(tempfile.mkdtemp(prefix="bench-cache-", dir=args.dir))
+    model_dir, loader, label = random_model(work) if args.random else pick_model(args.tiny)
+    model_dir_for_fp = model_dir
     rng = random.Random(0)
     model, _, config = loader()
     vocab = int(config["vocab_size"])
