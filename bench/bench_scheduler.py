@@ -99,23 +99,37 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return mx.random.randint(10, min(vocab, 30000) - 10, (n, length)).tolist()
 
 
-def aggregate_decode(engine: Engine, batch: int, tokens: int, vocab: int, together: bool = True) -> float:
+def aggregate_decode(engine: Engine, batch: int, tokens: int, vocab: int, together: bool = True,
+                     phases: dict | None = None) -> float:
     """Tokens/s of `batch` equal-length requests, from submission to the last finish.
     together: submitted in one call, so they prefill as one wave and decode unpadded;
-    otherwise one by one, as HTTP requests arrive (rows join at different lengths)."""
+    otherwise one by one, as HTTP requests arrive (rows join at different lengths).
+    `phases`, if given, also gets "decode": tokens after each row's first, over the span
+    from the first row's first token to the last row's end (the decode phase alone)."""
+    ends: dict[int, float] = {}
+
+    def watch(done, index):
+        def emit(ev):
+            if isinstance(ev, (Finished, Failed)):
+                ends[index] = time.perf_counter()  # runs on the engine thread as the row ends
+                done.put(ev)
+        return emit
+
     t0 = time.perf_counter()
+    rows = []
+    for i, p in enumerate(prompts(batch, 16, vocab, seed=batch)):
+        done = queue.Queue()
+        seq = Sequence(p, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True), watch(done, i))
+        rows.append((seq, done))
+        if not together:
+            engine.submit(seq)
     if together:
-        rows = []
-        for p in prompts(batch, 16, vocab, seed=batch):
-            done = queue.Queue()
-            seq = Sequence(p, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
-                           lambda ev, done=done: done.put(ev) if isinstance(ev, (Finished, Failed)) else None)
-            rows.append((seq, done))
         engine.submit_all([seq for seq, _ in rows])
-    else:
-        rows = [submit(engine, p, tokens) for p in prompts(batch, 16, vocab, seed=batch)]
     results = [finish(done) for _, done in rows]
     wall = time.perf_counter() - t0
+    if phases is not None:
+        first = min(ends[i] - r.decode_s for i, r in enumerate(results))
+        phases["decode"] = sum(r.completion_tokens - 1 for r in results) / (max(ends.values()) - first)
     return sum(r.completion_tokens for r in results) / wall
 
 
@@ -247,12 +261,19 @@ def main() -> None:
         aggregate_decode(engine, b, 8, vocab)  # warm-up: the first step at a new batch shape compiles kernels
     # Repeats outermost, so a drift in the machine's speed touches every batch size alike.
     runs = {(b, together): [] for b in sizes for together in (True, False)}
+    decode_phase = {b: [] for b in sizes}
     for _ in range(args.repeats):
         for b in sizes:
             for together in (True, False):
-                runs[b, together].append(aggregate_decode(engine, b, args.tokens, vocab, together))
+                phases = {}
+                runs[b, together].append(aggregate_decode(engine, b, args.tokens, vocab, together, phases))
+                if together:
+                    decode_phase[b].append(phases["decode"])
     agg = {b: statistics.median(runs[b, True]) for b in sizes}
     staggered = {b: statistics.median(runs[b, False]) for b in sizes}
+    phase = {b: statistics.median(decode_phase[b]) for b in sizes}
+    result["decode_phase_tok_s"] = {b: round(v, 2) for b, v in phase.items()}
+    result["decode_phase_speedup_vs_b1"] = {b: round(v / phase[1], 2) for b, v in phase.items()}
     result["aggregate_runs_tok_s"] = {f"B{b}{'' if t else '_one_by_one'}": [round(x, 1) for x in v]
                                       for (b, t), v in runs.items()}
     result["aggregate_decode_tok_s"] = {b: round(v, 2) for b, v in agg.items()}
