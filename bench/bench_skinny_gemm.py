@@ -39,13 +39,21 @@ def timed(fn, repeat: int = 10) -> float:
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--rw", default="1,2,4,8", help="rows-per-warp variants to time")
+    args = ap.parse_args()
+    row_counts = [int(r) for r in args.rows.split(",")]
+    rws = [int(r) for r in args.rw.split(",")]
     if not available():
         sys.exit("needs MLX's CUDA backend with the GPU as default device")
     report = {}
     for name, (n, k) in SHAPES.items():
         w = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
         mx.eval(w)
-        for rows in (1, 2, 4, 8):
+        for rows in row_counts:
             xs = [mx.random.normal((rows, k)).astype(mx.bfloat16) for _ in range(CHAIN)]
             mx.eval(xs)
             ref = (xs[0] @ w.T).astype(mx.float32)
@@ -54,7 +62,7 @@ def main() -> None:
             t_mlx = timed(lambda: mx.eval([x @ w.T for x in xs]))
             t_ours = timed(lambda: mx.eval([skinny_matmul(x, w) for x in xs]))
             per_rw = {}
-            for rw in (1, 2, 4, 8):
+            for rw in rws:
                 got = skinny_matmul(xs[0], w, rw).astype(mx.float32)
                 err = max(err, (mx.abs(got - ref).max() / mx.abs(ref).max()).item())
                 per_rw[rw] = round(1e6 * timed(lambda: mx.eval([skinny_matmul(x, w, rw) for x in xs])), 1)
