@@ -35,10 +35,11 @@ CONFIG_ENV = f"{ENV_PREFIX}_CONFIG"
 SHORT_ENV = {("serve",): None, ("import",): {"db"}}
 # Variables that already mean something else, so no option reads them: the
 # model cache root (engine/default_model.py), the CPU BLAS switches
-# (engine/cpu_runtime.py) and the config file itself. `serve --cache-dir` is
+# (engine/cpu_runtime.py), the CUDA skinny-GEMM switch (engine/skinny_gemm.py)
+# and the config file itself. `serve --cache-dir` is
 # therefore PREFIXTRACE_SERVE_CACHE_DIR only.
 RESERVED_ENV = {"PREFIXTRACE_CACHE_DIR", "PREFIXTRACE_OPENBLAS", "PREFIXTRACE_NO_OPENBLAS",
-                "PREFIXTRACE_OPENBLAS_PRELOADED", CONFIG_ENV}
+                "PREFIXTRACE_OPENBLAS_PRELOADED", "PREFIXTRACE_SKINNY_GEMM", CONFIG_ENV}
 
 
 def user_config_path() -> Path:
