@@ -238,7 +238,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     parser.add_argument("--only", choices=["fairness", "batch"], help="run just this part")
+    parser.add_argument("--decode-share", type=float, help="override scheduler.DECODE_PER_PREFILL_S (experiments)")
     args = parser.parse_args()
+    if args.decode_share is not None:
+        import engine.scheduler
+
+        engine.scheduler.DECODE_PER_PREFILL_S = args.decode_share
 
     if args.random:
         engine = Engine("random-" + args.random, loader=random_loader(QWEN3_8B), max_batch=8,
