@@ -46,9 +46,11 @@ class Engine:
         block_size: tokens per prefix-cache block (docs/CACHE.md).
         memory_ceiling_bytes: what weights + KV + prefill peak may use (default: 3/4 of the
             machine's or accelerator's memory, less the prefix cache's budget).
-        kv_quant: "none" or "turboquant" (KV of every layer but the last as TurboQuant codes,
+        kv_quant: "none" or "turboquant" (KV of every layer but `kv_dense_layers` as TurboQuant codes,
             docs/TURBOQUANT.md; the prefix cache then pages TurboQuant blocks, docs/CACHE.md).
         kv_bits: bits per coordinate with kv_quant="turboquant" (1..8).
+        kv_dense_layers: layer indices (negative from the end) whose KV stays dense under
+            TurboQuant; default the last layer.
         mid_system_policy: "fold", "inline" or "strict": later system/developer messages
             (docs/RENDER_POLICIES.md).
         thinking_retention: "loop", "template" or "all": which past reasoning the prompt keeps.
@@ -75,6 +77,7 @@ class Engine:
         memory_ceiling_bytes: int | None = None,
         kv_quant: str = "none",
         kv_bits: int = 4,
+        kv_dense_layers: tuple[int, ...] = (-1,),
         mid_system_policy: str = "inline",
         thinking_retention: str = "loop",
         thinking_retention_guard_tokens: int = DEFAULT_GUARD_TOKENS,
@@ -83,7 +86,7 @@ class Engine:
         if kv_quant not in ("none", "turboquant") or not 1 <= kv_bits <= 8:
             raise EngineError(f"kv_quant must be none|turboquant and kv_bits 1..8 (got {kv_quant!r}, {kv_bits})")
         self.kv_quant, self.kv_bits = kv_quant, kv_bits
-        self.tq = TQConfig(bits=kv_bits) if kv_quant == "turboquant" else None
+        self.tq = TQConfig(bits=kv_bits, dense_layers=tuple(kv_dense_layers)) if kv_quant == "turboquant" else None
         self.render_policy = RenderPolicy(
             mid_system_policy, thinking_retention, thinking_retention_guard_tokens,
             NoticeRule(notice_pattern) if notice_pattern is not None else NoticeRule(),

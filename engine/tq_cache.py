@@ -513,7 +513,10 @@ class TQConfig:
 
     @property
     def block_format(self) -> str:
-        return f"turboquant/{self.bits}/{self.seed}/{self.group}"
+        # Which layers are dense is part of the format: blocks of another layout must miss.
+        # The default layout keeps the name blocks were first written under.
+        dense = "" if self.dense_layers == (-1,) else "/dense" + ",".join(map(str, self.dense_layers))
+        return f"turboquant/{self.bits}/{self.seed}/{self.group}{dense}"
 
     def dense_set(self, num_layers: int) -> set[int]:
         return _dense_set(num_layers, self.dense_layers)

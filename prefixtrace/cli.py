@@ -42,6 +42,19 @@ def cli(ctx, config_file):
         ctx.default_map = load_default_map(path, cli)
 
 
+def _layer_indices(value) -> tuple[int, ...]:
+    """'-1' / '0,-1' / 'none' -> layer indices (a tuple passes through: defaults from a config file)."""
+    if isinstance(value, (tuple, list)):
+        return tuple(int(v) for v in value)
+    text = str(value).strip().lower()
+    if text in ("", "none"):
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated layer indices or 'none', got {value!r}") from None
+
+
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind. Loopback unless you ask otherwise.")
 @click.option("--port", default=8765, show_default=True, type=int, help="Port to listen on.")
@@ -69,6 +82,10 @@ def cli(ctx, config_file):
 @click.option("--kv-quant", default="none", show_default=True, type=click.Choice(["none", "turboquant"]),
               help="KV cache storage of the embedded engine: dense, or TurboQuant codes (docs/TURBOQUANT.md).")
 @click.option("--kv-bits", default=4, show_default=True, type=click.IntRange(1, 8), help="Bits per coordinate with --kv-quant turboquant.")
+@click.option("--kv-dense-layers", default="-1", show_default=True, metavar="INDICES",
+              callback=lambda ctx, param, value: _layer_indices(value),
+              help="With --kv-quant turboquant: layers whose KV stays dense, comma-separated (negative counts from "
+                   "the end), or 'none'.")
 @click.option("--mid-system-policy", default="inline", show_default=True, type=click.Choice(["fold", "inline", "strict"]),
               help="Later system/developer messages: merge into the head (re-prefills), keep in place as a marked "
                    "note, or reject with a 400 (docs/RENDER_POLICIES.md).")
@@ -85,7 +102,8 @@ def cli(ctx, config_file):
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
 @_library_errors
 def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
-          memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, mid_system_policy, thinking_retention,
+          memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
+          thinking_retention,
           thinking_retention_guard_tokens, notice_pattern, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
@@ -115,7 +133,8 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
     run_serve(ServeConfig(host=host, port=port, db=db, model=model, upstreams=list(upstreams), dtype=dtype,
                           cache_memory_gb=cache_memory_gb, memory_ceiling_gb=memory_ceiling_gb, prefill_chunk=prefill_chunk, max_batch=max_batch,
                           cache_dir=cache_dir, cache_disk_gb=cache_disk_gb, block_size=block_size,
-                          kv_quant=kv_quant, kv_bits=kv_bits, mid_system_policy=mid_system_policy,
+                          kv_quant=kv_quant, kv_bits=kv_bits, kv_dense_layers=kv_dense_layers,
+                          mid_system_policy=mid_system_policy,
                           thinking_retention=thinking_retention,
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
                           notice_pattern=notice_pattern, log_level=log_level))

@@ -35,6 +35,7 @@ class ServeConfig:
     block_size: int | None = None  # None: engine.prefix_cache.DEFAULT_BLOCK_SIZE
     kv_quant: str = "none"  # or "turboquant" (docs/TURBOQUANT.md)
     kv_bits: int = 4
+    kv_dense_layers: tuple[int, ...] = (-1,)  # layers kept dense under turboquant
     mid_system_policy: str = "inline"  # fold|inline|strict (docs/RENDER_POLICIES.md)
     thinking_retention: str = "loop"  # loop|template|all
     thinking_retention_guard_tokens: int = 30000
@@ -67,6 +68,7 @@ def build_backend(config: ServeConfig):
         cache_disk_bytes=int(config.cache_disk_gb * (1 << 30)),
         kv_quant=config.kv_quant,
         kv_bits=config.kv_bits,
+        kv_dense_layers=config.kv_dense_layers,
         mid_system_policy=config.mid_system_policy,
         thinking_retention=config.thinking_retention,
         thinking_retention_guard_tokens=config.thinking_retention_guard_tokens,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -94,3 +95,16 @@ def test_serve_with_no_model_converts_and_serves_the_bundled_default(tmp_path):
         assert r.status_code == 200
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
     assert any((tmp_path / "cache").rglob("config.json"))  # converted into the cache dir, once
+
+
+def test_kv_dense_layers_parse_from_the_command_line():
+    from click.testing import CliRunner
+
+    from prefixtrace.cli import cli
+
+    for given, expected in (("0,-1", [0, -1]), ("none", []), ("-1", [-1])):
+        out = CliRunner().invoke(cli, ["serve", "--print-config", "--kv-dense-layers", given])
+        assert out.exit_code == 0, out.output
+        assert json.loads(out.output)["options"]["kv_dense_layers"]["value"] == expected
+    bad = CliRunner().invoke(cli, ["serve", "--print-config", "--kv-dense-layers", "last"])
+    assert bad.exit_code != 0 and "layer indices" in bad.output

@@ -54,3 +54,22 @@ def test_unknown_kv_quant_is_refused():
         Engine(TINY_MODEL, kv_quant="int4")
     with pytest.raises(EngineError):
         Engine(TINY_MODEL, kv_quant="turboquant", kv_bits=9)
+
+
+def test_chosen_layers_stay_dense_and_get_their_own_block_format():
+    engine = tq_engine(kv_dense_layers=(0,))
+    try:
+        caches = engine.scheduler.adapt_cache(engine.prefix_cache.lookup([1, 2, 3]).cache)
+        assert not isinstance(caches[0], TurboQuantKVCache) and isinstance(caches[-1], TurboQuantKVCache)
+        seq, events = submit(engine, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        assert wait(events)[1].finish_reason == "length" and len(seq.output_ids) == 8
+        fmt = engine.tq.block_format
+    finally:
+        engine.shutdown()
+    assert fmt != tq_engine_format((-1,)) and tq_engine_format(()) != tq_engine_format((-1,))
+
+
+def tq_engine_format(dense_layers) -> str:
+    from engine.tq_cache import TQConfig
+
+    return TQConfig(bits=4, dense_layers=dense_layers).block_format
