@@ -20,7 +20,8 @@ makes a decode step of 8 rows cost about what one row costs.
 which takes this path only on a CUDA device for 2..8 rows of bf16/fp16 with
 K a multiple of 256 and falls back to the layer's own matmul otherwise (so on
 a CPU, where CI runs, nothing changes). Set PREFIXTRACE_SKINNY_GEMM=0 to
-leave the model untouched.
+leave the model untouched, or =mma to use the tensor-core variant (`_MMA_SOURCE`)
+for bf16 projections of 2,048-65,535 outputs (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-__all__ = ["SkinnyLinear", "install", "skinny_matmul", "available", "use_kernel", "MAX_ROWS"]
+__all__ = ["SkinnyLinear", "install", "skinny_matmul", "skinny_matmul_mma", "available", "use_kernel", "MAX_ROWS"]
 
 log = logging.getLogger("prefixtrace.engine")
 
@@ -86,6 +87,46 @@ _SOURCE = """
 
 _WARPS_PER_BLOCK = 8
 
+# Tensor-core variant for bf16: each warp computes 16 output features x 8 rows of x
+# with mma.sync m16n8k16, weight rows as A, x as B. A lane loads 8 consecutive k of
+# a weight row (one 16-byte load) and the same 8 k of its x row, and feeds them to
+# two mma steps; the k order inside a 32-wide tile is permuted identically for A and
+# B, which a sum over k does not see. Rows of x past R read as zeros.
+_MMA_SOURCE = """
+    const int lane = threadIdx.x & 31;
+    const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * 16;
+    if (n0 >= N) return;
+    const int g = lane >> 2, t = lane & 3;
+    const T* wg = w + (size_t)(n0 + g) * K + t * 8;
+    const T* wg8 = wg + (size_t)8 * K;
+    const bool has_x = g < R;
+    const T* xg = x + (size_t)(has_x ? g : 0) * K + t * 8;
+    float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
+    #pragma unroll 4
+    for (int k = 0; k < K; k += 32) {
+        uint4 a = *reinterpret_cast<const uint4*>(wg + k);
+        uint4 a8 = *reinterpret_cast<const uint4*>(wg8 + k);
+        uint4 b = has_x ? __ldg(reinterpret_cast<const uint4*>(xg + k)) : make_uint4(0, 0, 0, 0);
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+            : "r"(a.x), "r"(a8.x), "r"(a.y), "r"(a8.y), "r"(b.x), "r"(b.y));
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+            : "r"(a.z), "r"(a8.z), "r"(a.w), "r"(a8.w), "r"(b.z), "r"(b.w));
+    }
+    const int r0 = 2 * t, r1 = 2 * t + 1;
+    if (r0 < R) {
+        out[(size_t)r0 * N + n0 + g] = static_cast<T>(c0);
+        out[(size_t)r0 * N + n0 + g + 8] = static_cast<T>(c2);
+    }
+    if (r1 < R) {
+        out[(size_t)r1 * N + n0 + g] = static_cast<T>(c1);
+        out[(size_t)r1 * N + n0 + g + 8] = static_cast<T>(c3);
+    }
+"""
+
 
 def available() -> bool:
     """True where the kernel can run: a CUDA build of MLX with the GPU as default device."""
@@ -101,6 +142,26 @@ def available() -> bool:
 def _kernel():
     return mx.fast.cuda_kernel(name="prefixtrace_skinny_gemm", input_names=["x", "w"], output_names=["out"],
                                source=_SOURCE)
+
+
+@lru_cache(maxsize=1)
+def _mma_kernel():
+    return mx.fast.cuda_kernel(name="prefixtrace_skinny_gemm_mma", input_names=["x", "w"], output_names=["out"],
+                               source=_MMA_SOURCE)
+
+
+def skinny_matmul_mma(x: mx.array, w: mx.array) -> mx.array:
+    """x (R, K) @ w (N, K).T for R in 1..8 on tensor cores; bf16, N % 16 == 0, K % 32 == 0. CUDA only."""
+    rows, k = x.shape
+    n = w.shape[0]
+    return _mma_kernel()(
+        inputs=[x.astype(w.dtype), w],
+        template=[("T", w.dtype), ("R", rows), ("K", k), ("N", n)],
+        grid=(n // 16 * 32, 1, 1),
+        threadgroup=(32 * 4, 1, 1),
+        output_shapes=[(rows, n)],
+        output_dtypes=[w.dtype],
+    )[0]
 
 
 def rows_per_warp(rows: int, n: int) -> int:
@@ -125,6 +186,19 @@ def skinny_matmul(x: mx.array, w: mx.array, rw: int | None = None) -> mx.array:
         output_shapes=[(rows, n)],
         output_dtypes=[w.dtype],
     )[0]
+
+
+def _mma_enabled() -> bool:
+    # Opt-in until measured end to end: the kernel beat cuBLAS 1.4-1.9x per projection on the
+    # H200, but the one engine run with it landed on a host running at half speed.
+    return os.environ.get("PREFIXTRACE_SKINNY_GEMM") == "mma"
+
+
+def use_mma(n: int, dtype) -> bool:
+    """The tensor-core kernel, where it measured fastest for 2-8 rows (bench/bench_skinny_gemm.py):
+    bf16 projections of 2,048 to 65,535 outputs. Narrower ones have too few 16-row tiles to
+    fill the GPU, and for the LM head (152k outputs) cuBLAS stays ahead."""
+    return dtype == mx.bfloat16 and n % 16 == 0 and 2048 <= n < 65536
 
 
 def use_kernel(rows: int, n: int) -> bool:
@@ -154,8 +228,16 @@ class SkinnyLinear(nn.Linear):
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
-        if use_kernel(rows, self.weight.shape[0]) and _fits(self.weight) and available():
-            y = skinny_matmul(x.reshape(rows, x.shape[-1]), self.weight).reshape(*x.shape[:-1], -1)
+        n = self.weight.shape[0]
+        if 2 <= rows <= MAX_ROWS and _fits(self.weight) and available():
+            flat = x.reshape(rows, x.shape[-1])
+            if _mma_enabled() and use_mma(n, self.weight.dtype):
+                y = skinny_matmul_mma(flat, self.weight)
+            elif use_kernel(rows, n):
+                y = skinny_matmul(flat, self.weight)
+            else:
+                return super().__call__(x)
+            y = y.reshape(*x.shape[:-1], -1)
             return y + self.bias if "bias" in self else y
         return super().__call__(x)
 

@@ -54,3 +54,14 @@ def test_skinny_linear_keeps_a_bias():
     x = mx.random.normal((3, 256))
     assert mx.allclose(skinny(x), linear(x)).item()
     assert set(skinny.parameters()) == {"weight", "bias"}
+
+
+def test_kernel_choice_follows_the_measured_table():
+    import mlx.core as mx
+
+    assert skinny_gemm.use_mma(4096, mx.bfloat16) and skinny_gemm.use_mma(12288, mx.bfloat16)
+    assert not skinny_gemm.use_mma(1024, mx.bfloat16)  # K/V: too few 16-row tiles
+    assert not skinny_gemm.use_mma(151936, mx.bfloat16)  # LM head: cuBLAS is flat in the rows
+    assert not skinny_gemm.use_mma(4096, mx.float16)  # the mma instruction used is bf16
+    assert skinny_gemm.use_kernel(2, 12288) and skinny_gemm.use_kernel(8, 1024)
+    assert not skinny_gemm.use_kernel(8, 12288) and not skinny_gemm.use_kernel(1, 4096)
