@@ -1,9 +1,15 @@
 """Restored-prefix prefill (issue 5): suffix prefill after a restored TurboQuant prefix.
 
-    python bench/bench_restored_prefill.py [--prefix 4096] [--suffix 2048] [--chunk 512] [--tiny]
+    python bench/bench_restored_prefill.py [--prefix 2048] [--suffix 1024] [--chunk 256] [--repeat 3] [--tiny]
 
 In one run, on the CPU default model (else fixtures/tiny-llama), median of
-`--repeat` for each:
+`--repeat` for each. The default model is loaded as `prefixtrace serve` loads
+it: on Linux the bench first re-executes itself with OpenBLAS preloaded
+(engine.cpu_runtime.maybe_reexec_with_openblas), so `load_model` dequantizes
+SmolLM2 to dense float32 weights. Without that it runs MLX's quantized CPU
+matmul (~10 tok/s of prefill instead of ~200 on 2 cores): the reason a
+1024 + 1024 run once did not finish in 300 s. The JSON says which path ran
+(`blas`, `dense_weights`) and the load average before and after.
 
 * cold TQ: a TurboQuant prefill of prefix + suffix in `--chunk` chunks; the
   time of the suffix's chunks is "cold prefill of the same positions" (what a
@@ -14,7 +20,8 @@ In one run, on the CPU default model (else fixtures/tiny-llama), median of
   `TurboQuantKVCache`s (every chunk decodes the whole prefix again);
 * restored, dense path (the scheduler's choice when the copy fits): one dense
   copy of the restored layers, every chunk on `KVCache`, then the suffix
-  quantised and appended (`dense_copy` + chunks + `append_suffix`).
+  quantised and appended (`dense_copy` + chunks + `append_suffix`; the JSON
+  also gives the median of each part).
 
 Ratio = restored dense path / cold TQ suffix (target <= 1.0; upstream 2.41
 before its fix, 0.92 after). Prints JSON.
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -35,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from bench.bench_cache_tiers import pick_model  # noqa: E402
@@ -52,14 +61,23 @@ def prefill(model, tokens, cache, chunk) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--prefix", type=int, default=4096)
-    parser.add_argument("--suffix", type=int, default=2048)
-    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--prefix", type=int, default=2048)
+    parser.add_argument("--suffix", type=int, default=1024)
+    parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="use fixtures/tiny-llama")
     args = parser.parse_args()
+    if sys.platform == "linux" and not args.tiny:
+        from engine.cpu_runtime import maybe_reexec_with_openblas
+
+        maybe_reexec_with_openblas()  # as `prefixtrace serve`: OpenBLAS, hence dense float32 weights
+    load_start = os.getloadavg()[0]
     model_dir, loader, label = pick_model(args.tiny)
     model = loader()[0]
+    dense_weights = not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    if not dense_weights and sys.platform == "linux":
+        print("warning: quantized weights without OpenBLAS: MLX's slow CPU quantized matmul (~10 tok/s on SmolLM2)",
+              file=sys.stderr)
     vocab = model.args.vocab_size
     tokens = [(i * 7919 + 13) % (vocab - 10) + 5 for i in range(args.prefix + args.suffix)]
     head, tail = tokens[: args.prefix], tokens[args.prefix :]
@@ -73,7 +91,7 @@ def main() -> None:
         writer.close()
         reader = PrefixCache(model, max_bytes=0, cache_dir=work, model_dir=model_dir, tq=tq)  # every hit from disk
 
-        cold_tq, cold_dense, restored_tq, restored_dense, restore_s = [], [], [], [], []
+        cold_tq, cold_dense, restored_tq, restored_dense, restore_s, parts = [], [], [], [], [], []
         for _ in range(args.repeat):
             cache = tq.make_cache(model)
             prefill(model, head, cache, args.chunk)
@@ -91,9 +109,12 @@ def main() -> None:
             hit = reader.lookup(tokens)
             t0 = time.perf_counter()
             dense = dense_copy(hit.cache, len(tail))
-            prefill(model, tail, dense, args.chunk)
+            t1 = time.perf_counter()
+            chunks = prefill(model, tail, dense, args.chunk)
+            t2 = time.perf_counter()
             append_suffix(hit.cache, dense)
             restored_dense.append(time.perf_counter() - t0)
+            parts.append((t1 - t0, chunks, time.perf_counter() - t2))
         reader.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -102,13 +123,24 @@ def main() -> None:
         ("cold_tq_suffix_s", cold_tq), ("cold_dense_suffix_s", cold_dense), ("restored_quantised_path_s", restored_tq),
         ("restored_dense_path_s", restored_dense), ("disk_restore_s", restore_s))}
     print(json.dumps({
-        "model": label, "prefix": args.prefix, "suffix": args.suffix, "chunk": args.chunk, "repeat": args.repeat,
+        "model": label, "blas": os.environ.get("LD_PRELOAD") or "bundled reference BLAS",
+        "dense_weights": dense_weights, "loadavg_start": round(load_start, 2),
+        "loadavg_end": round(os.getloadavg()[0], 2),
+        "prefix": args.prefix, "suffix": args.suffix, "chunk": args.chunk, "repeat": args.repeat,
         **{k: round(v, 4) for k, v in med.items()},
         "ratio_dense_path_vs_cold_tq": round(med["restored_dense_path_s"] / med["cold_tq_suffix_s"], 3),
         "ratio_dense_path_vs_cold_dense": round(med["restored_dense_path_s"] / med["cold_dense_suffix_s"], 3),
         "ratio_quantised_path_vs_cold_tq": round(med["restored_quantised_path_s"] / med["cold_tq_suffix_s"], 3),
         "ratio_quantised_path_vs_cold_dense": round(med["restored_quantised_path_s"] / med["cold_dense_suffix_s"], 3),
+        "restored_dense_path_parts_s": {name: round(statistics.median(p[i] for p in parts), 4)
+                                        for i, name in enumerate(("dense_copy", "suffix_chunks", "append_suffix"))},
+        "runs_s": {"cold_tq": runs(cold_tq), "cold_dense": runs(cold_dense), "restored_quantised": runs(restored_tq),
+                   "restored_dense": runs(restored_dense)},
     }, indent=1))
+
+
+def runs(values: list[float]) -> list[float]:
+    return [round(v, 3) for v in values]
 
 
 if __name__ == "__main__":

@@ -1,24 +1,33 @@
 """TurboQuant KV quality, size and speed against the dense cache, side by side.
 
-    python bench/bench_turboquant.py            # tiny fixture model (+ the default model if installed)
+    python bench/bench_turboquant.py            # codec + tiny fixture model
     python bench/bench_turboquant.py --quick    # fewer samples
+    python bench/bench_turboquant.py --smollm2 --quick  # the bundled trained model, one sample (~3 min)
+    python bench/bench_turboquant.py --smollm2  # both samples, 1024 + 256 tokens (~10 min on 2 busy cores)
 
-Prints, per bit width: D_mse of unit vectors (the paper's per-vector figure),
+Default: per bit width, D_mse of unit vectors (the paper's per-vector figure),
 KV bytes vs bf16 at a 64-dim head, attention-output relative error and
 teacher-forced greedy next-token agreement vs dense on fixtures/tiny-llama
 (float32), then decode step time dense vs TurboQuant.
+
+--smollm2: the bundled SmolLM2-135M-Instruct loaded as `prefixtrace serve`
+loads it on the CPU (re-exec with OpenBLAS preloaded, dense float32 weights),
+real text from this repository (English docs, Python code). See
+`trained_model_quality`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -77,10 +86,12 @@ def _layer_inputs(model, tokens: mx.array):
     return inputs, caches
 
 
-def attention_error(model, tokens: mx.array, bits: int, seed: int = 0) -> list[float]:
+def attention_error(model, tokens: mx.array, bits: int, seed: int = 0, side: str = "kv", prepared=None) -> list[float]:
     """Per layer: |attn_tq - attn_dense| / |attn_dense| for the model's own queries
-    over the prompt (causal), with K/V from a TurboQuant copy of the dense cache."""
-    inputs, caches = _layer_inputs(model, tokens)
+    over the prompt (causal), with K/V from a TurboQuant copy of the dense cache.
+    `side` "k" or "v" quantises only the keys or only the values (the other stays dense);
+    `prepared` is `_layer_inputs(model, tokens)`, to reuse across calls."""
+    inputs, caches = prepared or _layer_inputs(model, tokens)
     errors = []
     for layer, h, cache in zip(model.model.layers, inputs, caches):
         attn = layer.self_attn
@@ -89,8 +100,10 @@ def attention_error(model, tokens: mx.array, bits: int, seed: int = 0) -> list[f
         q = attn.rope(attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3))
         k, v = cache.keys[:, :, :L], cache.values[:, :, :L]
         tq = to_turboquant([cache], bits=bits, seed=seed, dense_layers=())[0].to_dense()
+        tk = tq.keys if "k" in side else k
+        tv = tq.values if "v" in side else v
         ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask="causal")
-        out = mx.fast.scaled_dot_product_attention(q, tq.keys, tq.values, scale=attn.scale, mask="causal")
+        out = mx.fast.scaled_dot_product_attention(q, tk, tv, scale=attn.scale, mask="causal")
         errors.append((mx.linalg.norm(out - ref) / mx.linalg.norm(ref)).item())
     return errors
 
@@ -130,11 +143,225 @@ def decode_step_ms(model, caches, context: int, steps: int = 32, rows: int = 1) 
     return 1000 * statistics.median(times[steps // 4 :])
 
 
+# --- a trained model on real text -------------------------------------------------
+
+# Real text from this repository: English prose and Python code, read at a fixed commit
+# (the files keep changing; the figures in docs/PERFORMANCE.md are for this text).
+TEXT_SAMPLES = {
+    "docs": ("docs/ARCHITECTURE.md", "docs/CACHE.md", "docs/TURBOQUANT.md"),
+    "code": ("engine/scheduler.py", "engine/prefix_cache.py"),
+}
+TEXT_REV = "f086436"
+
+
+def read_text(path: str, rev: str | None = TEXT_REV) -> str:
+    """`path` as of commit `rev` (the working tree's copy when `rev` is None or git cannot say)."""
+    if rev:
+        done = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], capture_output=True, text=True)
+        if done.returncode == 0:
+            return done.stdout
+        print(f"{path} at {rev}: {done.stderr.strip()}; using the working tree's copy", file=sys.stderr)
+    return (ROOT / path).read_text()
+
+
+def text_tokens(tokenizer, name: str, n: int, rev: str | None = TEXT_REV) -> list[int]:
+    text = "\n\n".join(read_text(p, rev) for p in TEXT_SAMPLES[name])
+    ids = tokenizer.encode(text[: 8 * n])  # ≥ 2 characters a token, and no over-length warning
+    if len(ids) < n:
+        raise SystemExit(f"sample {name!r} has {len(ids)} tokens, {n} wanted")
+    return ids[:n]
+
+
+class SplitCache:
+    """Keys from one cache, values from another: TurboQuant on one side only (a diagnostic,
+    to tell whether keys or values carry the error). Both caches see every token."""
+
+    def __init__(self, key_cache, value_cache):
+        self.key_cache, self.value_cache = key_cache, value_cache
+
+    @property
+    def offset(self):
+        return self.key_cache.offset
+
+    def make_mask(self, *args, **kwargs):
+        return self.key_cache.make_mask(*args, **kwargs)
+
+    def update_and_fetch(self, keys, values):
+        k, _ = self.key_cache.update_and_fetch(keys, values)
+        _, v = self.value_cache.update_and_fetch(keys, values)
+        return k, v
+
+
+class Bfloat16KVCache(KVCache):
+    """Dense K/V rounded through bfloat16 (what a bf16 engine keeps): the floor a
+    near-lossless cache sets for these figures. Held as float32, counted as bf16."""
+
+    def update_and_fetch(self, keys, values):
+        return super().update_and_fetch(keys.astype(mx.bfloat16).astype(keys.dtype),
+                                        values.astype(mx.bfloat16).astype(values.dtype))
+
+
+def used_nbytes(cache) -> float:
+    """Bytes a layer's cache holds for its tokens (mlx-lm's caches allocate in steps of 256)."""
+    if isinstance(cache, SplitCache):  # both halves hold K and V alike: half of each
+        return (used_nbytes(cache.key_cache) + used_nbytes(cache.value_cache)) / 2
+    if isinstance(cache, (KVCache, QuantizedKVCache)) and cache.offset:
+        allocated = (cache.keys[0] if isinstance(cache, QuantizedKVCache) else cache.keys).shape[2]
+        scale = 0.5 if isinstance(cache, Bfloat16KVCache) and cache.keys.dtype == mx.float32 else 1.0
+        return cache.nbytes * cache.offset / allocated * scale
+    return cache.nbytes  # TurboQuantKVCache: exactly its codes, norms and dense tail
+
+
+def quality_configs(model, bits_list, affine_bits=(4,)) -> list[tuple[str, object]]:
+    """(name, cache factory) per setting: dense K/V rounded to bf16 (a floor); TurboQuant
+    with every layer quantised and with the last layer dense (the engine's default);
+    mlx-lm's affine QuantizedKVCache (group 64) at the same bits, as a baseline; at the
+    highest bit width, TurboQuant on the keys only / values only, and the same bytes
+    split unevenly (keys one bit more, values one bit less)."""
+    n = len(model.layers)
+    configs = [("bf16 KV (reference)", lambda: [Bfloat16KVCache() for _ in range(n)])]
+    for bits in bits_list:
+        configs.append((f"tq{bits} all layers", lambda b=bits: make_tq_cache(model, bits=b, dense_layers=())))
+        configs.append((f"tq{bits} last dense", lambda b=bits: make_tq_cache(model, bits=b)))
+        if bits in affine_bits:
+            configs.append((f"affine{bits} (mlx-lm)", lambda b=bits: [QuantizedKVCache(64, b) for _ in range(n)]))
+    top = max(bits_list)
+    configs.append((f"tq{top} keys only, all", lambda: [
+        SplitCache(TurboQuantKVCache(top), KVCache()) for _ in range(n)]))
+    configs.append((f"tq{top} values only, all", lambda: [
+        SplitCache(KVCache(), TurboQuantKVCache(top)) for _ in range(n)]))
+    configs.append((f"tq K{top + 1}/V{top - 1}, all", lambda: [
+        SplitCache(TurboQuantKVCache(top + 1), TurboQuantKVCache(top - 1)) for _ in range(n)]))
+    return configs
+
+
+def continuation_logits(model, tokens: list[int], cache, prompt: int, prefill_chunk: int = 512,
+                        step: int = 64) -> mx.array:
+    """Log-probs (C, vocab) over the continuation tokens[prompt:-1], teacher-forced.
+
+    The prompt is prefilled in `prefill_chunk` chunks (the engine's default), the
+    continuation in `step`-token chunks starting on a multiple of 64 (the TurboQuant
+    group): each position then sees the earlier groups decoded and its own group
+    dense, which is what a decode step sees (exactly, but for a group's last step)."""
+    x = mx.array(tokens)[None]
+    for start in range(0, prompt, prefill_chunk):
+        mx.eval(model(x[:, start : min(start + prefill_chunk, prompt)], cache=cache))
+    out = []
+    for start in range(prompt, len(tokens) - 1, step):
+        logits = model(x[:, start : min(start + step, len(tokens) - 1)], cache=cache)[0].astype(mx.float32)
+        out.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        mx.eval(out[-1])
+    return mx.concatenate(out, axis=0)
+
+
+def compare_logprobs(ref: mx.array, test: mx.array, targets: mx.array) -> dict:
+    """Greedy agreement, mean KL(ref || test), mean NLL change on the real next tokens,
+    and the reference's top-1 minus top-2 log-prob margin where argmax flips (median)."""
+    a, b = mx.argmax(ref, axis=-1), mx.argmax(test, axis=-1)
+    kl = mx.sum(mx.exp(ref) * (ref - test), axis=-1)
+    nll = lambda lp: -mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]  # noqa: E731
+    top2 = mx.sort(ref, axis=-1)[:, -2:]
+    margin = (top2[:, 1] - top2[:, 0]).tolist()
+    flips = [m for m, same in zip(margin, (a == b).tolist()) if not same]
+    return {"agree": mx.mean(a == b).item(), "kl": mx.mean(kl).item(),
+            "dnll": mx.mean(nll(test) - nll(ref)).item(), "flip_margin": statistics.median(flips) if flips else None,
+            "margin": statistics.median(margin)}
+
+
+def kv_bytes_per_token(cache, tokens: int) -> float:
+    return sum(used_nbytes(c) for c in cache) / tokens
+
+
+def trained_model_quality(model, tokenizer, samples, prompt: int, cont: int, bits_list, layers,
+                          affine_bits=(4,), rev: str | None = TEXT_REV) -> None:
+    """TurboQuant vs dense on a trained model and real text, side by side per sample."""
+    if prompt % 64:
+        raise SystemExit("--prompt must be a multiple of 64 (the TurboQuant group)")
+    configs = quality_configs(model, bits_list, affine_bits)
+    for name in samples:
+        tokens = text_tokens(tokenizer, name, prompt + cont + 1, rev)
+        targets = mx.array(tokens[prompt + 1 :])
+        t0 = time.perf_counter()
+        dense = make_prompt_cache(model)
+        ref = continuation_logits(model, tokens, dense, prompt)
+        dense_bytes = kv_bytes_per_token(dense, prompt + cont)
+        print(f"\nsample {name!r} ({', '.join(TEXT_SAMPLES[name])} at {rev or 'the working tree'}): "
+              f"prompt {prompt}, continuation {cont} teacher-forced; dense reference {time.perf_counter() - t0:.1f} s, "
+              f"NLL {-mx.mean(mx.take_along_axis(ref, targets[:, None], axis=-1)).item():.3f} nats/token, "
+              f"KV {dense_bytes:.0f} B/token (float32), load {os.getloadavg()[0]:.2f}")
+        print(f"  {'setting':<22} {'agree':>6} {'KL nats':>8} {'dNLL':>7} {'flip margin':>11} "
+              f"{'B/token':>8} {'/dense':>7} {'s':>5}")
+        for label, factory in configs:
+            t0 = time.perf_counter()
+            cache = factory()
+            r = compare_logprobs(ref, continuation_logits(model, tokens, cache, prompt), targets)
+            nb = kv_bytes_per_token(cache, prompt + cont)
+            flip = "-" if r["flip_margin"] is None else f"{r['flip_margin']:.2f}"
+            print(f"  {label:<22} {r['agree']:6.3f} {r['kl']:8.4f} {r['dnll']:+7.4f} {flip:>11} {nb:8.0f} "
+                  f"{nb / dense_bytes:7.3f} "
+                  f"{time.perf_counter() - t0:5.1f}")
+        print(f"  (median top-1 vs top-2 log-prob margin of the dense reference: {r['margin']:.2f})")
+        x = mx.array(tokens[:prompt])[None]
+        prepared = _layer_inputs(model, x)
+        print(f"  attention-output rel. error, {prompt}-token prompt, layers {layers}: K and V / K only / V only")
+        for bits in bits_list:
+            row = [attention_error(model, x, bits, side=side, prepared=prepared) for side in ("kv", "k", "v")]
+            cells = "  ".join(" / ".join(f"{errs[i]:.3f}" for errs in row) for i in layers)
+            means = " / ".join(f"{statistics.mean(errs):.3f}" for errs in row)
+            print(f"  tq{bits}: {cells}   mean over {len(row[0])} layers {means}")
+    print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
+
+
+def timings(name, model, contexts, rows_list):
+    print(f"\ndecode step ms, {name} (dense -> TurboQuant 4-bit, last layer dense)")
+    for context in contexts:
+        for rows in rows_list:
+            dense = decode_step_ms(model, lambda: make_prompt_cache(model), context, rows=rows)
+            tq = decode_step_ms(model, lambda: make_tq_cache(model, bits=4), context, rows=rows)
+            print(f"  context {context:>5}  rows {rows}: {dense:7.2f} -> {tq:7.2f}  ({tq / dense:.2f}x)")
+
+
+def smollm2_main(args) -> None:
+    if sys.platform == "linux":
+        from engine.cpu_runtime import maybe_reexec_with_openblas
+
+        maybe_reexec_with_openblas()  # as `prefixtrace serve`: OpenBLAS, hence dense float32 weights
+    from engine.cpu_runtime import load_model
+    from engine.default_model import default_model_dir
+
+    load_start = os.getloadavg()[0]
+    model, tokenizer = load_model(default_model_dir())
+    import mlx.nn as nn
+
+    dense_weights = not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    print(f"SmolLM2-135M-Instruct, float32 activations, {'dense' if dense_weights else 'QUANTIZED (slow path)'} "
+          f"weights, LD_PRELOAD={os.environ.get('LD_PRELOAD', '')}, load average {load_start:.2f}")
+    prompt, cont = (512, 128) if args.quick else (args.prompt, args.continuation)
+    samples = ("docs",) if args.quick else tuple(args.samples.split(","))
+    n = len(model.layers)
+    affine = tuple(int(b) for b in args.affine_bits.split(",") if b)
+    trained_model_quality(model, tokenizer, samples, prompt, cont, (2, 3, 4), (0, 1, n // 2, n - 2, n - 1), affine,
+                          args.text_rev or None)
+    if args.timing:
+        timings("SmolLM2-135M (default model)", model, (512, 2048), (1, 3))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-tiny-timing", action="store_true")
+    parser.add_argument("--smollm2", action="store_true", help="quality on the bundled trained model instead")
+    parser.add_argument("--prompt", type=int, default=1024, help="--smollm2: prompt tokens (multiple of 64)")
+    parser.add_argument("--continuation", type=int, default=256, help="--smollm2: teacher-forced tokens compared")
+    parser.add_argument("--samples", default="docs,code", help=f"--smollm2: of {','.join(TEXT_SAMPLES)}")
+    parser.add_argument("--text-rev", default=TEXT_REV,
+                        help="--smollm2: the commit the sample text is read at ('' for the working tree)")
+    parser.add_argument("--affine-bits", default="4",
+                        help="--smollm2: bit widths of the mlx-lm affine baseline (slow: its SDPA), e.g. 2,3,4")
+    parser.add_argument("--timing", action="store_true", help="--smollm2: also decode step times")
     args = parser.parse_args()
+    if args.smollm2:
+        return smollm2_main(args)
     n = 2048 if args.quick else 16384
 
     print("bits  D_mse(d=128)  paper  gaussian-LM  bytes/bf16(d=64)  bytes/bf16(d=128)")
@@ -154,33 +381,9 @@ def main() -> None:
         a_last = next_token_agreement(model, tokens, bits, dense_layers=(-1,))
         print(f"{bits:>4}  {' '.join(f'{e:.4f}' for e in err):>24}  {a_all:.3f} / {a_last:.3f}")
 
-    def timings(name, model, contexts, rows_list):
-        print(f"\ndecode step ms, {name} (dense -> TurboQuant 4-bit, last layer dense)")
-        for context in contexts:
-            for rows in rows_list:
-                dense = decode_step_ms(model, lambda: make_prompt_cache(model), context, rows=rows)
-                tq = decode_step_ms(model, lambda: make_tq_cache(model, bits=4), context, rows=rows)
-                print(f"  context {context:>5}  rows {rows}: {dense:7.2f} -> {tq:7.2f}  ({tq / dense:.2f}x)")
-
-    contexts = (512, 2048) if args.quick else (512, 2048, 8192)
     if not args.skip_tiny_timing:
-        timings("tiny-llama float32", model, contexts, (1, 3))
-    try:
-        from engine.default_model import default_model_dir
-
-        big, tok = load(default_model_dir(), None)
-    except Exception as exc:  # the default model's wheel may not be installed
-        print(f"\ndefault model unavailable: {exc}")
-        return
-    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()[:6000]
-    tokens = mx.array(tok.encode(text)[:512])[None]
-    print(f"\nSmolLM2-135M (default model, as loaded), {tokens.shape[1]}-token prompt of docs/ARCHITECTURE.md")
-    print("bits  attn rel err (mean / max over layers)  next-token agreement (all TQ / last layer dense)")
-    for bits in (2, 3, 4, 8):
-        err = attention_error(big, tokens, bits)
-        print(f"{bits:>4}  {statistics.mean(err):.4f} / {max(err):.4f}                      "
-              f"{next_token_agreement(big, tokens, bits):.3f} / {next_token_agreement(big, tokens, bits, (-1,)):.3f}")
-    timings("SmolLM2-135M (default model)", big, contexts, (1, 3))
+        timings("tiny-llama float32", model, (512, 2048) if args.quick else (512, 2048, 8192), (1, 3))
+    print("\nthe bundled trained model (SmolLM2-135M): python bench/bench_turboquant.py --smollm2")
 
 
 if __name__ == "__main__":
