@@ -138,7 +138,11 @@ class TurboQuantCodec:
     # --- scalar quantisation -----------------------------------------------------
 
     def quantize(self, y: mx.array) -> mx.array:
-        """Codes (uint32, unpacked) of rotated unit coordinates: binary search of the thresholds."""
+        """Codes (uint32, unpacked) of rotated unit coordinates: how many thresholds each
+        coordinate exceeds. Up to 4 bits one broadcast comparison against all thresholds
+        is cheaper than a binary search's gather per level; above that, binary search."""
+        if self.bits <= 4:
+            return (y[..., None] > self.thresholds).astype(mx.uint32).sum(axis=-1).astype(mx.uint32)
         code = mx.zeros(y.shape, dtype=mx.uint32)
         step = 1 << (self.bits - 1)
         while step:
@@ -149,6 +153,13 @@ class TurboQuantCodec:
 
     def pack(self, codes: mx.array) -> mx.array:
         """(..., dim) codes -> (..., words) uint32."""
+        if self._shifts is not None:  # no code spans two words: shift each into place, add
+            per = 32 // self.bits
+            pad = self.words * per - self.dim
+            if pad:
+                codes = mx.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, pad)])
+            codes = codes.reshape(*codes.shape[:-1], self.words, per)
+            return (codes << self._shifts).sum(axis=-1).astype(mx.uint32)
         parts = codes[..., self._pidx]  # (..., words, k)
         parts = ((parts << self._lsh) >> self._rsh) * self._keep
         return parts.sum(axis=-1).astype(mx.uint32)
