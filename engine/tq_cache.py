@@ -553,12 +553,17 @@ def dense_copy(cache_list: list, suffix: int) -> list:
         prev = c.offset
         b = min(prev, _floor(prev + suffix, c.group))
         cut = b - _floor(prev, c.group)
-        parts = []
+        # Room for the whole suffix up front: a KVCache that is exactly full copies all it
+        # holds into a bigger buffer on every chunk (mlx-lm grows it `step` tokens at a time).
+        room = -(-(prev + suffix) // KVCache.step) * KVCache.step
+        dense = KVCache()
+        bufs = []
         for codes, tail in ((c.k, c.tail_k), (c.v, c.tail_v)):
             decoded = c.codec(tail.shape[-1]).decode(codes.norms[:, :, :b], codes.codes[:, :, :b], tail.dtype)
-            parts.append(mx.concatenate([decoded, tail[:, :, cut:]], axis=2))
-        dense = KVCache()
-        dense.state = (parts[0], parts[1], prev)
+            buf = mx.zeros((*tail.shape[:2], room, tail.shape[3]), tail.dtype)
+            buf[:, :, :prev] = mx.concatenate([decoded, tail[:, :, cut:]], axis=2)
+            bufs.append(buf)
+        dense.keys, dense.values, dense.offset = bufs[0], bufs[1], prev
         out.append(dense)
     mx.eval([c.state for c in out if c.offset])
     return out
