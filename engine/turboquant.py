@@ -114,7 +114,9 @@ class TurboQuantCodec:
         self._w0, self._s0, self._w1, self._s1, self._spans = (mx.array(a) for a in plan[5:])
         self._mask = mx.array((1 << bits) - 1, dtype=mx.uint32)
         # When bits divide 32 no code spans two words: unpack with shifts, no gathers.
-        self._shifts = mx.arange(0, 32, bits, dtype=mx.uint32) if 32 % bits == 0 else None
+        # Built from numpy, not mx.arange: a lazy array would be tied to the creating thread's
+        # stream, and codecs are cached and shared across engine threads.
+        self._shifts = mx.array(np.arange(0, 32, bits, dtype=np.uint32)) if 32 % bits == 0 else None
         # When bits divide 8, one gather per byte of codes yields its 8 // bits codebook
         # values at once (a 256-row table): the decode reads the codes once.
         self._byte_table = None

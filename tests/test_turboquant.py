@@ -197,3 +197,27 @@ def test_tiny_model_quality_vs_dense(tiny):
     assert max(err8) < 0.06 and max(err4) < 0.45 and all(e8 < e4 for e4, e8 in zip(err4, err8))
     assert next_token_agreement(tiny, tokens, 8) > 0.9
     assert next_token_agreement(tiny, tokens, 4) > 0.3
+
+
+def test_a_codec_built_on_one_thread_encodes_on_another():
+    """Codecs are cached and shared; the engine thread runs on its own stream. An array the
+    codec built lazily on that stream could not be evaluated from another thread (seen in
+    the suite: "There is no Stream(cpu, N) in current thread")."""
+    import threading
+
+    from engine.turboquant import TurboQuantCodec
+
+    built = {}
+
+    def build():
+        with mx.stream(mx.new_stream(mx.cpu)):
+            built["codec"] = TurboQuantCodec(64, 4, seed=321)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    codec = built["codec"]
+    x = mx.random.normal((1, 2, 8, 64))
+    norms, codes = codec.encode(x)
+    assert codec.decode(norms, codes).shape == x.shape
+    assert mx.array_equal(codec.unpack(codes), codec.quantize(codec.rotate(x / norms)))
