@@ -250,7 +250,7 @@ class Scheduler:
             if job.quantised is not None:
                 self._requantise(job)
                 self.prefix_cache.commit(prompt[: job.pos], job.cache)
-            self._start_decoding(job)
+            self._start_decoding([job])
         elif job.seq.park_at is not None and job.pos >= job.seq.park_at and not job.seq.num_pauses:
             self._park_prefill()
 
@@ -302,10 +302,9 @@ class Scheduler:
         self.stats["waves"] += 1
         log.debug("prefilled %d sequences of %d tokens as one wave", len(jobs), n)
 
-    def _start_decoding(self, job: _Prefill | list[_Prefill], layers: list | None = None) -> None:
-        """Rows join the decode batch: one sequence on its own cache, or a wave on the
-        batched cache it was prefilled on."""
-        jobs = job if isinstance(job, list) else [job]
+    def _start_decoding(self, jobs: list[_Prefill], layers: list | None = None) -> None:
+        """Rows join the decode batch: one sequence on its own cache (`layers` None), or a
+        wave on the batched cache it was prefilled on."""
         seqs = [j.seq for j in jobs]
         joining = GenerationBatch(
             self.model,
@@ -317,8 +316,7 @@ class Scheduler:
             GREEDY,
             [[] for _ in seqs],
             [StopSequences() if seq.params.ignore_eos else self._eos_stops for seq in seqs],
-            [seq.params.max_tokens or min(self.default_max_tokens, self.context_length - seq.num_prompt_tokens)
-             for seq in seqs],
+            [self._max_tokens(seq) for seq in seqs],
         )
         if self.batch is None or len(self.batch) == 0:
             self.batch = joining

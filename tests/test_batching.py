@@ -67,6 +67,7 @@ def test_rows_of_very_different_lengths_decode_as_they_would_alone(params):
     running = [submit(engine, p, SamplingParams(**{f: getattr(params, f) for f in params.__slots__})) for p in PROMPTS]
     together = [(seq.output_ids, wait(events)[0]) for seq, events in running]
     assert engine.stats["peak_batch"] == 3
+    assert engine.stats["waves"] == 0  # different lengths never share a prefill
     engine.shutdown()
     lengths = [len(seq.prompt_ids) for seq, _ in running]
     assert max(lengths) > 10 * min(lengths)
