@@ -25,6 +25,7 @@ left padding, per-row `offset`) and masks each row to its own columns.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -461,8 +462,6 @@ def install_attention_hook(model) -> int:
     hook a TurboQuant cache still gives the same attention (its `update_and_fetch`
     returns decoded, unrotated K/V), only slower. Idempotent; returns the number of
     modules rebound."""
-    import sys
-
     done = 0
     for name in {type(m).__module__ for _, m in model.named_modules()}:
         module = sys.modules.get(name)
