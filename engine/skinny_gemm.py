@@ -130,8 +130,10 @@ _MMA_SOURCE = """
 """
 
 
+@lru_cache(maxsize=1)
 def available() -> bool:
-    """True where the kernel can run: a CUDA build of MLX with the GPU as default device."""
+    """True where the kernel can run: a CUDA build of MLX with the GPU as default device.
+    Decided once per process: every projection of every decode step asks."""
     if os.environ.get("PREFIXTRACE_SKINNY_GEMM", "1") == "0":
         return False
     try:
@@ -190,6 +192,7 @@ def skinny_matmul(x: mx.array, w: mx.array, rw: int | None = None) -> mx.array:
     )[0]
 
 
+@lru_cache(maxsize=1)
 def _mma_enabled() -> bool:
     # Opt-in until measured end to end: the kernel beat cuBLAS 1.4-1.9x per projection on the
     # H200, but the one engine run with it landed on a host running at half speed.
