@@ -23,21 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from engine.sequence import Failed, Finished, TextDelta
 from prefixtrace.errors import EngineError, InvalidRequest, PrefixtraceError, http_status
 from proxy import sse
-from proxy.chat_request import ChatRequest, parse_body, parse_chat_request
-from proxy.relay import record_durably, respond
+from proxy.chat_request import ChatRequest, parse_chat_request
+from proxy.relay import record_durably, serve_turn
 from proxy.turn_builder import TurnBuilder
 from proxy.upstream_backend import Relayed, map_httpx_errors
-from recorder.turn import Turn
 
 MESSAGES_PATH = "/v1/messages"
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
@@ -332,28 +329,9 @@ def add_messages_route(app: FastAPI, backend, recorder) -> None:
 
     @app.post(MESSAGES_PATH)
     async def messages(request: Request):
-        turn = Turn(
-            request_id=uuid.uuid4().hex, started_at=time.time(), endpoint=MESSAGES_PATH, upstream=backend.label,
-            request_body=None, request_headers=dict(request.headers),
-            client_addr=f"{request.client.host}:{request.client.port}" if request.client else None,
-        )
-        builder = TurnBuilder(turn)
-        raw = await request.body()
-        try:
-            body = parse_body(raw)
-            turn.request_body, turn.request_raw = body, raw.decode("utf-8", errors="replace")
-            req = to_chat_request(body, turn.request_headers)
-            turn.session_id, turn.stream = req.session_id, req.stream
-            chat = await open_messages(backend, req, builder, turn.request_headers)
-        except PrefixtraceError as exc:
-            if turn.request_body is None:
-                turn.request_body = raw.decode("utf-8", errors="replace")
-            status = http_status(exc)
-            await record_durably(recorder, builder.finish(status, exc.message))
-            return JSONResponse(to_anthropic_error(exc), status_code=status)
-        if isinstance(chat, UpstreamMessages):
-            turn.upstream = chat.url
-        return await respond(chat, builder, recorder, _stream(chat, builder, recorder), to_anthropic_error)
+        return await serve_turn(request, endpoint=MESSAGES_PATH, upstream=backend.label, recorder=recorder,
+                                parse=to_chat_request, open_reply=lambda req, builder, headers: open_messages(
+                                    backend, req, builder, headers), stream=_stream, error_body=to_anthropic_error)
 
 
 async def _stream(chat, builder: TurnBuilder, recorder):

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -20,11 +18,10 @@ from fastapi.responses import JSONResponse
 from prefixtrace.errors import PrefixtraceError, http_status, to_openai_error
 from proxy import sse
 from proxy.anthropic import add_messages_route
-from proxy.chat_request import parse_body, parse_chat_request
-from proxy.relay import TurnSink, record_durably, respond
+from proxy.chat_request import parse_chat_request
+from proxy.relay import TurnSink, record_durably, serve_turn
 from proxy.dashboard import observe
 from proxy.turn_builder import TurnBuilder
-from recorder.turn import Turn
 
 log = logging.getLogger("prefixtrace.proxy")
 CHAT_PATH = "/v1/chat/completions"
@@ -76,32 +73,9 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
 
     @app.post(CHAT_PATH)
     async def chat_completions(request: Request):
-        turn = Turn(
-            request_id=uuid.uuid4().hex,
-            started_at=time.time(),
-            endpoint=CHAT_PATH,
-            upstream=backend.label,
-            request_body=None,
-            request_headers=dict(request.headers),
-            client_addr=f"{request.client.host}:{request.client.port}" if request.client else None,
-        )
-        builder = TurnBuilder(turn)
-        raw = await request.body()
-        try:
-            body = parse_body(raw)
-            turn.request_body = body
-            turn.request_raw = raw.decode("utf-8", errors="replace")
-            req = parse_chat_request(body, turn.request_headers)
-            turn.session_id, turn.stream = req.session_id, req.stream
-            chat = await backend.open(req, builder, turn.request_headers)
-            turn.upstream = getattr(chat, "url", None) or turn.upstream  # the pool's pick
-        except PrefixtraceError as exc:
-            if turn.request_body is None:
-                turn.request_body = raw.decode("utf-8", errors="replace")
-            status = http_status(exc)
-            await record_durably(recorder, builder.finish(status, exc.message))
-            return JSONResponse(to_openai_error(exc), status_code=status)
-        return await respond(chat, builder, recorder, _stream_and_record(chat, builder, recorder), to_openai_error)
+        return await serve_turn(request, endpoint=CHAT_PATH, upstream=backend.label, recorder=recorder,
+                                parse=parse_chat_request, open_reply=backend.open, stream=_stream_and_record,
+                                error_body=to_openai_error)
 
     add_messages_route(app, backend, recorder)  # POST /v1/messages (Anthropic)
     return app

@@ -4,11 +4,15 @@ record the turn so that it survives a crash once the client has seen the end."""
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 from typing import Callable, Protocol
 
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefixtrace.errors import PrefixtraceError, http_status
+from proxy.chat_request import parse_body
 from proxy.turn_builder import TurnBuilder
 from recorder.turn import Turn
 
@@ -29,6 +33,39 @@ async def record_durably(recorder: TurnSink, turn: Turn) -> None:
         recorder.record(turn)
     else:
         await record_async(turn)
+
+
+async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder: TurnSink, parse, open_reply,
+                     stream, error_body: Callable[[PrefixtraceError], dict]):
+    """One proxied request, whatever its API: a `Turn` for it, the body parsed into a
+    request (`parse(body, headers)`), the backend's reply opened (`open_reply(req, builder,
+    headers)`), then `respond` with `stream(chat, builder, recorder)` as the SSE generator.
+    A bad body or a refusing backend is answered in the API's error shape and recorded."""
+    turn = Turn(
+        request_id=uuid.uuid4().hex,
+        started_at=time.time(),
+        endpoint=endpoint,
+        upstream=upstream,
+        request_body=None,
+        request_headers=dict(request.headers),
+        client_addr=f"{request.client.host}:{request.client.port}" if request.client else None,
+    )
+    builder = TurnBuilder(turn)
+    raw = await request.body()
+    try:
+        body = parse_body(raw)
+        turn.request_body, turn.request_raw = body, raw.decode("utf-8", errors="replace")
+        req = parse(body, turn.request_headers)
+        turn.session_id, turn.stream = req.session_id, req.stream
+        chat = await open_reply(req, builder, turn.request_headers)
+    except PrefixtraceError as exc:
+        if turn.request_body is None:
+            turn.request_body = raw.decode("utf-8", errors="replace")
+        status = http_status(exc)
+        await record_durably(recorder, builder.finish(status, exc.message))
+        return JSONResponse(error_body(exc), status_code=status)
+    turn.upstream = getattr(chat, "url", None) or turn.upstream  # the upstream (or pool member) that answered
+    return await respond(chat, builder, recorder, stream(chat, builder, recorder), error_body)
 
 
 async def respond(chat, builder: TurnBuilder, recorder: TurnSink, stream, error_body: Callable[[PrefixtraceError], dict]):
