@@ -62,21 +62,19 @@ class SessionGrouper:
         self._explicit: dict[str, Session] = {}
         self._inferred: list[Session] = []  # most recently active last
 
+    def _named(self, name: str, index: int, *, inferred: bool) -> Session:
+        s = self._explicit.get(name)
+        if s is None:
+            s = self._explicit[name] = Session(name, inferred=inferred)
+            self.sessions.append(s)
+        s.indices.append(index)
+        return s
+
     def add(self, index: int, session_id: str | None, keys: list[str] | None, roles: list[str] | None) -> Session:
         if session_id is not None:
-            s = self._explicit.get(session_id)
-            if s is None:
-                s = self._explicit[session_id] = Session(session_id, inferred=False)
-                self.sessions.append(s)
-            s.indices.append(index)
-            return s
+            return self._named(session_id, index, inferred=False)
         if keys is None:
-            s = self._explicit.get(UNRENDERABLE_SESSION)
-            if s is None:
-                s = self._explicit[UNRENDERABLE_SESSION] = Session(UNRENDERABLE_SESSION, inferred=True)
-                self.sessions.append(s)
-            s.indices.append(index)
-            return s
+            return self._named(UNRENDERABLE_SESSION, index, inferred=True)
         best, best_score = None, None
         for s in self._inferred:
             score = _score(s, keys, roles)
