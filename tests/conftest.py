@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sqlite3
 import threading
 import time
 from contextlib import contextmanager
@@ -18,6 +19,14 @@ from recorder.store import Recorder
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "fixtures" / "tiny-llama"
+
+
+def rows(recorder):
+    """Every recorded turn, oldest first, as dicts (after the writer has flushed)."""
+    recorder.flush()
+    con = sqlite3.connect(recorder.path)
+    con.row_factory = sqlite3.Row
+    return [dict(r) for r in con.execute("select * from turns order by started_at")]
 
 
 def free_port() -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 
 import pytest
 
@@ -13,17 +12,10 @@ from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 from proxy.upstream_backend import UpstreamBackend
 from recorder.store import Recorder
-from tests.conftest import running_server
+from tests.conftest import rows, running_server
 
 anthropic = pytest.importorskip("anthropic")
 SYSTEM = "You are a careful coding assistant. Answer briefly."
-
-
-def rows(recorder):
-    recorder.flush()
-    con = sqlite3.connect(recorder.path)
-    con.row_factory = sqlite3.Row
-    return [dict(r) for r in con.execute("select * from turns order by started_at")]
 
 
 def client(url: str):

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 
 import httpx
 import pytest
 
+from tests.conftest import rows
+
 SYSTEM = "You are a careful coding assistant. Answer briefly."
-
-
-def rows(recorder):
-    recorder.flush()
-    con = sqlite3.connect(recorder.path)
-    con.row_factory = sqlite3.Row
-    return [dict(r) for r in con.execute("select * from turns order by started_at")]
 
 
 def generation_prompt_tokens(engine) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
 import threading
 import time
 
@@ -16,14 +15,7 @@ from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 from proxy.upstream_backend import UpstreamBackend
 from recorder.store import Recorder
-from tests.conftest import free_port, running_server
-
-
-def rows(recorder):
-    recorder.flush()
-    con = sqlite3.connect(recorder.path)
-    con.row_factory = sqlite3.Row
-    return [dict(r) for r in con.execute("select * from turns order by started_at")]
+from tests.conftest import free_port, rows, running_server
 
 
 @pytest.fixture

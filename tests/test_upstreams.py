@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from prefixtrace.errors import UpstreamError, http_status
 from proxy.app import create_app
 from proxy.upstream_pool import HashRing, UpstreamPool, session_key
 from recorder.store import Recorder
-from tests.conftest import ROOT, TINY_MODEL, free_port, running_server
+from tests.conftest import ROOT, TINY_MODEL, free_port, rows, running_server
 
 # One upstream process: the embedded tiny engine behind a real prefixtrace proxy.
 UPSTREAM = """
@@ -33,13 +32,6 @@ engine.wait_ready(60)
 with Recorder(sys.argv[3]) as rec:
     uvicorn.run(create_app(EngineBackend(engine), rec), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
 """
-
-
-def rows(recorder):
-    recorder.flush()
-    con = sqlite3.connect(recorder.path)
-    con.row_factory = sqlite3.Row
-    return [dict(r) for r in con.execute("select * from turns order by started_at")]
 
 
 @pytest.fixture
