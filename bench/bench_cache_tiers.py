@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import random
 import shutil
 import sys
@@ -88,25 +87,8 @@ def pick_model(tiny: bool):
     return model_dir, lambda: load_model_dir(model_dir, "float32"), "tiny-llama (float32 fixture)"
 
 
-def ttft(engine, prompt) -> tuple[float, int]:
-    from engine.sampling import SamplingParams
-    from engine.sequence import Failed, Finished, Sequence
-
-    events: queue.Queue = queue.Queue()
-    seq = Sequence(list(prompt), SamplingParams(temperature=0.0, max_tokens=1), events.put)
-    t0 = time.perf_counter()
-    engine.submit(seq)
-    first = None
-    while True:
-        event = events.get(timeout=600)
-        first = first or time.perf_counter()
-        if isinstance(event, Failed):
-            raise event.error
-        if isinstance(event, Finished):
-            return first - t0, event.cached_tokens
-
-
 def engine_ttfts(model_dir, loader, prompt, turn, other_turn, block_size, cache_dir):
+    from bench.engine_io import ttft
     from engine.engine import Engine
 
     def start():

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import random
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,25 +123,8 @@ def model_dir_with_template(src: Path, template: Path, dst: Path) -> Path:
     return dst
 
 
-def prefill(engine, token_ids: list[int]) -> tuple[float, int]:
-    """(seconds to the first token, cached prompt tokens) of one greedy 1-token request."""
-    from engine.sampling import SamplingParams
-    from engine.sequence import Failed, Finished, Sequence
-
-    events: queue.Queue = queue.Queue()
-    t0 = time.perf_counter()
-    engine.submit(Sequence(list(token_ids), SamplingParams(temperature=0.0, max_tokens=1), events.put))
-    first = None
-    while True:
-        event = events.get(timeout=600)
-        first = first or time.perf_counter()
-        if isinstance(event, Failed):
-            raise event.error
-        if isinstance(event, Finished):
-            return first - t0, event.cached_tokens
-
-
 def replay(model_dir: Path, loader, bodies: list[dict], mid: str, retention: str, block_size: int) -> dict:
+    from bench.engine_io import ttft as prefill
     from engine.engine import Engine
 
     engine = Engine(model_dir, loader=loader, block_size=block_size, mid_system_policy=mid,
