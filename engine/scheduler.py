@@ -306,27 +306,29 @@ class Scheduler:
         """Rows join the decode batch: one sequence on its own cache (`layers` None), or a
         wave on the batched cache it was prefilled on."""
         seqs = [j.seq for j in jobs]
-        joining = GenerationBatch(
-            self.model,
-            [seq.seq_id for seq in seqs],
-            mx.array([seq.prompt_ids[-1] for seq in seqs]),
-            layers if layers is not None else [_batch_of_one(layer) for layer in jobs[0].cache],
-            [list(seq.prompt_ids[:-1]) for seq in seqs],
-            [seq.params.make_sampler() for seq in seqs],
-            GREEDY,
-            [[] for _ in seqs],
-            [StopSequences() if seq.params.ignore_eos else self._eos_stops for seq in seqs],
-            [self._max_tokens(seq) for seq in seqs],
-        )
-        if self.batch is None or len(self.batch) == 0:
-            self.batch = joining
-        else:
-            self.batch.extend(joining)
+        self._join(seqs, [seq.prompt_ids[-1] for seq in seqs],
+                   layers if layers is not None else [_batch_of_one(layer) for layer in jobs[0].cache],
+                   [list(seq.prompt_ids[:-1]) for seq in seqs], [seq.params.make_sampler() for seq in seqs],
+                   [self._max_tokens(seq) for seq in seqs])
         self.stats["peak_batch"] = max(self.stats["peak_batch"], len(self.batch))
         for j in jobs:
             params = j.seq.params
             self.rows[j.seq.seq_id] = _Row(j.seq, self.tokenizer.detokenizer, StopMatcher(params.stop),
                                            started_at=j.started_at)
+
+    def _join(self, seqs: list[Sequence], inputs: list[int], layers: list, cached_ids: list[list[int]],
+              samplers: list, max_tokens: list[int]) -> None:
+        """Add rows to the decode batch: `inputs` are the tokens each row feeds next, `layers`
+        their batched cache holding `cached_ids`."""
+        joining = GenerationBatch(
+            self.model, [seq.seq_id for seq in seqs], mx.array(inputs), layers, cached_ids, samplers, GREEDY,
+            [[] for _ in seqs], [StopSequences() if seq.params.ignore_eos else self._eos_stops for seq in seqs],
+            max_tokens,
+        )
+        if self.batch is None or len(self.batch) == 0:
+            self.batch = joining
+        else:
+            self.batch.extend(joining)
 
     # --- decode ------------------------------------------------------------------
 
@@ -511,22 +513,8 @@ class Scheduler:
 
     def _rejoin(self, paused: _Paused, cache: list) -> None:
         seq = paused.seq
-        joining = GenerationBatch(
-            self.model,
-            [seq.seq_id],
-            mx.array([paused.pending]),
-            [_batch_of_one(layer) for layer in cache],
-            [paused.cached_ids],
-            [paused.sampler],
-            GREEDY,
-            [[]],
-            [StopSequences() if seq.params.ignore_eos else self._eos_stops],
-            [paused.remaining],
-        )
-        if self.batch is None or len(self.batch) == 0:
-            self.batch = joining
-        else:
-            self.batch.extend(joining)
+        self._join([seq], [paused.pending], [_batch_of_one(layer) for layer in cache], [paused.cached_ids],
+                   [paused.sampler], [paused.remaining])
         self.rows[seq.seq_id] = paused.row
         self._just_resumed.add(seq.seq_id)
 
