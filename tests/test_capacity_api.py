@@ -1,8 +1,6 @@
-"""The capacity surface over HTTP: /v1/capacity, X-Max-Context-Tokens, never-fits in under 0.2 s."""
+"""The capacity surface over HTTP: /v1/capacity, X-Max-Context-Tokens, never-fits refused before any work."""
 
 from __future__ import annotations
-
-import time
 
 import httpx
 
@@ -29,11 +27,13 @@ def test_capacity_endpoint_header_and_never_fits(recorder):
                         json={"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
         assert ok.status_code == 200 and ok.headers["X-Max-Context-Tokens"] == str(limit)
 
-        t0 = time.perf_counter()
+        # Refused before the engine does anything (no absolute time bound: the machines are noisy,
+        # and session 1's `elapsed < 0.2` failed 1 run in 3 under load at 0.24 s).
+        before = dict(engine.stats)
         r = httpx.post(url + "/v1/chat/completions", timeout=60,
                        json={"max_tokens": limit, "messages": [{"role": "user", "content": "hi"}]})
-        elapsed = time.perf_counter() - t0
-        assert r.status_code == 400 and elapsed < 0.2
+        assert r.status_code == 400
+        assert engine.stats["requests"] == before["requests"] and engine.stats["prompt_tokens"] == before["prompt_tokens"]
         error = r.json()["error"]
         assert error["code"] == "context_exceeds_capacity" and error["retryable"] is False
         for key in FIELDS + ("prompt_tokens", "max_tokens"):
