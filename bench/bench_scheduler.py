@@ -31,6 +31,7 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from engine import skinny_gemm  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.sequence import Failed, Finished, Sequence  # noqa: E402
@@ -239,6 +240,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     parser.add_argument("--only", choices=["fairness", "batch"], help="run just this part")
     parser.add_argument("--decode-share", type=float, help="override scheduler.DECODE_PER_PREFILL_S (experiments)")
+    parser.add_argument("--skinny", help="GPU: comma-separated skinny GEMM modes (off,cuda,mma) to compare in this "
+                        "run, interleaved within each repeat; figures are reported per mode")
     args = parser.parse_args()
     if args.decode_share is not None:
         import engine.scheduler
@@ -262,34 +265,50 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     sizes = (1, 2, 4, 8)
-    for b in sizes:
-        aggregate_decode(engine, b, 8, vocab)  # warm-up: the first step at a new batch shape compiles kernels
-    # Repeats outermost, so a drift in the machine's speed touches every batch size alike.
-    runs = {(b, together): [] for b in sizes for together in (True, False)}
-    decode_phase = {b: [] for b in sizes}
-    for _ in range(args.repeats):
+    modes = args.skinny.split(",") if args.skinny else [skinny_gemm.mode()]
+    for kind in modes:
+        skinny_gemm.set_mode(kind)
         for b in sizes:
-            for together in (True, False):
-                phases = {}
-                runs[b, together].append(aggregate_decode(engine, b, args.tokens, vocab, together, phases))
-                if together:
-                    decode_phase[b].append(phases["decode"])
-    agg = {b: statistics.median(runs[b, True]) for b in sizes}
-    staggered = {b: statistics.median(runs[b, False]) for b in sizes}
-    phase = {b: statistics.median(decode_phase[b]) for b in sizes}
-    result["decode_phase_tok_s"] = {b: round(v, 2) for b, v in phase.items()}
-    result["decode_phase_speedup_vs_b1"] = {b: round(v / phase[1], 2) for b, v in phase.items()}
-    result["aggregate_runs_tok_s"] = {f"B{b}{'' if t else '_one_by_one'}": [round(x, 1) for x in v]
-                                      for (b, t), v in runs.items()}
-    result["aggregate_decode_tok_s"] = {b: round(v, 2) for b, v in agg.items()}
-    result["batch_speedup_vs_b1"] = {b: round(v / agg[1], 2) for b, v in agg.items()}
-    result["one_by_one_decode_tok_s"] = {b: round(v, 2) for b, v in staggered.items()}
-    result["one_by_one_speedup_vs_b1"] = {b: round(v / agg[1], 2) for b, v in staggered.items()}
-    for name, padded in (("generation_batch_alone", False), ("generation_batch_alone_padded", True)):
-        steady = {b: statistics.median(steady_batch_decode(engine.model, b, args.tokens, vocab, padded)
-                                       for _ in range(args.repeats)) for b in (1, 2, 4, 8)}
-        result[f"{name}_tok_s"] = {b: round(v, 2) for b, v in steady.items()}
-        result[f"{name}_speedup_vs_b1"] = {b: round(v / steady[1], 2) for b, v in steady.items()}
+            aggregate_decode(engine, b, 8, vocab)  # warm-up: the first step at a new batch shape compiles kernels
+    # Repeats outermost, then modes, so a drift in the machine's speed touches every batch size and mode alike.
+    runs = {(kind, b, together): [] for kind in modes for b in sizes for together in (True, False)}
+    decode_phase = {(kind, b): [] for kind in modes for b in sizes}
+    for _ in range(args.repeats):
+        for kind in modes:
+            skinny_gemm.set_mode(kind)
+            for b in sizes:
+                for together in (True, False):
+                    phases = {}
+                    runs[kind, b, together].append(aggregate_decode(engine, b, args.tokens, vocab, together, phases))
+                    if together:
+                        decode_phase[kind, b].append(phases["decode"])
+    steady_runs = {(kind, padded, b): [] for kind in modes for padded in (False, True) for b in sizes}
+    for _ in range(args.repeats):
+        for kind in modes:
+            skinny_gemm.set_mode(kind)
+            for padded in (False, True):
+                for b in sizes:
+                    steady_runs[kind, padded, b].append(steady_batch_decode(engine.model, b, args.tokens, vocab, padded))
+    for kind in modes:
+        out = result
+        if len(modes) > 1:
+            out = result.setdefault("skinny_gemm", {}).setdefault(kind, {})
+        agg = {b: statistics.median(runs[kind, b, True]) for b in sizes}
+        staggered = {b: statistics.median(runs[kind, b, False]) for b in sizes}
+        phase = {b: statistics.median(decode_phase[kind, b]) for b in sizes}
+        out["decode_phase_tok_s"] = {b: round(v, 2) for b, v in phase.items()}
+        out["decode_phase_speedup_vs_b1"] = {b: round(v / phase[1], 2) for b, v in phase.items()}
+        out["aggregate_runs_tok_s"] = {f"B{b}{'' if t else '_one_by_one'}": [round(x, 1) for x in runs[kind, b, t]]
+                                       for b in sizes for t in (True, False)}
+        out["aggregate_decode_tok_s"] = {b: round(v, 2) for b, v in agg.items()}
+        out["batch_speedup_vs_b1"] = {b: round(v / agg[1], 2) for b, v in agg.items()}
+        out["one_by_one_decode_tok_s"] = {b: round(v, 2) for b, v in staggered.items()}
+        out["one_by_one_speedup_vs_b1"] = {b: round(v / agg[1], 2) for b, v in staggered.items()}
+        for name, padded in (("generation_batch_alone", False), ("generation_batch_alone_padded", True)):
+            steady = {b: statistics.median(steady_runs[kind, padded, b]) for b in sizes}
+            out[f"{name}_tok_s"] = {b: round(v, 2) for b, v in steady.items()}
+            out[f"{name}_speedup_vs_b1"] = {b: round(v / steady[1], 2) for b, v in steady.items()}
+    agg = {b: statistics.median(runs[modes[0], b, True]) for b in sizes}  # B=1 takes no skinny path: any mode
     plain = statistics.median(mlx_lm_loop(engine.model, args.tokens, vocab) for _ in range(args.repeats))
     result["mlx_lm_loop_b1_tok_s"] = round(plain, 2)
     result["engine_b1_vs_mlx_lm_loop"] = round(agg[1] / plain, 3)

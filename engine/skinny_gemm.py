@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-__all__ = ["SkinnyLinear", "install", "skinny_matmul", "skinny_matmul_mma", "available", "use_kernel", "MAX_ROWS"]
+__all__ = ["SkinnyLinear", "install", "skinny_matmul", "skinny_matmul_mma", "available", "mode", "set_mode", "use_kernel", "MAX_ROWS"]
 
 log = logging.getLogger("prefixtrace.engine")
 
@@ -130,12 +130,32 @@ _MMA_SOURCE = """
 """
 
 
+MODES = ("off", "cuda", "mma")
+_mode: str | None = None
+
+
+def mode() -> str:
+    """Which kernel 2-8-row projections use: "cuda" (CUDA cores, the default), "mma"
+    (tensor cores where `use_mma`), or "off" (MLX's matmul). From PREFIXTRACE_SKINNY_GEMM
+    (0 / mma), read once; `set_mode` changes it for benchmarks comparing kernels in one run."""
+    global _mode
+    if _mode is None:
+        env = os.environ.get("PREFIXTRACE_SKINNY_GEMM", "1")
+        _mode = "off" if env == "0" else "mma" if env == "mma" else "cuda"
+    return _mode
+
+
+def set_mode(new: str) -> None:
+    if new not in MODES:
+        raise ValueError(f"skinny GEMM mode must be one of {MODES}, not {new!r}")
+    global _mode
+    _mode = new
+
+
 @lru_cache(maxsize=1)
 def available() -> bool:
     """True where the kernel can run: a CUDA build of MLX with the GPU as default device.
     Decided once per process: every projection of every decode step asks."""
-    if os.environ.get("PREFIXTRACE_SKINNY_GEMM", "1") == "0":
-        return False
     try:
         return mx.default_device() == mx.gpu and mx.cuda.is_available()
     except AttributeError:  # an MLX without the CUDA module
@@ -192,13 +212,6 @@ def skinny_matmul(x: mx.array, w: mx.array, rw: int | None = None) -> mx.array:
     )[0]
 
 
-@lru_cache(maxsize=1)
-def _mma_enabled() -> bool:
-    # Opt-in until measured end to end: the kernel beat cuBLAS 1.4-1.9x per projection on the
-    # H200, but the one engine run with it landed on a host running at half speed.
-    return os.environ.get("PREFIXTRACE_SKINNY_GEMM") == "mma"
-
-
 def use_mma(n: int, dtype) -> bool:
     """The tensor-core kernel, where it measured fastest for 2-8 rows (bench/bench_skinny_gemm.py):
     bf16 projections of 2,048 to 65,535 outputs. Narrower ones have too few 16-row tiles to
@@ -234,9 +247,9 @@ class SkinnyLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
         n = self.weight.shape[0]
-        if 2 <= rows <= MAX_ROWS and _fits(self.weight) and available():
+        if 2 <= rows <= MAX_ROWS and _fits(self.weight) and available() and (kind := mode()) != "off":
             flat = x.reshape(rows, x.shape[-1])
-            if _mma_enabled() and use_mma(n, self.weight.dtype):
+            if kind == "mma" and use_mma(n, self.weight.dtype):
                 y = skinny_matmul_mma(flat, self.weight)
             elif use_kernel(rows, n):
                 y = skinny_matmul(flat, self.weight)
@@ -250,7 +263,7 @@ class SkinnyLinear(nn.Linear):
 def install(model: nn.Module) -> int:
     """Swap every eligible `nn.Linear` of `model` for a `SkinnyLinear`; how many were
     swapped (0 where the kernel cannot run, leaving the model as it was)."""
-    if not available():
+    if not available() or mode() == "off":
         return 0
     swaps = [(name, SkinnyLinear.from_linear(m)) for name, m in model.named_modules()
              if type(m) is nn.Linear and _fits(m.weight)]
