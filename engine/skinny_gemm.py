@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-__all__ = ["SkinnyLinear", "install", "skinny_matmul", "skinny_matmul_mma", "available", "mode", "set_mode", "use_kernel", "MAX_ROWS"]
+__all__ = ["SkinnyLinear", "install", "skinny_matmul", "skinny_matmul_mma", "available", "mode", "set_mode", "project", "use_kernel", "MAX_ROWS"]
 
 log = logging.getLogger("prefixtrace.engine")
 
@@ -89,34 +89,62 @@ _SOURCE = """
 
 _WARPS_PER_BLOCK = 8
 
-# Tensor-core variant for bf16: each warp computes 16 output features x 8 rows of x
-# with mma.sync m16n8k16, weight rows as A, x as B. A lane loads 8 consecutive k of
-# a weight row (one 16-byte load) and the same 8 k of its x row, and feeds them to
-# two mma steps; the k order inside a 32-wide tile is permuted identically for A and
-# B, which a sum over k does not see. Rows of x past R read as zeros.
+# Tensor-core variant for bf16: a block of WARPS warps computes 16 output features x 8
+# rows of x with mma.sync m16n8k16, weight rows as A, x as B; its warps take interleaved
+# 32-wide slices of K (split-K) and add their partial tiles in shared memory. Without the
+# split a 4096-output projection has only 256 tiles, one warp each: 64 blocks on 132 SMs,
+# which looked fast only while independent products overlapped (bench/bench_skinny_gemm.py
+# now times dependent chains, as in a decode step). A lane loads 8 consecutive k of a
+# weight row (one 16-byte load) and the same 8 k of its x row and feeds them to two mma
+# steps; the k order inside a 32-wide slice is permuted identically for A and B, which a
+# sum over k does not see. Rows of x past R read as zeros. U slices are loaded before any
+# is multiplied, so each lane keeps 3 x U loads in flight.
 _MMA_SOURCE = """
+    constexpr int U = 4;
+    constexpr int STEP = 32 * WARPS;
+    __shared__ float part[WARPS][4][32];
     const int lane = threadIdx.x & 31;
-    const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * 16;
-    if (n0 >= N) return;
+    const int warp = threadIdx.x >> 5;
+    const int n0 = blockIdx.x * 16;
     const int g = lane >> 2, t = lane & 3;
     const T* wg = w + (size_t)(n0 + g) * K + t * 8;
     const T* wg8 = wg + (size_t)8 * K;
     const bool has_x = g < R;
     const T* xg = x + (size_t)(has_x ? g : 0) * K + t * 8;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
     float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
-    #pragma unroll 4
-    for (int k = 0; k < K; k += 32) {
-        uint4 a = *reinterpret_cast<const uint4*>(wg + k);
-        uint4 a8 = *reinterpret_cast<const uint4*>(wg8 + k);
-        uint4 b = has_x ? __ldg(reinterpret_cast<const uint4*>(xg + k)) : make_uint4(0, 0, 0, 0);
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
-            : "r"(a.x), "r"(a8.x), "r"(a.y), "r"(a8.y), "r"(b.x), "r"(b.y));
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
-            : "r"(a.z), "r"(a8.z), "r"(a.w), "r"(a8.w), "r"(b.z), "r"(b.w));
+    for (int k = warp * 32; k < K; k += STEP * U) {
+        uint4 a[U], a8[U], b[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int kk = k + u * STEP;
+            const bool in = kk < K;
+            a[u] = in ? *reinterpret_cast<const uint4*>(wg + kk) : zero;
+            a8[u] = in ? *reinterpret_cast<const uint4*>(wg8 + kk) : zero;
+            b[u] = in && has_x ? __ldg(reinterpret_cast<const uint4*>(xg + kk)) : zero;
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            asm(
+                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+                : "r"(a[u].x), "r"(a8[u].x), "r"(a[u].y), "r"(a8[u].y), "r"(b[u].x), "r"(b[u].y));
+            asm(
+                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+                : "r"(a[u].z), "r"(a8[u].z), "r"(a[u].w), "r"(a8[u].w), "r"(b[u].z), "r"(b[u].w));
+        }
+    }
+    if (WARPS > 1) {
+        part[warp][0][lane] = c0; part[warp][1][lane] = c1;
+        part[warp][2][lane] = c2; part[warp][3][lane] = c3;
+        __syncthreads();
+        if (warp != 0) return;
+        #pragma unroll
+        for (int v = 1; v < WARPS; ++v) {
+            c0 += part[v][0][lane]; c1 += part[v][1][lane];
+            c2 += part[v][2][lane]; c3 += part[v][3][lane];
+        }
     }
     const int r0 = 2 * t, r1 = 2 * t + 1;
     if (r0 < R) {
@@ -128,6 +156,18 @@ _MMA_SOURCE = """
         out[(size_t)r1 * N + n0 + g + 8] = static_cast<T>(c3);
     }
 """
+
+# Warps that keep every SM of an H200 (132) streaming: the split-K factor is raised until
+# N/16 tiles x WARPS reaches it.
+_TARGET_WARPS = 2048
+
+
+def mma_warps(n: int, k: int) -> int:
+    """Warps per 16-feature tile: enough to occupy the GPU, at most 16, dividing K into 32-wide slices."""
+    warps = 1
+    while warps < 16 and (n // 16) * warps < _TARGET_WARPS and k % (64 * warps) == 0:
+        warps *= 2
+    return warps
 
 
 MODES = ("off", "cuda", "mma")
@@ -174,15 +214,16 @@ def _mma_kernel():
                                source=_MMA_SOURCE)
 
 
-def skinny_matmul_mma(x: mx.array, w: mx.array) -> mx.array:
+def skinny_matmul_mma(x: mx.array, w: mx.array, warps: int | None = None) -> mx.array:
     """x (R, K) @ w (N, K).T for R in 1..8 on tensor cores; bf16, N % 16 == 0, K % 32 == 0. CUDA only."""
     rows, k = x.shape
     n = w.shape[0]
+    warps = warps or mma_warps(n, k)
     return _mma_kernel()(
         inputs=[x.astype(w.dtype), w],
-        template=[("T", w.dtype), ("R", rows), ("K", k), ("N", n)],
-        grid=(n // 16 * 32, 1, 1),
-        threadgroup=(32 * 4, 1, 1),
+        template=[("T", w.dtype), ("R", rows), ("K", k), ("N", n), ("WARPS", warps)],
+        grid=(n // 16 * 32 * warps, 1, 1),
+        threadgroup=(32 * warps, 1, 1),
         output_shapes=[(rows, n)],
         output_dtypes=[w.dtype],
     )[0]
@@ -228,6 +269,20 @@ def use_kernel(rows: int, n: int) -> bool:
     return (2 <= rows <= 4 and n < 65536) or (2 <= rows <= MAX_ROWS and n <= 2048)
 
 
+def project(flat: mx.array, weight: mx.array) -> mx.array | None:
+    """flat (R, K) @ weight.T through the kernel this mode picks for R rows and this
+    weight, or None where MLX's own matmul is the better choice."""
+    rows, n = flat.shape[0], weight.shape[0]
+    kind = mode()
+    if kind == "off" or not 2 <= rows <= MAX_ROWS:
+        return None
+    if kind == "mma" and use_mma(n, weight.dtype):
+        return skinny_matmul_mma(flat, weight)
+    if use_kernel(rows, n):
+        return skinny_matmul(flat, weight)
+    return None
+
+
 def _fits(weight: mx.array) -> bool:
     return weight.ndim == 2 and weight.dtype in (mx.bfloat16, mx.float16) and weight.shape[1] % _K_MULTIPLE == 0
 
@@ -246,17 +301,11 @@ class SkinnyLinear(nn.Linear):
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
-        n = self.weight.shape[0]
-        if 2 <= rows <= MAX_ROWS and _fits(self.weight) and available() and (kind := mode()) != "off":
-            flat = x.reshape(rows, x.shape[-1])
-            if kind == "mma" and use_mma(n, self.weight.dtype):
-                y = skinny_matmul_mma(flat, self.weight)
-            elif use_kernel(rows, n):
-                y = skinny_matmul(flat, self.weight)
-            else:
-                return super().__call__(x)
-            y = y.reshape(*x.shape[:-1], -1)
-            return y + self.bias if "bias" in self else y
+        if 2 <= rows <= MAX_ROWS and _fits(self.weight) and available():
+            y = project(x.reshape(rows, x.shape[-1]), self.weight)
+            if y is not None:
+                y = y.reshape(*x.shape[:-1], -1)
+                return y + self.bias if "bias" in self else y
         return super().__call__(x)
 
 
