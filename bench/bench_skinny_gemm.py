@@ -74,9 +74,12 @@ def per_projection(row_counts: list[int]) -> dict:
 
 
 def decode_step_chain(row_counts: list[int]) -> dict:
-    """µs of one decode step's projections, issued as the model issues them (each
-    layer's input is the previous layer's output), for each way of multiplying."""
+    """ms of one decode step's projections, issued as the model issues them (each
+    layer's input is the previous layer's output), for each way of multiplying; and
+    the host's share: ms to build one step's graph without running it."""
     weights = {name: (mx.random.normal(shape) * 0.02).astype(mx.bfloat16) for name, shape in SHAPES.items()}
+    weights["qkv"] = mx.concatenate([weights["qo"], weights["kv"], weights["kv"]])
+    weights["gate_up2"] = mx.concatenate([weights["gate_up"], weights["gate_up"]])
     mx.eval(weights)
     ways = {
         "mlx": lambda x, w: x @ w.T,
@@ -96,25 +99,51 @@ def decode_step_chain(row_counts: list[int]) -> dict:
             outs.append(kv)
         return outs + [mm(x, weights["lm_head"])], x
 
-    def steps(mm, x, count=STEPS):
+    def stacked_step(_, x):
+        """The default engine path: q|k|v and gate|up each one launch (engine/skinny_gemm.py _Stack)."""
+        outs = []
+        for _ in range(LAYERS):
+            q, k, v = skinny_matmul_mma(x, weights["qkv"], parts=(4096, 1024, 1024))
+            o = skinny_matmul_mma(q, weights["qo"])
+            gate, up = skinny_matmul_mma(o, weights["gate_up2"], parts=(12288, 12288))
+            x = skinny_matmul_mma(gate * up, weights["down"])
+            outs += [k, v]
+        return outs + [x @ weights["lm_head"].T], x
+
+    def steps(build, mm, x, count=STEPS):
         # Pipelined as mlx-lm's decode loop is: the next step's graph is built while the
         # GPU runs this one, so host-side cost hides behind the kernels where it can.
         for _ in range(count):
-            outs, x = step(mm, x)
+            outs, x = build(mm, x)
             mx.async_eval(outs)
         mx.eval(outs)
+
+    def host_ms(build, mm, x) -> float:
+        build(mm, x)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            build(mm, x)
+        return 1e3 * (time.perf_counter() - t0) / 20
 
     report = {}
     for rows in row_counts:
         x = mx.random.normal((rows, 4096)).astype(mx.bfloat16)
         mx.eval(x)
-        for way, mm in ways.items():
+        variants = [(way, step, mm) for way, mm in ways.items()] + [("stacked", stacked_step, None)]
+        for way, build, mm in variants:
             if rows == 1 and way != "mlx":
                 continue  # one row: MLX's gemv, which the engine keeps
-            report[f"{way}_R{rows}_ms"] = round(1e3 * timed(lambda: steps(mm, x), repeat=5, per=STEPS), 3)
+            report[f"{way}_R{rows}_ms"] = round(1e3 * timed(lambda: steps(build, mm, x), repeat=5, per=STEPS), 3)
+            report[f"{way}_R{rows}_host_ms"] = round(host_ms(build, mm, x), 3)
+        if rows > 1:
+            q, k, v = skinny_matmul_mma(x, weights["qkv"], parts=(4096, 1024, 1024))
+            errs = [rel_err(got, (x @ w.T).astype(mx.float32))
+                    for got, w in ((q, weights["qo"]), (k, weights["kv"]), (v, weights["kv"]))]
+            report[f"stacked_R{rows}_max_rel_err"] = round(max(errs), 5)
     base = report.get("mlx_R1_ms")
     if base:
-        report["vs_one_row"] = {key[:-3]: round(v / base, 3) for key, v in report.items() if key.endswith("_ms")}
+        report["vs_one_row"] = {key[:-3]: round(v / base, 3) for key, v in report.items()
+                                if key.endswith("_ms") and not key.endswith("host_ms")}
     return report
 
 
@@ -142,6 +171,7 @@ def main() -> None:
         report["decode_step"] = decode_step_chain(row_counts)
         print("decode_step", json.dumps(report["decode_step"]))
     bad = {key: v for key, v in report.get("projections", {}).items() if max(v["cuda_err"], v["mma_err"]) > 2e-2}
+    bad.update({key: v for key, v in report.get("decode_step", {}).items() if key.endswith("_err") and v > 2e-2})
     if bad:
         sys.exit(f"kernel disagrees with x @ W.T: {bad}")
 

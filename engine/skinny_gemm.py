@@ -10,20 +10,21 @@ entirely such products, so on the lent H200 a B=2 step of a Qwen3-8B shape
 cost 1.9x a B=1 step (mlx-lm's `GenerationBatch` alone: 1.06-1.22x the
 tokens/s of B=1). No library at hand has a skinny bf16 GEMM for MLX arrays.
 
-The kernel gives each warp `RW` weight rows: its 32 lanes stream them in
-16-byte loads, multiply every load with the same columns of each of the R
-input rows (x is at most 8 x K and stays in cache), and reduce the partial
-sums across the warp. Weight bytes are read once whatever R is: at 2-4 rows
-one Qwen3-8B layer costs 1.33-1.37x a one-row layer (cuBLAS: 1.85x). Above 4
-rows the CUDA cores become the limit (R FMAs per weight element) and cuBLAS,
-or the tensor-core variant below, does better.
+Two kernels, both reading weight bytes once whatever R is. The default one
+(`_MMA_SOURCE`) runs on tensor cores: a block of warps computes 16 output
+features x 8 rows with mma.sync (bf16), splitting K among its warps so that
+even a 1,024-output projection occupies every SM. At 8 rows a Qwen3-8B decode
+step's projections, issued as a dependent chain, cost 1.24x the one-row gemv
+chain (cuBLAS 1.61x; bench/bench_skinny_gemm.py --only step). The other
+(`_SOURCE`, CUDA cores; PREFIXTRACE_SKINNY_GEMM=cuda, and fp16 weights) gives
+each warp `RW` weight rows and multiplies every 16-byte load with each row of
+x; above 4 rows its FMAs become the limit.
 
 `install(model)` swaps the model's `nn.Linear` layers for `SkinnyLinear`,
 which takes this path only on a CUDA device for 2..8 rows of bf16/fp16 with
 K a multiple of 256 and falls back to the layer's own matmul otherwise (so on
-a CPU, where CI runs, nothing changes). Set PREFIXTRACE_SKINNY_GEMM=0 to
-leave the model untouched, or =mma to use the tensor-core variant (`_MMA_SOURCE`)
-for bf16 projections of 2,048-65,535 outputs (docs/PERFORMANCE.md).
+a CPU, where CI runs, nothing changes), and stacks q/k/v and gate/up into one
+launch each (`_Stack`). PREFIXTRACE_SKINNY_GEMM=0 leaves the model untouched.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-__all__ = ["SkinnyLinear", "install", "skinny_matmul", "skinny_matmul_mma", "available", "mode", "set_mode", "project", "use_kernel", "MAX_ROWS"]
+__all__ = ["SkinnyLinear", "install", "skinny_matmul", "skinny_matmul_mma", "available", "mode", "set_mode", "project", "stack_projections", "use_kernel", "MAX_ROWS"]
 
 log = logging.getLogger("prefixtrace.engine")
 
@@ -146,14 +147,20 @@ _MMA_SOURCE = """
             c2 += part[v][2][lane]; c3 += part[v][3][lane];
         }
     }
+    // Outputs are stored part by part (features [0, P1), [P1, P2), [P2, N)), each part
+    // R x width row-major, so fused projections come back as contiguous arrays. A tile
+    // never straddles two parts (their widths are multiples of 16).
+    const size_t base = n0 < P1 ? 0 : n0 < P2 ? (size_t)R * P1 : (size_t)R * P2;
+    const int width = n0 < P1 ? P1 : n0 < P2 ? P2 - P1 : N - P2;
+    const int col = (n0 < P1 ? n0 : n0 < P2 ? n0 - P1 : n0 - P2) + g;
     const int r0 = 2 * t, r1 = 2 * t + 1;
     if (r0 < R) {
-        out[(size_t)r0 * N + n0 + g] = static_cast<T>(c0);
-        out[(size_t)r0 * N + n0 + g + 8] = static_cast<T>(c2);
+        out[base + (size_t)r0 * width + col] = static_cast<T>(c0);
+        out[base + (size_t)r0 * width + col + 8] = static_cast<T>(c2);
     }
     if (r1 < R) {
-        out[(size_t)r1 * N + n0 + g] = static_cast<T>(c1);
-        out[(size_t)r1 * N + n0 + g + 8] = static_cast<T>(c3);
+        out[base + (size_t)r1 * width + col] = static_cast<T>(c1);
+        out[base + (size_t)r1 * width + col + 8] = static_cast<T>(c3);
     }
 """
 
@@ -175,13 +182,14 @@ _mode: str | None = None
 
 
 def mode() -> str:
-    """Which kernel 2-8-row projections use: "cuda" (CUDA cores, the default), "mma"
-    (tensor cores where `use_mma`), or "off" (MLX's matmul). From PREFIXTRACE_SKINNY_GEMM
-    (0 / mma), read once; `set_mode` changes it for benchmarks comparing kernels in one run."""
+    """Which kernel 2-8-row projections use: "mma" (tensor cores where `use_mma`, the
+    default), "cuda" (the CUDA-core kernel where `use_kernel`), or "off" (MLX's matmul).
+    From PREFIXTRACE_SKINNY_GEMM (0 / cuda / mma), read once; `set_mode` changes it for
+    benchmarks comparing kernels in one run."""
     global _mode
     if _mode is None:
-        env = os.environ.get("PREFIXTRACE_SKINNY_GEMM", "1")
-        _mode = "off" if env == "0" else "mma" if env == "mma" else "cuda"
+        env = os.environ.get("PREFIXTRACE_SKINNY_GEMM", "mma")
+        _mode = "off" if env == "0" else "cuda" if env == "cuda" else "mma"
     return _mode
 
 
@@ -214,19 +222,27 @@ def _mma_kernel():
                                source=_MMA_SOURCE)
 
 
-def skinny_matmul_mma(x: mx.array, w: mx.array, warps: int | None = None) -> mx.array:
-    """x (R, K) @ w (N, K).T for R in 1..8 on tensor cores; bf16, N % 16 == 0, K % 32 == 0. CUDA only."""
+def skinny_matmul_mma(x: mx.array, w: mx.array, warps: int | None = None,
+                      parts: tuple[int, ...] | None = None) -> mx.array | list[mx.array]:
+    """x (R, K) @ w (N, K).T for R in 1..8 on tensor cores; bf16, N % 16 == 0, K % 32 == 0. CUDA only.
+    With `parts` (up to three widths summing to N, multiples of 16), w is several projections
+    stacked and the result is one contiguous (R, width) array per part."""
     rows, k = x.shape
     n = w.shape[0]
     warps = warps or mma_warps(n, k)
-    return _mma_kernel()(
+    cuts = [sum(parts[:i]) for i in range(1, len(parts))] if parts else []
+    p1, p2 = (cuts + [n, n])[:2]
+    flat = _mma_kernel()(
         inputs=[x.astype(w.dtype), w],
-        template=[("T", w.dtype), ("R", rows), ("K", k), ("N", n), ("WARPS", warps)],
+        template=[("T", w.dtype), ("R", rows), ("K", k), ("N", n), ("WARPS", warps), ("P1", p1), ("P2", p2)],
         grid=(n // 16 * 32 * warps, 1, 1),
         threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(rows, n)],
+        output_shapes=[(rows * n,)],
         output_dtypes=[w.dtype],
     )[0]
+    if not parts:
+        return flat.reshape(rows, n)
+    return [flat[rows * a: rows * (a + width)].reshape(rows, width) for a, width in zip([0] + cuts, parts)]
 
 
 def rows_per_warp(rows: int, n: int) -> int:
@@ -255,9 +271,9 @@ def skinny_matmul(x: mx.array, w: mx.array, rw: int | None = None) -> mx.array:
 
 def use_mma(n: int, dtype) -> bool:
     """The tensor-core kernel, where it measured fastest for 2-8 rows (bench/bench_skinny_gemm.py):
-    bf16 projections of 2,048 to 65,535 outputs. Narrower ones have too few 16-row tiles to
-    fill the GPU, and for the LM head (152k outputs) cuBLAS stays ahead."""
-    return dtype == mx.bfloat16 and n % 16 == 0 and 2048 <= n < 65536
+    bf16 projections of up to 65,535 outputs. For the LM head (152k outputs) cuBLAS reads
+    the weights as fast and is flat in the row count."""
+    return dtype == mx.bfloat16 and n % 16 == 0 and n < 65536
 
 
 def use_kernel(rows: int, n: int) -> bool:
@@ -287,8 +303,47 @@ def _fits(weight: mx.array) -> bool:
     return weight.ndim == 2 and weight.dtype in (mx.bfloat16, mx.float16) and weight.shape[1] % _K_MULTIPLE == 0
 
 
+class _Stack:
+    """Projections a model applies to the same input one after another (q, k, v; gate,
+    up), multiplied as one stacked weight on the skinny path: one kernel launch instead
+    of three, and a wider product that fills the GPU better. In a host-bound decode step
+    every launch saved is time (a custom-kernel call costs the host more than MLX's
+    matmul). The members keep zero-copy views of the stacked weight for every other
+    path (one row, prefill, CPU). The first member computes all parts and keeps them
+    for the others, which take theirs when called with the very same input array; a
+    model calling them otherwise gets each product computed separately, as before."""
+
+    def __init__(self, members: list["SkinnyLinear"]):
+        self.weight = mx.concatenate([m.weight for m in members])
+        self.widths = tuple(m.weight.shape[0] for m in members)
+        offsets = [sum(self.widths[:i]) for i in range(len(members) + 1)]
+        for i, m in enumerate(members):
+            m.weight = self.weight[offsets[i]:offsets[i + 1]]
+            m.stack, m.stack_index = self, i
+        mx.eval(self.weight, [m.weight for m in members])
+        self.source: mx.array | None = None
+        self.parts: list[mx.array] = []
+
+    def take(self, member: "SkinnyLinear", x: mx.array, flat: mx.array) -> mx.array | None:
+        if member.stack_index == 0:
+            self.source = None
+            if mode() == "mma" and use_mma(self.weight.shape[0], self.weight.dtype):
+                self.parts = skinny_matmul_mma(flat, self.weight, parts=self.widths)
+                self.source = x
+                return self.parts[0]
+        elif self.source is x:
+            part = self.parts[member.stack_index]
+            if member.stack_index == len(self.widths) - 1:
+                self.source, self.parts = None, []
+            return part
+        return project(flat, member.weight)
+
+
 class SkinnyLinear(nn.Linear):
-    """`nn.Linear` whose 2..8-row products go through `skinny_matmul` on CUDA."""
+    """`nn.Linear` whose 2..8-row products go through the skinny kernels on CUDA."""
+
+    stack: _Stack | None = None
+    stack_index = 0
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "SkinnyLinear":
@@ -301,12 +356,33 @@ class SkinnyLinear(nn.Linear):
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
-        if 2 <= rows <= MAX_ROWS and _fits(self.weight) and available():
-            y = project(x.reshape(rows, x.shape[-1]), self.weight)
+        if 2 <= rows <= MAX_ROWS and available() and _fits(self.weight):
+            flat = x.reshape(rows, x.shape[-1])
+            y = self.stack.take(self, x, flat) if self.stack else project(flat, self.weight)
             if y is not None:
                 y = y.reshape(*x.shape[:-1], -1)
                 return y + self.bias if "bias" in self else y
         return super().__call__(x)
+
+
+STACKS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def stack_projections(model: nn.Module) -> int:
+    """Stack each module's q/k/v and gate/up `SkinnyLinear`s (same input width and dtype,
+    no bias, widths multiples of 16); how many stacks were made."""
+    made = 0
+    for _, module in model.named_modules():
+        for names in STACKS:
+            members = [getattr(module, name, None) for name in names]
+            if not all(isinstance(m, SkinnyLinear) and m.stack is None and "bias" not in m for m in members):
+                continue
+            w0 = members[0].weight
+            if all(m.weight.shape[1] == w0.shape[1] and m.weight.dtype == w0.dtype and m.weight.shape[0] % 16 == 0
+                   for m in members):
+                _Stack(members)
+                made += 1
+    return made
 
 
 def install(model: nn.Module) -> int:
@@ -318,5 +394,7 @@ def install(model: nn.Module) -> int:
              if type(m) is nn.Linear and _fits(m.weight)]
     if swaps:
         model.update_modules(tree_unflatten(swaps))
-        log.info("decode projections of 2-%d rows use the skinny GEMM kernel (%d layers)", MAX_ROWS, len(swaps))
+        stacks = stack_projections(model) if mode() == "mma" else 0
+        log.info("decode projections of 2-%d rows use the skinny GEMM kernels (%s; %d layers, %d stacked groups)",
+                 MAX_ROWS, mode(), len(swaps), stacks)
     return len(swaps)

@@ -39,13 +39,75 @@ def test_install_swaps_every_eligible_linear_and_keeps_outputs(monkeypatch):
                 if type(m) is nn.Linear and m.weight.shape[1] % 256 == 0]
     weights = {name: m.weight for name, m in model.named_modules() if name in eligible}
     monkeypatch.setattr(skinny_gemm, "available", lambda: True)
-    assert skinny_gemm.install(model) == len(eligible) > 0
+    skinny_gemm.set_mode("cuda")  # no stacking: each layer keeps its own array
+    try:
+        assert skinny_gemm.install(model) == len(eligible) > 0
+    finally:
+        skinny_gemm.set_mode("mma")
     monkeypatch.undo()  # on a CPU the swapped layers fall back to their own matmul
     swapped = dict(model.named_modules())
     for name in eligible:
         assert isinstance(swapped[name], skinny_gemm.SkinnyLinear)
         assert swapped[name].weight is weights[name]  # shared, not copied
     assert mx.array_equal(model(tokens), before)
+
+
+def test_stacked_projections_take_one_launch_and_give_the_same_logits(monkeypatch):
+    """q/k/v and gate/up stacked (the default mma mode): a batched decode step launches one
+    product per stack, the members hold views of the stacked weight, and the logits match
+    the unstacked model. The CUDA kernel is replaced by MLX's matmul honouring `parts`."""
+    launches = []
+
+    def matmul_by_parts(x, w, warps=None, parts=None):
+        launches.append((x.shape[0], w.shape[0], parts))
+        y = x @ w.T
+        if not parts:
+            return y
+        cuts = [sum(parts[:i]) for i in range(1, len(parts))]
+        return [mx.contiguous(p) for p in mx.split(y, cuts, axis=-1)]
+
+    model = small_qwen3()
+    step = mx.array([[1], [5], [9]])  # three rows of one token: a batched decode step
+    prompt = mx.array([[1, 5, 9, 200, 17]])
+    before_step, before_prompt = model(step), model(prompt)
+    q_weight = model.layers[0].self_attn.q_proj.weight
+    monkeypatch.setattr(skinny_gemm, "available", lambda: True)
+    monkeypatch.setattr(skinny_gemm, "skinny_matmul_mma", matmul_by_parts)
+    monkeypatch.setattr(skinny_gemm, "skinny_matmul", lambda x, w: launches.append("cuda-core") or x @ w.T)
+    skinny_gemm.set_mode("mma")
+    skinny_gemm.install(model)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert attn.q_proj.stack is attn.k_proj.stack is attn.v_proj.stack is not None
+    assert mlp.gate_proj.stack is mlp.up_proj.stack is not None and mlp.down_proj.stack is None
+    assert mx.array_equal(attn.q_proj.weight, q_weight)
+    after = model(step)
+    # per layer: q|k|v, o, gate|up, down; the LM head (300 outputs, not a multiple of 16)
+    # goes to the CUDA-core kernel
+    assert len(launches) == 4 * len(model.layers) + 1 and launches[-1] == "cuda-core"
+    assert sorted({parts for _, _, parts in launches[:-1] if parts}) == [(256, 128, 128), (512, 512)]
+    assert mx.allclose(after, before_step, atol=1e-2, rtol=1e-2).item()
+    assert (after.argmax(-1) == before_step.argmax(-1)).all().item()
+    launches.clear()
+    assert mx.allclose(model(prompt), before_prompt, atol=1e-2, rtol=1e-2).item()  # 5 rows: skinny path too
+    assert len(launches) == 4 * len(model.layers) + 1
+
+
+def test_a_member_called_on_another_input_computes_its_own_product(monkeypatch):
+    monkeypatch.setattr(skinny_gemm, "available", lambda: True)
+    monkeypatch.setattr(skinny_gemm, "skinny_matmul_mma",
+                        lambda x, w, warps=None, parts=None: [x @ p.T for p in mx.split(w, [64], axis=0)]
+                        if parts else x @ w.T)
+    skinny_gemm.set_mode("mma")
+    gate = skinny_gemm.SkinnyLinear.from_linear(nn.Linear(256, 64, bias=False))
+    up = skinny_gemm.SkinnyLinear.from_linear(nn.Linear(256, 64, bias=False))
+    gate.set_dtype(mx.bfloat16), up.set_dtype(mx.bfloat16)
+    holder = nn.Module()
+    holder.gate_proj, holder.up_proj = gate, up
+    assert skinny_gemm.stack_projections(holder) == 1
+    a, b = mx.random.normal((4, 256)).astype(mx.bfloat16), mx.random.normal((4, 256)).astype(mx.bfloat16)
+    gate(a)
+    assert mx.array_equal(up(b), b @ up.weight.T)  # not the part computed for a
+    assert mx.array_equal(up(a), a @ up.weight.T)
 
 
 def test_skinny_linear_keeps_a_bias():
@@ -60,7 +122,7 @@ def test_kernel_choice_follows_the_measured_table():
     import mlx.core as mx
 
     assert skinny_gemm.use_mma(4096, mx.bfloat16) and skinny_gemm.use_mma(12288, mx.bfloat16)
-    assert not skinny_gemm.use_mma(1024, mx.bfloat16)  # K/V: too few 16-row tiles
+    assert skinny_gemm.use_mma(1024, mx.bfloat16) and skinny_gemm.use_mma(6144, mx.bfloat16)
     assert not skinny_gemm.use_mma(151936, mx.bfloat16)  # LM head: cuBLAS is flat in the rows
     assert not skinny_gemm.use_mma(4096, mx.float16)  # the mma instruction used is bf16
     assert skinny_gemm.use_kernel(2, 12288) and skinny_gemm.use_kernel(8, 1024)
