@@ -169,6 +169,7 @@ _MMA_SOURCE = """
 _TARGET_WARPS = 2048
 
 
+@lru_cache(maxsize=None)
 def mma_warps(n: int, k: int) -> int:
     """Warps per 16-feature tile: enough to occupy the GPU, at most 16, dividing K into 32-wide slices."""
     warps = 1
@@ -222,6 +223,20 @@ def _mma_kernel():
                                source=_MMA_SOURCE)
 
 
+@lru_cache(maxsize=None)
+def _mma_launch(rows: int, k: int, n: int, dtype, warps: int, parts: tuple[int, ...] | None):
+    """The launch arguments for one shape, and where each part starts: computed once, since
+    a decode step asks for the same few shapes hundreds of times and the host's time per
+    launch is what a batched step waits on (docs/PERFORMANCE.md, session 3)."""
+    cuts = [sum(parts[:i]) for i in range(1, len(parts))] if parts else []
+    p1, p2 = (cuts + [n, n])[:2]
+    launch = dict(template=[("T", dtype), ("R", rows), ("K", k), ("N", n), ("WARPS", warps), ("P1", p1), ("P2", p2)],
+                  grid=(n // 16 * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
+                  output_shapes=[(rows * n,)], output_dtypes=[dtype])
+    bounds = [(rows * a, rows * (a + width), width) for a, width in zip([0] + cuts, parts or ())]
+    return launch, bounds
+
+
 def skinny_matmul_mma(x: mx.array, w: mx.array, warps: int | None = None,
                       parts: tuple[int, ...] | None = None) -> mx.array | list[mx.array]:
     """x (R, K) @ w (N, K).T for R in 1..8 on tensor cores; bf16, N % 16 == 0, K % 32 == 0. CUDA only.
@@ -229,20 +244,11 @@ def skinny_matmul_mma(x: mx.array, w: mx.array, warps: int | None = None,
     stacked and the result is one contiguous (R, width) array per part."""
     rows, k = x.shape
     n = w.shape[0]
-    warps = warps or mma_warps(n, k)
-    cuts = [sum(parts[:i]) for i in range(1, len(parts))] if parts else []
-    p1, p2 = (cuts + [n, n])[:2]
-    flat = _mma_kernel()(
-        inputs=[x.astype(w.dtype), w],
-        template=[("T", w.dtype), ("R", rows), ("K", k), ("N", n), ("WARPS", warps), ("P1", p1), ("P2", p2)],
-        grid=(n // 16 * 32 * warps, 1, 1),
-        threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(rows * n,)],
-        output_dtypes=[w.dtype],
-    )[0]
+    launch, bounds = _mma_launch(rows, k, n, w.dtype, warps or mma_warps(n, k), parts)
+    flat = _mma_kernel()(inputs=[x if x.dtype == w.dtype else x.astype(w.dtype), w], **launch)[0]
     if not parts:
         return flat.reshape(rows, n)
-    return [flat[rows * a: rows * (a + width)].reshape(rows, width) for a, width in zip([0] + cuts, parts)]
+    return [flat[start:end].reshape(rows, width) for start, end, width in bounds]
 
 
 def rows_per_warp(rows: int, n: int) -> int:
