@@ -388,6 +388,8 @@ def stack_projections(model: nn.Module) -> int:
                    for m in members):
                 _Stack(members)
                 made += 1
+    if made:
+        mx.clear_cache()  # the unstacked weights' buffers would otherwise stay in MLX's pool
     return made
 
 
