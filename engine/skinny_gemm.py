@@ -37,7 +37,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-__all__ = ["SkinnyLinear", "install", "skinny_matmul", "skinny_matmul_mma", "available", "mode", "set_mode", "project", "stack_projections", "use_kernel", "MAX_ROWS"]
+__all__ = ["SkinnyLinear", "install", "skinny_matmul", "skinny_matmul_mma", "available", "mode", "set_mode",
+           "project", "stack_projections", "use_kernel", "use_mma", "MAX_ROWS"]
 
 log = logging.getLogger("prefixtrace.engine")
 
