@@ -127,3 +127,38 @@ def test_kernel_choice_follows_the_measured_table():
     assert not skinny_gemm.use_mma(4096, mx.float16)  # the mma instruction used is bf16
     assert skinny_gemm.use_kernel(2, 12288) and skinny_gemm.use_kernel(8, 1024)
     assert not skinny_gemm.use_kernel(8, 12288) and not skinny_gemm.use_kernel(1, 4096)
+
+
+def emulated_mma_kernel(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+    """What `_MMA_SOURCE` computes, on the CPU: x @ w.T stored part by part (features [0, P1),
+    [P1, P2), [P2, N)), each part R x width row-major, as one flat array."""
+    x, w = inputs
+    t = dict(template)
+    assert grid[0] == t["N"] // 16 * 32 * t["WARPS"] and threadgroup[0] == 32 * t["WARPS"]
+    y = x @ w.T
+    cuts = [0, t["P1"], t["P2"], t["N"]]
+    flat = mx.concatenate([y[:, a:b].reshape(-1) for a, b in zip(cuts, cuts[1:]) if b > a])
+    assert flat.shape == output_shapes[0]
+    return [flat.astype(output_dtypes[0])]
+
+
+def test_mma_launch_unpacks_stacked_parts_as_the_kernel_stores_them(monkeypatch):
+    monkeypatch.setattr(skinny_gemm, "_mma_kernel", lambda: emulated_mma_kernel)
+    x = mx.random.normal((3, 256)).astype(mx.bfloat16)
+    w = (mx.random.normal((384, 256)) * 0.1).astype(mx.bfloat16)
+    whole = skinny_gemm.skinny_matmul_mma(x, w)
+    assert whole.shape == (3, 384) and mx.array_equal(whole, x @ w.T)
+    q, k, v = skinny_gemm.skinny_matmul_mma(x, w, parts=(256, 64, 64))
+    assert [p.shape for p in (q, k, v)] == [(3, 256), (3, 64), (3, 64)]
+    for part, rows in ((q, w[:256]), (k, w[256:320]), (v, w[320:])):
+        assert mx.array_equal(part, x @ rows.T)
+    gate, up = skinny_gemm.skinny_matmul_mma(x, w, parts=(192, 192))
+    assert mx.array_equal(gate, x @ w[:192].T) and mx.array_equal(up, x @ w[192:].T)
+
+
+def test_split_k_occupies_the_gpu_without_splitting_k_unevenly():
+    assert skinny_gemm.mma_warps(1024, 4096) == 16  # 64 tiles: as many warps per tile as allowed
+    assert skinny_gemm.mma_warps(4096, 4096) == 8  # 256 tiles x 8 = 2,048 warps
+    assert skinny_gemm.mma_warps(24576, 4096) == 2
+    assert skinny_gemm.mma_warps(151936, 4096) == 1
+    assert skinny_gemm.mma_warps(4096, 192) == 2  # K = 192, six 32-wide slices: 2 warps take 3 each, 4 would not split evenly
