@@ -282,7 +282,8 @@ class Scheduler:
                 skipped.append(seq)  # its lookup is repeated when it is admitted on its own
                 continue
             seq.num_cached_tokens = hit.num_cached
-            need += self._prompt_need(seq)
+            if self.memory is not None:
+                need += self._prompt_need(seq)
             wave.append(_Prefill(seq, cache, hit.num_cached))
         self.waiting.extendleft(reversed(skipped))
         return wave

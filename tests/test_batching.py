@@ -165,6 +165,26 @@ def test_equal_length_prompts_arriving_together_prefill_as_one_wave(params):
         assert text == text_alone
 
 
+def test_a_scheduler_without_a_memory_model_runs_waves():
+    """`Scheduler(memory=None)` (no memory accounting) is a supported configuration: a wave
+    must not ask the absent memory model what its prompts need (it did, and crashed)."""
+    from engine.model_files import load_model_dir
+    from engine.prefix_cache import PrefixCache
+    from engine.scheduler import Scheduler
+
+    model, tokenizer, _ = load_model_dir(TINY_MODEL, "float32")
+    scheduler = Scheduler(model, tokenizer, PrefixCache(model, max_bytes=0), context_length=2048, memory=None)
+    finished = []
+    for start in (10, 20, 30):
+        scheduler.add(Sequence(list(range(start, start + 16)), SamplingParams(temperature=0.0, max_tokens=5,
+                                                                            ignore_eos=True),
+                               lambda ev: finished.append(ev) if isinstance(ev, Finished) else None))
+    while scheduler.has_work:
+        scheduler.step()
+    assert scheduler.stats["waves"] == 1 and scheduler.stats["peak_batch"] == 3
+    assert [f.completion_tokens for f in finished] == [5, 5, 5]
+
+
 def test_rows_of_equal_length_attend_with_the_plain_causal_kernel():
     from engine.batch_cache import RowBatchKVCache
 
