@@ -28,6 +28,7 @@ from analyzer.tokens import Tokenizer, as_tokenizer
 from prefixtrace.errors import InvalidRequest
 
 DISAGREE_FRACTION = 0.10
+_MAX_UNRENDERED = 32  # unrendered message changes put back per break before giving up (one render each)
 PARALLEL_MIN_REQUESTS = 200  # below this, forking costs more than it saves  # reported vs predicted cached share of the prompt
 
 
@@ -168,7 +169,7 @@ class Analyzer:
                 prev = last.get(sess.id)
                 if prev is not None:
                     payload.messages = share_prefix(prev.messages, payload.messages)
-                    if "system" not in req.body:
+                    if "system" not in req.body and isinstance(req.body.get("messages"), list):
                         req.body = {**req.body, "messages": payload.messages}
                 last[sess.id] = payload
             payloads.append(payload)
@@ -199,13 +200,13 @@ class Analyzer:
             if prev is None:
                 turn.note, turn.common_prefix_tokens = "first", 0
             else:
-                self._compare(turn, prev, payload, rendered)
+                self._compare(turn, prev, payload, rendered, req.body)
             turn.reprefill_tokens = tokens - turn.common_prefix_tokens
             self._cost(turn)
             prev = _State(payload, rendered, tokens)
         return turns
 
-    def _compare(self, turn: TurnResult, prev: _State, payload: Payload, rendered: Rendered) -> None:
+    def _compare(self, turn: TurnResult, prev: _State, payload: Payload, rendered: Rendered, body: Any = None) -> None:
         model_changed = prev.payload.params.get("model") != payload.params.get("model")
         pc = None
         if first_changed(prev.payload.keys, payload.keys) != len(prev.payload.keys) or \
@@ -222,7 +223,11 @@ class Analyzer:
             offset = 0
             before, after = f"model: {prev.payload.params.get('model')}", f"model: {payload.params.get('model')}"
         else:
-            cause = classify(prev.payload, payload, prev.rendered, rendered, cmp.message_index)
+            effective = payload
+            if isinstance(body, dict) and cmp.message_index is not None and pc is not None and \
+                    pc.cause not in ("param_change", "tools_change"):
+                effective = self._rendered_changes(prev.payload, payload, body, rendered.text, cmp.message_index)
+            cause = classify(prev.payload, effective, prev.rendered, rendered, cmp.message_index)
             turn.common_prefix_tokens = 0 if model_changed else cmp.common_tokens
             offset, before, after = cmp.common_chars, cmp.before, cmp.after
         index = cause.message_index if cause.message_index is not None else cmp.message_index
@@ -232,6 +237,27 @@ class Analyzer:
         role = msgs[index].get("role") if index is not None and 0 <= index < len(msgs) and isinstance(msgs[index], dict) else None
         turn.brk = Break(cause.cause, cause.subtype, index, role, offset, turn.common_prefix_tokens, before, after,
                          cause.path)
+
+    def _rendered_changes(self, prev: Payload, payload: Payload, body: dict, text: str, break_index: int) -> Payload:
+        """`payload` with the changed messages before the rendered break that the renderer does not render
+        (rendering them as `prev` had them gives the same prompt) put back to `prev`'s: such a change is not
+        a break (docs/ANALYZER.md), so it must not name the break that a later message caused."""
+        messages, keys = list(payload.messages), list(payload.keys)
+        base = {k: v for k, v in body.items() if k != "system"}  # `messages` already holds a top-level system
+        for _ in range(_MAX_UNRENDERED):
+            k = first_changed(prev.keys, keys)
+            if k >= min(len(prev.keys), len(keys), break_index):
+                break
+            trial = [*messages[:k], prev.messages[k], *messages[k + 1:]]
+            try:
+                if self.renderer.render({**base, "messages": trial}).text != text:
+                    break
+            except InvalidRequest:
+                break
+            messages, keys = trial, [*keys[:k], prev.keys[k], *keys[k + 1:]]
+        if len(messages) == len(payload.messages) and all(a is b for a, b in zip(messages, payload.messages)):
+            return payload
+        return Payload(messages, keys, payload.tools, payload.tools_key, payload.params, payload.chars)
 
     def _cost(self, turn: TurnResult) -> None:
         predicted = turn.common_prefix_tokens

@@ -121,8 +121,19 @@ def _leading_head(messages: list) -> int:
     return n
 
 
+def _role(msg: Any) -> str | None:
+    """A message's role as a subtype (a string: it is printed after a '/')."""
+    role = msg.get("role") if isinstance(msg, dict) else None
+    return None if role is None else str(role)
+
+
+def _tool_name(t: Any) -> str:
+    f = t.get("function", t) if isinstance(t, dict) else t
+    return json.dumps(f.get("name") if isinstance(f, dict) else f)
+
+
 def tools_subtype(prev: list, next: list) -> str:
-    name = lambda t: json.dumps(t.get("function", t).get("name") if isinstance(t, dict) else t)
+    name = _tool_name
     pn, nn = [name(t) for t in prev], [name(t) for t in next]
     if set(pn) == set(nn):
         return "reordered" if pn != nn else "edited"
@@ -159,7 +170,7 @@ def payload_cause(prev: Payload, next: Payload) -> Cause | None:
         return Cause("compaction", None, k, path)
     rest = prev.keys[k + 1 :]
     if rest and next.keys[k : k + len(rest)] == rest:
-        role = pm.get("role") if isinstance(pm, dict) else None
+        role = _role(pm)
         empty = isinstance(pm, dict) and not pm.get("content") and not pm.get("tool_calls")
         return Cause("dropped_message", f"empty_{role}" if empty else role, k, path)
     if nm is not None and normalize(pm) == normalize(nm):
@@ -170,7 +181,7 @@ def payload_cause(prev: Payload, next: Payload) -> Cause | None:
         same_slot = isinstance(nm, dict) and isinstance(pm, dict) and nm.get("role") == pm.get("role") and (
             nm.get("tool_call_id") is not None and nm.get("tool_call_id") == pm.get("tool_call_id"))
         if not same_slot:
-            return Cause("request_local_tail", pm.get("role") if isinstance(pm, dict) else None, k, path)
+            return Cause("request_local_tail", _role(pm), k, path)
     subtype = None
     if isinstance(pm, dict) and isinstance(nm, dict):
         a, b = pm.get("content"), nm.get("content")

@@ -25,6 +25,8 @@ class Problem:
 
     def __str__(self) -> str:
         b = self.turn.brk
+        if b is None:  # unrenderable: the server could not have built this prompt either
+            return f"session {self.session_id} turn {self.turn.index} ({self.turn.request_id}): {self.turn.note}"
         return (f"session {self.session_id} turn {self.turn.index} ({self.turn.request_id}): {b.cause}"
                 f"{'/' + b.subtype if b.subtype else ''} at message {b.message_index} ({b.role}), "
                 f"char {b.char_offset}, token {b.token_offset}"
@@ -39,15 +41,24 @@ class CheckResult:
     problems: list[Problem] = field(default_factory=list)
 
     @property
+    def unreadable(self) -> bool:
+        """Lines were skipped and not one request could be read: nothing was checked."""
+        return bool(self.report.skipped) and not any(s.turns for s in self.report.sessions)
+
+    @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.unreadable
 
     def summary(self) -> str:
+        skipped = "".join(f"\nskipped line {s['line']}: {s['error']}" for s in self.report.skipped)
+        if self.unreadable:
+            return f"no request could be read ({len(self.report.skipped)} line(s) skipped)" + skipped
         if self.ok:
             n = sum(len(s.turns) for s in self.report.sessions)
-            return f"ok: {n} request(s), every transition append-only or allowed ({', '.join(sorted(self.allow)) or 'none allowed'})"
+            return (f"ok: {n} request(s), every transition append-only or allowed "
+                    f"({', '.join(sorted(self.allow)) or 'none allowed'})" + skipped)
         first = self.problems[0]
-        return f"{len(self.problems)} transition(s) break the prefix; first: {first}"
+        return f"{len(self.problems)} transition(s) break the prefix; first: {first}" + skipped
 
 
 def parse_allow(allow: str | Iterable[str] | None) -> frozenset[str]:
@@ -67,7 +78,7 @@ def check(source: Any, *, allow: str | Iterable[str] | None = None, **analyze_kw
     result = CheckResult(report, allowed)
     for s in report.sessions:
         for t in s.turns:
-            if t.brk and t.brk.cause not in allowed:
+            if (t.brk and t.brk.cause not in allowed) or t.note.startswith("unrenderable"):
                 result.problems.append(Problem(s.id, t))
     return result
 
@@ -90,7 +101,8 @@ def assert_prefix_stable(requests: Iterable[Any], *, allow: str | Iterable[str] 
 def _session_case(s: SessionResult, problems: list[Problem]) -> ET.Element:
     case = ET.Element("testcase", classname="prefixtrace.check", name=f"session {s.id}")
     for p in problems:
-        failure = ET.SubElement(case, "failure", message=f"turn {p.turn.index}: {p.turn.brk.cause}", type=p.turn.brk.cause)
+        cause = p.turn.brk.cause if p.turn.brk else "unrenderable"
+        failure = ET.SubElement(case, "failure", message=f"turn {p.turn.index}: {cause}", type=cause)
         failure.text = str(p)
     return case
 
