@@ -31,12 +31,17 @@ def parse_body(raw: bytes) -> dict:
     if not raw.strip():
         raise InvalidRequest("the request body is empty; expected a JSON object")
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def _no_constant(name: str):
+    # Python's json accepts NaN and Infinity; JSON does not (and nothing downstream can send them on).
+    raise ValueError(f"{name} is not allowed in JSON")
 
 
 def parse_chat_request(body: dict, headers: dict[str, str] | None = None) -> ChatRequest:
@@ -46,17 +51,24 @@ def parse_chat_request(body: dict, headers: dict[str, str] | None = None) -> Cha
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise InvalidRequest("'tools' must be an array", param="tools")
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict):  # the chat template raises a bare ValueError on these
+            raise InvalidRequest(f"tools[{i}] must be an object, got {type(tool).__name__}", param="tools")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise InvalidRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
     stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):  # the upstream backend merges into it
+        raise InvalidRequest("'stream_options' must be an object", param="stream_options")
+    if not isinstance(body.get("stream", False), (bool, type(None))):
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
     headers = {k.lower(): v for k, v in (headers or {}).items()}
     return ChatRequest(
         body=body,
         model=body.get("model"),
         messages=messages,
         stream=bool(body.get("stream", False)),
-        include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
+        include_usage=bool(stream_options.get("include_usage")),
         tools=tools,
         chat_template_kwargs=kwargs,
         sampling=_sampling(body),
@@ -75,7 +87,7 @@ def _sampling(body: dict) -> SamplingParams:
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),
         max_tokens=None if max_tokens is None else _int(max_tokens, "max_tokens"),
-        seed=None if body.get("seed") is None else _int(body["seed"], "seed"),
+        seed=None if body.get("seed") is None else _seed(body["seed"]),
         stop=list(stop) if isinstance(stop, list) else _bad("stop", "a string or an array of strings"),
         ignore_eos=bool(body.get("ignore_eos", False)),
     )
@@ -94,6 +106,16 @@ def _int(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         _bad(key, "an integer")
     return value
+
+
+def _seed(value: Any) -> int:
+    # OpenAI takes any 64-bit signed seed; the engine's RNG key is unsigned 64-bit
+    # and an out-of-range seed failed the engine step, so fold negatives (two's
+    # complement) and refuse what fits neither.
+    seed = _int(value, "seed")
+    if not -(2**63) <= seed < 2**64:
+        _bad("seed", "an integer in [-2**63, 2**64)")
+    return seed % 2**64
 
 
 def _bad(key: str, expected: str):

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 from engine.engine import Engine
 from engine.sequence import Failed, Finished, Sequence, TextDelta
-from prefixtrace.errors import ModelNotFound, PrefixtraceError, to_openai_error
+from prefixtrace.errors import InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
 from proxy import sse
 from proxy.chat_request import ChatRequest
 from proxy.turn_builder import TurnBuilder
@@ -53,9 +53,18 @@ class EngineBackend:
     async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]) -> "EngineChat":
         if req.model not in (None, "", *self.model_ids()):
             raise ModelNotFound(f"model {req.model!r} is not served here; available: {self.model_ids()}", param="model")
-        rendered = await asyncio.to_thread(
-            self.engine.render, req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs
-        )
+        n = req.body.get("n")
+        if n is not None and n != 1:
+            raise InvalidRequest(f"'n' must be 1 here (the embedded engine returns one choice), got {n!r}", param="n")
+        try:
+            rendered = await asyncio.to_thread(
+                self.engine.render, req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs
+            )
+        except (TypeError, ValueError) as exc:  # the tokenizer refuses text it cannot encode (lone surrogates)
+            if _has_lone_surrogate(req.messages) or _has_lone_surrogate(req.tools):
+                raise InvalidRequest("the messages contain invalid Unicode (a lone UTF-16 surrogate)",
+                                     param="messages") from exc
+            raise InvalidRequest(f"the messages could not be rendered: {type(exc).__name__}: {exc}") from exc
         self.engine.check_fits(len(rendered.token_ids), req.sampling.max_tokens)
         builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
         if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
@@ -172,6 +181,14 @@ class EngineChat:
                     self.builder.turn.ttft_s = event.prefill_s
                 return body
         raise RuntimeError("engine stream ended without a result")
+
+
+def _has_lone_surrogate(value) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _usage(event: Finished) -> dict:

@@ -4,6 +4,7 @@ record the turn so that it survives a crash once the client has seen the end."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Callable, Protocol
@@ -16,6 +17,7 @@ from proxy.chat_request import parse_body
 from proxy.turn_builder import TurnBuilder
 from recorder.turn import Turn
 
+log = logging.getLogger("prefixtrace.proxy")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -58,7 +60,12 @@ async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder
         req = parse(body, turn.request_headers)
         turn.session_id, turn.stream = req.session_id, req.stream
         chat = await open_reply(req, builder, turn.request_headers)
-    except PrefixtraceError as exc:
+    except Exception as exc:
+        if not isinstance(exc, PrefixtraceError):
+            # A bug, not a refusal: still answered in the API's shape and recorded,
+            # so that every request leaves its turn.
+            log.exception("request %s failed", turn.request_id)
+            exc = PrefixtraceError(f"internal error: {type(exc).__name__}: {exc}")
         if turn.request_body is None:
             turn.request_body = raw.decode("utf-8", errors="replace")
         status = http_status(exc)

@@ -94,9 +94,21 @@ class UpstreamBackend:
         """POST `body` to `path`, response streamed; returns it with the URL that answered
         (`UpstreamPool` picks one of several by session; one upstream ignores `session_id`)."""
         forward = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
-        request = self.client.build_request("POST", path, json=body, headers=forward)
+        if not any(k.lower() == "content-type" for k in forward):
+            forward["content-type"] = "application/json"
+        request = self.client.build_request("POST", path, content=_json_bytes(body), headers=forward)
         with map_httpx_errors(self.base_url):
             return await self.client.send(request, stream=True), self.base_url
+
+
+def _json_bytes(body: dict) -> bytes:
+    """`body` as httpx's `json=` would send it, except that a string holding a lone
+    UTF-16 surrogate (valid JSON as an escape, not encodable as UTF-8) goes out
+    escaped, as the client sent it, instead of failing the request."""
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 
 class Relayed:

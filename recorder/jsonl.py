@@ -136,7 +136,9 @@ def read_jsonl(path: str | Path, *, base_ts: float | None = None) -> list[Turn]:
         raise InvalidRequest(f"cannot read {p}: {exc}") from exc
     base = time.time() if base_ts is None else base_ts
     turns = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" only: `splitlines` also breaks at U+2028, U+0085 and other
+    # characters that `json.dumps(ensure_ascii=False)` leaves raw inside strings.
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:

@@ -13,6 +13,7 @@ in `body_parts`.
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 from dataclasses import fields
 from typing import Any
@@ -29,8 +30,21 @@ JSON_COLUMNS = ("request_headers", "tool_calls", "usage", "chunk_times", "render
 _CACHE_LIMIT = 500_000
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _utf8(text: str) -> str:
+    """`text` as SQLite can store it: UTF-16 surrogates (JSON escapes such as
+    `\\ud83d`, or a pair split across two stream chunks) are joined into their
+    character where they pair up and replaced by U+FFFD where they do not,
+    instead of failing the whole write."""
+    if text.isascii() or not _SURROGATE.search(text):
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
 def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+    return _utf8(json.dumps(value, ensure_ascii=False))
 
 
 def body_text(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> tuple[str, bool]:
@@ -181,12 +195,14 @@ def turn_to_row(turn: Turn, bodies: BodyStore, redactor: Redactor = DEFAULT_REDA
     """The `turn_log` row for `turn`, redacted, its messages stored. Everything
     stored passes through here, so this is the one place secrets are stopped."""
     text, is_json = body_text(turn, redactor)
+    text = _utf8(text)
     body = turn.request_body
     model = redactor.value(body.get("model")) if isinstance(body, dict) else None
-    return {
+    row = {
         "request_id": turn.request_id,
         "started_at": float(turn.started_at),
-        "session_id": turn.session_id,
+        # The session id comes from X-Session-Id, `user` or `prompt_cache_key`, all redacted where they sit.
+        "session_id": redactor.text(turn.session_id) if turn.session_id is not None else None,
         "endpoint": turn.endpoint,
         "upstream": turn.upstream,
         "client_addr": turn.client_addr,
@@ -209,6 +225,7 @@ def turn_to_row(turn: Turn, bodies: BodyStore, redactor: Redactor = DEFAULT_REDA
         "chunk_times": _dumps(list(turn.chunk_times or [])),
         "render": None if turn.render is None else _dumps(turn.render),
     }
+    return {k: _utf8(v) if isinstance(v, str) else v for k, v in row.items()}
 
 
 _TURN_FIELDS = {f.name for f in fields(Turn)}
