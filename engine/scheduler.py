@@ -131,6 +131,7 @@ class Scheduler:
         self._eos = set(tokenizer.eos_token_ids)
         self._eos_stops = StopSequences([[t] for t in sorted(self._eos)])
         self.waiting: deque[Sequence] = deque()
+        self._inflight: dict[int, Sequence] = {}  # added and not yet ended, wherever it is
         self.prefill: _Prefill | None = None
         self.batch: GenerationBatch | None = None
         self.rows: dict[int, _Row] = {}
@@ -159,6 +160,7 @@ class Scheduler:
         return len(self.rows)
 
     def add(self, seq: Sequence) -> None:
+        self._inflight[seq.seq_id] = seq
         self.waiting.append(seq)
 
     # --- one step ----------------------------------------------------------------
@@ -182,9 +184,10 @@ class Scheduler:
             self._decode_s_since_prefill = 0.0
 
     def fail_all(self, error_event) -> None:
-        """After an exception inside a step: every in-flight sequence gets the error."""
-        seqs = list(self.waiting) + ([self.prefill.seq] if self.prefill else []) + [r.seq for r in self.rows.values()]
-        seqs += [p.seq for p in self.paused]
+        """After an exception inside a step: every in-flight sequence gets the error, including
+        one the step had taken out of every queue (between prefill and the decode batch, or
+        popped into a wave) when it failed: such a sequence would otherwise wait forever."""
+        seqs, self._inflight = list(self._inflight.values()), {}
         self.waiting.clear()
         self.paused.clear()
         self.prefill, self.batch, self.rows = None, None, {}
@@ -199,7 +202,7 @@ class Scheduler:
                 return  # wait for memory; paused requests and running rows go first
             seq = self.waiting.popleft()
             if seq.cancelled:
-                self._count(seq, "cancelled")
+                self._retire(seq, "cancelled")
                 seq.emit(Finished("cancelled", seq.num_prompt_tokens, 0, 0, 0.0, 0.0))
                 continue
             hit = self.prefix_cache.lookup(seq.prompt_ids)
@@ -527,7 +530,7 @@ class Scheduler:
         index = self.batch.uids.index(uid)
         self.batch.filter([i for i in range(len(self.batch.uids)) if i != index])
         self.rows.pop(uid)
-        self._count(row.seq, "aborted")
+        self._retire(row.seq, "aborted")
         self.stats["aborts"] += 1
         log.warning("aborted request %d under memory pressure (%d KV tokens)", uid, sizes[uid])
         row.seq.emit(Failed(EngineError("aborted under memory pressure; retry later", retryable=True)))
@@ -537,7 +540,7 @@ class Scheduler:
             job, self.prefill = self.prefill, None
             self._requantise(job)
             self.prefix_cache.store(job.seq.prompt_ids, job.cache)  # keep what was prefilled
-            self._count(job.seq, "cancelled")
+            self._retire(job.seq, "cancelled")
             job.seq.emit(Finished("cancelled", job.seq.num_prompt_tokens, 0, job.seq.num_cached_tokens, 0.0, 0.0))
         for paused in [p for p in self.paused if p.seq.cancelled]:
             self.paused.remove(paused)
@@ -545,7 +548,7 @@ class Scheduler:
                 paused.path.unlink(missing_ok=True)
             elif paused.row is None:
                 self.prefix_cache.unpin(paused.seq.prompt_ids[: paused.pos])
-            self._count(paused.seq, "cancelled")
+            self._retire(paused.seq, "cancelled")
             paused.seq.emit(Finished("cancelled", paused.seq.num_prompt_tokens, paused.seq.num_completion_tokens,
                                      paused.seq.num_cached_tokens, 0.0, 0.0))
         cancelled = {uid: "cancelled" for uid, row in self.rows.items() if row.seq.cancelled}
@@ -560,11 +563,14 @@ class Scheduler:
         end = time.perf_counter()
         first = row.first_token_at or end
         seq = row.seq
-        self._count(seq, finish)
+        self._retire(seq, finish)
         seq.emit(Finished(finish, seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens,
                           prefill_s=first - row.started_at, decode_s=end - first))
 
-    def _count(self, seq: Sequence, finish: str) -> None:
+    def _retire(self, seq: Sequence, finish: str) -> None:
+        """Bookkeeping for a sequence that ends here (its final event follows): counted, and
+        no longer in flight, so `fail_all` will not send it a second ending."""
+        self._inflight.pop(seq.seq_id, None)
         self.stats["requests"] += 1
         self.stats["cancelled"] += finish == "cancelled"
         self.stats["prompt_tokens"] += seq.num_prompt_tokens

@@ -109,3 +109,33 @@ def test_prompt_longer_than_the_context_is_rejected_with_numbers(tiny_engine):
         tiny_engine.check_fits(tiny_engine.context_length, 10)
     assert info.value.details["max_context_tokens"] == tiny_engine.context_length
     assert info.value.details["retryable"] is False
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "wave"])
+def test_a_step_failing_between_prefill_and_decode_fails_the_request_instead_of_hanging(tiny_engine, together):
+    """The step takes a finished prefill out of `prefill` (or pops a wave's companions out of
+    `waiting`) before the rows join the decode batch; an exception in between used to leave
+    those sequences in no list `fail_all` walks, and their requests waited forever."""
+    scheduler = tiny_engine.scheduler
+    join = scheduler._join
+
+    def broken_join(*args, **kwargs):
+        scheduler._join = join  # fail once; the engine keeps serving afterwards
+        raise RuntimeError("injected failure joining the decode batch")
+
+    scheduler._join = broken_join
+    events = [queue.Queue() for _ in range(3 if together else 1)]
+    seqs = [Sequence(list(range(10 + i, 30 + i)), SamplingParams(temperature=0.0, max_tokens=4), q.put)
+            for i, q in enumerate(events)]
+    tiny_engine.submit_all(seqs) if together else tiny_engine.submit(seqs[0])
+    for q in events:
+        event = q.get(timeout=30)  # before the fix: queue.Empty after 30 s
+        while isinstance(event, TextDelta):
+            event = q.get(timeout=30)
+        assert isinstance(event, Failed) and "injected failure" in str(event.error)
+    after = queue.Queue()
+    tiny_engine.submit(Sequence(list(range(40, 60)), SamplingParams(temperature=0.0, max_tokens=3), after.put))
+    event = after.get(timeout=30)
+    while isinstance(event, TextDelta):
+        event = after.get(timeout=30)
+    assert isinstance(event, Finished) and event.completion_tokens == 3
