@@ -59,7 +59,7 @@ class ObservedSink:
 def observe(app: FastAPI, backend, recorder):
     """Add /ui, /ui/api/sessions and /metrics to `app`; returns the recorder the routes must record through."""
     metrics = Metrics()
-    live = LiveSessions(on_break=metrics.on_break)
+    live = LiveSessions(on_break=metrics.on_break, redactor=getattr(recorder, "redactor", None))
     app.state.metrics, app.state.live = metrics, live
     engine = getattr(backend, "engine", None)
 

@@ -25,6 +25,7 @@ from analyzer.canon import Payload
 from analyzer.divergence import SegmentCounter
 from analyzer.load import Request
 from analyzer.sessions import SessionGrouper
+from recorder.redact import DEFAULT_REDACTOR, Redactor
 from recorder.turn import Turn
 
 _COUNTER_CACHE_MAX = 100_000  # token-count cache entries before it is rebuilt
@@ -72,10 +73,14 @@ class LiveSessions:
         max_turns: analysed turns kept for display (oldest sessions dropped first).
         on_break: `callable(cause, reprefill_tokens)` called once per analysed break
             (the metrics' re-prefill-by-cause counter).
+        redactor: masks what the dashboard shows (session ids, the break's before/after
+            text), as the recorder masks what it stores: turns arrive here unredacted.
     """
 
-    def __init__(self, *, max_turns: int = 2000, on_break: Callable[[str, int], None] | None = None):
+    def __init__(self, *, max_turns: int = 2000, on_break: Callable[[str, int], None] | None = None,
+                 redactor: Redactor | None = None):
         self.analyzer = Analyzer(workers=1)
+        self.redactor = redactor or DEFAULT_REDACTOR
         self.grouper = SessionGrouper()
         self.sessions: OrderedDict[str, LiveSession] = OrderedDict()
         self.max_turns = max_turns
@@ -131,7 +136,7 @@ class LiveSessions:
         grouped = self.grouper.add(self._seen, turn.session_id, payload.keys if payload else None, roles)
         session = self.sessions.get(grouped.id)
         if session is None:
-            session = self.sessions[grouped.id] = LiveSession(grouped.id, grouped.inferred)
+            session = self.sessions[grouped.id] = LiveSession(self.redactor.text(grouped.id), grouped.inferred)
         request = Request(turn.request_id, turn.started_at, body, turn.session_id, None,
                           turn.prompt_tokens, turn.cached_tokens)
         result = self._compare(session, request, payload)
@@ -140,7 +145,7 @@ class LiveSessions:
         session.turns.append(LiveTurn(
             len(session.turns), turn.request_id, turn.started_at, turn.endpoint, turn.upstream, turn.status,
             turn.prompt_tokens, turn.cached_tokens, turn.completion_tokens, turn.ttft_s, turn.total_s,
-            result.to_dict(), (turn.render or {}).get("policy"),
+            self.redactor.value(result.to_dict()), (turn.render or {}).get("policy"),
         ))
         session.updated_at = time.time()
         if result.brk is not None and self.on_break is not None:

@@ -36,6 +36,15 @@ DEFAULT_PATTERNS: tuple[str, ...] = (
     r"\bBearer\s+[A-Za-z0-9._~+/\-]{16,}=*",
     # AWS access key ids (long-term AKIA, temporary ASIA).
     r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b",
+    # GitHub tokens (classic ghp_/gho_/ghu_/ghs_/ghr_, fine-grained github_pat_): coding
+    # agents meet them in remotes, CI logs and .env files they read.
+    r"\bgh[pousr]_[A-Za-z0-9]{36,}",
+    r"\bgithub_pat_[A-Za-z0-9_]{22,}",
+    # Slack tokens and Google API keys.
+    r"\bxox[abprs]-[A-Za-z0-9\-]{10,}",
+    r"\bAIza[0-9A-Za-z_\-]{35}",
+    # PEM private keys, header to footer (an agent that cats a key file sends all of it).
+    r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----",
 )
 
 
@@ -62,18 +71,21 @@ class Redactor:
         self.patterns = compiled
         self.drop_headers = frozenset(h.lower() for h in drop_headers)
         # One pass instead of one per pattern: bodies are hundreds of KB and
-        # redaction is most of the writer's time. Only when every pattern has
-        # the same flags (an alternation cannot mix them).
-        flags = {p.flags for p in compiled}
-        self._combined = (
-            re.compile("|".join(f"(?:{p.pattern})" for p in compiled), flags.pop())
-            if compiled and len(flags) == 1 and all(isinstance(p.pattern, str) for p in compiled) else None
-        )
+        # redaction is most of the writer's time. Only patterns that start at a
+        # word boundary (`\b`) and share their flags go into the alternation:
+        # one branch without `\b` (the PEM block) made the whole pass 6x slower
+        # (6.8 -> 42 ms per 400 KB body), while such a pattern alone, led by a
+        # literal, costs 0.2 ms; those run on their own.
+        anchored = [p for p in compiled if isinstance(p.pattern, str) and p.pattern.startswith("\\b")]
+        flags = {p.flags for p in anchored}
+        if len(anchored) > 1 and len(flags) == 1:
+            combined = re.compile("|".join(f"(?:{p.pattern})" for p in anchored), flags.pop())
+            self._passes = [combined] + [p for p in compiled if p not in anchored]
+        else:
+            self._passes = compiled
 
     def text(self, value: str) -> str:
-        if self._combined is not None:
-            return self._combined.sub(REDACTED, value)
-        for pattern in self.patterns:
+        for pattern in self._passes:
             value = pattern.sub(REDACTED, value)
         return value
 

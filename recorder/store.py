@@ -69,7 +69,7 @@ class Recorder:
         if max_queue < 1:
             raise RecorderError(f"max_queue must be >= 1, got {max_queue}")
         self.path = Path(path)
-        self._redactor = Redactor(redact_patterns)
+        self.redactor = Redactor(redact_patterns)  # also what the live dashboard masks its output with
         self._tracer = tracer
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         # Progress counters, guarded by `_cond`: flush() waits for `_done` to
@@ -204,14 +204,14 @@ class Recorder:
 
     def _write(self, db, bodies: BodyStore, batch: list[tuple[Turn, Future]]) -> None:
         try:
-            write_turns(db, [turn for turn, _ in batch], self._redactor, bodies)
+            write_turns(db, [turn for turn, _ in batch], self.redactor, bodies)
             results = [None] * len(batch)
         except Exception:
             # One bad turn must not take the others with it: retry one by one.
             results = []
             for turn, _ in batch:
                 try:
-                    write_turns(db, [turn], self._redactor, bodies)
+                    write_turns(db, [turn], self.redactor, bodies)
                     results.append(None)
                 except Exception as exc:
                     results.append(exc if isinstance(exc, RecorderError) else RecorderError(str(exc)))

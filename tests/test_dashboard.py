@@ -75,3 +75,23 @@ def test_dashboard_api_escapes_nothing_and_page_uses_text_only(engine_server):
     assert policy["mid_system"] == "inline" and policy["thinking_retention"] in ("loop", "template")
     page = httpx.get(url + "/ui").text
     assert "innerHTML" not in page and "insertAdjacentHTML" not in page
+
+
+def test_dashboard_api_never_shows_a_secret(engine_server):
+    """The live analysis sees turns before the recorder redacts them: what it serves (session
+    ids, the break's before/after text) is masked the same way."""
+    url, _ = engine_server
+    old, new = "sk-proj-" + "A1b2C3d4" * 6, "sk-proj-" + "Z9y8X7w6" * 6
+    session = "ghp_" + "a1B2c3D4e5" * 4
+    for key in (old, new):
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, headers={"X-Session-Id": session},
+                       json={"max_tokens": 2, "temperature": 0, "messages": [
+                           {"role": "system", "content": f"Deploy with key {key} today."},
+                           {"role": "user", "content": "Go."}]})
+        assert r.status_code == 200, r.text
+    text = httpx.get(url + "/ui/api/sessions").text
+    for secret in (old, new, session):
+        assert secret not in text
+    data = httpx.get(url + "/ui/api/sessions").json()
+    turns = data["sessions"][0]["turns"]
+    assert len(turns) == 2 and "[REDACTED]" in data["sessions"][0]["id"]

@@ -33,10 +33,17 @@ def test_default_patterns():
     assert r.text(ANTHROPIC_KEY) == REDACTED
     assert r.text(f"aws {AWS_KEY} done") == f"aws {REDACTED} done"
     assert r.text(f"Authorization: Bearer {BEARER}") == f"Authorization: {REDACTED}"
+    assert r.text("remote https://x:ghp_" + "a1B2c3D4e5" * 4 + "@github.com") == f"remote https://x:{REDACTED}@github.com"
+    assert r.text("GH=github_pat_11ABCDEFG0" + "x" * 40) == f"GH={REDACTED}"
+    assert r.text("slack xoxb-1234567890-abcdefghij done") == f"slack {REDACTED} done"
+    assert r.text("key=AIza" + "Sy" * 17 + "Q") == f"key={REDACTED}"
+    pem = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXk\nAAAA==\n-----END OPENSSH PRIVATE KEY-----"
+    assert r.text(f"cat id_ed25519\n{pem}\n$ ") == f"cat id_ed25519\n{REDACTED}\n$ "
 
 
 def test_prose_is_not_redacted():
-    text = "Bearer tokens are explained in sk-learn docs; AKIA is a prefix."
+    text = ("Bearer tokens are explained in sk-learn docs; AKIA is a prefix; ghp_ starts a GitHub token; "
+            "-----BEGIN PUBLIC KEY----- is fine.")
     assert Redactor().text(text) == text
 
 
