@@ -3,9 +3,10 @@
 Each target is replayed in turn (one after another, so two builds never
 compete for the same machine); within a target, each session's requests go in
 recorded order, sessions in parallel up to `concurrency`. Every request is
-streamed with `stream_options.include_usage`, so TTFT and usage are measured
-the same way for every server, and cached prompt tokens are normalised across
-server families (`cached_from_usage`).
+streamed (chat completions with `stream_options.include_usage`; turns recorded
+on Anthropic's `/v1/messages` go back to that endpoint), so TTFT and usage are
+measured the same way for every server, and cached prompt tokens are
+normalised across server families (`cached_from_usage`).
 
 A target that cannot be reached is named in its `error` and every one of its
 turns carries that error; the other targets still run. A target that answers
@@ -78,31 +79,31 @@ def _has_output(chunk: dict) -> bool:
     return False
 
 
+MESSAGES_ENDPOINT = "/v1/messages"
+
+
 async def replay_turn(client: httpx.AsyncClient, turn: Turn, index: int, model: str | None = None) -> ReplayedTurn:
+    """Re-send one recorded turn on the endpoint it was recorded on (chat completions, or
+    Anthropic's Messages, whose body and stream differ), streamed, and measure it."""
+    anthropic = turn.endpoint == MESSAGES_ENDPOINT
     body = {k: v for k, v in turn.request_body.items() if k not in _STRIP}
-    body.update(stream=True, stream_options={"include_usage": True})
+    body["stream"] = True
+    if not anthropic:
+        body["stream_options"] = {"include_usage": True}
     if model is not None:
         body["model"] = model
-    usage, last_chunk, ttft, status, error = None, None, None, 0, None
+    read = _read_messages_stream if anthropic else _read_chat_stream
+    usage, cached, ttft, status, error = None, None, None, 0, None
     t0 = time.perf_counter()
     try:
         with map_httpx_errors(str(client.base_url)):
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            async with client.stream("POST", MESSAGES_ENDPOINT if anthropic else "/v1/chat/completions",
+                                     json=body) as response:
                 status = response.status_code
                 if status >= 400:
                     error = (await response.aread()).decode(errors="replace")[:500]
                 else:
-                    async for line in response.aiter_lines():
-                        chunk = sse.decode_data(line.encode()) if line.startswith("data:") else None
-                        if not chunk:
-                            continue
-                        if isinstance(chunk.get("error"), dict):  # failed after the headers: reported in-band
-                            error = str(chunk["error"].get("message"))[:500]
-                            continue
-                        last_chunk = chunk
-                        if ttft is None and _has_output(chunk):
-                            ttft = time.perf_counter() - t0
-                        usage = chunk.get("usage") or usage
+                    usage, cached, ttft, error = await read(response, t0)
     except UpstreamError as exc:
         error = exc.message
     total = time.perf_counter() - t0
@@ -112,13 +113,55 @@ async def replay_turn(client: httpx.AsyncClient, turn: Turn, index: int, model: 
         request_id=turn.request_id,
         status=status,
         prompt_tokens=(usage or {}).get("prompt_tokens"),
-        cached_tokens=cached_from_usage(usage, last_chunk),
+        cached_tokens=cached,
         completion_tokens=(usage or {}).get("completion_tokens"),
         ttft_ms=None if ttft is None else round(ttft * 1000, 2),
         total_ms=round(total * 1000, 2),
         recorded_cached_tokens=turn.cached_tokens,
         error=error,
     )
+
+
+async def _read_chat_stream(response: httpx.Response, t0: float):
+    """(usage, cached tokens, ttft, in-band error) of a chat-completions stream."""
+    usage, last_chunk, ttft, error = None, None, None, None
+    async for line in response.aiter_lines():
+        chunk = sse.decode_data(line.encode()) if line.startswith("data:") else None
+        if not chunk:
+            continue
+        if isinstance(chunk.get("error"), dict):  # failed after the headers: reported in-band
+            error = str(chunk["error"].get("message"))[:500]
+            continue
+        last_chunk = chunk
+        if ttft is None and _has_output(chunk):
+            ttft = time.perf_counter() - t0
+        usage = chunk.get("usage") or usage
+    return usage, cached_from_usage(usage, last_chunk), ttft, error
+
+
+async def _read_messages_stream(response: httpx.Response, t0: float):
+    """The same for an Anthropic Messages stream: usage arrives in `message_start` (input
+    and cache reads) and `message_delta` (output); the prompt is input + cache read + cache
+    created, as the proxy records it (proxy/anthropic.py)."""
+    start, end, ttft, error = {}, {}, None, None
+    async for line in response.aiter_lines():
+        event = sse.decode_data(line.encode()) if line.startswith("data:") else None
+        if not event:
+            continue
+        kind = event.get("type")
+        if kind == "message_start":
+            start = (event.get("message") or {}).get("usage") or {}
+        elif kind == "message_delta":
+            end = event.get("usage") or {}
+        elif kind == "content_block_delta" and ttft is None:
+            ttft = time.perf_counter() - t0
+        elif kind == "error":
+            error = str((event.get("error") or {}).get("message"))[:500]
+    merged = {**start, **{k: v for k, v in end.items() if v is not None}}
+    parts = [merged.get(k) for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")]
+    usage = {"prompt_tokens": sum(p for p in parts if isinstance(p, int)) if isinstance(parts[0], int) else None,
+             "completion_tokens": merged.get("output_tokens")}
+    return usage, cached_from_usage(merged), ttft, error
 
 
 def group_sessions(turns: Iterable[Turn]) -> list[list[Turn]]:

@@ -44,3 +44,22 @@ def test_replay_against_an_unreachable_target_reports_each_turn(engine_server):
     report = replay(load_turns(recorder.path), dead)
     turn = report["targets"][0]["turns"][0]
     assert turn["status"] == 0 and "unreachable" in turn["error"] and dead in turn["error"]
+
+
+def test_messages_turns_replay_on_the_messages_endpoint(engine_server, tmp_path):
+    """A turn recorded on /v1/messages goes back to /v1/messages (its top-level `system` and
+    content blocks mean nothing to chat completions): same prompt, cache reads counted."""
+    url, recorder = engine_server
+    body = {"model": "default", "max_tokens": 4, "temperature": 0, "system": "Answer in one word. " * 20,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Colour of the sky?"}]}]}
+    for _ in range(2):
+        r = httpx.post(url + "/v1/messages", json=body, timeout=60, headers={"X-Session-Id": "a1"})
+        assert r.status_code == 200, r.text
+    recorder.flush()
+    recorded = load_turns(recorder.path)
+    report = replay(recorded, url)
+    turns = report["targets"][0]["turns"]
+    assert [t["status"] for t in turns] == [200, 200] and not any(t["error"] for t in turns)
+    assert [t["prompt_tokens"] for t in turns] == [t.prompt_tokens for t in recorded]
+    assert turns[1]["cached_tokens"] == turns[1]["prompt_tokens"] - 1  # all but the token that samples
+    assert all(t["ttft_ms"] is not None and t["completion_tokens"] for t in turns)
