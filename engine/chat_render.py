@@ -55,6 +55,8 @@ def _flatten_content(content: Any, index: int) -> str:
         for part in content:
             if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
                 texts.append(part["text"])
+            elif isinstance(part, dict) and part.get("type") == "text":
+                raise InvalidRequest(f"messages[{index}]: a text part's 'text' must be a string")
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise InvalidRequest(f"messages[{index}]: content part of type {kind!r} is not supported by this engine")

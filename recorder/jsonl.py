@@ -131,7 +131,7 @@ def read_jsonl(path: str | Path, *, base_ts: float | None = None) -> list[Turn]:
     analyzer uses this to analyse a file directly). Blank lines are skipped."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a leading BOM (Windows editors) is not part of line 1
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"cannot read {p}: {exc}") from exc
     base = time.time() if base_ts is None else base_ts

@@ -77,6 +77,12 @@ def test_import_bare_request_bodies(tmp_path):
     assert db_info(db)["turns"] == 3
 
 
+def test_a_leading_byte_order_mark_is_not_part_of_line_one(tmp_path):
+    src = tmp_path / "bom.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode() + b"\n")
+    assert import_jsonl(src, tmp_path / "t.db", base_ts=1000.0) == 1
+
+
 def test_wrapped_line_without_tokens_derives_counts_from_usage(tmp_path):
     src = tmp_path / "w.jsonl"
     line = {

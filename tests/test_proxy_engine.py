@@ -74,6 +74,8 @@ def test_health_is_ok_once_loaded(engine_server):
         (b"[1, 2]", 400, "JSON object"),
         (json.dumps({"model": "default"}).encode(), 400, "messages"),
         (json.dumps({"model": "default", "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, "role"),
+        (json.dumps({"model": "default", "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}).encode(),
+         400, "'text' must be a string"),
         (json.dumps({"model": "default", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(), 400, "temperature"),
         (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "no-such-model"),
         (json.dumps({"model": "default", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}).encode(), 400, "context"),
