@@ -27,6 +27,11 @@ def decode_data(event: bytes) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
+def is_done(event: bytes) -> bool:
+    """Whether one SSE event is the stream's `data: [DONE]`."""
+    return any(line[5:].strip() == b"[DONE]" for line in event.splitlines() if line.startswith(b"data:"))
+
+
 async def iter_events(lines: AsyncIterator[str]) -> AsyncIterator[bytes]:
     """Group an upstream's SSE lines into whole events (`...\n\n`), each yielded as soon as it ends."""
     event = bytearray()

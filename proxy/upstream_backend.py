@@ -146,6 +146,7 @@ class UpstreamChat(Relayed):
         super().__init__(response, url)
         self.req = req
         self.builder = builder
+        self._complete = False  # [DONE], a finish_reason or an in-band error seen
 
     async def sse(self) -> AsyncIterator[bytes]:
         try:
@@ -156,11 +157,21 @@ class UpstreamChat(Relayed):
                         yield out
         finally:
             await self.response.aclose()
+        if not self._complete:
+            # A stream framed by closing the connection (no chunked encoding, no length)
+            # that is cut short reads like one that ended: only the protocol's own end
+            # marks tell them apart.
+            raise UpstreamError(f"the stream from {self.url} ended without [DONE] or a finish_reason "
+                                "(cut short?)")
 
     def _pass(self, event: bytes) -> bytes | None:
         chunk = sse.decode_data(event)
         if chunk is None:
+            self._complete = self._complete or sse.is_done(event)
             return event
+        if any(isinstance(c, dict) and c.get("finish_reason") for c in chunk.get("choices") or []) or \
+                "error" in chunk:
+            self._complete = True
         self.builder.on_chunk(chunk)
         if "error" in chunk and not chunk.get("choices"):
             self.builder.turn.error = str(chunk["error"])

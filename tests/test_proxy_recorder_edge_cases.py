@@ -158,6 +158,31 @@ def test_upstream_stream_cut_midway_is_reported_in_band_and_recorded(tmp_path):
         assert row["response_text"] == "partial" and row["error"] and up in row["error"]
 
 
+@pytest.mark.parametrize("complete", [False, True], ids=["cut", "whole"])
+def test_a_stream_framed_by_connection_close_is_judged_by_its_end_marks(tmp_path, complete):
+    """No chunked encoding, no length: the upstream closing the connection is the only framing,
+    so a cut reads like an end unless [DONE] / finish_reason are checked."""
+    async def script(writer, reader):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+                     + chunk("par") + (chunk("tial", "stop") + b"data: [DONE]\n\n" if complete else b""))
+        await writer.drain()
+        writer.close()
+
+    with raw_upstream(script) as (up, _), Recorder(tmp_path / "a.db") as rec:
+        with running_server(create_app(UpstreamBackend(up), rec)) as url:
+            with httpx.stream("POST", url + "/v1/chat/completions", json={"stream": True, "messages": USER},
+                              timeout=10) as r:
+                lines = [line for line in r.iter_lines() if line.startswith("data:")]
+        row = rows(rec)[0]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    if complete:
+        assert row["response_text"] == "partial" and not row["error"]
+        assert not any("error" in line for line in lines)
+    else:
+        assert "without [DONE]" in json.loads(lines[-2][5:])["error"]["message"]
+        assert row["response_text"] == "par" and "without [DONE]" in row["error"]
+
+
 @pytest.mark.parametrize("stream, reply, ctype", [
     (True, b'{"error": {"message": "bad sk-ABCDEFGHIJKLMNOPQRSTUV"}}', b"application/json"),
     (False, b"<html>Bad Gateway sk-ABCDEFGHIJKLMNOPQRSTUV</html>", b"text/html"),
