@@ -48,6 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.block_hash import chain_hash
+
 log = logging.getLogger("prefixtrace.cache")
 
 MAGIC = b"PTBLK\x00\x01\x00"
@@ -124,6 +126,30 @@ def decode(data) -> tuple[dict, dict]:
         a = np.frombuffer(payload, dtype=np.dtype(spec["np"]), count=int(np.prod(spec["shape"])), offset=spec["offset"])
         arrays[spec["name"]] = (a.reshape(spec["shape"]), spec["dtype"])
     return header, arrays
+
+
+def check_key(header: dict, key: bytes) -> None:
+    """Raise CorruptBlock unless the header's key is `key` and is the hash of its parent and tokens.
+
+    The key names the block's exact prefix; a header that passes the CRC but
+    whose parent or tokens disagree with its key would otherwise answer for
+    another prefix (wrong KV), so this is checked on every read and scan.
+    """
+    try:
+        ok = (header["key"] == key.hex() and isinstance(header["tokens"], list)
+              and chain_hash(bytes.fromhex(header["parent"]), header["tokens"]) == key)
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise CorruptBlock(f"unreadable header: {exc}") from exc
+    if not ok:
+        raise CorruptBlock("header key, parent and tokens do not match the file's key")
+
+
+def _unlink(path: Path) -> None:
+    """Delete a file if possible: a read-only cache directory keeps it (still a miss)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("prefix cache: could not delete %s (%s)", path, exc)
 
 
 def read_file(path: Path) -> np.ndarray:
@@ -236,8 +262,7 @@ class DiskCache:
     def _read(self, key: bytes) -> tuple[dict, dict]:
         """Read and verify one file (any thread: no index, no MLX); raises on anything wrong."""
         header, arrays = decode(read_file(self._path(key)))
-        if header["key"] != key.hex():
-            raise CorruptBlock("file holds another key")
+        check_key(header, key)
         return header, arrays
 
     def _settle(self, key: bytes, read) -> tuple[dict, dict] | None:
@@ -290,6 +315,10 @@ class DiskCache:
         with self._lock:
             self._pins[key] = self._pins.get(key, 0) + 1
 
+    def pinned(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._pins
+
     def unpin(self, key: bytes) -> None:
         with self._lock:
             left = self._pins.get(key, 0) - 1
@@ -335,7 +364,7 @@ class DiskCache:
                 self._pending.discard(key)
             return
         path = self._path(key)
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)  # the directory may have been removed under us
         tmp = path.with_name(f".{path.name}.tmp")
         crc = zlib.crc32(header)
         with open(tmp, "wb") as f:
@@ -371,7 +400,7 @@ class DiskCache:
                 self._remove(victim)
             fits = self.nbytes + size <= self.max_bytes
         for key in victims:
-            self._path(key).unlink(missing_ok=True)
+            _unlink(self._path(key))
         return fits
 
     # --- index ----------------------------------------------------------------
@@ -399,14 +428,14 @@ class DiskCache:
         with self._lock:
             self._remove(key)
         if unlink:
-            self._path(key).unlink(missing_ok=True)
+            _unlink(self._path(key))
 
     def _scan(self) -> None:
         """Rebuild the index from the files' headers; LRU order from their mtimes."""
         found = []
         for path in self.root.glob("*/*"):
             if path.name.endswith(".tmp"):  # a write cut short by a crash
-                path.unlink(missing_ok=True)
+                _unlink(path)
                 continue
             if not path.name.endswith(".blk"):
                 continue
@@ -419,11 +448,12 @@ class DiskCache:
                 key = bytes.fromhex(header["key"])
                 if path.name != f"{key.hex()}.blk":
                     raise CorruptBlock("file name does not match its key")
+                check_key(header, key)
                 entry = _Entry(bytes.fromhex(header["parent"]), tuple(header["tokens"]), total)
             except (CorruptBlock, OSError, ValueError, KeyError, TypeError) as exc:
                 self.num_corrupt += 1
                 log.warning("prefix cache: dropping corrupt block file %s (%s)", path, exc)
-                path.unlink(missing_ok=True)
+                _unlink(path)
                 continue
             found.append((st.st_mtime_ns, key, entry))
         for _, key, entry in sorted(found, key=lambda f: f[0]):

@@ -82,6 +82,9 @@ class MemoryCache:
     def pin(self, key: bytes) -> None:
         self._pins[key] = self._pins.get(key, 0) + 1
 
+    def pinned(self, key: bytes) -> bool:
+        return key in self._pins
+
     def unpin(self, key: bytes) -> None:
         left = self._pins.get(key, 0) - 1
         if left > 0:

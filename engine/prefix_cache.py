@@ -296,14 +296,18 @@ class PrefixCache:
         self._touch(chain)
 
     def _drop_superseded(self, block: Block) -> None:
-        """A tail whose tokens begin `block`'s adds nothing once `block` is cached."""
+        """A tail whose tokens begin `block`'s adds nothing once `block` is cached.
+
+        Unless it is pinned: the pin holds that exact prefix (a parked prefill), and
+        the longer block that covers it now is not pinned and may be evicted first."""
         n = block.num_tokens
         for other in self.memory.children(block.parent):
-            if other.num_tokens < n and other.tokens == block.tokens[: other.num_tokens]:
+            if other.num_tokens < n and other.tokens == block.tokens[: other.num_tokens] \
+                    and not self.memory.pinned(other.key):
                 self.memory.discard(other.key)
         if self.disk is not None:
             for key, toks in self.disk.children(block.parent):
-                if len(toks) < n and toks == block.tokens[: len(toks)]:
+                if len(toks) < n and toks == block.tokens[: len(toks)] and not self.disk.pinned(key):
                     self.disk.discard(key)
 
     def _touch(self, chain: list[bytes]) -> None:
@@ -341,9 +345,13 @@ class PrefixCache:
         header, arrays = found
         if header.get("format") != self.block_format or header.get("cache_format") != self.cache_format:
             return None
-        layers = from_numpy(arrays)
-        if not self._fits_layout(layers, len(header["tokens"])):
-            log.warning("prefix cache: disk block %s does not fit this model's KV layout; treated as a miss", key.hex())
+        try:  # the arrays a checksummed header describes may still name no layer, or an unknown dtype
+            layers = from_numpy(arrays)
+            fits, why = self._fits_layout(layers, len(header["tokens"])), "does not fit this model's KV layout"
+        except Exception as exc:  # a file's content: a miss, never an exception reaching the request
+            fits, why = False, f"has unusable arrays ({exc!r})"
+        if not fits:
+            log.warning("prefix cache: disk block %s %s; treated as a miss", key.hex(), why)
             self.disk.discard(key)
             return None
         block = Block(key, bytes.fromhex(header["parent"]), tuple(header["tokens"]), layers)
@@ -385,16 +393,25 @@ class PrefixCache:
                 if isinstance(layer, TQLayer):
                     return False
                 k, v = layer
-                if (tuple(k.shape[:2]), tuple(k.shape[3:]), k.dtype, k.shape[2], v.shape[2]) != (heads, dim, dtype, n, n):
+                if (tuple(k.shape[:2]), tuple(k.shape[3:]), k.dtype, k.shape[2]) != (heads, dim, dtype, n):
+                    return False
+                if (tuple(v.shape[:2]), tuple(v.shape[3:]), v.dtype, v.shape[2]) != (heads, (v_dim,), dtype, n):
                     return False
                 continue
             if not isinstance(layer, TQLayer):
                 return False
             words_k, words_v = get_codec(k_dim, self.tq.bits, self.tq.seed).words, get_codec(v_dim, self.tq.bits, self.tq.seed).words
-            if (tuple(layer.k_codes.shape), tuple(layer.v_codes.shape[2:])) != ((*heads, n, words_k), (n, words_v)):
+            shapes = tuple(tuple(a.shape) for a in (layer.k_norms, layer.k_codes, layer.v_norms, layer.v_codes))
+            if shapes != ((*heads, n, 1), (*heads, n, words_k), (*heads, n, 1), (*heads, n, words_v)):
                 return False
-            if layer.dense_k is not None and (layer.dense_k.dtype != dtype or layer.dense_k.shape[2] > n):
+            dk, dv = layer.dense_k, layer.dense_v
+            if (dk is None) != (dv is None):
                 return False
+            if dk is not None:
+                m = dk.shape[2]
+                if m > n or (tuple(dk.shape), dk.dtype, tuple(dv.shape), dv.dtype) != (
+                        (*heads, m, k_dim), dtype, (*heads, m, v_dim), dtype):
+                    return False
         return True
 
 
