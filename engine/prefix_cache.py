@@ -284,6 +284,11 @@ class PrefixCache:
                 continue
             block = self.memory.get(key)
             if block is None:
+                if not in_memory and self.disk is not None and key in self.disk:
+                    # Memory refused an earlier block of this chain and the disk has this one:
+                    # nothing to add, so no copy (each chunk's commit would otherwise copy the
+                    # whole chain again past the first block memory could not hold).
+                    continue
                 block = Block(key, parent, tuple(tokens[start:stop]), cut(cache, start, stop))
                 self._drop_superseded(block)
                 if in_memory and self.memory.can_hold(block.nbytes):

@@ -436,3 +436,28 @@ def test_turboquant_block_whose_norms_lie_about_their_length_is_a_miss(model, tm
     tq_layers = [c for c in hit.cache if type(c).__name__ == "TurboQuantKVCache"]
     assert tq_layers and all(a.shape[2] == hit.num_cached for c in tq_layers for a in c.state[:4])
     fresh.close()
+
+
+def test_a_full_memory_tier_does_not_make_each_commit_copy_the_chain_again(model, tmp_path, monkeypatch):
+    """With a memory budget of about one block, every commit of a long prefill found the chain
+    uncached from block 1 on (a block counts as cached only in both tiers) and copied all of it
+    again: quadratic in the prompt. Blocks already on disk that memory cannot take are skipped."""
+    import engine.prefix_cache as prefix_cache
+
+    probe = make(model)
+    probe.store(PROMPT[:BS], prefill(model, PROMPT[:BS]))
+    one = probe.stats["memory_bytes"]
+    copies = []
+    real_cut = prefix_cache.cut
+    monkeypatch.setattr(prefix_cache, "cut", lambda cache, a, b: copies.append((a, b)) or real_cut(cache, a, b))
+    pc = make(model, tmp_path, max_bytes=int(1.5 * one), commit_blocks=1)
+    tokens = (PROMPT * 3)[:8 * BS]
+    cache = prefill(model, tokens)
+    for n in range(1, 9):  # a prefill committing one more block per chunk
+        pc.commit(tokens[: n * BS], cache)
+        pc.flush()
+    blocks = {a for a, _ in copies}
+    assert len(blocks) == 8  # every block was copied once ...
+    assert len(copies) <= 8 + 8  # ... and at most one more (the one memory refuses) per commit; was 29
+    hit = make(model, tmp_path, max_bytes=int(1.5 * one)).lookup(tokens + [1])
+    assert hit.num_cached == 8 * BS and same_kv(hit.cache, cache, 8 * BS)
