@@ -10,11 +10,12 @@ import json
 import logging
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 
 from prefixtrace import cli_analyze, cli_recorder
-from prefixtrace.cli_common import JSON_OPTION, echo_json, library_errors as _library_errors
+from prefixtrace.cli_common import JSON_OPTION, FiniteFloatRange, echo_json, library_errors as _library_errors
 from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved
 
 
@@ -55,27 +56,41 @@ def _layer_indices(value) -> tuple[int, ...]:
         raise click.BadParameter(f"expected comma-separated layer indices or 'none', got {value!r}") from None
 
 
+def _upstream_urls(ctx, param, values):
+    """Each --upstream must be an http(s) URL with a host: anything else would be accepted and then fail every request."""
+    for value in values:
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 -- raises ValueError for a port that is not a number in 0-65535
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        except ValueError:  # such a port, or an unclosed [IPv6 bracket
+            ok = False
+        if not ok:
+            raise click.BadParameter(f"{value!r} is not an http:// or https:// URL with a host.", ctx, param)
+    return values
+
+
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind. Loopback unless you ask otherwise.")
-@click.option("--port", default=8765, show_default=True, type=int, help="Port to listen on.")
+@click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
 @click.option("--db", default="prefixtrace.db", show_default=True, type=click.Path(dir_okay=False, path_type=Path),
               help="SQLite database that records every turn (relative to the current directory).")
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="An mlx-lm model directory. Default: the bundled SmolLM2-135M-Instruct.")
-@click.option("--upstream", "upstreams", metavar="URL", multiple=True,
+@click.option("--upstream", "upstreams", metavar="URL", multiple=True, callback=_upstream_urls,
               help="Forward to this OpenAI/Anthropic-compatible server instead of the embedded engine. Repeat it "
                    "for several: each session sticks to one, with health checks and failover (docs/DASHBOARD.md).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
               help="Activation dtype of the embedded engine. Default: the fastest measured on this platform.")
-@click.option("--cache-memory-gb", default=2.0, show_default=True, type=float, help="Byte budget of the in-memory prefix cache.")
+@click.option("--cache-memory-gb", default=2.0, show_default=True, type=FiniteFloatRange(min=0), help="Byte budget of the in-memory prefix cache.")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Directory of the prefix cache's disk tier; a restarted server reuses the prompts cached there.")
-@click.option("--cache-disk-gb", default=16.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--cache-disk-gb", default=16.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
               help="Byte budget of the disk tier (with --cache-dir).")
 @click.option("--block-size", type=click.IntRange(1), help="Tokens per prefix-cache block. Default: 256 (docs/CACHE.md).")
 @click.option("--prefill-chunk", default=512, show_default=True, type=click.IntRange(1),
               help="Tokens per prefill chunk; decoding rows run between chunks.")
-@click.option("--memory-ceiling-gb", type=click.FloatRange(min=0, min_open=True),
+@click.option("--memory-ceiling-gb", type=FiniteFloatRange(min=0, min_open=True),
               help="Memory for weights + KV + prefill peak. Default: 3/4 of this machine's (or the accelerator's) "
                    "memory, less the prefix cache's budget.")
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1), help="Most requests decoding together.")
@@ -119,6 +134,9 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
         echo_json({"config_file": ctx.find_root().meta.get("prefixtrace.config_file"),
                    "options": resolved(ctx, skip=("print_config",))})
         return
+    if model is not None and upstreams:
+        raise click.UsageError("--model serves a model with the embedded engine and --upstream forwards to another "
+                               "server instead: give one of them, not both.")
     from prefixtrace.serve import ServeConfig, serve as run_serve
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -156,7 +174,10 @@ def models(model, as_json):
 
     path = model or default_model_dir()
     name = model.name if model else DEFAULT_MODEL_NAME
-    config = json.loads((path / "config.json").read_text())
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"{path} is not a model directory: cannot read its config.json ({exc})") from exc
     click.echo(json.dumps({"name": name, "aliases": ["default"], "path": str(path),
                            "model_type": config.get("model_type"),
                            "context_length": config.get("max_position_embeddings")}, indent=2))

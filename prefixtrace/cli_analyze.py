@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from prefixtrace.cli_common import library_errors, progress, write_or_echo
+from prefixtrace.cli_common import FiniteFloatRange, library_errors, output_path, progress, write_or_echo
 
 SRC = click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 
@@ -21,7 +21,7 @@ def _render_options(fn):
         click.option("--tokenizer", "tokenizer_spec", metavar="SPEC",
                      help="'regex', 'tiktoken:NAME' or a tokenizer.json path (default: the model's, else tiktoken o200k_base)."),
         click.option("--block-size", type=int, help="Also report block-aligned figures for a paged cache of N-token blocks."),
-        click.option("--prefill-rate", type=float, metavar="TOK_PER_S", help="Price re-prefilled tokens in seconds."),
+        click.option("--prefill-rate", type=FiniteFloatRange(), metavar="TOK_PER_S", help="Price re-prefilled tokens in seconds."),
     ]):
         fn = option(fn)
     return fn
@@ -40,7 +40,8 @@ def _kwargs(template, model, tokenizer_spec, block_size, prefill_rate) -> dict:
 @_render_options
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "html"]), default="text", show_default=True)
 @JSON_FORMAT
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here instead of stdout.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), callback=output_path,
+              help="Write the report here instead of stdout.")
 @library_errors
 def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt, as_json, out):
     """Per session and turn: did the prompt extend the previous one; if not, where
@@ -66,7 +67,7 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
 @SRC
 @click.option("--allow", default="", metavar="CAUSES", help="Comma-separated causes that do not fail, e.g. compaction,request_local_tail.")
 @_render_options
-@click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), help="Also write a JUnit XML report here.")
+@click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), callback=output_path, help="Also write a JUnit XML report here.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @JSON_FORMAT
 @library_errors

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,8 +24,28 @@ def library_errors(fn):
             return fn(*args, **kwargs)
         except PrefixtraceError as exc:
             raise click.ClickException(exc.message) from exc
+        except OSError as exc:  # an output file that cannot be written, a disk that filled up...
+            where = f"{exc.filename}: " if exc.filename else ""
+            raise click.ClickException(f"{where}{exc.strerror or exc}") from exc
 
     return wrapper
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that also rejects nan and inf (which compare false to any bound)."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+def output_path(ctx, param, value):
+    """Callback of an output-file option: its directory must exist, checked before any work is done."""
+    if value is not None and not Path(value).absolute().parent.is_dir():
+        raise click.BadParameter(f"directory {str(Path(value).parent)!r} does not exist.", ctx, param)
+    return value
 
 
 def write_or_echo(text: str, out: Path | None) -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from prefixtrace.cli_common import JSON_OPTION, echo_json, library_errors, progress, write_or_echo
+from prefixtrace.cli_common import (JSON_OPTION, FiniteFloatRange, echo_json, library_errors, output_path, progress,
+                                    write_or_echo)
 
 DB = click.argument("db", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 
@@ -17,7 +18,8 @@ DB = click.argument("db", type=click.Path(exists=True, dir_okay=False, path_type
 @DB
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "har"]), default="jsonl", show_default=True)
 @click.option("--session", help="Only this session.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Output file (default: stdout).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), callback=output_path,
+              help="Output file (default: stdout).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the summary as a JSON object: on stdout with --out, else on stderr after the data.")
 @library_errors
@@ -72,9 +74,9 @@ def import_(file, db, as_json):
               help="Sessions replayed in parallel.")
 @click.option("--pace", type=click.Choice(["original", "asap"]), default="asap", show_default=True,
               help="original: keep the recorded gaps between requests; asap: send each as soon as the last finished.")
-@click.option("--max-gap", type=float, metavar="SECONDS", help="With --pace original, cap each gap at this.")
+@click.option("--max-gap", type=FiniteFloatRange(min=0), metavar="SECONDS", help="With --pace original, cap each gap at this.")
 @click.option("--model", help="Send this model name instead of the recorded one.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), callback=output_path,
               help="Write the report here: JSON, or a self-contained HTML page when the name ends in .html.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole report as JSON instead of the table.")
 @library_errors

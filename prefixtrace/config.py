@@ -84,19 +84,57 @@ def _keys(command: click.Command) -> dict[str, click.Option]:
     return keys
 
 
+# Options that take several values as one comma-separated flag: a TOML list is joined with commas.
+COMMA_SEPARATED = {"kv_dense_layers", "allow"}
+
+
+def _as_typed(param: click.Option, value: Any) -> Any:
+    """A TOML scalar click would convert more leniently than the same value typed as a
+    flag, turned into that flag's text so that click rejects it the same way:
+    `port = 1.5` is refused like `--port 1.5` (click alone truncates it to 1), and
+    `port = true` like `--port true` (click alone reads it as 1)."""
+    if isinstance(value, bool):
+        return value if isinstance(param.type, click.types.BoolParamType) else ("true" if value else "false")
+    if isinstance(value, float) and isinstance(param.type, click.types.IntParamType):
+        return str(value)
+    if isinstance(value, (str, int, float)):
+        return value
+    return str(value)  # a TOML date or time: as it was written
+
+
+def _value(param: click.Option, value: Any, where: str, key: str) -> Any:
+    if isinstance(value, dict):
+        raise InvalidRequest(f"[{where}] {key} takes a value, not a table")
+    if param.multiple:
+        # `upstream = "http://a"` means a list of one for a repeatable flag.
+        items = value if isinstance(value, list) else [value]
+        if any(isinstance(v, (dict, list)) for v in items):
+            raise InvalidRequest(f"[{where}] {key} takes a list of values, not nested lists or tables")
+        return [_as_typed(param, v) for v in items]
+    if isinstance(value, list):
+        if param.name in COMMA_SEPARATED and not any(isinstance(v, (dict, list)) for v in value):
+            return ",".join(str(v) for v in value)
+        raise InvalidRequest(f"[{where}] {key} takes one value, not a list")
+    return _as_typed(param, value)
+
+
 def _convert(table: dict, command: click.Command, where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     subcommands = getattr(command, "commands", {})
-    keys = _keys(command)
+    # The root's own options (--config) cannot be set in the file: only command tables belong there.
+    keys = _keys(command) if where else {}
     for key, value in table.items():
-        if key in subcommands and isinstance(value, dict):
-            out[key] = _convert(value, subcommands[key], f"{where}.{key}" if where else key)
+        if key in subcommands:
+            name = f"{where}.{key}" if where else key
+            if not isinstance(value, dict):
+                raise InvalidRequest(f"{key!r} must be a table, [{name}], not a value")
+            out[key] = _convert(value, subcommands[key], name)
         elif key in keys:
             param = keys[key]
-            # `upstream = "http://a"` means a list of one for a repeatable flag.
-            out[param.name] = [value] if param.multiple and isinstance(value, str) else value
+            out[param.name] = _value(param, value, where, key)
         else:
-            known = sorted(subcommands) if not where else sorted({_flag_name(p) for p in _options(command)})
+            known = sorted(f"[{where}.{name}]" if where else name for name in subcommands)
+            known += sorted({_flag_name(p) for p in _options(command)}) if where else []
             what = f"[{where}] has no option" if where else "no command"
             raise InvalidRequest(f"{what} {key!r}; expected one of: {', '.join(known) or 'nothing'}")
     return out

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
+from uvicorn.main import STARTUP_FAILURE
 
 from engine.engine import Engine
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 from proxy.upstream_backend import UpstreamBackend
 from proxy.upstream_pool import UpstreamPool
+from prefixtrace.errors import EngineError
 from recorder.store import Recorder
 
 log = logging.getLogger("prefixtrace.serve")
@@ -80,11 +84,43 @@ def build_backend(config: ServeConfig):
     return EngineBackend(engine)
 
 
+def _stop_if_the_model_fails_to_load(engine: Engine, server: uvicorn.Server, failures: list) -> threading.Thread:
+    """The model loads in the background while the server listens; a model that
+    cannot load (a directory that is not a model, a broken config.json) stops the
+    server, so `serve` exits non-zero naming the cause instead of answering 503
+    forever."""
+
+    def watch():
+        try:
+            engine.wait_ready()
+        except EngineError as exc:
+            failures.append(exc)
+            server.should_exit = True
+
+    thread = threading.Thread(target=watch, name="prefixtrace-load-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def serve(config: ServeConfig) -> None:
     backend = build_backend(config)
-    with Recorder(config.db) as recorder:
-        log.info("recording to %s", config.db.resolve())
-        app = create_app(backend, recorder)
-        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
-        if isinstance(backend, EngineBackend):
-            backend.engine.shutdown()
+    engine = backend.engine if isinstance(backend, EngineBackend) else None
+    try:
+        with Recorder(config.db) as recorder:
+            log.info("recording to %s", config.db.resolve())
+            app = create_app(backend, recorder)
+            server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level))
+            failures: list[EngineError] = []
+            if engine is not None:
+                _stop_if_the_model_fails_to_load(engine, server, failures)
+            try:
+                server.run()
+            except KeyboardInterrupt:
+                pass
+            if failures:
+                raise failures[0]
+            if not server.started:  # e.g. the port is in use; uvicorn has logged why
+                sys.exit(STARTUP_FAILURE)
+    finally:
+        if engine is not None:
+            engine.shutdown()
