@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sqlite3
 import threading
@@ -82,3 +83,20 @@ def openai_client(engine_server):
 
     url, _ = engine_server
     return OpenAI(base_url=url + "/v1", api_key="sk-test-secret-0123456789abcdef", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def clean_env(tmp_path, monkeypatch):
+    """For CLI tests: no config file or PREFIXTRACE_* variable from the host leaks in; the
+    working directory is an empty folder (returned)."""
+    for name in list(os.environ):
+        if name.startswith("PREFIXTRACE_"):
+            monkeypatch.delenv(name)
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return work

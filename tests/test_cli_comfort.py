@@ -26,20 +26,7 @@ SESSIONS = ROOT / "fixtures" / "sessions"
 FIXTURE = SESSIONS / "todo_stale.jsonl"
 
 
-@pytest.fixture(autouse=True)
-def clean_env(tmp_path, monkeypatch):
-    """No config file or PREFIXTRACE_* variable from the host leaks in."""
-    for name in list(os.environ):
-        if name.startswith("PREFIXTRACE_"):
-            monkeypatch.delenv(name)
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
-    work = tmp_path / "work"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    return work
+pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py
 
 
 def runner() -> CliRunner:
