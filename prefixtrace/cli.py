@@ -137,6 +137,8 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
     if model is not None and upstreams:
         raise click.UsageError("--model serves a model with the embedded engine and --upstream forwards to another "
                                "server instead: give one of them, not both.")
+    if upstreams:
+        _warn_engine_only(click.get_current_context())
     from prefixtrace.serve import ServeConfig, serve as run_serve
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -156,6 +158,22 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           thinking_retention=thinking_retention,
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
                           notice_pattern=notice_pattern, log_level=log_level))
+
+
+# Options only the embedded engine reads (with --upstream the upstream renders, caches and batches).
+ENGINE_ONLY = ("dtype", "cache_memory_gb", "cache_dir", "cache_disk_gb", "block_size", "memory_ceiling_gb",
+               "prefill_chunk", "max_batch", "kv_quant", "kv_bits", "kv_dense_layers", "mid_system_policy",
+               "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern")
+
+
+def _warn_engine_only(ctx: click.Context) -> None:
+    """Engine options given on the command line or in the environment do nothing with --upstream:
+    say so instead of ignoring them silently (from a config file they may serve other runs)."""
+    given = {click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT}
+    ignored = [f"--{name.replace('_', '-')}" for name in ENGINE_ONLY if ctx.get_parameter_source(name) in given]
+    if ignored:
+        click.echo(f"Warning: {', '.join(ignored)} only apply to the embedded engine; with --upstream they are "
+                   "ignored.", err=True)
 
 
 @cli.command()

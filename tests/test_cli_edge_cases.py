@@ -205,3 +205,17 @@ def test_a_list_of_allowed_causes_in_the_config_file(clean_env):
     result, text = invoke("check", str(FIXTURE), "--json")
     assert result.exit_code == 0, text
     assert json.loads(result.stdout)["allow"] == ["compaction", "system_rewrite"]
+
+
+def test_engine_options_with_upstream_are_named_as_ignored(monkeypatch):
+    import prefixtrace.serve
+
+    started = []
+    monkeypatch.setattr(prefixtrace.serve, "serve", lambda config: started.append(config))
+    monkeypatch.setenv("PREFIXTRACE_MAX_BATCH", "4")
+    result, text = invoke("serve", "--upstream", "http://127.0.0.1:9", "--kv-quant", "turboquant")
+    assert result.exit_code == 0 and started, text
+    assert "--max-batch, --kv-quant only apply to the embedded engine" in text
+    monkeypatch.delenv("PREFIXTRACE_MAX_BATCH")
+    result, text = invoke("serve", "--upstream", "http://127.0.0.1:9")  # engine options at their defaults
+    assert result.exit_code == 0 and "Warning" not in text
