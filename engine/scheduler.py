@@ -25,6 +25,7 @@ Where we depart from mlx-lm's `BatchGenerator`, and why:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -189,7 +190,8 @@ class Scheduler:
         popped into a wave) when it failed: such a sequence would otherwise wait forever."""
         seqs, self._inflight = list(self._inflight.values()), {}
         self.waiting.clear()
-        self.paused.clear()
+        while self.paused:  # their spill files and pins go with them
+            self._release(self.paused.popleft())
         self.prefill, self.batch, self.rows = None, None, {}
         for seq in seqs:
             seq.emit(error_event)
@@ -395,10 +397,12 @@ class Scheduler:
         return len(self.rows) + (self.prefill is not None)
 
     def _used_bytes(self) -> int:
-        tokens = sum(len(r.seq.prompt_ids) + len(r.seq.output_ids) for r in self.rows.values())
+        # Also read from other threads (`Engine.capacity`): iterate a snapshot, read `prefill` once.
+        tokens = sum(len(r.seq.prompt_ids) + len(r.seq.output_ids) for r in list(self.rows.values()))
         used = tokens * self.memory.kv_bytes_per_token
-        if self.prefill is not None:
-            used += self.prefill.pos * self.memory.kv_bytes_per_token + self.memory.transient_bytes
+        prefill = self.prefill
+        if prefill is not None:
+            used += prefill.pos * self.memory.kv_bytes_per_token + self.memory.transient_bytes
         return used
 
     def _fits(self, need: int, watermark: float = SOFT_WATERMARK) -> bool:
@@ -411,7 +415,13 @@ class Scheduler:
         return self.memory.need_bytes(seq.num_prompt_tokens + self._max_tokens(seq))
 
     def _max_tokens(self, seq: Sequence) -> int:
-        return seq.params.max_tokens or min(self.default_max_tokens, self.context_length - seq.num_prompt_tokens)
+        """max_tokens, or when the request gave none, as many as the context and the memory
+        ceiling leave (admission checked one token; running past what fits alone would
+        outgrow the ceiling with nothing left to pause)."""
+        if seq.params.max_tokens:
+            return seq.params.max_tokens
+        room = self.context_length if self.memory is None else min(self.context_length, self.memory.max_context_tokens)
+        return max(1, min(self.default_max_tokens, room - seq.num_prompt_tokens))
 
     def _relieve_pressure(self) -> None:
         """Above the hard watermark, pause (or park) the newest sequence that has made
@@ -445,7 +455,13 @@ class Scheduler:
             self._finish(row, finish or "length", cache, cached_ids)
             return
         row.seq.num_pauses += 1
-        path = self.spill.spill(f"row-{uid}-{row.seq.num_pauses}", cache)
+        try:
+            path = self.spill.spill(f"row-{uid}-{row.seq.num_pauses}", cache)
+        except EngineError as exc:  # this request ends; the others are not touched
+            self.rows.pop(uid)
+            self.prefix_cache.store(cached_ids, cache)  # a re-sent request resumes from it
+            self._fail(row.seq, exc)
+            return
         self.rows.pop(uid)
         self.paused.append(_Paused(row.seq, path, row.started_at, row=row, sampler=sampler, pending=pending,
                                    cached_ids=cached_ids, remaining=remaining))
@@ -474,9 +490,9 @@ class Scheduler:
             self.prefix_cache.store(done, job.cache)
             if not self.prefix_cache.holds(done):  # no room in either tier
                 self.prefix_cache.unpin(done)
-                path = self.spill.spill(f"prefill-{job.seq.seq_id}-{job.seq.num_pauses}", job.cache)
+                path = self._spill_parked(job, done)
         else:
-            path = self.spill.spill(f"prefill-{job.seq.seq_id}-{job.seq.num_pauses}", job.cache)
+            path = self._spill_parked(job, done)
         self.paused.append(_Paused(job.seq, path, job.started_at, pos=job.pos))
         job.cache = None
         mx.clear_cache()
@@ -485,10 +501,27 @@ class Scheduler:
                  job.seq.seq_id, job.pos, job.seq.num_prompt_tokens, "pinned in the prefix cache" if path is None
                  else "spilled")
 
+    def _spill_parked(self, job: _Prefill, done: list[int]) -> Path | None:
+        """A parked prefill's spill file; None when it cannot be written: the prefill then
+        resumes like a pinned one, from what the prefix cache holds, recomputing the rest."""
+        try:
+            return self.spill.spill(f"prefill-{job.seq.seq_id}-{job.seq.num_pauses}", job.cache)
+        except EngineError as exc:
+            log.warning("request %d: %s; its prefill will recompute what the prefix cache does not hold",
+                        job.seq.seq_id, exc)
+            self.prefix_cache.pin(done)  # released on resume or cancel, like a pinned park
+            return None
+
     def _unpark(self, paused: _Paused) -> _Prefill:
         seq = paused.seq
         if paused.path is not None:
-            return _Prefill(seq, self.spill.restore(paused.path), paused.pos, started_at=paused.started_at)
+            try:
+                return _Prefill(seq, self.spill.restore(paused.path), paused.pos, started_at=paused.started_at)
+            except EngineError as exc:  # recompute: progress commits left some of it in the prefix cache
+                log.warning("request %d: %s; its prefill recomputes what the prefix cache does not hold",
+                            seq.seq_id, exc)
+                hit = self.prefix_cache.lookup(seq.prompt_ids)
+                return _Prefill(seq, self.adapt_cache(hit.cache), hit.num_cached, started_at=paused.started_at)
         hit = self.prefix_cache.lookup(seq.prompt_ids)
         self.prefix_cache.unpin(seq.prompt_ids[: paused.pos])
         if hit.num_cached < paused.pos:
@@ -511,7 +544,15 @@ class Scheduler:
             if head.row is None:
                 self.prefill = self._unpark(head)
             else:
-                self._rejoin(head, self.spill.restore(head.path))
+                try:
+                    cache = self.spill.restore(head.path)
+                    if any(isinstance(c, KVCache) and c.offset != len(head.cached_ids) for c in cache):
+                        raise EngineError(f"spilled KV in {head.path} does not hold the paused request's "
+                                          f"{len(head.cached_ids)} tokens", retryable=True)
+                except EngineError as exc:  # this request ends; the others are not touched
+                    self._fail(head.seq, exc)
+                    continue
+                self._rejoin(head, cache)
             self.stats["resumes"] += 1
             log.info("resumed request %d (%s)", head.seq.seq_id, "prefill" if head.row is None else "decode")
 
@@ -535,6 +576,21 @@ class Scheduler:
         log.warning("aborted request %d under memory pressure (%d KV tokens)", uid, sizes[uid])
         row.seq.emit(Failed(EngineError("aborted under memory pressure; retry later", retryable=True)))
 
+    def _release(self, paused: _Paused) -> None:
+        """Drop what a paused sequence holds: its spill file, or its pins in the prefix cache."""
+        if paused.path is not None:
+            with contextlib.suppress(OSError):
+                paused.path.unlink(missing_ok=True)
+        elif paused.row is None:
+            self.prefix_cache.unpin(paused.seq.prompt_ids[: paused.pos])
+
+    def _fail(self, seq: Sequence, error: EngineError) -> None:
+        """End one request with an error (its KV could not be spilled or read back)."""
+        log.error("request %d failed: %s", seq.seq_id, error)
+        self._retire(seq, "failed")
+        self.stats["aborts"] += 1
+        seq.emit(Failed(error))
+
     def _reap_cancelled(self) -> None:
         if self.prefill is not None and self.prefill.seq.cancelled:
             job, self.prefill = self.prefill, None
@@ -544,16 +600,18 @@ class Scheduler:
             job.seq.emit(Finished("cancelled", job.seq.num_prompt_tokens, 0, job.seq.num_cached_tokens, 0.0, 0.0))
         for paused in [p for p in self.paused if p.seq.cancelled]:
             self.paused.remove(paused)
-            if paused.path is not None:
-                paused.path.unlink(missing_ok=True)
-            elif paused.row is None:
-                self.prefix_cache.unpin(paused.seq.prompt_ids[: paused.pos])
+            self._release(paused)
             self._retire(paused.seq, "cancelled")
             paused.seq.emit(Finished("cancelled", paused.seq.num_prompt_tokens, paused.seq.num_completion_tokens,
                                      paused.seq.num_cached_tokens, 0.0, 0.0))
         cancelled = {uid: "cancelled" for uid, row in self.rows.items() if row.seq.cancelled}
         if cancelled:
             self._remove(cancelled)
+        # A waiting request may sit behind paused ones or a memory check for long: end it now.
+        for seq in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(seq)
+            self._retire(seq, "cancelled")
+            seq.emit(Finished("cancelled", seq.num_prompt_tokens, 0, 0, 0.0, 0.0))
 
     def _finish(self, row: _Row, finish: str, cache: list, cached_ids: list[int]) -> None:
         self.rows.pop(row.seq.seq_id, None)

@@ -9,12 +9,15 @@ the cache it left. The files live in a private temporary directory (or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
+
+from prefixtrace.errors import EngineError
 
 
 class SpillStore:
@@ -44,11 +47,26 @@ class SpillStore:
                 if array is not None:
                     arrays[f"{i}.s{j}"] = array
         path = self.dir / f"{key}.safetensors"
-        mx.save_safetensors(str(path), arrays, meta)
-        self.bytes_written += path.stat().st_size
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)  # removed while running: made again
+            mx.save_safetensors(str(path), arrays, meta)
+            self.bytes_written += path.stat().st_size
+        except Exception as exc:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+            raise EngineError(f"could not spill KV to {path}: {exc}", retryable=True) from exc
         return path
 
     def restore(self, path: Path) -> list[KVCache]:
+        try:
+            return self._restore(path)
+        except Exception as exc:
+            raise EngineError(f"could not read back spilled KV from {path}: {exc}", retryable=True) from exc
+        finally:
+            with contextlib.suppress(OSError):  # read back or unreadable, it is never read again
+                path.unlink(missing_ok=True)
+
+    def _restore(self, path: Path) -> list[KVCache]:
         arrays, meta = mx.load(str(path), return_metadata=True)
         cache = []
         for i in range(int(meta["layers"])):
@@ -66,7 +84,6 @@ class SpillStore:
                 layer.offset = layer.keys.shape[2]
             cache.append(layer)
         mx.eval(list(arrays.values()))
-        path.unlink(missing_ok=True)
         return cache
 
 
