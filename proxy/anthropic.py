@@ -68,7 +68,7 @@ def to_chat_request(body: dict, headers: dict[str, str]) -> ChatRequest:
     if tools is not None and not isinstance(tools, list):
         raise InvalidRequest("'tools' must be an array", param="tools")
     openai_body: dict[str, Any] = {
-        "model": body.get("model"), "messages": chat, "stream": bool(body.get("stream", False)),
+        "model": body.get("model"), "messages": chat, "stream": body.get("stream"),  # parse_chat_request checks it
         "max_tokens": body.get("max_tokens"), "temperature": body.get("temperature"), "top_p": body.get("top_p"),
         "stop": body.get("stop_sequences"),
     }
@@ -81,6 +81,22 @@ def to_chat_request(body: dict, headers: dict[str, str]) -> ChatRequest:
     if isinstance(metadata.get("user_id"), str):
         openai_body["user"] = metadata["user_id"]
     req = parse_chat_request({k: v for k, v in openai_body.items() if v is not None}, headers)
+    req.body = body
+    return req
+
+
+def _passthrough_request(body: dict, headers: dict[str, str]) -> ChatRequest:
+    """Upstream mode: the body goes to the upstream as sent, so only what the proxy itself
+    reads is checked here. Blocks the engine cannot render (images, documents, server-tool
+    results) and the sampling fields are the upstream's to judge."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' is required and must be a non-empty array", param="messages")
+    metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+    user = metadata.get("user_id") if isinstance(metadata.get("user_id"), str) else None
+    req = parse_chat_request({k: v for k, v in {"model": body.get("model"), "messages": messages,
+                                                 "stream": body.get("stream"), "user": user}.items()
+                              if v is not None}, headers)
     req.body = body
     return req
 
@@ -113,10 +129,13 @@ def _translate_message(message: dict, i: int) -> list[dict]:
     calls: list[dict] = []
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
+        key = {"text": "text", "thinking": "thinking"}.get(kind)
+        if key and not isinstance(block.get(key, ""), str):  # not rendered as "None" or a dict's repr
+            raise InvalidRequest(f"messages[{i}]: a {kind} block's {key!r} must be a string", param="messages")
         if kind == "text":
-            text.append(str(block.get("text", "")))
+            text.append(block.get("text", ""))
         elif kind == "thinking" and role == "assistant":
-            reasoning.append(str(block.get("thinking", "")))
+            reasoning.append(block.get("thinking", ""))
         elif kind == "redacted_thinking":
             continue  # opaque to any template
         elif kind == "tool_use" and role == "assistant":
@@ -180,8 +199,9 @@ class EngineMessages:
 
     status = 200
 
-    def __init__(self, chat, req: ChatRequest, builder: TurnBuilder):
+    def __init__(self, chat, req: ChatRequest, builder: TurnBuilder, tokenizer=None):
         self.chat, self.req, self.builder = chat, req, builder
+        self.tokenizer = tokenizer  # to tell which stop sequence ended the output
         self.id = "msg_" + uuid.uuid4().hex
         self.model = req.model or chat.model
 
@@ -196,9 +216,22 @@ class EngineMessages:
         return {"input_tokens": prompt - cached, "output_tokens": output,
                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
-    def _message(self, content: list, stop_reason: str | None, usage: dict) -> dict:
+    def _message(self, content: list, stop_reason: str | None, usage: dict, stop_sequence: str | None = None) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": stop_reason, "stop_sequence": None, "usage": usage}
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+
+    def _stop(self, finish_reason: str) -> tuple[str, str | None]:
+        """Anthropic's (stop_reason, stop_sequence). The engine says "stop" for both EOS and a
+        stop string; the output tokens tell which stop string it was (the emitted text never
+        contains one, so the first one in the decoded output is the one that matched)."""
+        stops = self.req.sampling.stop
+        seq = getattr(self.chat, "seq", None)
+        if finish_reason == "stop" and stops and self.tokenizer is not None and seq is not None:
+            text = self.tokenizer.decode(list(seq.output_ids))
+            hits = [(text.find(s), k) for k, s in enumerate(stops) if s in text]
+            if hits:
+                return "stop_sequence", stops[min(hits)[1]]
+        return STOP_REASONS.get(finish_reason, "end_turn"), None
 
     async def sse(self) -> AsyncIterator[bytes]:
         seq = self.chat.seq
@@ -214,9 +247,10 @@ class EngineMessages:
                 usage = self._usage(event.prompt_tokens, event.cached_tokens, event.completion_tokens)
                 record_usage(self.builder, usage)
                 self.builder.turn.finish_reason = event.finish_reason
+                stop_reason, stop_sequence = self._stop(event.finish_reason)
                 yield _event("content_block_stop", {"index": 0})
-                yield _event("message_delta", {"delta": {"stop_reason": STOP_REASONS.get(event.finish_reason, "end_turn"),
-                                                         "stop_sequence": None}, "usage": usage})
+                yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                               "usage": usage})
                 yield _event("message_stop", {})
             elif isinstance(event, Failed):
                 raise event.error if isinstance(event.error, PrefixtraceError) else EngineError(str(event.error))
@@ -230,8 +264,8 @@ class EngineMessages:
                 raise event.error
             elif isinstance(event, Finished):
                 usage = self._usage(event.prompt_tokens, event.cached_tokens, event.completion_tokens)
-                body = self._message([{"type": "text", "text": "".join(parts)}],
-                                     STOP_REASONS.get(event.finish_reason, "end_turn"), usage)
+                stop_reason, stop_sequence = self._stop(event.finish_reason)
+                body = self._message([{"type": "text", "text": "".join(parts)}], stop_reason, usage, stop_sequence)
                 turn = self.builder.turn
                 turn.response_text, turn.finish_reason = "".join(parts), event.finish_reason
                 if event.completion_tokens:
@@ -316,7 +350,8 @@ class UpstreamMessages(Relayed):
 
 async def open_messages(backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
     if hasattr(backend, "engine"):
-        return EngineMessages(await backend.open(req, builder, headers), req, builder)
+        return EngineMessages(await backend.open(req, builder, headers), req, builder,
+                              getattr(backend.engine, "tokenizer", None))
     response, url = await backend.post(MESSAGES_PATH, req.body, headers, session_id=req.session_id)
     return UpstreamMessages(response, builder, url)
 
@@ -330,7 +365,8 @@ def add_messages_route(app: FastAPI, backend, recorder) -> None:
     @app.post(MESSAGES_PATH)
     async def messages(request: Request):
         return await serve_turn(request, endpoint=MESSAGES_PATH, upstream=backend.label, recorder=recorder,
-                                parse=to_chat_request, open_reply=lambda req, builder, headers: open_messages(
+                                parse=to_chat_request if hasattr(backend, "engine") else _passthrough_request,
+                                open_reply=lambda req, builder, headers: open_messages(
                                     backend, req, builder, headers), stream=_stream, error_body=to_anthropic_error)
 
 
