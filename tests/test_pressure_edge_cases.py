@@ -6,6 +6,7 @@ Real engine on the tiny model in float32; pauses and parks are forced with the `
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import sys
 import threading
@@ -17,6 +18,7 @@ from engine.memory import MemoryModel
 from engine.sampling import SamplingParams
 from engine.sequence import Failed, Finished, Sequence, TextDelta
 from tests.conftest import TINY_MODEL
+from tests.test_memory_pressure import prompt, wait
 
 GREEDY = dict(temperature=0.0)
 SEEDED = dict(temperature=0.9, seed=11)
@@ -28,10 +30,6 @@ def engine():
     engine.wait_ready(60)
     yield engine
     engine.shutdown()
-
-
-def prompt(engine: Engine, words: int, topic: str) -> list[int]:
-    return engine.render([{"role": "user", "content": f"{topic}: " + "read the file and fix the bug " * words}]).token_ids
 
 
 def run(engine: Engine, ids, pause_at=(), park_at=None, cancel_when=None, **params):
@@ -50,14 +48,44 @@ def run(engine: Engine, ids, pause_at=(), park_at=None, cancel_when=None, **para
     return seq, events
 
 
-def wait(events: queue.Queue):
-    text = []
-    while True:
-        event = events.get(timeout=60)
-        if isinstance(event, TextDelta):
-            text.append(event.text)
-        else:
-            return "".join(text), event
+@contextlib.contextmanager
+def own_engine(**kw):
+    """A fresh engine of this test's own (its cache budget matters), shut down afterwards."""
+    engine = Engine(TINY_MODEL, dtype="float32", prefill_step_size=16, **kw).start()
+    engine.wait_ready(60)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+@contextlib.contextmanager
+def damaged_spills(engine: Engine, damage):
+    """While inside: every spill file the engine writes is rewritten as `damage(its bytes)`."""
+    store = engine.scheduler.spill
+    spill = store.spill
+
+    def write(key, cache):
+        path = spill(key, cache)
+        path.write_bytes(damage(path.read_bytes()))
+        return path
+
+    store.spill = write
+    try:
+        yield
+    finally:
+        store.spill = spill
+
+
+def only_the_paused_row_fails(engine: Engine, ids, other_ids, ref: Sequence) -> None:
+    """`ids` pauses beside a bystander decoding `other_ids`: its spill fails, it ends with an
+    error naming the spill, and the bystander still produces `ref`'s tokens."""
+    other, other_events = run(engine, other_ids, max_tokens=60, ignore_eos=True, **GREEDY)
+    seq, events = run(engine, ids, pause_at=(5,), max_tokens=60, ignore_eos=True, **GREEDY)
+    _, done = wait(events)
+    assert isinstance(done, Failed) and "spill" in str(done.error).lower()
+    _, other_done = wait(other_events)
+    assert isinstance(other_done, Finished) and other.output_ids == ref.output_ids
 
 
 def solo_and_paused(engine, ids, pause_at, **params):
@@ -146,9 +174,7 @@ def test_cancelled_paused_row_ends_and_its_spill_file_goes(engine):
 
 @pytest.mark.parametrize("cache_bytes", [64 << 20, 0], ids=["pinned", "spilled"])
 def test_cancelled_parked_prefill_releases_its_pins_and_file(cache_bytes):
-    engine = Engine(TINY_MODEL, dtype="float32", prefill_step_size=16, cache_bytes=cache_bytes).start()
-    engine.wait_ready(60)
-    try:
+    with own_engine(cache_bytes=cache_bytes) as engine:
         sched = engine.scheduler
         park = sched._park_prefill
 
@@ -168,8 +194,6 @@ def test_cancelled_parked_prefill_releases_its_pins_and_file(cache_bytes):
         # The engine goes on serving.
         seq, events = run(engine, ids, max_tokens=4, **GREEDY)
         assert wait(events)[1].finish_reason == "length"
-    finally:
-        engine.shutdown()
 
 
 def _pressure_engine(probe: Engine, long_ids, max_tokens: int, factor: float) -> Engine:
@@ -270,12 +294,7 @@ def test_unwritable_spill_directory_fails_only_that_request(engine, tmp_path):
     old = engine.scheduler.spill.dir
     engine.scheduler.spill.dir = blocker / "spill"  # cannot be created, even by root
     try:
-        other, other_events = run(engine, other_ids, max_tokens=60, ignore_eos=True, **GREEDY)
-        seq, events = run(engine, ids, pause_at=(5,), max_tokens=60, ignore_eos=True, **GREEDY)
-        _, done = wait(events)
-        assert isinstance(done, Failed) and "spill" in str(done.error).lower()
-        _, other_done = wait(other_events)
-        assert isinstance(other_done, Finished) and other.output_ids == ref.output_ids
+        only_the_paused_row_fails(engine, ids, other_ids, ref)
     finally:
         engine.scheduler.spill.dir = old
     seq, events = run(engine, ids, max_tokens=4, **GREEDY)
@@ -288,50 +307,22 @@ def test_corrupt_spill_file_at_resume_fails_only_that_row(engine, kind):
     other_ids = prompt(engine, 9, "other")
     ref, ref_events = run(engine, other_ids, max_tokens=60, ignore_eos=True, **GREEDY)
     wait(ref_events)
-    store = engine.scheduler.spill
-    spill = store.spill
-
-    def damaged(key, cache):
-        path = spill(key, cache)
-        data = path.read_bytes()
-        path.write_bytes(data[: len(data) // 2] if kind == "truncated" else b"\x07" * len(data))
-        return path
-
-    store.spill = damaged
-    try:
-        other, other_events = run(engine, other_ids, max_tokens=60, ignore_eos=True, **GREEDY)
-        seq, events = run(engine, ids, pause_at=(5,), max_tokens=60, ignore_eos=True, **GREEDY)
-        _, done = wait(events)
-        assert isinstance(done, Failed) and "spill" in str(done.error).lower()
-        _, other_done = wait(other_events)
-        assert isinstance(other_done, Finished) and other.output_ids == ref.output_ids
-    finally:
-        store.spill = spill
+    damage = (lambda data: data[: len(data) // 2]) if kind == "truncated" else (lambda data: b"\x07" * len(data))
+    with damaged_spills(engine, damage):
+        only_the_paused_row_fails(engine, ids, other_ids, ref)
     assert spill_files(engine) == []
 
 
 def test_corrupt_spill_file_of_a_parked_prefill_recomputes(tmp_path):
-    engine = Engine(TINY_MODEL, dtype="float32", prefill_step_size=16, cache_bytes=0).start()  # parks spill
-    engine.wait_ready(60)
-    try:
+    with own_engine(cache_bytes=0) as engine:  # parks spill
         ids = prompt(engine, 30, "park")
         ref, ref_events = run(engine, ids, max_tokens=20, ignore_eos=True, **GREEDY)
         wait(ref_events)
-        store = engine.scheduler.spill
-        spill = store.spill
-
-        def truncated(key, cache):
-            path = spill(key, cache)
-            path.write_bytes(path.read_bytes()[:100])
-            return path
-
-        store.spill = truncated
-        seq, events = run(engine, ids, park_at=48, max_tokens=20, ignore_eos=True, **GREEDY)
-        _, done = wait(events)
+        with damaged_spills(engine, lambda data: data[:100]):
+            seq, events = run(engine, ids, park_at=48, max_tokens=20, ignore_eos=True, **GREEDY)
+            _, done = wait(events)
         assert isinstance(done, Finished) and seq.output_ids == ref.output_ids
         assert spill_files(engine) == []
-    finally:
-        engine.shutdown()
 
 
 # --- capacity numbers from another thread ---------------------------------------------------
@@ -372,9 +363,7 @@ def test_capacity_is_safe_to_read_while_rows_come_and_go(engine):
 @pytest.mark.parametrize("cache_bytes", [64 << 20, 0], ids=["pinned", "spilled"])
 @pytest.mark.parametrize("where", ["row", "prefill"])
 def test_a_failing_step_releases_what_paused_requests_hold(where, cache_bytes):
-    engine = Engine(TINY_MODEL, dtype="float32", prefill_step_size=16, cache_bytes=cache_bytes).start()
-    engine.wait_ready(60)
-    try:
+    with own_engine(cache_bytes=cache_bytes) as engine:
         sched = engine.scheduler
         resume = sched._resume
 
@@ -396,8 +385,6 @@ def test_a_failing_step_releases_what_paused_requests_hold(where, cache_bytes):
         assert not engine.prefix_cache.memory._pins
         seq, events = run(engine, ids, max_tokens=4, **GREEDY)
         assert wait(events)[1].finish_reason == "length"
-    finally:
-        engine.shutdown()
 
 
 def test_without_max_tokens_a_request_stops_where_memory_ends():
