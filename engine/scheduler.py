@@ -202,11 +202,7 @@ class Scheduler:
         while self.prefill is None and self.waiting and len(self.rows) < self.max_batch and not self.paused:
             if self.memory is not None and self._active() and not self._fits(self._prompt_need(self.waiting[0])):
                 return  # wait for memory; paused requests and running rows go first
-            seq = self.waiting.popleft()
-            if seq.cancelled:
-                self._retire(seq, "cancelled")
-                seq.emit(Finished("cancelled", seq.num_prompt_tokens, 0, 0, 0.0, 0.0))
-                continue
+            seq = self.waiting.popleft()  # cancelled ones were reaped at the start of this step
             hit = self.prefix_cache.lookup(seq.prompt_ids)
             seq.num_cached_tokens = hit.num_cached
             self.prefill = _Prefill(seq, self.adapt_cache(hit.cache), hit.num_cached)
@@ -520,13 +516,12 @@ class Scheduler:
             except EngineError as exc:  # recompute: progress commits left some of it in the prefix cache
                 log.warning("request %d: %s; its prefill recomputes what the prefix cache does not hold",
                             seq.seq_id, exc)
-                hit = self.prefix_cache.lookup(seq.prompt_ids)
-                return _Prefill(seq, self.adapt_cache(hit.cache), hit.num_cached, started_at=paused.started_at)
         hit = self.prefix_cache.lookup(seq.prompt_ids)
-        self.prefix_cache.unpin(seq.prompt_ids[: paused.pos])
-        if hit.num_cached < paused.pos:
-            log.warning("request %d resumed from %d of its %d prefilled tokens (cache evicted the rest)",
-                        seq.seq_id, hit.num_cached, paused.pos)
+        if paused.path is None:  # parked in the prefix cache: its pins go
+            self.prefix_cache.unpin(seq.prompt_ids[: paused.pos])
+            if hit.num_cached < paused.pos:
+                log.warning("request %d resumed from %d of its %d prefilled tokens (cache evicted the rest)",
+                            seq.seq_id, hit.num_cached, paused.pos)
         return _Prefill(seq, self.adapt_cache(hit.cache), hit.num_cached, started_at=paused.started_at)
 
     def _resume(self) -> None:
@@ -545,10 +540,7 @@ class Scheduler:
                 self.prefill = self._unpark(head)
             else:
                 try:
-                    cache = self.spill.restore(head.path)
-                    if any(isinstance(c, KVCache) and c.offset != len(head.cached_ids) for c in cache):
-                        raise EngineError(f"spilled KV in {head.path} does not hold the paused request's "
-                                          f"{len(head.cached_ids)} tokens", retryable=True)
+                    cache = self.spill.restore(head.path, tokens=len(head.cached_ids))
                 except EngineError as exc:  # this request ends; the others are not touched
                     self._fail(head.seq, exc)
                     continue
@@ -607,7 +599,8 @@ class Scheduler:
         cancelled = {uid: "cancelled" for uid, row in self.rows.items() if row.seq.cancelled}
         if cancelled:
             self._remove(cancelled)
-        # A waiting request may sit behind paused ones or a memory check for long: end it now.
+        # Waiting requests too, wherever they are in the queue (one may sit behind paused ones
+        # or a memory check for long).
         for seq in [s for s in self.waiting if s.cancelled]:
             self.waiting.remove(seq)
             self._retire(seq, "cancelled")

@@ -57,9 +57,14 @@ class SpillStore:
             raise EngineError(f"could not spill KV to {path}: {exc}", retryable=True) from exc
         return path
 
-    def restore(self, path: Path) -> list[KVCache]:
+    def restore(self, path: Path, tokens: int | None = None) -> list[KVCache]:
+        """The caches spilled to `path` (deleted either way); with `tokens`, dense layers must
+        hold exactly that many, else the file is not the one this request wrote."""
         try:
-            return self._restore(path)
+            cache = self._restore(path)
+            if tokens is not None and any(isinstance(c, KVCache) and c.offset != tokens for c in cache):
+                raise ValueError(f"it does not hold the paused request's {tokens} tokens")
+            return cache
         except Exception as exc:
             raise EngineError(f"could not read back spilled KV from {path}: {exc}", retryable=True) from exc
         finally:
