@@ -12,13 +12,16 @@ def encode(obj) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
+def _payload(event: bytes) -> bytes | None:
+    """The data of one SSE event (its `data:` lines joined), or None when it has none."""
+    data = [line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(data) if data else None
+
+
 def decode_data(event: bytes) -> dict | None:
     """The JSON payload of one SSE event, or None for [DONE], comments and non-JSON data."""
-    data = [line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:")]
-    if not data:
-        return None
-    payload = b"\n".join(data)
-    if payload.strip() == b"[DONE]":
+    payload = _payload(event)
+    if payload is None or payload.strip() == b"[DONE]":
         return None
     try:
         obj = json.loads(payload)
@@ -29,7 +32,8 @@ def decode_data(event: bytes) -> dict | None:
 
 def is_done(event: bytes) -> bool:
     """Whether one SSE event is the stream's `data: [DONE]`."""
-    return any(line[5:].strip() == b"[DONE]" for line in event.splitlines() if line.startswith(b"data:"))
+    payload = _payload(event)
+    return payload is not None and payload.strip() == b"[DONE]"
 
 
 async def iter_events(lines: AsyncIterator[str]) -> AsyncIterator[bytes]:

@@ -44,7 +44,7 @@ def _utf8(text: str) -> str:
 
 
 def _dumps(value: Any) -> str:
-    return _utf8(json.dumps(value, ensure_ascii=False))
+    return json.dumps(value, ensure_ascii=False)
 
 
 def body_text(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> tuple[str, bool]:
@@ -195,7 +195,7 @@ def turn_to_row(turn: Turn, bodies: BodyStore, redactor: Redactor = DEFAULT_REDA
     """The `turn_log` row for `turn`, redacted, its messages stored. Everything
     stored passes through here, so this is the one place secrets are stopped."""
     text, is_json = body_text(turn, redactor)
-    text = _utf8(text)
+    text = _utf8(text)  # the body goes to `bodies`; the row's own strings are made storable below
     body = turn.request_body
     model = redactor.value(body.get("model")) if isinstance(body, dict) else None
     row = {
