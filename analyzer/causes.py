@@ -133,8 +133,7 @@ def _tool_name(t: Any) -> str:
 
 
 def tools_subtype(prev: list, next: list) -> str:
-    name = _tool_name
-    pn, nn = [name(t) for t in prev], [name(t) for t in next]
+    pn, nn = [_tool_name(t) for t in prev], [_tool_name(t) for t in next]
     if set(pn) == set(nn):
         return "reordered" if pn != nn else "edited"
     if set(pn) < set(nn):
