@@ -20,6 +20,11 @@ from prefixtrace.errors import EngineError
 from recorder.store import Recorder
 
 log = logging.getLogger("prefixtrace.serve")
+# SIGTERM/SIGINT: in-flight responses get this long to finish, then are cancelled
+# (and recorded as such), so shutdown always completes; then the recorder gets
+# RECORDER_CLOSE_S to write what is queued.
+SHUTDOWN_GRACE_S = 30
+RECORDER_CLOSE_S = 10.0
 
 
 @dataclass
@@ -44,6 +49,7 @@ class ServeConfig:
     thinking_retention: str = "loop"  # loop|template|all
     thinking_retention_guard_tokens: int = 30000
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
+    recorder_stuck_after_s: float = 30.0  # /health is 503 once one recorder write takes longer
     log_level: str = "info"
 
 
@@ -106,10 +112,12 @@ def serve(config: ServeConfig) -> None:
     backend = build_backend(config)
     engine = backend.engine if isinstance(backend, EngineBackend) else None
     try:
-        with Recorder(config.db) as recorder:
+        recorder = Recorder(config.db, stuck_after_s=config.recorder_stuck_after_s)
+        try:
             log.info("recording to %s", config.db.resolve())
             app = create_app(backend, recorder)
-            server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level))
+            server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                                   timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
             failures: list[EngineError] = []
             if engine is not None:
                 _stop_if_the_model_fails_to_load(engine, server, failures)
@@ -121,6 +129,8 @@ def serve(config: ServeConfig) -> None:
                 raise failures[0]
             if not server.started:  # e.g. the port is in use; uvicorn has logged why
                 sys.exit(STARTUP_FAILURE)
+        finally:
+            recorder.close(timeout=RECORDER_CLOSE_S)  # bounded: a stuck writer must not keep the process up
     finally:
         if engine is not None:
             engine.shutdown()

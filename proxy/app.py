@@ -50,6 +50,9 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        stalled = recorder_trouble(app.state.recorder)
+        if stalled is not None:
+            return stalled
         if await backend.ready():
             body = {"status": "ok", "backend": backend.label}
             if hasattr(backend, "engine"):
@@ -79,6 +82,20 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
 
     add_messages_route(app, backend, recorder)  # POST /v1/messages (Anthropic)
     return app
+
+
+def recorder_trouble(recorder) -> JSONResponse | None:
+    """A 503 naming the reason when the recorder cannot record (writer stuck,
+    gone or closed): a proxy that answers but stores nothing must not look healthy."""
+    health = getattr(recorder, "health", None)
+    if health is None:
+        return None
+    ok, reason = health()
+    if ok:
+        return None
+    status = "recorder_stuck" if "stuck" in (reason or "") else "recorder_down"
+    return JSONResponse({"status": status, "reason": reason, "pending": getattr(recorder, "pending", None)},
+                        status_code=503)
 
 
 async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):
