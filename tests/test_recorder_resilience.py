@@ -171,3 +171,18 @@ def _swallow(fn, *args):
         fn(*args)
     except httpx.HTTPError:
         pass
+
+
+def test_a_body_of_unterminated_pem_headers_does_not_stall_other_responses(engine_server):
+    """Issue 14, finding 4: 218 KB of `-----BEGIN PRIVATE KEY-----` lines held the
+    writer ~77 s and every other response with it."""
+    url, rec = engine_server
+    hostile = "-----BEGIN PRIVATE KEY-----\n" * 10_000  # 270 KB
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": hostile}]})
+    assert r.status_code in (200, 400)
+    assert chat(url, "right after").status_code == 200  # its commit queues behind the hostile turn's
+    assert rec.flush(30)
+    stored = list(iter_turns(rec.path))
+    assert len(stored) == 2
+    assert "BEGIN PRIVATE KEY" not in json.dumps(stored[0].request_body)
