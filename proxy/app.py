@@ -21,6 +21,7 @@ from proxy.anthropic import add_messages_route
 from proxy.chat_request import parse_chat_request
 from proxy.relay import TurnSink, record_durably, serve_turn
 from proxy.dashboard import observe
+from proxy.disconnect import CancelOnDisconnect
 from proxy.turn_builder import TurnBuilder
 
 log = logging.getLogger("prefixtrace.proxy")
@@ -81,6 +82,7 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
                                 error_body=to_openai_error)
 
     add_messages_route(app, backend, recorder)  # POST /v1/messages (Anthropic)
+    app.add_middleware(CancelOnDisconnect)  # a hung-up non-streamed request stops generating
     return app
 
 
