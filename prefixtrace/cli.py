@@ -112,6 +112,9 @@ def _upstream_urls(ctx, param, values):
 @click.option("--notice-pattern", metavar="REGEX",
               help="A user message whose text matches this at its start is a harness notice, not a real user turn "
                    "(default: docs/RENDER_POLICIES.md).")
+@click.option("--max-request-mb", default=32.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
+              help="Largest request body accepted; a bigger one is answered 413 and recorded without its body "
+                   "(a 100k-token prompt with tools is ~1 MB) (docs/SECURITY.md).")
 @click.option("--recorder-stuck-after-s", default=30.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
               help="A recorder write taking longer than this makes /health answer 503, and responses stop waiting "
                    "for their commit (the turn stays queued) (docs/SECURITY.md).")
@@ -122,7 +125,8 @@ def _upstream_urls(ctx, param, values):
 def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
-          thinking_retention_guard_tokens, notice_pattern, recorder_stuck_after_s, log_level, print_config):
+          thinking_retention_guard_tokens, notice_pattern, max_request_mb, recorder_stuck_after_s, log_level,
+          print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions and POST /v1/messages (Anthropic;
@@ -160,7 +164,8 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           mid_system_policy=mid_system_policy,
                           thinking_retention=thinking_retention,
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
-                          notice_pattern=notice_pattern, recorder_stuck_after_s=recorder_stuck_after_s,
+                          notice_pattern=notice_pattern, max_request_mb=max_request_mb,
+                          recorder_stuck_after_s=recorder_stuck_after_s,
                           log_level=log_level))
 
 

@@ -2,7 +2,8 @@
 
     PrefixtraceError
     ├── InvalidRequest           400  the client sent something we cannot serve
-    │   └── ContextExceedsCapacity 400  prompt + max_tokens can never fit
+    │   ├── ContextExceedsCapacity 400  prompt + max_tokens can never fit
+    │   └── RequestTooLarge      413  the body is over --max-request-mb
     ├── ModelNotFound            404  the request names a model we do not serve
     ├── UpstreamError            502  the upstream server failed or is unreachable
     │   └── UpstreamTimeout      504
@@ -39,6 +40,10 @@ class ContextExceedsCapacity(InvalidRequest):
     code = "context_exceeds_capacity"
 
 
+class RequestTooLarge(InvalidRequest):
+    code = "request_too_large"
+
+
 class ModelNotFound(PrefixtraceError):
     code = "model_not_found"
 
@@ -67,6 +72,7 @@ class RecorderError(PrefixtraceError):
 # here falls back to its parent's status rather than to 500.
 HTTP_STATUS: dict[type[PrefixtraceError], int] = {
     ContextExceedsCapacity: 400,
+    RequestTooLarge: 413,
     InvalidRequest: 400,
     ModelNotFound: 404,
     UpstreamTimeout: 504,

@@ -49,6 +49,7 @@ class ServeConfig:
     thinking_retention: str = "loop"  # loop|template|all
     thinking_retention_guard_tokens: int = 30000
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
+    max_request_mb: float = 32.0  # proxy/request_limits.py: 413 past it
     recorder_stuck_after_s: float = 30.0  # /health is 503 once one recorder write takes longer
     log_level: str = "info"
 
@@ -115,7 +116,7 @@ def serve(config: ServeConfig) -> None:
         recorder = Recorder(config.db, stuck_after_s=config.recorder_stuck_after_s)
         try:
             log.info("recording to %s", config.db.resolve())
-            app = create_app(backend, recorder)
+            app = create_app(backend, recorder, max_request_mb=config.max_request_mb)
             server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
             failures: list[EngineError] = []

@@ -22,13 +22,14 @@ from proxy.chat_request import parse_chat_request
 from proxy.relay import TurnSink, record_durably, serve_turn
 from proxy.dashboard import observe
 from proxy.disconnect import CancelOnDisconnect
+from proxy.request_limits import DEFAULT_MAX_REQUEST_MB
 from proxy.turn_builder import TurnBuilder
 
 log = logging.getLogger("prefixtrace.proxy")
 CHAT_PATH = "/v1/chat/completions"
 
 
-def create_app(backend, recorder: TurnSink) -> FastAPI:
+def create_app(backend, recorder: TurnSink, *, max_request_mb: float = DEFAULT_MAX_REQUEST_MB) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -38,6 +39,7 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
     app = FastAPI(title="prefixtrace", lifespan=lifespan)
     app.state.backend = backend
     app.state.recorder = recorder
+    app.state.max_request_mb = max_request_mb  # proxy/request_limits.py
     recorder = observe(app, backend, recorder)  # /ui, /metrics: every turn also feeds them
 
     @app.middleware("http")
