@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -91,6 +92,22 @@ def build_backend(config: ServeConfig):
     return EngineBackend(engine)
 
 
+class QueryValuesMasked(logging.Filter):
+    """uvicorn's access log prints the request target; a client that put its key in
+    the query string (`?key=...`, `?api-key=...`, Azure's and Google's habit) would
+    have it in the log. Keep the names, mask every value."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+            path, query = args[2].split("?", 1)
+            record.args = (*args[:2], f"{path}?{_MASKED_VALUE.sub('=***', query)}", *args[3:])
+        return True
+
+
+_MASKED_VALUE = re.compile(r"=[^&]*")
+
+
 def _stop_if_the_model_fails_to_load(engine: Engine, server: uvicorn.Server, failures: list) -> threading.Thread:
     """The model loads in the background while the server listens; a model that
     cannot load (a directory that is not a model, a broken config.json) stops the
@@ -119,6 +136,7 @@ def serve(config: ServeConfig) -> None:
             app = create_app(backend, recorder, max_request_mb=config.max_request_mb)
             server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+            logging.getLogger("uvicorn.access").addFilter(QueryValuesMasked())
             failures: list[EngineError] = []
             if engine is not None:
                 _stop_if_the_model_fails_to_load(engine, server, failures)
