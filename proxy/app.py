@@ -16,12 +16,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from prefixtrace.errors import PrefixtraceError, http_status, to_openai_error
-from proxy import sse
+from prefixtrace.wire import sse
 from proxy.anthropic import add_messages_route
 from proxy.chat_request import parse_chat_request
 from proxy.relay import TurnSink, record_durably, serve_turn
 from proxy.dashboard import observe
-from proxy.turn_builder import TurnBuilder
+from prefixtrace.wire.turn_builder import TurnBuilder
 
 log = logging.getLogger("prefixtrace.proxy")
 CHAT_PATH = "/v1/chat/completions"

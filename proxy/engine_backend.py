@@ -15,9 +15,9 @@ from typing import AsyncIterator
 from engine.engine import Engine
 from engine.sequence import Failed, Finished, Sequence, TextDelta
 from prefixtrace.errors import InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
-from proxy import sse
+from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
-from proxy.turn_builder import TurnBuilder
+from prefixtrace.wire.turn_builder import TurnBuilder
 
 DEFAULT_ALIAS = "default"
 

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from prefixtrace.errors import InvalidRequest, UpstreamError
-from proxy import sse
-from proxy.upstream_backend import map_httpx_errors, normalize_base_url
+from prefixtrace.wire import sse
+from prefixtrace.wire.http import map_httpx_errors, normalize_base_url
 from recorder.replay_report import format_replay, summarise, write_report  # noqa: F401 (re-exported)
 from recorder.turn import Turn
 
