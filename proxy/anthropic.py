@@ -173,13 +173,14 @@ class EngineMessages:
 
 
 class UpstreamMessages(Relayed):
-    """An upstream's Messages response, passed through and parsed into the turn."""
+    """An upstream's Messages response, passed through and read into the turn: its content as
+    reply events (`MessagesReader`, tool calls included), its usage and stop_reason as sent."""
 
     def __init__(self, response, builder: TurnBuilder, url: str):
         super().__init__(response, url)
         self.builder = builder
+        self.reader = messages_wire.MessagesReader()
         self._usage: dict = {}
-        self._tools: dict[int, dict] = {}
 
     async def sse(self) -> AsyncIterator[bytes]:
         try:
@@ -189,30 +190,16 @@ class UpstreamMessages(Relayed):
                     yield event
         finally:
             await self.response.aclose()
-            if self._tools:
-                self.builder.turn.tool_calls = [self._tools[i] for i in sorted(self._tools)]
 
     def _parse(self, data: dict | None) -> None:
         if not data:
             return
         kind, turn = data.get("type"), self.builder.turn
+        self.builder.on_sent()
+        for event in self.reader.feed(data):
+            self.builder.on_event(event)
         if kind == "message_start":
             self._merge_usage((data.get("message") or {}).get("usage") or {})
-        elif kind == "content_block_start":
-            block = data.get("content_block") or {}
-            if block.get("type") == "tool_use":
-                self._tools[data.get("index", 0)] = {"id": block.get("id"), "type": "function",
-                                                     "function": {"name": block.get("name", ""), "arguments": ""}}
-        elif kind == "content_block_delta":
-            delta = data.get("delta") or {}
-            if delta.get("type") == "text_delta":
-                self.builder.on_chunk({"choices": [{"index": 0, "delta": {"content": delta.get("text", "")}}]})
-            elif delta.get("type") == "thinking_delta":
-                self.builder.on_chunk({"choices": [{"index": 0, "delta": {"reasoning": delta.get("thinking", "")}}]})
-            elif delta.get("type") == "input_json_delta" and data.get("index", 0) in self._tools:
-                self._tools[data["index"]]["function"]["arguments"] += delta.get("partial_json", "")
-                if turn.ttft_s is None:
-                    turn.ttft_s = self.builder.elapsed()
         elif kind == "message_delta":
             turn.finish_reason = (data.get("delta") or {}).get("stop_reason") or turn.finish_reason
             self._merge_usage(data.get("usage") or {})
@@ -228,13 +215,7 @@ class UpstreamMessages(Relayed):
         data, body = await self.read()
         turn = self.builder.turn
         if body is not None and self.status < 400:
-            blocks = body.get("content") or []
-            turn.response_text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
-            turn.reasoning_text = "".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking")
-            calls = [{"id": b.get("id"), "type": "function", "function": {
-                "name": b.get("name", ""), "arguments": json.dumps(b.get("input", {}))}}
-                for b in blocks if b.get("type") == "tool_use"]
-            turn.tool_calls = calls or None
+            self.builder.on_whole(self.reader.whole(body))
             turn.finish_reason = body.get("stop_reason")
             record_usage(self.builder, body.get("usage") or {})
         elif self.status >= 400:

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from prefixtrace.errors import PrefixtraceError, http_status, to_openai_error
 from prefixtrace.wire import sse
 from proxy.anthropic import add_messages_route
+from proxy.responses import add_responses_route
 from proxy.chat_request import parse_chat_request
 from proxy.relay import TurnSink, record_durably, serve_turn
 from proxy.dashboard import observe
@@ -78,6 +79,7 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
                                 error_body=to_openai_error)
 
     add_messages_route(app, backend, recorder)  # POST /v1/messages (Anthropic)
+    add_responses_route(app, backend, recorder)  # POST /v1/responses (OpenAI Responses)
     return app
 
 

@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from prefixtrace.errors import InvalidRequest, PrefixtraceError, http_status
+from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 
 log = logging.getLogger("prefixtrace.wire")
 PATH = "/v1/messages"
@@ -194,3 +195,46 @@ def _translate_tool(tool: Any, j: int) -> dict:
     if tool.get("description"):
         fn["description"] = tool["description"]
     return {"type": "function", "function": fn}
+
+
+class MessagesReader:
+    """A Messages event stream (an upstream's, or a HAR's) → reply events for the turn. Usage and
+    stop_reason stay in Anthropic's terms and are read by the caller (`record_usage`)."""
+
+    def __init__(self):
+        self._tools: dict[int, int] = {}  # content block index → tool-call index
+
+    def feed(self, data: dict):
+        kind = data.get("type")
+        if kind == "content_block_start":
+            block = data.get("content_block") or {}
+            if block.get("type") == "tool_use":
+                index = self._tools[data.get("index", 0)] = len(self._tools)
+                yield ToolCallStart(index, str(block.get("id") or ""), str(block.get("name") or ""))
+                if block.get("input"):  # a block that arrives whole
+                    yield ToolCallArgsDelta(index, json.dumps(block["input"], ensure_ascii=False))
+            elif block.get("type") == "text" and block.get("text"):
+                yield ContentDelta(block["text"])
+        elif kind == "content_block_delta":
+            delta = data.get("delta") or {}
+            if delta.get("type") == "text_delta" and isinstance(delta.get("text"), str):
+                yield ContentDelta(delta["text"])
+            elif delta.get("type") == "thinking_delta" and isinstance(delta.get("thinking"), str):
+                yield ReasoningDelta(delta["thinking"])
+            elif delta.get("type") == "input_json_delta" and data.get("index", 0) in self._tools:
+                yield ToolCallArgsDelta(self._tools[data["index"]], str(delta.get("partial_json") or ""))
+
+    def whole(self, body: dict):
+        """The reply events of a non-streamed Messages body."""
+        for block in body.get("content") or []:
+            if not isinstance(block, dict):
+                continue
+            if block.get("type") == "text" and isinstance(block.get("text"), str):
+                yield ContentDelta(block["text"])
+            elif block.get("type") == "thinking" and isinstance(block.get("thinking"), str):
+                yield ReasoningDelta(block["thinking"])
+            elif block.get("type") == "tool_use":
+                index = len(self._tools)
+                self._tools[-1 - index] = index
+                yield ToolCallStart(index, str(block.get("id") or ""), str(block.get("name") or ""))
+                yield ToolCallArgsDelta(index, json.dumps(block.get("input", {}), ensure_ascii=False))
