@@ -44,6 +44,7 @@ class ServeConfig:
     thinking_retention: str = "loop"  # loop|template|all
     thinking_retention_guard_tokens: int = 30000
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
+    max_tokens_policy: str = "clamp"  # clamp|reject: a max_tokens beyond what fits after the prompt
     log_level: str = "info"
 
 
@@ -81,7 +82,7 @@ def build_backend(config: ServeConfig):
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
     log.info("render policies: %s", engine.render_policy.describe())
-    return EngineBackend(engine)
+    return EngineBackend(engine, max_tokens_policy=config.max_tokens_policy)
 
 
 def _stop_if_the_model_fails_to_load(engine: Engine, server: uvicorn.Server, failures: list) -> threading.Thread:

@@ -23,9 +23,15 @@ from prefixtrace.wire.turn_builder import TurnBuilder
 DEFAULT_ALIAS = "default"
 
 
+MAX_TOKENS_POLICIES = ("clamp", "reject")
+
+
 class EngineBackend:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, *, max_tokens_policy: str = "clamp"):
+        if max_tokens_policy not in MAX_TOKENS_POLICIES:
+            raise ValueError(f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}, got {max_tokens_policy!r}")
         self.engine = engine
+        self.max_tokens_policy = max_tokens_policy
 
     @property
     def label(self) -> str:
@@ -66,8 +72,9 @@ class EngineBackend:
                 raise InvalidRequest("the messages contain invalid Unicode (a lone UTF-16 surrogate)",
                                      param="messages") from exc
             raise InvalidRequest(f"the messages could not be rendered: {type(exc).__name__}: {exc}") from exc
-        self.engine.check_fits(len(rendered.token_ids), req.sampling.max_tokens)
         builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
+        self._fit_max_tokens(req, len(rendered.token_ids), builder)
+        self.engine.check_fits(len(rendered.token_ids), req.sampling.max_tokens)
         if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
             builder.turn.render["policy"] = rendered.policy
         chat = EngineChat(req, builder, self.engine.name)
@@ -76,6 +83,19 @@ class EngineBackend:
         self.engine.submit(seq)
         await chat.first_event()
         return chat
+
+
+    def _fit_max_tokens(self, req, num_prompt_tokens: int, builder: TurnBuilder) -> None:
+        """Under the clamp policy, a max_tokens beyond what fits after the prompt is lowered to what
+        fits, so the reply ends with length / max_tokens there (as llama.cpp, Ollama and LM Studio
+        do: Claude Code asks 32,000 of any model). A prompt that cannot fit itself is left to
+        check_fits' 400 with the numbers; so is every overflow under `reject`."""
+        asked = req.sampling.max_tokens
+        room = self.engine.memory.max_context_tokens - num_prompt_tokens
+        if self.max_tokens_policy != "clamp" or asked is None or asked <= room or room < 1:
+            return
+        req.sampling.max_tokens = room
+        builder.turn.render["max_tokens_clamped"] = {"asked": asked, "to": room}
 
 
 class EngineChat:
