@@ -4,6 +4,8 @@
     ├── InvalidRequest           400  the client sent something we cannot serve
     │   └── ContextExceedsCapacity 400  prompt + max_tokens can never fit
     ├── ModelNotFound            404  the request names a model we do not serve
+    ├── UnknownEndpoint          404  no such path here
+    │   └── MethodNotAllowed     405  the path exists, for another method
     ├── UpstreamError            502  the upstream server failed or is unreachable
     │   └── UpstreamTimeout      504
     ├── EngineError              500  the embedded engine failed
@@ -43,6 +45,14 @@ class ModelNotFound(PrefixtraceError):
     code = "model_not_found"
 
 
+class UnknownEndpoint(PrefixtraceError):
+    code = "unknown_url"
+
+
+class MethodNotAllowed(UnknownEndpoint):
+    code = "method_not_allowed"
+
+
 class UpstreamError(PrefixtraceError):
     code = "upstream_error"
 
@@ -69,6 +79,8 @@ HTTP_STATUS: dict[type[PrefixtraceError], int] = {
     ContextExceedsCapacity: 400,
     InvalidRequest: 400,
     ModelNotFound: 404,
+    MethodNotAllowed: 405,
+    UnknownEndpoint: 404,
     UpstreamTimeout: 504,
     UpstreamError: 502,
     EngineNotReady: 503,

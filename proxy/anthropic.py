@@ -244,6 +244,63 @@ def add_messages_route(app: FastAPI, backend, recorder) -> None:
                                 open_reply=lambda req, builder, headers: open_messages(
                                     backend, req, builder, headers), stream=_stream, error_body=to_anthropic_error)
 
+    @app.post(messages_wire.COUNT_TOKENS_PATH)
+    async def count_tokens(request: Request):
+        return await serve_turn(request, endpoint=messages_wire.COUNT_TOKENS_PATH, upstream=backend.label,
+                                recorder=recorder,
+                                parse=to_chat_request if hasattr(backend, "engine") else _passthrough_request,
+                                open_reply=lambda req, builder, headers: open_count(backend, req, builder, headers),
+                                stream=_stream, error_body=to_anthropic_error)
+
+
+class TokenCount:
+    """`POST /v1/messages/count_tokens` on the engine: the prompt the engine would render for
+    this body (template, tools and render policies included), counted; nothing is generated."""
+
+    status = 200
+    streams_events = False
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def cancel(self) -> None:
+        pass
+
+    async def whole(self) -> tuple[bytes, str]:
+        return json.dumps({"input_tokens": self.count}).encode(), "application/json"
+
+
+async def open_count(backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
+    if not hasattr(backend, "engine"):
+        response, url = await backend.post(messages_wire.COUNT_TOKENS_PATH, req.body, headers,
+                                           session_id=req.session_id)
+        return UpstreamCount(response, builder, url)
+    req.stream = False
+    rendered = await backend.render(req)
+    builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
+    builder.turn.prompt_tokens = len(rendered.token_ids)
+    return TokenCount(len(rendered.token_ids))
+
+
+class UpstreamCount(Relayed):
+    """An upstream's count, passed through; its number kept as the turn's prompt tokens."""
+
+    def __init__(self, response, builder: TurnBuilder, url: str):
+        super().__init__(response, url)
+        self.builder = builder
+
+    @property
+    def streams_events(self) -> bool:
+        return False
+
+    async def whole(self) -> tuple[bytes, str]:
+        data, body = await self.read()
+        if body is not None and self.status < 400 and isinstance(body.get("input_tokens"), int):
+            self.builder.turn.prompt_tokens = body["input_tokens"]
+        elif self.status >= 400:
+            self.builder.turn.error = data[:2000].decode(errors="replace")
+        return data, self.content_type
+
 
 async def _stream(chat, builder: TurnBuilder, recorder):
     recorded = False

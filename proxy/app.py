@@ -19,6 +19,8 @@ from prefixtrace.errors import PrefixtraceError, http_status, to_openai_error
 from prefixtrace.wire import sse
 from proxy.anthropic import add_messages_route
 from proxy.responses import add_responses_route
+from proxy.completions import add_completions_route
+from proxy.fallback import add_fallback_routes
 from proxy.chat_request import parse_chat_request
 from proxy.relay import TurnSink, record_durably, serve_turn
 from proxy.dashboard import observe
@@ -80,6 +82,8 @@ def create_app(backend, recorder: TurnSink) -> FastAPI:
 
     add_messages_route(app, backend, recorder)  # POST /v1/messages (Anthropic)
     add_responses_route(app, backend, recorder)  # POST /v1/responses (OpenAI Responses)
+    add_completions_route(app, backend, recorder, _stream_and_record)  # POST /v1/completions (raw prompt)
+    add_fallback_routes(app, backend, recorder)  # last: every other path, in the API's error shape
     return app
 
 

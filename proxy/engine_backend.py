@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 from engine.engine import Engine
 from engine.sequence import Failed, Finished, Sequence, TextDelta
-from prefixtrace.errors import EngineError, InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
+from prefixtrace.errors import EngineError, EngineNotReady, InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
 from prefixtrace.wire.events import ContentDelta, ReplyDone
 from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
@@ -57,12 +57,24 @@ class EngineBackend:
             "data": [{"id": m, "object": "model", "created": created, "owned_by": "prefixtrace"} for m in self.model_ids()],
         }
 
-    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]) -> "EngineChat":
+    def _check_model(self, req: ChatRequest) -> None:
         if req.model not in (None, "", *self.model_ids()):
             raise ModelNotFound(f"model {req.model!r} is not served here; available: {self.model_ids()}", param="model")
         n = req.body.get("n")
         if n is not None and n != 1:
             raise InvalidRequest(f"'n' must be 1 here (the embedded engine returns one choice), got {n!r}", param="n")
+
+    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]) -> "EngineChat":
+        rendered = await self.render(req)
+        builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
+        if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
+            builder.turn.render["policy"] = rendered.policy
+        return await self.start(req, rendered.token_ids, builder)
+
+    async def render(self, req: ChatRequest):
+        """The prompt the engine runs for `req` (chat template, tools, render policies), in a worker
+        thread; also what `count_tokens` counts."""
+        self._check_model(req)
         try:
             rendered = await asyncio.to_thread(
                 self.engine.render, req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs
@@ -72,13 +84,30 @@ class EngineBackend:
                 raise InvalidRequest("the messages contain invalid Unicode (a lone UTF-16 surrogate)",
                                      param="messages") from exc
             raise InvalidRequest(f"the messages could not be rendered: {type(exc).__name__}: {exc}") from exc
-        builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
-        self._fit_max_tokens(req, len(rendered.token_ids), builder)
-        self.engine.check_fits(len(rendered.token_ids), req.sampling.max_tokens)
-        if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
-            builder.turn.render["policy"] = rendered.policy
+        return rendered
+
+    async def open_prompt(self, req: ChatRequest, prompt: str, builder: TurnBuilder) -> "EngineChat":
+        """Legacy completions: `prompt` is tokenized as it is (no chat template; the tokenizer's
+        own BOS, as llama.cpp and vLLM do for a raw prompt)."""
+        self._check_model(req)
+        if not self.engine.ready:
+            raise EngineNotReady("the model is still loading")
+        try:
+            token_ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"the prompt could not be tokenized: {type(exc).__name__}: {exc}",
+                                 param="prompt") from exc
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty (no tokens)", param="prompt")
+        builder.turn.render = {"prompt_chars": len(prompt), "prompt_tokens": len(token_ids)}
+        return await self.start(req, list(token_ids), builder)
+
+    async def start(self, req: ChatRequest, token_ids: list[int], builder: TurnBuilder) -> "EngineChat":
+        """Submit a prompt's tokens; returns once the engine has answered (or raises its refusal)."""
+        self._fit_max_tokens(req, len(token_ids), builder)
+        self.engine.check_fits(len(token_ids), req.sampling.max_tokens)
         chat = EngineChat(req, builder, self.engine.name)
-        seq = Sequence(rendered.token_ids, req.sampling, chat.emit_threadsafe(asyncio.get_running_loop()))
+        seq = Sequence(token_ids, req.sampling, chat.emit_threadsafe(asyncio.get_running_loop()))
         chat.seq = seq
         self.engine.submit(seq)
         await chat.first_event()

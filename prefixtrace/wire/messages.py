@@ -24,7 +24,7 @@ log = logging.getLogger("prefixtrace.wire")
 PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 # Fields the engine reads (or that only a hosted API acts on and that change nothing here).
 KNOWN_FIELDS = {"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
                 "stream", "tools", "tool_choice", "thinking", "metadata", "service_tier", "container", "mcp_servers"}
