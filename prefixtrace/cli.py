@@ -115,6 +115,10 @@ def _upstream_urls(ctx, param, values):
 @click.option("--max-tokens-policy", default="clamp", show_default=True, type=click.Choice(["clamp", "reject"]),
               help="A max_tokens beyond what fits after the prompt: lower it to what fits (the reply ends with "
                    "length / max_tokens, as llama.cpp, Ollama and LM Studio do), or refuse with a 400.")
+@click.option("--allowed-hosts", metavar="NAMES",
+              help="Comma-separated host names the Host header may carry ('*': any). Default: 127.0.0.1, localhost, "
+                   "::1 and the --host address, so a web page under another name cannot drive the proxy "
+                   "(docs/SECURITY.md).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
@@ -122,7 +126,7 @@ def _upstream_urls(ctx, param, values):
 def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
-          thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, log_level, print_config):
+          thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allowed_hosts, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
@@ -161,8 +165,9 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           mid_system_policy=mid_system_policy,
                           thinking_retention=thinking_retention,
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
-                          notice_pattern=notice_pattern, max_tokens_policy=max_tokens_policy,
-                          log_level=log_level))
+                          notice_pattern=notice_pattern, max_tokens_policy=max_tokens_policy, log_level=log_level,
+                          allowed_hosts=None if allowed_hosts is None else
+                          [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
 
 
 # Options only the embedded engine reads (with --upstream the upstream renders, caches and batches).
