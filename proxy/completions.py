@@ -68,7 +68,7 @@ class EngineCompletion:
                 "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
     async def sse(self) -> AsyncIterator[bytes]:
-        async for event in self.chat.replies():
+        async for event in self.chat.reply_events():
             self.builder.on_event(event)
             if isinstance(event, ContentDelta):
                 self.builder.on_sent()
@@ -85,7 +85,7 @@ class EngineCompletion:
 
     async def whole(self) -> tuple[bytes, str]:
         parts: list[str] = []
-        async for event in self.chat.replies():
+        async for event in self.chat.reply_events():
             self.builder.on_event(event)
             if isinstance(event, ContentDelta):
                 parts.append(event.text)
