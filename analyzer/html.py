@@ -74,7 +74,7 @@ def to_html(report: Report) -> str:
         for t in breaks:
             b = t.brk
             parts.append(f'<div class="break" data-cause="{b.cause}"><h3>turn {t.index}: {b.cause}'
-                         f"{'/' + b.subtype if b.subtype else ''}</h3><p>message {b.message_index} ({esc(str(b.role))}),"
+                         f"{'/' + b.subtype if b.subtype else ''}</h3><p>{esc(b.where())},"
                          f" char {b.char_offset:,}, token {b.token_offset:,}, {t.reprefill_tokens:,} tokens re-prefilled"
                          + (f", payload <code>{esc(b.path)}</code>" if b.path else "") + "</p>"
                          f'<pre class="del">- {esc(b.before)}</pre><pre class="ins">+ {esc(b.after)}</pre></div>')

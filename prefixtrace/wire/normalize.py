@@ -43,6 +43,10 @@ CARRIED = ("model", "chat_template_kwargs", "reasoning_effort", "reasoning", "th
            "stream", "max_tokens", "max_completion_tokens", "max_output_tokens", "temperature", "metadata", "user",
            "prompt_cache_key")
 API_CHAT, API_MESSAGES, API_RESPONSES = "chat", "messages", "responses"
+# In a translated body: for each chat message, the index of the source message (in `messages` or
+# `input`) it came from, None for the system prompt (`system` / `instructions`). Reports name the
+# client's own indices with it.
+SOURCE_INDEX = "_source_index"
 
 
 class UnreadableBody(ValueError):
@@ -144,7 +148,10 @@ class ChatNormalizer:
             tools = self._chat_tools(body.get("tools"))
             return body if tools is body.get("tools") else {**body, "tools": tools}
         out: dict[str, Any] = {k: body[k] for k in CARRIED if k in body}
-        out["messages"] = self._messages_body(body) if api == API_MESSAGES else self._responses_body(body)
+        sources: list[int | None] = []
+        out["messages"] = (self._messages_body(body, sources) if api == API_MESSAGES
+                           else self._responses_body(body, sources))
+        out[SOURCE_INDEX] = sources
         if body.get("tools"):
             out["tools"] = self._chat_tools(body["tools"])
         thinking = body.get("thinking")
@@ -177,7 +184,7 @@ class ChatNormalizer:
 
     # -- Anthropic Messages ------------------------------------------------------------------
 
-    def _messages_body(self, body: dict) -> list[dict]:
+    def _messages_body(self, body: dict, sources: list) -> list[dict]:
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise UnreadableBody('a Messages body needs a "messages" list')
@@ -189,27 +196,33 @@ class ChatNormalizer:
                 hit = (system, {"role": "system", "content": text_of(system)})
                 self._system[id(system)] = hit
             out.append(hit[1])
+            sources.append(None)
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise UnreadableBody(f"messages[{i}] is not an object")
-            out.extend(self._cached(m, _anthropic_message))
+            converted = self._cached(m, _anthropic_message)
+            out.extend(converted)
+            sources.extend([i] * len(converted))
         return out
 
     # -- OpenAI Responses --------------------------------------------------------------------
 
-    def _responses_body(self, body: dict) -> list[dict]:
+    def _responses_body(self, body: dict, sources: list) -> list[dict]:
         out: list[dict] = []
         instructions = body.get("instructions")
         if isinstance(instructions, str) and instructions:
             out.append({"role": "system", "content": instructions})
+            sources.append(None)
         items = body.get("input")
         if isinstance(items, str):
             out.append({"role": "user", "content": items})
+            sources.append(0)
             return out
         if not isinstance(items, list):
             raise UnreadableBody('a Responses body needs "input" as a string or a list of items')
         reasoning: list[str] = []
         for i, item in enumerate(items):
+            sources.extend([i - 1] * (len(out) - len(sources)))  # what the previous item produced
             if not isinstance(item, dict):
                 raise UnreadableBody(f"input[{i}] is not an object")
             kind = item.get("type") or ("message" if "role" in item else None)
@@ -238,6 +251,7 @@ class ChatNormalizer:
                 reasoning.append(text_of(parts) if isinstance(parts, list) else str(parts))
             else:  # item_reference, server tool calls: opaque to a chat template
                 out.append({"role": "user", "content": f"[{kind}]"})
+        sources.extend([len(items) - 1] * (len(out) - len(sources)))
         return out
 
 
