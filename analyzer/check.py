@@ -16,6 +16,7 @@ from typing import Any
 from analyzer.analysis import Report, SessionResult, TurnResult, analyze
 from analyzer.causes import CAUSES
 from prefixtrace.errors import InvalidRequest
+from prefixtrace.escaping import xml_text
 
 
 @dataclass(frozen=True)
@@ -139,12 +140,14 @@ def assert_prefix_stable(requests: Iterable[Any], *, allow: str | Iterable[str] 
 
 
 def _session_case(s: SessionResult, problems: list[Problem]) -> ET.Element:
-    case = ET.Element("testcase", classname="prefixtrace.check", name=f"session {s.id}")
+    # Session ids, roles and diff windows are client text: `xml_text` keeps the file
+    # parseable whatever they hold (ElementTree escapes markup, not invalid characters).
+    case = ET.Element("testcase", classname="prefixtrace.check", name=xml_text(f"session {s.id}"))
     for p in problems:
         cause = p.turn.brk.cause if p.turn.brk else (
             "side_request" if p.turn.note.startswith("side request") else "unrenderable")
         failure = ET.SubElement(case, "failure", message=f"turn {p.turn.index}: {cause}", type=cause)
-        failure.text = str(p)
+        failure.text = xml_text(str(p))
     return case
 
 

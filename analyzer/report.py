@@ -28,9 +28,10 @@ def format_text(report: Report, width: int = 140) -> str:
     from rich.table import Table
 
     buf = io.StringIO()
-    console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False)
+    # markup=False: session ids and roles are client text, not rich markup ("[/x]" would raise).
+    console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False, markup=False)
     for warning in report.warnings():
-        console.print(f"WARNING: {warning}", markup=False)
+        console.print(f"WARNING: {warning}")
     console.print(f"renderer: {report.renderer}    tokenizer: {report.tokenizer}"
                   + (f"    block size: {report.block_size}" if report.block_size else "")
                   + (f"    prefill rate: {report.prefill_rate:g} tok/s" if report.prefill_rate else ""))

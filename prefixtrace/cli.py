@@ -112,6 +112,10 @@ def _upstream_urls(ctx, param, values):
 @click.option("--notice-pattern", metavar="REGEX",
               help="A user message whose text matches this at its start is a harness notice, not a real user turn "
                    "(default: docs/RENDER_POLICIES.md).")
+@click.option("--allowed-hosts", metavar="NAMES",
+              help="Comma-separated host names the Host header may carry ('*': any). Default: 127.0.0.1, localhost, "
+                   "::1 and the --host address, so a web page under another name cannot drive the proxy "
+                   "(docs/SECURITY.md).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
@@ -119,7 +123,7 @@ def _upstream_urls(ctx, param, values):
 def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
-          thinking_retention_guard_tokens, notice_pattern, log_level, print_config):
+          thinking_retention_guard_tokens, notice_pattern, allowed_hosts, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions and POST /v1/messages (Anthropic;
@@ -157,7 +161,9 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           mid_system_policy=mid_system_policy,
                           thinking_retention=thinking_retention,
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
-                          notice_pattern=notice_pattern, log_level=log_level))
+                          notice_pattern=notice_pattern, log_level=log_level,
+                          allowed_hosts=None if allowed_hosts is None else
+                          [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
 
 
 # Options only the embedded engine reads (with --upstream the upstream renders, caches and batches).

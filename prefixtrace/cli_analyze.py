@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from prefixtrace.cli_common import FiniteFloatRange, library_errors, output_path, progress, write_or_echo
+from prefixtrace.cli_common import FiniteFloatRange, echo, library_errors, output_path, progress, write_or_echo
 
 SRC = click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 
@@ -103,7 +103,7 @@ def check(src, allow, fail_on, template, model, tokenizer_spec, block_size, pref
                                "warnings": result.report.warnings(), "coverage": result.report.coverage(), "problems": [
             {"session": p.session_id, "turn": p.turn.to_dict()} for p in result.problems]}, indent=2))
     else:
-        click.echo(result.summary())
+        echo(result.summary())
         for problem in result.problems[1:]:
-            click.echo(f"- {problem}")
+            echo(f"- {problem}")
     raise SystemExit(0 if result.ok else 1)

@@ -2,7 +2,9 @@
 
     PrefixtraceError
     ├── InvalidRequest           400  the client sent something we cannot serve
-    │   └── ContextExceedsCapacity 400  prompt + max_tokens can never fit
+    │   ├── ContextExceedsCapacity 400  prompt + max_tokens can never fit
+    │   ├── ForbiddenHost        403  the Host header names no allowed host (proxy/guard.py)
+    │   └── UnsupportedMediaType 415  a POST body that does not say application/json
     ├── ModelNotFound            404  the request names a model we do not serve
     ├── UpstreamError            502  the upstream server failed or is unreachable
     │   └── UpstreamTimeout      504
@@ -39,6 +41,14 @@ class ContextExceedsCapacity(InvalidRequest):
     code = "context_exceeds_capacity"
 
 
+class ForbiddenHost(InvalidRequest):
+    code = "forbidden_host"
+
+
+class UnsupportedMediaType(InvalidRequest):
+    code = "unsupported_media_type"
+
+
 class ModelNotFound(PrefixtraceError):
     code = "model_not_found"
 
@@ -67,6 +77,8 @@ class RecorderError(PrefixtraceError):
 # here falls back to its parent's status rather than to 500.
 HTTP_STATUS: dict[type[PrefixtraceError], int] = {
     ContextExceedsCapacity: 400,
+    ForbiddenHost: 403,
+    UnsupportedMediaType: 415,
     InvalidRequest: 400,
     ModelNotFound: 404,
     UpstreamTimeout: 504,
