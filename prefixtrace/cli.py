@@ -17,6 +17,7 @@ import click
 from prefixtrace import cli_analyze, cli_recorder
 from prefixtrace.cli_common import JSON_OPTION, FiniteFloatRange, echo_json, library_errors as _library_errors
 from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved
+from prefixtrace.urls import display_url
 
 
 @click.group()
@@ -66,7 +67,7 @@ def _upstream_urls(ctx, param, values):
         except ValueError:  # such a port, or an unclosed [IPv6 bracket
             ok = False
         if not ok:
-            raise click.BadParameter(f"{value!r} is not an http:// or https:// URL with a host.", ctx, param)
+            raise click.BadParameter(f"{display_url(value)!r} is not an http:// or https:// URL with a host.", ctx, param)
     return values
 
 
@@ -135,8 +136,9 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
     """
     if print_config:
         ctx = click.get_current_context()
-        echo_json({"config_file": ctx.find_root().meta.get("prefixtrace.config_file"),
-                   "options": resolved(ctx, skip=("print_config",))})
+        options = resolved(ctx, skip=("print_config",))
+        options["upstreams"]["value"] = [display_url(u) for u in options["upstreams"]["value"] or ()]
+        echo_json({"config_file": ctx.find_root().meta.get("prefixtrace.config_file"), "options": options})
         return
     if model is not None and upstreams:
         raise click.UsageError("--model serves a model with the embedded engine and --upstream forwards to another "

@@ -18,6 +18,7 @@ from proxy.guard import LOOPBACK_HOSTS
 from proxy.upstream_backend import UpstreamBackend
 from proxy.upstream_pool import UpstreamPool
 from prefixtrace.errors import EngineError
+from prefixtrace.urls import display_url
 from recorder.store import Recorder
 
 log = logging.getLogger("prefixtrace.serve")
@@ -59,10 +60,11 @@ def allowed_hosts(config: ServeConfig) -> list[str]:
 
 def build_backend(config: ServeConfig):
     if len(config.upstreams) > 1:
-        log.info("forwarding to %d upstreams with session affinity: %s", len(config.upstreams), ", ".join(config.upstreams))
+        log.info("forwarding to %d upstreams with session affinity: %s", len(config.upstreams),
+                 ", ".join(map(display_url, config.upstreams)))
         return UpstreamPool(config.upstreams)
     if config.upstreams:
-        log.info("forwarding to upstream %s", config.upstreams[0])
+        log.info("forwarding to upstream %s", display_url(config.upstreams[0]))
         return UpstreamBackend(config.upstreams[0])
     if config.model is None:
         from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir

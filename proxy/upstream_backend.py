@@ -13,6 +13,7 @@ from typing import AsyncIterator
 import httpx
 
 from prefixtrace.errors import UpstreamError, UpstreamTimeout
+from prefixtrace.urls import credentials, display_url, without_credentials
 from proxy import sse
 from proxy.chat_request import ChatRequest
 from proxy.turn_builder import TurnBuilder
@@ -43,9 +44,13 @@ def normalize_base_url(url: str) -> str:
 
 class UpstreamBackend:
     def __init__(self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None, timeout: float = 600.0):
-        self.base_url = normalize_base_url(base_url)
+        url = normalize_base_url(base_url)
+        # `base_url` names the upstream everywhere (label, errors, the recorded turn):
+        # its credentials, if any, only reach the client, as Basic auth (prefixtrace/urls.py).
+        self.base_url = display_url(url)
         self.client = httpx.AsyncClient(
-            base_url=self.base_url,
+            base_url=without_credentials(url),
+            auth=credentials(url),
             transport=transport,
             timeout=httpx.Timeout(timeout, connect=10.0),
         )
