@@ -113,6 +113,9 @@ def _upstream_urls(ctx, param, values):
 @click.option("--notice-pattern", metavar="REGEX",
               help="A user message whose text matches this at its start is a harness notice, not a real user turn "
                    "(default: docs/RENDER_POLICIES.md).")
+@click.option("--allow-client-templates", is_flag=True,
+              help="Accept a request's own chat template (chat_template_kwargs.chat_template), rendered in a "
+                   "bounded sandbox process. Default: refused with a 400 (docs/SECURITY.md).")
 @click.option("--allowed-hosts", metavar="NAMES",
               help="Comma-separated host names the Host header may carry ('*': any). Default: 127.0.0.1, localhost, "
                    "::1 and the --host address, so a web page under another name cannot drive the proxy "
@@ -124,7 +127,8 @@ def _upstream_urls(ctx, param, values):
 def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
-          thinking_retention_guard_tokens, notice_pattern, allowed_hosts, log_level, print_config):
+          thinking_retention_guard_tokens, notice_pattern, allow_client_templates, allowed_hosts, log_level,
+          print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions and POST /v1/messages (Anthropic;
@@ -164,6 +168,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           thinking_retention=thinking_retention,
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
                           notice_pattern=notice_pattern, log_level=log_level,
+                          allow_client_templates=allow_client_templates,
                           allowed_hosts=None if allowed_hosts is None else
                           [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
 
@@ -171,7 +176,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
 # Options only the embedded engine reads (with --upstream the upstream renders, caches and batches).
 ENGINE_ONLY = ("dtype", "cache_memory_gb", "cache_dir", "cache_disk_gb", "block_size", "memory_ceiling_gb",
                "prefill_chunk", "max_batch", "kv_quant", "kv_bits", "kv_dense_layers", "mid_system_policy",
-               "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern")
+               "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern", "allow_client_templates")
 
 
 def _warn_engine_only(ctx: click.Context) -> None:

@@ -47,6 +47,7 @@ class ServeConfig:
     thinking_retention_guard_tokens: int = 30000
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
     log_level: str = "info"
+    allow_client_templates: bool = False  # chat_template_kwargs.chat_template, sandboxed (docs/SECURITY.md)
     allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
 
 
@@ -89,6 +90,7 @@ def build_backend(config: ServeConfig):
         thinking_retention=config.thinking_retention,
         thinking_retention_guard_tokens=config.thinking_retention_guard_tokens,
         notice_pattern=config.notice_pattern,
+        allow_client_templates=config.allow_client_templates,
         **({} if config.block_size is None else {"block_size": config.block_size}),
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
