@@ -57,6 +57,8 @@ def to_html(report: Report) -> str:
         "svg.timeline{border-bottom:1px solid #999;display:block;margin:.5em 0}table{border-collapse:collapse}"
         "td,th{padding:2px 8px;border-bottom:1px solid #eee;text-align:right}",
         "</style></head><body>",
+        "".join(f'<p class="warning" style="background:#fff3cd;padding:.5em"><b>warning:</b> {esc(w)}</p>'
+                for w in report.warnings()),
         f"<h1>prefixtrace analysis</h1><p>renderer: <code>{esc(report.renderer)}</code> · tokenizer: "
         f"<code>{esc(report.tokenizer)}</code> · {d['totals']['reprefill_tokens']:,} of "
         f"{d['totals']['prompt_tokens']:,} prompt tokens re-prefilled</p>",

@@ -16,13 +16,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from prefixtrace.errors import PrefixtraceError, http_status, to_openai_error
-from proxy import sse
+from prefixtrace.wire import sse
 from proxy.anthropic import MESSAGES_PATH, add_messages_route, to_anthropic_error
+from proxy.responses import RESPONSES_PATH, add_responses_route
 from proxy.chat_request import parse_chat_request
 from proxy.guard import RequestGuard, refusal_recorder
 from proxy.relay import TurnSink, record_durably, serve_turn
 from proxy.dashboard import observe
-from proxy.turn_builder import TurnBuilder
+from prefixtrace.wire.turn_builder import TurnBuilder
 
 log = logging.getLogger("prefixtrace.proxy")
 CHAT_PATH = "/v1/chat/completions"
@@ -42,7 +43,8 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     recorder = observe(app, backend, recorder)  # /ui, /metrics: every turn also feeds them
     # A loopback Host on every request and JSON on every POST; refused turns are recorded.
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts, refuse=refusal_recorder(
-        recorder, backend.label, {CHAT_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error}, record_durably))
+        recorder, backend.label, {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error},
+        record_durably))
 
     @app.middleware("http")
     async def max_context_header(request: Request, call_next):
@@ -83,6 +85,7 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
                                 error_body=to_openai_error)
 
     add_messages_route(app, backend, recorder)  # POST /v1/messages (Anthropic)
+    add_responses_route(app, backend, recorder)  # POST /v1/responses (OpenAI Responses)
     return app
 
 

@@ -14,10 +14,11 @@ from typing import AsyncIterator
 
 from engine.engine import Engine
 from engine.sequence import Failed, Finished, Sequence, TextDelta
-from prefixtrace.errors import InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
-from proxy import sse
+from prefixtrace.errors import EngineError, InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
+from prefixtrace.wire.events import ContentDelta, ReplyDone
+from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
-from proxy.turn_builder import TurnBuilder
+from prefixtrace.wire.turn_builder import TurnBuilder
 
 DEFAULT_ALIAS = "default"
 
@@ -108,6 +109,18 @@ class EngineChat:
             if isinstance(event, (Finished, Failed)):
                 return
             event = await self._events.get()
+
+    async def replies(self):
+        """The engine's events as reply events (prefixtrace/wire/events.py), for the protocol
+        writers; a failure is raised (in the error tree)."""
+        async for event in self.events():
+            if isinstance(event, TextDelta):
+                if event.text:
+                    yield ContentDelta(event.text)
+            elif isinstance(event, Finished):
+                yield ReplyDone(event.finish_reason, event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+            elif isinstance(event, Failed):
+                raise event.error if isinstance(event.error, PrefixtraceError) else EngineError(str(event.error))
 
     @property
     def streams_events(self) -> bool:

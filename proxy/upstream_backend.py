@@ -6,40 +6,23 @@ whole); each event is also parsed so the turn can be recorded.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import AsyncIterator
 
 import httpx
 
-from prefixtrace.errors import UpstreamError, UpstreamTimeout
+from prefixtrace.errors import UpstreamError
 from prefixtrace.urls import credentials, display_url, without_credentials
-from proxy import sse
+from prefixtrace.wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
+from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
-from proxy.turn_builder import TurnBuilder
+from prefixtrace.wire.turn_builder import TurnBuilder
 
 # Headers that describe one hop, not the request; httpx sets its own.
 _HOP_HEADERS = {
     "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
     "upgrade", "proxy-authorization", "proxy-connection", "accept-encoding", "x-session-id",
 }
-
-
-@contextlib.contextmanager
-def map_httpx_errors(url: str):
-    """Translate httpx's exceptions into the prefixtrace tree, in one place."""
-    try:
-        yield
-    except httpx.TimeoutException as exc:
-        raise UpstreamTimeout(f"upstream {url} timed out: {type(exc).__name__}", upstream=url) from exc
-    except httpx.HTTPError as exc:
-        raise UpstreamError(f"upstream {url} is unreachable: {type(exc).__name__}: {exc}", upstream=url) from exc
-
-
-def normalize_base_url(url: str) -> str:
-    """Accept `http://h:p`, `http://h:p/` or `http://h:p/v1`; return the part before /v1."""
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 class UpstreamBackend:

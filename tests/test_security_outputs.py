@@ -46,8 +46,8 @@ def _post(url: str, body: dict, session: str, path: str = "/v1/chat/completions"
 
 
 def _plant(url: str, role: str, session: str) -> None:
-    """Two turns of one session: the first names a role the engine refuses (a recorded 400),
-    the second drops it, so the analyzer reports a break whose subtype is that role."""
+    """Two turns of one session: the first names a role the engine refuses (a recorded 400, so the
+    planted text is in the database), the second is an ordinary turn of the same session."""
     head = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
     first = _post(url, {"messages": [*head, {"role": role, "content": "c"}], "max_tokens": 2}, session)
     assert first.status_code == 400
@@ -84,8 +84,8 @@ def test_analyze_html_does_not_run_a_role_planted_through_a_refused_request(engi
     assert page.title() == "prefixtrace analysis"
     assert page.evaluate("[window.pwned, window.pwnedSession]") == [None, None]
     assert page.evaluate("typeof window.prefixtraceReport.by_cause") == "object"  # the JSON island parsed
-    heading = page.text_content(".break h3")
-    assert "<script>document.title='pwned'" in heading  # shown as text
+    # The refused turn is listed, not chained (issue 16), so the planted role is no break heading any more;
+    # wherever the report shows it, it is text: nothing ran above, and the session id comes back verbatim.
     assert page.get_attribute("section.session", "data-session") == EVIL_SESSION
 
 
