@@ -18,6 +18,7 @@ from proxy.guard import LOOPBACK_HOSTS
 from proxy.upstream_backend import UpstreamBackend
 from proxy.upstream_pool import UpstreamPool
 from prefixtrace.errors import EngineError
+from prefixtrace.urls import display_url
 from recorder.store import Recorder
 
 log = logging.getLogger("prefixtrace.serve")
@@ -47,6 +48,7 @@ class ServeConfig:
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
     max_tokens_policy: str = "clamp"  # clamp|reject: a max_tokens beyond what fits after the prompt
     log_level: str = "info"
+    allow_client_templates: bool = False  # chat_template_kwargs.chat_template, sandboxed (docs/SECURITY.md)
     allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
 
 
@@ -60,10 +62,11 @@ def allowed_hosts(config: ServeConfig) -> list[str]:
 
 def build_backend(config: ServeConfig):
     if len(config.upstreams) > 1:
-        log.info("forwarding to %d upstreams with session affinity: %s", len(config.upstreams), ", ".join(config.upstreams))
+        log.info("forwarding to %d upstreams with session affinity: %s", len(config.upstreams),
+                 ", ".join(map(display_url, config.upstreams)))
         return UpstreamPool(config.upstreams)
     if config.upstreams:
-        log.info("forwarding to upstream %s", config.upstreams[0])
+        log.info("forwarding to upstream %s", display_url(config.upstreams[0]))
         return UpstreamBackend(config.upstreams[0])
     if config.model is None:
         from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
@@ -88,6 +91,7 @@ def build_backend(config: ServeConfig):
         thinking_retention=config.thinking_retention,
         thinking_retention_guard_tokens=config.thinking_retention_guard_tokens,
         notice_pattern=config.notice_pattern,
+        allow_client_templates=config.allow_client_templates,
         **({} if config.block_size is None else {"block_size": config.block_size}),
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")

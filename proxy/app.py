@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from prefixtrace.errors import PrefixtraceError, http_status, to_openai_error
 from prefixtrace.wire import sse
 from proxy.anthropic import MESSAGES_PATH, add_messages_route, to_anthropic_error
-from proxy.responses import add_responses_route
+from proxy.responses import RESPONSES_PATH, add_responses_route
 from proxy.completions import add_completions_route
 from proxy.fallback import add_fallback_routes
 from proxy.chat_request import parse_chat_request
@@ -45,7 +45,8 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     recorder = observe(app, backend, recorder)  # /ui, /metrics: every turn also feeds them
     # A loopback Host on every request and JSON on every POST; refused turns are recorded.
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts, refuse=refusal_recorder(
-        recorder, backend.label, {CHAT_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error}, record_durably))
+        recorder, backend.label, {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error},
+        record_durably))
 
     @app.middleware("http")
     async def max_context_header(request: Request, call_next):

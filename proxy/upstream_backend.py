@@ -12,6 +12,7 @@ from typing import AsyncIterator
 import httpx
 
 from prefixtrace.errors import UpstreamError
+from prefixtrace.urls import credentials, display_url, without_credentials
 from prefixtrace.wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
 from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
@@ -26,9 +27,13 @@ _HOP_HEADERS = {
 
 class UpstreamBackend:
     def __init__(self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None, timeout: float = 600.0):
-        self.base_url = normalize_base_url(base_url)
+        url = normalize_base_url(base_url)
+        # `base_url` names the upstream everywhere (label, errors, the recorded turn):
+        # its credentials, if any, only reach the client, as Basic auth (prefixtrace/urls.py).
+        self.base_url = display_url(url)
         self.client = httpx.AsyncClient(
-            base_url=self.base_url,
+            base_url=without_credentials(url),
+            auth=credentials(url),
             transport=transport,
             timeout=httpx.Timeout(timeout, connect=10.0),
         )
