@@ -89,8 +89,9 @@ async def respond(chat, builder: TurnBuilder, recorder: TurnSink, stream, error_
         status = http_status(exc)
         await record_durably(recorder, builder.finish(status, exc.message))
         return JSONResponse(error_body(exc), status_code=status)
-    except asyncio.CancelledError:
+    except asyncio.CancelledError:  # the client hung up (proxy/disconnect.py) or the server is stopping
         chat.cancel()
+        builder.turn.finish_reason = "cancelled"
         recorder.record(builder.finish(499, "client disconnected"))
         raise
     await record_durably(recorder, builder.finish(chat.status))
