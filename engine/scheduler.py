@@ -93,9 +93,23 @@ class _Paused:
     pos: int = 0  # parked prefill: prompt tokens in the spilled cache
 
 
+# Positions allocated beyond a restored prefix's prompt (mlx-lm's KVCache step): the
+# prompt's rest and the first decode steps then write into the restored cache in place.
+KV_ROOM_STEP = 256
+
+
 def _batch_of_one(layer):
     """The batched form of one row's layer cache: dense layers become a
-    `RowBatchKVCache`; other cache types batch through their own `merge`."""
+    `RowBatchKVCache`; other cache types batch through their own `merge`.
+
+    A dense layer is adopted as it is (its buffers, spare room included): one row
+    needs no padding, and mlx-lm's `merge` would copy the whole KV into a buffer of
+    exactly its length, which the first decode step then grows with a second copy."""
+    if type(layer) is KVCache and layer.keys is not None:
+        batched = RowBatchKVCache([0])
+        batched.keys, batched.values, batched._idx = layer.keys, layer.values, layer.offset
+        batched.offset = mx.array([layer.offset])
+        return batched
     if isinstance(layer, KVCache):
         return RowBatchKVCache.merge([layer])
     return layer.merge([layer])
@@ -203,7 +217,7 @@ class Scheduler:
             if self.memory is not None and self._active() and not self._fits(self._prompt_need(self.waiting[0])):
                 return  # wait for memory; paused requests and running rows go first
             seq = self.waiting.popleft()  # cancelled ones were reaped at the start of this step
-            hit = self.prefix_cache.lookup(seq.prompt_ids)
+            hit = self.prefix_cache.lookup(seq.prompt_ids, room=seq.num_prompt_tokens + KV_ROOM_STEP)
             seq.num_cached_tokens = hit.num_cached
             self.prefill = _Prefill(seq, self.adapt_cache(hit.cache), hit.num_cached)
             self._dense_suffix(self.prefill)
@@ -243,9 +257,13 @@ class Scheduler:
                 return
         if n > 0:
             self.model(mx.array(prompt[job.pos : job.pos + n])[None], cache=job.cache)
-            mx.eval([c.state for c in job.cache])
             job.pos += n
-            self.prefix_cache.commit(prompt[: job.pos], job.cache)  # progress survives a cancel or abort
+            # Progress survives a cancel or abort: the chunk's finished blocks are copied out
+            # in the same evaluation as the chunk itself (one sync per chunk, as a plain
+            # mlx-lm prefill has), and their disk copies go to the writer thread after it.
+            blocks = self.prefix_cache.commit(prompt[: job.pos], job.cache, lazy=True)
+            mx.eval([c.state for c in job.cache], blocks)
+            self.prefix_cache.settle()
         if job.pos == len(prompt) - 1:
             self.prefill = None
             if job.quantised is not None:
@@ -516,7 +534,7 @@ class Scheduler:
             except EngineError as exc:  # recompute: progress commits left some of it in the prefix cache
                 log.warning("request %d: %s; its prefill recomputes what the prefix cache does not hold",
                             seq.seq_id, exc)
-        hit = self.prefix_cache.lookup(seq.prompt_ids)
+        hit = self.prefix_cache.lookup(seq.prompt_ids, room=seq.num_prompt_tokens + KV_ROOM_STEP)
         if paused.path is None:  # parked in the prefix cache: its pins go
             self.prefix_cache.unpin(seq.prompt_ids[: paused.pos])
             if hit.num_cached < paused.pos:
