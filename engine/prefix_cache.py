@@ -105,6 +105,8 @@ class PrefixCache:
         self.root = root_hash(model_fingerprint=fingerprint, cache_format=self.cache_format)
         self.memory = MemoryCache(max_bytes)
         self.disk = DiskCache(cache_dir, max_bytes=disk_bytes) if cache_dir is not None and self.enabled else None
+        # No tier can take a block (a zero memory budget and no disk): nothing is copied.
+        self._keeps = max_bytes > 0 or self.disk is not None
         self.num_lookups = 0
         self.num_hit_tokens = 0
         self.num_disk_blocks_read = 0
@@ -189,7 +191,7 @@ class PrefixCache:
         The cache object is taken over (the blocks are copies, so it is simply dropped).
         """
         self.settle()
-        if not self.pageable(cache) or cache[0].offset == 0:
+        if not self._keeps or not self.pageable(cache) or cache[0].offset == 0:
             return
         offset = cache[0].offset
         mx.eval(self._keep(list(tokens[:offset]), cache, first=0, tail=True))
@@ -208,7 +210,7 @@ class PrefixCache:
         no sync per block) and then calls `settle` to hand the disk copies to the writer.
         """
         self.settle()
-        if not self.pageable(cache):
+        if not self._keeps or not self.pageable(cache):
             return []
         bs, n_full = self.block_size, min(len(tokens), cache[0].offset) // self.block_size
         if n_full == 0:

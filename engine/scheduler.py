@@ -91,6 +91,7 @@ class _Paused:
     cached_ids: list[int] = field(default_factory=list)
     remaining: int = 0
     pos: int = 0  # parked prefill: prompt tokens in the spilled cache
+    pinned: list[int] | None = None  # paused row: its KV's tokens, pinned in the prefix cache (no file)
 
 
 # Positions allocated beyond a restored prefix's prompt (mlx-lm's KVCache step): the
@@ -469,21 +470,35 @@ class Scheduler:
             self._finish(row, finish or "length", cache, cached_ids)
             return
         row.seq.num_pauses += 1
-        try:
-            path = self.spill.spill(f"row-{uid}-{row.seq.num_pauses}", cache)
-        except EngineError as exc:  # this request ends; the others are not touched
-            self.rows.pop(uid)
-            self.prefix_cache.store(cached_ids, cache)  # a re-sent request resumes from it
-            self._fail(row.seq, exc)
-            return
+        path, pinned = None, None
+        if self.prefix_cache.pageable(cache) and is_dense(cache):
+            # The prefix cache already holds the prompt's blocks (committed during prefill) and
+            # whatever earlier turns left: only the blocks it lacks are copied, and the pins
+            # keep them until the resume restores them by an ordinary lookup. Bit for bit the
+            # same KV as a spill file, without writing the whole row (docs/CACHE.md, "Pauses").
+            self.prefix_cache.pin(cached_ids)
+            self.prefix_cache.store(cached_ids, cache)
+            if self.prefix_cache.holds(cached_ids):
+                pinned = cached_ids
+            else:  # no room in either tier: the spill file below
+                self.prefix_cache.unpin(cached_ids)
+        if pinned is None:
+            try:
+                path = self.spill.spill(f"row-{uid}-{row.seq.num_pauses}", cache)
+            except EngineError as exc:  # this request ends; the others are not touched
+                self.rows.pop(uid)
+                self.prefix_cache.store(cached_ids, cache)  # a re-sent request resumes from it
+                self._fail(row.seq, exc)
+                return
         self.rows.pop(uid)
         self.paused.append(_Paused(row.seq, path, row.started_at, row=row, sampler=sampler, pending=pending,
-                                   cached_ids=cached_ids, remaining=remaining))
+                                   cached_ids=cached_ids, remaining=remaining, pinned=pinned))
         del cache
         mx.clear_cache()
         self.stats["pauses"] += 1
-        log.info("paused request %d after %d output tokens (%s): %d KV tokens spilled",
-                 uid, len(row.seq.output_ids), reason, len(cached_ids))
+        log.info("paused request %d after %d output tokens (%s): %d KV tokens %s",
+                 uid, len(row.seq.output_ids), reason, len(cached_ids),
+                 "pinned in the prefix cache" if pinned is not None else "spilled")
 
     def _park_prefill(self) -> None:
         """Free a prefill's live KV; it resumes from what it had computed.
@@ -558,13 +573,26 @@ class Scheduler:
                 self.prefill = self._unpark(head)
             else:
                 try:
-                    cache = self.spill.restore(head.path, tokens=len(head.cached_ids))
+                    cache = self._restore_row(head)
                 except EngineError as exc:  # this request ends; the others are not touched
                     self._fail(head.seq, exc)
                     continue
                 self._rejoin(head, cache)
             self.stats["resumes"] += 1
             log.info("resumed request %d (%s)", head.seq.seq_id, "prefill" if head.row is None else "decode")
+
+    def _restore_row(self, paused: _Paused) -> list:
+        """A paused row's exact KV: from its spill file, or from the prefix cache's pinned blocks."""
+        if paused.pinned is None:
+            return self.spill.restore(paused.path, tokens=len(paused.cached_ids))
+        n = len(paused.cached_ids)
+        hit = self.prefix_cache.lookup([*paused.cached_ids, paused.pending], room=n + KV_ROOM_STEP)
+        self.prefix_cache.unpin(paused.pinned)
+        paused.pinned = None
+        if hit.num_cached != n:  # pinned blocks are never evicted; a damaged disk block can still miss
+            raise EngineError(f"the paused request's KV came back with {hit.num_cached} of its {n} tokens",
+                              retryable=True)
+        return hit.cache
 
     def _rejoin(self, paused: _Paused, cache: list) -> None:
         seq = paused.seq
@@ -593,6 +621,8 @@ class Scheduler:
                 paused.path.unlink(missing_ok=True)
         elif paused.row is None:
             self.prefix_cache.unpin(paused.seq.prompt_ids[: paused.pos])
+        elif paused.pinned is not None:
+            self.prefix_cache.unpin(paused.pinned)
 
     def _fail(self, seq: Sequence, error: EngineError) -> None:
         """End one request with an error (its KV could not be spilled or read back)."""
