@@ -152,7 +152,11 @@ def suffix_compute_s(model, cache, suffix: list[int]) -> float:
 def section_prefill(args, engines: Engines, model, vocab, rng, out):
     res = {"prompt_tokens": args.prompt, "plain_ttft_s": {}, "engine_ttft_s": {}, "ratio_vs_plain": {},
            "disk_writes_drained_s": {}}
+    # MLX's CUDA backend builds kernels (attention graphs) per shape on first use, per thread:
+    # every figure here is of a second run at its shapes; the first ones are reported apart.
+    res["first_run_s"] = {}
     for chunk in args.sweep:
+        res["first_run_s"][f"plain@{chunk}"] = round(plain_ttft(model, rand_prompt(rng, args.prompt, vocab), chunk), 3)
         res["plain_ttft_s"][chunk] = round(statistics.median(
             plain_ttft(model, rand_prompt(rng, args.prompt, vocab), chunk) for _ in range(args.repeats)), 4)
     res["best_plain_chunk"] = min(res["plain_ttft_s"], key=res["plain_ttft_s"].get)
@@ -161,6 +165,10 @@ def section_prefill(args, engines: Engines, model, vocab, rng, out):
                                  cache_disk_bytes=args.disk_bytes)}
     last_prompt = {}
     for chunk in args.chunks:
+        for name, kw in tiers.items():
+            e = with_chunk(engines.get(name, **kw), chunk)
+            res["first_run_s"][f"{name}@{chunk}"] = round(ttft(e, rand_prompt(rng, args.prompt, vocab))[0], 3)
+            e.prefix_cache.flush()
         times = {name: [] for name in ["plain", *tiers]}
         for _ in range(args.repeats):  # interleaved: drift touches every variant alike
             times["plain"].append(plain_ttft(model, rand_prompt(rng, args.prompt, vocab), chunk))
@@ -191,13 +199,14 @@ def section_warm(args, engines: Engines, model, vocab, rng, prompts, out):
         if e is None:
             continue
         base = prompts[name]
+        first, _ = ttft(e, base + rand_prompt(rng, 32, vocab))  # this turn's shapes, built once
         turn = base + rand_prompt(rng, 32, vocab)
         took, cached = ttft(e, turn)
         hit = e.prefix_cache.lookup(turn[: len(base) + 1])  # engine idle: the prefix the turn restored
         floor_copy = copy_floor_s(hit.cache)
         suffix = suffix_compute_s(model, hit.cache, turn[hit.num_cached:])
         del hit
-        res[name] = {"ttft_s": round(took, 4), "cached": cached, "copy_floor_s": round(floor_copy, 4),
+        res[name] = {"ttft_s": round(took, 4), "first_turn_s": round(first, 4), "cached": cached, "copy_floor_s": round(floor_copy, 4),
                      "suffix_compute_s": round(suffix, 4),
                      "ratio_vs_floor": round(took / (floor_copy + suffix), 2)}
         e.prefix_cache.flush()
@@ -276,6 +285,61 @@ def section_pause(args, engines: Engines, out):
     out["pause"] = res
 
 
+def _profiled_engine(engine: Engine, work) -> str:
+    """cProfile of the engine thread's scheduler steps while `work()` runs (top by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    pr, sch = cProfile.Profile(), engine.scheduler
+    step = sch.step
+
+    def profiled():
+        pr.enable()
+        try:
+            step()
+        finally:
+            pr.disable()
+
+    sch.step = profiled
+    t0 = time.perf_counter()
+    try:
+        work()
+    finally:
+        sch.step = step
+    wall = time.perf_counter() - t0
+    text = io.StringIO()
+    pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(14)
+    return f"wall {wall:.3f} s\n" + "\n".join(line for line in text.getvalue().splitlines() if line.strip())
+
+
+def section_profile(args, engines: Engines, model, vocab, rng, prompts, out):
+    """Where the engine thread's time goes: a cold prefill, a warm turn, B=1 decode."""
+    import cProfile
+    import io
+    import pstats
+
+    res = {}
+    e = engines.get("memory", cache_bytes=args.cache_bytes)
+    chunk = args.chunks[0]
+    with_chunk(e, chunk)
+    res[f"cold_prefill@{chunk}"] = _profiled_engine(e, lambda: ttft(e, rand_prompt(rng, args.prompt, vocab)))
+    base = prompts.get("memory") or rand_prompt(rng, args.prompt, vocab)
+    res["warm_turn"] = _profiled_engine(e, lambda: ttft(e, base + rand_prompt(rng, 32, vocab)))
+    off = engines.get("off", cache_bytes=0)
+    res["decode_b1"] = _profiled_engine(off, lambda: aggregate_decode(off, 1, args.decode_tokens, vocab))
+    pr = cProfile.Profile()
+    pr.enable()
+    mlx_lm_loop(model, args.decode_tokens, vocab)
+    pr.disable()
+    text = io.StringIO()
+    pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(10)
+    res["plain_loop_b1"] = "\n".join(line for line in text.getvalue().splitlines() if line.strip())
+    out["profile"] = res
+    for name, text in res.items():
+        print(f"--- profile: {name}\n{text}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="mlx-lm model directory (default: fixtures/tiny-llama)")
@@ -289,7 +353,7 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--pause-contexts", default=None, help="default 8192,32768 with --random, else 1024,4096")
     p.add_argument("--cache-gb", type=float, default=None, help="memory tier (default: 3 prompts' KV)")
-    p.add_argument("--only", default="prefill,warm,disk,decode,pause")
+    p.add_argument("--only", default="prefill,warm,disk,decode,pause", help="sections (also: profile)")
     p.add_argument("--dir", type=Path, help="work directory (the disk tier; default a temporary one)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -319,8 +383,9 @@ def main() -> None:
                           ("warm", lambda: section_warm(args, engines, model, vocab, rng, prompts, out)),
                           ("disk", lambda: section_disk(args, engines, model, prompts.get("memory+disk", []), out)),
                           ("decode", lambda: section_decode(args, engines, model, vocab, out)),
-                          ("pause", lambda: section_pause(args, engines, out))):
-            if name in only and (name not in ("warm", "disk") or prompts):
+                          ("pause", lambda: section_pause(args, engines, out)),
+                          ("profile", lambda: section_profile(args, engines, model, vocab, rng, prompts, out))):
+            if name in only and (name not in ("warm", "disk") or prompts):  # profile: only when asked
                 t1 = time.perf_counter()
                 run()
                 out.setdefault("section_s", {})[name] = round(time.perf_counter() - t1, 1)
