@@ -112,6 +112,9 @@ def _upstream_urls(ctx, param, values):
 @click.option("--notice-pattern", metavar="REGEX",
               help="A user message whose text matches this at its start is a harness notice, not a real user turn "
                    "(default: docs/RENDER_POLICIES.md).")
+@click.option("--default-temperature", type=FiniteFloatRange(min=0, max=2), metavar="T",
+              help="Temperature of requests that set none (default: 1.0, OpenAI's). 0 makes agent runs "
+                   "reproducible (docs/HARNESSES.md).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
@@ -119,7 +122,7 @@ def _upstream_urls(ctx, param, values):
 def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
-          thinking_retention_guard_tokens, notice_pattern, log_level, print_config):
+          thinking_retention_guard_tokens, notice_pattern, default_temperature, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions and POST /v1/messages (Anthropic;
@@ -157,13 +160,14 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           mid_system_policy=mid_system_policy,
                           thinking_retention=thinking_retention,
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
-                          notice_pattern=notice_pattern, log_level=log_level))
+                          notice_pattern=notice_pattern, default_temperature=default_temperature,
+                          log_level=log_level))
 
 
 # Options only the embedded engine reads (with --upstream the upstream renders, caches and batches).
 ENGINE_ONLY = ("dtype", "cache_memory_gb", "cache_dir", "cache_disk_gb", "block_size", "memory_ceiling_gb",
                "prefill_chunk", "max_batch", "kv_quant", "kv_bits", "kv_dense_layers", "mid_system_policy",
-               "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern")
+               "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern", "default_temperature")
 
 
 def _warn_engine_only(ctx: click.Context) -> None:

@@ -44,6 +44,7 @@ class ServeConfig:
     thinking_retention: str = "loop"  # loop|template|all
     thinking_retention_guard_tokens: int = 30000
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
+    default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
     log_level: str = "info"
 
 
@@ -81,7 +82,13 @@ def build_backend(config: ServeConfig):
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
     log.info("render policies: %s", engine.render_policy.describe())
-    return EngineBackend(engine)
+    backend = EngineBackend(engine)
+    if config.default_temperature is not None:
+        from prefixtrace.sampling_default import with_default_temperature
+
+        log.info("requests that set no temperature sample at %g", config.default_temperature)
+        backend = with_default_temperature(backend, config.default_temperature)
+    return backend
 
 
 def _stop_if_the_model_fails_to_load(engine: Engine, server: uvicorn.Server, failures: list) -> threading.Thread:
