@@ -28,8 +28,8 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 
-from engine.sequence import Failed, Finished, TextDelta
-from prefixtrace.errors import EngineError, InvalidRequest, PrefixtraceError, http_status
+from prefixtrace.errors import InvalidRequest, PrefixtraceError, http_status
+from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
 from proxy import sse
 from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.relay import record_durably, serve_turn
@@ -37,7 +37,7 @@ from proxy.turn_builder import TurnBuilder
 from proxy.upstream_backend import Relayed, map_httpx_errors
 
 MESSAGES_PATH = "/v1/messages"
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn", "tool_calls": "tool_use"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
@@ -75,8 +75,10 @@ def to_chat_request(body: dict, headers: dict[str, str]) -> ChatRequest:
     if tools:
         openai_body["tools"] = [_translate_tool(t, j) for j, t in enumerate(tools)]
     thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
-        openai_body["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled", "adaptive"):
+        openai_body["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled"}
+    if body.get("tool_choice") is not None:
+        openai_body["tool_choice"] = _translate_tool_choice(body["tool_choice"])
     metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
     if isinstance(metadata.get("user_id"), str):
         openai_body["user"] = metadata["user_id"]
@@ -174,6 +176,19 @@ def _translate_tool(tool: Any, j: int) -> dict:
     return {"type": "function", "function": fn}
 
 
+def _translate_tool_choice(choice: Any) -> Any:
+    """Anthropic's tool_choice in OpenAI's terms: auto, any → required, tool → that function, none."""
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise InvalidRequest("tool_choice must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}",
+                         param="tool_choice")
+
+
 def record_usage(builder: TurnBuilder, usage: dict) -> None:
     """Fill the turn from an Anthropic usage object (kept as sent in `turn.usage`)."""
     turn = builder.turn
@@ -234,45 +249,116 @@ class EngineMessages:
         return STOP_REASONS.get(finish_reason, "end_turn"), None
 
     async def sse(self) -> AsyncIterator[bytes]:
+        """The engine's reply events as Messages stream events: a block per run of one kind (thinking,
+        text, each tool_use), opened when its first event arrives."""
         seq = self.chat.seq
         # The first event came after admission, so the cached count is known here.
         start_usage = self._usage(seq.num_prompt_tokens, seq.num_cached_tokens, 0)
         yield _event("message_start", {"message": self._message([], None, start_usage)})
-        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-        async for event in self.chat.events():
-            if isinstance(event, TextDelta) and event.text:
+        blocks = _BlockWriter()
+        async for event in self.chat.reply_events():
+            if isinstance(event, ContentDelta):
                 self.builder.on_chunk({"choices": [{"index": 0, "delta": {"content": event.text}}]})
-                yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": event.text}})
-            elif isinstance(event, Finished):
+                for out in blocks.text(event.text):
+                    yield out
+            elif isinstance(event, ReasoningDelta):
+                self.builder.on_chunk({"choices": [{"index": 0, "delta": {"reasoning_content": event.text}}]})
+                for out in blocks.thinking(event.text):
+                    yield out
+            elif isinstance(event, ToolCallStart):
+                self.builder.on_chunk({"choices": [{"index": 0, "delta": {"tool_calls": [
+                    {"index": event.index, "id": event.call_id, "function": {"name": event.name}}]}}]})
+                for out in blocks.tool_use(event):
+                    yield out
+            elif isinstance(event, ToolCallArgsDelta):
+                self.builder.on_chunk({"choices": [{"index": 0, "delta": {"tool_calls": [
+                    {"index": event.index, "function": {"arguments": event.text}}]}}]})
+                yield _event("content_block_delta", {"index": blocks.index, "delta": {
+                    "type": "input_json_delta", "partial_json": event.text}})
+            elif isinstance(event, ReplyDone):
                 usage = self._usage(event.prompt_tokens, event.cached_tokens, event.completion_tokens)
                 record_usage(self.builder, usage)
                 self.builder.turn.finish_reason = event.finish_reason
                 stop_reason, stop_sequence = self._stop(event.finish_reason)
-                yield _event("content_block_stop", {"index": 0})
+                for out in blocks.close(empty_text=True):
+                    yield out
                 yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                                "usage": usage})
                 yield _event("message_stop", {})
-            elif isinstance(event, Failed):
-                raise event.error if isinstance(event.error, PrefixtraceError) else EngineError(str(event.error))
 
     async def whole(self) -> tuple[bytes, str]:
-        parts: list[str] = []
-        async for event in self.chat.events():
-            if isinstance(event, TextDelta):
-                parts.append(event.text)
-            elif isinstance(event, Failed):
-                raise event.error
-            elif isinstance(event, Finished):
-                usage = self._usage(event.prompt_tokens, event.cached_tokens, event.completion_tokens)
-                stop_reason, stop_sequence = self._stop(event.finish_reason)
-                body = self._message([{"type": "text", "text": "".join(parts)}], stop_reason, usage, stop_sequence)
-                turn = self.builder.turn
-                turn.response_text, turn.finish_reason = "".join(parts), event.finish_reason
-                if event.completion_tokens:
-                    turn.ttft_s = event.prefill_s
-                record_usage(self.builder, usage)
-                return json.dumps(body).encode(), "application/json"
-        raise RuntimeError("engine stream ended without a result")
+        from proxy.engine_backend import collect
+
+        reply = await collect(self.chat.reply_events())
+        done = reply.done
+        content: list[dict] = []
+        if reply.reasoning:
+            content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+        if reply.text or not reply.tool_calls:
+            content.append({"type": "text", "text": reply.text})
+        for call in reply.tool_calls:
+            content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                            "input": _arguments_object(call["function"]["arguments"])})
+        usage = self._usage(done.prompt_tokens, done.cached_tokens, done.completion_tokens)
+        stop_reason, stop_sequence = self._stop(done.finish_reason)
+        body = self._message(content, stop_reason, usage, stop_sequence)
+        turn = self.builder.turn
+        turn.response_text, turn.finish_reason = reply.text, done.finish_reason
+        turn.reasoning_text = reply.reasoning
+        turn.tool_calls = reply.tool_calls or None
+        if done.completion_tokens:
+            turn.ttft_s = self.chat.finished.prefill_s
+        record_usage(self.builder, usage)
+        return json.dumps(body).encode(), "application/json"
+
+
+def _arguments_object(arguments: str) -> Any:
+    """A tool_use block's `input` is an object; arguments the model wrote that are not one stay a string
+    under "_raw" rather than being dropped (unconstrained calls are parsed, not validated)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {"_raw": arguments}
+    return value if isinstance(value, dict) else {"_raw": arguments}
+
+
+class _BlockWriter:
+    """Messages content blocks, opened and closed as the reply's kind changes."""
+
+    def __init__(self):
+        self.index = -1
+        self.kind: str | None = None  # "text" | "thinking" | "tool_use" while a block is open
+
+    def _open(self, kind: str, block: dict) -> list[bytes]:
+        out = self.close()
+        self.index += 1
+        self.kind = kind
+        return out + [_event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def close(self, empty_text: bool = False) -> list[bytes]:
+        out = []
+        if empty_text and self.index < 0:  # a reply with no output still has its (empty) text block
+            out = self._open("text", {"type": "text", "text": ""})
+        if self.kind is not None:
+            if self.kind == "thinking":  # no signature: nothing here can verify one, so it is empty
+                out.append(_event("content_block_delta", {"index": self.index, "delta": {
+                    "type": "signature_delta", "signature": ""}}))
+            out.append(_event("content_block_stop", {"index": self.index}))
+            self.kind = None
+        return out
+
+    def text(self, text: str) -> list[bytes]:
+        out = self._open("text", {"type": "text", "text": ""}) if self.kind != "text" else []
+        return out + [_event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": text}})]
+
+    def thinking(self, text: str) -> list[bytes]:
+        out = [] if self.kind == "thinking" else self._open("thinking", {"type": "thinking", "thinking": "",
+                                                                          "signature": ""})
+        return out + [_event("content_block_delta", {"index": self.index, "delta": {
+            "type": "thinking_delta", "thinking": text}})]
+
+    def tool_use(self, start: ToolCallStart) -> list[bytes]:
+        return self._open("tool_use", {"type": "tool_use", "id": start.call_id, "name": start.name, "input": {}})
 
 
 # --- upstream pass-through --------------------------------------------------------

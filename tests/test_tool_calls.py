@@ -208,3 +208,68 @@ def test_free_reply_has_no_tool_calls(openai_client):
     reply = openai_client.chat.completions.create(model="default", messages=MESSAGES, tools=TOOLS, max_tokens=8,
                                                   temperature=0)
     assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "length"
+
+
+# --- Anthropic Messages: tool_use blocks --------------------------------------------------------------
+
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+def _anthropic(url):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=url, api_key="sk-ant-test-0123456789abcdef", max_retries=0, timeout=60)
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "Read"}])
+def test_messages_forced_tool_use_whole(engine_server, tool_choice):
+    url, recorder = engine_server
+    message = _anthropic(url).messages.create(model="default", max_tokens=120, messages=MESSAGES,
+                                              tools=ANTHROPIC_TOOLS, tool_choice=tool_choice,
+                                              extra_body={"temperature": 0})
+    assert message.stop_reason == "tool_use"
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].id.startswith("call_")
+    if tool_choice["type"] == "tool":
+        assert uses[0].name == "Read"
+    jsonschema.validate(uses[0].input, SCHEMAS[uses[0].name])
+    (row,) = rows(recorder)
+    (recorded,) = json.loads(row["tool_calls"])
+    assert recorded["id"] == uses[0].id and recorded["function"]["name"] == uses[0].name
+    assert json.loads(recorded["function"]["arguments"]) == uses[0].input
+
+
+def test_messages_forced_tool_use_streams_input_json_delta(engine_server):
+    url, recorder = engine_server
+    kinds = []
+    with _anthropic(url).messages.stream(model="default", max_tokens=120, messages=MESSAGES, tools=ANTHROPIC_TOOLS,
+                                         tool_choice={"type": "any"}, extra_body={"temperature": 0}) as stream:
+        for event in stream:
+            if event.type == "content_block_delta":
+                kinds.append(event.delta.type)
+            elif event.type == "content_block_start":
+                kinds.append("start:" + event.content_block.type)
+        message = stream.get_final_message()
+    assert message.stop_reason == "tool_use"
+    assert "start:tool_use" in kinds and "input_json_delta" in kinds
+    (use,) = [b for b in message.content if b.type == "tool_use"]
+    jsonschema.validate(use.input, SCHEMAS[use.name])
+    (row,) = rows(recorder)
+    (recorded,) = json.loads(row["tool_calls"])
+    assert recorded["id"] == use.id and json.loads(recorded["function"]["arguments"]) == use.input
+
+
+def test_messages_tool_result_round_trip_renders_and_answers(engine_server):
+    """A full loop: the forced call goes back as tool_use + tool_result, the next turn answers freely."""
+    url, _ = engine_server
+    client = _anthropic(url)
+    first = client.messages.create(model="default", max_tokens=120, messages=MESSAGES, tools=ANTHROPIC_TOOLS,
+                                   tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    second = client.messages.create(
+        model="default", max_tokens=8, tools=ANTHROPIC_TOOLS, extra_body={"temperature": 0},
+        messages=MESSAGES + [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                           "content": "hello"}]}])
+    assert second.stop_reason in ("end_turn", "max_tokens")
+    assert second.usage.cache_read_input_tokens > 0  # the first turn's prompt is the second's prefix
