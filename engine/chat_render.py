@@ -13,6 +13,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from prefixtrace.errors import InvalidRequest
+from prefixtrace.wire.normalize import template_message
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -28,7 +29,10 @@ def normalize_messages(messages: Any) -> list[dict]:
     """Validate OpenAI messages and reduce them to what chat templates expect.
 
     Templates index `content` as a string, so text-part arrays are flattened and
-    a missing content (an assistant turn that only calls tools) becomes "".
+    a missing content (an assistant turn that only calls tools) becomes "". The rest
+    of what servers do before the template (developer -> system, tool-call arguments
+    parsed into objects) is `template_message`, shared with the analyzer so that it
+    predicts the prompt this engine builds (docs/ANALYZER.md "Render as servers render").
     """
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
@@ -40,8 +44,8 @@ def normalize_messages(messages: Any) -> list[dict]:
         if role not in ROLES:
             raise InvalidRequest(f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}", param="messages")
         m = dict(message)
-        m["content"] = _flatten_content(m.get("content"), i)
-        out.append(m)
+        m["content"] = _flatten_content(m.get("content"), i)  # strict: a part it cannot render is a 400
+        out.append(template_message(m))
     return out
 
 

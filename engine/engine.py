@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine import skinny_gemm
+from engine import decode_attention, skinny_gemm
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
 from engine.grammar import GrammarCompiler
 from engine.memory import DEFAULT_CEILING_FRACTION, MemoryModel, machine_memory_bytes, measured
@@ -195,8 +195,9 @@ class Engine:
         try:
             self.model, self.tokenizer, config = self._loader()
             skinny_gemm.install(self.model)  # CUDA only: batched decode reads each weight once
-            if self.tq is not None:
-                install_attention_hook(self.model)  # attention in TurboQuant's rotated basis
+            if self.tq is not None or decode_attention.available():
+                # attention in TurboQuant's rotated basis; on CUDA also padded dense decode (no mask)
+                install_attention_hook(self.model)
             self.context_length = int(config.get("max_position_embeddings") or 4096)
             self.reply_format = ReplyFormat.for_tokenizer(self.tokenizer)
             self.grammar = GrammarCompiler(self.tokenizer, int(config.get("vocab_size") or len(self.tokenizer)))

@@ -32,6 +32,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
+from engine import decode_attention
 from engine.turboquant import get_codec
 
 __all__ = ["TurboQuantKVCache", "BatchTurboQuantKVCache", "TQConfig", "make_tq_cache", "to_turboquant",
@@ -430,7 +431,11 @@ class BatchTurboQuantKVCache(_BaseCache):
 def _attend_rotated(cache, queries: mx.array, scale: float, mask) -> mx.array:
     """softmax(q K^T) V with q and K, V all rotated by the codec's Pi: scores are
     unchanged (Pi is orthogonal), the output comes out rotated and is turned back
-    once per query instead of once per cached vector every step."""
+    once per query instead of once per cached vector every step. A decode step on
+    CUDA reads the codes directly instead (`_fused_decode`)."""
+    fused = _fused_decode(cache, queries, scale)
+    if fused is not None:
+        return fused
     keys, values = cache._fetch(rotated=True)
     qc = get_codec(queries.shape[-1], cache.kv_bits, cache.seed)
     vc = get_codec(values.shape[-1], cache.kv_bits, cache.seed)
@@ -439,12 +444,42 @@ def _attend_rotated(cache, queries: mx.array, scale: float, mask) -> mx.array:
     return vc.unrotate(out.astype(mx.float32)).astype(queries.dtype)
 
 
+def _fused_decode(cache, queries: mx.array, scale: float) -> mx.array | None:
+    """One decode token per row on CUDA: engine.decode_attention's kernel over this
+    step's codes (positions below each row's boundary) and dense columns, the same
+    positions `_fetch` decodes; None where it does not apply (CPU, prefill chunks,
+    head sizes or bits it has no variant for)."""
+    if cache._step is None or queries.shape[2] != 1:
+        return None
+    dense_k, dense_v = cache._step[-2:]
+    dim = queries.shape[-1]
+    if dense_k.shape[-1] != dim or dense_v.shape[-1] != dim:
+        return None
+    if not decode_attention.use_tq(queries, dense_k.shape[1], cache.kv_bits, dim):
+        return None
+    codec = get_codec(dim, cache.kv_bits, cache.seed)
+    if not codec.hadamard:
+        return None
+    if isinstance(cache, BatchTurboQuantKVCache):
+        end, lp = cache._step[1], cache.left_padding
+    else:
+        end, lp = cache.offset, None
+    cols = (slice(None), slice(None), slice(0, end))
+    return decode_attention.tq_attend(queries, cache.k.norms[cols], cache.k.codes[cols], cache.v.norms[cols],
+                                      cache.v.codes[cols], dense_k, dense_v, lp, scale, codec, cache.group)
+
+
 def _hooked(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if sinks is None and isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):
             # `keys`/`values` (the cache's unrotated K/V) go unused and, MLX being
             # lazy, are never computed.
             return cache.attend(queries, scale, mask)
+        if sinks is None and decode_attention.use_dense(cache, queries, keys, mask):
+            # Left-padded dense rows on CUDA: each row's start offset instead of the mask.
+            out = decode_attention.dense_attend(queries, keys, values, cache.left_padding, scale)
+            if out is not None:
+                return out
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.prefixtrace_tq_hook = True
@@ -452,7 +487,9 @@ def _hooked(original):
 
 
 def install_attention_hook(model) -> int:
-    """Route attention over TurboQuant caches through `_attend_rotated`.
+    """Route attention over TurboQuant caches through `_attend_rotated`, and a dense
+    batched decode step over left-padded rows on CUDA through
+    `engine.decode_attention.dense_attend` (each row's start offset, no mask).
 
     mlx-lm's attention modules call the `scaled_dot_product_attention` their own
     module imported from `mlx_lm.models.base`; there is no per-cache dispatch

@@ -112,6 +112,13 @@ def _upstream_urls(ctx, param, values):
 @click.option("--notice-pattern", metavar="REGEX",
               help="A user message whose text matches this at its start is a harness notice, not a real user turn "
                    "(default: docs/RENDER_POLICIES.md).")
+@click.option("--max-tokens-policy", default="clamp", show_default=True, type=click.Choice(["clamp", "reject"]),
+              help="A max_tokens beyond what fits after the prompt: lower it to what fits (the reply ends with "
+                   "length / max_tokens, as llama.cpp, Ollama and LM Studio do), or refuse with a 400.")
+@click.option("--allowed-hosts", metavar="NAMES",
+              help="Comma-separated host names the Host header may carry ('*': any). Default: 127.0.0.1, localhost, "
+                   "::1 and the --host address, so a web page under another name cannot drive the proxy "
+                   "(docs/SECURITY.md).")
 @click.option("--default-temperature", type=FiniteFloatRange(min=0, max=2), metavar="T",
               help="Temperature of requests that set none (default: 1.0, OpenAI's). 0 makes agent runs "
                    "reproducible (docs/HARNESSES.md).")
@@ -122,13 +129,15 @@ def _upstream_urls(ctx, param, values):
 def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
-          thinking_retention_guard_tokens, notice_pattern, default_temperature, log_level, print_config):
+          thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allowed_hosts, default_temperature,
+          log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
-    Endpoints: POST /v1/chat/completions and POST /v1/messages (Anthropic;
-    both streamed and not), GET /v1/models, GET /health (200 once the model is
-    loaded), GET /ui (live dashboard), GET /metrics (Prometheus). Every
-    response reports its cached prompt tokens.
+    Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
+    POST /v1/messages (Anthropic), POST /v1/completions (raw prompt), all
+    streamed and not; POST /v1/messages/count_tokens, GET /v1/models, GET
+    /health (200 once the model is loaded), GET /ui (live dashboard), GET
+    /metrics (Prometheus). Every response reports its cached prompt tokens.
 
     Example: prefixtrace serve --port 8765 --db traffic.db
     """
@@ -160,14 +169,17 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           mid_system_policy=mid_system_policy,
                           thinking_retention=thinking_retention,
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
-                          notice_pattern=notice_pattern, default_temperature=default_temperature,
-                          log_level=log_level))
+                          notice_pattern=notice_pattern, max_tokens_policy=max_tokens_policy, log_level=log_level,
+                          default_temperature=default_temperature,
+                          allowed_hosts=None if allowed_hosts is None else
+                          [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
 
 
 # Options only the embedded engine reads (with --upstream the upstream renders, caches and batches).
 ENGINE_ONLY = ("dtype", "cache_memory_gb", "cache_dir", "cache_disk_gb", "block_size", "memory_ceiling_gb",
                "prefill_chunk", "max_batch", "kv_quant", "kv_bits", "kv_dense_layers", "mid_system_policy",
-               "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern", "default_temperature")
+               "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern", "max_tokens_policy",
+               "default_temperature")
 
 
 def _warn_engine_only(ctx: click.Context) -> None:

@@ -14,6 +14,7 @@ from uvicorn.main import STARTUP_FAILURE
 from engine.engine import Engine
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
+from proxy.guard import LOOPBACK_HOSTS
 from proxy.upstream_backend import UpstreamBackend
 from proxy.upstream_pool import UpstreamPool
 from prefixtrace.errors import EngineError
@@ -44,8 +45,18 @@ class ServeConfig:
     thinking_retention: str = "loop"  # loop|template|all
     thinking_retention_guard_tokens: int = 30000
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
+    max_tokens_policy: str = "clamp"  # clamp|reject: a max_tokens beyond what fits after the prompt
     default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
     log_level: str = "info"
+    allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
+
+
+def allowed_hosts(config: ServeConfig) -> list[str]:
+    """The names the Host header may carry: as configured, else loopback and the bound address."""
+    if config.allowed_hosts is not None:
+        return config.allowed_hosts
+    bound = [] if config.host in ("", "0.0.0.0", "::") else [config.host]
+    return [*LOOPBACK_HOSTS, *bound]
 
 
 def build_backend(config: ServeConfig):
@@ -82,7 +93,7 @@ def build_backend(config: ServeConfig):
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
     log.info("render policies: %s", engine.render_policy.describe())
-    backend = EngineBackend(engine)
+    backend = EngineBackend(engine, max_tokens_policy=config.max_tokens_policy)
     if config.default_temperature is not None:
         from prefixtrace.sampling_default import with_default_temperature
 
@@ -115,7 +126,7 @@ def serve(config: ServeConfig) -> None:
     try:
         with Recorder(config.db) as recorder:
             log.info("recording to %s", config.db.resolve())
-            app = create_app(backend, recorder)
+            app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config))
             server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level))
             failures: list[EngineError] = []
             if engine is not None:
