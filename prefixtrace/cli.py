@@ -126,6 +126,9 @@ def _upstream_urls(ctx, param, values):
 @click.option("--recorder-stuck-after-s", default=30.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
               help="A recorder write taking longer than this makes /health answer 503, and responses stop waiting "
                    "for their commit (the turn stays queued) (docs/SECURITY.md).")
+@click.option("--default-temperature", type=FiniteFloatRange(min=0, max=2), metavar="T",
+              help="Temperature of requests that set none (default: 1.0, OpenAI's). 0 makes agent runs "
+                   "reproducible (docs/HARNESSES.md).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
@@ -134,7 +137,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
           thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
-          recorder_stuck_after_s, log_level, print_config):
+          recorder_stuck_after_s, default_temperature, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
@@ -176,6 +179,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
                           notice_pattern=notice_pattern, max_tokens_policy=max_tokens_policy, log_level=log_level,
                           allow_client_templates=allow_client_templates, recorder_stuck_after_s=recorder_stuck_after_s,
+                          default_temperature=default_temperature,
                           allowed_hosts=None if allowed_hosts is None else
                           [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
 
@@ -184,7 +188,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
 ENGINE_ONLY = ("dtype", "cache_memory_gb", "cache_dir", "cache_disk_gb", "block_size", "memory_ceiling_gb",
                "prefill_chunk", "max_batch", "kv_quant", "kv_bits", "kv_dense_layers", "mid_system_policy",
                "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern", "max_tokens_policy",
-               "allow_client_templates")
+               "allow_client_templates", "default_temperature")
 
 
 def _warn_engine_only(ctx: click.Context) -> None:

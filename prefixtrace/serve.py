@@ -53,6 +53,7 @@ class ServeConfig:
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
     max_tokens_policy: str = "clamp"  # clamp|reject: a max_tokens beyond what fits after the prompt
     recorder_stuck_after_s: float = 30.0  # /health is 503 once one recorder write takes longer
+    default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
     log_level: str = "info"
     allow_client_templates: bool = False  # chat_template_kwargs.chat_template, sandboxed (docs/SECURITY.md)
     allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
@@ -102,7 +103,13 @@ def build_backend(config: ServeConfig):
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
     log.info("render policies: %s", engine.render_policy.describe())
-    return EngineBackend(engine, max_tokens_policy=config.max_tokens_policy)
+    backend = EngineBackend(engine, max_tokens_policy=config.max_tokens_policy)
+    if config.default_temperature is not None:
+        from prefixtrace.sampling_default import with_default_temperature
+
+        log.info("requests that set no temperature sample at %g", config.default_temperature)
+        backend = with_default_temperature(backend, config.default_temperature)
+    return backend
 
 
 def _stop_if_the_model_fails_to_load(engine: Engine, server: uvicorn.Server, failures: list) -> threading.Thread:
