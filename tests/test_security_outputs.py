@@ -254,7 +254,9 @@ def test_a_page_on_another_origin_cannot_drive_or_read_the_proxy(engine_server, 
         assert page.evaluate("window.done") == ["fulfilled", "rejected"]  # the CORS preflight is refused
         time.sleep(0.5)
         turns = rows(recorder)
-        assert [t["status"] for t in turns] == [200, 415]  # the simple POST was refused; no turn ran
+        # The simple POST was refused and no turn ran; the CORS preflight (OPTIONS) is recorded too, as the
+        # 405 every unknown method/path gets (the fallback routes, issue 15).
+        assert [t["status"] for t in turns if t["status"] != 405] == [200, 415]
         # DNS rebinding: a name of the attacker's that now resolves to 127.0.0.1 reads nothing.
         response = page.goto(f"http://rebind.test:{url.rsplit(':', 1)[1]}/ui/api/sessions")
         assert response.status == 403 and "secret plan" not in page.content()
