@@ -112,6 +112,12 @@ def _upstream_urls(ctx, param, values):
 @click.option("--notice-pattern", metavar="REGEX",
               help="A user message whose text matches this at its start is a harness notice, not a real user turn "
                    "(default: docs/RENDER_POLICIES.md).")
+@click.option("--tool-choice-default", default="auto", show_default=True,
+              type=click.Choice(["auto", "required-after-user"]),
+              help="Test aid for small models that rarely call tools on their own: with required-after-user, a request "
+                   "with tools and no tool_choice whose last message is a user turn must call one (grammar-"
+                   "constrained; the model picks the tool and arguments); after a tool result it answers freely "
+                   "(docs/TOOLS.md).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
@@ -119,7 +125,7 @@ def _upstream_urls(ctx, param, values):
 def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
-          thinking_retention_guard_tokens, notice_pattern, log_level, print_config):
+          thinking_retention_guard_tokens, notice_pattern, tool_choice_default, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions and POST /v1/messages (Anthropic;
@@ -157,13 +163,14 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           mid_system_policy=mid_system_policy,
                           thinking_retention=thinking_retention,
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
-                          notice_pattern=notice_pattern, log_level=log_level))
+                          notice_pattern=notice_pattern, tool_choice_default=tool_choice_default,
+                          log_level=log_level))
 
 
 # Options only the embedded engine reads (with --upstream the upstream renders, caches and batches).
 ENGINE_ONLY = ("dtype", "cache_memory_gb", "cache_dir", "cache_disk_gb", "block_size", "memory_ceiling_gb",
                "prefill_chunk", "max_batch", "kv_quant", "kv_bits", "kv_dense_layers", "mid_system_policy",
-               "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern")
+               "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern", "tool_choice_default")
 
 
 def _warn_engine_only(ctx: click.Context) -> None:

@@ -44,6 +44,7 @@ class ServeConfig:
     thinking_retention: str = "loop"  # loop|template|all
     thinking_retention_guard_tokens: int = 30000
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
+    tool_choice_default: str = "auto"  # or "required-after-user": a test aid for small models (docs/TOOLS.md)
     log_level: str = "info"
 
 
@@ -81,7 +82,10 @@ def build_backend(config: ServeConfig):
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
     log.info("render policies: %s", engine.render_policy.describe())
-    return EngineBackend(engine)
+    if config.tool_choice_default != "auto":
+        log.warning("--tool-choice-default %s: requests with tools whose last message is a user turn are forced to "
+                    "call one (a test aid for small models, docs/TOOLS.md)", config.tool_choice_default)
+    return EngineBackend(engine, tool_choice_default=config.tool_choice_default)
 
 
 def _stop_if_the_model_fails_to_load(engine: Engine, server: uvicorn.Server, failures: list) -> threading.Thread:
