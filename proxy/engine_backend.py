@@ -117,7 +117,8 @@ class EngineChat:
         self.seq: Sequence | None = None
         self.plan = plan
         self.parser = ReplyParser(plan.fmt, tools=req.tools, parse_tools=plan.parse_tools,
-                                  reasoning=plan.fmt.opens_reasoning(prompt_text)) if plan is not None else None
+                                  reasoning=plan.fmt.opens_reasoning(prompt_text),
+                                  stream_arguments=plan.forced == "tool_call") if plan is not None else None
         self.finished: Finished | None = None  # the engine's last event, for timings
         self._events: asyncio.Queue = asyncio.Queue()
         self._first = None

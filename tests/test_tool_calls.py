@@ -78,6 +78,24 @@ def test_parser_holds_back_a_partial_marker(tiny_format):
     assert parser.feed("s are fun") == [ContentDelta("<tools are fun")]
 
 
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_forced_call_arguments_stream_as_written(tiny_format, size):
+    """A grammar-forced call starts once its name is out; the arguments follow in pieces, never with the
+    call object's own closing brace."""
+    text = '<tool_call>\n{"name": "Read", "arguments": {"file_path": "a}b.txt", "n": {"x": 1}}}\n</tool_call>'
+    parser = ReplyParser(tiny_format, tools=TOOLS, stream_arguments=True)
+    events = []
+    for i in range(0, len(text), size):
+        new = parser.feed(text[i:i + size])
+        if any(isinstance(e, ToolCallStart) for e in new):
+            assert '"arguments"' in text[:i + size] and "</tool_call>" not in text[:i + size]
+        events += new
+    events += parser.finish()
+    args = [e.text for e in events if isinstance(e, ToolCallArgsDelta)]
+    assert len(args) > 3 and json.loads("".join(args)) == {"file_path": "a}b.txt", "n": {"x": 1}}
+    assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["Read"] and parser.num_calls == 1
+
+
 def test_unparseable_call_text_comes_back_as_text(tiny_format):
     parser = ReplyParser(tiny_format, tools=TOOLS)
     events = feed_in_pieces(parser, "<tool_call>\n{not json\n</tool_call>", 4)
@@ -149,6 +167,7 @@ def test_forced_call_streams_as_delta_tool_calls(openai_client, engine_server):
                 slot["arguments"] += (tc.function.arguments or "") if tc.function else ""
     assert finish == "tool_calls"
     assert deltas[0].id and deltas[0].function.name, "the first delta names the call"
+    assert sum(1 for d in deltas if d.function and d.function.arguments) > 1, "arguments stream in increments"
     (call,) = calls.values()
     jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
     (row,) = rows(engine_server[1])
