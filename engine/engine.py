@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine import skinny_gemm
+from engine import decode_attention, skinny_gemm
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
 from engine.grammar import GrammarCompiler
 from engine.memory import DEFAULT_CEILING_FRACTION, MemoryModel, machine_memory_bytes, measured
@@ -60,6 +60,8 @@ class Engine:
             many tokens is cut once.
         notice_pattern: regex matched at the start of a user message's text that marks it as a
             harness notice, not a real user turn (None: render_policy.DEFAULT_NOTICE_PATTERN).
+        allow_client_templates: accept a request's own chat template (chat_template_kwargs.chat_template),
+            rendered in a bounded child process; refused with a 400 otherwise.
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class Engine:
         thinking_retention: str = "loop",
         thinking_retention_guard_tokens: int = DEFAULT_GUARD_TOKENS,
         notice_pattern: str | None = None,
+        allow_client_templates: bool = False,
     ):
         if kv_quant not in ("none", "turboquant") or not 1 <= kv_bits <= 8:
             raise EngineError(f"kv_quant must be none|turboquant and kv_bits 1..8 (got {kv_quant!r}, {kv_bits})")
@@ -94,6 +97,7 @@ class Engine:
             NoticeRule(notice_pattern) if notice_pattern is not None else NoticeRule(),
         )
         self._bound_policy: BoundPolicy | None = None  # bound to the template once the tokenizer is loaded
+        self.allow_client_templates = allow_client_templates  # chat_template_kwargs.chat_template (docs/SECURITY.md)
         self.model_dir = Path(model_dir)
         # Runs on the engine thread; benchmarks pass one that builds a model in memory.
         self._loader = loader or (lambda: load_model_dir(self.model_dir, self.dtype))
@@ -148,7 +152,8 @@ class Engine:
         if not self.ready:
             raise EngineNotReady("the model is still loading")
         applied = self._bound_policy.apply(normalize_messages(messages), chat_template_kwargs)
-        rendered = render_prompt(self.tokenizer, applied.messages, tools=tools, chat_template_kwargs=applied.template_kwargs)
+        rendered = render_prompt(self.tokenizer, applied.messages, tools=tools, chat_template_kwargs=applied.template_kwargs,
+                                 allow_client_template=self.allow_client_templates)
         rendered.policy = applied.record
         return rendered
 
@@ -195,8 +200,9 @@ class Engine:
         try:
             self.model, self.tokenizer, config = self._loader()
             skinny_gemm.install(self.model)  # CUDA only: batched decode reads each weight once
-            if self.tq is not None:
-                install_attention_hook(self.model)  # attention in TurboQuant's rotated basis
+            if self.tq is not None or decode_attention.available():
+                # attention in TurboQuant's rotated basis; on CUDA also padded dense decode (no mask)
+                install_attention_hook(self.model)
             self.context_length = int(config.get("max_position_embeddings") or 4096)
             self.reply_format = ReplyFormat.for_tokenizer(self.tokenizer)
             self.grammar = GrammarCompiler(self.tokenizer, int(config.get("vocab_size") or len(self.tokenizer)))

@@ -131,3 +131,14 @@ def _bad(key: str, expected: str):
 
 def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
+
+
+def passthrough_request(body: dict, session_id: str | None) -> ChatRequest:
+    """A request the proxy forwards as sent (upstream mode of a non-chat protocol): only what the
+    proxy itself reads (`stream`, the model name, the session) is looked at here; the rest is the
+    upstream's to judge."""
+    if not isinstance(body.get("stream", False), (bool, type(None))):
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
+    return ChatRequest(body=body, model=body.get("model") if isinstance(body.get("model"), str) else None,
+                       messages=[], stream=bool(body.get("stream", False)), include_usage=False, tools=None,
+                       chat_template_kwargs=None, sampling=SamplingParams(), session_id=session_id)

@@ -20,13 +20,16 @@ from engine.constraints import ReplyPlan, plan_reply
 from engine.engine import Engine
 from engine.reply_parser import ReplyParser, final_finish_reason
 from engine.sequence import Failed, Finished, Sequence, TextDelta
-from prefixtrace.errors import EngineError, InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
+from prefixtrace.errors import EngineError, EngineNotReady, InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
 from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
-from proxy import sse
+from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
-from proxy.turn_builder import TurnBuilder
+from prefixtrace.wire.turn_builder import TurnBuilder
 
 DEFAULT_ALIAS = "default"
+
+
+MAX_TOKENS_POLICIES = ("clamp", "reject")
 
 
 class EngineBackend:
@@ -35,11 +38,16 @@ class EngineBackend:
         tool_choice_default: "auto", or "required-after-user" (a test aid for small models,
             engine/constraints.py): a request with tools and no tool_choice is forced to call one
             when its last message is a user turn.
+        max_tokens_policy: "clamp" (a max_tokens beyond what fits after the prompt is lowered to
+            it) or "reject" (a 400 with the numbers).
     """
 
-    def __init__(self, engine: Engine, tool_choice_default: str = "auto"):
+    def __init__(self, engine: Engine, tool_choice_default: str = "auto", *, max_tokens_policy: str = "clamp"):
+        if max_tokens_policy not in MAX_TOKENS_POLICIES:
+            raise ValueError(f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}, got {max_tokens_policy!r}")
         self.engine = engine
         self.tool_choice_default = tool_choice_default
+        self.max_tokens_policy = max_tokens_policy
 
     @property
     def label(self) -> str:
@@ -65,12 +73,24 @@ class EngineBackend:
             "data": [{"id": m, "object": "model", "created": created, "owned_by": "prefixtrace"} for m in self.model_ids()],
         }
 
-    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]) -> "EngineChat":
+    def _check_model(self, req: ChatRequest) -> None:
         if req.model not in (None, "", *self.model_ids()):
             raise ModelNotFound(f"model {req.model!r} is not served here; available: {self.model_ids()}", param="model")
         n = req.body.get("n")
         if n is not None and n != 1:
             raise InvalidRequest(f"'n' must be 1 here (the embedded engine returns one choice), got {n!r}", param="n")
+
+    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]) -> "EngineChat":
+        rendered = await self.render(req)
+        builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
+        if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
+            builder.turn.render["policy"] = rendered.policy
+        return await self.start(req, rendered.token_ids, rendered.text, builder)
+
+    async def render(self, req: ChatRequest):
+        """The prompt the engine runs for `req` (chat template, tools, render policies), in a worker
+        thread; also what `count_tokens` counts."""
+        self._check_model(req)
         kwargs = thinking_kwargs(req.chat_template_kwargs, req.reasoning_effort)
         try:
             rendered = await asyncio.to_thread(
@@ -81,25 +101,57 @@ class EngineBackend:
                 raise InvalidRequest("the messages contain invalid Unicode (a lone UTF-16 surrogate)",
                                      param="messages") from exc
             raise InvalidRequest(f"the messages could not be rendered: {type(exc).__name__}: {exc}") from exc
-        self.engine.check_fits(len(rendered.token_ids), req.sampling.max_tokens)
-        builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
-        if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
-            builder.turn.render["policy"] = rendered.policy
+        return rendered
+
+    async def open_prompt(self, req: ChatRequest, prompt: str, builder: TurnBuilder) -> "EngineChat":
+        """Legacy completions: `prompt` is tokenized as it is (no chat template; the tokenizer's
+        own BOS, as llama.cpp and vLLM do for a raw prompt)."""
+        self._check_model(req)
+        if not self.engine.ready:
+            raise EngineNotReady("the model is still loading")
+        try:
+            token_ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"the prompt could not be tokenized: {type(exc).__name__}: {exc}",
+                                 param="prompt") from exc
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty (no tokens)", param="prompt")
+        builder.turn.render = {"prompt_chars": len(prompt), "prompt_tokens": len(token_ids)}
+        return await self.start(req, list(token_ids), prompt, builder)
+
+    async def start(self, req: ChatRequest, token_ids: list[int], prompt_text: str,
+                    builder: TurnBuilder) -> "EngineChat":
+        """Submit a prompt's tokens; returns once the engine has answered (or raises its refusal)."""
+        self._fit_max_tokens(req, len(token_ids), builder)
+        self.engine.check_fits(len(token_ids), req.sampling.max_tokens)
         # Compiling a grammar (and, once per model, llguidance's view of the vocabulary) is CPU work.
         plan = await asyncio.to_thread(
             plan_reply, fmt=self.engine.reply_format, grammar=self.engine.grammar, tools=req.tools,
             tool_choice=req.tool_choice, response_format=req.response_format, messages=req.messages,
-            prompt_text=rendered.text, tool_choice_default=self.tool_choice_default)
+            prompt_text=prompt_text, tool_choice_default=self.tool_choice_default)
         if plan.forced:
             builder.turn.render["constrained"] = plan.forced
-        chat = EngineChat(req, builder, self.engine.name, plan, rendered.text)
-        seq = Sequence(rendered.token_ids, req.sampling, chat.emit_threadsafe(asyncio.get_running_loop()))
+        chat = EngineChat(req, builder, self.engine.name, plan, prompt_text)
+        seq = Sequence(token_ids, req.sampling, chat.emit_threadsafe(asyncio.get_running_loop()))
         if plan.processor is not None:
             seq.logits_processors = [plan.processor]
         chat.seq = seq
         self.engine.submit(seq)
         await chat.first_event()
         return chat
+
+
+    def _fit_max_tokens(self, req, num_prompt_tokens: int, builder: TurnBuilder) -> None:
+        """Under the clamp policy, a max_tokens beyond what fits after the prompt is lowered to what
+        fits, so the reply ends with length / max_tokens there (as llama.cpp, Ollama and LM Studio
+        do: Claude Code asks 32,000 of any model). A prompt that cannot fit itself is left to
+        check_fits' 400 with the numbers; so is every overflow under `reject`."""
+        asked = req.sampling.max_tokens
+        room = self.engine.memory.max_context_tokens - num_prompt_tokens
+        if self.max_tokens_policy != "clamp" or asked is None or asked <= room or room < 1:
+            return
+        req.sampling.max_tokens = room
+        builder.turn.render["max_tokens_clamped"] = {"asked": asked, "to": room}
 
 
 class EngineChat:
