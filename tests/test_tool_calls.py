@@ -292,3 +292,59 @@ def test_messages_tool_result_round_trip_renders_and_answers(engine_server):
                                                            "content": "hello"}]}])
     assert second.stop_reason in ("end_turn", "max_tokens")
     assert second.usage.cache_read_input_tokens > 0  # the first turn's prompt is the second's prefix
+
+
+# --- another family: Qwen3-Coder's XML calls ---------------------------------------------------------------
+
+CODER_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if tools %}<|im_start|>system\nCall tools as <tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n"
+    "</parameter>\n</function>\n</tool_call><|im_end|>\n{%- endif %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def coder_model(tmp_path_factory):
+    """The tiny model with a template in Qwen3-Coder's tool format (mlx-lm infers qwen3_coder from it)."""
+    import shutil
+
+    target = tmp_path_factory.mktemp("coder") / "tiny-coder"
+    shutil.copytree(TINY_MODEL, target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config["chat_template"] = CODER_TEMPLATE
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_qwen3_coder_calls_are_read_by_mlx_lms_parser(coder_model):
+    fmt = ReplyFormat.for_tokenizer(load(coder_model))
+    assert fmt.tool_parser_name == "qwen3_coder"
+    text = ("Let me look.\n<tool_call>\n<function=Bash>\n<parameter=command>\nls -la\n</parameter>\n"
+            "<parameter=timeout>\n5\n</parameter>\n</function>\n</tool_call>")
+    events = feed_in_pieces(ReplyParser(fmt, tools=TOOLS), text, 4)
+    (start,) = [e for e in events if isinstance(e, ToolCallStart)]
+    args = "".join(e.text for e in events if isinstance(e, ToolCallArgsDelta))
+    assert start.name == "Bash" and json.loads(args) == {"command": "ls -la", "timeout": 5}  # typed from the tool
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)).strip() == "Let me look."
+
+
+def test_forced_call_on_another_family_is_written_and_read_as_hermes(coder_model, tmp_path):
+    from openai import OpenAI
+
+    from engine.engine import Engine
+    from proxy.app import create_app
+    from proxy.engine_backend import EngineBackend
+    from recorder.store import Recorder
+    from tests.conftest import running_server
+
+    engine = Engine(coder_model, name="tiny-coder", dtype="float32").start()
+    engine.wait_ready(60)
+    try:
+        with Recorder(tmp_path / "t.db") as rec, running_server(create_app(EngineBackend(engine), rec)) as url:
+            client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+            reply = client.chat.completions.create(model="default", messages=MESSAGES, tools=TOOLS,
+                                                   tool_choice="required", max_tokens=120, temperature=0)
+    finally:
+        engine.shutdown()
+    (call,) = reply.choices[0].message.tool_calls
+    _validate(call)
