@@ -348,3 +348,14 @@ def test_forced_call_on_another_family_is_written_and_read_as_hermes(coder_model
         engine.shutdown()
     (call,) = reply.choices[0].message.tool_calls
     _validate(call)
+
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt(openai_client):
+    """"none" suppresses calls, not the tools: the rendered prefix stays the one the loop's other turns
+    share (the prefix cache keeps hitting)."""
+    def prompt_tokens(**extra):
+        return openai_client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=1,
+                                                     temperature=0, **extra).usage.prompt_tokens
+
+    with_tools = prompt_tokens(tools=TOOLS)
+    assert prompt_tokens(tools=TOOLS, tool_choice="none") == with_tools > prompt_tokens()
