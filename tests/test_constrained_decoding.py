@@ -158,3 +158,14 @@ def test_a_schema_the_grammar_cannot_take(tiny_engine, tmp_path):
                                                 temperature=0)
         (call,) = forced.choices[0].message.tool_calls
         assert 0 <= json.loads(call.function.arguments)["n"] <= 9
+
+
+def test_serve_option_reaches_the_backend():
+    from prefixtrace.serve import ServeConfig, build_backend
+
+    backend = build_backend(ServeConfig(model=TINY_MODEL, dtype="float32", tool_choice_default="required-after-user"))
+    try:
+        assert backend.tool_choice_default == "required-after-user"
+    finally:
+        backend.engine.wait_ready(60)
+        backend.engine.shutdown()
