@@ -272,7 +272,8 @@ class UpstreamMessages(Relayed):
         if kind == "message_start":
             self._merge_usage((data.get("message") or {}).get("usage") or {})
         elif kind == "message_delta":
-            turn.finish_reason = (data.get("delta") or {}).get("stop_reason") or turn.finish_reason
+            turn.finish_reason = messages_wire.finish_reason((data.get("delta") or {}).get("stop_reason")) \
+                or turn.finish_reason
             self._merge_usage(data.get("usage") or {})
         elif kind == "error":
             turn.error = str(data.get("error"))[:2000]
@@ -287,7 +288,7 @@ class UpstreamMessages(Relayed):
         turn = self.builder.turn
         if body is not None and self.status < 400:
             self.builder.on_whole(self.reader.whole(body))
-            turn.finish_reason = body.get("stop_reason")
+            turn.finish_reason = messages_wire.finish_reason(body.get("stop_reason"))
             record_usage(self.builder, body.get("usage") or {})
         elif self.status >= 400:
             turn.error = (str(body.get("error", body)) if body is not None else data.decode(errors="replace"))[:2000]

@@ -28,7 +28,14 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 # Fields the engine reads (or that only a hosted API acts on and that change nothing here).
 KNOWN_FIELDS = {"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
                 "stream", "tools", "tool_choice", "thinking", "metadata", "service_tier", "container", "mcp_servers"}
+# stop_reason in the one vocabulary turns are recorded in (OpenAI's finish_reason, as ReplyDone has it);
+# others (pause_turn, refusal) are kept as sent.
+FINISH_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls"}
 _logged_once: set[str] = set()
+
+
+def finish_reason(stop_reason: Any) -> str | None:
+    return FINISH_REASONS.get(stop_reason, stop_reason) if isinstance(stop_reason, str) else None
 
 
 def to_anthropic_error(exc: PrefixtraceError) -> dict[str, Any]:
