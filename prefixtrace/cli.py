@@ -119,6 +119,12 @@ def _upstream_urls(ctx, param, values):
               help="Comma-separated host names the Host header may carry ('*': any). Default: 127.0.0.1, localhost, "
                    "::1 and the --host address, so a web page under another name cannot drive the proxy "
                    "(docs/SECURITY.md).")
+@click.option("--tool-choice-default", default="auto", show_default=True,
+              type=click.Choice(["auto", "required-after-user"]),
+              help="Test aid for small models that rarely call tools on their own: with required-after-user, a request "
+                   "with tools and no tool_choice whose last message is a user turn must call one (grammar-"
+                   "constrained; the model picks the tool and arguments); after a tool result it answers freely "
+                   "(docs/TOOLS.md).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
@@ -126,7 +132,8 @@ def _upstream_urls(ctx, param, values):
 def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
-          thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allowed_hosts, log_level, print_config):
+          thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allowed_hosts, tool_choice_default,
+          log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
@@ -166,6 +173,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           thinking_retention=thinking_retention,
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
                           notice_pattern=notice_pattern, max_tokens_policy=max_tokens_policy, log_level=log_level,
+                          tool_choice_default=tool_choice_default,
                           allowed_hosts=None if allowed_hosts is None else
                           [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
 
@@ -173,7 +181,8 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
 # Options only the embedded engine reads (with --upstream the upstream renders, caches and batches).
 ENGINE_ONLY = ("dtype", "cache_memory_gb", "cache_dir", "cache_disk_gb", "block_size", "memory_ceiling_gb",
                "prefill_chunk", "max_batch", "kv_quant", "kv_bits", "kv_dense_layers", "mid_system_policy",
-               "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern", "max_tokens_policy")
+               "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern", "max_tokens_policy",
+               "tool_choice_default")
 
 
 def _warn_engine_only(ctx: click.Context) -> None:

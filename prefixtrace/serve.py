@@ -46,6 +46,7 @@ class ServeConfig:
     thinking_retention_guard_tokens: int = 30000
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
     max_tokens_policy: str = "clamp"  # clamp|reject: a max_tokens beyond what fits after the prompt
+    tool_choice_default: str = "auto"  # or "required-after-user": a test aid for small models (docs/TOOLS.md)
     log_level: str = "info"
     allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
 
@@ -92,7 +93,11 @@ def build_backend(config: ServeConfig):
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
     log.info("render policies: %s", engine.render_policy.describe())
-    return EngineBackend(engine, max_tokens_policy=config.max_tokens_policy)
+    if config.tool_choice_default != "auto":
+        log.warning("--tool-choice-default %s: requests with tools whose last message is a user turn are forced to "
+                    "call one (a test aid for small models, docs/TOOLS.md)", config.tool_choice_default)
+    return EngineBackend(engine, tool_choice_default=config.tool_choice_default,
+                         max_tokens_policy=config.max_tokens_policy)
 
 
 def _stop_if_the_model_fails_to_load(engine: Engine, server: uvicorn.Server, failures: list) -> threading.Thread:
