@@ -64,6 +64,20 @@ def session_id(body: dict, headers: dict[str, str]) -> str | None:
     return user
 
 
+def record_usage(builder, usage: dict) -> None:
+    """Fill a `TurnBuilder`'s turn from an Anthropic usage object (kept as sent in `turn.usage`):
+    `prompt_tokens = input + cache read + cache creation`, `cached_tokens = cache read`."""
+    turn = builder.turn
+    read, created = usage.get("cache_read_input_tokens"), usage.get("cache_creation_input_tokens")
+    if isinstance(usage.get("input_tokens"), int):
+        turn.prompt_tokens = usage["input_tokens"] + (read or 0) + (created or 0)
+    if isinstance(usage.get("output_tokens"), int):
+        turn.completion_tokens = usage["output_tokens"]
+    # Unknown stays None: an upstream that does not report cache reads is not a miss.
+    turn.cached_tokens = read if isinstance(read, int) else None
+    turn.usage = dict(usage)
+
+
 def to_chat_body(body: dict) -> dict:
     """The chat-completions body the engine renders for a Messages body (InvalidRequest when it
     cannot be rendered)."""
