@@ -107,10 +107,9 @@ def to_chat_body(body: dict) -> dict:
         out["tools"] = [_translate_tool(t, j) for j, t in enumerate(tools)]
     if body.get("tool_choice") is not None:
         out["tool_choice"] = _tool_choice(body["tool_choice"])
-    thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled", "adaptive"):
-        # "adaptive": the model decides whether to think; the template must allow it to.
-        out["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled"}
+    kwargs = thinking_template_kwargs(body.get("thinking"))
+    if kwargs is not None:
+        out["chat_template_kwargs"] = kwargs
     output_config = body.get("output_config")
     if isinstance(output_config, dict) and isinstance(output_config.get("effort"), str):
         out["reasoning_effort"] = output_config["effort"]
@@ -120,6 +119,14 @@ def to_chat_body(body: dict) -> dict:
             out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
     _log_unused(body)
     return {k: v for k, v in out.items() if v is not None}
+
+
+def thinking_template_kwargs(thinking: Any) -> dict | None:
+    """What Messages' `thinking` tells the chat template (the engine's and the analyzer's renderer
+    read it the same way): "adaptive" lets the model decide, so the template must allow thinking."""
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled", "adaptive"):
+        return {"enable_thinking": thinking["type"] != "disabled"}
+    return None
 
 
 def _log_unused(body: dict) -> None:
@@ -211,9 +218,12 @@ def _translate_message(message: dict, i: int) -> list[dict]:
 def _translate_tool(tool: Any, j: int) -> dict:
     if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
         raise InvalidRequest(f"tools[{j}] must be an object with a 'name'", param="tools")
-    fn = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
+    # Key order as chat clients send it (name, description, parameters): templates dump tools as JSON,
+    # so the same tool renders the same whichever API carried it (and as the analyzer renders it).
+    fn: dict[str, Any] = {"name": tool["name"]}
     if tool.get("description"):
         fn["description"] = tool["description"]
+    fn["parameters"] = tool.get("input_schema") or {"type": "object"}
     return {"type": "function", "function": fn}
 
 

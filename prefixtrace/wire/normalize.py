@@ -37,6 +37,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from prefixtrace.wire.messages import thinking_template_kwargs
+
 TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "summary_text", "reasoning_text"})
 # Top-level fields carried over unchanged: what decides the prompt or the cache.
 CARRIED = ("model", "chat_template_kwargs", "reasoning_effort", "reasoning", "thinking", "enable_thinking",
@@ -147,10 +149,13 @@ class ChatNormalizer:
         out["messages"] = self._messages_body(body) if api == API_MESSAGES else self._responses_body(body)
         if body.get("tools"):
             out["tools"] = self._chat_tools(body["tools"])
-        thinking = body.get("thinking")
-        if api == API_MESSAGES and isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled") \
-                and "chat_template_kwargs" not in out:  # as the proxy passes it to the engine
-            out["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
+            if api == API_RESPONSES:  # hosted and namespace tools have no chat form: the engine leaves them out
+                out["tools"] = [t for t in out["tools"] if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+                if not out["tools"]:
+                    del out["tools"]
+        kwargs = thinking_template_kwargs(body.get("thinking")) if api == API_MESSAGES else None
+        if kwargs is not None and "chat_template_kwargs" not in out:  # as the proxy passes it to the engine
+            out["chat_template_kwargs"] = kwargs
         return out
 
     def _chat_tools(self, tools: Any) -> Any:
