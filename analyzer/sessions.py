@@ -72,7 +72,8 @@ def _related_head(s: Session, keys: list[str], roles: list[str], tools: str | No
     b = "".join(keys[:_head(roles)])
     if not a or not b:
         return False
-    return common_prefix_len(a, b) * 2 >= min(len(a), len(b))
+    skip = a.find('"content": ') + len('"content": ') if '"content": ' in a else 0  # the key's fixed preamble
+    return (common_prefix_len(a, b) - skip) * 2 >= min(len(a), len(b)) - skip
 
 
 def _side_reason(side: Session, main: Session) -> str:

@@ -173,3 +173,18 @@ def test_interleaved_sessions_without_ids_each_keep_their_compaction():
     assert [len(s.turns) for s in report.sessions] == [4, 4]
     assert report.sessions[0].turns[3].brk.cause == "compaction"
     assert all(t.brk is None for t in report.sessions[1].turns)
+
+
+def test_assert_prefix_stable_does_not_let_a_replaced_head_pass_as_a_side_request():
+    import pytest
+
+    from analyzer import assert_prefix_stable
+
+    a = {"messages": [{"role": "system", "content": "You are agent A."}, {"role": "user", "content": "go"}],
+         "tools": [{"type": "function", "function": {"name": "read", "parameters": {}}}]}
+    b = {"messages": [{"role": "system", "content": "Totally different."}, {"role": "user", "content": "go"},
+                      {"role": "assistant", "content": "ok"}],
+         "tools": [{"type": "function", "function": {"name": "write", "parameters": {}}}]}
+    with pytest.raises(AssertionError, match="side request"):
+        assert_prefix_stable([a, b])
+    assert_prefix_stable([a, b], fail_on=None)
