@@ -113,6 +113,22 @@ def test_analyze_html_does_not_run_a_role_planted_through_an_upstream(recorder, 
     assert "<script>document.title='pwned'" in heading  # shown as text
 
 
+def test_dashboard_shows_a_planted_role_as_text(recorder, browser):
+    from proxy.upstream_backend import UpstreamBackend
+
+    head = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
+    with running_server(_role_blind_upstream()) as upstream, \
+            running_server(create_app(UpstreamBackend(upstream), recorder)) as url:
+        page = browser.new_page()
+        page.goto(url + "/ui")
+        title = page.title()
+        for tail in ({"role": EVIL_ROLE, "content": "c"}, {"role": "user", "content": "d"}):
+            assert _post(url, {"messages": [*head, tail], "max_tokens": 2}, EVIL_SESSION).status_code == 200
+        brk = page.wait_for_selector('.break[data-turn="1"]', timeout=20_000)
+        assert "<script>document.title='pwned'" in brk.text_content()
+        assert page.title() == title and page.evaluate("[window.pwned, window.pwnedSession]") == [None, None]
+
+
 def test_analyze_html_does_not_run_a_role_planted_through_a_refused_request(engine_server, browser, tmp_path):
     url, recorder = engine_server
     _plant(url, EVIL_ROLE, EVIL_SESSION)
