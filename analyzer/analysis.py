@@ -44,6 +44,18 @@ class Break:
     before: str
     after: str
     path: str | None = None  # payload-level JSON path (deepdiff), when the client changed something
+    tool_index: int | None = None  # tools: the first tool that differs, and its name
+    tool_name: str | None = None
+
+    def where(self) -> str:
+        """"message 2 (user)", "tools[0] (read)", "the request parameters"."""
+        if self.tool_index is not None or self.cause == "tools_change":
+            return f"tools[{self.tool_index}] ({self.tool_name})"
+        if self.message_index is None and self.role == "system":
+            return "the system prompt"
+        if self.message_index is None:
+            return "the request parameters" if self.cause == "param_change" else "the rendered head"
+        return f"message {self.message_index} ({self.role})"
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -100,9 +112,16 @@ class SessionResult:
     id: str
     inferred: bool
     turns: list[TurnResult] = field(default_factory=list)
+    parent: str | None = None  # a side request (fork) of this main chain: not a break of it
+    side_reason: str | None = None  # why it shares nothing with the main chain: "replaces the system prompt"
+
+    @property
+    def kind(self) -> str:
+        return "side_request" if self.parent is not None else "main"
 
     def to_dict(self, rate: float | None = None) -> dict[str, Any]:
-        return {"id": self.id, "inferred": self.inferred, "turns": [t.to_dict() for t in self.turns],
+        return {"id": self.id, "inferred": self.inferred, "kind": self.kind, "parent": self.parent,
+                "side_reason": self.side_reason, "turns": [t.to_dict() for t in self.turns],
                 "totals": _totals(self.turns, rate)}
 
 
@@ -236,7 +255,7 @@ class Analyzer:
         requests = readable
         unreadable: dict[int, str] = {}
         # Phase 1, in order: payload keys and sessions (cheap, and inference is sequential).
-        grouper = SessionGrouper()
+        grouper = SessionGrouper(split_forks=True)
         payloads: list[Payload | None] = []
         last: dict[str, Payload] = {}
         for i, req in enumerate(requests):
@@ -244,19 +263,28 @@ class Analyzer:
             roles = None  # only session inference needs them
             if payload is not None and req.session is None:
                 roles = [str(m.get("role")) if isinstance(m, dict) else "" for m in payload.messages]
-            sess = grouper.add(i, req.session, payload.keys if payload else None, roles)
+            if payload is not None and roles is None:
+                roles = [str(m.get("role")) if isinstance(m, dict) else "" for m in payload.messages]
+            sess = grouper.add(i, req.session, payload.keys if payload else None, roles,
+                               payload.tools_key if payload else None, payload.chars if payload else 0)
             if payload is not None:
-                prev = last.get(sess.id)
+                prev = last.get(id(sess))
                 if prev is not None:
                     payload.messages = share_prefix(prev.messages, payload.messages)
                     if "system" not in req.body and isinstance(req.body.get("messages"), list):
                         req.body = {**req.body, "messages": payload.messages}
-                last[sess.id] = payload
+                last[id(sess)] = payload  # by object: finish() may still rename chains
             payloads.append(payload)
         # Phase 2, per session (independent, so spread over processes): render, count, compare.
-        jobs = [(s.id, s.inferred, s.indices) for s in grouper.sessions]
+        grouped = grouper.finish()
+        jobs = [(s.id, s.inferred, s.indices) for s in grouped]
         walked = _map_sessions(self, requests, payloads, jobs)
-        sessions = [SessionResult(sid, inferred, turns) for (sid, inferred, _), turns in zip(jobs, walked)]
+        sessions = [SessionResult(g.id, g.inferred, turns, g.parent, g.side_reason) for g, turns in zip(grouped, walked)]
+        for s in sessions:
+            if s.parent is not None and s.turns:
+                first = s.turns[0]
+                first.note = (f"side request of {s.parent}: re-prefilled {first.reprefill_tokens or 0:,} tokens "
+                              f"because it {s.side_reason}") if first.note == "first" else first.note
         skipped.sort(key=lambda d: (d.get("line") is None, d.get("line") or 0))
         return Report(self.tokenizer.name, self.renderer.name, self.block_size, self.prefill_rate, sessions,
                       skipped, failed)
@@ -306,18 +334,29 @@ class Analyzer:
         else:
             effective = payload
             if isinstance(body, dict) and cmp.message_index is not None and pc is not None and \
-                    pc.cause not in ("param_change", "tools_change"):
+                    pc.cause not in ("param_change", "tools_change") and pc.tool_index is None:
                 effective = self._rendered_changes(prev.payload, payload, body, rendered.text, cmp.message_index)
             cause = classify(prev.payload, effective, prev.rendered, rendered, cmp.message_index)
             turn.common_prefix_tokens = 0 if model_changed else cmp.common_tokens
             offset, before, after = cmp.common_chars, cmp.before, cmp.after
         index = cause.message_index if cause.message_index is not None else cmp.message_index
-        if cause.cause in ("tools_change", "param_change") or (index is not None and index < 0):
+        if cause.cause in ("tools_change", "param_change") or cause.tool_index is not None or \
+                (index is not None and index < 0):
             index = None  # not a message: the tools block or the request parameters
-        msgs = payload.messages if index is not None and 0 <= index < len(payload.messages) else prev.payload.messages
+        holder = payload if index is not None and 0 <= index < len(payload.messages) and \
+            cause.cause != "dropped_message" else prev.payload  # a dropped message is in prev only
+        msgs = holder.messages
         role = msgs[index].get("role") if index is not None and 0 <= index < len(msgs) and isinstance(msgs[index], dict) else None
+        path = cause.path
+        if index is not None and holder.source_index is not None and index < len(holder.source_index):
+            # A translated body (Messages, Responses): name the client's own message index.
+            source = holder.source_index[index]
+            root = "$.system" if source is None else f"$.messages[{source}]"
+            if path and path.startswith(f"$.messages[{index}]"):
+                path = root + path[len(f"$.messages[{index}]"):]
+            index = source
         turn.brk = Break(cause.cause, cause.subtype, index, role, offset, turn.common_prefix_tokens, before, after,
-                         cause.path)
+                         path, cause.tool_index, cause.tool_name)
 
     def _rendered_changes(self, prev: Payload, payload: Payload, body: dict, text: str, break_index: int) -> Payload:
         """`payload` with the changed messages before the rendered break that the renderer does not render

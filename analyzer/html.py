@@ -80,7 +80,7 @@ def to_html(report: Report) -> str:
             b = t.brk
             kind = esc(f"{b.cause}{'/' + b.subtype if b.subtype else ''}")  # a subtype can be a client's role
             parts.append(f'<div class="break" data-cause="{esc(b.cause)}"><h3>turn {t.index}: {kind}'
-                         f"</h3><p>message {b.message_index} ({esc(str(b.role))}),"
+                         f"</h3><p>{esc(b.where())},"
                          f" char {b.char_offset:,}, token {b.token_offset:,}, {t.reprefill_tokens:,} tokens re-prefilled"
                          + (f", payload <code>{esc(b.path)}</code>" if b.path else "") + "</p>"
                          f'<pre class="del">- {esc(b.before)}</pre><pre class="ins">+ {esc(b.after)}</pre></div>')

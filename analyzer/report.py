@@ -47,14 +47,15 @@ def format_text(report: Report, width: int = 140) -> str:
     for s in report.sessions:
         d = s.to_dict(report.prefill_rate)
         breaks = [t for t in s.turns if t.brk]
-        table = Table(title=f"session {s.id} ({'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
+        kind = f"side request of {s.parent}, {s.side_reason}; " if s.parent else ""
+        table = Table(title=f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
                             f"{len(breaks)} break(s)", title_justify="left")
         for col in ("#", "prompt", "common", "reprefill", "cached (reported)", "break"):
             table.add_column(col, justify="right" if col != "break" else "left")
         for t in s.turns:
             if t.brk:
-                where = f"{t.brk.cause}{'/' + t.brk.subtype if t.brk.subtype else ''} @ msg {t.brk.message_index}" \
-                        f" ({t.brk.role}), char {t.brk.char_offset:,}, token {t.brk.token_offset:,}"
+                where = f"{t.brk.cause}{'/' + t.brk.subtype if t.brk.subtype else ''} @ {t.brk.where()}" \
+                        f", char {t.brk.char_offset:,}, token {t.brk.token_offset:,}"
             else:
                 where = t.note or "append-only"
             flag = " !" if t.cached_disagrees else ""

@@ -102,6 +102,26 @@ def render_prompt(
     return RenderedPrompt(text=text, token_ids=list(token_ids))
 
 
+def thinking_kwargs(chat_template_kwargs: dict | None, reasoning_effort: str | None = None,
+                    thinking: str | None = None) -> dict | None:
+    """The template kwargs a request's reasoning switches become (docs/TOOLS.md).
+
+    `enable_thinking` is the switch Qwen3-style templates read (mlx-lm's TokenizerWrapper renames it for
+    a tokenizer whose renderer calls it `thinking`, and defaults it to whether the vocabulary has
+    thinking markers). OpenAI's `reasoning_effort` "none" turns it off and any other effort on, and the
+    effort itself is passed as `reasoning_effort` for templates that read it (gpt-oss); Anthropic's
+    `thinking.type` "disabled" turns it off, "enabled" and "adaptive" on. What the client set in
+    `chat_template_kwargs` wins. A template that reads neither ignores them.
+    """
+    kwargs = dict(chat_template_kwargs or {})
+    if reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", reasoning_effort)
+        kwargs.setdefault("enable_thinking", reasoning_effort != "none")
+    if thinking is not None:
+        kwargs.setdefault("enable_thinking", thinking != "disabled")
+    return kwargs or None
+
+
 def _render_with_client_template(tokenizer, template, messages, tools, kwargs) -> RenderedPrompt:
     from engine.template_sandbox import render_client_template
 

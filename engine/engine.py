@@ -17,8 +17,10 @@ import mlx.core as mx
 from engine import decode_attention, skinny_gemm
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
 from engine.disk_cache import CacheDirUnusable
+from engine.grammar import GrammarCompiler
 from engine.memory import DEFAULT_CEILING_FRACTION, MemoryModel, machine_memory_bytes, measured
 from engine.model_files import load_model_dir
+from engine.reply_parser import ReplyFormat
 from engine.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_DISK_BYTES, PrefixCache
 from engine.render_policy import DEFAULT_GUARD_TOKENS, BoundPolicy, NoticeRule, RenderPolicy, TemplateTraits
 from engine.scheduler import Scheduler
@@ -111,6 +113,8 @@ class Engine:
         self.memory: MemoryModel | None = None
         self.model = None
         self.tokenizer = None
+        self.reply_format: ReplyFormat | None = None  # how this model marks reasoning and tool calls
+        self.grammar: GrammarCompiler | None = None  # constrained decoding (tool_choice, response_format)
         self.context_length: int = 0
         self.prefix_cache: PrefixCache | None = None
         self._queue: queue.Queue[Sequence | None] = queue.Queue()
@@ -203,6 +207,11 @@ class Engine:
                 # attention in TurboQuant's rotated basis; on CUDA also padded dense decode (no mask)
                 install_attention_hook(self.model)
             self.context_length = int(config.get("max_position_embeddings") or 4096)
+            self.reply_format = ReplyFormat.for_tokenizer(self.tokenizer)
+            self.grammar = GrammarCompiler(self.tokenizer, int(config.get("vocab_size") or len(self.tokenizer)))
+            log.info("reply format: tool calls %s%s, reasoning %s", self.reply_format.tool_parser_name,
+                     " (Hermes assumed: the tokenizer names no tool format)" if self.reply_format.fallback else "",
+                     self.reply_format.think_start or "none")
             traits = TemplateTraits.from_tokenizer(self.tokenizer)
             self._bound_policy = BoundPolicy(
                 self.render_policy, traits, lambda s: len(self.tokenizer.encode(s, add_special_tokens=False)))

@@ -74,13 +74,16 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
 @click.command()
 @SRC
 @click.option("--allow", default="", metavar="CAUSES", help="Comma-separated causes that do not fail, e.g. compaction,request_local_tail.")
+@click.option("--fail-on", "fail_on", default="", metavar="KINDS",
+              help="Also fail on these, comma-separated: side_request (a fork of the main chain, e.g. title generation).")
 @_render_options
 @click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), callback=output_path, help="Also write a JUnit XML report here.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @JSON_FORMAT
 @MAX_UNREADABLE
 @library_errors
-def check(src, allow, template, model, tokenizer_spec, block_size, prefill_rate, junit, fmt, as_json, max_unreadable):
+def check(src, allow, fail_on, template, model, tokenizer_spec, block_size, prefill_rate, junit, fmt, as_json,
+          max_unreadable):
     """Exit 0 when every transition of every session is append-only or of an
     allowed cause, else 1, naming the first offending turn, its cause and diff.
 
@@ -92,7 +95,7 @@ def check(src, allow, template, model, tokenizer_spec, block_size, prefill_rate,
     from analyzer import check as run_check, to_junit
 
     with progress(f"checking {src.name}"):
-        result = run_check(src, allow=allow, max_unreadable=max_unreadable, **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
+        result = run_check(src, allow=allow, fail_on=fail_on, max_unreadable=max_unreadable, **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
     if junit:
         to_junit(result, junit)
     if fmt == "json" or as_json:

@@ -6,6 +6,8 @@
     │   ├── ForbiddenHost        403  the Host header names no allowed host (proxy/guard.py)
     │   └── UnsupportedMediaType 415  a POST body that does not say application/json
     ├── ModelNotFound            404  the request names a model we do not serve
+    ├── UnknownEndpoint          404  no such path here
+    │   └── MethodNotAllowed     405  the path exists, for another method
     ├── UpstreamError            502  the upstream server failed or is unreachable
     │   └── UpstreamTimeout      504
     ├── EngineError              500  the embedded engine failed
@@ -53,6 +55,14 @@ class ModelNotFound(PrefixtraceError):
     code = "model_not_found"
 
 
+class UnknownEndpoint(PrefixtraceError):
+    code = "unknown_url"
+
+
+class MethodNotAllowed(UnknownEndpoint):
+    code = "method_not_allowed"
+
+
 class UpstreamError(PrefixtraceError):
     code = "upstream_error"
 
@@ -81,6 +91,8 @@ HTTP_STATUS: dict[type[PrefixtraceError], int] = {
     UnsupportedMediaType: 415,
     InvalidRequest: 400,
     ModelNotFound: 404,
+    MethodNotAllowed: 405,
+    UnknownEndpoint: 404,
     UpstreamTimeout: 504,
     UpstreamError: 502,
     EngineNotReady: 503,

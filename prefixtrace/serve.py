@@ -22,6 +22,11 @@ from prefixtrace.urls import display_url
 from recorder.store import Recorder
 
 log = logging.getLogger("prefixtrace.serve")
+# SIGTERM/SIGINT: in-flight responses get this long to finish, then are cancelled
+# (and recorded as such), so shutdown always completes; then the recorder gets
+# RECORDER_CLOSE_S to write what is queued.
+SHUTDOWN_GRACE_S = 30
+RECORDER_CLOSE_S = 10.0
 
 
 @dataclass
@@ -46,6 +51,9 @@ class ServeConfig:
     thinking_retention: str = "loop"  # loop|template|all
     thinking_retention_guard_tokens: int = 30000
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
+    max_tokens_policy: str = "clamp"  # clamp|reject: a max_tokens beyond what fits after the prompt
+    recorder_stuck_after_s: float = 30.0  # /health is 503 once one recorder write takes longer
+    default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
     log_level: str = "info"
     allow_client_templates: bool = False  # chat_template_kwargs.chat_template, sandboxed (docs/SECURITY.md)
     allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
@@ -95,7 +103,13 @@ def build_backend(config: ServeConfig):
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
     log.info("render policies: %s", engine.render_policy.describe())
-    return EngineBackend(engine)
+    backend = EngineBackend(engine, max_tokens_policy=config.max_tokens_policy)
+    if config.default_temperature is not None:
+        from prefixtrace.sampling_default import with_default_temperature
+
+        log.info("requests that set no temperature sample at %g", config.default_temperature)
+        backend = with_default_temperature(backend, config.default_temperature)
+    return backend
 
 
 def _stop_if_the_model_fails_to_load(engine: Engine, server: uvicorn.Server, failures: list) -> threading.Thread:
@@ -120,10 +134,12 @@ def serve(config: ServeConfig) -> None:
     backend = build_backend(config)
     engine = backend.engine if isinstance(backend, EngineBackend) else None
     try:
-        with Recorder(config.db) as recorder:
+        recorder = Recorder(config.db, stuck_after_s=config.recorder_stuck_after_s)
+        try:
             log.info("recording to %s", config.db.resolve())
             app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config))
-            server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level))
+            server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                                   timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
             failures: list[EngineError] = []
             if engine is not None:
                 _stop_if_the_model_fails_to_load(engine, server, failures)
@@ -135,6 +151,8 @@ def serve(config: ServeConfig) -> None:
                 raise failures[0]
             if not server.started:  # e.g. the port is in use; uvicorn has logged why
                 sys.exit(STARTUP_FAILURE)
+        finally:
+            recorder.close(timeout=RECORDER_CLOSE_S)  # bounded: a stuck writer must not keep the process up
     finally:
         if engine is not None:
             engine.shutdown()

@@ -25,6 +25,10 @@ class ChatRequest:
     chat_template_kwargs: dict | None
     sampling: SamplingParams
     session_id: str | None
+    # The reply's shape, read by the engine (engine/constraints.py); upstream mode passes the body on.
+    tool_choice: Any = None
+    response_format: Any = None
+    reasoning_effort: str | None = None
 
 
 def parse_body(raw: bytes) -> dict:
@@ -73,6 +77,9 @@ def parse_chat_request(body: dict, headers: dict[str, str] | None = None) -> Cha
         chat_template_kwargs=kwargs,
         sampling=_sampling(body),
         session_id=headers.get("x-session-id") or _str_or_none(body.get("user")) or _str_or_none(body.get("prompt_cache_key")),
+        tool_choice=body.get("tool_choice"),
+        response_format=body.get("response_format"),
+        reasoning_effort=_str_or_none(body.get("reasoning_effort")),
     )
 
 

@@ -68,13 +68,15 @@ class UpstreamBackend:
             raise UpstreamError(f"upstream {self.base_url} answered {response.status_code} to /v1/models")
         return response.json()
 
-    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]) -> "UpstreamChat":
+    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str], *,
+                   path: str = "/v1/chat/completions") -> "UpstreamChat":
+        """Chat completions, or (`path`) legacy completions, whose chunks carry `text`."""
         body = dict(req.body)
         if req.stream:
             # Ask for usage so every turn can be recorded; the client only sees
             # the usage chunk if it asked for it itself.
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        response, url = await self.post("/v1/chat/completions", body, headers, session_id=req.session_id)
+        response, url = await self.post(path, body, headers, session_id=req.session_id)
         return UpstreamChat(req, builder, response, url)
 
     async def post(self, path: str, body: dict, headers: dict[str, str], *,

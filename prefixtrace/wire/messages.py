@@ -24,7 +24,7 @@ log = logging.getLogger("prefixtrace.wire")
 PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 # Fields the engine reads (or that only a hosted API acts on and that change nothing here).
 KNOWN_FIELDS = {"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
                 "stream", "tools", "tool_choice", "thinking", "metadata", "service_tier", "container", "mcp_servers"}
@@ -84,13 +84,12 @@ def to_chat_body(body: dict) -> dict:
     }
     if tools:
         out["tools"] = [_translate_tool(t, j) for j, t in enumerate(tools)]
-    choice = _tool_choice(body.get("tool_choice"))
-    if choice is not None:
-        out["tool_choice"] = choice
+    if body.get("tool_choice") is not None:
+        out["tool_choice"] = _tool_choice(body["tool_choice"])
     thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
-        out["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
-    # "adaptive": the model decides whether to think, which is what a template does by default.
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled", "adaptive"):
+        # "adaptive": the model decides whether to think; the template must allow it to.
+        out["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled"}
     output_config = body.get("output_config")
     if isinstance(output_config, dict) and isinstance(output_config.get("effort"), str):
         out["reasoning_effort"] = output_config["effort"]
@@ -112,16 +111,16 @@ def _log_unused(body: dict) -> None:
 
 
 def _tool_choice(choice: Any) -> Any:
-    if not isinstance(choice, dict):
-        return None
-    kind = choice.get("type")
+    """Anthropic's tool_choice in OpenAI's terms: auto, any → required, tool → that function, none."""
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind in ("auto", "none"):
+        return kind
     if kind == "any":
         return "required"
-    if kind == "none":
-        return "none"
     if kind == "tool" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    return "auto" if kind == "auto" else None
+    raise InvalidRequest("tool_choice must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}",
+                         param="tool_choice")
 
 
 def text_of(content: Any, where: str) -> str:
