@@ -45,9 +45,9 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     app.state.recorder = recorder
     recorder = observe(app, backend, recorder)  # /ui, /metrics: every turn also feeds them
     # A loopback Host on every request and JSON on every POST; refused turns are recorded.
-    app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts, refuse=refusal_recorder(
-        recorder, backend.label, {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error},
-        record_durably))
+    error_bodies = {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error}
+    app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts,
+                       refuse=refusal_recorder(recorder, backend.label, error_bodies, record_durably))
 
     @app.middleware("http")
     async def max_context_header(request: Request, call_next):
