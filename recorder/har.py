@@ -187,7 +187,7 @@ def entry_to_turn(entry: Any, *, index: int = 0, source: str = "") -> Turn | Non
 
 
 def _foreign_turn(entry: dict, body: dict, body_text: str, headers: dict, index: int, source: str) -> Turn:
-    from proxy.turn_builder import TurnBuilder  # the proxy's chunk parser: one reading of the wire format
+    from prefixtrace.wire.turn_builder import TurnBuilder  # the proxy's chunk parser: one reading of the wire format
 
     url = urlsplit(str(entry["request"].get("url", "")))
     lower = {k.lower(): v for k, v in headers.items()}

@@ -1,0 +1,60 @@
+"""prefixtrace.wire.request.normalize_request: every protocol's body read as one internal request."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixtrace.errors import InvalidRequest
+from prefixtrace.wire.request import normalize_request, protocol_of
+
+TOOL_CHAT = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}
+
+
+def test_the_three_chat_protocols_meet_in_one_shape():
+    chat = normalize_request("/v1/chat/completions", {"messages": [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a b"}], "tools": [TOOL_CHAT]})
+    messages = normalize_request("/v1/messages?beta=true", {"system": [{"type": "text", "text": "S"}], "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "ls", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "a b"}]}],
+        "tools": [{"name": "ls", "input_schema": {"type": "object"}}]})
+    responses = normalize_request("/v1/responses", {"instructions": "S", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "a b"}],
+        "tools": [{"type": "function", "name": "ls", "parameters": {"type": "object"}}]})
+    assert [r.protocol for r in (chat, messages, responses)] == ["chat", "messages", "responses"]
+    assert chat.messages == messages.messages == responses.messages
+    assert chat.tools == messages.tools == responses.tools == [TOOL_CHAT]
+    assert chat.system == messages.system == responses.system == "S"
+
+
+def test_responses_input_string_reasoning_items_and_hosted_tools():
+    r = normalize_request("/v1/responses", {"input": "hello", "tools": [{"type": "web_search"}]})
+    assert r.messages == [{"role": "user", "content": "hello"}] and r.tools is None
+    r = normalize_request("/v1/responses", {"input": [
+        {"role": "user", "content": "q"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "d", "name": "g", "arguments": "{}"}]})
+    assistant = r.messages[1]
+    assert assistant["reasoning_content"] == "think"
+    assert [c["id"] for c in assistant["tool_calls"]] == ["c", "d"]  # one assistant turn, two calls
+
+
+def test_messages_system_inside_messages_stays_a_system_message():
+    r = normalize_request("/v1/messages", {"messages": [{"role": "system", "content": "mid"},
+                                                       {"role": "user", "content": "hi"}]})
+    assert r.messages[0] == {"role": "system", "content": "mid"}
+
+
+def test_completions_keep_the_raw_prompt_and_bad_bodies_are_invalid():
+    assert normalize_request("/v1/completions", {"prompt": ["once upon"]}).prompt == "once upon"
+    assert protocol_of("/v1/messages/count_tokens") == "messages"
+    for endpoint, body in [("/v1/responses", {"input": 5}), ("/v1/completions", {"prompt": [1, 2]}),
+                           ("/v1/chat/completions", {}), ("/v1/responses", "text")]:
+        with pytest.raises(InvalidRequest):
+            normalize_request(endpoint, body)
