@@ -47,6 +47,7 @@ class ServeConfig:
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
     max_tokens_policy: str = "clamp"  # clamp|reject: a max_tokens beyond what fits after the prompt
     default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
+    tool_choice_default: str = "auto"  # or "required-after-user": a test aid for small models (docs/TOOLS.md)
     log_level: str = "info"
     allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
 
@@ -93,7 +94,11 @@ def build_backend(config: ServeConfig):
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
     log.info("render policies: %s", engine.render_policy.describe())
-    backend = EngineBackend(engine, max_tokens_policy=config.max_tokens_policy)
+    if config.tool_choice_default != "auto":
+        log.warning("--tool-choice-default %s: requests with tools whose last message is a user turn are forced to "
+                    "call one (a test aid for small models, docs/TOOLS.md)", config.tool_choice_default)
+    backend = EngineBackend(engine, max_tokens_policy=config.max_tokens_policy,
+                            tool_choice_default=config.tool_choice_default)
     if config.default_temperature is not None:
         from prefixtrace.sampling_default import with_default_temperature
 
