@@ -13,9 +13,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefixtrace.errors import PrefixtraceError, http_status
+from prefixtrace.wire.request import session_id
 from proxy.chat_request import parse_body
 from proxy.request_limits import read_request_body
-from proxy.turn_builder import TurnBuilder
+from prefixtrace.wire.turn_builder import TurnBuilder
 from recorder.turn import Turn
 
 log = logging.getLogger("prefixtrace.proxy")
@@ -70,6 +71,8 @@ async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder
             exc = PrefixtraceError(f"internal error: {type(exc).__name__}: {exc}")
         if turn.request_body is None:
             turn.request_body = raw.decode("utf-8", errors="replace")
+        if turn.session_id is None:  # a refused request still belongs to its session
+            turn.session_id = session_id(endpoint, turn.request_body, turn.request_headers)
         status = http_status(exc)
         await record_durably(recorder, builder.finish(status, exc.message))
         return JSONResponse(error_body(exc), status_code=status)
