@@ -5,7 +5,7 @@ the open-file limit (mlx-lm's import sets it to 2048 soft / 4096 hard), and
 every new request timed out until they closed. uvicorn closes a kept-alive
 connection 5 s after its last response (`timeout_keep_alive`), but has no
 timeout for a connection that has not sent a whole request head yet (a fresh
-one, or a slow-loris trickling header bytes). `H11WithHeadTimeout` adds one: a
+one, or a slow-loris trickling header bytes). `with_head_timeout` adds one (to httptools, or h11): a
 connection waiting for a request head gets `HEAD_TIMEOUT_S` from the moment it
 began waiting (trickled bytes do not extend it), then is closed. What remains is
 the limit itself (docs/SECURITY.md): more than that many connections opened
@@ -29,20 +29,16 @@ HEAD_TIMEOUT_S = 15.0  # a client that connects sends its request head at once
 NOFILE_CAP = 65536  # open files asked for at most: room for tens of thousands of sockets
 
 
-class H11WithHeadTimeout(H11Protocol):
-    """uvicorn's h11 protocol, plus a deadline for each request head."""
+class _HeadDeadline:
+    """Mixin for a uvicorn HTTP protocol: a deadline for each request head."""
 
     head_timeout_s = HEAD_TIMEOUT_S
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._head_pending = False
+        super().connection_made(transport)
         self._arm_head_timer()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # the head is in: the deadline is met
-            self._cancel_head_timer()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -50,14 +46,16 @@ class H11WithHeadTimeout(H11Protocol):
             self._arm_head_timer()  # waiting for the next request head on this connection
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
+        self._head_received()
         super().connection_lost(exc)
 
     def _arm_head_timer(self) -> None:
-        self._cancel_head_timer()
+        self._head_received()
+        self._head_pending = True
         self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
 
-    def _cancel_head_timer(self) -> None:
+    def _head_received(self) -> None:
+        self._head_pending = False
         timer = getattr(self, "_head_timer", None)
         if timer is not None:
             timer.cancel()
@@ -65,13 +63,36 @@ class H11WithHeadTimeout(H11Protocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if self._head_pending and not self.transport.is_closing():
             self.transport.close()
 
 
-def with_head_timeout(seconds: float) -> type[H11WithHeadTimeout]:
-    """The protocol class with another deadline (tests use a short one)."""
-    return type("H11WithHeadTimeout", (H11WithHeadTimeout,), {"head_timeout_s": seconds})
+class H11WithHeadTimeout(_HeadDeadline, H11Protocol):
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the head is in: the deadline is met
+            self._head_received()
+
+
+def _httptools_protocol():
+    """uvicorn's "auto" picks httptools when installed (pyproject installs it for speed): same deadline on it."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return None
+
+    class HttpToolsWithHeadTimeout(_HeadDeadline, HttpToolsProtocol):
+        def on_headers_complete(self) -> None:
+            self._head_received()
+            super().on_headers_complete()
+
+    return HttpToolsWithHeadTimeout
+
+
+def with_head_timeout(seconds: float) -> type:
+    """The protocol uvicorn's "auto" would use (httptools, else h11), with a request-head deadline."""
+    base = _httptools_protocol() or H11WithHeadTimeout
+    return type(base.__name__, (base,), {"head_timeout_s": seconds})
 
 
 @contextlib.contextmanager
