@@ -200,7 +200,10 @@ def test_terminal_text_shows_escapes_instead_of_running_them(tmp_path):
 
 def test_replay_and_db_info_text_show_escapes(engine_server, tmp_path):
     url, recorder = engine_server
-    r = _post(url, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}, "agent" + ESCAPES)
+    # The escapes ride in the body's `user` (a session-id source too): a header carrying control characters is
+    # refused by the HTTP parser itself when uvicorn runs on httptools, before any of this code sees it.
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "user": "agent" + ESCAPES})
     assert r.status_code == 200
     recorder.flush()
     for args in (["replay", str(recorder.path), "--target", url], ["db", "info", str(recorder.path)]):
