@@ -46,8 +46,8 @@ def _post(url: str, body: dict, session: str, path: str = "/v1/chat/completions"
 
 
 def _plant(url: str, role: str, session: str) -> None:
-    """Two turns of one session: the first names a role the engine refuses (a recorded 400),
-    the second drops it, so the analyzer reports a break whose subtype is that role."""
+    """Two turns of one session: the first names a role the engine refuses (a recorded 400, which
+    the analyzer lists with its error), the second drops it."""
     head = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
     first = _post(url, {"messages": [*head, {"role": role, "content": "c"}], "max_tokens": 2}, session)
     assert first.status_code == 400
@@ -84,8 +84,9 @@ def test_analyze_html_does_not_run_a_role_planted_through_a_refused_request(engi
     assert page.title() == "prefixtrace analysis"
     assert page.evaluate("[window.pwned, window.pwnedSession]") == [None, None]
     assert page.evaluate("typeof window.prefixtraceReport.by_cause") == "object"  # the JSON island parsed
-    heading = page.text_content(".break h3")
-    assert "<script>document.title='pwned'" in heading  # shown as text
+    # A refused request is listed, not chained (issue 16): the role reaches the page in its error.
+    failed = page.text_content(".failed")
+    assert "<script>document.title=" in failed and "pwned" in failed  # shown as text
     assert page.get_attribute("section.session", "data-session") == EVIL_SESSION
 
 
