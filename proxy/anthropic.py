@@ -24,14 +24,14 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 
-from engine.sequence import Failed, Finished, TextDelta
-from prefixtrace.errors import EngineError, InvalidRequest, PrefixtraceError
+from prefixtrace.errors import InvalidRequest, PrefixtraceError
 from prefixtrace.wire import messages as messages_wire
-from prefixtrace.wire.messages import to_anthropic_error  # noqa: F401 (the route's error shape)
+from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
+from prefixtrace.wire.messages import record_usage, to_anthropic_error  # noqa: F401 (the route's error shape)
 from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.relay import record_durably, serve_turn
@@ -66,19 +66,6 @@ def _passthrough_request(body: dict, headers: dict[str, str]) -> ChatRequest:
     req.body = body
     req.session_id = messages_wire.session_id(body, headers) or req.session_id
     return req
-
-
-def record_usage(builder: TurnBuilder, usage: dict) -> None:
-    """Fill the turn from an Anthropic usage object (kept as sent in `turn.usage`)."""
-    turn = builder.turn
-    read, created = usage.get("cache_read_input_tokens"), usage.get("cache_creation_input_tokens")
-    if isinstance(usage.get("input_tokens"), int):
-        turn.prompt_tokens = usage["input_tokens"] + (read or 0) + (created or 0)
-    if isinstance(usage.get("output_tokens"), int):
-        turn.completion_tokens = usage["output_tokens"]
-    # Unknown stays None: an upstream that does not report cache reads is not a miss.
-    turn.cached_tokens = read if isinstance(read, int) else None
-    turn.usage = dict(usage)
 
 
 def _event(kind: str, data: dict) -> bytes:
@@ -128,45 +115,116 @@ class EngineMessages:
         return STOP_REASONS.get(finish_reason, "end_turn"), None
 
     async def sse(self) -> AsyncIterator[bytes]:
+        """The engine's reply events as Messages stream events: a block per run of one kind (thinking,
+        text, each tool_use), opened when its first event arrives."""
         seq = self.chat.seq
         # The first event came after admission, so the cached count is known here.
         start_usage = self._usage(seq.num_prompt_tokens, seq.num_cached_tokens, 0)
         yield _event("message_start", {"message": self._message([], None, start_usage)})
-        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-        async for event in self.chat.events():
-            if isinstance(event, TextDelta) and event.text:
+        blocks = _BlockWriter()
+        async for event in self.chat.reply_events():
+            if isinstance(event, ContentDelta):
                 self.builder.on_chunk({"choices": [{"index": 0, "delta": {"content": event.text}}]})
-                yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": event.text}})
-            elif isinstance(event, Finished):
+                for out in blocks.text(event.text):
+                    yield out
+            elif isinstance(event, ReasoningDelta):
+                self.builder.on_chunk({"choices": [{"index": 0, "delta": {"reasoning_content": event.text}}]})
+                for out in blocks.thinking(event.text):
+                    yield out
+            elif isinstance(event, ToolCallStart):
+                self.builder.on_chunk({"choices": [{"index": 0, "delta": {"tool_calls": [
+                    {"index": event.index, "id": event.call_id, "function": {"name": event.name}}]}}]})
+                for out in blocks.tool_use(event):
+                    yield out
+            elif isinstance(event, ToolCallArgsDelta):
+                self.builder.on_chunk({"choices": [{"index": 0, "delta": {"tool_calls": [
+                    {"index": event.index, "function": {"arguments": event.text}}]}}]})
+                yield _event("content_block_delta", {"index": blocks.index, "delta": {
+                    "type": "input_json_delta", "partial_json": event.text}})
+            elif isinstance(event, ReplyDone):
                 usage = self._usage(event.prompt_tokens, event.cached_tokens, event.completion_tokens)
                 record_usage(self.builder, usage)
                 self.builder.turn.finish_reason = event.finish_reason
                 stop_reason, stop_sequence = self._stop(event.finish_reason)
-                yield _event("content_block_stop", {"index": 0})
+                for out in blocks.close(empty_text=True):
+                    yield out
                 yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                                "usage": usage})
                 yield _event("message_stop", {})
-            elif isinstance(event, Failed):
-                raise event.error if isinstance(event.error, PrefixtraceError) else EngineError(str(event.error))
 
     async def whole(self) -> tuple[bytes, str]:
-        parts: list[str] = []
-        async for event in self.chat.events():
-            if isinstance(event, TextDelta):
-                parts.append(event.text)
-            elif isinstance(event, Failed):
-                raise event.error
-            elif isinstance(event, Finished):
-                usage = self._usage(event.prompt_tokens, event.cached_tokens, event.completion_tokens)
-                stop_reason, stop_sequence = self._stop(event.finish_reason)
-                body = self._message([{"type": "text", "text": "".join(parts)}], stop_reason, usage, stop_sequence)
-                turn = self.builder.turn
-                turn.response_text, turn.finish_reason = "".join(parts), event.finish_reason
-                if event.completion_tokens:
-                    turn.ttft_s = event.prefill_s
-                record_usage(self.builder, usage)
-                return json.dumps(body).encode(), "application/json"
-        raise RuntimeError("engine stream ended without a result")
+        from proxy.engine_backend import collect
+
+        reply = await collect(self.chat.reply_events())
+        done = reply.done
+        content: list[dict] = []
+        if reply.reasoning:
+            content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+        if reply.text or not reply.tool_calls:
+            content.append({"type": "text", "text": reply.text})
+        for call in reply.tool_calls:
+            content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                            "input": _arguments_object(call["function"]["arguments"])})
+        usage = self._usage(done.prompt_tokens, done.cached_tokens, done.completion_tokens)
+        stop_reason, stop_sequence = self._stop(done.finish_reason)
+        body = self._message(content, stop_reason, usage, stop_sequence)
+        turn = self.builder.turn
+        turn.response_text, turn.finish_reason = reply.text, done.finish_reason
+        turn.reasoning_text = reply.reasoning
+        turn.tool_calls = reply.tool_calls or None
+        if done.completion_tokens:
+            turn.ttft_s = self.chat.finished.prefill_s
+        record_usage(self.builder, usage)
+        return json.dumps(body).encode(), "application/json"
+
+
+def _arguments_object(arguments: str) -> Any:
+    """A tool_use block's `input` is an object; arguments the model wrote that are not one stay a string
+    under "_raw" rather than being dropped (unconstrained calls are parsed, not validated)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {"_raw": arguments}
+    return value if isinstance(value, dict) else {"_raw": arguments}
+
+
+class _BlockWriter:
+    """Messages content blocks, opened and closed as the reply's kind changes."""
+
+    def __init__(self):
+        self.index = -1
+        self.kind: str | None = None  # "text" | "thinking" | "tool_use" while a block is open
+
+    def _open(self, kind: str, block: dict) -> list[bytes]:
+        out = self.close()
+        self.index += 1
+        self.kind = kind
+        return out + [_event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def close(self, empty_text: bool = False) -> list[bytes]:
+        out = []
+        if empty_text and self.index < 0:  # a reply with no output still has its (empty) text block
+            out = self._open("text", {"type": "text", "text": ""})
+        if self.kind is not None:
+            if self.kind == "thinking":  # no signature: nothing here can verify one, so it is empty
+                out.append(_event("content_block_delta", {"index": self.index, "delta": {
+                    "type": "signature_delta", "signature": ""}}))
+            out.append(_event("content_block_stop", {"index": self.index}))
+            self.kind = None
+        return out
+
+    def text(self, text: str) -> list[bytes]:
+        out = self._open("text", {"type": "text", "text": ""}) if self.kind != "text" else []
+        return out + [_event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": text}})]
+
+    def thinking(self, text: str) -> list[bytes]:
+        out = [] if self.kind == "thinking" else self._open("thinking", {"type": "thinking", "thinking": "",
+                                                                          "signature": ""})
+        return out + [_event("content_block_delta", {"index": self.index, "delta": {
+            "type": "thinking_delta", "thinking": text}})]
+
+    def tool_use(self, start: ToolCallStart) -> list[bytes]:
+        return self._open("tool_use", {"type": "tool_use", "id": start.call_id, "name": start.name, "input": {}})
 
 
 # --- upstream pass-through --------------------------------------------------------
@@ -201,7 +259,8 @@ class UpstreamMessages(Relayed):
         if kind == "message_start":
             self._merge_usage((data.get("message") or {}).get("usage") or {})
         elif kind == "message_delta":
-            turn.finish_reason = (data.get("delta") or {}).get("stop_reason") or turn.finish_reason
+            turn.finish_reason = messages_wire.finish_reason((data.get("delta") or {}).get("stop_reason")) \
+                or turn.finish_reason
             self._merge_usage(data.get("usage") or {})
         elif kind == "error":
             turn.error = str(data.get("error"))[:2000]
@@ -216,7 +275,7 @@ class UpstreamMessages(Relayed):
         turn = self.builder.turn
         if body is not None and self.status < 400:
             self.builder.on_whole(self.reader.whole(body))
-            turn.finish_reason = body.get("stop_reason")
+            turn.finish_reason = messages_wire.finish_reason(body.get("stop_reason"))
             record_usage(self.builder, body.get("usage") or {})
         elif self.status >= 400:
             turn.error = (str(body.get("error", body)) if body is not None else data.decode(errors="replace"))[:2000]
@@ -243,6 +302,63 @@ def add_messages_route(app: FastAPI, backend, recorder) -> None:
                                 parse=to_chat_request if hasattr(backend, "engine") else _passthrough_request,
                                 open_reply=lambda req, builder, headers: open_messages(
                                     backend, req, builder, headers), stream=_stream, error_body=to_anthropic_error)
+
+    @app.post(messages_wire.COUNT_TOKENS_PATH)
+    async def count_tokens(request: Request):
+        return await serve_turn(request, endpoint=messages_wire.COUNT_TOKENS_PATH, upstream=backend.label,
+                                recorder=recorder,
+                                parse=to_chat_request if hasattr(backend, "engine") else _passthrough_request,
+                                open_reply=lambda req, builder, headers: open_count(backend, req, builder, headers),
+                                stream=_stream, error_body=to_anthropic_error)
+
+
+class TokenCount:
+    """`POST /v1/messages/count_tokens` on the engine: the prompt the engine would render for
+    this body (template, tools and render policies included), counted; nothing is generated."""
+
+    status = 200
+    streams_events = False
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def cancel(self) -> None:
+        pass
+
+    async def whole(self) -> tuple[bytes, str]:
+        return json.dumps({"input_tokens": self.count}).encode(), "application/json"
+
+
+async def open_count(backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
+    if not hasattr(backend, "engine"):
+        response, url = await backend.post(messages_wire.COUNT_TOKENS_PATH, req.body, headers,
+                                           session_id=req.session_id)
+        return UpstreamCount(response, builder, url)
+    req.stream = False
+    rendered = await backend.render(req)
+    builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
+    builder.turn.prompt_tokens = len(rendered.token_ids)
+    return TokenCount(len(rendered.token_ids))
+
+
+class UpstreamCount(Relayed):
+    """An upstream's count, passed through; its number kept as the turn's prompt tokens."""
+
+    def __init__(self, response, builder: TurnBuilder, url: str):
+        super().__init__(response, url)
+        self.builder = builder
+
+    @property
+    def streams_events(self) -> bool:
+        return False
+
+    async def whole(self) -> tuple[bytes, str]:
+        data, body = await self.read()
+        if body is not None and self.status < 400 and isinstance(body.get("input_tokens"), int):
+            self.builder.turn.prompt_tokens = body["input_tokens"]
+        elif self.status >= 400:
+            self.builder.turn.error = data[:2000].decode(errors="replace")
+        return data, self.content_type
 
 
 async def _stream(chat, builder: TurnBuilder, recorder):

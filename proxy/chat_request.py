@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.sampling import SamplingParams
 from prefixtrace.errors import InvalidRequest
+from proxy.request_limits import MAX_JSON_DEPTH, check_depth
 
 
 @dataclass(slots=True)
@@ -25,6 +26,10 @@ class ChatRequest:
     chat_template_kwargs: dict | None
     sampling: SamplingParams
     session_id: str | None
+    # The reply's shape, read by the engine (engine/constraints.py); upstream mode passes the body on.
+    tool_choice: Any = None
+    response_format: Any = None
+    reasoning_effort: str | None = None
 
 
 def parse_body(raw: bytes) -> dict:
@@ -34,6 +39,9 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw, parse_constant=_no_constant)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # ~990 deep: the parser's own recursion
+        raise InvalidRequest(f"the request body nests arrays/objects more than {MAX_JSON_DEPTH} deep") from exc
+    check_depth(body)  # deeper than the recorder and the analyzer can walk (proxy/request_limits.py)
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -73,6 +81,9 @@ def parse_chat_request(body: dict, headers: dict[str, str] | None = None) -> Cha
         chat_template_kwargs=kwargs,
         sampling=_sampling(body),
         session_id=headers.get("x-session-id") or _str_or_none(body.get("user")) or _str_or_none(body.get("prompt_cache_key")),
+        tool_choice=body.get("tool_choice"),
+        response_format=body.get("response_format"),
+        reasoning_effort=_str_or_none(body.get("reasoning_effort")),
     )
 
 

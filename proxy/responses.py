@@ -109,7 +109,7 @@ class EngineResponses:
         for event in self.writer.start():
             yield encode(event)
         try:
-            async for reply in self.chat.replies():
+            async for reply in self.chat.reply_events():
                 for event in self._on(reply):
                     yield encode(event)
         except PrefixtraceError as exc:
@@ -118,7 +118,7 @@ class EngineResponses:
                 yield encode(event)
 
     async def whole(self) -> tuple[bytes, str]:
-        async for reply in self.chat.replies():
+        async for reply in self.chat.reply_events():
             self._on(reply)
         return json.dumps(self.writer.response(), ensure_ascii=False).encode(), "application/json"
 

@@ -45,6 +45,26 @@ def protocol_of(endpoint: str | None) -> str:
     return "chat"
 
 
+def session_id(endpoint: str | None, body: Any, headers: dict[str, str] | None) -> str | None:
+    """The session a request belongs to, as its protocol's clients say it (headers first), also
+    for a body that does not parse as a request (so a failed turn keeps its session)."""
+    body = body if isinstance(body, dict) else {}
+    protocol = protocol_of(endpoint)
+    if protocol == "messages":
+        found = messages.session_id(body, headers or {})
+    elif protocol == "responses":
+        found = responses.session_id(body, headers or {})
+    else:
+        found = None
+    if found:
+        return found
+    lower = {k.lower(): v for k, v in (headers or {}).items()}
+    for value in (lower.get("x-session-id"), body.get("user"), body.get("prompt_cache_key")):
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
 def normalize_request(endpoint: str | None, body: Any, previous: list[dict] | None = None) -> WireRequest:
     """The internal request for `body` as sent to `endpoint`; InvalidRequest when it is not one."""
     if not isinstance(body, dict):

@@ -31,7 +31,7 @@ class TurnBuilder:
             if choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
-            content = delta.get("content")
+            content = delta.get("content") if "text" not in choice else choice["text"]  # legacy completions
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             if (content or reasoning or delta.get("tool_calls")) and turn.ttft_s is None:
                 turn.ttft_s = self.elapsed()
@@ -79,7 +79,7 @@ class TurnBuilder:
         choices = body.get("choices") or []
         if choices:
             message = choices[0].get("message") or {}
-            self.turn.response_text = message.get("content") or ""
+            self.turn.response_text = message.get("content") or choices[0].get("text") or ""
             self.turn.reasoning_text = message.get("reasoning_content") or message.get("reasoning") or ""
             self.turn.tool_calls = message.get("tool_calls") or None
             self.turn.finish_reason = choices[0].get("finish_reason")
