@@ -144,6 +144,8 @@ def test_analyze_html_does_not_run_a_role_planted_through_a_refused_request(engi
     assert page.evaluate("typeof window.prefixtraceReport.by_cause") == "object"  # the JSON island parsed
     # The refused turn is listed, not chained (issue 16), so the planted role is no break heading any more;
     # wherever the report shows it, it is text: nothing ran above, and the session id comes back verbatim.
+    failed = page.text_content(".failed")  # the analyzer lists it with its error, as text
+    assert "<script>document.title=" in failed and "pwned" in failed
     assert page.get_attribute("section.session", "data-session") == EVIL_SESSION
 
 
