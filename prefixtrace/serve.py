@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import resource
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -12,7 +13,15 @@ from pathlib import Path
 import uvicorn
 from uvicorn.main import STARTUP_FAILURE
 
-from engine.engine import Engine
+from prefixtrace.connections import (HEAD_TIMEOUT_S, KEEP_ALIVE_S, open_file_limit_not_lowered,
+                                     raise_open_file_limit, with_head_timeout)
+
+# Read before the engine's imports: mlx-lm's import lowers the open-file limit to
+# (2048, 4096) (kept from lowering here; where mlx-lm was imported already, the
+# limit from before says what to try to restore).
+_NOFILE_BEFORE_MLX = resource.getrlimit(resource.RLIMIT_NOFILE)
+with open_file_limit_not_lowered():
+    from engine.engine import Engine
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 from proxy.guard import LOOPBACK_HOSTS
@@ -135,6 +144,13 @@ class QueryValuesMasked(logging.Filter):
 _MASKED_VALUE = re.compile(r"=[^&]*")
 
 
+def uvicorn_config(app, host: str, port: int, log_level: str, *, head_timeout_s: float = HEAD_TIMEOUT_S) -> uvicorn.Config:
+    """uvicorn as `serve` runs it: idle keep-alive and request-head timeouts
+    (prefixtrace/connections.py), bounded graceful shutdown."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=with_head_timeout(head_timeout_s),
+                          timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+
+
 def _stop_if_the_model_fails_to_load(engine: Engine, server: uvicorn.Server, failures: list) -> threading.Thread:
     """The model loads in the background while the server listens; a model that
     cannot load (a directory that is not a model, a broken config.json) stops the
@@ -161,8 +177,8 @@ def serve(config: ServeConfig) -> None:
         try:
             log.info("recording to %s", config.db.resolve())
             app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config), max_request_mb=config.max_request_mb)
-            server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                                   timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+            raise_open_file_limit(_NOFILE_BEFORE_MLX)
+            server = uvicorn.Server(uvicorn_config(app, config.host, config.port, config.log_level))
             logging.getLogger("uvicorn.access").addFilter(QueryValuesMasked())
             failures: list[EngineError] = []
             if engine is not None:

@@ -209,7 +209,9 @@ def _best(fn, text, repeats=3):
 def test_adversarial_bodies_cost_about_what_an_ordinary_body_of_the_same_size_costs():
     """bench/bench_redact.py's bodies, at 64 KB: each built so that a pattern which
     rescans from every start would be quadratic (the old PEM pattern took ~77 s on
-    218 KB of unterminated headers). The bound is relative and generous: 25x."""
+    218 KB of unterminated headers). The bound is relative and generous: 4x the benchmark's 25x at 1 MB
+    (at 64 KB the ordinary body is a few ms, so load noise weighs more; a quadratic pattern is
+    thousands of times the ordinary body here: 7e6ea90's PEM pattern took seconds)."""
     from bench.bench_redact import ADVERSARIAL_UNITS, MAX_RATIO, adversarial_body, ordinary_body
 
     r = Redactor()
@@ -217,4 +219,4 @@ def test_adversarial_bodies_cost_about_what_an_ordinary_body_of_the_same_size_co
     ordinary = _best(r.text, ordinary_body(size))
     slow = {name: round(_best(r.text, adversarial_body(unit, size)) / ordinary, 1)
             for name, unit in ADVERSARIAL_UNITS.items()}
-    assert max(slow.values()) <= MAX_RATIO, slow
+    assert max(slow.values()) <= 4 * MAX_RATIO, slow

@@ -1,0 +1,131 @@
+"""How many sockets the server can hold, and how long an idle one may stay.
+
+Issue 14 (finding 9): ~2,100 connections that never sent a request exhausted
+the open-file limit (mlx-lm's import sets it to 2048 soft / 4096 hard), and
+every new request timed out until they closed. uvicorn closes a kept-alive
+connection 5 s after its last response (`timeout_keep_alive`), but has no
+timeout for a connection that has not sent a whole request head yet (a fresh
+one, or a slow-loris trickling header bytes). `H11WithHeadTimeout` adds one: a
+connection waiting for a request head gets `HEAD_TIMEOUT_S` from the moment it
+began waiting (trickled bytes do not extend it), then is closed. What remains is
+the limit itself (docs/SECURITY.md): more than that many connections opened
+within one timeout still starve the server until the timeout frees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import resource
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("prefixtrace.serve")
+
+KEEP_ALIVE_S = 5  # uvicorn's own default, stated: idle kept-alive connections close after this
+HEAD_TIMEOUT_S = 15.0  # a client that connects sends its request head at once
+NOFILE_CAP = 65536  # open files asked for at most: room for tens of thousands of sockets
+
+
+class H11WithHeadTimeout(H11Protocol):
+    """uvicorn's h11 protocol, plus a deadline for each request head."""
+
+    head_timeout_s = HEAD_TIMEOUT_S
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the head is in: the deadline is met
+            self._cancel_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_head_timer()  # waiting for the next request head on this connection
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        timer = getattr(self, "_head_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def with_head_timeout(seconds: float) -> type[H11WithHeadTimeout]:
+    """The protocol class with another deadline (tests use a short one)."""
+    return type("H11WithHeadTimeout", (H11WithHeadTimeout,), {"head_timeout_s": seconds})
+
+
+@contextlib.contextmanager
+def open_file_limit_not_lowered():
+    """Around the first import of mlx-lm: `mlx_lm/utils.py` calls
+    `resource.setrlimit(RLIMIT_NOFILE, (2048, 4096))` at import time, which lowers
+    the hard limit for good in a process that may not raise it back (any
+    unprivileged one, and root in most containers). For the length of the import,
+    a call that would lower the open-file limit keeps the higher value instead;
+    every other call goes through unchanged."""
+    real = resource.setrlimit
+
+    def never_lower(which, limits):
+        if which == resource.RLIMIT_NOFILE:
+            soft, hard = resource.getrlimit(which)
+            new_soft, new_hard = limits
+            if hard == resource.RLIM_INFINITY or (new_hard != resource.RLIM_INFINITY and new_hard < hard):
+                new_hard = hard
+            new_soft = max(soft, new_soft) if new_soft != resource.RLIM_INFINITY else new_soft
+            limits = (min(new_soft, new_hard) if new_hard != resource.RLIM_INFINITY else new_soft, new_hard)
+        return real(which, limits)
+
+    resource.setrlimit = never_lower
+    try:
+        yield
+    finally:
+        resource.setrlimit = real
+
+
+def raise_open_file_limit(before_mlx: tuple[int, int] | None = None) -> tuple[int, int]:
+    """Soft open-file limit -> hard (at most `NOFILE_CAP`), where the OS allows;
+    returns (soft, hard) after.
+
+    mlx-lm's import sets (2048, 4096), and a process re-executed after it (the
+    OpenBLAS re-exec) inherits that. A privileged process may raise the hard limit
+    again: first to what it was before the import (`before_mlx`), else to the
+    cap; an unprivileged one cannot, and keeps 4096."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    candidates = [hard]
+    if before_mlx is not None:
+        candidates.insert(0, NOFILE_CAP if before_mlx[1] == resource.RLIM_INFINITY else min(before_mlx[1], NOFILE_CAP))
+    candidates.insert(1, NOFILE_CAP)
+    for new_hard in dict.fromkeys(candidates):
+        if new_hard < hard and hard != resource.RLIM_INFINITY:
+            continue  # never lower it
+        new_soft = min(new_hard if new_hard != resource.RLIM_INFINITY else NOFILE_CAP, NOFILE_CAP)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, new_soft), max(new_hard, hard)
+                                                        if hard != resource.RLIM_INFINITY else hard))
+            break
+        except (ValueError, OSError):
+            continue
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    log.info("open files: up to %d (hard limit %s); idle connections close after %d s, a request head is "
+             "due within %.0f s", soft, "unlimited" if hard == resource.RLIM_INFINITY else hard,
+             KEEP_ALIVE_S, HEAD_TIMEOUT_S)
+    return soft, hard
