@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 
 from prefixtrace.errors import (ForbiddenHost, PrefixtraceError, UnsupportedMediaType, http_status,
                                 to_openai_error)
+from proxy.chat_request import parse_body
 from recorder.turn import Turn
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -90,7 +91,6 @@ def refusal_recorder(recorder, upstream: str, error_bodies: dict[str, Callable[[
     """A `refuse` that answers a turn endpoint (a path in `error_bodies`) in its API's
     error shape and records the turn through `record(recorder, turn)`; other paths get
     an OpenAI-shaped error and nothing is recorded (they are not turns)."""
-    from proxy.chat_request import parse_body
 
     async def refuse(request: Request, exc: PrefixtraceError) -> Response:
         status = http_status(exc)
