@@ -200,8 +200,11 @@ def test_terminal_text_shows_escapes_instead_of_running_them(tmp_path):
 
 def test_replay_and_db_info_text_show_escapes(engine_server, tmp_path):
     url, recorder = engine_server
-    r = _post(url, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}, "agent" + ESCAPES)
-    assert r.status_code == 200
+    # In the body's `user` (the session id when no header names one): an HTTP parser may refuse
+    # control characters in a header, but a JSON string carries anything.
+    r = httpx.post(url + "/v1/chat/completions", timeout=120,
+                   json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "user": "agent" + ESCAPES})
+    assert r.status_code == 200, r.text
     recorder.flush()
     for args in (["replay", str(recorder.path), "--target", url], ["db", "info", str(recorder.path)]):
         done = _cli(*args)
