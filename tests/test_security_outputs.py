@@ -315,11 +315,9 @@ def test_a_page_on_another_origin_cannot_drive_or_read_the_proxy(engine_server, 
         assert page.evaluate("window.done") == ["fulfilled", "rejected"]  # the CORS preflight is refused
         time.sleep(0.5)
         turns = rows(recorder)
-        statuses = [t["status"] for t in turns]
-        # The simple POST was refused (415); the JSON one never left the browser: only its preflight
-        # came, refused (405, recorded where every answered request is); no planted turn ran.
-        assert statuses[:2] == [200, 415] and set(statuses[2:]) <= {405}, statuses
-        assert not any(t["status"] == 200 and "planted by a web page" in (t["request_body"] or "") for t in turns)
+        # The simple POST was refused and no turn ran; the CORS preflight (OPTIONS) is recorded too, as the
+        # 405 every unknown method/path gets (the fallback routes, issue 15).
+        assert [t["status"] for t in turns if t["status"] != 405] == [200, 415]
         # DNS rebinding: a name of the attacker's that now resolves to 127.0.0.1 reads nothing.
         response = page.goto(f"http://rebind.test:{url.rsplit(':', 1)[1]}/ui/api/sessions")
         assert response.status == 403 and "secret plan" not in page.content()
