@@ -323,3 +323,16 @@ def test_a_page_on_another_origin_cannot_drive_or_read_the_proxy(engine_server, 
         assert response.status == 403 and "secret plan" not in page.content()
     finally:
         server.shutdown()
+
+
+def test_a_refused_body_is_read_within_the_size_limit(tiny_engine, recorder):
+    with running_server(create_app(EngineBackend(tiny_engine), recorder, max_request_mb=1)) as url:
+        big = b'{"messages": [{"role": "user", "content": "' + b"x" * (3 << 20) + b'"}]}'
+        r = httpx.post(url + "/v1/chat/completions", content=big, headers={"content-type": "text/plain"}, timeout=60)
+        assert r.status_code == 415
+        small = httpx.post(url + "/v1/chat/completions", content=b'{"user": "s7"}', timeout=60,
+                           headers={"content-type": "text/plain"})
+        assert small.status_code == 415
+    first, second = rows(recorder)
+    assert first["status"] == 415 and "not stored" in first["request_body"] and len(first["request_body"]) < 1000
+    assert second["status"] == 415 and second["session_id"] == "s7"  # a refused turn keeps its session
