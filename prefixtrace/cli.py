@@ -123,6 +123,9 @@ def _upstream_urls(ctx, param, values):
               help="Comma-separated host names the Host header may carry ('*': any). Default: 127.0.0.1, localhost, "
                    "::1 and the --host address, so a web page under another name cannot drive the proxy "
                    "(docs/SECURITY.md).")
+@click.option("--max-request-mb", default=32.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
+              help="Largest request body accepted; a bigger one is answered 413 and recorded without its body "
+                   "(a 100k-token prompt with tools is ~1 MB) (docs/SECURITY.md).")
 @click.option("--recorder-stuck-after-s", default=30.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
               help="A recorder write taking longer than this makes /health answer 503, and responses stop waiting "
                    "for their commit (the turn stays queued) (docs/SECURITY.md).")
@@ -143,7 +146,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
           thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
-          recorder_stuck_after_s, default_temperature, tool_choice_default, log_level, print_config):
+          max_request_mb, recorder_stuck_after_s, default_temperature, tool_choice_default, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
@@ -184,7 +187,8 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           thinking_retention=thinking_retention,
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
                           notice_pattern=notice_pattern, max_tokens_policy=max_tokens_policy, log_level=log_level,
-                          allow_client_templates=allow_client_templates, recorder_stuck_after_s=recorder_stuck_after_s,
+                          allow_client_templates=allow_client_templates, max_request_mb=max_request_mb,
+                          recorder_stuck_after_s=recorder_stuck_after_s,
                           default_temperature=default_temperature, tool_choice_default=tool_choice_default,
                           allowed_hosts=None if allowed_hosts is None else
                           [h.strip() for h in allowed_hosts.split(",") if h.strip()]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ class ServeConfig:
     thinking_retention_guard_tokens: int = 30000
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
     max_tokens_policy: str = "clamp"  # clamp|reject: a max_tokens beyond what fits after the prompt
+    max_request_mb: float = 32.0  # proxy/request_limits.py: 413 past it
     recorder_stuck_after_s: float = 30.0  # /health is 503 once one recorder write takes longer
     default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
     tool_choice_default: str = "auto"  # or "required-after-user": a test aid for small models (docs/TOOLS.md)
@@ -117,6 +119,22 @@ def build_backend(config: ServeConfig):
     return backend
 
 
+class QueryValuesMasked(logging.Filter):
+    """uvicorn's access log prints the request target; a client that put its key in
+    the query string (`?key=...`, `?api-key=...`, Azure's and Google's habit) would
+    have it in the log. Keep the names, mask every value."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+            path, query = args[2].split("?", 1)
+            record.args = (*args[:2], f"{path}?{_MASKED_VALUE.sub('=***', query)}", *args[3:])
+        return True
+
+
+_MASKED_VALUE = re.compile(r"=[^&]*")
+
+
 def _stop_if_the_model_fails_to_load(engine: Engine, server: uvicorn.Server, failures: list) -> threading.Thread:
     """The model loads in the background while the server listens; a model that
     cannot load (a directory that is not a model, a broken config.json) stops the
@@ -142,9 +160,10 @@ def serve(config: ServeConfig) -> None:
         recorder = Recorder(config.db, stuck_after_s=config.recorder_stuck_after_s)
         try:
             log.info("recording to %s", config.db.resolve())
-            app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config))
+            app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config), max_request_mb=config.max_request_mb)
             server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+            logging.getLogger("uvicorn.access").addFilter(QueryValuesMasked())
             failures: list[EngineError] = []
             if engine is not None:
                 _stop_if_the_model_fails_to_load(engine, server, failures)
