@@ -4,7 +4,8 @@ bare `{"detail": "Not Found"}`. A known path asked with another method is a 405.
 
 `HEAD /` and `GET /` are liveness probes (Claude Code sends `HEAD /` before its first request
 and only needs an answer): 200, not recorded, like `/health`; so is a browser's `/favicon.ico`
-(204), which the dashboard's page asks for.
+(204), which the dashboard's page asks for. An `OPTIONS` request is a browser's CORS preflight, not
+an API call: refused (405, no CORS headers, so the page's request never goes out) and not recorded.
 """
 
 from __future__ import annotations
@@ -52,14 +53,16 @@ def add_fallback_routes(app: FastAPI, backend, recorder: TurnSink) -> None:
             exc = UnknownEndpoint(f"unknown endpoint: {request.method} {route} (this server serves "
                                   "/v1/chat/completions, /v1/responses, /v1/messages, /v1/completions, "
                                   "/v1/messages/count_tokens, /v1/models)")
+        body = to_anthropic_error(exc) if route.startswith(MESSAGES_PREFIX) else to_openai_error(exc)
+        headers = {"Allow": ", ".join(sorted(allowed))} if allowed else None
+        status = http_status(exc)
+        if request.method == "OPTIONS":
+            return JSONResponse(body, status_code=405, headers=headers)
         raw = await request.body()
         turn = Turn(request_id=uuid.uuid4().hex, started_at=time.time(), endpoint=route, upstream=backend.label,
                     request_body=raw.decode("utf-8", errors="replace"), request_headers=dict(request.headers),
                     client_addr=f"{request.client.host}:{request.client.port}" if request.client else None)
-        status = http_status(exc)
         await record_durably(recorder, TurnBuilder(turn).finish(status, exc.message))
-        body = to_anthropic_error(exc) if route.startswith(MESSAGES_PREFIX) else to_openai_error(exc)
-        headers = {"Allow": ", ".join(sorted(allowed))} if allowed else None
         if request.method == "HEAD":
             return Response(status_code=status, headers=headers)
         return JSONResponse(body, status_code=status, headers=headers)

@@ -106,6 +106,7 @@ def test_unknown_paths_answer_in_the_apis_error_shape_and_are_recorded(engine_se
     r = httpx.get(url + "/v1/chat/completions", timeout=30)
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == "method_not_allowed"
     assert httpx.head(url + "/", timeout=30).status_code == 200  # Claude Code's preflight
+    assert httpx.options(url + "/v1/chat/completions", timeout=30).status_code == 405  # CORS: refused, unrecorded
     assert httpx.get(url + "/v1/models", timeout=30).status_code == 200
     recorded = [(t["endpoint"], t["status"]) for t in rows(recorder)]
     assert recorded == [("/v1/files", 404), ("/v1/messages/batches", 404), ("/v1/chat/completions", 405)]
