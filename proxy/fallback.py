@@ -17,11 +17,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from prefixtrace.errors import MethodNotAllowed, UnknownEndpoint, http_status, to_openai_error
+from prefixtrace.errors import MethodNotAllowed, RequestTooLarge, UnknownEndpoint, http_status, to_openai_error
 from prefixtrace.wire.messages import to_anthropic_error
 from prefixtrace.wire.messages import PATH as MESSAGES_PREFIX  # /v1/messages and everything under it
 from prefixtrace.wire.turn_builder import TurnBuilder
 from proxy.relay import TurnSink, record_durably
+from proxy.request_limits import read_request_body
 from recorder.turn import Turn
 
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
@@ -58,10 +59,14 @@ def add_fallback_routes(app: FastAPI, backend, recorder: TurnSink) -> None:
         status = http_status(exc)
         if request.method == "OPTIONS":
             return JSONResponse(body, status_code=405, headers=headers)
-        raw = await request.body()
         turn = Turn(request_id=uuid.uuid4().hex, started_at=time.time(), endpoint=route, upstream=backend.label,
-                    request_body=raw.decode("utf-8", errors="replace"), request_headers=dict(request.headers),
+                    request_body="", request_headers=dict(request.headers),
                     client_addr=f"{request.client.host}:{request.client.port}" if request.client else None)
+        try:  # bounded as on every route (--max-request-mb): an unknown path is no way around the limit
+            turn.request_body = (await read_request_body(request, turn)).decode("utf-8", errors="replace")
+        except RequestTooLarge as too_large:
+            exc, status = too_large, http_status(too_large)
+            body = to_anthropic_error(exc) if route.startswith(MESSAGES_PREFIX) else to_openai_error(exc)
         await record_durably(recorder, TurnBuilder(turn).finish(status, exc.message))
         if request.method == "HEAD":
             return Response(status_code=status, headers=headers)
