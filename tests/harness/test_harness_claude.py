@@ -23,7 +23,7 @@ def test_claude_code_reads_a_file_through_the_proxy(npm_bins, backend, scratch, 
     # and minutes of CPU prefill; Read is allowed without a prompt, nothing else is offered.
     cmd = [npm_bins["claude"], "-p", "--model", "default", "--tools=Read", "--allowedTools=Read",
            "--no-session-persistence", f"Read the file {scratch.hello}"]
-    result, records = drive("claude", cmd, claude_env(scratch, backend.url), timeout=600)
+    result, records = drive("claude", cmd, claude_env(scratch, backend.url), timeout=900)
     assert result.returncode == 0, result.output[-3000:]
     messages = [r for r in records if r["endpoint"] == "/v1/messages"]
     assert messages, hs.describe(records)
