@@ -97,6 +97,7 @@ class _Paused:
 # Positions allocated beyond a restored prefix's prompt (mlx-lm's KVCache step): the
 # prompt's rest and the first decode steps then write into the restored cache in place.
 KV_ROOM_STEP = 256
+ADOPT_ONE_ROW = True  # see _batch_of_one; the bench compares it with mlx-lm's merge
 
 
 def _batch_of_one(layer):
@@ -106,7 +107,7 @@ def _batch_of_one(layer):
     A dense layer is adopted as it is (its buffers, spare room included): one row
     needs no padding, and mlx-lm's `merge` would copy the whole KV into a buffer of
     exactly its length, which the first decode step then grows with a second copy."""
-    if type(layer) is KVCache and layer.keys is not None:
+    if ADOPT_ONE_ROW and type(layer) is KVCache and layer.keys is not None:
         batched = RowBatchKVCache([0])
         batched.keys, batched.values, batched._idx = layer.keys, layer.values, layer.offset
         batched.offset = mx.array([layer.offset])
