@@ -258,10 +258,11 @@ def to_numpy(layers: list) -> dict[str, tuple[np.ndarray, str]]:
 
 
 # How a GPU block reaches the host for the disk writer (docs/CACHE.md, "Writes"):
-# "cpu": a copy on MLX's CPU stream, run by MLX's CPU thread after the chunk (no GIL held);
-# "writer": the writer thread reads the device copy's buffer itself (MLX copies it to the host
-# inside the buffer export, holding the GIL). Measured side by side in bench_engine_speed.py.
-HOST_COPY = os.environ.get("PREFIXTRACE_DISK_HOST_COPY", "cpu")
+# "writer": the writer thread reads the block's device copy itself (MLX copies it to the host
+# inside the buffer export); "cpu": a copy on MLX's CPU stream, started after the chunk.
+# Measured side by side on the H200 (bench_engine_speed.py, 32k prompt, chunk 2048): cold
+# TTFT 1.15x plain mlx-lm with "writer", 3.0x with "cpu", 1.48x reading it on the engine thread.
+HOST_COPY = os.environ.get("PREFIXTRACE_DISK_HOST_COPY", "writer")
 
 
 def stage(named: dict[str, mx.array], *, copy: bool) -> tuple[dict[str, tuple[mx.array, str]], list[mx.array]]:
