@@ -16,6 +16,7 @@ from typing import Any
 from analyzer.analysis import Report, SessionResult, TurnResult, analyze
 from analyzer.causes import CAUSES
 from prefixtrace.errors import InvalidRequest
+from prefixtrace.escaping import xml_text
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,12 @@ class Problem:
 
     def __str__(self) -> str:
         b = self.turn.brk
+        if b is None and self.turn.note.startswith("side request"):
+            return f"session {self.session_id} turn {self.turn.index} ({self.turn.request_id}): {self.turn.note}"
         if b is None:  # unrenderable: the server could not have built this prompt either
             return f"session {self.session_id} turn {self.turn.index} ({self.turn.request_id}): {self.turn.note}"
         return (f"session {self.session_id} turn {self.turn.index} ({self.turn.request_id}): {b.cause}"
-                f"{'/' + b.subtype if b.subtype else ''} at message {b.message_index} ({b.role}), "
+                f"{'/' + b.subtype if b.subtype else ''} at {b.where()}, "
                 f"char {b.char_offset}, token {b.token_offset}"
                 + (f", payload {b.path}" if b.path else "")
                 + f"\n  - {b.before!r}\n  + {b.after!r}")
@@ -39,24 +42,39 @@ class CheckResult:
     report: Report
     allow: frozenset[str]
     problems: list[Problem] = field(default_factory=list)
+    max_unreadable: str | int | float | None = 0
 
     @property
     def unreadable(self) -> bool:
-        """Lines were skipped and not one request could be read: nothing was checked."""
-        return bool(self.report.skipped) and not any(s.turns for s in self.report.sessions)
+        """Not one request could be analysed (empty input, every line unreadable or every request failed):
+        nothing was checked, so nothing passes."""
+        return self.report.coverage()["analysed"] == 0
+
+    @property
+    def too_much_unread(self) -> bool:
+        """More of the input than `max_unreadable` (default: any) was skipped or unrenderable."""
+        return self.report.too_much_unread(self.max_unreadable)
 
     @property
     def ok(self) -> bool:
-        return not self.problems and not self.unreadable
+        return not self.problems and not self.too_much_unread
 
     def summary(self) -> str:
         skipped = "".join(f"\nskipped line {s['line']}: {s['error']}" for s in self.report.skipped)
+        cov = self.report.coverage()
         if self.unreadable:
-            return f"no request could be read ({len(self.report.skipped)} line(s) skipped)" + skipped
+            if cov["input"] == 0:
+                return "no request could be read: the input is empty"
+            return (f"no request could be read ({cov['skipped_lines']} line(s) skipped, "
+                    f"{cov['unrenderable_turns']} unrenderable, {cov['failed_requests']} failed)" + skipped
+                    + "".join(f"\n- {p}" for p in self.problems))
         if self.ok:
             n = sum(len(s.turns) for s in self.report.sessions)
             return (f"ok: {n} request(s), every transition append-only or allowed "
                     f"({', '.join(sorted(self.allow)) or 'none allowed'})" + skipped)
+        if not self.problems:
+            return (f"{cov['not_analysed']} of {cov['input']} request(s) could not be analysed "
+                    f"(more than --max-unreadable {self.max_unreadable})" + skipped)
         first = self.problems[0]
         return f"{len(self.problems)} transition(s) break the prefix; first: {first}" + skipped
 
@@ -71,12 +89,35 @@ def parse_allow(allow: str | Iterable[str] | None) -> frozenset[str]:
     return frozenset(names)
 
 
-def check(source: Any, *, allow: str | Iterable[str] | None = None, **analyze_kwargs: Any) -> CheckResult:
-    """Analyses `source` (see `analyze`) and collects the breaks not allowed."""
+FAIL_ON = ("side_request",)
+
+
+def parse_fail_on(fail_on: str | Iterable[str] | None) -> frozenset[str]:
+    if fail_on is None:
+        return frozenset()
+    names = [a.strip() for a in (fail_on.split(",") if isinstance(fail_on, str) else fail_on) if a.strip()]
+    unknown = [a for a in names if a not in FAIL_ON]
+    if unknown:
+        raise InvalidRequest(f"unknown --fail-on value(s) {', '.join(unknown)}; known: {', '.join(FAIL_ON)}")
+    return frozenset(names)
+
+
+def check(source: Any, *, allow: str | Iterable[str] | None = None, max_unreadable: str | int | float | None = 0,
+          fail_on: str | Iterable[str] | None = None, **analyze_kwargs: Any) -> CheckResult:
+    """Analyses `source` (see `analyze`) and collects the breaks not allowed. Fails too when more than
+    `max_unreadable` (a count or "N%"; default 0) of the input could not be read or rendered.
+    A side request (a fork of the main chain: title generation, memory extraction, …) is not a break
+    of the main chain; with `fail_on="side_request"` each one fails the check too."""
     allowed = parse_allow(allow)
+    failing = parse_fail_on(fail_on)
     report = analyze(source, **analyze_kwargs)
-    result = CheckResult(report, allowed)
+    report.too_much_unread(max_unreadable)  # a bad threshold is an error before any verdict
+    result = CheckResult(report, allowed, max_unreadable=max_unreadable)
     for s in report.sessions:
+        if s.parent is not None:  # a side request and its own follow-ups: not the main chain's breaks
+            if "side_request" not in failing or not s.turns:
+                continue
+            result.problems.append(Problem(s.id, s.turns[0]))
         for t in s.turns:
             if (t.brk and t.brk.cause not in allowed) or t.note.startswith("unrenderable"):
                 result.problems.append(Problem(s.id, t))
@@ -84,26 +125,31 @@ def check(source: Any, *, allow: str | Iterable[str] | None = None, **analyze_kw
 
 
 def assert_prefix_stable(requests: Iterable[Any], *, allow: str | Iterable[str] | None = None,
-                         template: str | Path | None = None, **analyze_kwargs: Any) -> CheckResult:
+                         template: str | Path | None = None, fail_on: str | Iterable[str] | None = "side_request",
+                         **analyze_kwargs: Any) -> CheckResult:
     """Raises AssertionError naming the first break that is not allowed.
-    `requests` are chat-completions bodies of one conversation, in order."""
+    `requests` are chat-completions bodies of one conversation, in order: a request that replaces
+    both the system prompt and the tools fails as a side request unless `fail_on=None`."""
     from analyzer.load import Request
 
     # One scripted conversation: one session, never inferred apart.
     items = [r if not isinstance(r, dict) else Request(f"request-{i}", float(i), r, "assert_prefix_stable")
              for i, r in enumerate(requests)]
-    result = check(items, allow=allow, template=template, **analyze_kwargs)
+    result = check(items, allow=allow, template=template, fail_on=fail_on, **analyze_kwargs)
     if not result.ok:
         raise AssertionError(result.summary())
     return result
 
 
 def _session_case(s: SessionResult, problems: list[Problem]) -> ET.Element:
-    case = ET.Element("testcase", classname="prefixtrace.check", name=f"session {s.id}")
+    # Session ids, roles and diff windows are client text: `xml_text` keeps the file
+    # parseable whatever they hold (ElementTree escapes markup, not invalid characters).
+    case = ET.Element("testcase", classname="prefixtrace.check", name=xml_text(f"session {s.id}"))
     for p in problems:
-        cause = p.turn.brk.cause if p.turn.brk else "unrenderable"
+        cause = p.turn.brk.cause if p.turn.brk else (
+            "side_request" if p.turn.note.startswith("side request") else "unrenderable")
         failure = ET.SubElement(case, "failure", message=f"turn {p.turn.index}: {cause}", type=cause)
-        failure.text = str(p)
+        failure.text = xml_text(str(p))
     return case
 
 

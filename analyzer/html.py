@@ -3,15 +3,20 @@ per-session timeline (stacked bars per turn: cached vs re-prefilled tokens,
 the re-prefilled part coloured by the break's cause) and the diff window of
 every break. Charts are inline SVG, so the file renders without scripts; a
 tiny script only marks the document as rendered (tests use it).
+
+Everything in the report that came from a client (session ids, roles, tool
+and parameter names inside a subtype, the diff windows) is HTML-escaped where
+it is interpolated, and the totals reach the script as a JSON island that no
+text can close (docs/SECURITY.md).
 """
 
 from __future__ import annotations
 
 import html
-import json
 
 from analyzer.analysis import Report
 from analyzer.causes import CAUSES
+from prefixtrace.escaping import script_json
 
 COLOURS = dict(zip(CAUSES, ("#9aa5b1", "#d64545", "#e8833a", "#8e44ad", "#2d7dd2", "#f2c14e", "#3c9d5d",
                              "#c2185b", "#00897b", "#6d4c41", "#546e7a")))
@@ -52,6 +57,8 @@ def to_html(report: Report) -> str:
         "svg.timeline{border-bottom:1px solid #999;display:block;margin:.5em 0}table{border-collapse:collapse}"
         "td,th{padding:2px 8px;border-bottom:1px solid #eee;text-align:right}",
         "</style></head><body>",
+        "".join(f'<p class="warning" style="background:#fff3cd;padding:.5em"><b>warning:</b> {esc(w)}</p>'
+                for w in report.warnings()),
         f"<h1>prefixtrace analysis</h1><p>renderer: <code>{esc(report.renderer)}</code> · tokenizer: "
         f"<code>{esc(report.tokenizer)}</code> · {d['totals']['reprefill_tokens']:,} of "
         f"{d['totals']['prompt_tokens']:,} prompt tokens re-prefilled</p>",
@@ -61,22 +68,36 @@ def to_html(report: Report) -> str:
     if d["totals"]["by_cause"]:
         parts.append("<table><tr><th>cause</th><th>breaks</th><th>re-prefilled tokens</th></tr>")
         for cause, c in d["totals"]["by_cause"].items():
-            parts.append(f"<tr><td>{cause}</td><td>{c['breaks']}</td><td>{c['reprefill_tokens']:,}</td></tr>")
+            parts.append(f"<tr><td>{esc(cause)}</td><td>{c['breaks']}</td><td>{c['reprefill_tokens']:,}</td></tr>")
+        parts.append("</table>")
+    if report.what_if:
+        parts.append('<table class="what-if"><tr><th>what if</th><th>rules</th><th>cached</th><th>re-prefilled</th>'
+                     "<th>lost to</th></tr>")
+        for w in report.what_if:
+            lost = ", ".join(f"{k} {v:,}" for k, v in w["lost_to"].items())
+            parts.append(f"<tr><td>{esc(w['policy'])}</td><td>{esc(w['rules'])}</td><td>{w['cached_tokens']:,}</td>"
+                         f"<td>{w['reprefill_tokens']:,}</td><td>{esc(lost)}</td></tr>")
         parts.append("</table>")
     for skipped in report.skipped:
         parts.append(f"<p>skipped line {skipped['line']}: {esc(skipped['error'])}</p>")
     for s in report.sessions:
         breaks = [t for t in s.turns if t.brk]
+        side = f", side request of {s.parent}: {s.side_reason}" if s.parent else ""
         parts.append(f'<section class="session" data-session="{esc(s.id)}"><h2>session {esc(s.id)}</h2>'
-                     f"<p>{len(s.turns)} turns, {len(breaks)} break(s)</p>{_svg(s)}")
+                     f"<p>{len(s.turns)} turns, {len(breaks)} break(s){esc(side)}</p>{_svg(s)}")
         for t in breaks:
             b = t.brk
-            parts.append(f'<div class="break" data-cause="{b.cause}"><h3>turn {t.index}: {b.cause}'
-                         f"{'/' + b.subtype if b.subtype else ''}</h3><p>message {b.message_index} ({esc(str(b.role))}),"
+            kind = esc(f"{b.cause}{'/' + b.subtype if b.subtype else ''}")  # a subtype can be a client's role
+            parts.append(f'<div class="break" data-cause="{esc(b.cause)}"><h3>turn {t.index}: {kind}'
+                         f"</h3><p>{esc(b.where())},"
                          f" char {b.char_offset:,}, token {b.token_offset:,}, {t.reprefill_tokens:,} tokens re-prefilled"
                          + (f", payload <code>{esc(b.path)}</code>" if b.path else "") + "</p>"
-                         f'<pre class="del">- {esc(b.before)}</pre><pre class="ins">+ {esc(b.after)}</pre></div>')
+                         f'<pre class="del">- {esc(b.before)}</pre><pre class="ins">+ {esc(b.after)}</pre>'
+                         + (f'<p class="fix">fix (saves {b.saves_tokens:,} tokens): {esc(b.suggestion)}</p>'
+                            if b.suggestion else "") + "</div>")
         parts.append("</section>")
-    parts.append(f"<script>document.body.dataset.rendered = String(document.querySelectorAll('svg.timeline').length);"
-                 f"window.prefixtraceReport = {json.dumps(d['totals'])};</script></body></html>")
+    parts.append(f'<script type="application/json" id="totals">{script_json(d["totals"])}</script>'
+                 "<script>document.body.dataset.rendered = String(document.querySelectorAll('svg.timeline').length);"
+                 "window.prefixtraceReport = JSON.parse(document.getElementById('totals').textContent);</script>"
+                 "</body></html>")
     return "".join(parts)

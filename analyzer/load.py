@@ -16,9 +16,11 @@ leading messages of a session the same objects.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,11 @@ class Request:
     line: int | None = None
     reported_prompt_tokens: int | None = None
     reported_cached_tokens: int | None = None
+    endpoint: str | None = None  # e.g. "/v1/messages": says which API the body is
+    status: int | None = None  # HTTP status the client got; >= 400 = failed, listed but not chained
+    error: str | None = None
+    ts_given: bool = True  # False: the record had no time; `ts` only keeps it in file order
+    unreadable: str | None = None  # why the body could not be read as a request of any API
 
 
 @dataclass
@@ -54,19 +61,97 @@ def _int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+MS_THRESHOLD = 1e11  # epoch seconds reach 1e11 in the year 5138; a larger number is milliseconds
+TS_KEYS = ("ts", "timestamp", "time", "created_at", "startedDateTime")
+SESSION_KEYS = ("session", "session_id", "conversation_id")
+
+
+def parse_ts(value: Any) -> float | None:
+    """A record's time as epoch seconds: a number of seconds or milliseconds, a numeric string, or
+    ISO-8601 with any offset (`Z`, `+02:00`; without one, UTC). None when absent. Raises
+    InvalidRequest naming the value when it is none of these."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise InvalidRequest(f'"ts" must be a time, got {value!r}')
+    if isinstance(value, (int, float)):
+        ts = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        try:
+            ts = float(text)
+        except ValueError:
+            try:
+                moment = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+            except ValueError:
+                raise InvalidRequest(f'"ts" {value[:40]!r} is neither epoch seconds/ms nor ISO-8601') from None
+            if moment.tzinfo is None:
+                moment = moment.replace(tzinfo=timezone.utc)
+            return moment.timestamp()
+    else:
+        raise InvalidRequest(f'"ts" must be a number or an ISO-8601 string, got {type(value).__name__}')
+    if not math.isfinite(ts):
+        raise InvalidRequest(f'"ts" must be finite, got {value!r}')
+    return ts / 1000.0 if abs(ts) >= MS_THRESHOLD else ts
+
+
+def session_of(value: Any) -> str | None:
+    """A session id as harnesses send it. Claude Code's `metadata.user_id` (recorded as the session)
+    is a JSON object whose `session_id` is the conversation; the device and account parts are the
+    same for every conversation on a machine, so they must not group them."""
+    if value is None:
+        return None
+    text = str(value)
+    if text.startswith("{") and '"session_id"' in text:
+        try:
+            inner = json.loads(text)
+        except ValueError:
+            return text
+        if isinstance(inner, dict) and isinstance(inner.get("session_id"), str) and inner["session_id"]:
+            return inner["session_id"]
+    return text
+
+
+def _first(obj: dict, keys: tuple[str, ...]) -> Any:
+    for k in keys:
+        if obj.get(k) is not None:
+            return obj[k]
+    return None
+
+
+def _is_body(obj: dict) -> bool:
+    return isinstance(obj.get("messages"), list) or "input" in obj or "instructions" in obj
+
+
 def request_from_record(obj: Any, lineno: int, source: str) -> Request:
-    """A wrapped record or a bare request body as a Request (rules of
-    docs/FORMATS.md). Raises InvalidRequest when it is neither."""
+    """A wrapped record (this project's export, or any `{"request": …}` envelope) or a bare request
+    body of any of the three APIs as a Request (docs/ANALYZER.md "Inputs"). Raises InvalidRequest
+    with the reason when it is neither."""
     if not isinstance(obj, dict):
         raise InvalidRequest(f"expected a JSON object, got {type(obj).__name__}")
     if "request" not in obj:
-        if not isinstance(obj.get("messages"), list):
-            raise InvalidRequest('expected a wrapped turn (with "request") or a request body (with "messages")')
-        return Request(f"{source}:{lineno}", float(lineno), obj, None, lineno)
-    ts = obj.get("ts")
-    if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float))):
-        raise InvalidRequest('"ts" must be a number')
-    session = obj.get("session")
+        if not _is_body(obj):
+            raise InvalidRequest('expected a wrapped turn (with "request") or a request body '
+                                 '(with "messages", or "input" for the Responses API)')
+        meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+        session = session_of(meta.get("user_id")) if isinstance(meta.get("user_id"), str) and \
+            '"session_id"' in meta["user_id"] else None
+        return Request(f"{source}:{lineno}", float(lineno), obj, session, lineno, ts_given=False)
+    body = obj["request"]
+    endpoint = obj.get("endpoint") if isinstance(obj.get("endpoint"), str) else None
+    if isinstance(body, dict) and not _is_body(body) and isinstance(body.get("body"), (dict, str)):
+        # an HTTP-exchange envelope: {"request": {"url", "method", "body"}, "response": {...}}
+        inner = body["body"]
+        if isinstance(inner, str):
+            try:
+                inner = json.loads(inner)
+            except ValueError:
+                raise InvalidRequest('"request.body" is a string that is not JSON') from None
+        if isinstance(body.get("url"), str) and endpoint is None:
+            endpoint = "/" + body["url"].split("://", 1)[-1].split("/", 1)[-1].split("?", 1)[0]
+        body = inner
+    ts = parse_ts(_first(obj, TS_KEYS))
+    session = session_of(_first(obj, SESSION_KEYS))
     tokens = obj.get("tokens") if isinstance(obj.get("tokens"), dict) else None
     usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
     if tokens is not None:
@@ -75,14 +160,25 @@ def request_from_record(obj: Any, lineno: int, source: str) -> Request:
         details = usage.get("prompt_tokens_details")
         prompt = _int_or_none(usage.get("prompt_tokens"))
         cached = _int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None
+        if prompt is None and isinstance(usage.get("input_tokens"), int):  # Anthropic usage
+            read = _int_or_none(usage.get("cache_read_input_tokens"))
+            prompt = usage["input_tokens"] + (read or 0) + (_int_or_none(usage.get("cache_creation_input_tokens")) or 0)
+            cached = read
+    response = obj.get("response") if isinstance(obj.get("response"), dict) else {}
+    status = _int_or_none(response.get("status")) or _int_or_none(obj.get("status"))
+    error = response.get("error") if isinstance(response.get("error"), str) else None
     return Request(
         str(obj.get("id") or f"{source}:{lineno}"),
-        float(ts) if ts is not None else float(lineno),
-        obj["request"],
-        str(session) if session is not None else None,
+        ts if ts is not None else float(lineno),
+        body,
+        session,
         lineno,
         prompt,
         cached,
+        endpoint,
+        status,
+        error,
+        ts is not None,
     )
 
 
@@ -96,8 +192,25 @@ class _ArrayState:
 class IncrementalParser:
     """json.loads for JSONL lines whose `messages` arrays repeat earlier lines'."""
 
+    RECENT = 8  # arrays kept for lines without a session id (interleaved sessions of one harness)
+
     def __init__(self) -> None:
         self._last: dict[str | None, _ArrayState] = {}
+        self._recent: list[_ArrayState] = []  # most recent last
+
+    def _best_prev(self, line: str, arr: int, hint: str | None) -> _ArrayState | None:
+        """The earlier array this line most likely repeats: its session's, else (no id) whichever of
+        the recent ones shares the longest prefix with it (without this, two interleaved sessions
+        without ids would re-parse and re-key their whole history every turn)."""
+        if hint is not None and hint in self._last:
+            return self._last[hint]
+        best, best_common = None, 1
+        for prev in reversed(self._recent):
+            n = min(len(prev.text), len(line) - arr)
+            common = _common_prefix(prev.text, line[arr : arr + n])
+            if common > best_common:
+                best, best_common = prev, common
+        return best
 
     def loads(self, line: str) -> Any:
         start = line.find(_MESSAGES_KEY)
@@ -110,7 +223,7 @@ class IncrementalParser:
             return json.loads(line)
         m = _SESSION_RE.search(line, 0, start)
         hint = m.group(1) if m else None
-        parsed = self._parse_array(line, arr, self._last.get(hint) or self._last.get(None))
+        parsed = self._parse_array(line, arr, self._best_prev(line, arr, hint))
         if parsed is None:
             return json.loads(line)
         state, end = parsed
@@ -120,8 +233,11 @@ class IncrementalParser:
         if not isinstance(holder, dict) or "messages" not in holder or holder["messages"] is not None:
             return json.loads(line)
         holder["messages"] = list(state.items)
-        self._last[hint] = state
-        self._last[None] = state
+        if hint is not None:
+            self._last[hint] = state
+        self._recent.append(state)
+        if len(self._recent) > self.RECENT:
+            del self._recent[0]
         return obj
 
     def _parse_array(self, line: str, arr: int, prev: _ArrayState | None) -> tuple[_ArrayState, int] | None:
@@ -212,9 +328,50 @@ def read_jsonl(path: Path) -> Loaded:
 def _from_turns(turns: Iterable[Any]) -> Loaded:
     out = Loaded()
     for t in turns:
-        out.requests.append(Request(t.request_id, t.started_at, t.request_body, t.session_id, None,
-                                    t.prompt_tokens, t.cached_tokens))
+        out.requests.append(Request(t.request_id, t.started_at, t.request_body, session_of(t.session_id), None,
+                                    t.prompt_tokens, t.cached_tokens, getattr(t, "endpoint", None),
+                                    getattr(t, "status", None) or None, getattr(t, "error", None)))
     return out
+
+
+_HAR_START = re.compile(r'\s*\{\s*"log"\s*:')
+
+
+def read_har(path: Path) -> Loaded:
+    """Requests of a HAR file (browser, mitmproxy or this project's export), entry by entry: an entry
+    that cannot be read is reported with its index and skipped (`line` holds the entry number)."""
+    from recorder.har import entry_to_turn  # one reading of HAR entries, the recorder's
+
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"cannot read {path}: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
+    entries = doc.get("log", {}).get("entries") if isinstance(doc, dict) and isinstance(doc.get("log"), dict) else None
+    if not isinstance(entries, list):
+        raise InvalidRequest(f"{path}: not a HAR file (no log.entries list)")
+    out = Loaded()
+    for index, entry in enumerate(entries):
+        try:
+            turn = entry_to_turn(entry, index=index, source=path.name)
+        except InvalidRequest as exc:
+            out.skipped.append({"line": index, "entry": index, "error": exc.message})
+            continue
+        if turn is None:
+            continue  # not a chat request (pages, assets, GETs)
+        req = _from_turns([turn]).requests[0]
+        req.line = index
+        out.requests.append(req)
+    return out
+
+
+def _is_har(path: Path) -> bool:
+    if path.suffix.lower() == ".har":
+        return True
+    with open(path, "rb") as fh:
+        head = fh.read(4096).decode("utf-8", "replace").lstrip("\ufeff")
+    return bool(_HAR_START.match(head))
 
 
 def load(source: str | Path | Iterable[Any]) -> Loaded:
@@ -232,6 +389,8 @@ def load(source: str | Path | Iterable[Any]) -> Loaded:
             from recorder.reader import iter_turns  # the recorder is only needed for databases
 
             loaded = _from_turns(iter_turns(path))
+        elif _is_har(path):
+            loaded = read_har(path)
         else:
             loaded = read_jsonl(path)
     else:
@@ -243,9 +402,23 @@ def load(source: str | Path | Iterable[Any]) -> Loaded:
             elif hasattr(item, "request_body"):  # a recorder Turn
                 loaded.requests.extend(_from_turns([item]).requests)
             else:  # a body; one that is not an object is reported as unrenderable later
-                loaded.requests.append(Request(f"request-{i}", float(i), item, None, None))
+                loaded.requests.append(Request(f"request-{i}", float(i), item, None, None, ts_given=False))
+    _order_untimed(loaded.requests)
     loaded.requests.sort(key=lambda r: r.ts)
     return loaded
+
+
+def _order_untimed(requests: list[Request]) -> None:
+    """A request without a time keeps its place in the file: it takes the time of the last timed
+    request before it (the sort is stable), or of the first timed one when none came before."""
+    if all(r.ts_given for r in requests) or not any(r.ts_given for r in requests):
+        return
+    last = next(r.ts for r in requests if r.ts_given)
+    for r in requests:
+        if r.ts_given:
+            last = r.ts
+        else:
+            r.ts = last
 
 
 def share_prefix(prev: list | None, messages: list) -> list:

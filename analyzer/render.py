@@ -30,6 +30,7 @@ from typing import Any
 
 from analyzer.canon import flatten_content, messages_of, strip_ignored
 from prefixtrace.errors import InvalidRequest
+from prefixtrace.wire.normalize import template_message
 
 START, END = "<|im_start|>", "<|im_end|>\n"
 HEAD = -1  # owner of segments before the first message (tools, template preamble)
@@ -90,6 +91,7 @@ class GenericRenderer:
         for i, msg in enumerate(messages):
             if not isinstance(msg, dict):
                 raise InvalidRequest(f"message {i} is not an object")
+            msg = template_message(msg)  # as servers hand it to a template (null content, developer, arguments)
             role = str(msg.get("role", ""))
             out.roles.append(role)
             add(f"{START}{role}{' name=' + str(msg['name']) if msg.get('name') else ''}\n", i)
@@ -110,9 +112,25 @@ class GenericRenderer:
         return out
 
 
+_TOJSON_MEMO: dict[tuple, tuple[Any, str]] = {}
+
+
 def _hf_tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
                sort_keys: bool = False) -> str:
     # transformers' version: no key sorting, no HTML escaping (jinja's own tojson does both).
+    if type(x) is dict or type(x) is list:
+        # Tool-call arguments are objects once parsed (as servers do, prefixtrace/wire/normalize.py) and
+        # live in cached message skeletons, so the same object is dumped again every later turn: memoise
+        # by identity (the object is kept in the memo, so its id cannot be reused while the entry lives).
+        key = (id(x), ensure_ascii, indent, None if separators is None else tuple(separators), sort_keys)
+        hit = _TOJSON_MEMO.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        text = json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        if len(_TOJSON_MEMO) > 200_000:
+            _TOJSON_MEMO.clear()
+        _TOJSON_MEMO[key] = (x, text)
+        return text
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -199,8 +217,6 @@ class TemplateRenderer:
         return cls(template, f"model:{p.name}", special)
 
     def render(self, body: Any) -> Rendered:
-        from jinja2.exceptions import TemplateError
-
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             raise InvalidRequest("request has no \"messages\" list")
         messages = messages_of(body)
@@ -214,13 +230,9 @@ class TemplateRenderer:
         kwargs = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else {}
         tools = strip_ignored(body.get("tools")) or None
         try:
-            text = self.template.render(
-                **{**self.special, **kwargs}, messages=skeleton, tools=tools, add_generation_prompt=False
-            )
-        except RenderError:
-            raise
-        except (TemplateError, TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
-            raise RenderError(f"template {self.name} failed: {type(exc).__name__}: {exc}") from exc
+            text = self._render_text(skeleton, tools, kwargs)
+        except RenderError as exc:
+            raise RenderError(f"{exc.message}{self._where(skeleton, tools, kwargs)}") from exc
         out = Rendered([], [], [], self.name, len(messages), [str(m.get("role", "")) for m in messages])
         parts = _SENTINEL_RE.split(text)
         pending: list[str] = []  # literal text waiting for the owner of the next content
@@ -241,14 +253,46 @@ class TemplateRenderer:
             out.segments.append(lit), out.owners.append(last), out.kinds.append("")
         return out
 
+    def _render_text(self, skeleton: list, tools: Any, kwargs: dict) -> str:
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self.template.render(
+                **{**self.special, **kwargs}, messages=skeleton, tools=tools, add_generation_prompt=False
+            )
+        except RenderError:
+            raise
+        except (TemplateError, TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
+            raise RenderError(f"template {self.name} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _where(self, skeleton: list, tools: Any, kwargs: dict) -> str:
+        """", at message K (role)": the shortest prefix of the messages that the template refuses
+        (binary search, only paid when a render fails). Empty when even one message fails or all do."""
+        lo, hi = 1, len(skeleton)  # the full list fails; find the smallest failing prefix length
+        try:
+            self._render_text(skeleton[:1], tools, kwargs)
+        except RenderError:
+            return " (at message 0)" if len(skeleton) == 1 else ""
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            try:
+                self._render_text(skeleton[:mid], tools, kwargs)
+                lo = mid
+            except RenderError:
+                hi = mid
+        k = hi - 1
+        role = skeleton[k].get("role") if isinstance(skeleton[k], dict) else None
+        return f" (at message {k}, {role})"
+
     def _skeleton(self, msg: Any, index: int) -> tuple[Any, list[int]]:
         hit = self._skeletons.get(id(msg))
         if hit is not None and hit[0] is msg:
             return hit[1], hit[2]
         if not isinstance(msg, dict):
             raise InvalidRequest(f"message {index} is not an object")
-        out = dict(msg)
-        out["content"] = flatten_content(msg.get("content"))
+        # What servers do before the template (prefixtrace/wire/normalize.py), then our flattening.
+        out = dict(template_message(msg))
+        out["content"] = flatten_content(out.get("content"))
         sids = []
         for key, kind in (("content", "content"), ("reasoning_content", "reasoning"), ("reasoning", "reasoning")):
             value = out.get(key)

@@ -28,25 +28,34 @@ def format_text(report: Report, width: int = 140) -> str:
     from rich.table import Table
 
     buf = io.StringIO()
-    console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False)
+    # markup=False: session ids and roles are client text, not rich markup ("[/x]" would raise).
+    console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False, markup=False)
+    for warning in report.warnings():
+        console.print(f"WARNING: {warning}")
     console.print(f"renderer: {report.renderer}    tokenizer: {report.tokenizer}"
                   + (f"    block size: {report.block_size}" if report.block_size else "")
                   + (f"    prefill rate: {report.prefill_rate:g} tok/s" if report.prefill_rate else ""))
     if report.renderer == "generic-chatml":
         console.print("(no chat template given: generic ChatML-like renderer, see docs/ANALYZER.md)")
     for skipped in report.skipped:
-        console.print(f"skipped line {skipped['line']}: {skipped['error']}")
+        console.print(f"skipped line {skipped['line']}: {skipped['error']}", markup=False)
+    if report.failed:
+        console.print(f"{len(report.failed)} failed request(s) (listed, not chained):", markup=False)
+        for f in report.failed:
+            console.print(f"  line {f['line']} status {f['status']} session {f['session']}: {f['error'][:120]}",
+                          markup=False)
     for s in report.sessions:
         d = s.to_dict(report.prefill_rate)
         breaks = [t for t in s.turns if t.brk]
-        table = Table(title=f"session {s.id} ({'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
+        kind = f"side request of {s.parent}, {s.side_reason}; " if s.parent else ""
+        table = Table(title=f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
                             f"{len(breaks)} break(s)", title_justify="left")
         for col in ("#", "prompt", "common", "reprefill", "cached (reported)", "break"):
             table.add_column(col, justify="right" if col != "break" else "left")
         for t in s.turns:
             if t.brk:
-                where = f"{t.brk.cause}{'/' + t.brk.subtype if t.brk.subtype else ''} @ msg {t.brk.message_index}" \
-                        f" ({t.brk.role}), char {t.brk.char_offset:,}, token {t.brk.token_offset:,}"
+                where = f"{t.brk.cause}{'/' + t.brk.subtype if t.brk.subtype else ''} @ {t.brk.where()}" \
+                        f", char {t.brk.char_offset:,}, token {t.brk.token_offset:,}"
             else:
                 where = t.note or "append-only"
             flag = " !" if t.cached_disagrees else ""
@@ -58,6 +67,8 @@ def format_text(report: Report, width: int = 140) -> str:
                           + (f", payload {t.brk.path}" if t.brk.path else ""))
             console.print(f"    - {t.brk.before!r}")
             console.print(f"    + {t.brk.after!r}")
+            if t.brk.suggestion:
+                console.print(f"    fix (saves {t.brk.saves_tokens:,} tokens): {t.brk.suggestion}")
         for cause, c in d["totals"]["by_cause"].items():
             console.print(f"  {cause}: {c['breaks']} break(s), {c['reprefill_tokens']:,} tokens re-prefilled"
                           + _minutes(c.get("seconds")))
@@ -68,5 +79,10 @@ def format_text(report: Report, width: int = 140) -> str:
     for cause, c in totals["by_cause"].items():
         console.print(f"  {cause} cost {c['reprefill_tokens']:,} tokens{_minutes(c.get('seconds'))} "
                       f"over {c['breaks']} break(s)")
+    for w in report.what_if:
+        console.print(f"what if {w['policy']} ({w['rules']}): {w['cached_tokens']:,} of {w['prompt_tokens']:,} "
+                      f"prompt tokens cached ({(w['hit_rate'] or 0) * 100:.1f} %), {w['reprefill_tokens']:,} re-prefilled; "
+                      f"exact-prefix ideal {w['ideal_cached_tokens']:,}"
+                      + "".join(f"; lost to {k} {v:,}" for k, v in w["lost_to"].items()))
     console.print("('!' = the server's reported cached tokens disagree with the prediction by more than 10 points)")
     return buf.getvalue()

@@ -1,16 +1,19 @@
-"""Decode-step attention over a TurboQuant cache: rotated basis vs decoding the cache.
+"""Decode-step attention of one layer: dense vs TurboQuant, MLX ops vs the CUDA kernels.
 
-Per decode step of one attention layer holding T cached tokens, side by side:
+Per decode step of one attention layer holding T cached tokens per row, side by side:
 
-* dense: a bf16/f32 `KVCache` and the fused SDPA (the floor);
-* TQ decoded, session-1 unpack: every step decodes the whole cache (codebook
-  lookup x norm, inverse rotation of every vector), codes unpacked with gathers;
-* TQ decoded: the same with one table gather per byte of codes (bits dividing 8);
-* TQ rotated: the query is rotated once, attention runs over codebook values
-  x norms in the rotated basis, the output is rotated back once (the hook).
+* dense: a `KVCache` and MLX's fused SDPA (the floor, rows of equal length);
+* TQ MLX ops: the rotated-basis path with stock MLX ops (codebook values of the
+  whole cache materialised, then SDPA), what the CPU runs;
+* TQ kernel (CUDA): engine/decode_attention.py's split-K kernel over the codes;
+* dense kernel (CUDA): the dense split-K kernel over equal-length rows;
+* with --rows > 1, left-padded rows: MLX's masked SDPA vs the dense kernel.
 
-    python bench/bench_tq_attention.py                 # SmolLM2 and Qwen3-8B layer shapes, T = 1k/4k/16k
-    python bench/bench_tq_attention.py --context 4096 --shape qwen3-8b
+Each step includes the cache update (TurboQuant encodes the new token); --parts also
+times update and attention apart.
+
+    python bench/bench_tq_attention.py --shape qwen3-8b --context 4096 --context 32768 --context 100000
+    python bench/bench_tq_attention.py --shape qwen3-8b --rows 1 --rows 8 --context 32768 --parts
     python bench/bench_tq_attention.py --model fixtures/tiny-llama     # whole-model decode tok/s
 """
 
@@ -28,58 +31,142 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.tq_cache import TurboQuantKVCache  # noqa: E402
-from engine.turboquant import get_codec  # noqa: E402
+from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache  # noqa: E402
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "qwen3-8b": (32, 8, 128)}  # query heads, KV heads, head dim
 
 
-def step_time(cache, mode: str, q_heads: int, kv_heads: int, dim: int, dtype, steps: int) -> float:
+def step_time(cache, mode: str, q_heads: int, kv_heads: int, dim: int, dtype, steps: int, rows: int = 1,
+              part: str = "step") -> float:
+    """Median seconds of one decode step of one layer: `update_and_fetch` of a new token per
+    row, then attention ("dense": MLX's SDPA over the returned K/V, with the padding mask
+    when rows are padded; "hook": the attention hook's route, which takes
+    engine.decode_attention's kernels where `decode_attention.mode()` says so; "decoded":
+    SDPA over the cache's decoded K/V). part "update" times the update alone, "attend" the
+    attention alone (its update evaluated first)."""
+    from engine.tq_cache import _hooked
+
+    hook = _hooked(lambda q, k, v, cache, scale, mask, sinks=None: mx.fast.scaled_dot_product_attention(
+        q, k, v, scale=scale, mask=mask))
     times = []
     for _ in range(steps):
-        k = mx.random.normal((1, kv_heads, 1, dim)).astype(dtype)
-        v = mx.random.normal((1, kv_heads, 1, dim)).astype(dtype)
-        q = mx.random.normal((1, q_heads, 1, dim)).astype(dtype)
-        mx.eval(k, v, q)
+        k = mx.random.normal((rows, kv_heads, 1, dim)).astype(dtype)
+        v = mx.random.normal((rows, kv_heads, 1, dim)).astype(dtype)
+        q = mx.random.normal((rows, q_heads, 1, dim)).astype(dtype)
+        mask = cache.make_mask(1) if hasattr(cache, "left_padding") else None
+        mx.eval(k, v, q, mask) if mask is not None else mx.eval(k, v, q)
         t0 = time.perf_counter()
         keys, values = cache.update_and_fetch(k, v)
-        if mode == "rotated":
-            out = cache.attend(q, dim ** -0.5, None)
+        if part == "update":
+            mx.eval(*_cache_arrays(cache))
+            times.append(time.perf_counter() - t0)
+            continue
+        if part == "attend":
+            mx.eval(*_cache_arrays(cache))
+            t0 = time.perf_counter()
+        if mode == "hook":
+            out = hook(q, keys, values, cache=cache, scale=dim ** -0.5, mask=mask)
         else:
-            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=dim ** -0.5)
-        mx.eval(out, *([cache.state] if mode == "dense" else [cache.tail_k, cache.k.codes]))
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=dim ** -0.5, mask=mask)
+        mx.eval(out, *_cache_arrays(cache))
         times.append(time.perf_counter() - t0)
     return statistics.median(times[2:])
 
 
-def measure(shape: str, context: int, bits: int, dtype, steps: int) -> dict:
+def _cache_arrays(cache) -> list:
+    if isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):
+        tail = cache.tail_k if isinstance(cache, TurboQuantKVCache) else cache.win_k
+        return [cache.k.codes, cache.v.codes, cache.k.norms, tail]
+    return [cache.keys, cache.values]
+
+
+def _fill(cache, keys, values, chunk: int = 8192):
+    for a in range(0, keys.shape[2], chunk):
+        cache.update_and_fetch(keys[:, :, a : a + chunk], values[:, :, a : a + chunk])
+        mx.eval(*_cache_arrays(cache))
+    return cache
+
+
+def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 1, parts: bool = False) -> dict:
+    """One layer's decode step at `rows` rows of `context` tokens: dense (MLX's fused SDPA) and
+    TurboQuant through MLX ops and through the kernel; with several rows, also left-padded
+    rows (every row but the first 1,000 tokens shorter), dense (masked SDPA vs the kernel)."""
     from mlx_lm.models.cache import KVCache
+
+    from engine import decode_attention
+    from engine.batch_cache import RowBatchKVCache
 
     q_heads, kv_heads, dim = SHAPES[shape]
     mx.random.seed(0)
-    keys = mx.random.normal((1, kv_heads, context, dim)).astype(dtype)
-    values = mx.random.normal((1, kv_heads, context, dim)).astype(dtype)
-    dense = KVCache()
-    dense.update_and_fetch(keys, values)
-    row = {"shape": shape, "context": context, "bits": bits}
-    row["dense_ms"] = 1e3 * step_time(dense, "dense", q_heads, kv_heads, dim, dtype, steps)
-    codec = get_codec(dim, bits)
-    for mode in ("decoded_gather_unpack", "decoded", "rotated"):
-        tq = TurboQuantKVCache(kv_bits=bits)
-        tq.update_and_fetch(keys, values)
-        mx.eval(tq.k.codes, tq.v.codes, tq.tail_k)
-        saved = codec._shifts, codec._byte_table
-        if mode == "decoded_gather_unpack":  # session 1's decode: gathers to unpack, then to look up
-            codec._shifts = codec._byte_table = None
+    keys = mx.random.normal((rows, kv_heads, context, dim)).astype(dtype)
+    values = mx.random.normal((rows, kv_heads, context, dim)).astype(dtype)
+    mx.eval(keys, values)
+    row = {"shape": shape, "context": context, "rows": rows, "bits": bits}
+    kernel = decode_attention.available()
+    saved = decode_attention.mode()
+
+    def timed(name, make, mode, kernel_mode, part="step"):
+        decode_attention.set_mode(kernel_mode)
         try:
-            row[f"tq_{mode}_ms"] = 1e3 * step_time(tq, "rotated" if mode == "rotated" else "decoded",
-                                                   q_heads, kv_heads, dim, dtype, steps)
+            row[name] = round(1e3 * step_time(make(), mode, q_heads, kv_heads, dim, dtype, steps, rows, part), 4)
         finally:
-            codec._shifts, codec._byte_table = saved
-    for mode in ("decoded_gather_unpack", "decoded", "rotated"):
-        row[f"{mode}_vs_dense"] = round(row[f"tq_{mode}_ms"] / row["dense_ms"], 2)
-    row["rotated_speedup_vs_session1"] = round(row["tq_decoded_gather_unpack_ms"] / row["tq_rotated_ms"], 2)
-    return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+            decode_attention.set_mode(saved)
+
+    def dense():
+        c = KVCache()
+        c.update_and_fetch(keys, values)
+        return c
+
+    def tq():
+        return _fill(TurboQuantKVCache(kv_bits=bits), keys, values)
+
+    timed("dense_ms", dense, "dense", "off")
+    timed("tq_mlx_ops_ms", tq, "hook", "off")
+    if kernel:
+        timed("tq_kernel_ms", tq, "hook", "on")
+        if parts:
+            timed("tq_update_ms", tq, "hook", "on", "update")
+            timed("tq_kernel_attend_ms", tq, "hook", "on", "attend")
+            timed("dense_attend_ms", dense, "dense", "off", "attend")
+        row["tq_kernel_vs_dense"] = round(row["tq_kernel_ms"] / row["dense_ms"], 3)
+    row["tq_mlx_ops_vs_dense"] = round(row["tq_mlx_ops_ms"] / row["dense_ms"], 3)
+    if rows > 1:
+        lengths = [context] + [context - 1000 - 37 * i for i in range(rows - 1)]
+
+        def padded_dense():
+            singles = []
+            for i, n in enumerate(lengths):
+                c = KVCache()
+                c.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+                singles.append(c)
+            return RowBatchKVCache.merge(singles)
+
+        timed("dense_padded_masked_ms", padded_dense, "dense", "off")
+        if kernel:
+            timed("dense_padded_kernel_ms", padded_dense, "hook", "on")
+            row["dense_padded_kernel_vs_unpadded"] = round(row["dense_padded_kernel_ms"] / row["dense_ms"], 3)
+        row["dense_padded_masked_vs_unpadded"] = round(row["dense_padded_masked_ms"] / row["dense_ms"], 3)
+    if kernel:
+        timed("dense_kernel_ms", dense_batch(keys, values), "hook", "all")
+        row["dense_kernel_vs_dense"] = round(row["dense_kernel_ms"] / row["dense_ms"], 3)
+    return row
+
+
+def dense_batch(keys, values):
+    """Equal-length rows as a `RowBatchKVCache` (no padding): the dense kernel in mode "all"."""
+    from mlx_lm.models.cache import KVCache
+
+    from engine.batch_cache import RowBatchKVCache
+
+    def make():
+        singles = []
+        for i in range(keys.shape[0]):
+            c = KVCache()
+            c.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+            singles.append(c)
+        return RowBatchKVCache.merge(singles)
+
+    return make
 
 
 def model_decode(model_dir: Path, context: int, tokens: int, bits: int) -> dict:
@@ -143,16 +230,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--model", type=Path, help="also time whole-model decode on this mlx-lm directory")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rows", type=int, action="append", help="rows per step (default 1; repeat: --rows 1 --rows 8)")
+    ap.add_argument("--parts", action="store_true", help="also time the update and the attention apart")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
     if args.model:
         for context in args.context or (1024, 4096):
             print(json.dumps(model_decode(args.model, context, args.tokens, args.bits)))
         return
-    print(json.dumps({"device": str(mx.default_device()), "dtype": args.dtype}))
+    out = [{"device": str(mx.default_device()), "dtype": args.dtype}]
+    print(json.dumps(out[0]), flush=True)
     for shape in args.shape or list(SHAPES):
-        for context in args.context or (1024, 4096, 16384):
-            print(json.dumps(measure(shape, context, args.bits, dtype, args.steps)))
+        for rows in args.rows or [1]:
+            for context in args.context or (1024, 4096, 16384):
+                out.append(measure(shape, context, args.bits, dtype, args.steps, rows, args.parts))
+                print(json.dumps(out[-1]), flush=True)
+                mx.clear_cache()
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -14,11 +14,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine import skinny_gemm
+from engine import decode_attention, skinny_gemm
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
+from engine.disk_cache import CacheDirUnusable
+from engine.grammar import GrammarCompiler
 from engine.memory import (CACHE_FRACTION, DEFAULT_CEILING_FRACTION, MemoryModel, default_cache_bytes, default_prefill_chunk,
                            machine_memory_bytes, measured, weights_bytes)
 from engine.model_files import load_model_dir
+from engine.reply_parser import ReplyFormat
 from engine.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_DISK_BYTES, PrefixCache
 from engine.render_policy import DEFAULT_GUARD_TOKENS, BoundPolicy, NoticeRule, RenderPolicy, TemplateTraits
 from engine.scheduler import Scheduler
@@ -61,6 +64,8 @@ class Engine:
             many tokens is cut once.
         notice_pattern: regex matched at the start of a user message's text that marks it as a
             harness notice, not a real user turn (None: render_policy.DEFAULT_NOTICE_PATTERN).
+        allow_client_templates: accept a request's own chat template (chat_template_kwargs.chat_template),
+            rendered in a bounded child process; refused with a 400 otherwise.
     """
 
     def __init__(
@@ -85,6 +90,7 @@ class Engine:
         thinking_retention: str = "loop",
         thinking_retention_guard_tokens: int = DEFAULT_GUARD_TOKENS,
         notice_pattern: str | None = None,
+        allow_client_templates: bool = False,
     ):
         if kv_quant not in ("none", "turboquant") or not 1 <= kv_bits <= 8:
             raise EngineError(f"kv_quant must be none|turboquant and kv_bits 1..8 (got {kv_quant!r}, {kv_bits})")
@@ -95,6 +101,7 @@ class Engine:
             NoticeRule(notice_pattern) if notice_pattern is not None else NoticeRule(),
         )
         self._bound_policy: BoundPolicy | None = None  # bound to the template once the tokenizer is loaded
+        self.allow_client_templates = allow_client_templates  # chat_template_kwargs.chat_template (docs/SECURITY.md)
         self.model_dir = Path(model_dir)
         # Runs on the engine thread; benchmarks pass one that builds a model in memory.
         self._loader = loader or (lambda: load_model_dir(self.model_dir, self.dtype))
@@ -109,6 +116,8 @@ class Engine:
         self.memory: MemoryModel | None = None
         self.model = None
         self.tokenizer = None
+        self.reply_format: ReplyFormat | None = None  # how this model marks reasoning and tool calls
+        self.grammar: GrammarCompiler | None = None  # constrained decoding (tool_choice, response_format)
         self.context_length: int = 0
         self.prefix_cache: PrefixCache | None = None
         self._queue: queue.Queue[Sequence | None] = queue.Queue()
@@ -127,6 +136,8 @@ class Engine:
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the model is loaded; re-raise a load failure."""
         self._ready.wait(timeout)
+        if isinstance(self._load_error, CacheDirUnusable):  # the model loaded; its cache directory did not
+            raise self._load_error
         if self._load_error is not None:
             raise EngineError(f"could not load model {self.model_dir}: {self._load_error}") from self._load_error
         return self._ready.is_set()
@@ -147,7 +158,8 @@ class Engine:
         if not self.ready:
             raise EngineNotReady("the model is still loading")
         applied = self._bound_policy.apply(normalize_messages(messages), chat_template_kwargs)
-        rendered = render_prompt(self.tokenizer, applied.messages, tools=tools, chat_template_kwargs=applied.template_kwargs)
+        rendered = render_prompt(self.tokenizer, applied.messages, tools=tools, chat_template_kwargs=applied.template_kwargs,
+                                 allow_client_template=self.allow_client_templates)
         rendered.policy = applied.record
         return rendered
 
@@ -194,9 +206,15 @@ class Engine:
         try:
             self.model, self.tokenizer, config = self._loader()
             skinny_gemm.install(self.model)  # CUDA only: batched decode reads each weight once
-            if self.tq is not None:
-                install_attention_hook(self.model)  # attention in TurboQuant's rotated basis
+            if self.tq is not None or decode_attention.available():
+                # attention in TurboQuant's rotated basis; on CUDA also padded dense decode (no mask)
+                install_attention_hook(self.model)
             self.context_length = int(config.get("max_position_embeddings") or 4096)
+            self.reply_format = ReplyFormat.for_tokenizer(self.tokenizer)
+            self.grammar = GrammarCompiler(self.tokenizer, int(config.get("vocab_size") or len(self.tokenizer)))
+            log.info("reply format: tool calls %s%s, reasoning %s", self.reply_format.tool_parser_name,
+                     " (Hermes assumed: the tokenizer names no tool format)" if self.reply_format.fallback else "",
+                     self.reply_format.think_start or "none")
             traits = TemplateTraits.from_tokenizer(self.tokenizer)
             self._bound_policy = BoundPolicy(
                 self.render_policy, traits, lambda s: len(self.tokenizer.encode(s, add_special_tokens=False)))

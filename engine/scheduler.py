@@ -348,7 +348,7 @@ class Scheduler:
         their batched cache holding `cached_ids`."""
         joining = GenerationBatch(
             self.model, [seq.seq_id for seq in seqs], mx.array(inputs), layers, cached_ids, samplers, GREEDY,
-            [[] for _ in seqs], [StopSequences() if seq.params.ignore_eos else self._eos_stops for seq in seqs],
+            [list(seq.logits_processors) for seq in seqs], [StopSequences() if seq.params.ignore_eos else self._eos_stops for seq in seqs],
             max_tokens,
         )
         if self.batch is None or len(self.batch) == 0:

@@ -60,6 +60,9 @@ class Sequence:
     token_logprobs: list[float] = field(default_factory=list)
     top2_margins: list[float] = field(default_factory=list)
     num_pauses: int = 0
+    # mlx-lm logits processors for this row (engine/grammar.py: a grammar-constrained reply); none keeps
+    # the batch on GenerationBatch's unprocessed path.
+    logits_processors: list = field(default_factory=list)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
     @property

@@ -32,6 +32,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
+from engine import decode_attention
 from engine.turboquant import get_codec
 
 __all__ = ["TurboQuantKVCache", "BatchTurboQuantKVCache", "TQConfig", "make_tq_cache", "to_turboquant",
@@ -70,6 +71,18 @@ class _Codes:
         self.codes = _grow(self.codes, used, codes)
 
 
+def _encode_into(k: _Codes, v: _Codes, used: int, keys: mx.array, values: mx.array, ck, cv) -> None:
+    """Encode new keys/values and write them at column `used`: on CUDA one fused launch
+    for both (engine.decode_attention.encode_kv) instead of some twenty MLX ops."""
+    if ck is cv and decode_attention.use_encode(keys, values, ck):
+        kn, kc, vn, vc = decode_attention.encode_kv(keys, values, ck)
+        k.write(used, kn, kc)
+        v.write(used, vn, vc)
+        return
+    k.write(used, *ck.encode(keys))
+    v.write(used, *cv.encode(values))
+
+
 class TurboQuantKVCache(_BaseCache):
     """One row of TurboQuant-coded K/V with a dense tail of < `group` recent tokens.
 
@@ -93,9 +106,7 @@ class TurboQuantKVCache(_BaseCache):
 
     def update_and_fetch(self, keys, values):
         prev, n = self.offset, self.offset + keys.shape[2]
-        ck, cv = self.codec(keys.shape[-1]), self.codec(values.shape[-1])
-        self.k.write(prev, *ck.encode(keys))
-        self.v.write(prev, *cv.encode(values))
+        _encode_into(self.k, self.v, prev, keys, values, self.codec(keys.shape[-1]), self.codec(values.shape[-1]))
         b = min(prev, _floor(n, self.group))  # positions < b are seen decoded
         cut = b - _floor(prev, self.group)
         # Positions [b, n), seen dense. The new tail is cut from these alone, so it
@@ -243,8 +254,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         prev, N = self._idx, keys.shape[2]
         new_idx = prev + N
         ck, cv = get_codec(keys.shape[-1], self.kv_bits, self.seed), get_codec(values.shape[-1], self.kv_bits, self.seed)
-        self.k.write(prev, *ck.encode(keys))
-        self.v.write(prev, *cv.encode(values))
+        _encode_into(self.k, self.v, prev, keys, values, ck, cv)
         dense_k = keys if self.win_k is None else mx.concatenate([self.win_k, keys], axis=2)  # columns [ws, new_idx)
         dense_v = values if self.win_v is None else mx.concatenate([self.win_v, values], axis=2)
         ws = self._ws if self.win_k is not None else prev
@@ -430,7 +440,11 @@ class BatchTurboQuantKVCache(_BaseCache):
 def _attend_rotated(cache, queries: mx.array, scale: float, mask) -> mx.array:
     """softmax(q K^T) V with q and K, V all rotated by the codec's Pi: scores are
     unchanged (Pi is orthogonal), the output comes out rotated and is turned back
-    once per query instead of once per cached vector every step."""
+    once per query instead of once per cached vector every step. A decode step on
+    CUDA reads the codes directly instead (`_fused_decode`)."""
+    fused = _fused_decode(cache, queries, scale)
+    if fused is not None:
+        return fused
     keys, values = cache._fetch(rotated=True)
     qc = get_codec(queries.shape[-1], cache.kv_bits, cache.seed)
     vc = get_codec(values.shape[-1], cache.kv_bits, cache.seed)
@@ -439,12 +453,42 @@ def _attend_rotated(cache, queries: mx.array, scale: float, mask) -> mx.array:
     return vc.unrotate(out.astype(mx.float32)).astype(queries.dtype)
 
 
+def _fused_decode(cache, queries: mx.array, scale: float) -> mx.array | None:
+    """One decode token per row on CUDA: engine.decode_attention's kernel over this
+    step's codes (positions below each row's boundary) and dense columns, the same
+    positions `_fetch` decodes; None where it does not apply (CPU, prefill chunks,
+    head sizes or bits it has no variant for)."""
+    if cache._step is None or queries.shape[2] != 1:
+        return None
+    dense_k, dense_v = cache._step[-2:]
+    dim = queries.shape[-1]
+    if dense_k.shape[-1] != dim or dense_v.shape[-1] != dim:
+        return None
+    if not decode_attention.use_tq(queries, dense_k.shape[1], cache.kv_bits, dim):
+        return None
+    codec = get_codec(dim, cache.kv_bits, cache.seed)
+    if not codec.hadamard:
+        return None
+    if isinstance(cache, BatchTurboQuantKVCache):
+        end, lp = cache._step[1], cache.left_padding
+    else:
+        end, lp = cache.offset, None
+    cols = (slice(None), slice(None), slice(0, end))
+    return decode_attention.tq_attend(queries, cache.k.norms[cols], cache.k.codes[cols], cache.v.norms[cols],
+                                      cache.v.codes[cols], dense_k, dense_v, lp, scale, codec, cache.group)
+
+
 def _hooked(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if sinks is None and isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):
             # `keys`/`values` (the cache's unrotated K/V) go unused and, MLX being
             # lazy, are never computed.
             return cache.attend(queries, scale, mask)
+        if sinks is None and decode_attention.use_dense(cache, queries, keys, mask):
+            # Left-padded dense rows on CUDA: each row's start offset instead of the mask.
+            out = decode_attention.dense_attend(queries, keys, values, cache.left_padding, scale)
+            if out is not None:
+                return out
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.prefixtrace_tq_hook = True
@@ -452,7 +496,9 @@ def _hooked(original):
 
 
 def install_attention_hook(model) -> int:
-    """Route attention over TurboQuant caches through `_attend_rotated`.
+    """Route attention over TurboQuant caches through `_attend_rotated`, and a dense
+    batched decode step over left-padded rows on CUDA through
+    `engine.decode_attention.dense_attend` (each row's start offset, no mask).
 
     mlx-lm's attention modules call the `scaled_dot_product_attention` their own
     module imported from `mlx_lm.models.base`; there is no per-cache dispatch

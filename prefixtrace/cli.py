@@ -17,6 +17,7 @@ import click
 from prefixtrace import cli_analyze, cli_recorder
 from prefixtrace.cli_common import JSON_OPTION, FiniteFloatRange, echo_json, library_errors as _library_errors
 from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved
+from prefixtrace.urls import display_url
 
 
 @click.group()
@@ -66,7 +67,7 @@ def _upstream_urls(ctx, param, values):
         except ValueError:  # such a port, or an unclosed [IPv6 bracket
             ok = False
         if not ok:
-            raise click.BadParameter(f"{value!r} is not an http:// or https:// URL with a host.", ctx, param)
+            raise click.BadParameter(f"{display_url(value)!r} is not an http:// or https:// URL with a host.", ctx, param)
     return values
 
 
@@ -115,6 +116,31 @@ def _upstream_urls(ctx, param, values):
 @click.option("--notice-pattern", metavar="REGEX",
               help="A user message whose text matches this at its start is a harness notice, not a real user turn "
                    "(default: docs/RENDER_POLICIES.md).")
+@click.option("--max-tokens-policy", default="clamp", show_default=True, type=click.Choice(["clamp", "reject"]),
+              help="A max_tokens beyond what fits after the prompt: lower it to what fits (the reply ends with "
+                   "length / max_tokens, as llama.cpp, Ollama and LM Studio do), or refuse with a 400.")
+@click.option("--allow-client-templates", is_flag=True,
+              help="Accept a request's own chat template (chat_template_kwargs.chat_template), rendered in a "
+                   "bounded sandbox process. Default: refused with a 400 (docs/SECURITY.md).")
+@click.option("--allowed-hosts", metavar="NAMES",
+              help="Comma-separated host names the Host header may carry ('*': any). Default: 127.0.0.1, localhost, "
+                   "::1 and the --host address, so a web page under another name cannot drive the proxy "
+                   "(docs/SECURITY.md).")
+@click.option("--max-request-mb", default=32.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
+              help="Largest request body accepted; a bigger one is answered 413 and recorded without its body "
+                   "(a 100k-token prompt with tools is ~1 MB) (docs/SECURITY.md).")
+@click.option("--recorder-stuck-after-s", default=30.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
+              help="A recorder write taking longer than this makes /health answer 503, and responses stop waiting "
+                   "for their commit (the turn stays queued) (docs/SECURITY.md).")
+@click.option("--default-temperature", type=FiniteFloatRange(min=0, max=2), metavar="T",
+              help="Temperature of requests that set none (default: 1.0, OpenAI's). 0 makes agent runs "
+                   "reproducible (docs/HARNESSES.md).")
+@click.option("--tool-choice-default", default="auto", show_default=True,
+              type=click.Choice(["auto", "required-after-user"]),
+              help="Test aid for small models that rarely call tools on their own: with required-after-user, a request "
+                   "with tools and no tool_choice whose last message is a user turn must call one (grammar-"
+                   "constrained; the model picks the tool and arguments); after a tool result it answers freely "
+                   "(docs/TOOLS.md).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
@@ -122,20 +148,23 @@ def _upstream_urls(ctx, param, values):
 def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
-          thinking_retention_guard_tokens, notice_pattern, log_level, print_config):
+          thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
+          max_request_mb, recorder_stuck_after_s, default_temperature, tool_choice_default, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
-    Endpoints: POST /v1/chat/completions and POST /v1/messages (Anthropic;
-    both streamed and not), GET /v1/models, GET /health (200 once the model is
-    loaded), GET /ui (live dashboard), GET /metrics (Prometheus). Every
-    response reports its cached prompt tokens.
+    Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
+    POST /v1/messages (Anthropic), POST /v1/completions (raw prompt), all
+    streamed and not; POST /v1/messages/count_tokens, GET /v1/models, GET
+    /health (200 once the model is loaded), GET /ui (live dashboard), GET
+    /metrics (Prometheus). Every response reports its cached prompt tokens.
 
     Example: prefixtrace serve --port 8765 --db traffic.db
     """
     if print_config:
         ctx = click.get_current_context()
-        echo_json({"config_file": ctx.find_root().meta.get("prefixtrace.config_file"),
-                   "options": resolved(ctx, skip=("print_config",))})
+        options = resolved(ctx, skip=("print_config",))
+        options["upstreams"]["value"] = [display_url(u) for u in options["upstreams"]["value"] or ()]
+        echo_json({"config_file": ctx.find_root().meta.get("prefixtrace.config_file"), "options": options})
         return
     if model is not None and upstreams:
         raise click.UsageError("--model serves a model with the embedded engine and --upstream forwards to another "
@@ -160,13 +189,19 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           mid_system_policy=mid_system_policy,
                           thinking_retention=thinking_retention,
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
-                          notice_pattern=notice_pattern, log_level=log_level))
+                          notice_pattern=notice_pattern, max_tokens_policy=max_tokens_policy, log_level=log_level,
+                          allow_client_templates=allow_client_templates, max_request_mb=max_request_mb,
+                          recorder_stuck_after_s=recorder_stuck_after_s,
+                          default_temperature=default_temperature, tool_choice_default=tool_choice_default,
+                          allowed_hosts=None if allowed_hosts is None else
+                          [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
 
 
 # Options only the embedded engine reads (with --upstream the upstream renders, caches and batches).
 ENGINE_ONLY = ("dtype", "cache_memory_gb", "cache_dir", "cache_disk_gb", "block_size", "memory_ceiling_gb",
                "prefill_chunk", "max_batch", "kv_quant", "kv_bits", "kv_dense_layers", "mid_system_policy",
-               "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern")
+               "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern", "max_tokens_policy",
+               "allow_client_templates", "default_temperature", "tool_choice_default")
 
 
 def _warn_engine_only(ctx: click.Context) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import math
+import sqlite3
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,20 +14,25 @@ from pathlib import Path
 import click
 
 from prefixtrace.errors import PrefixtraceError
+from prefixtrace.escaping import visible
 
 
 def library_errors(fn):
-    """Turn a library error into a clean CLI error (message, exit status 1)."""
+    """Turn a library error into a clean CLI error (message, exit status 1); a
+    database that SQLite cannot read is one line too, not a traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except PrefixtraceError as exc:
-            raise click.ClickException(exc.message) from exc
+            raise click.ClickException(visible(exc.message)) from exc
         except OSError as exc:  # an output file that cannot be written, a disk that filled up...
             where = f"{exc.filename}: " if exc.filename else ""
-            raise click.ClickException(f"{where}{exc.strerror or exc}") from exc
+            raise click.ClickException(visible(f"{where}{exc.strerror or exc}")) from exc
+        except sqlite3.Error as exc:  # not a database, a damaged one, a locked one...
+            raise click.ClickException(f"cannot read the database: {visible(str(exc))} "
+                                       f"({type(exc).__name__})") from exc
 
     return wrapper
 
@@ -49,6 +55,9 @@ def output_path(ctx, param, value):
 
 
 def write_or_echo(text: str, out: Path | None) -> None:
+    """Print `text`, or write it to `out`: either way a person reads it, so control
+    characters that came from clients are shown, not acted on (`visible`)."""
+    text = visible(text)
     if out is None:
         click.echo(text)
     else:
@@ -56,11 +65,16 @@ def write_or_echo(text: str, out: Path | None) -> None:
         click.echo(f"wrote {out}", err=True)
 
 
+def echo(text: str, err: bool = False) -> None:
+    """click.echo of text that may hold client data (see `write_or_echo`)."""
+    click.echo(visible(text), err=err)
+
+
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 
 
 def echo_json(value) -> None:
-    click.echo(json.dumps(value, indent=2, default=str))
+    click.echo(json.dumps(value, indent=2, default=str))  # ASCII: no raw control character can get through
 
 
 def stderr_is_tty() -> bool:

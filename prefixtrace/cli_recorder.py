@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from prefixtrace.cli_common import (JSON_OPTION, FiniteFloatRange, echo_json, library_errors, output_path, progress,
-                                    write_or_echo)
+from prefixtrace.cli_common import (JSON_OPTION, FiniteFloatRange, echo, echo_json, library_errors, output_path,
+                                    progress, write_or_echo)
 
 DB = click.argument("db", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 
@@ -101,13 +101,13 @@ def replay(src, targets, session, concurrency, pace, max_gap, model, out, as_jso
     with progress("replaying", total=total * len(targets)) as advance:
         report = run_replay(turns, list(targets), concurrency=concurrency, pace=pace, model=model,
                             max_gap_s=max_gap, progress=lambda url, turn: advance(1))
-    click.echo(json.dumps(report, indent=2) if as_json else format_replay(report))
+    echo(json.dumps(report, indent=2) if as_json else format_replay(report))
     if out:
         write_report(report, out)
         click.echo(f"wrote {out}", err=True)
     failed = [t for t in report["targets"] if t.get("error")]
     for target in failed:
-        click.echo(f"Error: {target['error']}", err=True)
+        echo(f"Error: {target['error']}", err=True)
     if failed:
         sys.exit(1)
 

@@ -2,8 +2,13 @@
 
     PrefixtraceError
     ├── InvalidRequest           400  the client sent something we cannot serve
-    │   └── ContextExceedsCapacity 400  prompt + max_tokens can never fit
+    │   ├── ContextExceedsCapacity 400  prompt + max_tokens can never fit
+    │   ├── ForbiddenHost        403  the Host header names no allowed host (proxy/guard.py)
+    │   ├── UnsupportedMediaType 415  a POST body that does not say application/json
+    │   └── RequestTooLarge      413  the body is over --max-request-mb
     ├── ModelNotFound            404  the request names a model we do not serve
+    ├── UnknownEndpoint          404  no such path here
+    │   └── MethodNotAllowed     405  the path exists, for another method
     ├── UpstreamError            502  the upstream server failed or is unreachable
     │   └── UpstreamTimeout      504
     ├── EngineError              500  the embedded engine failed
@@ -39,8 +44,26 @@ class ContextExceedsCapacity(InvalidRequest):
     code = "context_exceeds_capacity"
 
 
+class ForbiddenHost(InvalidRequest):
+    code = "forbidden_host"
+
+
+class UnsupportedMediaType(InvalidRequest):
+    code = "unsupported_media_type"
+class RequestTooLarge(InvalidRequest):
+    code = "request_too_large"
+
+
 class ModelNotFound(PrefixtraceError):
     code = "model_not_found"
+
+
+class UnknownEndpoint(PrefixtraceError):
+    code = "unknown_url"
+
+
+class MethodNotAllowed(UnknownEndpoint):
+    code = "method_not_allowed"
 
 
 class UpstreamError(PrefixtraceError):
@@ -67,8 +90,13 @@ class RecorderError(PrefixtraceError):
 # here falls back to its parent's status rather than to 500.
 HTTP_STATUS: dict[type[PrefixtraceError], int] = {
     ContextExceedsCapacity: 400,
+    ForbiddenHost: 403,
+    UnsupportedMediaType: 415,
+    RequestTooLarge: 413,
     InvalidRequest: 400,
     ModelNotFound: 404,
+    MethodNotAllowed: 405,
+    UnknownEndpoint: 404,
     UpstreamTimeout: 504,
     UpstreamError: 502,
     EngineNotReady: 503,

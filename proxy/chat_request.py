@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.sampling import SamplingParams
 from prefixtrace.errors import InvalidRequest
+from proxy.request_limits import MAX_JSON_DEPTH, check_depth
 
 
 @dataclass(slots=True)
@@ -25,6 +26,10 @@ class ChatRequest:
     chat_template_kwargs: dict | None
     sampling: SamplingParams
     session_id: str | None
+    # The reply's shape, read by the engine (engine/constraints.py); upstream mode passes the body on.
+    tool_choice: Any = None
+    response_format: Any = None
+    reasoning_effort: str | None = None
 
 
 def parse_body(raw: bytes) -> dict:
@@ -34,6 +39,9 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw, parse_constant=_no_constant)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # ~990 deep: the parser's own recursion
+        raise InvalidRequest(f"the request body nests arrays/objects more than {MAX_JSON_DEPTH} deep") from exc
+    check_depth(body)  # deeper than the recorder and the analyzer can walk (proxy/request_limits.py)
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -73,6 +81,9 @@ def parse_chat_request(body: dict, headers: dict[str, str] | None = None) -> Cha
         chat_template_kwargs=kwargs,
         sampling=_sampling(body),
         session_id=headers.get("x-session-id") or _str_or_none(body.get("user")) or _str_or_none(body.get("prompt_cache_key")),
+        tool_choice=body.get("tool_choice"),
+        response_format=body.get("response_format"),
+        reasoning_effort=_str_or_none(body.get("reasoning_effort")),
     )
 
 
@@ -124,3 +135,14 @@ def _bad(key: str, expected: str):
 
 def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
+
+
+def passthrough_request(body: dict, session_id: str | None) -> ChatRequest:
+    """A request the proxy forwards as sent (upstream mode of a non-chat protocol): only what the
+    proxy itself reads (`stream`, the model name, the session) is looked at here; the rest is the
+    upstream's to judge."""
+    if not isinstance(body.get("stream", False), (bool, type(None))):
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
+    return ChatRequest(body=body, model=body.get("model") if isinstance(body.get("model"), str) else None,
+                       messages=[], stream=bool(body.get("stream", False)), include_usage=False, tools=None,
+                       chat_template_kwargs=None, sampling=SamplingParams(), session_id=session_id)

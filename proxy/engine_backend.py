@@ -1,7 +1,10 @@
 """Serve chat completions from the embedded engine, in OpenAI's wire format.
 
-The engine thread emits events for a `Sequence`; this module hops them onto
-the asyncio loop and turns them into chat.completion(.chunk) objects.
+The engine thread emits events for a `Sequence`; this module hops them onto the asyncio loop,
+turns the output text into reply events (`prefixtrace.wire.events`: answer text, reasoning and tool
+calls, separated by `engine.reply_parser` in the model family's format) and writes those as
+chat.completion(.chunk) objects. Other protocol adapters (Messages) consume the same reply events
+through `EngineChat.reply_events()`.
 """
 
 from __future__ import annotations
@@ -12,19 +15,41 @@ import time
 import uuid
 from typing import AsyncIterator
 
+from engine.chat_render import thinking_kwargs
+from engine.constraints import TOOL_CHOICE_DEFAULTS, ReplyPlan, plan_reply
 from engine.engine import Engine
+from engine.reply_parser import ReplyParser, final_finish_reason
 from engine.sequence import Failed, Finished, Sequence, TextDelta
-from prefixtrace.errors import InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
-from proxy import sse
+from prefixtrace.errors import EngineError, EngineNotReady, InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
+from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
+from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
-from proxy.turn_builder import TurnBuilder
+from prefixtrace.wire.turn_builder import TurnBuilder
 
 DEFAULT_ALIAS = "default"
 
 
+MAX_TOKENS_POLICIES = ("clamp", "reject")
+
+
 class EngineBackend:
-    def __init__(self, engine: Engine):
+    """Args:
+        engine: the embedded engine.
+        tool_choice_default: "auto", or "required-after-user" (a test aid for small models,
+            engine/constraints.py): a request with tools and no tool_choice is forced to call one
+            when its last message is a user turn.
+        max_tokens_policy: "clamp" (a max_tokens beyond what fits after the prompt is lowered to
+            it) or "reject" (a 400 with the numbers).
+    """
+
+    def __init__(self, engine: Engine, tool_choice_default: str = "auto", *, max_tokens_policy: str = "clamp"):
+        if max_tokens_policy not in MAX_TOKENS_POLICIES:
+            raise ValueError(f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}, got {max_tokens_policy!r}")
+        if tool_choice_default not in TOOL_CHOICE_DEFAULTS:
+            raise ValueError(f"tool_choice_default must be one of {TOOL_CHOICE_DEFAULTS}, got {tool_choice_default!r}")
         self.engine = engine
+        self.tool_choice_default = tool_choice_default
+        self.max_tokens_policy = max_tokens_policy
 
     @property
     def label(self) -> str:
@@ -50,45 +75,105 @@ class EngineBackend:
             "data": [{"id": m, "object": "model", "created": created, "owned_by": "prefixtrace"} for m in self.model_ids()],
         }
 
-    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]) -> "EngineChat":
+    def _check_model(self, req: ChatRequest) -> None:
         if req.model not in (None, "", *self.model_ids()):
             raise ModelNotFound(f"model {req.model!r} is not served here; available: {self.model_ids()}", param="model")
         n = req.body.get("n")
         if n is not None and n != 1:
             raise InvalidRequest(f"'n' must be 1 here (the embedded engine returns one choice), got {n!r}", param="n")
+
+    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]) -> "EngineChat":
+        rendered = await self.render(req)
+        builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
+        if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
+            builder.turn.render["policy"] = rendered.policy
+        return await self.start(req, rendered.token_ids, rendered.text, builder)
+
+    async def render(self, req: ChatRequest):
+        """The prompt the engine runs for `req` (chat template, tools, render policies), in a worker
+        thread; also what `count_tokens` counts."""
+        self._check_model(req)
+        kwargs = thinking_kwargs(req.chat_template_kwargs, req.reasoning_effort)
         try:
             rendered = await asyncio.to_thread(
-                self.engine.render, req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs
+                self.engine.render, req.messages, tools=req.tools, chat_template_kwargs=kwargs
             )
         except (TypeError, ValueError) as exc:  # the tokenizer refuses text it cannot encode (lone surrogates)
             if _has_lone_surrogate(req.messages) or _has_lone_surrogate(req.tools):
                 raise InvalidRequest("the messages contain invalid Unicode (a lone UTF-16 surrogate)",
                                      param="messages") from exc
             raise InvalidRequest(f"the messages could not be rendered: {type(exc).__name__}: {exc}") from exc
-        self.engine.check_fits(len(rendered.token_ids), req.sampling.max_tokens)
-        builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
-        if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
-            builder.turn.render["policy"] = rendered.policy
-        chat = EngineChat(req, builder, self.engine.name)
-        seq = Sequence(rendered.token_ids, req.sampling, chat.emit_threadsafe(asyncio.get_running_loop()))
+        return rendered
+
+    async def open_prompt(self, req: ChatRequest, prompt: str, builder: TurnBuilder) -> "EngineChat":
+        """Legacy completions: `prompt` is tokenized as it is (no chat template; the tokenizer's
+        own BOS, as llama.cpp and vLLM do for a raw prompt)."""
+        self._check_model(req)
+        if not self.engine.ready:
+            raise EngineNotReady("the model is still loading")
+        try:
+            token_ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"the prompt could not be tokenized: {type(exc).__name__}: {exc}",
+                                 param="prompt") from exc
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty (no tokens)", param="prompt")
+        builder.turn.render = {"prompt_chars": len(prompt), "prompt_tokens": len(token_ids)}
+        return await self.start(req, list(token_ids), prompt, builder)
+
+    async def start(self, req: ChatRequest, token_ids: list[int], prompt_text: str,
+                    builder: TurnBuilder) -> "EngineChat":
+        """Submit a prompt's tokens; returns once the engine has answered (or raises its refusal)."""
+        self._fit_max_tokens(req, len(token_ids), builder)
+        self.engine.check_fits(len(token_ids), req.sampling.max_tokens)
+        # Compiling a grammar (and, once per model, llguidance's view of the vocabulary) is CPU work.
+        plan = await asyncio.to_thread(
+            plan_reply, fmt=self.engine.reply_format, grammar=self.engine.grammar, tools=req.tools,
+            tool_choice=req.tool_choice, response_format=req.response_format, messages=req.messages,
+            prompt_text=prompt_text, tool_choice_default=self.tool_choice_default)
+        if plan.forced:
+            builder.turn.render["constrained"] = plan.forced
+        chat = EngineChat(req, builder, self.engine.name, plan, prompt_text)
+        seq = Sequence(token_ids, req.sampling, chat.emit_threadsafe(asyncio.get_running_loop()))
+        if plan.processor is not None:
+            seq.logits_processors = [plan.processor]
         chat.seq = seq
         self.engine.submit(seq)
         await chat.first_event()
         return chat
 
 
+    def _fit_max_tokens(self, req, num_prompt_tokens: int, builder: TurnBuilder) -> None:
+        """Under the clamp policy, a max_tokens beyond what fits after the prompt is lowered to what
+        fits, so the reply ends with length / max_tokens there (as llama.cpp, Ollama and LM Studio
+        do: Claude Code asks 32,000 of any model). A prompt that cannot fit itself is left to
+        check_fits' 400 with the numbers; so is every overflow under `reject`."""
+        asked = req.sampling.max_tokens
+        room = self.engine.memory.max_context_tokens - num_prompt_tokens
+        if self.max_tokens_policy != "clamp" or asked is None or asked <= room or room < 1:
+            return
+        req.sampling.max_tokens = room
+        builder.turn.render["max_tokens_clamped"] = {"asked": asked, "to": room}
+
+
 class EngineChat:
-    """One request's stream of engine events, rendered as OpenAI objects."""
+    """One request's stream of engine events, as reply events and as OpenAI objects."""
 
     status = 200
 
-    def __init__(self, req: ChatRequest, builder: TurnBuilder, model: str):
+    def __init__(self, req: ChatRequest, builder: TurnBuilder, model: str, plan: ReplyPlan | None = None,
+                 prompt_text: str = ""):
         self.req = req
         self.builder = builder
         self.model = req.model or model
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.seq: Sequence | None = None
+        self.plan = plan
+        self.parser = ReplyParser(plan.fmt, tools=req.tools, parse_tools=plan.parse_tools,
+                                  reasoning=plan.fmt.opens_reasoning(prompt_text),
+                                  stream_arguments=plan.forced == "tool_call") if plan is not None else None
+        self.finished: Finished | None = None  # the engine's last event, for timings
         self._events: asyncio.Queue = asyncio.Queue()
         self._first = None
 
@@ -109,6 +194,23 @@ class EngineChat:
                 return
             event = await self._events.get()
 
+    async def reply_events(self):
+        """The reply as `prefixtrace.wire.events`, ending with ReplyDone; an engine failure is raised
+        (a PrefixtraceError)."""
+        async for event in self.events():
+            if isinstance(event, TextDelta):
+                for reply_event in self.parser.feed(event.text):
+                    yield reply_event
+            elif isinstance(event, Finished):
+                self.finished = event
+                for reply_event in self.parser.finish():
+                    yield reply_event
+                yield ReplyDone(final_finish_reason(event.finish_reason, self.parser), event.prompt_tokens,
+                                event.completion_tokens, event.cached_tokens)
+            elif isinstance(event, Failed):
+                err = event.error
+                raise err if isinstance(err, PrefixtraceError) else EngineError(str(err))
+
     @property
     def streams_events(self) -> bool:
         return self.req.stream
@@ -121,20 +223,27 @@ class EngineChat:
 
     async def sse(self) -> AsyncIterator[bytes]:
         yield self._chunk({"role": "assistant", "content": ""})
-        async for event in self.events():
-            if isinstance(event, TextDelta):
-                yield self._chunk({"content": event.text})
-            elif isinstance(event, Finished):
-                usage = _usage(event)
-                self.builder.on_usage(usage)
-                yield self._chunk({}, finish_reason=event.finish_reason)
-                if self.req.include_usage:
-                    yield self._emit({**self._envelope(), "choices": [], "usage": usage})
-            elif isinstance(event, Failed):
-                err = event.error
-                body = to_openai_error(err) if isinstance(err, PrefixtraceError) else {"error": {"message": str(err)}}
-                self.builder.turn.error = body["error"]["message"]
-                yield sse.encode(body)
+        try:
+            async for event in self.reply_events():
+                if isinstance(event, ContentDelta):
+                    yield self._chunk({"content": event.text})
+                elif isinstance(event, ReasoningDelta):
+                    yield self._chunk({"reasoning_content": event.text})
+                elif isinstance(event, ToolCallStart):
+                    yield self._chunk({"tool_calls": [{"index": event.index, "id": event.call_id, "type": "function",
+                                                       "function": {"name": event.name, "arguments": ""}}]})
+                elif isinstance(event, ToolCallArgsDelta):
+                    yield self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})
+                elif isinstance(event, ReplyDone):
+                    usage = _usage(event)
+                    self.builder.on_usage(usage)
+                    yield self._chunk({}, finish_reason=event.finish_reason)
+                    if self.req.include_usage:
+                        yield self._emit({**self._envelope(), "choices": [], "usage": usage})
+        except PrefixtraceError as err:  # after the headers went out: in band
+            body = to_openai_error(err)
+            self.builder.turn.error = body["error"]["message"]
+            yield sse.encode(body)
         yield sse.DONE
 
     def _chunk(self, delta: dict, finish_reason: str | None = None) -> bytes:
@@ -154,33 +263,57 @@ class EngineChat:
         return json.dumps(await self.json()).encode(), "application/json"
 
     async def json(self) -> dict:
-        parts: list[str] = []
-        async for event in self.events():
-            if isinstance(event, TextDelta):
-                parts.append(event.text)
-            elif isinstance(event, Failed):
-                raise event.error
-            elif isinstance(event, Finished):
-                body = {
-                    "id": self.id,
-                    "object": "chat.completion",
-                    "created": self.created,
-                    "model": self.model,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": "".join(parts)},
-                            "logprobs": None,
-                            "finish_reason": event.finish_reason,
-                        }
-                    ],
-                    "usage": _usage(event),
-                }
-                self.builder.on_response(body)
-                if event.completion_tokens:
-                    self.builder.turn.ttft_s = event.prefill_s
-                return body
+        reply = await collect(self.reply_events())
+        message: dict = {"role": "assistant", "content": reply.text if reply.text or not reply.tool_calls else None}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
+        if reply.tool_calls:
+            message["tool_calls"] = reply.tool_calls
+        done = reply.done
+        body = {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}],
+            "usage": _usage(done),
+        }
+        self.builder.on_response(body)
+        if done.completion_tokens:
+            self.builder.turn.ttft_s = self.finished.prefill_s
+        return body
+
+
+class CollectedReply:
+    """A whole reply gathered from its events: text, reasoning, OpenAI-shaped tool calls, the end."""
+
+    def __init__(self):
+        self.text = ""
+        self.reasoning = ""
+        self.tool_calls: list[dict] = []
+        self.done: ReplyDone | None = None
+
+    def add(self, event) -> None:
+        if isinstance(event, ContentDelta):
+            self.text += event.text
+        elif isinstance(event, ReasoningDelta):
+            self.reasoning += event.text
+        elif isinstance(event, ToolCallStart):
+            self.tool_calls.append({"id": event.call_id, "type": "function",
+                                    "function": {"name": event.name, "arguments": ""}})
+        elif isinstance(event, ToolCallArgsDelta):
+            self.tool_calls[event.index]["function"]["arguments"] += event.text
+        elif isinstance(event, ReplyDone):
+            self.done = event
+
+
+async def collect(events) -> CollectedReply:
+    reply = CollectedReply()
+    async for event in events:
+        reply.add(event)
+    if reply.done is None:
         raise RuntimeError("engine stream ended without a result")
+    return reply
 
 
 def _has_lone_surrogate(value) -> bool:
@@ -191,7 +324,7 @@ def _has_lone_surrogate(value) -> bool:
     return False
 
 
-def _usage(event: Finished) -> dict:
+def _usage(event: ReplyDone) -> dict:
     return {
         "prompt_tokens": event.prompt_tokens,
         "completion_tokens": event.completion_tokens,

@@ -13,8 +13,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefixtrace.errors import PrefixtraceError, http_status
+from prefixtrace.wire.request import session_id
 from proxy.chat_request import parse_body
-from proxy.turn_builder import TurnBuilder
+from proxy.request_limits import read_request_body
+from prefixtrace.wire.turn_builder import TurnBuilder
 from recorder.turn import Turn
 
 log = logging.getLogger("prefixtrace.proxy")
@@ -53,8 +55,9 @@ async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder
         client_addr=f"{request.client.host}:{request.client.port}" if request.client else None,
     )
     builder = TurnBuilder(turn)
-    raw = await request.body()
+    raw = b""
     try:
+        raw = await read_request_body(request, turn)  # 413 past --max-request-mb
         body = parse_body(raw)
         turn.request_body, turn.request_raw = body, raw.decode("utf-8", errors="replace")
         req = parse(body, turn.request_headers)
@@ -68,6 +71,8 @@ async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder
             exc = PrefixtraceError(f"internal error: {type(exc).__name__}: {exc}")
         if turn.request_body is None:
             turn.request_body = raw.decode("utf-8", errors="replace")
+        if turn.session_id is None:  # a refused request still belongs to its session
+            turn.session_id = session_id(endpoint, turn.request_body, turn.request_headers)
         status = http_status(exc)
         await record_durably(recorder, builder.finish(status, exc.message))
         return JSONResponse(error_body(exc), status_code=status)
@@ -86,8 +91,9 @@ async def respond(chat, builder: TurnBuilder, recorder: TurnSink, stream, error_
         status = http_status(exc)
         await record_durably(recorder, builder.finish(status, exc.message))
         return JSONResponse(error_body(exc), status_code=status)
-    except asyncio.CancelledError:
+    except asyncio.CancelledError:  # the client hung up (proxy/disconnect.py) or the server is stopping
         chat.cancel()
+        builder.turn.finish_reason = "cancelled"
         recorder.record(builder.finish(499, "client disconnected"))
         raise
     await record_durably(recorder, builder.finish(chat.status))

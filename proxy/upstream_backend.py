@@ -6,46 +6,37 @@ whole); each event is also parsed so the turn can be recorded.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import AsyncIterator
 
 import httpx
 
-from prefixtrace.errors import UpstreamError, UpstreamTimeout
-from proxy import sse
+from prefixtrace.errors import UpstreamError
+from prefixtrace.urls import credentials, display_url, without_credentials
+from prefixtrace.wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
+from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
-from proxy.turn_builder import TurnBuilder
+from prefixtrace.wire.turn_builder import TurnBuilder
 
 # Headers that describe one hop, not the request; httpx sets its own.
 _HOP_HEADERS = {
     "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
     "upgrade", "proxy-authorization", "proxy-connection", "accept-encoding", "x-session-id",
+    # The client's browser state and network path are not the upstream's business (issue 14).
+    "cookie", "origin", "referer", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "forwarded",
+    "x-real-ip",
 }
-
-
-@contextlib.contextmanager
-def map_httpx_errors(url: str):
-    """Translate httpx's exceptions into the prefixtrace tree, in one place."""
-    try:
-        yield
-    except httpx.TimeoutException as exc:
-        raise UpstreamTimeout(f"upstream {url} timed out: {type(exc).__name__}", upstream=url) from exc
-    except httpx.HTTPError as exc:
-        raise UpstreamError(f"upstream {url} is unreachable: {type(exc).__name__}: {exc}", upstream=url) from exc
-
-
-def normalize_base_url(url: str) -> str:
-    """Accept `http://h:p`, `http://h:p/` or `http://h:p/v1`; return the part before /v1."""
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 class UpstreamBackend:
     def __init__(self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None, timeout: float = 600.0):
-        self.base_url = normalize_base_url(base_url)
+        url = normalize_base_url(base_url)
+        # `base_url` names the upstream everywhere (label, errors, the recorded turn):
+        # its credentials, if any, only reach the client, as Basic auth (prefixtrace/urls.py).
+        self.base_url = display_url(url)
         self.client = httpx.AsyncClient(
-            base_url=self.base_url,
+            base_url=without_credentials(url),
+            auth=credentials(url),
             transport=transport,
             timeout=httpx.Timeout(timeout, connect=10.0),
         )
@@ -80,13 +71,15 @@ class UpstreamBackend:
             raise UpstreamError(f"upstream {self.base_url} answered {response.status_code} to /v1/models")
         return response.json()
 
-    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]) -> "UpstreamChat":
+    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str], *,
+                   path: str = "/v1/chat/completions") -> "UpstreamChat":
+        """Chat completions, or (`path`) legacy completions, whose chunks carry `text`."""
         body = dict(req.body)
         if req.stream:
             # Ask for usage so every turn can be recorded; the client only sees
             # the usage chunk if it asked for it itself.
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        response, url = await self.post("/v1/chat/completions", body, headers, session_id=req.session_id)
+        response, url = await self.post(path, body, headers, session_id=req.session_id)
         return UpstreamChat(req, builder, response, url)
 
     async def post(self, path: str, body: dict, headers: dict[str, str], *,

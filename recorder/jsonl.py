@@ -197,6 +197,10 @@ def _usage_counts(usage: dict | None) -> tuple[int | None, int | None, int | Non
     # files). Missing cached count stays None: unknown is not zero.
     if not usage:
         return None, None, None
+    if "input_tokens" in usage and "prompt_tokens" not in usage:  # a Responses usage object
+        details = usage.get("input_tokens_details") or {}
+        cached = _int(details, "cached_tokens") if isinstance(details, dict) else None
+        return _int(usage, "input_tokens"), _int(usage, "output_tokens"), cached
     details = usage.get("prompt_tokens_details") or {}
     cached = _int(details, "cached_tokens") if isinstance(details, dict) else None
     return _int(usage, "prompt_tokens"), _int(usage, "completion_tokens"), cached
@@ -208,12 +212,15 @@ def record_to_turn(obj: Any, *, lineno: int = 0, base_ts: float = 0.0, source: s
     if not isinstance(obj, dict):
         raise InvalidRequest(f"expected a JSON object, got {type(obj).__name__}")
     if "request" not in obj:
-        if not isinstance(obj.get("messages"), list):
-            raise InvalidRequest('expected a wrapped turn (with "request") or a request body (with "messages")')
+        # A bare body: chat completions (`messages`) or Responses (`input`, no `messages`).
+        responses = not isinstance(obj.get("messages"), list) and isinstance(obj.get("input"), (str, list))
+        if not isinstance(obj.get("messages"), list) and not responses:
+            raise InvalidRequest('expected a wrapped turn (with "request") or a request body (with "messages" '
+                                 'or a Responses "input")')
         return Turn(
             request_id=_derived_id(source, lineno, obj),
             started_at=base_ts + lineno * BARE_LINE_SPACING_S,
-            endpoint=DEFAULT_ENDPOINT,
+            endpoint="/v1/responses" if responses else DEFAULT_ENDPOINT,
             upstream=DEFAULT_UPSTREAM,
             request_body=obj,
             stream=bool(obj.get("stream", False)),

@@ -2,9 +2,10 @@
 
 Each target is replayed in turn (one after another, so two builds never
 compete for the same machine); within a target, each session's requests go in
-recorded order, sessions in parallel up to `concurrency`. Every request is
-streamed (chat completions with `stream_options.include_usage`; turns recorded
-on Anthropic's `/v1/messages` go back to that endpoint), so TTFT and usage are
+recorded order, sessions in parallel up to `concurrency`. Every request goes
+back to the endpoint it was recorded on (`prefixtrace.wire.request.protocol_of`:
+chat completions with `stream_options.include_usage`, Anthropic's `/v1/messages`,
+OpenAI's `/v1/responses`, legacy `/v1/completions`), streamed, so TTFT and usage are
 measured the same way for every server, and cached prompt tokens are
 normalised across server families (`cached_from_usage`).
 
@@ -24,8 +25,10 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from prefixtrace.errors import InvalidRequest, UpstreamError
-from proxy import sse
-from proxy.upstream_backend import map_httpx_errors, normalize_base_url
+from prefixtrace.urls import credentials, display_url, without_credentials
+from prefixtrace.wire import sse
+from prefixtrace.wire.request import protocol_of
+from prefixtrace.wire.http import map_httpx_errors, normalize_base_url
 from recorder.replay_report import format_replay, summarise, write_report  # noqa: F401 (re-exported)
 from recorder.turn import Turn
 
@@ -74,31 +77,34 @@ def cached_from_usage(usage: dict | None, chunk: dict | None = None) -> int | No
 def _has_output(chunk: dict) -> bool:
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
+        if choice.get("text"):  # legacy completions
+            return True
         if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls"):
             return True
     return False
 
 
-MESSAGES_ENDPOINT = "/v1/messages"
+ENDPOINTS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses",
+             "completions": "/v1/completions"}
+MESSAGES_ENDPOINT = ENDPOINTS["messages"]
 
 
 async def replay_turn(client: httpx.AsyncClient, turn: Turn, index: int, model: str | None = None) -> ReplayedTurn:
-    """Re-send one recorded turn on the endpoint it was recorded on (chat completions, or
-    Anthropic's Messages, whose body and stream differ), streamed, and measure it."""
-    anthropic = turn.endpoint == MESSAGES_ENDPOINT
+    """Re-send one recorded turn on the endpoint it was recorded on (each protocol's body and
+    stream differ), streamed, and measure it."""
+    protocol = protocol_of(turn.endpoint)
     body = {k: v for k, v in turn.request_body.items() if k not in _STRIP}
     body["stream"] = True
-    if not anthropic:
+    if protocol in ("chat", "completions"):
         body["stream_options"] = {"include_usage": True}
     if model is not None:
         body["model"] = model
-    read = _read_messages_stream if anthropic else _read_chat_stream
+    read = {"messages": _read_messages_stream, "responses": _read_responses_stream}.get(protocol, _read_chat_stream)
     usage, cached, ttft, status, error = None, None, None, 0, None
     t0 = time.perf_counter()
     try:
         with map_httpx_errors(str(client.base_url)):
-            async with client.stream("POST", MESSAGES_ENDPOINT if anthropic else "/v1/chat/completions",
-                                     json=body) as response:
+            async with client.stream("POST", ENDPOINTS[protocol], json=body) as response:
                 status = response.status_code
                 if status >= 400:
                     error = (await response.aread()).decode(errors="replace")[:500]
@@ -120,6 +126,29 @@ async def replay_turn(client: httpx.AsyncClient, turn: Turn, index: int, model: 
         recorded_cached_tokens=turn.cached_tokens,
         error=error,
     )
+
+
+async def _read_responses_stream(response: httpx.Response, t0: float):
+    """The same for a Responses stream: usage is in the terminal event's Response object."""
+    usage, ttft, error = {}, None, None
+    async for line in response.aiter_lines():
+        event = sse.decode_data(line.encode()) if line.startswith("data:") else None
+        if not event:
+            continue
+        kind = event.get("type", "")
+        if ttft is None and kind.endswith(".delta"):
+            ttft = time.perf_counter() - t0
+        if kind in ("response.completed", "response.incomplete", "response.failed"):
+            result = event.get("response") or {}
+            usage = result.get("usage") or {}
+            if result.get("error"):
+                error = str((result["error"] or {}).get("message"))[:500]
+        elif kind == "error":
+            error = str(event.get("message"))[:500]
+    details = usage.get("input_tokens_details") if isinstance(usage.get("input_tokens_details"), dict) else {}
+    cached = details.get("cached_tokens")
+    return ({"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")},
+            cached if isinstance(cached, int) else None, ttft, error)
 
 
 async def _read_chat_stream(response: httpx.Response, t0: float):
@@ -165,13 +194,23 @@ async def _read_messages_stream(response: httpx.Response, t0: float):
 
 
 def group_sessions(turns: Iterable[Turn]) -> list[list[Turn]]:
-    """Replayable turns (chat bodies) per session, sessions in order of their
-    first turn, turns in recorded order. Turns without a session form one."""
+    """Replayable turns (request bodies of a protocol this replays) per session, sessions in
+    order of their first turn, turns in recorded order. Turns without a session form one."""
     by_session: dict[str | None, list[Turn]] = {}
     for turn in sorted(turns, key=lambda t: (t.started_at, t.request_id)):
-        if isinstance(turn.request_body, dict) and isinstance(turn.request_body.get("messages"), list):
+        if _replayable(turn):
             by_session.setdefault(turn.session_id, []).append(turn)
     return list(by_session.values())
+
+
+def _replayable(turn: Turn) -> bool:
+    body = turn.request_body
+    if not isinstance(body, dict):
+        return False
+    key = {"responses": "input", "completions": "prompt"}.get(protocol_of(turn.endpoint), "messages")
+    if turn.endpoint.split("?", 1)[0].rstrip("/").endswith("/count_tokens"):
+        return False  # not a model turn
+    return body.get(key) is not None if key != "messages" else isinstance(body.get("messages"), list)
 
 
 def _gaps(session: list[Turn], t_first: float, max_gap_s: float | None) -> list[float]:
@@ -211,10 +250,12 @@ async def replay_target(
     progress: Callable[[str, ReplayedTurn], None] | None = None,
 ) -> dict:
     """Replays `sessions` against one target; returns its report entry."""
-    url = normalize_base_url(url)
+    real_url = normalize_base_url(url)
+    url = display_url(real_url)  # what the report names: never a target's credentials
     results: list[ReplayedTurn] = []
     limits = httpx.Limits(max_connections=max(concurrency, 1) + 1)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout, connect=10.0), limits=limits) as client:
+    async with httpx.AsyncClient(base_url=without_credentials(real_url), auth=credentials(real_url),
+                                 timeout=httpx.Timeout(timeout, connect=10.0), limits=limits) as client:
         unreachable = await _probe(client, url)
         if unreachable is not None:
             for session in sessions:

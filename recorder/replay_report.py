@@ -4,7 +4,9 @@ The first target is the baseline: every other target's medians are compared
 with it as ratios (target / baseline), so "TTFT ratio 0.5" reads "twice as
 fast as the baseline". The HTML page has no external assets: inline SVG
 charts (TTFT and cached tokens per turn, one line per target), the medians and
-ratios, and the per-turn table.
+ratios, and the per-turn table; the whole report is embedded as a JSON island
+(`JSON.parse(document.getElementById("report").textContent)`), written so that
+no recorded text can close its script element.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import json
 import statistics
 from pathlib import Path
 from typing import Any
+
+from prefixtrace.escaping import script_json
 
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b")
 
@@ -179,7 +183,7 @@ td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}ul{{list-style:no
 {_chart(report, "ttft_ms", "Time to first token per turn", "ms")}
 {_chart(report, "cached_tokens", "Cached prompt tokens per turn", "tokens")}
 <table><tr><th>session</th><th>#</th>{head}</tr>{"".join(body)}</table>
-<script type="application/json" id="report">{html.escape(json.dumps(report))}</script>
+<script type="application/json" id="report">{script_json(report)}</script>
 </body></html>
 """
 

@@ -91,8 +91,9 @@ def test_unrendered_field_change_does_not_hide_a_later_dropped_message():
 def test_a_rendered_change_in_an_empty_content_tool_call_keeps_its_message():
     # The template's literal text after an empty content belongs to the next message's sentinel: the
     # cause must still be the re-serialised arguments of message 2.
-    prev = [SYS, TASK, _call(1), _result(1)]
-    nxt = [SYS, TASK, _call(1, '{"path":"a.py"}'), _result(1), {"role": "user", "content": "go"}]
+    # (Reordered keys: whitespace alone is not a change once arguments are parsed, as servers do.)
+    prev = [SYS, TASK, _call(1, '{"path": "a.py", "n": 1}'), _result(1)]
+    nxt = [SYS, TASK, _call(1, '{"n":1,"path":"a.py"}'), _result(1), {"role": "user", "content": "go"}]
     turn = _session([{"messages": prev}, {"messages": nxt}],
                     renderer=TemplateRenderer.from_file(TEMPLATES / "qwen3_style.jinja"))[1]
     assert (turn.brk.cause, turn.brk.message_index) == ("serialization", 2)
@@ -119,7 +120,7 @@ def test_check_fails_on_a_turn_the_servers_template_cannot_render(tmp_path):
 def test_assert_prefix_stable_fails_on_a_request_without_messages():
     from analyzer import assert_prefix_stable
 
-    with pytest.raises(AssertionError, match="unrenderable"):
+    with pytest.raises(AssertionError, match="could not be analysed"):
         assert_prefix_stable([{"messages": [TASK]}, {"prompt": "not a chat request"}])
 
 
@@ -132,13 +133,18 @@ def test_check_of_a_file_with_no_readable_request_fails(tmp_path, content):
     assert "skipped line 1" in result.output
 
 
-def test_check_reports_skipped_lines_and_still_passes_a_clean_session(tmp_path):
+def test_check_fails_on_a_skipped_line_unless_the_threshold_allows_it(tmp_path):
     good = [{"messages": [TASK]}, {"messages": [TASK, {"role": "assistant", "content": "ok"}]}]
     src = tmp_path / "s.jsonl"
     src.write_text(json.dumps(good[0]) + "\n{broken\n" + json.dumps(good[1]) + "\n")
     result = CliRunner().invoke(cli, ["check", str(src)])
+    assert result.exit_code == 1, result.output
+    assert "1 of 3 request(s) could not be analysed" in result.output and "skipped line 2" in result.output
+    result = CliRunner().invoke(cli, ["check", str(src), "--max-unreadable", "1"])
     assert result.exit_code == 0, result.output
     assert result.output.startswith("ok: 2 request(s)") and "skipped line 2" in result.output
+    result = CliRunner().invoke(cli, ["check", str(src), "--max-unreadable", "50%"])
+    assert result.exit_code == 0, result.output
 
 
 def test_check_exit_codes_on_recorder_databases(tmp_path):
@@ -149,7 +155,8 @@ def test_check_exit_codes_on_recorder_databases(tmp_path):
     runner = CliRunner()
     empty = tmp_path / "empty.db"
     open_db(empty).close()
-    assert runner.invoke(cli, ["check", str(empty)]).exit_code == 0
+    empty_result = runner.invoke(cli, ["check", str(empty)])  # nothing checked is not a pass (issue 16)
+    assert empty_result.exit_code == 1 and "the input is empty" in empty_result.output
     db = tmp_path / "t.db"
     bodies = [{"messages": [SYS, TASK]}, {"messages": [{**SYS, "content": "rewritten"}, TASK]}]
     store_turns(db, [Turn(f"r{i}", 1.0 + i, "/v1/chat/completions", "x", b, session_id="s") for i, b in enumerate(bodies)])
@@ -162,11 +169,13 @@ def test_check_exit_codes_on_recorder_databases(tmp_path):
     assert missing.exit_code == 2 and "does not exist" in missing.output
 
 
-def test_a_later_body_without_messages_is_unrenderable_not_an_empty_prompt():
-    turns = _session([{"messages": [TASK]}, {"prompt": "completions-style body"}, {"messages": "not a list"}])
-    for t in turns[1:]:
-        assert t.brk is None and t.prompt_tokens is None
-        assert t.note == 'unrenderable: request has no "messages" list'
+def test_a_later_body_without_messages_is_reported_unreadable_not_an_empty_prompt():
+    report = analyze([Request(f"r{i}", float(i), b, "s") for i, b in enumerate(
+        [{"messages": [TASK]}, {"prompt": "completions-style body"}, {"messages": "not a list"}])])
+    assert [t.request_id for t in report.sessions[0].turns] == ["r0"]
+    assert [s["request_id"] for s in report.skipped] == ["r1", "r2"]
+    assert all("messages" in s["error"] for s in report.skipped)
+    assert report.too_much_unread(0) and not report.too_much_unread(2)
 
 
 def test_odd_but_valid_json_does_not_crash_the_analysis():

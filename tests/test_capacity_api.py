@@ -15,7 +15,7 @@ FIELDS = ("weights_bytes", "kv_bytes_per_token", "transient_bytes", "capacity_by
 def test_capacity_endpoint_header_and_never_fits(recorder):
     engine = Engine(TINY_MODEL, dtype="float32", prefill_step_size=16, memory_ceiling_bytes=3 << 20).start()
     engine.wait_ready(60)
-    with running_server(create_app(EngineBackend(engine), recorder)) as url:
+    with running_server(create_app(EngineBackend(engine, max_tokens_policy="reject"), recorder)) as url:
         capacity = httpx.get(url + "/v1/capacity").json()
         for key in FIELDS:
             assert isinstance(capacity[key], int) and capacity[key] > 0, key

@@ -51,7 +51,7 @@ def greedy(url: str, text: str = "Write a haiku.", **extra) -> dict:
 BAD = {
     "messages not a list": {"messages": "hi"},
     "no messages": {"messages": []},
-    "role system in messages": {"messages": [{"role": "system", "content": "x"}]},
+    "role tool in messages": {"messages": [{"role": "tool", "content": "x"}]},  # system is accepted (tests/test_anthropic_route.py)
     "content a number": {"messages": [{"role": "user", "content": 5}]},
     "content missing": {"messages": [{"role": "user"}]},
     "image block": {"messages": [{"role": "user", "content": [

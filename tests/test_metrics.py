@@ -37,7 +37,7 @@ def test_metrics_parse_and_count_turns(engine_server):
     second = httpx.post(url + "/v1/chat/completions", timeout=60,
                         json={"messages": messages, "max_tokens": 8, "temperature": 0, "stream": True})
     assert second.status_code == 200
-    httpx.post(url + "/v1/chat/completions", content=b"{not json")
+    httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
 
     m = scrape(url)
     # prometheus_client strips `_total` from counter family names.

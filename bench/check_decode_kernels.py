@@ -1,0 +1,191 @@
+"""GPU check of engine/decode_attention.py's kernels against the reference paths; exits 1 on a mismatch.
+
+    python bench/check_decode_kernels.py [--long] [--json out.json]
+
+* dense: `dense_attend` over left-padded `RowBatchKVCache` rows (strided views of the
+  cache's buffer, as the model hands them) against MLX's masked SDPA on the same K/V in
+  float32; float32 / bf16 / fp16, GQA 1-8, head dims 64 / 128 (and 16, the fixture's);
+* TurboQuant: `cache.attend` through the kernel against SDPA over the decoded cache
+  (what `update_and_fetch` returns), one row and left-padded batches, 2 / 4 / 8 bits;
+* greedy tokens on fixtures/tiny-llama (float32): TurboQuant with the kernel against the
+  MLX-ops path over a long generation, one row and a left-padded batch of three (whose
+  dense last layer takes the dense kernel), and a dense padded batch.
+
+Tolerances: float32 1e-4 absolute (the CPU tests' tolerance for the same comparison);
+bf16 / fp16 outputs are rounded to their dtype, so 2e-2 / 4e-3 of the output's scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mlx_lm.models.cache import KVCache  # noqa: E402
+
+from engine import decode_attention  # noqa: E402
+from engine.batch_cache import RowBatchKVCache  # noqa: E402
+from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache  # noqa: E402
+
+TOL = {mx.float32: 1e-4, mx.bfloat16: 2e-2, mx.float16: 4e-3}
+results: list[dict] = []
+
+
+def record(kind: str, ok: bool, **info) -> None:
+    results.append({"check": kind, "ok": bool(ok), **info})
+    print(json.dumps(results[-1]), flush=True)
+
+
+def err(got: mx.array, ref: mx.array) -> tuple[float, float]:
+    got, ref = got.astype(mx.float32), ref.astype(mx.float32)
+    return mx.abs(got - ref).max().item(), mx.abs(ref).max().item()
+
+
+def within(e: float, scale: float, dtype) -> bool:
+    return e <= TOL[dtype] * (1.0 if dtype == mx.float32 else max(scale, 1.0))
+
+
+def dense_case(lengths: list[int], q_heads: int, kv_heads: int, dim: int, dtype) -> None:
+    mx.random.seed(sum(lengths) + dim)
+    rows = []
+    for n in lengths:
+        c = KVCache()
+        c.update_and_fetch(mx.random.normal((1, kv_heads, n, dim)).astype(dtype),
+                           mx.random.normal((1, kv_heads, n, dim)).astype(dtype))
+        rows.append(c)
+    batch = RowBatchKVCache.merge(rows)
+    mask = batch.make_mask(1)
+    B = len(lengths)
+    keys, values = batch.update_and_fetch(mx.random.normal((B, kv_heads, 1, dim)).astype(dtype),
+                                          mx.random.normal((B, kv_heads, 1, dim)).astype(dtype))
+    q = mx.random.normal((B, q_heads, 1, dim)).astype(dtype)
+    scale = dim ** -0.5
+    assert decode_attention.use_dense(batch, q, keys, mask if mask is not None else "x")
+    got = decode_attention.dense_attend(q, keys, values, batch.left_padding, scale)
+    ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
+                                               values.astype(mx.float32), scale=scale, mask=mask)
+    e, s = err(got, ref)
+    record("dense", within(e, s, dtype), lengths=lengths[:4], rows=B, heads=[q_heads, kv_heads], dim=dim,
+           dtype=str(dtype), max_err=e, scale=s)
+
+
+def tq_case(chunks_per_row: list[list[int]], q_heads: int, kv_heads: int, dim: int, bits: int, dtype,
+            group: int = 64) -> None:
+    mx.random.seed(bits * 1000 + dim + len(chunks_per_row))
+    rows = []
+    for chunks in chunks_per_row:
+        c = TurboQuantKVCache(kv_bits=bits, group=group)
+        for n in chunks:
+            c.update_and_fetch(mx.random.normal((1, kv_heads, n, dim)).astype(dtype),
+                               mx.random.normal((1, kv_heads, n, dim)).astype(dtype))
+        rows.append(c)
+    cache = rows[0] if len(rows) == 1 else BatchTurboQuantKVCache.merge(rows)
+    B = len(rows)
+    mask = cache.make_mask(1) if B > 1 else None
+    for step in range(3):  # consecutive decode steps (the dense window shifts)
+        keys, values = cache.update_and_fetch(mx.random.normal((B, kv_heads, 1, dim)).astype(dtype),
+                                              mx.random.normal((B, kv_heads, 1, dim)).astype(dtype))
+        q = mx.random.normal((B, q_heads, 1, dim)).astype(dtype)
+        scale = dim ** -0.5
+        assert decode_attention.use_tq(q, kv_heads, bits, dim)
+        got = cache.attend(q, scale, mask)
+        ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
+                                                   values.astype(mx.float32), scale=scale, mask=mask)
+        e, s = err(got, ref)
+        record("turboquant", within(e, s, dtype), rows=B, lengths=[sum(c) for c in chunks_per_row][:4],
+               heads=[q_heads, kv_heads], dim=dim, bits=bits, dtype=str(dtype), step=step, max_err=e, scale=s)
+        if B > 1:
+            mask = cache.make_mask(1)
+
+
+def _greedy(model, make_caches, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    per_row = []
+    for p in prompts:
+        cache = make_caches()
+        for a in range(0, len(p) - 1, 64):  # the engine test's prefill chunking
+            model(mx.array([p[a : min(a + 64, len(p) - 1)]]), cache=cache)
+        per_row.append(cache)
+    if len(prompts) == 1:
+        cache = per_row[0]
+    else:
+        cache = [RowBatchKVCache.merge([r[i] for r in per_row]) if type(per_row[0][i]) is KVCache
+                 else per_row[0][i].merge([r[i] for r in per_row]) for i in range(len(per_row[0]))]
+    tokens = mx.array([[p[-1]] for p in prompts])
+    out = [[] for _ in prompts]
+    for _ in range(steps):
+        tokens = mx.argmax(model(tokens, cache=cache)[:, -1, :], axis=-1)[:, None]
+        for i, t in enumerate(tokens[:, 0].tolist()):
+            out[i].append(t)
+    return out
+
+
+def greedy_identity(steps: int) -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.model_files import load_model_dir
+    from engine.tq_cache import install_attention_hook, make_tq_cache
+
+    model, _, _ = load_model_dir(ROOT / "fixtures" / "tiny-llama", "float32")
+    install_attention_hook(model)
+    single = [[(i * 37 + 11) % 500 + 3 for i in range(300)]]
+    batch = [[(i * 13 + 5) % 500 + 3 for i in range(n)] for n in (190, 17, 75)]
+    for name, make, prompts in (("tq_single", lambda: make_tq_cache(model, bits=4), single),
+                                ("tq_padded_batch", lambda: make_tq_cache(model, bits=4), batch),
+                                ("dense_padded_batch", lambda: make_prompt_cache(model), batch)):
+        decode_attention.set_mode("off")
+        ref = _greedy(model, make, prompts, steps)
+        decode_attention.set_mode("on")
+        got = _greedy(model, make, prompts, steps)
+        same = [a == b for a, b in zip(got, ref)]
+        first = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(got, ref)]
+        record("greedy_" + name, all(same), steps=steps, rows=len(prompts), first_difference=first)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--long", action="store_true", help="also 32k / 100k contexts")
+    ap.add_argument("--steps", type=int, default=400, help="greedy tokens compared on the fixture")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not decode_attention.available():
+        print("no CUDA device: nothing to check (the kernels are CUDA only)")
+        return 0
+    t0 = time.perf_counter()
+    for dtype in (mx.float32, mx.bfloat16):
+        dense_case([100], 32, 8, 128, dtype)
+        dense_case([1000, 963, 100, 1], 32, 8, 128, dtype)
+        dense_case([4097, 4000, 2500, 17, 4097, 64, 65, 3000], 32, 8, 128, dtype)
+        dense_case([300, 250, 10], 9, 3, 64, dtype)  # SmolLM2: G = 3
+        dense_case([70, 5], 4, 2, 16, dtype)  # the fixture
+    dense_case([500, 20], 8, 8, 128, mx.float16)  # no GQA
+    dense_case([800, 300], 64, 8, 128, mx.bfloat16)  # G = 8
+    for dtype in (mx.float32, mx.bfloat16):
+        tq_case([[200, 9]], 32, 8, 128, 4, dtype)
+        tq_case([[4000, 33]], 32, 8, 128, 4, dtype)
+        tq_case([[300], [7, 30, 1], [64], [1000, 3]], 32, 8, 128, 4, dtype)
+        tq_case([[150, 10], [70]], 9, 3, 64, 4, dtype)
+        tq_case([[100, 7], [20]], 4, 2, 16, 4, dtype, group=16)
+    for bits in (2, 8):
+        tq_case([[300], [7, 30, 1]], 32, 8, 128, bits, mx.float32)
+    if args.long:
+        for n in (32768, 100000):
+            dense_case([n, n - 5000, 77], 32, 8, 128, mx.bfloat16)
+            tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16)
+    greedy_identity(args.steps)
+    failed = [r for r in results if not r["ok"]]
+    summary = {"checks": len(results), "failed": len(failed), "seconds": round(time.perf_counter() - t0, 1)}
+    print(json.dumps(summary))
+    if args.json:
+        args.json.write_text(json.dumps({"summary": summary, "results": results}, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

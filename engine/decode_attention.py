@@ -1,0 +1,734 @@
+"""Split-K decode attention on CUDA: one query token per row, left-padded rows, dense or TurboQuant KV.
+
+Why this is hand-written: a batched decode step over left-padded rows hands MLX's
+`scaled_dot_product_attention` a boolean mask, and on CUDA a masked call leaves the
+fused vector kernel (mlx-lm's `GenerationBatch` with padded rows ran at 4.22x its B=1
+rate against 6.41x unpadded on an H200, issue 17). And attention over a TurboQuant
+cache with stock MLX ops writes the T x d codebook values of every layer to memory
+before SDPA reads them back (5.6-13x a dense step on the H200, issue 18). Neither
+MLX nor mlx-lm has a decode kernel that takes per-row start offsets or reads
+packed codes; vLLM's and FlashInfer's kernels do both but work on torch tensors.
+
+Both kernels are flash-decoding style (split-K): block (s, h, b) takes context
+columns [s*CHUNK, (s+1)*CHUNK) of KV head h of row b, intersected with the row's own
+columns [left_padding[b], end), and scores every query head of its GQA group against
+them (the K/V bytes are read once for the G = q_heads / kv_heads queries). Within a
+block, lanes work in groups of D/8 lanes, one token per group, 8 coordinates per
+lane (one 16-byte load of bf16); the scores of the chunk go to shared memory, the
+block takes their max and exponentials, then the same groups read V and accumulate.
+Each block writes its unnormalised output with its max and sum; a second kernel
+combines the splits of each (row, head) with max/sum rescaling.
+
+TurboQuant (`tq_attend`, layout in engine/turboquant.py): a K or V vector is a
+float32 norm plus `bits`-bit codes of the rotated unit vector, packed little-end
+first into uint32 words. The query is rotated in the block (the codec's
+randomised Hadamard transform: signs, then an in-place Walsh-Hadamard butterfly in
+shared memory, scaled by 1/sqrt(D)), a key's score is norm * sum_i q'_i c[code_i]
+with the codebook c in shared memory, and values accumulate norm * c[code] in the
+rotated basis; no decoded vector is written anywhere. Columns a row still holds
+dense (its tail of < `group` tokens and this call's token, per row from the same
+boundary rule as `BatchTurboQuantKVCache`) are scored by one extra block per
+(row, KV head) with the unrotated query. The reduce kernel rotates the combined
+code part back (butterfly, signs) and adds the dense part, all in one softmax.
+
+Which calls take it (`use_dense`, `use_tq`): only on a CUDA device, one query token,
+head_dim 64/128/256, bits dividing 8 (TurboQuant), G <= 8. Everything else — the CPU,
+prefill chunks, other shapes — stays on MLX's own attention (CPU tests emulate the
+kernels' index arithmetic: tests/test_decode_attention.py; the GPU check is
+bench/check_decode_kernels.py). PREFIXTRACE_DECODE_ATTENTION: "0" off, "all" also for
+unpadded dense batches (default: dense batches only when padded, where MLX would
+take its masked path; TurboQuant decode always).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = ["available", "mode", "set_mode", "use_dense", "use_tq", "dense_attend", "tq_attend", "split_chunk",
+           "tq_bounds", "MODES"]
+
+NW = 4  # warps per pass-1 block
+_TARGET_BLOCKS = 1024  # ~8 blocks per SM on an H200's 132: enough to keep its memory system busy
+MIN_CHUNK, MAX_CHUNK = 64, 1024
+_SMEM_SCORES = 4096  # G x CHUNK floats of scores per block (16 KB)
+DIMS = (16, 32, 64, 128, 256)  # D / 8 lanes per token must divide a warp
+
+_HEADER = """
+#define NEG_INF (-__int_as_float(0x7f800000))
+template <typename T>
+__device__ inline void load8(const T* p, float* o) {
+    if constexpr (sizeof(T) == 4) {
+        const float4 a = *reinterpret_cast<const float4*>(p);
+        const float4 b = *reinterpret_cast<const float4*>(p + 4);
+        o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+        o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+    } else {
+        const uint4 r = *reinterpret_cast<const uint4*>(p);
+        const T* e = reinterpret_cast<const T*>(&r);
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) o[i] = static_cast<float>(e[i]);
+    }
+}
+
+__device__ inline float warp_max(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+
+__device__ inline float warp_sum(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+"""
+
+# Shared by both pass-1 kernels once a block knows its columns [c0, c1) (n = c1 - c0 > 0) and
+# has filled sc[g][t] with the scaled scores: softmax statistics of the chunk, then the
+# values pass (VALUE(t, w) accumulates w * v_t into acc), then the block's partial output.
+_SOFTMAX_AND_STORE = """
+    __syncthreads();
+    float mx_[G], l_[G];
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float m = NEG_INF;
+        for (int t = tid; t < n; t += NT) m = fmaxf(m, sc[g][t]);
+        m = warp_max(m);
+        if (lane == 0) stat[warp][g] = m;
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float m = stat[0][g];
+        #pragma unroll
+        for (int w = 1; w < NW; ++w) m = fmaxf(m, stat[w][g]);
+        mx_[g] = m;
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float l = 0.f;
+        for (int t = tid; t < n; t += NT) {
+            const float p = __expf(sc[g][t] - mx_[g]);
+            sc[g][t] = p;
+            l += p;
+        }
+        l = warp_sum(l);
+        if (lane == 0) stat[warp][g] = l;
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float l = 0.f;
+        #pragma unroll
+        for (int w = 0; w < NW; ++w) l += stat[w][g];
+        l_[g] = l;
+    }
+    float acc[G][8];
+    #pragma unroll
+    for (int g = 0; g < G; ++g)
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+    // U tokens per group per step, loads first: more bytes in flight per lane.
+    for (int base = 0; base < n; base += TG * U) {
+        VLOAD
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            if (t < n) {
+                VACC
+            }
+        }
+    }
+    // Token groups of a warp hold the same coordinates: add them, then the warps.
+    #pragma unroll
+    for (int o = LPT; o < 32; o <<= 1)
+        #pragma unroll
+        for (int g = 0; g < G; ++g)
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) acc[g][i] += __shfl_xor_sync(0xffffffff, acc[g][i], o);
+    if (lane < LPT) {
+        #pragma unroll
+        for (int g = 0; g < G; ++g)
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) red[warp][g][sub * 8 + i] = acc[g][i];
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D; i += NT) {
+        const int g = i / D, d = i % D;
+        float v = 0.f;
+        #pragma unroll
+        for (int w = 0; w < NW; ++w) v += red[w][g][d];
+        o_part[((size_t)(b * HQ + h * G + g) * S + s) * D + d] = v;
+    }
+    if (tid < G) {
+        ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = mx_[tid];
+        ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = l_[tid];
+    }
+"""
+
+# A block with no columns (a split inside a row's left padding) still writes its slot.
+_EMPTY_BLOCK = """
+    if (c0 >= c1) {
+        for (int i = tid; i < G * D; i += NT)
+            o_part[((size_t)(b * HQ + h * G + i / D) * S + s) * D + i % D] = 0.f;
+        if (tid < G) {
+            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = NEG_INF;
+            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = 0.f;
+        }
+        return;
+    }
+"""
+
+_PROLOGUE = """
+    constexpr int LPT = D / 8;            // lanes per token: 8 coordinates each
+    constexpr int TPW = 32 / LPT;         // tokens per warp step
+    constexpr int TG = NW * TPW;          // token groups per block
+    constexpr int NT = NW * 32;
+    constexpr int U = 4;                  // tokens per group per loop step
+    __shared__ float sc[G][CHUNK];
+    __shared__ float qs[G][D];
+    __shared__ float red[NW][G][D];
+    __shared__ float stat[NW][G];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int s = blockIdx.x, S = gridDim.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int HQ = gridDim.y * G;
+    const int tg = warp * TPW + lane / LPT, sub = lane % LPT;
+    const int start = lp[b];
+    const float scale = params[0];
+"""
+
+# Dense K/V (B, H, T, D) of any strides along B, H, T (the cache's capacity buffer,
+# sliced), last axis contiguous. Columns [left_padding[b], T) are row b's.
+_DENSE_SOURCE = _PROLOGUE + """
+    const int end = k_shape[2];
+    const int c0 = max(s * CHUNK, start), c1 = min((s + 1) * CHUNK, end);
+""" + _EMPTY_BLOCK + """
+    const int n = c1 - c0;
+    for (int i = tid; i < G * D; i += NT)
+        qs[i / D][i % D] = scale * static_cast<float>(
+            q[b * q_strides[0] + (h * G + i / D) * q_strides[1] + (i % D) * q_strides[3]]);
+    __syncthreads();
+    float qr[G][8];
+    #pragma unroll
+    for (int g = 0; g < G; ++g)
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) qr[g][i] = qs[g][sub * 8 + i];
+    const T* kb = k + b * k_strides[0] + h * k_strides[1] + sub * 8;
+    const T* vb = v + b * v_strides[0] + h * v_strides[1] + sub * 8;
+    // Every lane runs every step (the shuffles need the whole warp); past n it loads nothing.
+    for (int base = 0; base < n; base += TG * U) {
+        float x[U][8];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            if (t < n) load8(kb + (size_t)(c0 + t) * k_strides[2], x[u]);
+            else {
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) x[u][i] = 0.f;
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            float a[G];
+            #pragma unroll
+            for (int g = 0; g < G; ++g) {
+                a[g] = 0.f;
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) a[g] += qr[g][i] * x[u][i];
+            }
+            #pragma unroll
+            for (int o = LPT / 2; o > 0; o >>= 1)
+                #pragma unroll
+                for (int g = 0; g < G; ++g) a[g] += __shfl_xor_sync(0xffffffff, a[g], o);
+            if (t < n && sub == 0) {
+                #pragma unroll
+                for (int g = 0; g < G; ++g) sc[g][t] = a[g];
+            }
+        }
+    }
+""" + _SOFTMAX_AND_STORE.replace("VLOAD", """
+        float x[U][8];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            if (t < n) load8(vb + (size_t)(c0 + t) * v_strides[2], x[u]);
+        }
+""").replace("VACC", """
+                #pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const float p = sc[g][t];
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[g][i] += p * x[u][i];
+                }
+""")
+
+# TurboQuant: norms (B, H, T, 1) float32 and codes (B, H, T, W) uint32 for columns [0, T);
+# the dense window (B, H, Tw, D) holds columns [T - Tw, T). Row b's boundary (columns below
+# it are read as codes, the rest dense) is BatchTurboQuantKVCache's rule for a call of NQ
+# tokens: start + min(prev - start, floor((T - start) / GROUP) * GROUP), prev = T - NQ.
+# Blocks s < S - 1 take codes; block S - 1 takes the dense columns [max(bound, start), T).
+_TQ_SOURCE = _PROLOGUE + """
+    constexpr int MASK = (1 << BITS) - 1;
+    __shared__ float cs[1 << BITS];
+    const int end = kc_shape[2];
+    const int ws = end - tk_shape[2];
+    const int prev = end - NQ;
+    const int bound = start + min(prev - start, ((end - start) / GROUP) * GROUP);
+    const bool tail = s == S - 1;
+    const int c0 = tail ? max(bound, start) : max(s * CHUNK, start);
+    const int c1 = tail ? end : min((s + 1) * CHUNK, bound);
+""" + _EMPTY_BLOCK + """
+    const int n = c1 - c0;
+    for (int i = tid; i < G * D; i += NT)
+        qs[i / D][i % D] = scale * static_cast<float>(
+            q[b * q_strides[0] + (h * G + i / D) * q_strides[1] + (i % D) * q_strides[3]]);
+    for (int i = tid; i < (1 << BITS); i += NT) cs[i] = cent[i];
+    if (!tail) {
+        // q' = H (q * signs) / sqrt(D): the codec's rotation, as mx.hadamard_transform computes it.
+        __syncthreads();
+        for (int i = tid; i < G * D; i += NT) qs[i / D][i % D] *= signs[i % D];
+        #pragma unroll
+        for (int hh = 1; hh < D; hh <<= 1) {
+            __syncthreads();
+            for (int i = tid; i < G * D / 2; i += NT) {
+                const int g = i / (D / 2), j = i % (D / 2);
+                const int lo = (j / hh) * 2 * hh + (j % hh), hi = lo + hh;
+                const float a = qs[g][lo], c = qs[g][hi];
+                qs[g][lo] = a + c;
+                qs[g][hi] = a - c;
+            }
+        }
+    }
+    __syncthreads();
+    const float qscale = tail ? 1.f : rsqrtf((float)D);
+    float qr[G][8];
+    #pragma unroll
+    for (int g = 0; g < G; ++g)
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) qr[g][i] = qscale * qs[g][sub * 8 + i];
+    const size_t kcb = b * kc_strides[0] + h * kc_strides[1];
+    const size_t knb = b * kn_strides[0] + h * kn_strides[1];
+    const size_t vcb = b * vc_strides[0] + h * vc_strides[1];
+    const size_t vnb = b * vn_strides[0] + h * vn_strides[1];
+    const T* tkb = tk + b * tk_strides[0] + h * tk_strides[1] + sub * 8;
+    const T* tvb = tv + b * tv_strides[0] + h * tv_strides[1] + sub * 8;
+    constexpr int BIT0 = 8 * BITS;       // a lane's 8 codes start at bit sub * BIT0 of the row
+    for (int base = 0; base < n; base += TG * U) {
+        float x[U][8];
+        uint32_t w0[U], w1[U];
+        float norm[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            w0[u] = 0u; w1[u] = 0u; norm[u] = 0.f;
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) x[u][i] = 0.f;
+            if (t < n) {
+                const int c = c0 + t;
+                if (tail) {
+                    load8(tkb + (size_t)(c - ws) * tk_strides[2], x[u]);
+                    norm[u] = 1.f;
+                } else {
+                    const uint32_t* row = kc + kcb + (size_t)c * kc_strides[2] + (sub * BIT0) / 32;
+                    w0[u] = row[0];
+                    if (BIT0 > 32) w1[u] = row[1];
+                    norm[u] = kn[knb + (size_t)c * kn_strides[2]];
+                }
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            if (!tail) {
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const int bit = (sub * BIT0) % 32 + i * BITS;
+                    x[u][i] = cs[(bit < 32 ? (w0[u] >> bit) : (w1[u] >> (bit - 32))) & MASK];
+                }
+            }
+            float a[G];
+            #pragma unroll
+            for (int g = 0; g < G; ++g) {
+                a[g] = 0.f;
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) a[g] += qr[g][i] * x[u][i];
+            }
+            #pragma unroll
+            for (int o = LPT / 2; o > 0; o >>= 1)
+                #pragma unroll
+                for (int g = 0; g < G; ++g) a[g] += __shfl_xor_sync(0xffffffff, a[g], o);
+            if (t < n && sub == 0) {
+                #pragma unroll
+                for (int g = 0; g < G; ++g) sc[g][t] = a[g] * norm[u];
+            }
+        }
+    }
+""" + _SOFTMAX_AND_STORE.replace("VLOAD", """
+        float x[U][8];
+        uint32_t w0[U], w1[U];
+        float norm[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            w0[u] = 0u; w1[u] = 0u; norm[u] = 1.f;
+            if (t < n) {
+                const int c = c0 + t;
+                if (tail) {
+                    load8(tvb + (size_t)(c - ws) * tv_strides[2], x[u]);
+                } else {
+                    const uint32_t* row = vc + vcb + (size_t)c * vc_strides[2] + (sub * BIT0) / 32;
+                    w0[u] = row[0];
+                    if (BIT0 > 32) w1[u] = row[1];
+                    norm[u] = vn[vnb + (size_t)c * vn_strides[2]];
+                }
+            }
+        }
+""").replace("VACC", """
+                if (!tail) {
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const int bit = (sub * BIT0) % 32 + i * BITS;
+                        x[u][i] = cs[(bit < 32 ? (w0[u] >> bit) : (w1[u] >> (bit - 32))) & MASK];
+                    }
+                }
+                #pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const float p = sc[g][t] * norm[u];
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[g][i] += p * x[u][i];
+                }
+""")
+
+# One block of D threads per (row, query head): combine the S partials with max/sum
+# rescaling. ROT: slots [0, S-1) are in the codec's rotated basis and slot S-1 is dense;
+# the rotated sum is turned back (butterfly, 1/sqrt(D), signs) before the dense part is added.
+_REDUCE_SOURCE = """
+    __shared__ float xs[D];
+    const int r = blockIdx.x, d = threadIdx.x;
+    const int S = ml_part_shape[1];
+    const float* ml = ml_part + (size_t)r * S * 2;
+    const float* op = o_part + (size_t)r * S * D + d;
+    float M = NEG_INF;
+    for (int s = 0; s < S; ++s) M = fmaxf(M, ml[2 * s]);
+    float L = 0.f, rot = 0.f, plain = 0.f;
+    for (int s = 0; s < S; ++s) {
+        const float m = ml[2 * s];
+        if (m == NEG_INF) continue;
+        const float w = __expf(m - M);
+        L += w * ml[2 * s + 1];
+        if (ROT && s < S - 1) rot += w * op[(size_t)s * D];
+        else plain += w * op[(size_t)s * D];
+    }
+    if (ROT) {
+        xs[d] = rot;
+        #pragma unroll
+        for (int hh = 1; hh < D; hh <<= 1) {
+            __syncthreads();
+            if (d < D / 2) {
+                const int lo = (d / hh) * 2 * hh + (d % hh), hi = lo + hh;
+                const float a = xs[lo], c = xs[hi];
+                xs[lo] = a + c;
+                xs[hi] = a - c;
+            }
+        }
+        __syncthreads();
+        plain += xs[d] * rsqrtf((float)D) * signs[d];
+    }
+    out[(size_t)r * D + d] = static_cast<T>(L > 0.f ? plain / L : 0.f);
+"""
+
+# TurboQuant encode of new K and V vectors in one launch (engine/turboquant.py's
+# `encode`: norm, unit vector, signs, Walsh-Hadamard / sqrt(D), codes = how many
+# thresholds a coordinate exceeds, packed BITS to a code from bit 0 of word 0). One warp
+# per vector, E = D / 32 consecutive coordinates per lane: the butterfly's first log2(E)
+# stages are within a lane, the rest between lanes. Warps [0, NV) take K, [NV, 2 NV) V.
+_ENCODE_SOURCE = """
+    constexpr int E = D / 32;
+    constexpr int W = D * BITS / 32;
+    constexpr int LEVELS = 1 << BITS;
+    const int gw = blockIdx.x;            // one warp per block, one vector per warp
+    const int lane = threadIdx.x;
+    const int NV = gridDim.x / 2;
+    const bool is_v = gw >= NV;
+    const int vec = is_v ? gw - NV : gw;
+    const auto* src = is_v ? v + (size_t)vec * D : k + (size_t)vec * D;
+    float x[E];
+    float ss = 0.f;
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        x[e] = static_cast<float>(src[lane * E + e]);
+        ss += x[e] * x[e];
+    }
+    ss = warp_sum(ss);
+    const float norm = sqrtf(ss);
+    const float den = fmaxf(norm, 1e-30f);
+    #pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = x[e] / den * signs[lane * E + e];
+    #pragma unroll
+    for (int hh = 1; hh < E; hh <<= 1)
+        #pragma unroll
+        for (int e = 0; e < E; ++e)
+            if ((e & hh) == 0) {
+                const float a = x[e], c = x[e + hh];
+                x[e] = a + c;
+                x[e + hh] = a - c;
+            }
+    #pragma unroll
+    for (int hh = E; hh < D; hh <<= 1) {
+        const int o = hh / E;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const float other = __shfl_xor_sync(0xffffffff, x[e], o);
+            x[e] = (lane & o) ? other - x[e] : x[e] + other;
+        }
+    }
+    const float rs = rsqrtf((float)D);
+    uint32_t cd[E];
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const float y = x[e] * rs;
+        uint32_t code = 0u;
+        #pragma unroll
+        for (int j = 0; j < LEVELS - 1; ++j) code += y > thr[j] ? 1u : 0u;
+        cd[e] = code;
+    }
+    uint32_t* codes = is_v ? vc : kc;
+    if constexpr (E * BITS <= 32) {
+        // A word holds the codes of LPW consecutive lanes: OR their pieces together.
+        constexpr int LPW = 32 / (E * BITS);
+        uint32_t piece = 0u;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) piece |= cd[e] << (((lane * E + e) * BITS) % 32);
+        #pragma unroll
+        for (int o = 1; o < LPW; o <<= 1) piece |= __shfl_xor_sync(0xffffffff, piece, o);
+        if (lane % LPW == 0) codes[(size_t)vec * W + (lane * E * BITS) / 32] = piece;
+    } else {
+        // A lane's codes fill whole words (E * BITS / 32 of them).
+        constexpr int PER = 32 / BITS;
+        #pragma unroll
+        for (int j = 0; j < E / PER; ++j) {
+            uint32_t word = 0u;
+            #pragma unroll
+            for (int e = 0; e < PER; ++e) word |= cd[j * PER + e] << (e * BITS);
+            codes[(size_t)vec * W + (lane * E * BITS) / 32 + j] = word;
+        }
+    }
+    if (lane == 0) (is_v ? vn : kn)[vec] = norm;
+"""
+
+ENCODE_DIMS = (32, 64, 128, 256)
+
+
+@lru_cache(maxsize=1)
+def _encode_kernel():
+    return mx.fast.cuda_kernel(name="prefixtrace_tq_encode", input_names=["k", "v", "signs", "thr"],
+                               output_names=["kn", "kc", "vn", "vc"], source=_ENCODE_SOURCE, header=_HEADER)
+
+
+def use_encode(keys: mx.array, values: mx.array, codec) -> bool:
+    """Whether new K/V go through `encode_kv` (CUDA, Hadamard codec, bits dividing 8, the
+    same head size for K and V)."""
+    return (mode() != "off" and available() and codec.hadamard and 8 % codec.bits == 0
+            and keys.shape == values.shape and keys.shape[-1] == codec.dim and codec.dim in ENCODE_DIMS
+            and keys.dtype in (mx.bfloat16, mx.float16, mx.float32) and keys.size > 0)
+
+
+def encode_kv(keys: mx.array, values: mx.array, codec):
+    """(k_norms, k_codes, v_norms, v_codes) of keys/values (..., D), as `codec.encode` gives
+    them, in one launch. CUDA only (`use_encode`)."""
+    lead = keys.shape[:-1]
+    nv = keys.size // keys.shape[-1]
+    words = codec.words
+    kn, kc, vn, vc = _encode_kernel()(
+        inputs=[keys, values.astype(keys.dtype), codec.signs, codec.thresholds],
+        template=[("D", codec.dim), ("BITS", codec.bits)],
+        grid=(2 * nv * 32, 1, 1), threadgroup=(32, 1, 1),
+        output_shapes=[(nv,), (nv, words), (nv,), (nv, words)],
+        output_dtypes=[mx.float32, mx.uint32, mx.float32, mx.uint32])
+    return (kn.reshape(*lead, 1), kc.reshape(*lead, words), vn.reshape(*lead, 1), vc.reshape(*lead, words))
+
+
+MODES = ("off", "on", "all")
+_mode: str | None = None
+
+
+def mode() -> str:
+    """"on" (default): TurboQuant decode, and dense batches with padded rows; "all": every
+    dense batched decode step too; "off": MLX's attention everywhere. From
+    PREFIXTRACE_DECODE_ATTENTION (0 / all), read once; `set_mode` for benchmarks."""
+    global _mode
+    if _mode is None:
+        env = os.environ.get("PREFIXTRACE_DECODE_ATTENTION", "on")
+        _mode = "off" if env == "0" else "all" if env == "all" else "on"
+    return _mode
+
+
+def set_mode(new: str) -> None:
+    if new not in MODES:
+        raise ValueError(f"decode attention mode must be one of {MODES}, not {new!r}")
+    global _mode
+    _mode = new
+
+
+@lru_cache(maxsize=1)
+def available() -> bool:
+    """A CUDA build of MLX with the GPU as default device (decided once per process)."""
+    try:
+        return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    except AttributeError:
+        return False
+
+
+@lru_cache(maxsize=1)
+def _dense_kernel():
+    return mx.fast.cuda_kernel(name="prefixtrace_decode_dense", input_names=["q", "k", "v", "lp", "params"],
+                               output_names=["o_part", "ml_part"], source=_DENSE_SOURCE, header=_HEADER,
+                               ensure_row_contiguous=False)
+
+
+@lru_cache(maxsize=1)
+def _tq_kernel():
+    return mx.fast.cuda_kernel(name="prefixtrace_decode_tq",
+                               input_names=["q", "kn", "kc", "vn", "vc", "tk", "tv", "lp", "signs", "cent", "params"],
+                               output_names=["o_part", "ml_part"], source=_TQ_SOURCE, header=_HEADER,
+                               ensure_row_contiguous=False)
+
+
+@lru_cache(maxsize=1)
+def _reduce_kernel():
+    return mx.fast.cuda_kernel(name="prefixtrace_decode_reduce", input_names=["o_part", "ml_part", "signs"],
+                               output_names=["out"], source=_REDUCE_SOURCE, header=_HEADER)
+
+
+def split_chunk(tokens: int, kv_heads: int, rows: int, g: int, at_least: int = 0) -> int | None:
+    """Context columns per pass-1 block: the smallest power of two from 64 that keeps the
+    grid near `_TARGET_BLOCKS`, up to 1024 and to the G x CHUNK scores of a block fitting
+    16 KB of shared memory, and at least `at_least` (a TurboQuant row's dense columns are
+    one block's). None when `at_least` does not fit."""
+    top = min(MAX_CHUNK, _SMEM_SCORES // g)
+    chunk = MIN_CHUNK
+    while chunk < at_least or (chunk < top and -(-tokens // chunk) * kv_heads * rows > _TARGET_BLOCKS):
+        chunk *= 2
+    return chunk if chunk <= top else None
+
+
+def tq_bounds(end: int, left_padding: list[int], group: int, queries: int = 1) -> list[int]:
+    """Per row, the first column the kernel reads dense (`_TQ_SOURCE`'s rule; equal to
+    `BatchTurboQuantKVCache.update_and_fetch`'s `bounds`, tested)."""
+    prev = end - queries
+    return [p + min(prev - p, (end - p) // group * group) for p in left_padding]
+
+
+@lru_cache(maxsize=None)
+def _scalar(value: float) -> mx.array:
+    return mx.array(np.array([value], np.float32))  # from numpy: no lazy array tied to one thread's stream
+
+
+@lru_cache(maxsize=None)
+def _zeros(rows: int) -> mx.array:
+    return mx.array(np.zeros(rows, np.int32))
+
+
+@lru_cache(maxsize=None)
+def _no_signs(dim: int) -> mx.array:
+    return mx.array(np.ones(dim, np.float32))
+
+
+def _gqa(queries: mx.array, kv_heads: int) -> int | None:
+    B, hq, n, d = queries.shape
+    # Shared memory: G x D floats of queries and NW x G x D of partial outputs per block.
+    if n != 1 or d not in DIMS or hq % kv_heads or hq // kv_heads > 8 or hq // kv_heads * d > 1024:
+        return None
+    return hq // kv_heads
+
+
+def use_dense(cache, queries: mx.array, keys: mx.array, mask) -> bool:
+    """Whether a dense batched decode step goes through `dense_attend` (mlx-lm's
+    `BatchKVCache` and subclasses: their `left_padding` says where each row starts).
+    The kernel applies no mask, so this relies on a one-token `BatchKVCache` mask being
+    the left-padding mask alone: mlx-lm gives sliding-window layers a `RotatingKVCache`,
+    whose batched form is not a `BatchKVCache`, and rows past right padding are rolled
+    back (`finalize`) before decoding (`_right_padding` is checked)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    kind = mode()
+    return (kind != "off" and (mask is not None or kind == "all") and available()
+            and isinstance(cache, BatchKVCache) and getattr(cache, "_right_padding", None) is None
+            and keys.dtype in (mx.bfloat16, mx.float16, mx.float32) and queries.dtype == keys.dtype
+            and _gqa(queries, keys.shape[1]) is not None)
+
+
+def use_tq(queries: mx.array, kv_heads: int, bits: int, dim: int) -> bool:
+    """Whether a TurboQuant decode step goes through `tq_attend`."""
+    return (mode() != "off" and available() and 8 % bits == 0 and dim == queries.shape[-1]
+            and queries.dtype in (mx.bfloat16, mx.float16, mx.float32) and _gqa(queries, kv_heads) is not None)
+
+
+@lru_cache(maxsize=None)
+def _templates(kind: str, dtype, dim: int, g: int, chunk: int, bits: int = 0, group: int = 0) -> list:
+    t = [("T", dtype), ("D", dim), ("G", g), ("CHUNK", chunk), ("NW", NW)]
+    if kind == "tq":
+        t += [("BITS", bits), ("GROUP", group), ("NQ", 1)]
+    return t
+
+
+def _reduce(o_part: mx.array, ml_part: mx.array, signs: mx.array, rows: int, q_heads: int, dim: int, dtype,
+            rotated: bool) -> mx.array:
+    return _reduce_kernel()(inputs=[o_part, ml_part, signs],
+                            template=[("T", dtype), ("D", dim), ("ROT", rotated)],
+                            grid=(rows * q_heads * dim, 1, 1), threadgroup=(dim, 1, 1),
+                            output_shapes=[(rows, q_heads, 1, dim)], output_dtypes=[dtype])[0]
+
+
+def dense_attend(queries: mx.array, keys: mx.array, values: mx.array, left_padding: mx.array,
+                 scale: float) -> mx.array | None:
+    """softmax(q K^T * scale) V for one query token per row, row b attending to columns
+    [left_padding[b], T) of keys/values (B, H, T, D). CUDA only (`use_dense`); None
+    where no chunk size fits (the caller falls back to MLX)."""
+    B, hq, _, dim = queries.shape
+    H, T = keys.shape[1], keys.shape[2]
+    g = hq // H
+    chunk = split_chunk(T, H, B, g)
+    if chunk is None:
+        return None
+    splits = -(-T // chunk)
+    lp = left_padding if left_padding.dtype == mx.int32 else left_padding.astype(mx.int32)
+    o_part, ml_part = _dense_kernel()(
+        inputs=[queries, keys, values, lp, _scalar(scale)],
+        template=_templates("dense", keys.dtype, dim, g, chunk),
+        grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
+        output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
+    return _reduce(o_part, ml_part, _no_signs(dim), B, hq, dim, queries.dtype, False)
+
+
+def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: mx.array, v_codes: mx.array,
+              win_k: mx.array, win_v: mx.array, left_padding: mx.array | None, scale: float, codec,
+              group: int) -> mx.array | None:
+    """Attention of one query token per row over TurboQuant codes for columns [0, T)
+    (norms (B, H, T, 1), codes (B, H, T, W)) and the dense window (B, H, Tw, D) of
+    columns [T - Tw, T), unrotated; row b starts at left_padding[b] (None: 0). The
+    output is in the original basis. CUDA only (`use_tq`); None where the dense window
+    does not fit one block (the caller falls back to MLX)."""
+    B, hq, _, dim = queries.shape
+    H, T, tw = k_codes.shape[1], k_codes.shape[2], win_k.shape[2]
+    g = hq // H
+    chunk = split_chunk(T, H, B, g, at_least=tw)
+    if chunk is None:
+        return None
+    splits = -(-T // chunk) + 1  # + the dense block
+    lp = _zeros(B) if left_padding is None else left_padding
+    lp = lp if lp.dtype == mx.int32 else lp.astype(mx.int32)
+    o_part, ml_part = _tq_kernel()(
+        inputs=[queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
+                _scalar(scale)],
+        template=_templates("tq", win_k.dtype, dim, g, chunk, codec.bits, group),
+        grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
+        output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
+    return _reduce(o_part, ml_part, codec.signs, B, hq, dim, queries.dtype, True)

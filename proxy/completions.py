@@ -1,0 +1,111 @@
+"""OpenAI's legacy completions (`POST /v1/completions`): a raw prompt, no chat template.
+
+Embedded engine: the prompt string is tokenized as it is (`EngineBackend.open_prompt`) and the
+engine's reply events are written as `text_completion` objects or chunks (a usage chunk when
+`stream_options.include_usage` asks, then `data: [DONE]`). Upstream: passed through like chat
+completions (`UpstreamBackend.open(path=...)`), the chunks' `text` read into the turn.
+Recorded with endpoint "/v1/completions".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+
+from prefixtrace.errors import InvalidRequest, to_openai_error
+from prefixtrace.wire import completions as wire
+from prefixtrace.wire import sse
+from prefixtrace.wire.events import ContentDelta, ReplyDone
+from prefixtrace.wire.turn_builder import TurnBuilder
+from proxy.chat_request import ChatRequest, parse_chat_request
+from proxy.relay import serve_turn
+
+COMPLETIONS_PATH = wire.PATH
+
+
+def parse_completion_request(body: dict, headers: dict[str, str]) -> ChatRequest:
+    """The prompt and the sampling fields (read as on chat completions); what the engine cannot do
+    (echo, logprobs, best_of, suffix) is a 400 naming it rather than silently different output."""
+    prompt = wire.prompt_of(body)
+    for key, off in (("echo", False), ("logprobs", None), ("suffix", None), ("best_of", 1)):
+        if body.get(key, off) not in (off, None):
+            raise InvalidRequest(f"'{key}' is not supported by the embedded engine", param=key)
+    req = parse_chat_request({**body, "messages": [{"role": "user", "content": prompt}]}, headers)
+    req.messages, req.body = [], body
+    return req
+
+
+class EngineCompletion:
+    """One completions request served by the engine; wraps the engine's `EngineChat`."""
+
+    status = 200
+
+    def __init__(self, chat, req: ChatRequest, builder: TurnBuilder):
+        self.chat, self.req, self.builder = chat, req, builder
+        self.id = "cmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = req.model or chat.model
+
+    @property
+    def streams_events(self) -> bool:
+        return self.req.stream
+
+    def cancel(self) -> None:
+        self.chat.cancel()
+
+    def _object(self, text: str, finish_reason: str | None) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}]}
+
+    @staticmethod
+    def _usage(done: ReplyDone) -> dict:
+        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        async for event in self.chat.reply_events():
+            self.builder.on_event(event)
+            if isinstance(event, ContentDelta):
+                self.builder.on_sent()
+                yield sse.encode(self._object(event.text, None))
+            elif isinstance(event, ReplyDone):
+                usage = self._usage(event)
+                self.builder.turn.usage = usage
+                self.builder.on_sent()
+                yield sse.encode(self._object("", event.finish_reason))
+                if self.req.include_usage:
+                    self.builder.on_sent()
+                    yield sse.encode({**self._object("", None), "choices": [], "usage": usage})
+        yield sse.DONE
+
+    async def whole(self) -> tuple[bytes, str]:
+        parts: list[str] = []
+        async for event in self.chat.reply_events():
+            self.builder.on_event(event)
+            if isinstance(event, ContentDelta):
+                parts.append(event.text)
+            elif isinstance(event, ReplyDone):
+                body = {**self._object("".join(parts), event.finish_reason), "usage": self._usage(event)}
+                self.builder.turn.usage = body["usage"]
+                return json.dumps(body, ensure_ascii=False).encode(), "application/json"
+        raise RuntimeError("engine stream ended without a result")
+
+
+def add_completions_route(app: FastAPI, backend, recorder, stream) -> None:
+    """`POST /v1/completions`; `stream` is chat completions' SSE recorder (the same framing)."""
+
+    async def open_reply(req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
+        if hasattr(backend, "engine"):
+            return EngineCompletion(await backend.open_prompt(req, wire.prompt_of(req.body), builder), req, builder)
+        return await backend.open(req, builder, headers, path=COMPLETIONS_PATH)
+
+    @app.post(COMPLETIONS_PATH)
+    async def completions(request: Request):
+        return await serve_turn(request, endpoint=COMPLETIONS_PATH, upstream=backend.label, recorder=recorder,
+                                parse=parse_completion_request, open_reply=open_reply, stream=stream,
+                                error_body=to_openai_error)

@@ -1,0 +1,112 @@
+"""Who may drive the proxy: requests that name an allowed host, and JSON bodies on POST.
+
+The proxy listens on loopback, but a web page on any origin can still reach
+it through the developer's browser, two ways:
+- a "simple" cross-origin POST (`Content-Type: text/plain`, no preflight) is
+  sent even though its answer cannot be read: it would run a turn and plant
+  whatever it likes in the recording;
+- DNS rebinding: the page's own host name, re-resolved to 127.0.0.1, makes
+  the proxy same-origin to it, so it could read `/ui/api/sessions` (prompts).
+So every request's Host header must name an allowed host (loopback names with
+any port, by default) and every POST must say `application/json`, which a
+browser sends cross-origin only after a CORS preflight that this server never
+approves. A refused turn is answered in its API's error shape and recorded,
+like any other refusal (`refusal_recorder`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from prefixtrace.errors import (ForbiddenHost, PrefixtraceError, UnsupportedMediaType, http_status,
+                                to_openai_error)
+from recorder.turn import Turn
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+Refuse = Callable[[Request, PrefixtraceError], Awaitable[Response]]
+
+
+def host_name(header: str) -> str:
+    """The host of a Host header, without its port, lower-cased: `[::1]:8765` -> `::1`."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def is_json(content_type: str | None) -> bool:
+    """`application/json`, with or without parameters (`; charset=utf-8`)."""
+    return (content_type or "").split(";", 1)[0].strip().lower() == "application/json"
+
+
+class RequestGuard:
+    """ASGI middleware: refuses a request whose Host is not allowed (403) and a POST
+    that is not JSON (415); everything else passes untouched.
+
+    Args:
+        allowed_hosts: host names (no port) accepted in the Host header; None means
+            loopback only; a "*" among them accepts any host.
+        refuse: builds the response to a refused request (default: an OpenAI-shaped error).
+    """
+
+    def __init__(self, app, *, allowed_hosts: Iterable[str] | None = None, refuse: Refuse | None = None):
+        self.app = app
+        hosts = {h.strip().lower().strip("[]") for h in (allowed_hosts or LOOPBACK_HOSTS) if h.strip()}
+        self.allowed = None if "*" in hosts else frozenset(hosts)
+        self.refuse = refuse
+
+    def check(self, method: str, headers: Headers) -> PrefixtraceError | None:
+        host = host_name(headers.get("host", ""))
+        if self.allowed is not None and host not in self.allowed:
+            return ForbiddenHost(f"Host {host!r} is not allowed: this proxy answers to {', '.join(sorted(self.allowed))} "
+                                 "(serve --allowed-hosts to add names; see docs/SECURITY.md)")
+        if method == "POST" and not is_json(headers.get("content-type")):
+            return UnsupportedMediaType(f"Content-Type must be application/json, got "
+                                        f"{headers.get('content-type') or 'none'!r}")
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        error = self.check(scope["method"], Headers(scope=scope))
+        if error is None:
+            return await self.app(scope, receive, send)
+        request = Request(scope, receive)
+        if self.refuse is not None:
+            response = await self.refuse(request, error)
+        else:
+            response = JSONResponse(to_openai_error(error), status_code=http_status(error))
+        await response(scope, receive, send)
+
+
+def refusal_recorder(recorder, upstream: str, error_bodies: dict[str, Callable[[PrefixtraceError], dict]],
+                     record: Callable[[object, Turn], Awaitable[None]]) -> Refuse:
+    """A `refuse` that answers a turn endpoint (a path in `error_bodies`) in its API's
+    error shape and records the turn through `record(recorder, turn)`; other paths get
+    an OpenAI-shaped error and nothing is recorded (they are not turns)."""
+    from proxy.chat_request import parse_body
+
+    async def refuse(request: Request, exc: PrefixtraceError) -> Response:
+        status = http_status(exc)
+        error_body = error_bodies.get(request.url.path)
+        if error_body is None:
+            return JSONResponse(to_openai_error(exc), status_code=status)
+        raw = await request.body()
+        turn = Turn(request_id=uuid.uuid4().hex, started_at=time.time(), endpoint=request.url.path,
+                    upstream=upstream, request_body=raw.decode("utf-8", errors="replace"),
+                    request_headers=dict(request.headers), status=status, error=exc.message,
+                    client_addr=f"{request.client.host}:{request.client.port}" if request.client else None)
+        try:
+            turn.request_body, turn.request_raw = parse_body(raw), turn.request_body
+        except PrefixtraceError:
+            pass  # stored as the text it was
+        await record(recorder, turn)
+        return JSONResponse(error_body(exc), status_code=status)
+
+    return refuse

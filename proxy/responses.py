@@ -1,0 +1,233 @@
+"""OpenAI's Responses API (`POST /v1/responses`), to the embedded engine or passed through upstream.
+
+Embedded engine: the request is translated into chat messages (prefixtrace/wire/responses.py) and
+rendered like any other; the engine's reply events are written back as a Response object or its
+event stream (prefixtrace/wire/responses_stream.py). `store` (true unless the client says false,
+as on OpenAI) keeps the conversation in memory under the response id so that a later request can
+continue it with `previous_response_id`; an id this process does not hold (never stored, stored
+with `store: false`, or from before a restart) is a 400 naming it. Nothing stored here outlives
+the process: the recorder has every turn.
+
+Upstream: the body goes to the upstream's `/v1/responses` unchanged (the upstream owns
+`previous_response_id`), the stream passes through event by event and is read back into reply
+events for the recorded turn.
+
+Recorded with endpoint "/v1/responses"; usage: `prompt_tokens = input_tokens`,
+`cached_tokens = input_tokens_details.cached_tokens` (None when the upstream did not say).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+
+from prefixtrace.errors import InvalidRequest, PrefixtraceError, UpstreamError, to_openai_error
+from prefixtrace.wire import responses as wire
+from prefixtrace.wire import sse
+from prefixtrace.wire.events import ReplyDone
+from prefixtrace.wire.responses_stream import TERMINAL, ResponsesReader, ResponsesWriter, encode
+from prefixtrace.wire.turn_builder import TurnBuilder
+from proxy.chat_request import ChatRequest, parse_chat_request, passthrough_request
+from proxy.relay import record_durably, serve_turn
+from proxy.upstream_backend import Relayed, map_httpx_errors
+
+RESPONSES_PATH = wire.PATH
+STORE_LIMIT = 1024  # conversations kept for previous_response_id (oldest dropped first)
+
+
+class ResponseStore:
+    """Conversations (chat messages, instructions excluded) by response id, newest kept."""
+
+    def __init__(self, limit: int = STORE_LIMIT):
+        self.limit = limit
+        self._items: OrderedDict[str, list[dict]] = OrderedDict()
+
+    def get(self, response_id: str) -> list[dict]:
+        if response_id not in self._items:
+            raise InvalidRequest(f"previous response {response_id!r} is not stored here (it was sent with "
+                                 "store: false, or before this server restarted); send the whole input instead",
+                                 param="previous_response_id")
+        self._items.move_to_end(response_id)
+        return self._items[response_id]
+
+    def put(self, response_id: str, messages: list[dict]) -> None:
+        self._items[response_id] = messages
+        while len(self._items) > self.limit:
+            self._items.popitem(last=False)
+
+
+def _conversation(req: ChatRequest) -> list[dict]:
+    """The request's conversation without the instructions (they do not carry over)."""
+    messages = req.messages
+    if req.body.get("instructions"):
+        messages = messages[1:]
+    return list(messages)
+
+
+class EngineResponses:
+    """One Responses request served by the engine; wraps the engine's `EngineChat`."""
+
+    status = 200
+
+    def __init__(self, chat, req: ChatRequest, builder: TurnBuilder, store: ResponseStore):
+        self.chat, self.req, self.builder, self.store = chat, req, builder, store
+        self.writer = ResponsesWriter(req.body, req.model or chat.model)
+
+    @property
+    def streams_events(self) -> bool:
+        return self.req.stream
+
+    def cancel(self) -> None:
+        self.chat.cancel()
+
+    def _on(self, event) -> list[dict]:
+        self.builder.on_event(event)
+        out = self.writer.feed(event)
+        if isinstance(event, ReplyDone):
+            self.builder.turn.usage = self.writer.usage
+            self._keep()
+        return out
+
+    def _keep(self) -> None:
+        if self.req.body.get("store") is False:
+            return
+        turn = self.builder.turn
+        reply: dict = {"role": "assistant", "content": turn.response_text}
+        if turn.reasoning_text:
+            reply["reasoning_content"] = turn.reasoning_text
+        calls = [item for item in self.writer.output if item["type"] == "function_call"]
+        if calls:
+            reply["tool_calls"] = [{"id": c["call_id"], "type": "function",
+                                    "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+        self.store.put(self.writer.id, _conversation(self.req) + [reply])
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        for event in self.writer.start():
+            yield encode(event)
+        try:
+            async for reply in self.chat.reply_events():
+                for event in self._on(reply):
+                    yield encode(event)
+        except PrefixtraceError as exc:
+            self.builder.turn.error = exc.message
+            for event in self.writer.fail(exc.code or "server_error", exc.message):
+                yield encode(event)
+
+    async def whole(self) -> tuple[bytes, str]:
+        async for reply in self.chat.reply_events():
+            self._on(reply)
+        return json.dumps(self.writer.response(), ensure_ascii=False).encode(), "application/json"
+
+
+class UpstreamResponses(Relayed):
+    """An upstream's Responses reply, passed through and read into the turn."""
+
+    def __init__(self, response, builder: TurnBuilder, url: str):
+        super().__init__(response, url)
+        self.builder = builder
+        self.reader = ResponsesReader()
+        self._complete = False  # a terminal event or an in-band error seen
+
+    def _on(self, data: dict) -> None:
+        self._complete = self._complete or data.get("type") in (*TERMINAL, "error")
+        for event in self.reader.feed(data):
+            self.builder.on_event(event)
+        if data.get("type") in TERMINAL:
+            response = data.get("response") or {}
+            self.builder.turn.usage = response.get("usage")
+            if response.get("error"):
+                self.builder.turn.error = str(response["error"])[:2000]
+        elif data.get("type") == "error":
+            self.builder.turn.error = str(data.get("message") or data)[:2000]
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        try:
+            with map_httpx_errors(self.url):
+                async for event in sse.iter_events(self.response.aiter_lines()):
+                    data = sse.decode_data(event)
+                    if data:
+                        self._on(data)
+                    yield event
+        finally:
+            await self.response.aclose()
+        if not self._complete:  # cut short: only the protocol's own end marks tell (as on chat completions)
+            raise UpstreamError(f"the stream from {self.url} ended without response.completed (cut short?)")
+
+    async def whole(self) -> tuple[bytes, str]:
+        data, body = await self.read()
+        if body is not None and self.status < 400:
+            self.builder.on_whole(self.reader.whole(body))
+            self.builder.turn.usage = body.get("usage")
+        elif self.status >= 400:
+            self.builder.turn.error = (str(body.get("error", body)) if body is not None
+                                       else data.decode(errors="replace"))[:2000]
+        return data, self.content_type
+
+
+def add_responses_route(app: FastAPI, backend, recorder) -> None:
+    """`POST /v1/responses`, ending like chat completions (`proxy.relay.respond`)."""
+    store = ResponseStore()
+    on_engine = hasattr(backend, "engine")
+
+    def parse(body: dict, headers: dict[str, str]) -> ChatRequest:
+        if on_engine:
+            previous_id = body.get("previous_response_id")
+            if previous_id is not None and not isinstance(previous_id, str):
+                raise InvalidRequest("'previous_response_id' must be a string", param="previous_response_id")
+            previous = store.get(previous_id) if previous_id else None
+            req = parse_chat_request(wire.to_chat_body(body, previous), headers)
+        else:  # the upstream judges the body; only what the proxy reads is checked
+            wire.input_items(body)
+            return passthrough_request(body, wire.session_id(body, headers))
+        req.body = body
+        req.session_id = wire.session_id(body, headers)
+        return req
+
+    async def open_reply(req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
+        if on_engine:
+            return EngineResponses(await backend.open(req, builder, headers), req, builder, store)
+        response, url = await backend.post(RESPONSES_PATH, req.body, headers, session_id=req.session_id)
+        return UpstreamResponses(response, builder, url)
+
+    @app.post(RESPONSES_PATH)
+    async def responses(request: Request):
+        return await serve_turn(request, endpoint=RESPONSES_PATH, upstream=backend.label, recorder=recorder,
+                                parse=parse, open_reply=open_reply, stream=_stream, error_body=to_openai_error)
+
+
+def _is_terminal(event: bytes) -> bool:
+    first = event.split(b"\n", 1)[0]
+    return first.startswith(b"event:") and first[6:].strip().decode(errors="replace") in TERMINAL
+
+
+async def _stream(chat, builder: TurnBuilder, recorder):
+    recorded = False
+
+    def finish(error: str | None = None):
+        nonlocal recorded
+        recorded = True
+        return builder.finish(chat.status, error)
+
+    try:
+        async for event in chat.sse():
+            builder.on_sent()
+            if _is_terminal(event) and not recorded:
+                # Commit before the client can see the end of the stream (as chat completions do).
+                await record_durably(recorder, finish())
+            yield event
+    except PrefixtraceError as exc:  # after the headers went out: tell the client in-band
+        if not recorded:
+            await record_durably(recorder, finish(exc.message))
+        yield encode({"type": "error", "sequence_number": 0, "code": exc.code, "message": exc.message, "param": None})
+    except (asyncio.CancelledError, GeneratorExit):
+        chat.cancel()
+        if not recorded:
+            recorder.record(finish("client disconnected"))
+        raise
+    finally:
+        if not recorded:
+            recorder.record(finish())

@@ -1,0 +1,140 @@
+"""Fixtures of the harness conformance suite (docs/HARNESSES.md).
+
+Once per pytest session: install the pinned harnesses (cached under ~/.cache/prefixtrace-harness,
+keyed by the pins), start one `prefixtrace serve` on the bundled SmolLM2 (the embedded engine) and one
+`prefixtrace serve --upstream` in front of it. Each test runs one harness against one of the two
+(`backend` is parametrized), in its own scratch HOME and working directory, and reads back the turns
+that run added to that server's database.
+
+`PREFIXTRACE_HARNESS=0` skips the suite (for machines without npm); anything else that keeps a
+harness from installing or running fails the test: CI must not go green without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from harness import harness_support as hs
+
+HERE = Path(__file__).resolve().parent
+
+# Two test aids of `serve` (docs/HARNESSES.md): after a user turn, a request that offers tools gets a
+# grammar-constrained tool call (engine/constraints.py), after the tool result the model answers
+# freely, so every harness loop ends by itself; and requests that set no temperature (no harness here
+# sets one) decode greedily, so which tool and which arguments is the model's most likely choice and
+# a run is reproducible.
+ENGINE_ARGS = ["--tool-choice-default", "required-after-user", "--default-temperature", "0"]
+
+
+def pytest_collection_modifyitems(config, items):
+    opted_out = os.environ.get(hs.OPT_OUT_ENV) == "0"
+    for item in items:
+        if HERE in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.harness)
+            if opted_out:
+                item.add_marker(pytest.mark.skip(reason=f"{hs.OPT_OUT_ENV}=0: harness suite opted out"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "harness: drives a real coding-agent harness (tests/harness/)")
+    config._harness_timings = []
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    timings = getattr(config, "_harness_timings", [])
+    if not timings:
+        return
+    terminalreporter.section("harness timings")
+    for row in timings:
+        terminalreporter.write_line(f"{row['what']:<36} {row['seconds']:>7.1f} s  {row.get('note', '')}")
+    out = os.environ.get("PREFIXTRACE_HARNESS_TIMINGS")
+    if out:
+        Path(out).write_text(json.dumps(timings, indent=1))
+
+
+@pytest.fixture(scope="session")
+def timings(pytestconfig):
+    def note(what: str, seconds: float, note: str = "") -> None:
+        pytestconfig._harness_timings.append({"what": what, "seconds": round(seconds, 1), "note": note})
+    return note
+
+
+@pytest.fixture(scope="session")
+def npm_bins(timings) -> dict[str, Path]:
+    try:
+        bins, spent = hs.install_npm_harnesses()
+    except hs.HarnessUnavailable as exc:
+        pytest.fail(f"harness install failed: {exc}", pytrace=False)
+    timings("install: npm harnesses", spent, "cached" if spent == 0 else "fresh")
+    return bins
+
+
+@pytest.fixture(scope="session")
+def llm_exe(timings) -> Path:
+    try:
+        exe, spent = hs.install_llm()
+    except hs.HarnessUnavailable as exc:
+        pytest.fail(f"harness install failed: {exc}", pytrace=False)
+    timings("install: llm (PyPI venv)", spent, "cached" if spent == 0 else "fresh")
+    return exe
+
+
+@pytest.fixture(scope="session")
+def server_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("harness-servers")
+
+
+@pytest.fixture(scope="session")
+def engine_server(server_dir, timings):
+    import time
+
+    start = time.monotonic()
+    server = hs.start_server(server_dir, "engine", ENGINE_ARGS)
+    timings("start: engine server", time.monotonic() - start)
+    yield server
+    hs.stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def front_server(server_dir, engine_server):
+    """`prefixtrace serve --upstream` in front of the engine server: a second real server."""
+    server = hs.start_server(server_dir, "front", ["--upstream", engine_server.url])
+    yield server
+    hs.stop_server(server)
+
+
+@pytest.fixture(params=["engine", "upstream"])
+def backend(request) -> hs.Server:
+    """The server a harness talks to: the embedded engine, or the proxy in front of it."""
+    if request.param == "engine":
+        return request.getfixturevalue("engine_server")
+    return request.getfixturevalue("front_server")
+
+
+@pytest.fixture
+def scratch():
+    """A short path (the model copies it into its tool call token by token: pytest's tmp_path
+    costs ~40 more tokens of the call's budget), removed afterwards."""
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="pt-"))
+    yield hs.make_scratch(base)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def drive(request, backend, scratch, timings, tmp_path):
+    """drive(name, cmd, env, timeout) → (RunResult, the turns this run added to `backend`'s db)."""
+    def run(name: str, cmd: list, env: dict, timeout: float = 600):
+        before = {r["id"] for r in hs.export_records(backend.db, tmp_path / "before.jsonl")}
+        result = hs.run_harness(cmd, scratch, env, timeout)
+        mode = request.node.callspec.params.get("backend", "")
+        timings(f"run: {name} [{mode}]", result.seconds, f"exit {result.returncode}")
+        records = [r for r in hs.export_records(backend.db, tmp_path / "after.jsonl") if r["id"] not in before]
+        return result, records
+    return run

@@ -1,0 +1,40 @@
+"""pi (@mariozechner/pi-coding-agent) in print mode, its `read` tool only, over chat completions."""
+
+from __future__ import annotations
+
+import json
+
+from harness import harness_support as hs
+
+
+def configure_pi(scratch: hs.Scratch, base_url: str) -> None:
+    agent = scratch.home / ".pi" / "agent"
+    agent.mkdir(parents=True)
+    provider = {
+        "baseUrl": base_url + "/v1", "api": "openai-completions", "apiKey": "unused",
+        # the engine's template has no developer role; max_tokens is the field it reads
+        "compat": {"supportsDeveloperRole": False, "maxTokensField": "max_tokens"},
+        "models": [{"id": "default", "contextWindow": 8192, "maxTokens": 200}],
+    }
+    (agent / "models.json").write_text(json.dumps({"providers": {"pt": provider}}))
+    # compaction's default reserve (16k tokens) exceeds SmolLM2's whole 8k context, so pi would
+    # summarise after every turn; the loop under test is the agent's, not its compaction
+    (agent / "settings.json").write_text(json.dumps({"enableInstallTelemetry": False,
+                                                     "compaction": {"enabled": False}}))
+
+
+def test_pi_reads_a_file_through_the_proxy(npm_bins, backend, scratch, drive, tmp_path):
+    configure_pi(scratch, backend.url)
+    env = hs.harness_env(scratch, {"PI_OFFLINE": "1"})
+    cmd = [npm_bins["pi"], "--provider", "pt", "--model", "default", "--tools", "read", "--no-session",
+           "--no-extensions", "--no-skills", "--no-prompt-templates", "--no-context-files",
+           "-p", f"Read the file {scratch.hello}"]
+    result, records = drive("pi", cmd, env, timeout=600)
+    assert result.returncode == 0, result.output[-3000:]
+    assert records, "pi sent nothing the proxy recorded"
+    assert all(r["response"]["status"] == 200 for r in records), hs.describe(records)
+    assert {r["endpoint"] for r in records} == {"/v1/chat/completions"}
+    hs.assert_tool_round_trip(records, scratch, {"read"})
+    hs.assert_recorded_calls_match_what_client_saw(records)
+    check = hs.run_check(records, tmp_path / "pi.jsonl")
+    assert check.returncode == 0, check.stdout + check.stderr

@@ -1,0 +1,42 @@
+"""`serve --default-temperature`: requests that set no temperature sample at the server's choice;
+a request's own temperature wins (prefixtrace/sampling_default.py)."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+from openai import OpenAI
+
+from conftest import running_server
+from prefixtrace.cli import cli
+from prefixtrace.sampling_default import with_default_temperature
+from proxy.app import create_app
+from proxy.engine_backend import EngineBackend
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+def _texts(url: str, n: int, **extra) -> list[str]:
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return [client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=24, **extra)
+            .choices[0].message.content for _ in range(n)]
+
+
+def test_requests_without_temperature_sample_at_the_default(tiny_engine, recorder):
+    backend = with_default_temperature(EngineBackend(tiny_engine), 0.0)
+    with running_server(create_app(backend, recorder)) as url:
+        greedy = _texts(url, 3)
+        sampled = _texts(url, 3, temperature=1.0)
+    assert len(set(greedy)) == 1, greedy  # temperature 0: one answer
+    assert len(set(sampled)) > 1, sampled  # the request's own temperature is kept
+    bodies = [r["request_body"] for r in __import__("conftest").rows(recorder)]
+    assert all('"temperature"' not in b for b in bodies[:3]), "the recorded body is what the client sent"
+
+
+def test_without_the_option_requests_sample_at_openais_default(engine_server):
+    url, _ = engine_server
+    assert len(set(_texts(url, 3))) > 1
+
+
+def test_default_temperature_out_of_range_is_a_usage_error():
+    result = CliRunner().invoke(cli, ["serve", "--default-temperature", "3"])
+    assert result.exit_code == 2 and "--default-temperature" in result.output
