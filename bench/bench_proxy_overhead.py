@@ -24,6 +24,8 @@ used per proxied request (all threads, from /proc), which load does not blur. Go
 
 `--relay` adds a third target, a bare TCP relay to the upstream (no HTTP, no work): what
 one more local hop costs on this machine, the floor under any proxy's added latency.
+`--baseline TREE` adds a fourth: the same proxy run from another checkout (before a change),
+interleaved with this one, so before/after is measured side by side under the same load.
 `--proxy-http` / `--proxy-loop` start the proxy with those uvicorn options (through
 `--serve-with`, below) so each can be measured against the default (auto: httptools
 and uvloop when installed).
@@ -79,13 +81,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve(args: list[str], cwd: Path, log: Path, serve_with: tuple[str, str] | None = None):
+def start_serve(args: list[str], cwd: Path, log: Path, serve_with: tuple[str, str] | None = None,
+                root: Path = ROOT):
+    """`prefixtrace serve` from the tree at `root` (another checkout: `--baseline`)."""
     port = free_port()
     prefix = [sys.executable, "-m", "prefixtrace.cli"]
     if serve_with is not None:
-        prefix = [sys.executable, __file__, "--serve-with", *serve_with, "--"]
+        prefix = [sys.executable, str(Path(__file__).resolve()), "--serve-with", *serve_with, "--"]
     proc = subprocess.Popen([*prefix, "serve", "--port", str(port), *args], cwd=cwd,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            env={**os.environ, "PYTHONPATH": str(root)},
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -151,25 +155,26 @@ def cpu_s(pid: int) -> float:
 
 
 def measure(clients: dict[str, httpx.Client], route: str, stream: bool, n: int, warmup: int,
-            max_tokens: int, proxy_pid: int) -> dict:
-    """`clients`: "direct", "proxied" and optionally "relay"; each sample round sends one request
-    to each, in a rotating order so that none always follows another."""
+            max_tokens: int, pids: dict[str, int]) -> dict:
+    """`clients`: "direct" first, then "proxied" and optionally "relay" and "baseline"; each
+    sample round sends one request to each, in a rotating order so that none always follows
+    another. `pids`: the proxy processes whose CPU is counted, by side."""
     sides = list(clients)
     for _ in range(warmup):
         for side in sides:
             one_request(clients[side], route, stream, max_tokens)
     samples = {side: [] for side in sides}
-    cpu_proxy = 0.0
+    cpu = {side: 0.0 for side in pids}
     for i in range(n):
         order = sides[i % len(sides):] + sides[:i % len(sides)]
         for side in order:
-            cpu0 = cpu_s(proxy_pid) if side == "proxied" else 0.0
+            cpu0 = cpu_s(pids[side]) if side in pids else 0.0
             samples[side].append(one_request(clients[side], route, stream, max_tokens))
-            if side == "proxied":
-                cpu_proxy += cpu_s(proxy_pid) - cpu0
-    # The proxy's own CPU per proxied request (event loop and recorder thread): on a loaded
-    # machine latency is noisy, the work it takes is not.
-    out = {"proxy_cpu_ms": cpu_proxy * 1000 / n}
+            if side in pids:
+                cpu[side] += cpu_s(pids[side]) - cpu0
+    # A proxy's own CPU per request (event loop and recorder thread): on a loaded machine
+    # latency is noisy, the work it takes much less so.
+    out = {"cpu_ms": {side: t * 1000 / n for side, t in cpu.items()}}
     for metric, idx in (("ttft", 0), ("total", 1)):
         if metric == "ttft" and not stream:
             continue
@@ -218,12 +223,21 @@ def main() -> None:
     ap.add_argument("--proxy-loop", default=None, help="force uvicorn's --loop for the proxy (asyncio, uvloop)")
     ap.add_argument("--relay", action="store_true",
                     help="also measure through a bare TCP relay: the cost of one more hop, doing nothing")
+    ap.add_argument("--baseline", metavar="TREE", default=None,
+                    help="also measure a second proxy run from another checkout (e.g. `git archive main`), "
+                         "interleaved with this one")
+    ap.add_argument("--baseline-uvicorn", metavar="HTTP,LOOP", default=None,
+                    help="uvicorn's http and loop for the baseline proxy (e.g. h11,asyncio): with --baseline "
+                         "set to this tree, measures those options against the default")
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     args = ap.parse_args()
 
     serve_with = None
     if args.proxy_http or args.proxy_loop:
         serve_with = (args.proxy_http or "auto", args.proxy_loop or "auto")
+    baseline_with = serve_with
+    if args.baseline_uvicorn:
+        baseline_with = tuple(args.baseline_uvicorn.split(","))
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_proxy_") as tmp:
         tmp = Path(tmp)
@@ -240,10 +254,19 @@ def main() -> None:
                       f"loop={serve_with[1] if serve_with else 'auto'}; n={args.n} each, max_tokens={args.max_tokens}")
                 clients = {"direct": httpx.Client(base_url=up_url, timeout=60),
                            "proxied": httpx.Client(base_url=px_url, timeout=60)}
-                relay_proc = None
+                pids = {"proxied": proxy.pid}
+                relay_proc = baseline = None
+                if args.baseline:
+                    (tmp / "bl").mkdir()
+                    baseline, bl_url = start_serve(["--upstream", up_url, "--db", str(tmp / "bl" / "bl.db")],
+                                                   tmp / "bl", tmp / "bl.log", baseline_with, root=Path(args.baseline))
+                    clients["baseline"] = httpx.Client(base_url=bl_url, timeout=60)
+                    pids["baseline"] = baseline.pid
+                    print(f"baseline proxy {bl_url} (pid {baseline.pid}) from {args.baseline}, uvicorn "
+                          f"http,loop={','.join(baseline_with) if baseline_with else 'auto'}")
                 if args.relay:
                     relay_port = free_port()
-                    relay_proc = subprocess.Popen([sys.executable, __file__, "--relay", str(relay_port),
+                    relay_proc = subprocess.Popen([sys.executable, __file__, "--run-relay", str(relay_port),
                                                    up_url.rsplit(":", 1)[1]])
                     for _ in range(300):  # until it listens
                         try:
@@ -256,7 +279,7 @@ def main() -> None:
                     for route in args.routes.split(","):
                         for mode in args.modes.split(","):
                             res = measure(clients, route, mode == "stream", args.n, args.warmup,
-                                          args.max_tokens, proxy.pid)
+                                          args.max_tokens, pids)
                             results[f"{route}/{mode}"] = res
                             report(route, mode, res)
                 finally:
@@ -265,6 +288,8 @@ def main() -> None:
                     if relay_proc is not None:
                         relay_proc.kill()
                         relay_proc.wait()
+                    if baseline is not None:
+                        stop(baseline)
             finally:
                 stop(proxy)
         finally:
@@ -275,10 +300,10 @@ def main() -> None:
 
 def report(route: str, mode: str, res: dict) -> None:
     for metric, r in res.items():
-        if metric == "proxy_cpu_ms":
+        if metric == "cpu_ms":
             continue
         line = f"{route:9s} {mode:6s} {metric:5s}  direct p50 {r['direct_p50']:7.2f} p90 {r['direct_p90']:7.2f}"
-        for side in ("relay", "proxied"):
+        for side in ("relay", "baseline", "proxied"):
             if side in r:
                 x = r[side]
                 verdict = ""
@@ -287,7 +312,8 @@ def report(route: str, mode: str, res: dict) -> None:
                 line += (f" | {side} p50 {x['p50']:7.2f} p90 {x['p90']:7.2f} added {x['added_p50']:+6.2f}"
                          f" paired {x['paired_p50']:+6.2f}{verdict}")
         print(line + "  (ms)", flush=True)
-    print(f"{route:9s} {mode:6s} proxy CPU {res['proxy_cpu_ms']:.2f} ms per proxied request", flush=True)
+    print(f"{route:9s} {mode:6s} proxy CPU per request: "
+          + ", ".join(f"{side} {ms:.2f} ms" for side, ms in res["cpu_ms"].items()), flush=True)
 
 
 def serve_with(http: str, loop: str, argv: list[str]) -> None:
@@ -308,7 +334,7 @@ def serve_with(http: str, loop: str, argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--relay":
+    if len(sys.argv) == 4 and sys.argv[1] == "--run-relay":
         relay(int(sys.argv[2]), int(sys.argv[3]))
     elif len(sys.argv) > 3 and sys.argv[1] == "--serve-with":
         serve_with(sys.argv[2], sys.argv[3], sys.argv[5:])
