@@ -7,7 +7,6 @@ whole); each event is also parsed so the turn can be recorded.
 from __future__ import annotations
 
 import json
-import logging
 from typing import AsyncIterator, Callable
 
 import httpx
@@ -18,10 +17,6 @@ from prefixtrace.wire.http import map_httpx_errors, normalize_base_url  # noqa: 
 from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
 from prefixtrace.wire.turn_builder import TurnBuilder
-
-# httpx logs every request it sends at INFO ("HTTP Request: POST ..."): one more log line
-# per proxied request, on the response path, repeating uvicorn's access log (issue 17).
-logging.getLogger("httpx").setLevel(logging.WARNING)
 
 # Headers that describe one hop, not the request; httpx sets its own.
 _HOP_HEADERS = {
