@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from analyzer.advice import SIDE_REQUEST, suggestion
 from analyzer.canon import Canonicalizer, Payload, first_changed
 from analyzer.causes import Cause, classify, payload_cause
 from analyzer.divergence import SegmentCounter, compare
@@ -46,6 +47,8 @@ class Break:
     path: str | None = None  # payload-level JSON path (deepdiff), when the client changed something
     tool_index: int | None = None  # tools: the first tool that differs, and its name
     tool_name: str | None = None
+    suggestion: str = ""  # what the harness author can do (analyzer/advice.py)
+    saves_tokens: int = 0  # tokens a cache would have served had the prompt only grown
 
     def where(self) -> str:
         """"message 2 (user)", "tools[0] (read)", "the request parameters"."""
@@ -79,6 +82,7 @@ class TurnResult:
     brk: Break | None = None
     payload_change: str | None = None  # what the payload diff saw, even when the render did not break
     note: str = ""  # "first", "unrenderable: …"
+    model: str | None = None  # the request's `model` (what-if pricing reads per-model rules)
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "brk"}
@@ -134,6 +138,7 @@ class Report:
     sessions: list[SessionResult]
     skipped: list[dict]
     failed: list[dict] = field(default_factory=list)  # requests the server refused (status >= 400): not chained
+    what_if: list[dict] = field(default_factory=list)  # analyzer/whatif.py: the traffic priced under other caches
 
     @property
     def breaks(self) -> list[tuple[SessionResult, TurnResult]]:
@@ -187,6 +192,7 @@ class Report:
             "failed_requests": self.failed,
             "sessions": [s.to_dict(self.prefill_rate) for s in self.sessions],
             "totals": _totals((t for s in self.sessions for t in s.turns), self.prefill_rate),
+            **({"what_if": self.what_if} if self.what_if else {}),
         }
 
 
@@ -284,7 +290,7 @@ class Analyzer:
             if s.parent is not None and s.turns:
                 first = s.turns[0]
                 first.note = (f"side request of {s.parent}: re-prefilled {first.reprefill_tokens or 0:,} tokens "
-                              f"because it {s.side_reason}") if first.note == "first" else first.note
+                              f"because it {s.side_reason}; {SIDE_REQUEST}") if first.note == "first" else first.note
         skipped.sort(key=lambda d: (d.get("line") is None, d.get("line") or 0))
         return Report(self.tokenizer.name, self.renderer.name, self.block_size, self.prefill_rate, sessions,
                       skipped, failed)
@@ -306,6 +312,8 @@ class Analyzer:
                 continue
             tokens = self.counter.total(rendered)
             turn.prompt_tokens = tokens
+            model = payload.params.get("model")
+            turn.model = model if isinstance(model, str) else None
             if prev is None:
                 turn.note, turn.common_prefix_tokens = "first", 0
             else:
@@ -356,7 +364,8 @@ class Analyzer:
                 path = root + path[len(f"$.messages[{index}]"):]
             index = source
         turn.brk = Break(cause.cause, cause.subtype, index, role, offset, turn.common_prefix_tokens, before, after,
-                         path, cause.tool_index, cause.tool_name)
+                         path, cause.tool_index, cause.tool_name, suggestion(cause.cause, cause.subtype),
+                         max(0, min(prev.tokens, turn.prompt_tokens or 0) - turn.common_prefix_tokens))
 
     def _rendered_changes(self, prev: Payload, payload: Payload, body: dict, text: str, break_index: int) -> Payload:
         """`payload` with the changed messages before the rendered break that the renderer does not render
@@ -429,7 +438,8 @@ def _walk_job_local(analyzer: Analyzer, requests, payloads, job) -> list[TurnRes
 
 def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None = None, model: str | Path | None = None,
             tokenizer: Tokenizer | str | None = None, block_size: int | None = None,
-            prefill_rate: float | None = None, renderer=None, workers: int | None = None) -> Report:
+            prefill_rate: float | None = None, renderer=None, workers: int | None = None,
+            what_if: list[str] | str | None = None, kv_budget: int | None = None) -> Report:
     """Analyses a recorder database, a JSONL file, or an iterable of request
     bodies / Requests / recorder Turns.
 
@@ -442,10 +452,20 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
         block_size: also report the block-aligned figures of a paged cache.
         prefill_rate: tokens per second, to price re-prefill in seconds.
         workers: processes for the per-session work (default: up to 2).
+        what_if: also price the traffic under these caches ("vllm", "sglang", "anthropic", "openai";
+            analyzer/whatif.py), with `block_size` as their block/page size and `kv_budget` tokens of KV.
     """
     renderer = renderer or make_renderer(template, model)
     if tokenizer is None and model is not None and (Path(model) / "tokenizer.json").is_file():
         tokenizer = str(Path(model) / "tokenizer.json")
+    from analyzer.whatif import parse_policies, what_if as price_all
+
+    policies = parse_policies(what_if) if isinstance(what_if, str) or what_if is None else parse_policies(",".join(what_if))
+    if kv_budget is not None and kv_budget <= 0:
+        raise InvalidRequest("--kv-budget must be positive")
     loaded = load(source)
-    return Analyzer(renderer, tokenizer, block_size=block_size, prefill_rate=prefill_rate, workers=workers).run(
+    report = Analyzer(renderer, tokenizer, block_size=block_size, prefill_rate=prefill_rate, workers=workers).run(
         loaded.requests, loaded.skipped)
+    if policies:
+        report.what_if = price_all(report, policies, block_size=block_size, kv_budget=kv_budget)
+    return report

@@ -125,15 +125,17 @@ def check(source: Any, *, allow: str | Iterable[str] | None = None, max_unreadab
 
 
 def assert_prefix_stable(requests: Iterable[Any], *, allow: str | Iterable[str] | None = None,
-                         template: str | Path | None = None, **analyze_kwargs: Any) -> CheckResult:
+                         template: str | Path | None = None, fail_on: str | Iterable[str] | None = "side_request",
+                         **analyze_kwargs: Any) -> CheckResult:
     """Raises AssertionError naming the first break that is not allowed.
-    `requests` are chat-completions bodies of one conversation, in order."""
+    `requests` are chat-completions bodies of one conversation, in order: a request that replaces
+    both the system prompt and the tools fails as a side request unless `fail_on=None`."""
     from analyzer.load import Request
 
     # One scripted conversation: one session, never inferred apart.
     items = [r if not isinstance(r, dict) else Request(f"request-{i}", float(i), r, "assert_prefix_stable")
              for i, r in enumerate(requests)]
-    result = check(items, allow=allow, template=template, **analyze_kwargs)
+    result = check(items, allow=allow, template=template, fail_on=fail_on, **analyze_kwargs)
     if not result.ok:
         raise AssertionError(result.summary())
     return result

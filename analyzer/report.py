@@ -67,6 +67,8 @@ def format_text(report: Report, width: int = 140) -> str:
                           + (f", payload {t.brk.path}" if t.brk.path else ""))
             console.print(f"    - {t.brk.before!r}")
             console.print(f"    + {t.brk.after!r}")
+            if t.brk.suggestion:
+                console.print(f"    fix (saves {t.brk.saves_tokens:,} tokens): {t.brk.suggestion}")
         for cause, c in d["totals"]["by_cause"].items():
             console.print(f"  {cause}: {c['breaks']} break(s), {c['reprefill_tokens']:,} tokens re-prefilled"
                           + _minutes(c.get("seconds")))
@@ -77,5 +79,10 @@ def format_text(report: Report, width: int = 140) -> str:
     for cause, c in totals["by_cause"].items():
         console.print(f"  {cause} cost {c['reprefill_tokens']:,} tokens{_minutes(c.get('seconds'))} "
                       f"over {c['breaks']} break(s)")
+    for w in report.what_if:
+        console.print(f"what if {w['policy']} ({w['rules']}): {w['cached_tokens']:,} of {w['prompt_tokens']:,} "
+                      f"prompt tokens cached ({(w['hit_rate'] or 0) * 100:.1f} %), {w['reprefill_tokens']:,} re-prefilled; "
+                      f"exact-prefix ideal {w['ideal_cached_tokens']:,}"
+                      + "".join(f"; lost to {k} {v:,}" for k, v in w["lost_to"].items()))
     console.print("('!' = the server's reported cached tokens disagree with the prediction by more than 10 points)")
     return buf.getvalue()

@@ -72,7 +72,8 @@ def _related_head(s: Session, keys: list[str], roles: list[str], tools: str | No
     b = "".join(keys[:_head(roles)])
     if not a or not b:
         return False
-    return common_prefix_len(a, b) * 2 >= min(len(a), len(b))
+    skip = a.find('"content": ') + len('"content": ') if '"content": ' in a else 0  # the key's fixed preamble
+    return (common_prefix_len(a, b) - skip) * 2 >= min(len(a), len(b)) - skip
 
 
 def _side_reason(side: Session, main: Session) -> str:
@@ -139,9 +140,9 @@ class SessionGrouper:
             # `>=` so that on a tie the most recently active session wins.
             if score is not None and (best_score is None or score >= best_score):
                 best, best_score = s, score
-        if best is None and self.split_forks and self._inferred and self._compaction_of(
-                self._inferred[-1], keys, roles, tools_key, chars):
-            best = self._inferred[-1]
+        if best is None and self.split_forks:  # the most recently active chain this compacts, if any
+            best = next((s for s in reversed(self._inferred)
+                         if self._compaction_of(s, keys, roles, tools_key, chars)), None)
         if best is None:
             if fork_of is not None:
                 family = fork_of.family or fork_of.id

@@ -4,13 +4,15 @@ For llguidance, xgrammar and outlines-core, on the bundled SmolLM2's tokenizer (
   - tokenizer setup: building the library's view of the vocabulary (once per model);
   - compile: a Hermes tool-call grammar for two coding-agent tools (once per request);
   - mask: the per-token allowed-token mask, averaged while walking a valid call token by token;
-  - apply: turning that mask into MLX logits (`mx.where` over the vocabulary).
+  - apply: turning that mask into MLX logits (`mx.where` over the vocabulary);
+  - decode (`--decode`): the engine's B=1 decode tokens/s on the model, free against grammar-constrained
+    (llguidance, a JSON array of integers long enough to run to max_tokens), alternated in one run.
 
 A library that does not import here is reported with the reason. xgrammar imports torch, which this
 project does not depend on; to measure it anyway, install torch and xgrammar into a side directory and
 name it: `--extra-path /tmp/xgt:/tmp/xg`.
 
-    python bench/bench_grammar.py [--model DIR] [--extra-path DIRS] [--repeat 5]
+    python bench/bench_grammar.py [--model DIR] [--extra-path DIRS] [--repeat 5] [--decode]
 """
 
 from __future__ import annotations
@@ -148,12 +150,54 @@ def bench_apply(bitmask, n_vocab, repeat=200):
     return ms(statistics.median(times))
 
 
+def bench_decode(model_dir: Path, repeat: int, tokens: int = 64) -> dict:
+    """B=1 decode tokens/s through the engine: a free row against a grammar-constrained one."""
+    import queue
+
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+    from engine.sequence import Failed, Finished, Sequence
+
+    from engine.cpu_runtime import default_dtype
+
+    engine = Engine(model_dir, name="bench", dtype=default_dtype()).start()
+    engine.wait_ready(600)
+    prompt = engine.render([{"role": "user", "content": "Count from one to one hundred."}]).token_ids
+
+    def run(constrained: bool) -> float:
+        events: queue.Queue = queue.Queue()
+        seq = Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True), events.put)
+        if constrained:
+            seq.logits_processors = [engine.grammar.json_schema({"type": "array", "items": {"type": "integer"}})]
+        engine.submit(seq)
+        while True:
+            event = events.get(timeout=600)
+            if isinstance(event, Failed):
+                raise event.error
+            if isinstance(event, Finished):
+                return (event.completion_tokens - 1) / max(event.decode_s, 1e-9)
+
+    run(False), run(True)  # warm-up (and llguidance's tokenizer, built once)
+    free, constrained = [], []
+    for _ in range(repeat):
+        free.append(run(False))
+        constrained.append(run(True))
+    engine.shutdown()
+    f, c = statistics.median(free), statistics.median(constrained)
+    return {"free_tok_s": round(f, 1), "constrained_tok_s": round(c, 1), "constrained_vs_free": round(c / f, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: the bundled SmolLM2)")
     ap.add_argument("--extra-path", default="", help="colon-separated directories put on sys.path (xgrammar)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--decode", action="store_true", help="also measure B=1 decode, free vs constrained")
     args = ap.parse_args()
+    if sys.platform == "linux" and args.decode:
+        from engine.cpu_runtime import maybe_reexec_with_openblas
+
+        maybe_reexec_with_openblas()  # as `prefixtrace serve` runs the engine on the CPU
     for p in filter(None, args.extra_path.split(":")):
         sys.path.append(p)
     from mlx_lm.tokenizer_utils import load
@@ -189,6 +233,8 @@ def main() -> None:
         for k, v in ok.items():
             print(f"{k:14s} compile x{v['compile_ms'] / max(base['compile_ms'], 1e-9):.1f}, "
                   f"mask x{v['mask_ms'] / max(base['mask_ms'], 1e-9):.1f} of llguidance's")
+    if args.decode:
+        print("decode B=1 " + json.dumps(bench_decode(model_dir, args.repeat)))
 
 
 if __name__ == "__main__":

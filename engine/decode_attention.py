@@ -651,7 +651,11 @@ def _gqa(queries: mx.array, kv_heads: int) -> int | None:
 
 def use_dense(cache, queries: mx.array, keys: mx.array, mask) -> bool:
     """Whether a dense batched decode step goes through `dense_attend` (mlx-lm's
-    `BatchKVCache` and subclasses: their `left_padding` says where each row starts)."""
+    `BatchKVCache` and subclasses: their `left_padding` says where each row starts).
+    The kernel applies no mask, so this relies on a one-token `BatchKVCache` mask being
+    the left-padding mask alone: mlx-lm gives sliding-window layers a `RotatingKVCache`,
+    whose batched form is not a `BatchKVCache`, and rows past right padding are rolled
+    back (`finalize`) before decoding (`_right_padding` is checked)."""
     from mlx_lm.models.cache import BatchKVCache
 
     kind = mode()

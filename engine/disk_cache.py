@@ -51,6 +51,7 @@ import numpy as np
 
 from engine.block_hash import chain_hash
 from engine.private_files import open_private, private_dir
+from prefixtrace.errors import EngineError
 
 log = logging.getLogger("prefixtrace.cache")
 
@@ -70,6 +71,10 @@ MAX_HEADER_BYTES = 4 << 20
 # Opening a block file never waits (a FIFO planted as *.blk would block forever
 # without O_NONBLOCK) and never follows a symlink out of the cache directory.
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class CacheDirUnusable(EngineError):
+    """`--cache-dir` names something that cannot be the cache's directory (a file, no permission)."""
 
 
 class CorruptBlock(Exception):
@@ -260,7 +265,10 @@ class BlockReads:
 
 class DiskCache:
     def __init__(self, root: str | Path, *, max_bytes: int):
-        self.root = private_dir(Path(root))  # files hold prompt token ids: owner-only (engine/private_files.py)
+        try:
+            self.root = private_dir(Path(root))  # files hold prompt token ids: owner-only (engine/private_files.py)
+        except OSError as exc:
+            raise CacheDirUnusable(f"the prefix cache directory {root} cannot be used: {exc.strerror or exc}") from exc
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first

@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from engine import decode_attention, skinny_gemm
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
+from engine.disk_cache import CacheDirUnusable
 from engine.grammar import GrammarCompiler
 from engine.memory import DEFAULT_CEILING_FRACTION, MemoryModel, machine_memory_bytes, measured
 from engine.model_files import load_model_dir
@@ -132,6 +133,8 @@ class Engine:
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the model is loaded; re-raise a load failure."""
         self._ready.wait(timeout)
+        if isinstance(self._load_error, CacheDirUnusable):  # the model loaded; its cache directory did not
+            raise self._load_error
         if self._load_error is not None:
             raise EngineError(f"could not load model {self.model_dir}: {self._load_error}") from self._load_error
         return self._ready.is_set()

@@ -123,12 +123,21 @@ def _upstream_urls(ctx, param, values):
               help="Comma-separated host names the Host header may carry ('*': any). Default: 127.0.0.1, localhost, "
                    "::1 and the --host address, so a web page under another name cannot drive the proxy "
                    "(docs/SECURITY.md).")
+@click.option("--max-request-mb", default=32.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
+              help="Largest request body accepted; a bigger one is answered 413 and recorded without its body "
+                   "(a 100k-token prompt with tools is ~1 MB) (docs/SECURITY.md).")
 @click.option("--recorder-stuck-after-s", default=30.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
               help="A recorder write taking longer than this makes /health answer 503, and responses stop waiting "
                    "for their commit (the turn stays queued) (docs/SECURITY.md).")
 @click.option("--default-temperature", type=FiniteFloatRange(min=0, max=2), metavar="T",
               help="Temperature of requests that set none (default: 1.0, OpenAI's). 0 makes agent runs "
                    "reproducible (docs/HARNESSES.md).")
+@click.option("--tool-choice-default", default="auto", show_default=True,
+              type=click.Choice(["auto", "required-after-user"]),
+              help="Test aid for small models that rarely call tools on their own: with required-after-user, a request "
+                   "with tools and no tool_choice whose last message is a user turn must call one (grammar-"
+                   "constrained; the model picks the tool and arguments); after a tool result it answers freely "
+                   "(docs/TOOLS.md).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
@@ -137,7 +146,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
           thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
-          recorder_stuck_after_s, default_temperature, log_level, print_config):
+          max_request_mb, recorder_stuck_after_s, default_temperature, tool_choice_default, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
@@ -178,8 +187,9 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           thinking_retention=thinking_retention,
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
                           notice_pattern=notice_pattern, max_tokens_policy=max_tokens_policy, log_level=log_level,
-                          allow_client_templates=allow_client_templates, recorder_stuck_after_s=recorder_stuck_after_s,
-                          default_temperature=default_temperature,
+                          allow_client_templates=allow_client_templates, max_request_mb=max_request_mb,
+                          recorder_stuck_after_s=recorder_stuck_after_s,
+                          default_temperature=default_temperature, tool_choice_default=tool_choice_default,
                           allowed_hosts=None if allowed_hosts is None else
                           [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
 
@@ -188,7 +198,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
 ENGINE_ONLY = ("dtype", "cache_memory_gb", "cache_dir", "cache_disk_gb", "block_size", "memory_ceiling_gb",
                "prefill_chunk", "max_batch", "kv_quant", "kv_bits", "kv_dense_layers", "mid_system_policy",
                "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern", "max_tokens_policy",
-               "allow_client_templates", "default_temperature")
+               "allow_client_templates", "default_temperature", "tool_choice_default")
 
 
 def _warn_engine_only(ctx: click.Context) -> None:

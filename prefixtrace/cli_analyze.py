@@ -46,8 +46,14 @@ def _kwargs(template, model, tokenizer_spec, block_size, prefill_rate) -> dict:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), callback=output_path,
               help="Write the report here instead of stdout.")
 @MAX_UNREADABLE
+@click.option("--what-if", "what_if", metavar="CACHES",
+              help="Also price the traffic under other caches' documented rules, comma-separated: "
+                   "vllm, sglang, anthropic, openai (docs/ANALYZER.md 'What if').")
+@click.option("--kv-budget", type=click.IntRange(min=1), metavar="TOKENS",
+              help="With --what-if vllm/sglang: the server's KV cache size in tokens (LRU eviction beyond it).")
 @library_errors
-def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt, as_json, out, max_unreadable):
+def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt, as_json, out, max_unreadable,
+            what_if, kv_budget):
     """Per session and turn: did the prompt extend the previous one; if not, where
     it broke (message, char and token offset), why (a fixed cause name) and what
     it cost in re-prefilled tokens.
@@ -62,7 +68,8 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
     from analyzer.html import to_html
 
     with progress(f"analyzing {src.name}"):
-        report = run_analyze(src, **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
+        report = run_analyze(src, what_if=what_if, kv_budget=kv_budget,
+                             **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
     too_much = report.too_much_unread(max_unreadable)
     text = {"text": format_text, "json": to_json, "html": to_html}["json" if as_json else fmt](report)
     write_or_echo(text, out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -52,8 +53,10 @@ class ServeConfig:
     thinking_retention_guard_tokens: int = 30000
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
     max_tokens_policy: str = "clamp"  # clamp|reject: a max_tokens beyond what fits after the prompt
+    max_request_mb: float = 32.0  # proxy/request_limits.py: 413 past it
     recorder_stuck_after_s: float = 30.0  # /health is 503 once one recorder write takes longer
     default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
+    tool_choice_default: str = "auto"  # or "required-after-user": a test aid for small models (docs/TOOLS.md)
     log_level: str = "info"
     allow_client_templates: bool = False  # chat_template_kwargs.chat_template, sandboxed (docs/SECURITY.md)
     allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
@@ -103,13 +106,33 @@ def build_backend(config: ServeConfig):
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
     log.info("render policies: %s", engine.render_policy.describe())
-    backend = EngineBackend(engine, max_tokens_policy=config.max_tokens_policy)
+    if config.tool_choice_default != "auto":
+        log.warning("--tool-choice-default %s: requests with tools whose last message is a user turn are forced to "
+                    "call one (a test aid for small models, docs/TOOLS.md)", config.tool_choice_default)
+    backend = EngineBackend(engine, max_tokens_policy=config.max_tokens_policy,
+                            tool_choice_default=config.tool_choice_default)
     if config.default_temperature is not None:
         from prefixtrace.sampling_default import with_default_temperature
 
         log.info("requests that set no temperature sample at %g", config.default_temperature)
         backend = with_default_temperature(backend, config.default_temperature)
     return backend
+
+
+class QueryValuesMasked(logging.Filter):
+    """uvicorn's access log prints the request target; a client that put its key in
+    the query string (`?key=...`, `?api-key=...`, Azure's and Google's habit) would
+    have it in the log. Keep the names, mask every value."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+            path, query = args[2].split("?", 1)
+            record.args = (*args[:2], f"{path}?{_MASKED_VALUE.sub('=***', query)}", *args[3:])
+        return True
+
+
+_MASKED_VALUE = re.compile(r"=[^&]*")
 
 
 def _stop_if_the_model_fails_to_load(engine: Engine, server: uvicorn.Server, failures: list) -> threading.Thread:
@@ -137,9 +160,10 @@ def serve(config: ServeConfig) -> None:
         recorder = Recorder(config.db, stuck_after_s=config.recorder_stuck_after_s)
         try:
             log.info("recording to %s", config.db.resolve())
-            app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config))
+            app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config), max_request_mb=config.max_request_mb)
             server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+            logging.getLogger("uvicorn.access").addFilter(QueryValuesMasked())
             failures: list[EngineError] = []
             if engine is not None:
                 _stop_if_the_model_fails_to_load(engine, server, failures)

@@ -27,14 +27,17 @@ from proxy.guard import RequestGuard, refusal_recorder
 from proxy.relay import TurnSink, record_durably, serve_turn
 from proxy.dashboard import observe
 from proxy.disconnect import CancelOnDisconnect
+from proxy.request_limits import DEFAULT_MAX_REQUEST_MB
 from prefixtrace.wire.turn_builder import TurnBuilder
 
 log = logging.getLogger("prefixtrace.proxy")
 CHAT_PATH = "/v1/chat/completions"
 
 
-def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None = None) -> FastAPI:
-    """`allowed_hosts`: names the Host header may carry (None: loopback only; "*": any), see proxy/guard.py."""
+def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None = None,
+               max_request_mb: float = DEFAULT_MAX_REQUEST_MB) -> FastAPI:
+    """`allowed_hosts`: names the Host header may carry (None: loopback only; "*": any), see proxy/guard.py;
+    `max_request_mb`: the largest body accepted (proxy/request_limits.py)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -44,11 +47,12 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     app = FastAPI(title="prefixtrace", lifespan=lifespan)
     app.state.backend = backend
     app.state.recorder = recorder
+    app.state.max_request_mb = max_request_mb  # proxy/request_limits.py
     recorder = observe(app, backend, recorder)  # /ui, /metrics: every turn also feeds them
     # A loopback Host on every request and JSON on every POST; refused turns are recorded.
-    app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts, refuse=refusal_recorder(
-        recorder, backend.label, {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error},
-        record_durably))
+    error_bodies = {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error}
+    app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts,
+                       refuse=refusal_recorder(recorder, backend.label, error_bodies, record_durably))
 
     app.add_middleware(MaxContextHeader, backend=backend)  # on every response, refusals included
 

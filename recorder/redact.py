@@ -16,9 +16,10 @@ Redaction is linear-time on any input and cheap on ordinary bodies
 (bench/bench_redact.py, docs/PERFORMANCE.md). Python's `re` backtracks, so each
 default pattern is written to keep it so:
 
-* it starts with a literal, so `re` skips to candidates with a fast substring
-  search (a leading `\\b` made every position an attempt: ~50x slower per MB);
-  the word boundary is a fixed-width look-behind right after the literal;
+* it starts with a literal, so a text without it skips the pattern (`in`, a
+  fast substring search) and `re` skips to candidates (a leading `\\b` made every
+  position an attempt: ~50x slower per MB); the word boundary is a fixed-width
+  look-behind right after the literal;
 * no attempt can scan far and then fail from many overlapping starts: an
   unbounded run is never followed by something required, except in the JWT
   pattern, whose look-behind rules out a start inside a base64url run, and the
@@ -65,7 +66,8 @@ DEFAULT_PATTERNS: tuple[str, ...] = (
     # the phrase "Bearer tokens" survives.
     r"Bearer(?<!\wBearer)\s+[A-Za-z0-9._~+/\-]{16,}=*",
     # AWS access key ids (long-term AKIA, temporary ASIA).
-    r"A(?:KIA|SIA)(?<!\wA[KS]IA)[0-9A-Z]{16}\b",
+    r"AKIA(?<!\wAKIA)[0-9A-Z]{16}\b",
+    r"ASIA(?<!\wASIA)[0-9A-Z]{16}\b",
     # GitHub tokens (classic ghp_/gho_/ghu_/ghs_/ghr_, fine-grained github_pat_): coding
     # agents meet them in remotes, CI logs and .env files they read.
     r"gh[pousr]_(?<!\wgh[pousr]_)[A-Za-z0-9]{36,}",
@@ -149,18 +151,28 @@ class Redactor:
         # e.g. U+0130): the same patterns, case-insensitive, over the text itself.
         self._folded_ci = [re.compile(p.pattern, p.flags | re.IGNORECASE) for p in self.folded]
         self._groups = {p: _secret_groups(p) for p in (*self.patterns, *self.folded, *self._folded_ci)}
+        self._literals = {p: _leading_literal(p.pattern) if isinstance(p.pattern, str)
+                          and not p.flags & re.IGNORECASE else ""
+                          for p in (*self.patterns, *self.folded)}
         self.drop_headers = frozenset(h.lower() for h in drop_headers)
         self._header_verdicts: dict[str, bool] = {}
 
     def text(self, value: str) -> str:
         spans: list[tuple[int, int]] = []
+        literals = self._literals
         for pattern in self.patterns:
-            self._collect(pattern, value, spans)
+            # `in` is a fast substring search: a body without "sk-" skips that pattern's scan.
+            if literals[pattern] in value:
+                self._collect(pattern, value, spans)
         if self.folded:
             low = value.lower()
-            folded = self.folded if len(low) == len(value) else self._folded_ci
-            for pattern in folded:
-                self._collect(pattern, low if folded is self.folded else value, spans)
+            if len(low) == len(value):
+                for pattern in self.folded:
+                    if literals[pattern] in low:
+                        self._collect(pattern, low, spans)
+            else:
+                for pattern in self._folded_ci:
+                    self._collect(pattern, value, spans)
         if not spans:
             return value
         spans.sort()
@@ -219,6 +231,27 @@ class Redactor:
 
 def _is_secret_scalar(value: Any) -> bool:
     return isinstance(value, (str, int, float)) and not isinstance(value, bool) and value != ""
+
+
+def _leading_literal(pattern: str) -> str:
+    """The plain text every match of `pattern` starts with ("" if none can be read
+    off simply), e.g. `sk-` for `sk-(?<!...)...`; a character followed by a
+    quantifier is not part of it, and an alternation at the top level gives ""."""
+    if "|" in pattern and not pattern.startswith("(?"):
+        depth = 0
+        for ch in pattern:  # a top-level `|` means no common start (escapes aside: rare, safe)
+            depth += ch == "("
+            depth -= ch == ")"
+            if ch == "|" and depth == 0:
+                return ""
+    out = []
+    for i, ch in enumerate(pattern):
+        if not (ch.isalnum() or ch in "-_ :/@#%&~,;<>=!'\"") or ch == "\\":
+            break
+        if i + 1 < len(pattern) and pattern[i + 1] in "?*{+":
+            break
+        out.append(ch)
+    return "".join(out)
 
 
 def _secret_groups(pattern: re.Pattern[str]) -> list[int]:

@@ -148,3 +148,43 @@ def test_a_change_the_template_does_not_render_is_not_a_break_in_check(tmp_path)
     assert turn.brk is None and turn.payload_change and turn.reprefill_tokens < turn.prompt_tokens
     result = CliRunner().invoke(cli, ["check", str(src), "--template", QWEN3])
     assert result.exit_code == 0, result.output
+
+
+def test_interleaved_sessions_without_ids_each_keep_their_compaction():
+    # Two conversations of one harness, requests alternating (B with fewer tools): A's compaction
+    # continues A although B's request came just before it. (When several chains share the system
+    # prompt and tools, the most recently active one is taken: adjacent in time.)
+    body = _records("pi_tiny.jsonl")[2]["request"]
+    system, tools = body["messages"][0], body["tools"]
+
+    def conv(tag, n):
+        msgs = [system, {"role": "user", "content": f"task {tag} " * 30}]
+        for i in range(n):
+            msgs += [{"role": "assistant", "content": f"{tag} step {i} " * 20}, {"role": "user", "content": f"go {i}"}]
+        return msgs
+
+    reqs = []
+    for i in range(1, 4):
+        reqs += [{"messages": conv("A", i), "tools": tools}, {"messages": conv("B", i), "tools": tools[:2]}]
+    summary = {"role": "user", "content": "Summary: task A so far."}
+    reqs.append({"messages": [system, summary], "tools": tools})  # A compacts right after B's turn
+    reqs.append({"messages": conv("B", 4), "tools": tools[:2]})
+    report = analyze([Request(f"r{i}", float(i), b, None) for i, b in enumerate(reqs)], template=QWEN3)
+    assert [len(s.turns) for s in report.sessions] == [4, 4]
+    assert report.sessions[0].turns[3].brk.cause == "compaction"
+    assert all(t.brk is None for t in report.sessions[1].turns)
+
+
+def test_assert_prefix_stable_does_not_let_a_replaced_head_pass_as_a_side_request():
+    import pytest
+
+    from analyzer import assert_prefix_stable
+
+    a = {"messages": [{"role": "system", "content": "You are agent A."}, {"role": "user", "content": "go"}],
+         "tools": [{"type": "function", "function": {"name": "read", "parameters": {}}}]}
+    b = {"messages": [{"role": "system", "content": "Totally different."}, {"role": "user", "content": "go"},
+                      {"role": "assistant", "content": "ok"}],
+         "tools": [{"type": "function", "function": {"name": "write", "parameters": {}}}]}
+    with pytest.raises(AssertionError, match="side request"):
+        assert_prefix_stable([a, b])
+    assert_prefix_stable([a, b], fail_on=None)

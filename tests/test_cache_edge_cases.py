@@ -185,7 +185,9 @@ def test_cache_dir_removed_while_running_is_written_again(model, tmp_path):
 def test_cache_dir_that_is_a_file_fails_at_start_with_a_clear_error(model, tmp_path):
     path = tmp_path / "not-a-dir"
     path.write_text("x")
-    with pytest.raises(OSError):
+    from engine.disk_cache import CacheDirUnusable
+
+    with pytest.raises(CacheDirUnusable, match="cannot be used"):
         make(model, path)
 
 

@@ -174,3 +174,20 @@ def test_a_fifo_swapped_in_at_runtime_is_a_miss_not_a_hang(tmp_path):
     os.mkfifo(path)
     assert disk.get(key) is None and disk.num_corrupt == 1
     disk.close()
+
+
+def test_an_unusable_cache_directory_is_named_not_blamed_on_the_model(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, free_port
+
+    (tmp_path / "file").write_text("a file where a directory should be")
+    not_a_dir = tmp_path / "file" / "cache"
+    done = subprocess.run([sys.executable, "-m", "prefixtrace.cli", "serve", "--model", str(TINY_MODEL),
+                           "--cache-dir", str(not_a_dir), "--port", str(free_port()), "--db", str(tmp_path / "t.db")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1, done.stderr
+    assert "could not load model" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert f"the prefix cache directory {not_a_dir} cannot be used" in done.stderr

@@ -22,10 +22,12 @@ from harness import harness_support as hs
 
 HERE = Path(__file__).resolve().parent
 
-# A test aid of the engine (engine/constraints.py): after a user turn, a request that offers tools
-# gets a grammar-constrained tool call; which tool and which arguments stay the model's choice, and
-# after the tool result it answers freely, so every harness loop ends by itself.
-ENGINE_ARGS = ["--tool-choice-default", "required-after-user"]
+# Two test aids of `serve` (docs/HARNESSES.md): after a user turn, a request that offers tools gets a
+# grammar-constrained tool call (engine/constraints.py), after the tool result the model answers
+# freely, so every harness loop ends by itself; and requests that set no temperature (no harness here
+# sets one) decode greedily, so which tool and which arguments is the model's most likely choice and
+# a run is reproducible.
+ENGINE_ARGS = ["--tool-choice-default", "required-after-user", "--default-temperature", "0"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -114,8 +116,15 @@ def backend(request) -> hs.Server:
 
 
 @pytest.fixture
-def scratch(tmp_path) -> hs.Scratch:
-    return hs.make_scratch(tmp_path)
+def scratch():
+    """A short path (the model copies it into its tool call token by token: pytest's tmp_path
+    costs ~40 more tokens of the call's budget), removed afterwards."""
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="pt-"))
+    yield hs.make_scratch(base)
+    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture

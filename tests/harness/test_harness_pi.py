@@ -14,7 +14,7 @@ def configure_pi(scratch: hs.Scratch, base_url: str) -> None:
         "baseUrl": base_url + "/v1", "api": "openai-completions", "apiKey": "unused",
         # the engine's template has no developer role; max_tokens is the field it reads
         "compat": {"supportsDeveloperRole": False, "maxTokensField": "max_tokens"},
-        "models": [{"id": "default", "contextWindow": 8192, "maxTokens": 96}],
+        "models": [{"id": "default", "contextWindow": 8192, "maxTokens": 200}],
     }
     (agent / "models.json").write_text(json.dumps({"providers": {"pt": provider}}))
     # compaction's default reserve (16k tokens) exceeds SmolLM2's whole 8k context, so pi would
@@ -28,7 +28,7 @@ def test_pi_reads_a_file_through_the_proxy(npm_bins, backend, scratch, drive, tm
     env = hs.harness_env(scratch, {"PI_OFFLINE": "1"})
     cmd = [npm_bins["pi"], "--provider", "pt", "--model", "default", "--tools", "read", "--no-session",
            "--no-extensions", "--no-skills", "--no-prompt-templates", "--no-context-files",
-           "-p", f"Read the file {scratch.hello.name}"]
+           "-p", f"Read the file {scratch.hello}"]
     result, records = drive("pi", cmd, env, timeout=600)
     assert result.returncode == 0, result.output[-3000:]
     assert records, "pi sent nothing the proxy recorded"
