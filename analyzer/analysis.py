@@ -259,27 +259,21 @@ class Analyzer:
                 continue
             readable.append(req)
         requests = readable
-        unreadable: dict[int, str] = {}
         # Phase 1, in order: payload keys and sessions (cheap, and inference is sequential).
         grouper = SessionGrouper(split_forks=True)
         payloads: list[Payload | None] = []
         last: dict[str, Payload] = {}
         for i, req in enumerate(requests):
-            payload = self.canon.payload(req.body) if i not in unreadable else None
-            roles = None  # only session inference needs them
-            if payload is not None and req.session is None:
-                roles = [str(m.get("role")) if isinstance(m, dict) else "" for m in payload.messages]
-            if payload is not None and roles is None:
-                roles = [str(m.get("role")) if isinstance(m, dict) else "" for m in payload.messages]
-            sess = grouper.add(i, req.session, payload.keys if payload else None, roles,
-                               payload.tools_key if payload else None, payload.chars if payload else 0)
-            if payload is not None:
-                prev = last.get(id(sess))
-                if prev is not None:
-                    payload.messages = share_prefix(prev.messages, payload.messages)
-                    if "system" not in req.body and isinstance(req.body.get("messages"), list):
-                        req.body = {**req.body, "messages": payload.messages}
-                last[id(sess)] = payload  # by object: finish() may still rename chains
+            payload = self.canon.payload(req.body)  # every body here was read (phase 0)
+            # Roles: session inference and side-request chains read where the system head ends.
+            roles = [str(m.get("role")) if isinstance(m, dict) else "" for m in payload.messages]
+            sess = grouper.add(i, req.session, payload.keys, roles, payload.tools_key, payload.chars)
+            prev = last.get(id(sess))
+            if prev is not None:
+                payload.messages = share_prefix(prev.messages, payload.messages)
+                if "system" not in req.body and isinstance(req.body.get("messages"), list):
+                    req.body = {**req.body, "messages": payload.messages}
+            last[id(sess)] = payload  # by object: finish() may still rename chains
             payloads.append(payload)
         # Phase 2, per session (independent, so spread over processes): render, count, compare.
         grouped = grouper.finish()

@@ -80,6 +80,10 @@ def to_html(report: Report) -> str:
         parts.append("</table>")
     for skipped in report.skipped:
         parts.append(f"<p>skipped line {skipped['line']}: {esc(skipped['error'])}</p>")
+    if report.failed:  # refused by the server: listed, not chained
+        parts.append('<div class="failed"><h2>failed requests (listed, not chained)</h2><ul>'
+                     + "".join(f"<li>status {f['status']}, session {esc(str(f['session']))}: {esc(f['error'] or '')}</li>"
+                               for f in report.failed) + "</ul></div>")
     for s in report.sessions:
         breaks = [t for t in s.turns if t.brk]
         side = f", side request of {s.parent}: {s.side_reason}" if s.parent else ""

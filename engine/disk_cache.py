@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.block_hash import chain_hash
+from engine.cache_blocks import host_view
 from engine.private_files import open_private, private_dir
 from prefixtrace.errors import EngineError
 
@@ -92,7 +93,7 @@ def encode_header(*, fmt: str, cache_format: str, key: bytes, parent: bytes, tok
     """The header bytes and the payload buffers, in order."""
     specs, buffers, offset = [], [], 0
     for name, (a, dtype) in arrays.items():
-        a = np.ascontiguousarray(a)
+        a = np.ascontiguousarray(host_view(a))  # an evaluated MLX array is read here, on the writer thread
         specs.append({"name": name, "dtype": dtype, "np": a.dtype.str, "shape": list(a.shape),
                       "offset": offset, "nbytes": a.nbytes})
         buffers.append(memoryview(a).cast("B"))
@@ -352,7 +353,8 @@ class DiskCache:
     # --- acting ---------------------------------------------------------------
 
     def put(self, key: bytes, parent: bytes, tokens, arrays: dict, *, fmt: str, cache_format: str) -> None:
-        """Queue one block for writing; `arrays` are host copies the writer may keep."""
+        """Queue one block for writing; `arrays` ({name: (array, dtype)}) are numpy arrays or
+        evaluated MLX arrays nothing else writes to, which the writer may keep."""
         with self._lock:
             if key in self._index or key in self._pending:
                 return

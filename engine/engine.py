@@ -18,7 +18,8 @@ from engine import decode_attention, skinny_gemm
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
 from engine.disk_cache import CacheDirUnusable
 from engine.grammar import GrammarCompiler
-from engine.memory import DEFAULT_CEILING_FRACTION, MemoryModel, machine_memory_bytes, measured
+from engine.memory import (CACHE_FRACTION, DEFAULT_CEILING_FRACTION, MemoryModel, default_cache_bytes, default_prefill_chunk,
+                           machine_memory_bytes, measured, weights_bytes)
 from engine.model_files import load_model_dir
 from engine.reply_parser import ReplyFormat
 from engine.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_DISK_BYTES, PrefixCache
@@ -38,9 +39,11 @@ class Engine:
         model_dir: an mlx-lm model directory.
         name: the model name served over the API (defaults to the directory name).
         dtype: activation dtype ("float32", "float16", "bfloat16"); None keeps the files' dtype.
-        cache_bytes: byte budget of the in-memory prefix cache.
+        cache_bytes: byte budget of the in-memory prefix cache (None: memory.default_cache_bytes,
+            a share of the memory left after the weights).
         default_max_tokens: completion cap when a request sets no max_tokens.
-        prefill_step_size: tokens per prefill chunk (bounds the transient memory peak).
+        prefill_step_size: tokens per prefill chunk (bounds the transient memory peak; None: the
+            per-device default measured in docs/PERFORMANCE.md, memory.default_prefill_chunk).
         max_batch: most sequences decoding together.
         loader: optional callable returning (model, tokenizer, config), run on the engine thread.
         cache_dir: directory of the prefix cache's disk tier (None: memory only); a restarted
@@ -71,9 +74,9 @@ class Engine:
         *,
         name: str | None = None,
         dtype: str | None = None,
-        cache_bytes: int = 2 << 30,
+        cache_bytes: int | None = None,
         default_max_tokens: int = 4096,
-        prefill_step_size: int = 512,
+        prefill_step_size: int | None = None,
         max_batch: int = 8,
         loader=None,
         cache_dir: str | Path | None = None,
@@ -106,7 +109,7 @@ class Engine:
         self.dtype = dtype
         self.cache_bytes = cache_bytes
         self.default_max_tokens = default_max_tokens
-        self.prefill_step_size = prefill_step_size
+        self.prefill_step_size = prefill_step_size or default_prefill_chunk()
         self.max_batch = max_batch
         self.cache_dir, self.cache_disk_bytes, self.block_size = cache_dir, cache_disk_bytes, block_size
         self.memory_ceiling_bytes = memory_ceiling_bytes
@@ -218,6 +221,10 @@ class Engine:
             log.info("render policies: %s; template renders later system messages in place: %s, honours "
                      "preserve_thinking: %s", self.render_policy.describe(), traits.inline_system,
                      traits.preserve_thinking)
+            if self.cache_bytes is None:
+                self.cache_bytes = default_cache_bytes(weights_bytes(self.model))
+                log.info("prefix cache memory tier: %.1f GB (%.0f%% of the memory left after the weights)",
+                         self.cache_bytes / 1e9, 100 * CACHE_FRACTION)
             self.prefix_cache = PrefixCache(
                 self.model, max_bytes=self.cache_bytes, block_size=self.block_size, cache_dir=self.cache_dir,
                 disk_bytes=self.cache_disk_bytes, model_dir=self.model_dir if self.cache_dir else None,

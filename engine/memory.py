@@ -26,6 +26,32 @@ SOFT_WATERMARK = 0.85  # of capacity: stop admitting new work
 HARD_WATERMARK = 0.95  # of capacity: pause running work
 
 
+# The memory tier's default share of what the ceiling leaves after the weights; requests
+# (KV and prefill peaks) get the rest. Replaces a fixed 2 GB, less than the KV of one
+# 32k-token prompt of an 8B model (4.8 GB): on the H200 with Qwen3-8B this is ~27 GB.
+CACHE_FRACTION = 0.3
+# Tokens per prefill chunk, measured per device (docs/PERFORMANCE.md, "Prefill chunk"):
+# H200, 32k-token prompt, plain mlx-lm: 2.18 / 1.59 / 1.45 / 1.42 s at 512 / 2048 / 4096 /
+# 8192; 4096 is within 3% of 8192 at half its transient memory and decode stall per chunk.
+# CPU: see PREFILL_CHUNK_CPU.
+PREFILL_CHUNK_ACCELERATOR = 4096
+PREFILL_CHUNK_CPU = 512
+
+
+def default_prefill_chunk() -> int:
+    return PREFILL_CHUNK_CPU if mx.default_device().type == mx.DeviceType.cpu else PREFILL_CHUNK_ACCELERATOR
+
+
+def default_cache_bytes(weights_bytes: int) -> int:
+    """The memory tier's budget: CACHE_FRACTION of the default ceiling left after the weights
+    (the accelerator's memory on CUDA/Metal, RAM on the CPU)."""
+    return max(0, int((machine_memory_bytes() * DEFAULT_CEILING_FRACTION - weights_bytes) * CACHE_FRACTION))
+
+
+def weights_bytes(model) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
 def machine_memory_bytes() -> int:
     info = mx.device_info()
     if "memory_size" in info:  # Metal / CUDA report the accelerator's memory
@@ -43,7 +69,7 @@ class MemoryModel:
 
     @classmethod
     def for_model(cls, model, *, context_length: int, prefill_chunk: int, ceiling_bytes: int | None = None):
-        weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        weights = weights_bytes(model)
         args = model.args
         heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
         head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads

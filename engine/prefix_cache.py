@@ -36,8 +36,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.block_hash import chain_hash, model_fingerprint, root_hash
-from engine.cache_blocks import (DENSE, Block, TQLayer, block_arrays, cut, from_numpy, host_views, is_dense, join,
-                                 named_arrays, stage, staged_arrays)
+from engine.cache_blocks import (DENSE, Block, TQLayer, block_arrays, cut, from_numpy, is_dense, join, named_arrays,
+                                 stage, staged_arrays)
 from engine.disk_cache import DiskCache
 from engine.memory_cache import MemoryCache
 from engine.tq_cache import TQConfig
@@ -233,9 +233,14 @@ class PrefixCache:
         if not self._unwritten:
             return
         unwritten, self._unwritten = self._unwritten, {}
+        # Started here, on the engine thread (MLX streams are per thread: the writer thread
+        # could not). Normally the caller's eval has computed them, or, on a GPU, their
+        # device copies, and the host copies run on MLX's CPU stream while the next chunk
+        # computes; the writer waits for each as it takes it. After a step that failed
+        # between `commit` and its eval this computes everything.
+        mx.async_eval([staged_arrays(staged) for _, _, staged in unwritten.values()])
         for key, (parent, tokens, staged) in unwritten.items():
-            self.disk.put(key, parent, tokens, host_views(staged), fmt=self.block_format,
-                          cache_format=self.cache_format)
+            self.disk.put(key, parent, tokens, staged, fmt=self.block_format, cache_format=self.cache_format)
 
     def pageable(self, cache: list) -> bool:
         """Whether `cache` is in this cache's format: all plain `KVCache`s, or with a
@@ -372,8 +377,8 @@ class PrefixCache:
                 if not in_memory:
                     self._refused.add(key)
             if self.disk is not None and not self._on_disk(key):
-                staged = stage(named_arrays(block.layers), copy=self._stage_copy)
-                pending += staged_arrays(staged)
+                staged, device = stage(named_arrays(block.layers), copy=self._stage_copy)
+                pending += device if self._stage_copy else staged_arrays(staged)
                 self._unwritten[key] = (parent, block.tokens, staged)
         self._touch(chain)
         return pending

@@ -30,8 +30,9 @@ from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyEvent, To
 log = logging.getLogger("prefixtrace.reply")
 
 FALLBACK_TOOL_PARSER = "json_tools"  # Hermes `<tool_call>{"name": …, "arguments": …}</tool_call>`
-# The head of a Hermes call as the grammar writes it: the name, then the arguments object.
-_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+# The head of a Hermes call as the grammar writes it: the name, then the arguments object (matched once
+# the arguments' first character is out, so the space before them is never part of them).
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
 # What may still close the call object after its arguments: held back while streaming them.
 _HERMES_TAIL = re.compile(r'\s*\}?\s*$')
 

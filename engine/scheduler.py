@@ -97,16 +97,21 @@ class _Paused:
 # Positions allocated beyond a restored prefix's prompt (mlx-lm's KVCache step): the
 # prompt's rest and the first decode steps then write into the restored cache in place.
 KV_ROOM_STEP = 256
+# Adopt a lone row's cache into the batch instead of mlx-lm's merge (saves one copy of the KV
+# on a warm hit). Off: measured on the H200 (bench_engine_speed.py), B=1 decode ran at 82 tok/s
+# adopted against 110 merged (plain mlx-lm loop 109); the cause was not found.
+ADOPT_ONE_ROW = False
 
 
 def _batch_of_one(layer):
     """The batched form of one row's layer cache: dense layers become a
     `RowBatchKVCache`; other cache types batch through their own `merge`.
 
-    A dense layer is adopted as it is (its buffers, spare room included): one row
-    needs no padding, and mlx-lm's `merge` would copy the whole KV into a buffer of
-    exactly its length, which the first decode step then grows with a second copy."""
-    if type(layer) is KVCache and layer.keys is not None:
+    With ADOPT_ONE_ROW a dense layer is adopted as it is (its buffers, spare room
+    included): one row needs no padding, and mlx-lm's `merge` copies the whole KV into a
+    buffer of exactly its length, which the first decode step then grows with a second
+    copy. Off by default (see ADOPT_ONE_ROW)."""
+    if ADOPT_ONE_ROW and type(layer) is KVCache and layer.keys is not None:
         batched = RowBatchKVCache([0])
         batched.keys, batched.values, batched._idx = layer.keys, layer.values, layer.offset
         batched.offset = mx.array([layer.offset])
@@ -494,7 +499,8 @@ class Scheduler:
         self.paused.append(_Paused(row.seq, path, row.started_at, row=row, sampler=sampler, pending=pending,
                                    cached_ids=cached_ids, remaining=remaining, pinned=pinned))
         del cache
-        mx.clear_cache()
+        if pinned is None:  # a spill freed the row's KV: hand it back. Pinned, the resume reuses it
+            mx.clear_cache()
         self.stats["pauses"] += 1
         log.info("paused request %d after %d output tokens (%s): %d KV tokens %s",
                  uid, len(row.seq.output_ids), reason, len(cached_ids),

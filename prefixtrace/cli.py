@@ -83,14 +83,17 @@ def _upstream_urls(ctx, param, values):
                    "for several: each session sticks to one, with health checks and failover (docs/DASHBOARD.md).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
               help="Activation dtype of the embedded engine. Default: the fastest measured on this platform.")
-@click.option("--cache-memory-gb", default=2.0, show_default=True, type=FiniteFloatRange(min=0), help="Byte budget of the in-memory prefix cache.")
+@click.option("--cache-memory-gb", type=FiniteFloatRange(min=0),
+              help="Byte budget of the in-memory prefix cache. Default: 30% of the memory the ceiling leaves after "
+                   "the weights (accelerator memory, else RAM; docs/PERFORMANCE.md).")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Directory of the prefix cache's disk tier; a restarted server reuses the prompts cached there.")
 @click.option("--cache-disk-gb", default=16.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
               help="Byte budget of the disk tier (with --cache-dir).")
 @click.option("--block-size", type=click.IntRange(1), help="Tokens per prefix-cache block. Default: 256 (docs/CACHE.md).")
-@click.option("--prefill-chunk", default=512, show_default=True, type=click.IntRange(1),
-              help="Tokens per prefill chunk; decoding rows run between chunks.")
+@click.option("--prefill-chunk", type=click.IntRange(1),
+              help="Tokens per prefill chunk; decoding rows run between chunks. Default: measured per device "
+                   "(512 on the CPU, 4096 on a GPU; docs/PERFORMANCE.md).")
 @click.option("--memory-ceiling-gb", type=FiniteFloatRange(min=0, min_open=True),
               help="Memory for weights + KV + prefill peak. Default: 3/4 of this machine's (or the accelerator's) "
                    "memory, less the prefix cache's budget.")

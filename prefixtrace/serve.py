@@ -47,8 +47,8 @@ class ServeConfig:
     model: Path | None = None  # None: the bundled default model
     upstreams: list[str] = field(default_factory=list)  # several: an UpstreamPool
     dtype: str | None = None
-    cache_memory_gb: float = 2.0
-    prefill_chunk: int = 512
+    cache_memory_gb: float | None = None  # None: engine.memory.default_cache_bytes
+    prefill_chunk: int | None = None  # None: engine.memory.default_prefill_chunk (per device)
     max_batch: int = 8
     memory_ceiling_gb: float | None = None
     cache_dir: Path | None = None  # disk tier of the prefix cache; None: memory only
@@ -97,7 +97,7 @@ def build_backend(config: ServeConfig):
         model_dir,
         name=name,
         dtype=config.dtype,
-        cache_bytes=int(config.cache_memory_gb * (1 << 30)),
+        cache_bytes=None if config.cache_memory_gb is None else int(config.cache_memory_gb * (1 << 30)),
         prefill_step_size=config.prefill_chunk,
         max_batch=config.max_batch,
         memory_ceiling_bytes=None if config.memory_ceiling_gb is None else int(config.memory_ceiling_gb * (1 << 30)),

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.datastructures import MutableHeaders
 
 from prefixtrace.errors import PrefixtraceError, http_status, to_openai_error
 from prefixtrace.wire import sse
@@ -53,14 +54,7 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts,
                        refuse=refusal_recorder(recorder, backend.label, error_bodies, record_durably))
 
-    @app.middleware("http")
-    async def max_context_header(request: Request, call_next):
-        response = await call_next(request)
-        limit = getattr(backend, "max_context_tokens", None)
-        if limit is not None:
-            # Lets a harness compact before it hits the wall, on every response.
-            response.headers["X-Max-Context-Tokens"] = str(limit)
-        return response
+    app.add_middleware(MaxContextHeader, backend=backend)  # on every response, refusals included
 
     @app.get("/health")
     async def health():
@@ -102,6 +96,34 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     return app
 
 
+class MaxContextHeader:
+    """ASGI middleware: `X-Max-Context-Tokens` on every response whose backend has a limit,
+    which lets a harness compact before it hits the wall. Pure ASGI (it only edits the
+    `http.response.start` message): Starlette's `BaseHTTPMiddleware` would run every
+    response through an extra task and memory stream, ~ms per request (issue 17)."""
+
+    def __init__(self, app, *, backend):
+        self.app = app
+        self.backend = backend
+        # An upstream's limits are its own (a plain `None`): then there is never a header to add.
+        # The engine's limit is a property, known once the model has loaded: read per response.
+        self.never = (not isinstance(getattr(type(backend), "max_context_tokens", None), property)
+                      and getattr(backend, "max_context_tokens", None) is None)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.never:
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                limit = getattr(self.backend, "max_context_tokens", None)
+                if limit is not None:
+                    MutableHeaders(scope=message)["X-Max-Context-Tokens"] = str(limit)
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
 def recorder_trouble(recorder) -> JSONResponse | None:
     """A 503 naming the reason when the recorder cannot record (writer stuck,
     gone or closed): a proxy that answers but stores nothing must not look healthy."""
@@ -118,6 +140,18 @@ def recorder_trouble(recorder) -> JSONResponse | None:
 
 async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):
     recorded = False
+    early_commit: asyncio.Task | None = None
+
+    def commit_now() -> None:
+        """The turn is complete before [DONE] (an upstream's usage chunk): start its commit
+        now, and have [DONE] wait for it below, instead of starting it at [DONE]."""
+        nonlocal recorded, early_commit
+        if not recorded:
+            recorded = True
+            early_commit = asyncio.ensure_future(record_durably(recorder, builder.finish(chat.status)))
+
+    if hasattr(chat, "on_final"):
+        chat.on_final = commit_now
 
     def record(error: str | None = None) -> None:
         nonlocal recorded
@@ -136,6 +170,8 @@ async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):
             if event == sse.DONE:
                 # Commit before the client can see the end of the stream, so a
                 # client that reads [DONE] can rely on the turn being stored.
+                if early_commit is not None:
+                    await asyncio.shield(early_commit)
                 await record_committed()
             yield event
     except PrefixtraceError as exc:  # failed after the headers went out: tell the client in-band

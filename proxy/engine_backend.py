@@ -20,7 +20,7 @@ from engine.constraints import TOOL_CHOICE_DEFAULTS, ReplyPlan, plan_reply
 from engine.engine import Engine
 from engine.reply_parser import ReplyParser, final_finish_reason
 from engine.sequence import Failed, Finished, Sequence, TextDelta
-from prefixtrace.errors import EngineError, EngineNotReady, InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
+from prefixtrace.errors import ContextExceedsCapacity, EngineError, EngineNotReady, InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
 from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
 from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
@@ -149,9 +149,15 @@ class EngineBackend:
         do: Claude Code asks 32,000 of any model). A prompt that cannot fit itself is left to
         check_fits' 400 with the numbers; so is every overflow under `reject`."""
         asked = req.sampling.max_tokens
-        room = self.engine.memory.max_context_tokens - num_prompt_tokens
-        if self.max_tokens_policy != "clamp" or asked is None or asked <= room or room < 1:
+        memory = self.engine.memory
+        room = memory.max_context_tokens - num_prompt_tokens
+        if self.max_tokens_policy != "clamp" or asked is None or asked <= room:
             return
+        if room < 1:  # no max_tokens would help: say so, not "prompt + max_tokens"
+            raise ContextExceedsCapacity(
+                f"the prompt ({num_prompt_tokens} tokens) cannot fit: at most {memory.max_context_tokens} tokens "
+                "fit, the prompt and at least one output token", prompt_tokens=num_prompt_tokens,
+                max_tokens=asked, retryable=False, **memory.numbers())
         req.sampling.max_tokens = room
         builder.turn.render["max_tokens_clamped"] = {"asked": asked, "to": room}
 

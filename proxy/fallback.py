@@ -4,7 +4,8 @@ bare `{"detail": "Not Found"}`. A known path asked with another method is a 405.
 
 `HEAD /` and `GET /` are liveness probes (Claude Code sends `HEAD /` before its first request
 and only needs an answer): 200, not recorded, like `/health`; so is a browser's `/favicon.ico`
-(204), which the dashboard's page asks for.
+(204), which the dashboard's page asks for. An `OPTIONS` request is a browser's CORS preflight, not
+an API call: refused (405, no CORS headers, so the page's request never goes out) and not recorded.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from prefixtrace.errors import MethodNotAllowed, UnknownEndpoint, http_status, to_openai_error
+from prefixtrace.errors import MethodNotAllowed, RequestTooLarge, UnknownEndpoint, http_status, to_openai_error
 from prefixtrace.wire.messages import to_anthropic_error
 from prefixtrace.wire.messages import PATH as MESSAGES_PREFIX  # /v1/messages and everything under it
 from prefixtrace.wire.turn_builder import TurnBuilder
 from proxy.relay import TurnSink, record_durably
+from proxy.request_limits import read_request_body
 from recorder.turn import Turn
 
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
@@ -52,14 +54,20 @@ def add_fallback_routes(app: FastAPI, backend, recorder: TurnSink) -> None:
             exc = UnknownEndpoint(f"unknown endpoint: {request.method} {route} (this server serves "
                                   "/v1/chat/completions, /v1/responses, /v1/messages, /v1/completions, "
                                   "/v1/messages/count_tokens, /v1/models)")
-        raw = await request.body()
-        turn = Turn(request_id=uuid.uuid4().hex, started_at=time.time(), endpoint=route, upstream=backend.label,
-                    request_body=raw.decode("utf-8", errors="replace"), request_headers=dict(request.headers),
-                    client_addr=f"{request.client.host}:{request.client.port}" if request.client else None)
-        status = http_status(exc)
-        await record_durably(recorder, TurnBuilder(turn).finish(status, exc.message))
         body = to_anthropic_error(exc) if route.startswith(MESSAGES_PREFIX) else to_openai_error(exc)
         headers = {"Allow": ", ".join(sorted(allowed))} if allowed else None
+        status = http_status(exc)
+        if request.method == "OPTIONS":
+            return JSONResponse(body, status_code=405, headers=headers)
+        turn = Turn(request_id=uuid.uuid4().hex, started_at=time.time(), endpoint=route, upstream=backend.label,
+                    request_body="", request_headers=dict(request.headers),
+                    client_addr=f"{request.client.host}:{request.client.port}" if request.client else None)
+        try:  # bounded as on every route (--max-request-mb): an unknown path is no way around the limit
+            turn.request_body = (await read_request_body(request, turn)).decode("utf-8", errors="replace")
+        except RequestTooLarge as too_large:
+            exc, status = too_large, http_status(too_large)
+            body = to_anthropic_error(exc) if route.startswith(MESSAGES_PREFIX) else to_openai_error(exc)
+        await record_durably(recorder, TurnBuilder(turn).finish(status, exc.message))
         if request.method == "HEAD":
             return Response(status_code=status, headers=headers)
         return JSONResponse(body, status_code=status, headers=headers)

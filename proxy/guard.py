@@ -24,8 +24,11 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from prefixtrace.errors import (ForbiddenHost, PrefixtraceError, UnsupportedMediaType, http_status,
-                                to_openai_error)
+from prefixtrace.errors import (ForbiddenHost, PrefixtraceError, RequestTooLarge, UnsupportedMediaType,
+                                http_status, to_openai_error)
+from prefixtrace.wire.request import session_id
+from proxy.chat_request import parse_body
+from proxy.request_limits import read_request_body
 from recorder.turn import Turn
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -90,22 +93,27 @@ def refusal_recorder(recorder, upstream: str, error_bodies: dict[str, Callable[[
     """A `refuse` that answers a turn endpoint (a path in `error_bodies`) in its API's
     error shape and records the turn through `record(recorder, turn)`; other paths get
     an OpenAI-shaped error and nothing is recorded (they are not turns)."""
-    from proxy.chat_request import parse_body
 
     async def refuse(request: Request, exc: PrefixtraceError) -> Response:
         status = http_status(exc)
         error_body = error_bodies.get(request.url.path)
         if error_body is None:
             return JSONResponse(to_openai_error(exc), status_code=status)
-        raw = await request.body()
-        turn = Turn(request_id=uuid.uuid4().hex, started_at=time.time(), endpoint=request.url.path,
-                    upstream=upstream, request_body=raw.decode("utf-8", errors="replace"),
-                    request_headers=dict(request.headers), status=status, error=exc.message,
+        endpoint = request.url.path
+        turn = Turn(request_id=uuid.uuid4().hex, started_at=time.time(), endpoint=endpoint, upstream=upstream,
+                    request_body=None, request_headers=dict(request.headers), status=status, error=exc.message,
                     client_addr=f"{request.client.host}:{request.client.port}" if request.client else None)
-        try:
-            turn.request_body, turn.request_raw = parse_body(raw), turn.request_body
-        except PrefixtraceError:
-            pass  # stored as the text it was
+        try:  # read within --max-request-mb, like any turn: past it the body is a marker, still refused as it was
+            raw = await read_request_body(request, turn)
+        except RequestTooLarge:
+            raw = None
+        if raw is not None:
+            turn.request_body = raw.decode("utf-8", errors="replace")
+            try:
+                turn.request_body, turn.request_raw = parse_body(raw), turn.request_body
+            except PrefixtraceError:
+                pass  # stored as the text it was
+        turn.session_id = session_id(endpoint, turn.request_body, turn.request_headers)  # it still has a session
         await record(recorder, turn)
         return JSONResponse(error_body(exc), status_code=status)
 

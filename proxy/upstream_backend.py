@@ -7,7 +7,7 @@ whole); each event is also parsed so the turn can be recorded.
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httpx
 
@@ -140,6 +140,11 @@ class UpstreamChat(Relayed):
         self.req = req
         self.builder = builder
         self._complete = False  # [DONE], a finish_reason or an in-band error seen
+        # Called once the turn can take nothing more but [DONE]: the usage chunk after a
+        # finish_reason (the last one OpenAI streams). The upstream commits its own turn before
+        # it sends [DONE]; starting ours here overlaps the two commits (issue 17).
+        self.on_final: Callable[[], None] | None = None
+        self._final = False
 
     async def sse(self) -> AsyncIterator[bytes]:
         try:
@@ -162,6 +167,10 @@ class UpstreamChat(Relayed):
         if chunk is None:
             self._complete = self._complete or sse.is_done(event)
             return event
+        if self._final:
+            # Data after the final usage chunk: the turn is already with the recorder, which
+            # may be writing it right now; it is passed on, not recorded (a broken upstream).
+            return event
         if any(isinstance(c, dict) and c.get("finish_reason") for c in chunk.get("choices") or []) or \
                 "error" in chunk:
             self._complete = True
@@ -169,6 +178,9 @@ class UpstreamChat(Relayed):
         if "error" in chunk and not chunk.get("choices"):
             self.builder.turn.error = str(chunk["error"])
         usage_only = not chunk.get("choices") and chunk.get("usage")
+        if usage_only and self._complete and "error" not in chunk and self.on_final is not None:
+            self._final = True
+            self.on_final()
         if usage_only and not self.req.include_usage:
             return None
         return event

@@ -485,3 +485,24 @@ def test_a_full_memory_only_tier_copies_each_block_of_a_prefill_once(model, monk
         pc.commit(tokens[: n * BS], cache)
     assert sorted(a for a, _ in copies) == [i * BS for i in range(8)]  # each block once; was 1 + 2 + ... + 7 + 1
     assert pc.lookup(tokens + [1]).num_cached == BS  # what memory could hold still serves
+
+
+@pytest.mark.parametrize("host_copy", ["cpu", "writer"])
+def test_gpu_staging_path_writes_the_same_blocks(model, tmp_path, monkeypatch, host_copy):
+    """The GPU path of the disk writes (a device copy per block, then a host copy on MLX's
+    CPU stream or read by the writer thread) runs on the CPU too: forced on here, the blocks
+    read back bit for bit after a restart, from commits evaluated lazily with the chunk."""
+    import engine.cache_blocks as cache_blocks
+
+    monkeypatch.setattr(cache_blocks, "HOST_COPY", host_copy)
+    pc = make(model, tmp_path)
+    pc._stage_copy = True
+    tokens = (PROMPT * 2)[: 5 * BS + 3]
+    cache = prefill(model, tokens)
+    for n in range(1, 6):
+        mx.eval(pc.commit(tokens[: n * BS], cache, lazy=True))
+        pc.settle()
+    pc.store(tokens, cache)
+    pc.close()
+    hit = make(model, tmp_path, max_bytes=0).lookup(tokens + [1])
+    assert hit.num_cached == len(tokens) and same_kv(hit.cache, cache, len(tokens))

@@ -106,6 +106,16 @@ def test_unknown_paths_answer_in_the_apis_error_shape_and_are_recorded(engine_se
     r = httpx.get(url + "/v1/chat/completions", timeout=30)
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == "method_not_allowed"
     assert httpx.head(url + "/", timeout=30).status_code == 200  # Claude Code's preflight
+    assert httpx.options(url + "/v1/chat/completions", timeout=30).status_code == 405  # CORS: refused, unrecorded
     assert httpx.get(url + "/v1/models", timeout=30).status_code == 200
     recorded = [(t["endpoint"], t["status"]) for t in rows(recorder)]
     assert recorded == [("/v1/files", 404), ("/v1/messages/batches", 404), ("/v1/chat/completions", 405)]
+
+
+def test_an_unknown_path_is_held_to_the_request_size_limit(tiny_engine, recorder):
+    with running_server(create_app(EngineBackend(tiny_engine), recorder, max_request_mb=1)) as url:
+        r = httpx.post(url + "/v1/uploads", content=b'{"x": "' + b"y" * (2 << 20) + b'"}', timeout=60,
+                       headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    [row] = rows(recorder)
+    assert row["endpoint"] == "/v1/uploads" and row["status"] == 413 and len(row["request_body"]) < 200

@@ -149,3 +149,49 @@ def test_load_model_rejects_unknown_dtype():
 
     with pytest.raises(EngineError, match="float64"):
         cpu_runtime.load_model(TINY_MODEL, "float64")
+
+
+# --- the pip-installed OpenBLAS (no apt step) --------------------------------------------------
+
+MATMUL_PROBE = """
+import json, sys
+sys.path.insert(0, {root!r})
+from engine import cpu_runtime
+cpu_runtime.maybe_reexec_with_openblas()
+import mlx.core as mx, numpy as np
+a = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+got = np.array(mx.matmul(mx.array(a), mx.array(a), stream=mx.cpu))
+maps = open("/proc/self/maps").read()
+print(json.dumps({{"err": float(np.abs(got - a @ a).max()), "mapped": "libprefixtrace_openblas" in maps}}))
+"""
+
+
+@linux_only
+def test_without_debian_openblas_the_pip_one_is_found(tmp_path, monkeypatch):
+    pytest.importorskip("scipy_openblas32")
+    monkeypatch.setattr(cpu_runtime, "OPENBLAS_CANDIDATES", (tmp_path / "no-debian" / "libopenblas.so.0",))
+    monkeypatch.delenv(cpu_runtime.OPENBLAS_ENV, raising=False)
+    monkeypatch.setenv("PREFIXTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    found = cpu_runtime.find_openblas()
+    assert found is not None and found.parent == tmp_path / "cache" / "blas"
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(found)], capture_output=True, text=True).stdout
+    defined = {line.split()[-1] for line in symbols.splitlines() if " T " in line}
+    assert set(cpu_runtime.MLX_BLAS_SYMBOLS) <= defined  # the plain names MLX imports
+    assert cpu_runtime.find_openblas() == found  # prepared once, then reused
+
+
+@linux_only
+def test_serve_preloads_the_pip_openblas_and_mlx_uses_it(tmp_path):
+    """As on a fresh machine without libopenblas0-pthread: the re-exec preloads the renamed
+    wheel library, MLX's CPU matmul resolves to it and gives numpy's result."""
+    pytest.importorskip("scipy_openblas32")
+    seen, stderr = _probe(tmp_path, PREFIXTRACE_OPENBLAS="pip", PREFIXTRACE_CACHE_DIR=str(tmp_path / "cache"))
+    assert "libprefixtrace_openblas" in seen["ld_preload"] and seen["marker"]
+    script = tmp_path / "matmul.py"
+    script.write_text(MATMUL_PROBE.format(root=str(ROOT)))
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", cpu_runtime.PRELOADED_ENV)}
+    env.update(PREFIXTRACE_OPENBLAS="pip", PREFIXTRACE_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120,
+                          check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["mapped"] and result["err"] < 1e-2

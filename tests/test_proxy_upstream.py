@@ -151,3 +151,40 @@ def test_client_disconnect_mid_stream_stops_generation_and_records_the_partial_t
     row = rows(recorder)[0]
     assert row["error"] == "client disconnected"
     assert row["response_text"]  # what the client had received so far
+
+
+def test_stream_commit_starts_at_the_usage_chunk_not_at_done(tmp_path):
+    """An upstream commits its own turn between its usage chunk and [DONE]; the proxy's commit
+    overlaps it (issue 17): this upstream holds [DONE] until the proxy's turn is in the database."""
+    seen_before_done = []
+
+    def committed() -> bool:
+        import sqlite3
+        try:
+            with sqlite3.connect(tmp_path / "a.db") as con:
+                return con.execute("select count(*) from turns").fetchone()[0] == 1
+        except sqlite3.Error:
+            return False
+
+    async def events():
+        yield b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'
+        yield b'data: {"id":"x","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}\n\n'
+        for _ in range(500):
+            if committed():
+                break
+            await asyncio.sleep(0.01)
+        seen_before_done.append(committed())
+        yield b"data: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
+
+    with Recorder(tmp_path / "a.db") as rec:
+        with running_server(create_app(scripted_upstream(handler), rec)) as url:
+            body = {"stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=20) as r:
+                lines = [line for line in r.iter_lines() if line.startswith("data:")]
+        assert lines[-1] == "data: [DONE]" and len(lines) == 2  # the usage chunk was not asked for
+        assert seen_before_done == [True]
+        row = rows(rec)[0]
+        assert row["response_text"] == "hi" and row["prompt_tokens"] == 3 and row["status"] == 200

@@ -200,8 +200,11 @@ def test_terminal_text_shows_escapes_instead_of_running_them(tmp_path):
 
 def test_replay_and_db_info_text_show_escapes(engine_server, tmp_path):
     url, recorder = engine_server
-    r = _post(url, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}, "agent" + ESCAPES)
-    assert r.status_code == 200
+    # In the body's `user` (the session id when no header names one): an HTTP parser may refuse
+    # control characters in a header, but a JSON string carries anything.
+    r = httpx.post(url + "/v1/chat/completions", timeout=120,
+                   json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "user": "agent" + ESCAPES})
+    assert r.status_code == 200, r.text
     recorder.flush()
     for args in (["replay", str(recorder.path), "--target", url], ["db", "info", str(recorder.path)]):
         done = _cli(*args)
@@ -320,3 +323,16 @@ def test_a_page_on_another_origin_cannot_drive_or_read_the_proxy(engine_server, 
         assert response.status == 403 and "secret plan" not in page.content()
     finally:
         server.shutdown()
+
+
+def test_a_refused_body_is_read_within_the_size_limit(tiny_engine, recorder):
+    with running_server(create_app(EngineBackend(tiny_engine), recorder, max_request_mb=1)) as url:
+        big = b'{"messages": [{"role": "user", "content": "' + b"x" * (3 << 20) + b'"}]}'
+        r = httpx.post(url + "/v1/chat/completions", content=big, headers={"content-type": "text/plain"}, timeout=60)
+        assert r.status_code == 415
+        small = httpx.post(url + "/v1/chat/completions", content=b'{"user": "s7"}', timeout=60,
+                           headers={"content-type": "text/plain"})
+        assert small.status_code == 415
+    first, second = rows(recorder)
+    assert first["status"] == 415 and "not stored" in first["request_body"] and len(first["request_body"]) < 1000
+    assert second["status"] == 415 and second["session_id"] == "s7"  # a refused turn keeps its session

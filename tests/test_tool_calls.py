@@ -93,6 +93,7 @@ def test_forced_call_arguments_stream_as_written(tiny_format, size):
     events += parser.finish()
     args = [e.text for e in events if isinstance(e, ToolCallArgsDelta)]
     assert len(args) > 3 and json.loads("".join(args)) == {"file_path": "a}b.txt", "n": {"x": 1}}
+    assert "".join(args).startswith("{"), "the space after 'arguments:' is not part of the arguments"
     assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["Read"] and parser.num_calls == 1
 
 
@@ -169,6 +170,7 @@ def test_forced_call_streams_as_delta_tool_calls(openai_client, engine_server):
     assert deltas[0].id and deltas[0].function.name, "the first delta names the call"
     assert sum(1 for d in deltas if d.function and d.function.arguments) > 1, "arguments stream in increments"
     (call,) = calls.values()
+    assert call["arguments"].startswith("{")
     jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
     (row,) = rows(engine_server[1])
     recorded = json.loads(row["tool_calls"])

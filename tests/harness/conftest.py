@@ -84,8 +84,15 @@ def llm_exe(timings) -> Path:
 
 
 @pytest.fixture(scope="session")
-def server_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("harness-servers")
+def server_dir():
+    """Not under pytest's basetemp: concurrent pytest sessions of one user prune each other's
+    older basetemps, and these databases must outlive the whole session."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="prefixtrace-harness-servers-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

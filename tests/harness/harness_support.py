@@ -346,7 +346,7 @@ def assert_recorded_calls_match_what_client_saw(records: list[dict]) -> None:
             assert cid in recorded, f"the harness sent back call {cid!r} ({name}) that no turn recorded"
             call = recorded[cid]
             assert call_name(call) == name
-            assert _args(call) == args, f"call {cid}: recorded {_args(call)!r}, client echoed {args!r}"
+            assert call_args(call) == args, f"call {cid}: recorded {call_args(call)!r}, client echoed {args!r}"
 
 
 def _parse(args):
@@ -358,7 +358,7 @@ def _parse(args):
     return args
 
 
-def _args(call: dict):
+def call_args(call: dict):
     if "function" in call:
         return _parse(call["function"].get("arguments"))
     return _parse(call.get("input", call.get("arguments")))

@@ -29,7 +29,7 @@ def test_pi_reads_a_file_through_the_proxy(npm_bins, backend, scratch, drive, tm
     cmd = [npm_bins["pi"], "--provider", "pt", "--model", "default", "--tools", "read", "--no-session",
            "--no-extensions", "--no-skills", "--no-prompt-templates", "--no-context-files",
            "-p", f"Read the file {scratch.hello}"]
-    result, records = drive("pi", cmd, env, timeout=600)
+    result, records = drive("pi", cmd, env, timeout=900)
     assert result.returncode == 0, result.output[-3000:]
     assert records, "pi sent nothing the proxy recorded"
     assert all(r["response"]["status"] == 200 for r in records), hs.describe(records)
