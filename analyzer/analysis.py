@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from analyzer.advice import SIDE_REQUEST, suggestion
 from analyzer.canon import Canonicalizer, Payload, first_changed
 from analyzer.causes import Cause, classify, payload_cause
 from analyzer.divergence import SegmentCounter, compare
@@ -44,6 +45,20 @@ class Break:
     before: str
     after: str
     path: str | None = None  # payload-level JSON path (deepdiff), when the client changed something
+    tool_index: int | None = None  # tools: the first tool that differs, and its name
+    tool_name: str | None = None
+    suggestion: str = ""  # what the harness author can do (analyzer/advice.py)
+    saves_tokens: int = 0  # tokens a cache would have served had the prompt only grown
+
+    def where(self) -> str:
+        """"message 2 (user)", "tools[0] (read)", "the request parameters"."""
+        if self.tool_index is not None or self.cause == "tools_change":
+            return f"tools[{self.tool_index}] ({self.tool_name})"
+        if self.message_index is None and self.role == "system":
+            return "the system prompt"
+        if self.message_index is None:
+            return "the request parameters" if self.cause == "param_change" else "the rendered head"
+        return f"message {self.message_index} ({self.role})"
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -67,6 +82,7 @@ class TurnResult:
     brk: Break | None = None
     payload_change: str | None = None  # what the payload diff saw, even when the render did not break
     note: str = ""  # "first", "unrenderable: …"
+    model: str | None = None  # the request's `model` (what-if pricing reads per-model rules)
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "brk"}
@@ -100,9 +116,16 @@ class SessionResult:
     id: str
     inferred: bool
     turns: list[TurnResult] = field(default_factory=list)
+    parent: str | None = None  # a side request (fork) of this main chain: not a break of it
+    side_reason: str | None = None  # why it shares nothing with the main chain: "replaces the system prompt"
+
+    @property
+    def kind(self) -> str:
+        return "side_request" if self.parent is not None else "main"
 
     def to_dict(self, rate: float | None = None) -> dict[str, Any]:
-        return {"id": self.id, "inferred": self.inferred, "turns": [t.to_dict() for t in self.turns],
+        return {"id": self.id, "inferred": self.inferred, "kind": self.kind, "parent": self.parent,
+                "side_reason": self.side_reason, "turns": [t.to_dict() for t in self.turns],
                 "totals": _totals(self.turns, rate)}
 
 
@@ -115,6 +138,7 @@ class Report:
     sessions: list[SessionResult]
     skipped: list[dict]
     failed: list[dict] = field(default_factory=list)  # requests the server refused (status >= 400): not chained
+    what_if: list[dict] = field(default_factory=list)  # analyzer/whatif.py: the traffic priced under other caches
 
     @property
     def breaks(self) -> list[tuple[SessionResult, TurnResult]]:
@@ -168,6 +192,7 @@ class Report:
             "failed_requests": self.failed,
             "sessions": [s.to_dict(self.prefill_rate) for s in self.sessions],
             "totals": _totals((t for s in self.sessions for t in s.turns), self.prefill_rate),
+            **({"what_if": self.what_if} if self.what_if else {}),
         }
 
 
@@ -236,7 +261,7 @@ class Analyzer:
         requests = readable
         unreadable: dict[int, str] = {}
         # Phase 1, in order: payload keys and sessions (cheap, and inference is sequential).
-        grouper = SessionGrouper()
+        grouper = SessionGrouper(split_forks=True)
         payloads: list[Payload | None] = []
         last: dict[str, Payload] = {}
         for i, req in enumerate(requests):
@@ -244,19 +269,28 @@ class Analyzer:
             roles = None  # only session inference needs them
             if payload is not None and req.session is None:
                 roles = [str(m.get("role")) if isinstance(m, dict) else "" for m in payload.messages]
-            sess = grouper.add(i, req.session, payload.keys if payload else None, roles)
+            if payload is not None and roles is None:
+                roles = [str(m.get("role")) if isinstance(m, dict) else "" for m in payload.messages]
+            sess = grouper.add(i, req.session, payload.keys if payload else None, roles,
+                               payload.tools_key if payload else None, payload.chars if payload else 0)
             if payload is not None:
-                prev = last.get(sess.id)
+                prev = last.get(id(sess))
                 if prev is not None:
                     payload.messages = share_prefix(prev.messages, payload.messages)
                     if "system" not in req.body and isinstance(req.body.get("messages"), list):
                         req.body = {**req.body, "messages": payload.messages}
-                last[sess.id] = payload
+                last[id(sess)] = payload  # by object: finish() may still rename chains
             payloads.append(payload)
         # Phase 2, per session (independent, so spread over processes): render, count, compare.
-        jobs = [(s.id, s.inferred, s.indices) for s in grouper.sessions]
+        grouped = grouper.finish()
+        jobs = [(s.id, s.inferred, s.indices) for s in grouped]
         walked = _map_sessions(self, requests, payloads, jobs)
-        sessions = [SessionResult(sid, inferred, turns) for (sid, inferred, _), turns in zip(jobs, walked)]
+        sessions = [SessionResult(g.id, g.inferred, turns, g.parent, g.side_reason) for g, turns in zip(grouped, walked)]
+        for s in sessions:
+            if s.parent is not None and s.turns:
+                first = s.turns[0]
+                first.note = (f"side request of {s.parent}: re-prefilled {first.reprefill_tokens or 0:,} tokens "
+                              f"because it {s.side_reason}; {SIDE_REQUEST}") if first.note == "first" else first.note
         skipped.sort(key=lambda d: (d.get("line") is None, d.get("line") or 0))
         return Report(self.tokenizer.name, self.renderer.name, self.block_size, self.prefill_rate, sessions,
                       skipped, failed)
@@ -278,6 +312,8 @@ class Analyzer:
                 continue
             tokens = self.counter.total(rendered)
             turn.prompt_tokens = tokens
+            model = payload.params.get("model")
+            turn.model = model if isinstance(model, str) else None
             if prev is None:
                 turn.note, turn.common_prefix_tokens = "first", 0
             else:
@@ -306,18 +342,30 @@ class Analyzer:
         else:
             effective = payload
             if isinstance(body, dict) and cmp.message_index is not None and pc is not None and \
-                    pc.cause not in ("param_change", "tools_change"):
+                    pc.cause not in ("param_change", "tools_change") and pc.tool_index is None:
                 effective = self._rendered_changes(prev.payload, payload, body, rendered.text, cmp.message_index)
             cause = classify(prev.payload, effective, prev.rendered, rendered, cmp.message_index)
             turn.common_prefix_tokens = 0 if model_changed else cmp.common_tokens
             offset, before, after = cmp.common_chars, cmp.before, cmp.after
         index = cause.message_index if cause.message_index is not None else cmp.message_index
-        if cause.cause in ("tools_change", "param_change") or (index is not None and index < 0):
+        if cause.cause in ("tools_change", "param_change") or cause.tool_index is not None or \
+                (index is not None and index < 0):
             index = None  # not a message: the tools block or the request parameters
-        msgs = payload.messages if index is not None and 0 <= index < len(payload.messages) else prev.payload.messages
+        holder = payload if index is not None and 0 <= index < len(payload.messages) and \
+            cause.cause != "dropped_message" else prev.payload  # a dropped message is in prev only
+        msgs = holder.messages
         role = msgs[index].get("role") if index is not None and 0 <= index < len(msgs) and isinstance(msgs[index], dict) else None
+        path = cause.path
+        if index is not None and holder.source_index is not None and index < len(holder.source_index):
+            # A translated body (Messages, Responses): name the client's own message index.
+            source = holder.source_index[index]
+            root = "$.system" if source is None else f"$.messages[{source}]"
+            if path and path.startswith(f"$.messages[{index}]"):
+                path = root + path[len(f"$.messages[{index}]"):]
+            index = source
         turn.brk = Break(cause.cause, cause.subtype, index, role, offset, turn.common_prefix_tokens, before, after,
-                         cause.path)
+                         path, cause.tool_index, cause.tool_name, suggestion(cause.cause, cause.subtype),
+                         max(0, min(prev.tokens, turn.prompt_tokens or 0) - turn.common_prefix_tokens))
 
     def _rendered_changes(self, prev: Payload, payload: Payload, body: dict, text: str, break_index: int) -> Payload:
         """`payload` with the changed messages before the rendered break that the renderer does not render
@@ -390,7 +438,8 @@ def _walk_job_local(analyzer: Analyzer, requests, payloads, job) -> list[TurnRes
 
 def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None = None, model: str | Path | None = None,
             tokenizer: Tokenizer | str | None = None, block_size: int | None = None,
-            prefill_rate: float | None = None, renderer=None, workers: int | None = None) -> Report:
+            prefill_rate: float | None = None, renderer=None, workers: int | None = None,
+            what_if: list[str] | str | None = None, kv_budget: int | None = None) -> Report:
     """Analyses a recorder database, a JSONL file, or an iterable of request
     bodies / Requests / recorder Turns.
 
@@ -403,10 +452,20 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
         block_size: also report the block-aligned figures of a paged cache.
         prefill_rate: tokens per second, to price re-prefill in seconds.
         workers: processes for the per-session work (default: up to 2).
+        what_if: also price the traffic under these caches ("vllm", "sglang", "anthropic", "openai";
+            analyzer/whatif.py), with `block_size` as their block/page size and `kv_budget` tokens of KV.
     """
     renderer = renderer or make_renderer(template, model)
     if tokenizer is None and model is not None and (Path(model) / "tokenizer.json").is_file():
         tokenizer = str(Path(model) / "tokenizer.json")
+    from analyzer.whatif import parse_policies, what_if as price_all
+
+    policies = parse_policies(what_if) if isinstance(what_if, str) or what_if is None else parse_policies(",".join(what_if))
+    if kv_budget is not None and kv_budget <= 0:
+        raise InvalidRequest("--kv-budget must be positive")
     loaded = load(source)
-    return Analyzer(renderer, tokenizer, block_size=block_size, prefill_rate=prefill_rate, workers=workers).run(
+    report = Analyzer(renderer, tokenizer, block_size=block_size, prefill_rate=prefill_rate, workers=workers).run(
         loaded.requests, loaded.skipped)
+    if policies:
+        report.what_if = price_all(report, policies, block_size=block_size, kv_budget=kv_budget)
+    return report

@@ -83,6 +83,7 @@ class Payload:
     tools_key: str
     params: dict
     chars: int  # total canonical size, for "did it shrink" (compaction)
+    source_index: list | None = None  # translated bodies: chat message -> the client's message index
 
 
 class Canonicalizer:
@@ -106,7 +107,8 @@ class Canonicalizer:
         keys = [self.key(m) for m in messages]
         tools = body.get("tools") if isinstance(body.get("tools"), list) else []
         tools_c = strip_ignored(tools)
-        return Payload(messages, keys, tools_c, _dumps(tools_c), params_of(body), sum(map(len, keys)))
+        return Payload(messages, keys, tools_c, _dumps(tools_c), params_of(body), sum(map(len, keys)),
+                       body.get("_source_index"))
 
     def forget(self, keep: list[Payload]) -> None:
         """Drops cached keys of messages no live Payload holds."""

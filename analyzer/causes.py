@@ -54,6 +54,8 @@ class Cause:
     subtype: str | None = None
     message_index: int | None = None
     path: str | None = None  # payload-level JSON path of the first change (deepdiff)
+    tool_index: int | None = None  # tools_change / serialization of tools: the first tool that differs
+    tool_name: str | None = None
 
 
 def is_volatile(a: str, b: str) -> bool:
@@ -143,6 +145,50 @@ def tools_subtype(prev: list, next: list) -> str:
     return "edited"
 
 
+def _tool_meaning(t: Any) -> Any:
+    """A tool as what it means: keys sorted (by `normalize`), a `strict: false` (the default) dropped."""
+    if isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("strict") is False:
+        t = {**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}}
+    return normalize(t)
+
+
+def _first_tool(prev: list, next: list) -> tuple[int | None, str | None]:
+    """Index and name of the first tool that differs (in next; in prev when next has fewer)."""
+    for i in range(max(len(prev), len(next))):
+        a = prev[i] if i < len(prev) else None
+        b = next[i] if i < len(next) else None
+        if a is None or b is None or json.dumps(a) != json.dumps(b):  # bytes: key order counts
+            t = b if b is not None else a
+            return i, json.loads(_tool_name(t)) if t is not None else None
+    return None, None
+
+
+def _dropped(prev: list[str], next: list[str], k: int) -> list[int] | None:
+    """Indices (in prev) of messages that disappeared from k on while the rest kept their order: a
+    resume that drops synthetic messages (Claude Code's "Output token limit hit" notices) is that, not
+    an edit. None when nothing after the first missing message was kept (an edit or a rewrite)."""
+    i, j, dropped, kept = k, k, [], 0
+    while i < len(prev) and j < len(next):
+        if prev[i] == next[j]:
+            i, j, kept = i + 1, j + 1, kept + 1
+        else:
+            dropped.append(i)
+            i += 1
+    dropped.extend(range(i, len(prev)))
+    return dropped if kept and dropped and dropped[0] == k else None
+
+
+def is_compaction(prev_keys: list[str], next_keys: list[str], prev_head: int, next_head: int) -> bool:
+    """History replaced by a summary: at least two messages fewer, and the conversation (past the
+    system head, which a long system prompt would otherwise dominate) at most COMPACTION_SHRINK of
+    what it was."""
+    if len(next_keys) >= len(prev_keys) - 1:
+        return False
+    before = sum(map(len, prev_keys[prev_head:]))
+    after = sum(map(len, next_keys[next_head:]))
+    return after <= COMPACTION_SHRINK * before
+
+
 def payload_cause(prev: Payload, next: Payload) -> Cause | None:
     """What the client changed first, or None when the payload is append-only."""
     from analyzer.canon import first_path
@@ -151,8 +197,23 @@ def payload_cause(prev: Payload, next: Payload) -> Cause | None:
     if changed:
         return Cause("param_change", ",".join(sorted(changed)), None, "$." + sorted(changed)[0])
     if prev.tools_key != next.tools_key:
-        return Cause("tools_change", tools_subtype(prev.tools, next.tools), None,
-                     first_path(prev.tools, next.tools, "$.tools"))
+        index, name = _first_tool(prev.tools, next.tools)
+        path = first_path(prev.tools, next.tools, "$.tools")
+        if len(prev.tools) == len(next.tools):
+            meant = None  # (`next` is the payload here, not the builtin)
+            for i, (a, b) in enumerate(zip(prev.tools, next.tools)):
+                if _tool_meaning(a) != _tool_meaning(b):
+                    meant = i
+                    break
+            if meant is None:
+                # Same tools, other bytes (key order of a schema, `strict: false`): one harness's tools
+                # serialised differently, e.g. by its chat and its Messages client.
+                return Cause("serialization", "tools", None, path, index, name)
+            if meant != index:  # name the tool whose meaning changed, not a re-serialised one before it
+                index, name = meant, json.loads(_tool_name(next.tools[meant]))
+                path = first_path(_tool_meaning(prev.tools[meant]), _tool_meaning(next.tools[meant]),
+                                  f"$.tools[{meant}]")
+        return Cause("tools_change", tools_subtype(prev.tools, next.tools), None, path, index, name)
     k = first_changed(prev.keys, next.keys)
     if k == len(prev.keys):
         return None
@@ -165,18 +226,20 @@ def payload_cause(prev: Payload, next: Payload) -> Cause | None:
         b = str(nm.get("content", "")) if isinstance(nm, dict) else ""
         ra, rb = _changed_region(a, b)
         return Cause("system_rewrite", "volatile" if is_volatile(ra, rb) else "content", k, path)
-    if next.chars <= COMPACTION_SHRINK * prev.chars and len(next.keys) < len(prev.keys) - 1:
+    if is_compaction(prev.keys, next.keys, head, _leading_head(next.messages)):
         return Cause("compaction", None, k, path)
     rest = prev.keys[k + 1 :]
-    if rest and next.keys[k : k + len(rest)] == rest:
+    if (rest and next.keys[k : k + len(rest)] == rest) or _dropped(prev.keys, next.keys, k):
         role = _role(pm)
         empty = isinstance(pm, dict) and not pm.get("content") and not pm.get("tool_calls")
-        return Cause("dropped_message", f"empty_{role}" if empty else role, k, path)
+        return Cause("dropped_message", f"empty_{role}" if empty else role, k, f"$.messages[{k}]")
     if nm is not None and normalize(pm) == normalize(nm):
         return Cause("serialization", None, k, path)
     if nm is not None and _has_reasoning(pm) and _without_reasoning(pm) == _without_reasoning(nm):
         return Cause("thinking_strip", "client", k, path)
-    if k == len(prev.keys) - 1 and prev.keys[k] not in next.keys:
+    # The previous request's one-shot tail is gone from its slot; it may come back at the very end
+    # (a side request that re-appends its instruction to the grown conversation).
+    if k == len(prev.keys) - 1 and (prev.keys[k] not in next.keys or next.keys[-1] == prev.keys[k]):
         same_slot = isinstance(nm, dict) and isinstance(pm, dict) and nm.get("role") == pm.get("role") and (
             nm.get("tool_call_id") is not None and nm.get("tool_call_id") == pm.get("tool_call_id"))
         if not same_slot:
@@ -211,7 +274,7 @@ def classify(prev: Payload, next: Payload, prev_r, next_r, render_break_index: i
     pc = payload_cause(prev, next)
     if pc is None:
         return render_cause(prev_r, next_r, next, render_break_index)
-    if pc.cause in ("param_change", "tools_change"):
+    if pc.cause in ("param_change", "tools_change") or pc.subtype == "tools" and pc.message_index is None:
         return pc
     # The client changed message k, but the rendering broke earlier: a template effect came first.
     if render_break_index is not None and pc.message_index is not None and 0 <= render_break_index < pc.message_index:

@@ -26,10 +26,12 @@ class Problem:
 
     def __str__(self) -> str:
         b = self.turn.brk
+        if b is None and self.turn.note.startswith("side request"):
+            return f"session {self.session_id} turn {self.turn.index} ({self.turn.request_id}): {self.turn.note}"
         if b is None:  # unrenderable: the server could not have built this prompt either
             return f"session {self.session_id} turn {self.turn.index} ({self.turn.request_id}): {self.turn.note}"
         return (f"session {self.session_id} turn {self.turn.index} ({self.turn.request_id}): {b.cause}"
-                f"{'/' + b.subtype if b.subtype else ''} at message {b.message_index} ({b.role}), "
+                f"{'/' + b.subtype if b.subtype else ''} at {b.where()}, "
                 f"char {b.char_offset}, token {b.token_offset}"
                 + (f", payload {b.path}" if b.path else "")
                 + f"\n  - {b.before!r}\n  + {b.after!r}")
@@ -87,15 +89,35 @@ def parse_allow(allow: str | Iterable[str] | None) -> frozenset[str]:
     return frozenset(names)
 
 
+FAIL_ON = ("side_request",)
+
+
+def parse_fail_on(fail_on: str | Iterable[str] | None) -> frozenset[str]:
+    if fail_on is None:
+        return frozenset()
+    names = [a.strip() for a in (fail_on.split(",") if isinstance(fail_on, str) else fail_on) if a.strip()]
+    unknown = [a for a in names if a not in FAIL_ON]
+    if unknown:
+        raise InvalidRequest(f"unknown --fail-on value(s) {', '.join(unknown)}; known: {', '.join(FAIL_ON)}")
+    return frozenset(names)
+
+
 def check(source: Any, *, allow: str | Iterable[str] | None = None, max_unreadable: str | int | float | None = 0,
-          **analyze_kwargs: Any) -> CheckResult:
+          fail_on: str | Iterable[str] | None = None, **analyze_kwargs: Any) -> CheckResult:
     """Analyses `source` (see `analyze`) and collects the breaks not allowed. Fails too when more than
-    `max_unreadable` (a count or "N%"; default 0) of the input could not be read or rendered."""
+    `max_unreadable` (a count or "N%"; default 0) of the input could not be read or rendered.
+    A side request (a fork of the main chain: title generation, memory extraction, …) is not a break
+    of the main chain; with `fail_on="side_request"` each one fails the check too."""
     allowed = parse_allow(allow)
+    failing = parse_fail_on(fail_on)
     report = analyze(source, **analyze_kwargs)
     report.too_much_unread(max_unreadable)  # a bad threshold is an error before any verdict
     result = CheckResult(report, allowed, max_unreadable=max_unreadable)
     for s in report.sessions:
+        if s.parent is not None:  # a side request and its own follow-ups: not the main chain's breaks
+            if "side_request" not in failing or not s.turns:
+                continue
+            result.problems.append(Problem(s.id, s.turns[0]))
         for t in s.turns:
             if (t.brk and t.brk.cause not in allowed) or t.note.startswith("unrenderable"):
                 result.problems.append(Problem(s.id, t))
@@ -103,15 +125,17 @@ def check(source: Any, *, allow: str | Iterable[str] | None = None, max_unreadab
 
 
 def assert_prefix_stable(requests: Iterable[Any], *, allow: str | Iterable[str] | None = None,
-                         template: str | Path | None = None, **analyze_kwargs: Any) -> CheckResult:
+                         template: str | Path | None = None, fail_on: str | Iterable[str] | None = "side_request",
+                         **analyze_kwargs: Any) -> CheckResult:
     """Raises AssertionError naming the first break that is not allowed.
-    `requests` are chat-completions bodies of one conversation, in order."""
+    `requests` are chat-completions bodies of one conversation, in order: a request that replaces
+    both the system prompt and the tools fails as a side request unless `fail_on=None`."""
     from analyzer.load import Request
 
     # One scripted conversation: one session, never inferred apart.
     items = [r if not isinstance(r, dict) else Request(f"request-{i}", float(i), r, "assert_prefix_stable")
              for i, r in enumerate(requests)]
-    result = check(items, allow=allow, template=template, **analyze_kwargs)
+    result = check(items, allow=allow, template=template, fail_on=fail_on, **analyze_kwargs)
     if not result.ok:
         raise AssertionError(result.summary())
     return result
@@ -122,7 +146,8 @@ def _session_case(s: SessionResult, problems: list[Problem]) -> ET.Element:
     # parseable whatever they hold (ElementTree escapes markup, not invalid characters).
     case = ET.Element("testcase", classname="prefixtrace.check", name=xml_text(f"session {s.id}"))
     for p in problems:
-        cause = p.turn.brk.cause if p.turn.brk else "unrenderable"
+        cause = p.turn.brk.cause if p.turn.brk else (
+            "side_request" if p.turn.note.startswith("side request") else "unrenderable")
         failure = ET.SubElement(case, "failure", message=f"turn {p.turn.index}: {cause}", type=cause)
         failure.text = xml_text(str(p))
     return case

@@ -70,20 +70,31 @@ def to_html(report: Report) -> str:
         for cause, c in d["totals"]["by_cause"].items():
             parts.append(f"<tr><td>{esc(cause)}</td><td>{c['breaks']}</td><td>{c['reprefill_tokens']:,}</td></tr>")
         parts.append("</table>")
+    if report.what_if:
+        parts.append('<table class="what-if"><tr><th>what if</th><th>rules</th><th>cached</th><th>re-prefilled</th>'
+                     "<th>lost to</th></tr>")
+        for w in report.what_if:
+            lost = ", ".join(f"{k} {v:,}" for k, v in w["lost_to"].items())
+            parts.append(f"<tr><td>{esc(w['policy'])}</td><td>{esc(w['rules'])}</td><td>{w['cached_tokens']:,}</td>"
+                         f"<td>{w['reprefill_tokens']:,}</td><td>{esc(lost)}</td></tr>")
+        parts.append("</table>")
     for skipped in report.skipped:
         parts.append(f"<p>skipped line {skipped['line']}: {esc(skipped['error'])}</p>")
     for s in report.sessions:
         breaks = [t for t in s.turns if t.brk]
+        side = f", side request of {s.parent}: {s.side_reason}" if s.parent else ""
         parts.append(f'<section class="session" data-session="{esc(s.id)}"><h2>session {esc(s.id)}</h2>'
-                     f"<p>{len(s.turns)} turns, {len(breaks)} break(s)</p>{_svg(s)}")
+                     f"<p>{len(s.turns)} turns, {len(breaks)} break(s){esc(side)}</p>{_svg(s)}")
         for t in breaks:
             b = t.brk
             kind = esc(f"{b.cause}{'/' + b.subtype if b.subtype else ''}")  # a subtype can be a client's role
             parts.append(f'<div class="break" data-cause="{esc(b.cause)}"><h3>turn {t.index}: {kind}'
-                         f"</h3><p>message {b.message_index} ({esc(str(b.role))}),"
+                         f"</h3><p>{esc(b.where())},"
                          f" char {b.char_offset:,}, token {b.token_offset:,}, {t.reprefill_tokens:,} tokens re-prefilled"
                          + (f", payload <code>{esc(b.path)}</code>" if b.path else "") + "</p>"
-                         f'<pre class="del">- {esc(b.before)}</pre><pre class="ins">+ {esc(b.after)}</pre></div>')
+                         f'<pre class="del">- {esc(b.before)}</pre><pre class="ins">+ {esc(b.after)}</pre>'
+                         + (f'<p class="fix">fix (saves {b.saves_tokens:,} tokens): {esc(b.suggestion)}</p>'
+                            if b.suggestion else "") + "</div>")
         parts.append("</section>")
     parts.append(f'<script type="application/json" id="totals">{script_json(d["totals"])}</script>'
                  "<script>document.body.dataset.rendered = String(document.querySelectorAll('svg.timeline').length);"

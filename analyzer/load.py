@@ -192,8 +192,25 @@ class _ArrayState:
 class IncrementalParser:
     """json.loads for JSONL lines whose `messages` arrays repeat earlier lines'."""
 
+    RECENT = 8  # arrays kept for lines without a session id (interleaved sessions of one harness)
+
     def __init__(self) -> None:
         self._last: dict[str | None, _ArrayState] = {}
+        self._recent: list[_ArrayState] = []  # most recent last
+
+    def _best_prev(self, line: str, arr: int, hint: str | None) -> _ArrayState | None:
+        """The earlier array this line most likely repeats: its session's, else (no id) whichever of
+        the recent ones shares the longest prefix with it (without this, two interleaved sessions
+        without ids would re-parse and re-key their whole history every turn)."""
+        if hint is not None and hint in self._last:
+            return self._last[hint]
+        best, best_common = None, 1
+        for prev in reversed(self._recent):
+            n = min(len(prev.text), len(line) - arr)
+            common = _common_prefix(prev.text, line[arr : arr + n])
+            if common > best_common:
+                best, best_common = prev, common
+        return best
 
     def loads(self, line: str) -> Any:
         start = line.find(_MESSAGES_KEY)
@@ -206,7 +223,7 @@ class IncrementalParser:
             return json.loads(line)
         m = _SESSION_RE.search(line, 0, start)
         hint = m.group(1) if m else None
-        parsed = self._parse_array(line, arr, self._last.get(hint) or self._last.get(None))
+        parsed = self._parse_array(line, arr, self._best_prev(line, arr, hint))
         if parsed is None:
             return json.loads(line)
         state, end = parsed
@@ -216,8 +233,11 @@ class IncrementalParser:
         if not isinstance(holder, dict) or "messages" not in holder or holder["messages"] is not None:
             return json.loads(line)
         holder["messages"] = list(state.items)
-        self._last[hint] = state
-        self._last[None] = state
+        if hint is not None:
+            self._last[hint] = state
+        self._recent.append(state)
+        if len(self._recent) > self.RECENT:
+            del self._recent[0]
         return obj
 
     def _parse_array(self, line: str, arr: int, prev: _ArrayState | None) -> tuple[_ArrayState, int] | None:

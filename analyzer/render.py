@@ -112,9 +112,25 @@ class GenericRenderer:
         return out
 
 
+_TOJSON_MEMO: dict[tuple, tuple[Any, str]] = {}
+
+
 def _hf_tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
                sort_keys: bool = False) -> str:
     # transformers' version: no key sorting, no HTML escaping (jinja's own tojson does both).
+    if type(x) is dict or type(x) is list:
+        # Tool-call arguments are objects once parsed (as servers do, prefixtrace/wire/normalize.py) and
+        # live in cached message skeletons, so the same object is dumped again every later turn: memoise
+        # by identity (the object is kept in the memo, so its id cannot be reused while the entry lives).
+        key = (id(x), ensure_ascii, indent, None if separators is None else tuple(separators), sort_keys)
+        hit = _TOJSON_MEMO.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        text = json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        if len(_TOJSON_MEMO) > 200_000:
+            _TOJSON_MEMO.clear()
+        _TOJSON_MEMO[key] = (x, text)
+        return text
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 

@@ -47,14 +47,15 @@ def format_text(report: Report, width: int = 140) -> str:
     for s in report.sessions:
         d = s.to_dict(report.prefill_rate)
         breaks = [t for t in s.turns if t.brk]
-        table = Table(title=f"session {s.id} ({'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
+        kind = f"side request of {s.parent}, {s.side_reason}; " if s.parent else ""
+        table = Table(title=f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
                             f"{len(breaks)} break(s)", title_justify="left")
         for col in ("#", "prompt", "common", "reprefill", "cached (reported)", "break"):
             table.add_column(col, justify="right" if col != "break" else "left")
         for t in s.turns:
             if t.brk:
-                where = f"{t.brk.cause}{'/' + t.brk.subtype if t.brk.subtype else ''} @ msg {t.brk.message_index}" \
-                        f" ({t.brk.role}), char {t.brk.char_offset:,}, token {t.brk.token_offset:,}"
+                where = f"{t.brk.cause}{'/' + t.brk.subtype if t.brk.subtype else ''} @ {t.brk.where()}" \
+                        f", char {t.brk.char_offset:,}, token {t.brk.token_offset:,}"
             else:
                 where = t.note or "append-only"
             flag = " !" if t.cached_disagrees else ""
@@ -66,6 +67,8 @@ def format_text(report: Report, width: int = 140) -> str:
                           + (f", payload {t.brk.path}" if t.brk.path else ""))
             console.print(f"    - {t.brk.before!r}")
             console.print(f"    + {t.brk.after!r}")
+            if t.brk.suggestion:
+                console.print(f"    fix (saves {t.brk.saves_tokens:,} tokens): {t.brk.suggestion}")
         for cause, c in d["totals"]["by_cause"].items():
             console.print(f"  {cause}: {c['breaks']} break(s), {c['reprefill_tokens']:,} tokens re-prefilled"
                           + _minutes(c.get("seconds")))
@@ -76,5 +79,10 @@ def format_text(report: Report, width: int = 140) -> str:
     for cause, c in totals["by_cause"].items():
         console.print(f"  {cause} cost {c['reprefill_tokens']:,} tokens{_minutes(c.get('seconds'))} "
                       f"over {c['breaks']} break(s)")
+    for w in report.what_if:
+        console.print(f"what if {w['policy']} ({w['rules']}): {w['cached_tokens']:,} of {w['prompt_tokens']:,} "
+                      f"prompt tokens cached ({(w['hit_rate'] or 0) * 100:.1f} %), {w['reprefill_tokens']:,} re-prefilled; "
+                      f"exact-prefix ideal {w['ideal_cached_tokens']:,}"
+                      + "".join(f"; lost to {k} {v:,}" for k, v in w["lost_to"].items()))
     console.print("('!' = the server's reported cached tokens disagree with the prediction by more than 10 points)")
     return buf.getvalue()

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from analyzer.canon import first_changed
-from analyzer.causes import HEAD_ROLES
+from analyzer.causes import HEAD_ROLES, is_compaction
+from analyzer.divergence import common_prefix_len
 
 UNRENDERABLE_SESSION = "unrenderable"
 
@@ -33,6 +34,13 @@ class Session:
     indices: list[int] = field(default_factory=list)  # into the request list
     latest_keys: list[str] | None = None
     latest_roles: list[str] | None = None
+    latest_tools: str | None = None
+    latest_chars: int = 0
+    first_keys: list[str] | None = None  # of its first request: what a side request replaced
+    first_tools: str | None = None
+    family: str | None = None  # chains of one conversation (a session id, or a fork's origin)
+    parent: str | None = None  # set on side requests when grouping ends: the main chain's id
+    side_reason: str | None = None  # "replaces the system prompt", …
 
 
 def _head(roles: list[str]) -> int:
@@ -54,13 +62,46 @@ def _score(s: Session, keys: list[str], roles: list[str]) -> tuple[int, int] | N
     return None
 
 
-class SessionGrouper:
-    """Feed requests in time order with `add`; `sessions` in order of first request."""
+def _related_head(s: Session, keys: list[str], roles: list[str], tools: str | None) -> bool:
+    """Whether a request that shares the conversation but not the system prompt is the same agent
+    rewriting its system prompt (same tools, or a system prompt that mostly starts the same) rather
+    than a side request that replaces it (memory extraction, title generation, summaries)."""
+    if tools == s.latest_tools:
+        return True
+    a = "".join(s.latest_keys[:_head(s.latest_roles)])
+    b = "".join(keys[:_head(roles)])
+    if not a or not b:
+        return False
+    skip = a.find('"content": ') + len('"content": ') if '"content": ' in a else 0  # the key's fixed preamble
+    return (common_prefix_len(a, b) - skip) * 2 >= min(len(a), len(b)) - skip
 
-    def __init__(self) -> None:
+
+def _side_reason(side: Session, main: Session) -> str:
+    head_a, head_b = side.first_keys[:1], main.first_keys[:1]
+    what = [w for w, differs in (("the system prompt", head_a != head_b),
+                                 ("the tools", side.first_tools != main.first_tools)) if differs]
+    return "replaces " + " and ".join(what) if what else "does not extend the main chain's prefix"
+
+
+class SessionGrouper:
+    """Feed requests in time order with `add`; `sessions` in order of first request.
+
+    With `split_forks` (the analysis; the live dashboard groups online without it), a session's
+    requests are further split into chains, and a chain that shares the conversation but replaces
+    the system prompt or the tools (a harness's side request: title generation, summaries, memory
+    extraction, subagents) is a fork, not a break of the main chain; `finish()` then names each
+    family's main chain (the one with the most requests) and marks the others as its side
+    requests. A request without a session id that shares nothing with the most recent chain but its
+    system prompt and tools, and is much smaller (history replaced by a summary), continues that
+    chain: a compaction, not a new session."""
+
+    def __init__(self, split_forks: bool = False) -> None:
         self.sessions: list[Session] = []
         self._explicit: dict[str, Session] = {}
         self._inferred: list[Session] = []  # most recently active last
+        self.split_forks = split_forks
+        self._chains: dict[str, list[Session]] = {}  # family -> its chains, most recently active last
+        self._last: Session | None = None
 
     def _named(self, name: str, index: int, *, inferred: bool) -> Session:
         s = self._explicit.get(name)
@@ -70,23 +111,97 @@ class SessionGrouper:
         s.indices.append(index)
         return s
 
-    def add(self, index: int, session_id: str | None, keys: list[str] | None, roles: list[str] | None) -> Session:
-        if session_id is not None:
-            return self._named(session_id, index, inferred=False)
+    def add(self, index: int, session_id: str | None, keys: list[str] | None, roles: list[str] | None,
+            tools_key: str | None = None, chars: int = 0) -> Session:
         if keys is None:
             return self._named(UNRENDERABLE_SESSION, index, inferred=True)
+        if session_id is not None and not self.split_forks:
+            return self._named(session_id, index, inferred=False)
+        if session_id is not None:
+            if roles is None:
+                roles = [""] * len(keys)
+            pool = self._chains.setdefault(session_id, [])
+            best = self._pick(pool, keys, roles, tools_key, chars)
+            if best is None:
+                name = session_id if not pool else f"{session_id}/side-{len(pool)}"
+                best = Session(name, inferred=False, family=session_id)
+                self.sessions.append(best)
+            else:
+                pool.remove(best)
+            pool.append(best)
+            return self._joined(best, index, keys, roles, tools_key, chars)
         best, best_score = None, None
+        fork_of = None
         for s in self._inferred:
             score = _score(s, keys, roles)
+            if score is not None and score[0] == 0 and self.split_forks and not _related_head(s, keys, roles, tools_key):
+                fork_of = s  # shares the conversation, replaces the system prompt or tools: a side request
+                continue
             # `>=` so that on a tie the most recently active session wins.
             if score is not None and (best_score is None or score >= best_score):
                 best, best_score = s, score
+        if best is None and self.split_forks:  # the most recently active chain this compacts, if any
+            best = next((s for s in reversed(self._inferred)
+                         if self._compaction_of(s, keys, roles, tools_key, chars)), None)
         if best is None:
-            best = Session(f"inferred-{len(self._inferred) + 1}", inferred=True)
+            if fork_of is not None:
+                family = fork_of.family or fork_of.id
+                siblings = sum(1 for s in self.sessions if s.family == family)
+                best = Session(f"{family}/side-{siblings + 1}", inferred=True, family=family)
+            else:
+                best = Session(f"inferred-{sum(1 for s in self.sessions if s.inferred and s.family is None) + 1}",
+                               inferred=True)
             self.sessions.append(best)
         else:
             self._inferred.remove(best)
         self._inferred.append(best)
-        best.indices.append(index)
-        best.latest_keys, best.latest_roles = keys, roles
+        return self._joined(best, index, keys, roles, tools_key, chars)
+
+    def _joined(self, s: Session, index: int, keys, roles, tools_key, chars) -> Session:
+        s.indices.append(index)
+        if s.first_keys is None:
+            s.first_keys, s.first_tools = keys, tools_key
+        s.latest_keys, s.latest_roles, s.latest_tools, s.latest_chars = keys, roles, tools_key, chars
+        self._last = s
+        return s
+
+    def _pick(self, pool: list[Session], keys, roles, tools_key, chars) -> Session | None:
+        """The chain of an explicit session this request continues (None: a new chain)."""
+        best, best_score = None, None
+        for s in pool:
+            score = _score(s, keys, roles)
+            if score is not None and score[0] == 0 and not _related_head(s, keys, roles, tools_key):
+                continue
+            if score is not None and (best_score is None or score >= best_score):
+                best, best_score = s, score
+        if best is None:  # nothing shared: the same agent (whatever its history did) unless it replaced its head
+            best = next((s for s in reversed(pool) if _related_head(s, keys, roles, tools_key)), None)
         return best
+
+    @staticmethod
+    def _compaction_of(s: Session, keys, roles, tools_key, chars) -> bool:
+        head, prev_head = _head(roles), _head(s.latest_roles)
+        return (head > 0 and s.latest_tools == tools_key and s.latest_keys[:prev_head] == keys[:head]
+                and is_compaction(s.latest_keys, keys, prev_head, head))
+
+    def finish(self) -> list[Session]:
+        """Names the main chain of every family (most requests; the earliest on a tie) and marks the
+        others as its side requests; returns the sessions, each main chain followed by its side requests."""
+        families: dict[str, list[Session]] = {}
+        for s in self.sessions:
+            if s.family is not None:
+                families.setdefault(s.family, []).append(s)
+            else:
+                families.setdefault(s.id, []).insert(0, s)
+        ordered: list[Session] = []
+        for chains in families.values():
+            main = max(chains, key=lambda c: (len(c.indices), -c.indices[0]))
+            first = chains[0]
+            if main is not first and not main.inferred and first.id == first.family:
+                main.id, first.id = first.id, main.id  # the session's id names its main chain
+            ordered.append(main)
+            for c in chains:
+                if c is not main:
+                    c.parent, c.side_reason = main.id, _side_reason(c, main)
+                    ordered.append(c)
+        return ordered

@@ -4,6 +4,7 @@
     python bench/bench_turboquant.py --quick    # fewer samples
     python bench/bench_turboquant.py --smollm2 --quick  # the bundled trained model, one sample (~3 min)
     python bench/bench_turboquant.py --smollm2  # both samples, 1024 + 256 tokens (~10 min on 2 busy cores)
+    python bench/bench_turboquant.py --engine-decode 32768 --engine-decode 100000  # GPU: through the engine
 
 Default: per bit width, D_mse of unit vectors (the paper's per-vector figure),
 KV bytes vs bf16 at a 64-dim head, attention-output relative error and
@@ -19,6 +20,7 @@ real text from this repository (English docs, Python code). See
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -346,9 +348,53 @@ def smollm2_main(args) -> None:
         timings("SmolLM2-135M (default model)", model, (512, 2048), (1, 3))
 
 
+def engine_decode(contexts, tokens: int, chunk: int) -> dict:
+    """Whole-model figures through the engine, dense and `--kv-quant turboquant` side by side
+    on one random Qwen3-8B-shaped model (bf16; GPU): per context, the cold prefill time and
+    the decode tokens/s of one row (the engine's own `Finished` timings)."""
+    import queue
+
+    from bench.bench_scheduler import QWEN3_8B, random_loader
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+    from engine.sequence import Failed, Finished, Sequence
+
+    built = random_loader(QWEN3_8B)()  # one model for both engines
+    out = {"device": str(mx.default_device()), "tokens": tokens, "prefill_chunk": chunk, "runs": []}
+    for kv in ("none", "turboquant"):
+        engine = Engine("random-qwen3-8b", loader=lambda: built, kv_quant=kv, max_batch=1,
+                        prefill_step_size=chunk, cache_bytes=0).start()
+        engine.wait_ready(600)
+        for context in contexts:
+            done = queue.Queue()
+            prompt = mx.random.randint(10, 30000, (context,), key=mx.random.key(context)).tolist()
+            seq = Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+                           lambda ev: done.put(ev) if isinstance(ev, (Finished, Failed)) else None)
+            engine.submit(seq)
+            ev = done.get(timeout=1800)
+            if isinstance(ev, Failed):
+                raise ev.error
+            row = {"kv": kv, "context": context, "prefill_s": round(ev.prefill_s, 3),
+                   "decode_tok_s": round((ev.completion_tokens - 1) / ev.decode_s, 2)}
+            out["runs"].append(row)
+            print(json.dumps(row), flush=True)
+        engine.shutdown()
+        mx.clear_cache()
+    by = {(r["kv"], r["context"]): r for r in out["runs"]}
+    out["ratios"] = {str(c): {"tq_decode_vs_dense": round(by["turboquant", c]["decode_tok_s"] / by["none", c]["decode_tok_s"], 3),
+                              "tq_prefill_vs_dense": round(by["turboquant", c]["prefill_s"] / by["none", c]["prefill_s"], 3)}
+                     for c in contexts}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--engine-decode", type=int, action="append", metavar="CONTEXT",
+                        help="GPU: whole-model prefill and decode tok/s through the engine, dense vs TurboQuant, "
+                        "random Qwen3-8B shape, at this context (repeatable)")
+    parser.add_argument("--engine-tokens", type=int, default=32)
+    parser.add_argument("--engine-chunk", type=int, default=2048)
     parser.add_argument("--skip-tiny-timing", action="store_true")
     parser.add_argument("--smollm2", action="store_true", help="quality on the bundled trained model instead")
     parser.add_argument("--prompt", type=int, default=1024, help="--smollm2: prompt tokens (multiple of 64)")
@@ -360,6 +406,9 @@ def main() -> None:
                         help="--smollm2: bit widths of the mlx-lm affine baseline (slow: its SDPA), e.g. 2,3,4")
     parser.add_argument("--timing", action="store_true", help="--smollm2: also decode step times")
     args = parser.parse_args()
+    if args.engine_decode:
+        print(json.dumps(engine_decode(args.engine_decode, args.engine_tokens, args.engine_chunk), indent=1))
+        return
     if args.smollm2:
         return smollm2_main(args)
     n = 2048 if args.quick else 16384

@@ -93,8 +93,10 @@ def _copy(a: mx.array) -> mx.array:
     return mx.contiguous(a)
 
 
-def cut(cache: list, start: int, stop: int) -> list:
-    """Private copies of positions [start, stop) of every layer, evaluated.
+def cut(cache: list, start: int, stop: int, *, evaluate: bool = True) -> list:
+    """Private copies of positions [start, stop) of every layer, evaluated unless
+    `evaluate` is False (the caller then evaluates `block_arrays` of them with its own
+    work: a prefill chunk commits its blocks inside the chunk's one `mx.eval`).
 
     A copy, not a slice view: a view would keep the whole live buffer alive
     and make the byte budget a lie (`mx.contiguous` of a slice allocates its
@@ -103,8 +105,14 @@ def cut(cache: list, start: int, stop: int) -> list:
     and the dense K/V of those of them in its dense tail.
     """
     layers = [_cut_layer(layer, start, stop) for layer in cache]
-    mx.eval([_layer_arrays(layer) for layer in layers])
+    if evaluate:
+        mx.eval(block_arrays(layers))
     return layers
+
+
+def block_arrays(layers: list) -> list[mx.array]:
+    """Every array of a block's layers (what to evaluate)."""
+    return [a for layer in layers for a in _layer_arrays(layer)]
 
 
 def _cut_layer(layer, start: int, stop: int):
@@ -120,8 +128,13 @@ def _cut_layer(layer, start: int, stop: int):
                    _copy(layer.v.norms[:, :, start:stop]), _copy(layer.v.codes[:, :, start:stop]), dense_k, dense_v)
 
 
-def join(parts: list[tuple[list, int]], *, tq=None, dims=None) -> list:
+def join(parts: list[tuple[list, int]], *, tq=None, dims=None, room: int = 0) -> list:
     """Fresh per-layer caches holding the first `n` positions of each part, in order.
+
+    `room`: dense layers get that many free positions after the joined ones, in the
+    same single copy, so the prefill of the prompt's rest and the first decode steps
+    write in place instead of mlx-lm's `KVCache` re-allocating (another copy of the
+    whole prefix) on its first update.
 
     Dense layers become `KVCache`s. TurboQuant layers become `TurboQuantKVCache`s
     (`tq`: the engine's `TQConfig`; `dims`: per layer (k_dim, v_dim, dtype)) whose
@@ -136,9 +149,13 @@ def join(parts: list[tuple[list, int]], *, tq=None, dims=None) -> list:
             cache.append(_join_tq([(layers[i], n) for layers, n in parts], tq, dims[i]))
             continue
         layer = KVCache()
-        layer.keys = _cat([layers[i][0][..., :n, :] for layers, n in parts])
-        layer.values = _cat([layers[i][1][..., :n, :] for layers, n in parts])
-        layer.offset = layer.keys.shape[2]
+        keys = [layers[i][0][..., :n, :] for layers, n in parts]
+        values = [layers[i][1][..., :n, :] for layers, n in parts]
+        layer.offset = sum(k.shape[2] for k in keys)
+        if room > 0:
+            keys.append(mx.zeros((*keys[0].shape[:2], room, keys[0].shape[3]), keys[0].dtype))
+            values.append(mx.zeros((*values[0].shape[:2], room, values[0].shape[3]), values[0].dtype))
+        layer.keys, layer.values = _cat(keys), _cat(values)
         cache.append(layer)
     mx.eval([c.state for c in cache])
     return cache
@@ -214,18 +231,52 @@ def _device(a: np.ndarray, dtype: str) -> mx.array:
     return x.view(target) if target in _AS_BITS else x
 
 
-def to_numpy(layers: list) -> dict[str, tuple[np.ndarray, str]]:
-    """Host copies for the disk writer (engine thread: it owns MLX), named as in the module docstring."""
+def named_arrays(layers: list) -> dict[str, mx.array]:
+    """A block's arrays by their file names (module docstring)."""
     out = {}
     for i, layer in enumerate(layers):
         if isinstance(layer, TQLayer):
             fields = (layer.k_norms, layer.k_codes, layer.v_norms, layer.v_codes, layer.dense_k, layer.dense_v)
             for name, a in zip(_TQ_NAMES, fields):
                 if a is not None:
-                    out[f"{i}.{name}"] = _host(a)
+                    out[f"{i}.{name}"] = a
         else:
-            out[f"{i}.k"], out[f"{i}.v"] = _host(layer[0]), _host(layer[1])
+            out[f"{i}.k"], out[f"{i}.v"] = layer[0], layer[1]
     return out
+
+
+def to_numpy(layers: list) -> dict[str, tuple[np.ndarray, str]]:
+    """Host copies for the disk writer (engine thread: it owns MLX), named as in the module docstring."""
+    return {name: _host(a) for name, a in named_arrays(layers).items()}
+
+
+def stage(named: dict[str, mx.array], *, copy: bool) -> dict[str, tuple[mx.array, str]]:
+    """Lazy arrays the disk writer will read once they are evaluated (`host_views`), in a
+    dtype numpy has (bfloat16 as its uint16 bits, a view: no copy).
+
+    copy: on a GPU the writer must read a copy of its own. MLX's CUDA arrays live in
+    unified memory, and reading the memory tier's own block from the host would migrate
+    its pages to the host, so the next hit on it would fault them back (measured: a
+    memory hit with the disk tier present took 0.94 s against 0.20 s without). A device
+    copy costs ~15 us per 38 MB block there; on the CPU the block's buffer is read as is.
+    """
+    out = {}
+    for name, a in named.items():
+        if copy:
+            a = a + mx.array(0, dtype=a.dtype)
+        dtype = str(a.dtype).removeprefix("mlx.core.")
+        out[name] = (a.view(_AS_BITS[a.dtype]) if a.dtype in _AS_BITS else a, dtype)
+    return out
+
+
+def staged_arrays(staged: dict[str, tuple[mx.array, str]]) -> list[mx.array]:
+    return [a for a, _ in staged.values()]
+
+
+def host_views(staged: dict[str, tuple[mx.array, str]]) -> dict[str, tuple[np.ndarray, str]]:
+    """Zero-copy numpy views of evaluated staged arrays (they keep the MLX buffers alive),
+    for the disk writer thread to frame and write: no copy on the engine thread."""
+    return {name: (np.asarray(memoryview(a)), dtype) for name, (a, dtype) in staged.items()}
 
 
 def from_numpy(arrays: dict[str, tuple[np.ndarray, str]]) -> list:

@@ -74,10 +74,20 @@ def render_prompt(
     *,
     tools: list[dict] | None = None,
     chat_template_kwargs: dict | None = None,
+    allow_client_template: bool = False,
 ) -> RenderedPrompt:
+    """`chat_template_kwargs.chat_template` (a client's own template) is refused unless
+    `allow_client_template`; then it renders in a bounded child process (engine/template_sandbox.py)."""
     kwargs = dict(chat_template_kwargs or {})
     kwargs.pop("add_generation_prompt", None)
     kwargs.pop("tokenize", None)
+    client_template = kwargs.pop("chat_template", None)
+    if client_template is not None and not allow_client_template:
+        raise InvalidRequest("a client-supplied chat template (chat_template_kwargs.chat_template) is refused: "
+                             "the model's own template renders every prompt (serve --allow-client-templates "
+                             "accepts them, rendered in a bounded sandbox)", param="chat_template_kwargs")
+    if client_template is not None:
+        return _render_with_client_template(tokenizer, client_template, messages, tools, kwargs)
     try:
         text = tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
@@ -110,3 +120,15 @@ def thinking_kwargs(chat_template_kwargs: dict | None, reasoning_effort: str | N
     if thinking is not None:
         kwargs.setdefault("enable_thinking", thinking != "disabled")
     return kwargs or None
+
+
+def _render_with_client_template(tokenizer, template, messages, tools, kwargs) -> RenderedPrompt:
+    from engine.template_sandbox import render_client_template
+
+    if not isinstance(template, str):
+        raise InvalidRequest("chat_template_kwargs.chat_template must be a string", param="chat_template_kwargs")
+    specials = {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    context = {**{k: v for k, v in specials.items() if isinstance(v, str)}, **kwargs,
+               "messages": messages, "tools": tools or None, "add_generation_prompt": True}
+    text = render_client_template(template, context)
+    return RenderedPrompt(text=text, token_ids=list(tokenizer.encode(text, add_special_tokens=False)))

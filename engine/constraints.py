@@ -18,6 +18,7 @@ is served as "required"; after a tool result the model answers freely, so an age
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from engine.reply_parser import ReplyFormat
 from prefixtrace.errors import InvalidRequest
 
 TOOL_CHOICE_DEFAULTS = ("auto", "required-after-user")
+log = logging.getLogger("prefixtrace.constraints")
 
 
 @dataclass(slots=True)
@@ -97,14 +99,21 @@ def plan_reply(*, fmt: ReplyFormat, grammar, tools: list | None, tool_choice: An
     """How this request's reply is decoded and parsed. `grammar` is the engine's GrammarCompiler."""
     mode, name = parse_tool_choice(tool_choice, tools)
     schema = response_schema(response_format)
-    if mode == "auto" and tools and tool_choice_default == "required-after-user" and after_user_turn(messages):
-        mode = "required"
+    by_default = (mode == "auto" and bool(tools) and tool_choice_default == "required-after-user"
+                  and after_user_turn(messages))
     # A template that opened a reasoning block for the model: a forced reply closes it first.
     prefix = (fmt.think_end + "\n\n") if fmt.opens_reasoning(prompt_text) else ""
-    if mode == "required":
+    if mode == "required" or by_default:
         hermes = fmt if fmt.tool_parser_name == "json_tools" else ReplyFormat.hermes(fmt.think_start, fmt.think_end)
-        processor = grammar.tool_call(tools, name, hermes.tool_call_start, hermes.tool_call_end, prefix=prefix)
-        return ReplyPlan(hermes, True, processor, "tool_call")
+        try:
+            processor = grammar.tool_call(tools, name, hermes.tool_call_start, hermes.tool_call_end, prefix=prefix)
+        except InvalidRequest as exc:
+            if not by_default:
+                raise
+            # The client asked for nothing: a schema llguidance cannot compile leaves the reply free.
+            log.warning("tool_choice default not applied: %s", exc.message)
+        else:
+            return ReplyPlan(hermes, True, processor, "tool_call")
     if schema is not None:
         return ReplyPlan(fmt, False, grammar.json_schema(schema, prefix=prefix), "json")
     return ReplyPlan(fmt, parse_tools=mode == "auto" and bool(tools))

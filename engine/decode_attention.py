@@ -58,6 +58,7 @@ _SMEM_SCORES = 4096  # G x CHUNK floats of scores per block (16 KB)
 DIMS = (16, 32, 64, 128, 256)  # D / 8 lanes per token must divide a warp
 
 _HEADER = """
+#define NEG_INF (-__int_as_float(0x7f800000))
 template <typename T>
 __device__ inline void load8(const T* p, float* o) {
     if constexpr (sizeof(T) == 4) {
@@ -94,7 +95,7 @@ _SOFTMAX_AND_STORE = """
     float mx_[G], l_[G];
     #pragma unroll
     for (int g = 0; g < G; ++g) {
-        float m = -inf;
+        float m = NEG_INF;
         for (int t = tid; t < n; t += NT) m = fmaxf(m, sc[g][t]);
         m = warp_max(m);
         if (lane == 0) stat[warp][g] = m;
@@ -132,8 +133,16 @@ _SOFTMAX_AND_STORE = """
     for (int g = 0; g < G; ++g)
         #pragma unroll
         for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
-    for (int t = tg; t < n; t += TG) {
-        VALUES
+    // U tokens per group per step, loads first: more bytes in flight per lane.
+    for (int base = 0; base < n; base += TG * U) {
+        VLOAD
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            if (t < n) {
+                VACC
+            }
+        }
     }
     // Token groups of a warp hold the same coordinates: add them, then the warps.
     #pragma unroll
@@ -168,7 +177,7 @@ _EMPTY_BLOCK = """
         for (int i = tid; i < G * D; i += NT)
             o_part[((size_t)(b * HQ + h * G + i / D) * S + s) * D + i % D] = 0.f;
         if (tid < G) {
-            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = -inf;
+            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = NEG_INF;
             ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = 0.f;
         }
         return;
@@ -180,6 +189,7 @@ _PROLOGUE = """
     constexpr int TPW = 32 / LPT;         // tokens per warp step
     constexpr int TG = NW * TPW;          // token groups per block
     constexpr int NT = NW * 32;
+    constexpr int U = 4;                  // tokens per group per loop step
     __shared__ float sc[G][CHUNK];
     __shared__ float qs[G][D];
     __shared__ float red[NW][G][D];
@@ -212,35 +222,51 @@ _DENSE_SOURCE = _PROLOGUE + """
     const T* kb = k + b * k_strides[0] + h * k_strides[1] + sub * 8;
     const T* vb = v + b * v_strides[0] + h * v_strides[1] + sub * 8;
     // Every lane runs every step (the shuffles need the whole warp); past n it loads nothing.
-    for (int base = 0; base < n; base += TG) {
-        const int t = base + tg;
-        float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (t < n) load8(kb + (size_t)(c0 + t) * k_strides[2], x);
-        float a[G];
+    for (int base = 0; base < n; base += TG * U) {
+        float x[U][8];
         #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            a[g] = 0.f;
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) a[g] += qr[g][i] * x[i];
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            if (t < n) load8(kb + (size_t)(c0 + t) * k_strides[2], x[u]);
+            else {
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) x[u][i] = 0.f;
+            }
         }
         #pragma unroll
-        for (int o = LPT / 2; o > 0; o >>= 1)
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            float a[G];
             #pragma unroll
-            for (int g = 0; g < G; ++g) a[g] += __shfl_xor_sync(0xffffffff, a[g], o);
-        if (t < n && sub == 0) {
+            for (int g = 0; g < G; ++g) {
+                a[g] = 0.f;
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) a[g] += qr[g][i] * x[u][i];
+            }
             #pragma unroll
-            for (int g = 0; g < G; ++g) sc[g][t] = a[g];
+            for (int o = LPT / 2; o > 0; o >>= 1)
+                #pragma unroll
+                for (int g = 0; g < G; ++g) a[g] += __shfl_xor_sync(0xffffffff, a[g], o);
+            if (t < n && sub == 0) {
+                #pragma unroll
+                for (int g = 0; g < G; ++g) sc[g][t] = a[g];
+            }
         }
     }
-""" + _SOFTMAX_AND_STORE.replace("VALUES", """
-        float x[8];
-        load8(vb + (size_t)(c0 + t) * v_strides[2], x);
+""" + _SOFTMAX_AND_STORE.replace("VLOAD", """
+        float x[U][8];
         #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const float p = sc[g][t];
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[g][i] += p * x[i];
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            if (t < n) load8(vb + (size_t)(c0 + t) * v_strides[2], x[u]);
         }
+""").replace("VACC", """
+                #pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const float p = sc[g][t];
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[g][i] += p * x[u][i];
+                }
 """)
 
 # TurboQuant: norms (B, H, T, 1) float32 and codes (B, H, T, W) uint32 for columns [0, T);
@@ -294,65 +320,90 @@ _TQ_SOURCE = _PROLOGUE + """
     const T* tkb = tk + b * tk_strides[0] + h * tk_strides[1] + sub * 8;
     const T* tvb = tv + b * tv_strides[0] + h * tv_strides[1] + sub * 8;
     constexpr int BIT0 = 8 * BITS;       // a lane's 8 codes start at bit sub * BIT0 of the row
-    for (int base = 0; base < n; base += TG) {
-        const int t = base + tg;
-        float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        float norm = 1.f;
-        if (t < n) {
-            const int c = c0 + t;
-            if (tail) {
-                load8(tkb + (size_t)(c - ws) * tk_strides[2], x);
-            } else {
-                const uint32_t* row = kc + kcb + (size_t)c * kc_strides[2] + (sub * BIT0) / 32;
-                const uint32_t w0 = row[0];
-                const uint32_t w1 = BIT0 > 32 ? row[1] : 0u;
+    for (int base = 0; base < n; base += TG * U) {
+        float x[U][8];
+        uint32_t w0[U], w1[U];
+        float norm[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            w0[u] = 0u; w1[u] = 0u; norm[u] = 0.f;
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) x[u][i] = 0.f;
+            if (t < n) {
+                const int c = c0 + t;
+                if (tail) {
+                    load8(tkb + (size_t)(c - ws) * tk_strides[2], x[u]);
+                    norm[u] = 1.f;
+                } else {
+                    const uint32_t* row = kc + kcb + (size_t)c * kc_strides[2] + (sub * BIT0) / 32;
+                    w0[u] = row[0];
+                    if (BIT0 > 32) w1[u] = row[1];
+                    norm[u] = kn[knb + (size_t)c * kn_strides[2]];
+                }
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            if (!tail) {
                 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
                     const int bit = (sub * BIT0) % 32 + i * BITS;
-                    x[i] = cs[(bit < 32 ? (w0 >> bit) : (w1 >> (bit - 32))) & MASK];
+                    x[u][i] = cs[(bit < 32 ? (w0[u] >> bit) : (w1[u] >> (bit - 32))) & MASK];
                 }
-                norm = kn[knb + (size_t)c * kn_strides[2]];
             }
-        }
-        float a[G];
-        #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            a[g] = 0.f;
+            float a[G];
             #pragma unroll
-            for (int i = 0; i < 8; ++i) a[g] += qr[g][i] * x[i];
-        }
-        #pragma unroll
-        for (int o = LPT / 2; o > 0; o >>= 1)
+            for (int g = 0; g < G; ++g) {
+                a[g] = 0.f;
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) a[g] += qr[g][i] * x[u][i];
+            }
             #pragma unroll
-            for (int g = 0; g < G; ++g) a[g] += __shfl_xor_sync(0xffffffff, a[g], o);
-        if (t < n && sub == 0) {
-            #pragma unroll
-            for (int g = 0; g < G; ++g) sc[g][t] = a[g] * norm;
+            for (int o = LPT / 2; o > 0; o >>= 1)
+                #pragma unroll
+                for (int g = 0; g < G; ++g) a[g] += __shfl_xor_sync(0xffffffff, a[g], o);
+            if (t < n && sub == 0) {
+                #pragma unroll
+                for (int g = 0; g < G; ++g) sc[g][t] = a[g] * norm[u];
+            }
         }
     }
-""" + _SOFTMAX_AND_STORE.replace("VALUES", """
-        const int c = c0 + t;
-        float x[8];
-        float norm = 1.f;
-        if (tail) {
-            load8(tvb + (size_t)(c - ws) * tv_strides[2], x);
-        } else {
-            const uint32_t* row = vc + vcb + (size_t)c * vc_strides[2] + (sub * BIT0) / 32;
-            const uint32_t w0 = row[0];
-            const uint32_t w1 = BIT0 > 32 ? row[1] : 0u;
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const int bit = (sub * BIT0) % 32 + i * BITS;
-                x[i] = cs[(bit < 32 ? (w0 >> bit) : (w1 >> (bit - 32))) & MASK];
-            }
-            norm = vn[vnb + (size_t)c * vn_strides[2]];
-        }
+""" + _SOFTMAX_AND_STORE.replace("VLOAD", """
+        float x[U][8];
+        uint32_t w0[U], w1[U];
+        float norm[U];
         #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const float p = sc[g][t] * norm;
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[g][i] += p * x[i];
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            w0[u] = 0u; w1[u] = 0u; norm[u] = 1.f;
+            if (t < n) {
+                const int c = c0 + t;
+                if (tail) {
+                    load8(tvb + (size_t)(c - ws) * tv_strides[2], x[u]);
+                } else {
+                    const uint32_t* row = vc + vcb + (size_t)c * vc_strides[2] + (sub * BIT0) / 32;
+                    w0[u] = row[0];
+                    if (BIT0 > 32) w1[u] = row[1];
+                    norm[u] = vn[vnb + (size_t)c * vn_strides[2]];
+                }
+            }
         }
+""").replace("VACC", """
+                if (!tail) {
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const int bit = (sub * BIT0) % 32 + i * BITS;
+                        x[u][i] = cs[(bit < 32 ? (w0[u] >> bit) : (w1[u] >> (bit - 32))) & MASK];
+                    }
+                }
+                #pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const float p = sc[g][t] * norm[u];
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[g][i] += p * x[u][i];
+                }
 """)
 
 # One block of D threads per (row, query head): combine the S partials with max/sum
@@ -361,15 +412,15 @@ _TQ_SOURCE = _PROLOGUE + """
 _REDUCE_SOURCE = """
     __shared__ float xs[D];
     const int r = blockIdx.x, d = threadIdx.x;
-    const int S = ml_shape[1];
+    const int S = ml_part_shape[1];
     const float* ml = ml_part + (size_t)r * S * 2;
     const float* op = o_part + (size_t)r * S * D + d;
-    float M = -inf;
+    float M = NEG_INF;
     for (int s = 0; s < S; ++s) M = fmaxf(M, ml[2 * s]);
     float L = 0.f, rot = 0.f, plain = 0.f;
     for (int s = 0; s < S; ++s) {
         const float m = ml[2 * s];
-        if (m == -inf) continue;
+        if (m == NEG_INF) continue;
         const float w = __expf(m - M);
         L += w * ml[2 * s + 1];
         if (ROT && s < S - 1) rot += w * op[(size_t)s * D];
@@ -392,6 +443,117 @@ _REDUCE_SOURCE = """
     }
     out[(size_t)r * D + d] = static_cast<T>(L > 0.f ? plain / L : 0.f);
 """
+
+# TurboQuant encode of new K and V vectors in one launch (engine/turboquant.py's
+# `encode`: norm, unit vector, signs, Walsh-Hadamard / sqrt(D), codes = how many
+# thresholds a coordinate exceeds, packed BITS to a code from bit 0 of word 0). One warp
+# per vector, E = D / 32 consecutive coordinates per lane: the butterfly's first log2(E)
+# stages are within a lane, the rest between lanes. Warps [0, NV) take K, [NV, 2 NV) V.
+_ENCODE_SOURCE = """
+    constexpr int E = D / 32;
+    constexpr int W = D * BITS / 32;
+    constexpr int LEVELS = 1 << BITS;
+    const int gw = blockIdx.x;            // one warp per block, one vector per warp
+    const int lane = threadIdx.x;
+    const int NV = gridDim.x / 2;
+    const bool is_v = gw >= NV;
+    const int vec = is_v ? gw - NV : gw;
+    const auto* src = is_v ? v + (size_t)vec * D : k + (size_t)vec * D;
+    float x[E];
+    float ss = 0.f;
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        x[e] = static_cast<float>(src[lane * E + e]);
+        ss += x[e] * x[e];
+    }
+    ss = warp_sum(ss);
+    const float norm = sqrtf(ss);
+    const float den = fmaxf(norm, 1e-30f);
+    #pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = x[e] / den * signs[lane * E + e];
+    #pragma unroll
+    for (int hh = 1; hh < E; hh <<= 1)
+        #pragma unroll
+        for (int e = 0; e < E; ++e)
+            if ((e & hh) == 0) {
+                const float a = x[e], c = x[e + hh];
+                x[e] = a + c;
+                x[e + hh] = a - c;
+            }
+    #pragma unroll
+    for (int hh = E; hh < D; hh <<= 1) {
+        const int o = hh / E;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const float other = __shfl_xor_sync(0xffffffff, x[e], o);
+            x[e] = (lane & o) ? other - x[e] : x[e] + other;
+        }
+    }
+    const float rs = rsqrtf((float)D);
+    uint32_t cd[E];
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const float y = x[e] * rs;
+        uint32_t code = 0u;
+        #pragma unroll
+        for (int j = 0; j < LEVELS - 1; ++j) code += y > thr[j] ? 1u : 0u;
+        cd[e] = code;
+    }
+    uint32_t* codes = is_v ? vc : kc;
+    if constexpr (E * BITS <= 32) {
+        // A word holds the codes of LPW consecutive lanes: OR their pieces together.
+        constexpr int LPW = 32 / (E * BITS);
+        uint32_t piece = 0u;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) piece |= cd[e] << (((lane * E + e) * BITS) % 32);
+        #pragma unroll
+        for (int o = 1; o < LPW; o <<= 1) piece |= __shfl_xor_sync(0xffffffff, piece, o);
+        if (lane % LPW == 0) codes[(size_t)vec * W + (lane * E * BITS) / 32] = piece;
+    } else {
+        // A lane's codes fill whole words (E * BITS / 32 of them).
+        constexpr int PER = 32 / BITS;
+        #pragma unroll
+        for (int j = 0; j < E / PER; ++j) {
+            uint32_t word = 0u;
+            #pragma unroll
+            for (int e = 0; e < PER; ++e) word |= cd[j * PER + e] << (e * BITS);
+            codes[(size_t)vec * W + (lane * E * BITS) / 32 + j] = word;
+        }
+    }
+    if (lane == 0) (is_v ? vn : kn)[vec] = norm;
+"""
+
+ENCODE_DIMS = (32, 64, 128, 256)
+
+
+@lru_cache(maxsize=1)
+def _encode_kernel():
+    return mx.fast.cuda_kernel(name="prefixtrace_tq_encode", input_names=["k", "v", "signs", "thr"],
+                               output_names=["kn", "kc", "vn", "vc"], source=_ENCODE_SOURCE, header=_HEADER)
+
+
+def use_encode(keys: mx.array, values: mx.array, codec) -> bool:
+    """Whether new K/V go through `encode_kv` (CUDA, Hadamard codec, bits dividing 8, the
+    same head size for K and V)."""
+    return (mode() != "off" and available() and codec.hadamard and 8 % codec.bits == 0
+            and keys.shape == values.shape and keys.shape[-1] == codec.dim and codec.dim in ENCODE_DIMS
+            and keys.dtype in (mx.bfloat16, mx.float16, mx.float32) and keys.size > 0)
+
+
+def encode_kv(keys: mx.array, values: mx.array, codec):
+    """(k_norms, k_codes, v_norms, v_codes) of keys/values (..., D), as `codec.encode` gives
+    them, in one launch. CUDA only (`use_encode`)."""
+    lead = keys.shape[:-1]
+    nv = keys.size // keys.shape[-1]
+    words = codec.words
+    kn, kc, vn, vc = _encode_kernel()(
+        inputs=[keys, values.astype(keys.dtype), codec.signs, codec.thresholds],
+        template=[("D", codec.dim), ("BITS", codec.bits)],
+        grid=(2 * nv * 32, 1, 1), threadgroup=(32, 1, 1),
+        output_shapes=[(nv,), (nv, words), (nv,), (nv, words)],
+        output_dtypes=[mx.float32, mx.uint32, mx.float32, mx.uint32])
+    return (kn.reshape(*lead, 1), kc.reshape(*lead, words), vn.reshape(*lead, 1), vc.reshape(*lead, words))
+
 
 MODES = ("off", "on", "all")
 _mode: str | None = None
@@ -489,7 +651,11 @@ def _gqa(queries: mx.array, kv_heads: int) -> int | None:
 
 def use_dense(cache, queries: mx.array, keys: mx.array, mask) -> bool:
     """Whether a dense batched decode step goes through `dense_attend` (mlx-lm's
-    `BatchKVCache` and subclasses: their `left_padding` says where each row starts)."""
+    `BatchKVCache` and subclasses: their `left_padding` says where each row starts).
+    The kernel applies no mask, so this relies on a one-token `BatchKVCache` mask being
+    the left-padding mask alone: mlx-lm gives sliding-window layers a `RotatingKVCache`,
+    whose batched form is not a `BatchKVCache`, and rows past right padding are rolled
+    back (`finalize`) before decoding (`_right_padding` is checked)."""
     from mlx_lm.models.cache import BatchKVCache
 
     kind = mode()

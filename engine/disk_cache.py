@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import queue
+import stat
 import threading
 import zlib
 from collections import OrderedDict
@@ -49,6 +50,8 @@ from pathlib import Path
 import numpy as np
 
 from engine.block_hash import chain_hash
+from engine.private_files import open_private, private_dir
+from prefixtrace.errors import EngineError
 
 log = logging.getLogger("prefixtrace.cache")
 
@@ -62,6 +65,16 @@ _CRC = 4
 # memory a restore holds beyond its blocks.
 READ_THREADS = max(2, min(4, os.cpu_count() or 2))
 READ_AHEAD_BYTES = 128 << 20
+# A real header is the token ids of one block plus a few array specs: tens of KB
+# even for 65,536-token blocks. Anything longer is not ours.
+MAX_HEADER_BYTES = 4 << 20
+# Opening a block file never waits (a FIFO planted as *.blk would block forever
+# without O_NONBLOCK) and never follows a symlink out of the cache directory.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class CacheDirUnusable(EngineError):
+    """`--cache-dir` names something that cannot be the cache's directory (a file, no permission)."""
 
 
 class CorruptBlock(Exception):
@@ -89,20 +102,46 @@ def encode_header(*, fmt: str, cache_format: str, key: bytes, parent: bytes, tok
     return json.dumps(header, separators=(",", ":")).encode(), buffers
 
 
+def _parse_header(raw: bytes) -> tuple[dict, int]:
+    """The header's JSON, checked for the shape the reader relies on, and its payload size.
+
+    A block file is input like any other (docs/SECURITY.md): `payload_bytes: 1e999`,
+    a header nested thousands deep or a list where a number belongs is a CorruptBlock,
+    never an OverflowError or RecursionError that would stop start-up."""
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting past the interpreter's limit
+        raise CorruptBlock(f"unreadable header: {type(exc).__name__}") from exc
+    if not isinstance(header, dict):
+        raise CorruptBlock("unreadable header: not an object")
+    payload = header.get("payload_bytes")
+    tokens, arrays = header.get("tokens"), header.get("arrays")
+    if not (type(payload) is int and payload >= 0 and isinstance(tokens, list) and isinstance(arrays, list)
+            and all(type(t) is int for t in tokens) and isinstance(header.get("key"), str)
+            and isinstance(header.get("parent"), str) and all(_array_spec_ok(a) for a in arrays)):
+        raise CorruptBlock("unreadable header: fields of the wrong type")
+    return header, payload
+
+
+def _array_spec_ok(spec) -> bool:
+    return (isinstance(spec, dict) and isinstance(spec.get("name"), str) and isinstance(spec.get("np"), str)
+            and isinstance(spec.get("shape"), list) and all(type(d) is int and d >= 0 for d in spec["shape"])
+            and type(spec.get("offset")) is int and spec["offset"] >= 0)
+
+
 def read_header(f) -> tuple[dict, int]:
     """The parsed header and the file's expected total size; raises CorruptBlock."""
     prefix = f.read(_PREFIX)
     if len(prefix) < _PREFIX or prefix[: len(MAGIC)] != MAGIC:
         raise CorruptBlock("bad magic or short file")
     hlen = int.from_bytes(prefix[len(MAGIC):], "little")
+    if hlen > MAX_HEADER_BYTES:
+        raise CorruptBlock(f"header of {hlen:,} bytes (the most a block's header can be is {MAX_HEADER_BYTES:,})")
     raw = f.read(hlen)
     if len(raw) != hlen:
         raise CorruptBlock("truncated header")
-    try:
-        header = json.loads(raw)
-        return header, _PREFIX + hlen + int(header["payload_bytes"]) + _CRC
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptBlock(f"unreadable header: {exc}") from exc
+    header, payload = _parse_header(raw)
+    return header, _PREFIX + hlen + payload + _CRC
 
 
 def decode(data) -> tuple[dict, dict]:
@@ -111,11 +150,10 @@ def decode(data) -> tuple[dict, dict]:
     if len(data) < _PREFIX or data[: len(MAGIC)] != MAGIC:
         raise CorruptBlock("bad magic or short file")
     hlen = int.from_bytes(data[len(MAGIC) : _PREFIX], "little")
-    try:
-        header = json.loads(bytes(data[_PREFIX : _PREFIX + hlen]))
-        total = _PREFIX + hlen + int(header["payload_bytes"]) + _CRC
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptBlock(f"unreadable header: {exc}") from exc
+    if hlen > MAX_HEADER_BYTES:
+        raise CorruptBlock(f"header of {hlen:,} bytes")
+    header, payload_bytes = _parse_header(bytes(data[_PREFIX : _PREFIX + hlen]))
+    total = _PREFIX + hlen + payload_bytes + _CRC
     if len(data) != total:
         raise CorruptBlock(f"size {len(data)} != {total}")
     if zlib.crc32(data[_PREFIX : total - _CRC]) != int.from_bytes(data[total - _CRC :], "little"):
@@ -152,9 +190,20 @@ def _unlink(path: Path) -> None:
         log.warning("prefix cache: could not delete %s (%s)", path, exc)
 
 
+def open_regular(path: Path) -> int:
+    """An fd on `path` for reading, only if it is a regular file (not a FIFO, device,
+    directory or symlink); raises CorruptBlock otherwise, OSError if it cannot be opened."""
+    fd = os.open(path, _OPEN_FLAGS)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CorruptBlock("not a regular file")
+    return fd
+
+
 def read_file(path: Path) -> np.ndarray:
     """A whole file in one fresh buffer: one open, one fstat, one `preadv` (more only for a short read)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)
     try:
         buf = np.empty(os.fstat(fd).st_size, np.uint8)
         view, done = memoryview(buf), 0
@@ -216,8 +265,10 @@ class BlockReads:
 
 class DiskCache:
     def __init__(self, root: str | Path, *, max_bytes: int):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root = private_dir(Path(root))  # files hold prompt token ids: owner-only (engine/private_files.py)
+        except OSError as exc:
+            raise CacheDirUnusable(f"the prefix cache directory {root} cannot be used: {exc.strerror or exc}") from exc
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
@@ -274,7 +325,7 @@ class DiskCache:
         except FileNotFoundError:
             self._forget(key)
             return None
-        except (CorruptBlock, OSError, ValueError, KeyError, TypeError) as exc:
+        except (CorruptBlock, OSError, ValueError, KeyError, TypeError, OverflowError, MemoryError) as exc:
             self.num_corrupt += 1
             log.warning("prefix cache: dropping corrupt block file %s (%s); treated as a miss", path, exc)
             self._forget(key, unlink=True)
@@ -364,10 +415,10 @@ class DiskCache:
                 self._pending.discard(key)
             return
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)  # the directory may have been removed under us
+        private_dir(path.parent)  # made on first use, or again if it was removed under us
         tmp = path.with_name(f".{path.name}.tmp")
         crc = zlib.crc32(header)
-        with open(tmp, "wb") as f:
+        with os.fdopen(open_private(tmp), "wb") as f:
             f.write(MAGIC + len(header).to_bytes(4, "little"))
             f.write(header)
             for b in buffers:
@@ -430,18 +481,45 @@ class DiskCache:
         if unlink:
             _unlink(self._path(key))
 
+    def _files(self):
+        """(path, lstat) of every entry one level below the root's real subdirectories: symlinks are
+        never followed and a directory that cannot be listed is skipped, with a log line."""
+        try:
+            subdirs = [e for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
+        except OSError as exc:
+            log.warning("prefix cache: cannot list %s (%s); starting empty", self.root, exc)
+            return
+        for sub in subdirs:
+            try:
+                entries = list(os.scandir(sub.path))
+                if stat.S_IMODE(sub.stat(follow_symlinks=False).st_mode) & 0o077:
+                    os.chmod(sub.path, 0o700)  # left by an older version: owner-only, like new ones
+            except OSError as exc:
+                log.warning("prefix cache: cannot list %s (%s); its blocks are misses", sub.path, exc)
+                continue
+            for entry in entries:
+                try:
+                    yield Path(entry.path), entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # vanished while listing
+
     def _scan(self) -> None:
-        """Rebuild the index from the files' headers; LRU order from their mtimes."""
+        """Rebuild the index from the files' headers; LRU order from their mtimes. Whatever the
+        directory holds, a bad file is one log line and a miss (deleted when it is ours to delete:
+        special files, symlinks, damaged blocks); start-up never fails or waits on one."""
         found = []
-        for path in self.root.glob("*/*"):
+        for path, st in self._files():
             if path.name.endswith(".tmp"):  # a write cut short by a crash
                 _unlink(path)
                 continue
             if not path.name.endswith(".blk"):
                 continue
             try:
-                st = path.stat()
-                with open(path, "rb") as f:
+                if not stat.S_ISREG(st.st_mode):
+                    raise CorruptBlock("not a regular file")
+                if stat.S_IMODE(st.st_mode) & 0o077:
+                    os.chmod(path, 0o600)  # prompt content: owner-only (engine/private_files.py)
+                with os.fdopen(open_regular(path), "rb") as f:
                     header, total = read_header(f)
                 if st.st_size != total:
                     raise CorruptBlock(f"size {st.st_size} != {total}")
@@ -450,10 +528,11 @@ class DiskCache:
                     raise CorruptBlock("file name does not match its key")
                 check_key(header, key)
                 entry = _Entry(bytes.fromhex(header["parent"]), tuple(header["tokens"]), total)
-            except (CorruptBlock, OSError, ValueError, KeyError, TypeError) as exc:
+            except (CorruptBlock, OSError, ValueError, KeyError, TypeError, OverflowError, MemoryError) as exc:
                 self.num_corrupt += 1
                 log.warning("prefix cache: dropping corrupt block file %s (%s)", path, exc)
-                _unlink(path)
+                if not stat.S_ISDIR(st.st_mode):
+                    _unlink(path)
                 continue
             found.append((st.st_mtime_ns, key, entry))
         for _, key, entry in sorted(found, key=lambda f: f[0]):

@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from engine import decode_attention, skinny_gemm
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
+from engine.disk_cache import CacheDirUnusable
 from engine.grammar import GrammarCompiler
 from engine.memory import DEFAULT_CEILING_FRACTION, MemoryModel, machine_memory_bytes, measured
 from engine.model_files import load_model_dir
@@ -60,6 +61,8 @@ class Engine:
             many tokens is cut once.
         notice_pattern: regex matched at the start of a user message's text that marks it as a
             harness notice, not a real user turn (None: render_policy.DEFAULT_NOTICE_PATTERN).
+        allow_client_templates: accept a request's own chat template (chat_template_kwargs.chat_template),
+            rendered in a bounded child process; refused with a 400 otherwise.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class Engine:
         thinking_retention: str = "loop",
         thinking_retention_guard_tokens: int = DEFAULT_GUARD_TOKENS,
         notice_pattern: str | None = None,
+        allow_client_templates: bool = False,
     ):
         if kv_quant not in ("none", "turboquant") or not 1 <= kv_bits <= 8:
             raise EngineError(f"kv_quant must be none|turboquant and kv_bits 1..8 (got {kv_quant!r}, {kv_bits})")
@@ -94,6 +98,7 @@ class Engine:
             NoticeRule(notice_pattern) if notice_pattern is not None else NoticeRule(),
         )
         self._bound_policy: BoundPolicy | None = None  # bound to the template once the tokenizer is loaded
+        self.allow_client_templates = allow_client_templates  # chat_template_kwargs.chat_template (docs/SECURITY.md)
         self.model_dir = Path(model_dir)
         # Runs on the engine thread; benchmarks pass one that builds a model in memory.
         self._loader = loader or (lambda: load_model_dir(self.model_dir, self.dtype))
@@ -128,6 +133,8 @@ class Engine:
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the model is loaded; re-raise a load failure."""
         self._ready.wait(timeout)
+        if isinstance(self._load_error, CacheDirUnusable):  # the model loaded; its cache directory did not
+            raise self._load_error
         if self._load_error is not None:
             raise EngineError(f"could not load model {self.model_dir}: {self._load_error}") from self._load_error
         return self._ready.is_set()
@@ -148,7 +155,8 @@ class Engine:
         if not self.ready:
             raise EngineNotReady("the model is still loading")
         applied = self._bound_policy.apply(normalize_messages(messages), chat_template_kwargs)
-        rendered = render_prompt(self.tokenizer, applied.messages, tools=tools, chat_template_kwargs=applied.template_kwargs)
+        rendered = render_prompt(self.tokenizer, applied.messages, tools=tools, chat_template_kwargs=applied.template_kwargs,
+                                 allow_client_template=self.allow_client_templates)
         rendered.policy = applied.record
         return rendered
 

@@ -22,7 +22,10 @@ from prefixtrace.errors import InvalidRequest
 log = logging.getLogger("prefixtrace.grammar")
 
 # Compact JSON: a grammar that allows any whitespace lets a weak model pad forever.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                # A keyword llguidance does not implement (`not`, …) is left unenforced instead of refusing
+                # the schema: tools from real harnesses use them; what llguidance does enforce still holds.
+                "lenient": True}
 
 
 def apply_bitmask(logits: mx.array, bitmask: np.ndarray, n_vocab: int) -> mx.array:

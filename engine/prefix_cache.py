@@ -36,7 +36,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.block_hash import chain_hash, model_fingerprint, root_hash
-from engine.cache_blocks import DENSE, Block, TQLayer, cut, from_numpy, is_dense, join, to_numpy
+from engine.cache_blocks import (DENSE, Block, TQLayer, block_arrays, cut, from_numpy, host_views, is_dense, join,
+                                 named_arrays, stage, staged_arrays)
 from engine.disk_cache import DiskCache
 from engine.memory_cache import MemoryCache
 from engine.tq_cache import TQConfig
@@ -104,11 +105,23 @@ class PrefixCache:
         self.root = root_hash(model_fingerprint=fingerprint, cache_format=self.cache_format)
         self.memory = MemoryCache(max_bytes)
         self.disk = DiskCache(cache_dir, max_bytes=disk_bytes) if cache_dir is not None and self.enabled else None
+        # No tier can take a block (a zero memory budget and no disk): nothing is copied.
+        self._keeps = max_bytes > 0 or self.disk is not None
         self.num_lookups = 0
         self.num_hit_tokens = 0
         self.num_disk_blocks_read = 0
         self.disk_bytes_read = 0
         self.disk_read_s = 0.0
+        # Blocks copied for the disk tier whose copies are not evaluated yet: handed to the
+        # writer by `settle` once the caller's `mx.eval` has run (key -> (parent, tokens, staged)).
+        self._unwritten: dict[bytes, tuple] = {}
+        # Keys the memory tier refused (only their own chain was left to evict) since the last
+        # lookup or store: later commits of the same prefill do not copy them again.
+        self._refused: set[bytes] = set()
+        # The chain of the last token sequence hashed: a prefill's commits extend it.
+        self._memo: tuple[list[int], list[bytes]] = ([], [])
+        # On a GPU the disk writer reads its own copy of a block (cache_blocks.stage).
+        self._stage_copy = mx.default_device().type != mx.DeviceType.cpu
 
     # --- asking -----------------------------------------------------------------
 
@@ -131,8 +144,14 @@ class PrefixCache:
             "lookups": self.num_lookups, "hit_tokens": self.num_hit_tokens,
         }
 
-    def lookup(self, tokens: list[int]) -> CacheHit:
-        """A private cache holding the longest cached prefix of `tokens`, never all of them."""
+    def lookup(self, tokens: list[int], *, room: int = 0) -> CacheHit:
+        """A private cache holding the longest cached prefix of `tokens`, never all of them.
+
+        room: free positions to leave after the restored ones in dense layers (the scheduler
+        asks for the prompt's rest plus one allocation step, so the prefill that follows and
+        the first decode steps write in place; see `join`)."""
+        self.settle()
+        self._refused.clear()
         self.num_lookups += 1
         limit = len(tokens) - 1  # the step that samples the first output token needs an input
         if not self.enabled or limit <= 0:
@@ -160,7 +179,7 @@ class PrefixCache:
         if not parts:
             return CacheHit(self._empty(), 0)
         self._touch(chain)
-        cache = join(parts, tq=self.tq, dims=self._dims)
+        cache = join(parts, tq=self.tq, dims=self._dims, room=max(0, room - pos) if room else 0)
         self.num_hit_tokens += pos
         return CacheHit(cache, pos)
 
@@ -171,28 +190,52 @@ class PrefixCache:
 
         The cache object is taken over (the blocks are copies, so it is simply dropped).
         """
-        if not self.pageable(cache) or cache[0].offset == 0:
+        self.settle()
+        if not self._keeps or not self.pageable(cache) or cache[0].offset == 0:
             return
         offset = cache[0].offset
-        self._keep(list(tokens[:offset]), cache, first=0, tail=True)
+        mx.eval(self._keep(list(tokens[:offset]), cache, first=0, tail=True))
+        self.settle()
+        self._refused.clear()
 
-    def commit(self, tokens: list[int], cache: list[Any]) -> None:
+    def commit(self, tokens: list[int], cache: list[Any], *, lazy: bool = False) -> list[mx.array]:
         """Keep the full blocks of a prefill in progress once `commit_blocks` new ones are done.
 
         `cache` stays the caller's: blocks are copied out of it. Cheap when
-        nothing is new: the chain is hashed and the newest block found cached.
+        nothing is new: the chain is extended from the previous commit's and the
+        newest block found cached.
+
+        lazy: the copies are left unevaluated and returned; the caller evaluates them
+        together with its own work (the prefill chunk that produced them: one `mx.eval`,
+        no sync per block) and then calls `settle` to hand the disk copies to the writer.
         """
-        if not self.pageable(cache):
-            return
+        self.settle()
+        if not self._keeps or not self.pageable(cache):
+            return []
         bs, n_full = self.block_size, min(len(tokens), cache[0].offset) // self.block_size
         if n_full == 0:
-            return
+            return []
         keys = self._chain(tokens[: n_full * bs])
-        if self._cached(keys[-1]):
+        if self._done(keys[-1]):
+            return []
+        first = next(i for i, key in enumerate(keys) if not self._done(key))
+        if n_full - first < self.commit_blocks:
+            return []
+        pending = self._keep(tokens[: n_full * bs], cache, first=first, tail=False)
+        if not lazy:
+            mx.eval(pending)
+            self.settle()
+            return []
+        return pending
+
+    def settle(self) -> None:
+        """Hand the evaluated disk copies of committed blocks to the disk writer."""
+        if not self._unwritten:
             return
-        first = next(i for i, key in enumerate(keys) if not self._cached(key))
-        if n_full - first >= self.commit_blocks:
-            self._keep(list(tokens[: n_full * bs]), cache, first=first, tail=False)
+        unwritten, self._unwritten = self._unwritten, {}
+        for key, (parent, tokens, staged) in unwritten.items():
+            self.disk.put(key, parent, tokens, host_views(staged), fmt=self.block_format,
+                          cache_format=self.cache_format)
 
     def pageable(self, cache: list) -> bool:
         """Whether `cache` is in this cache's format: all plain `KVCache`s, or with a
@@ -227,10 +270,12 @@ class PrefixCache:
 
     def flush(self) -> None:
         """Wait for queued disk writes (tests, benchmarks, shutdown)."""
+        self.settle()
         if self.disk is not None:
             self.disk.flush()
 
     def close(self) -> None:
+        self.settle()
         if self.disk is not None:
             self.disk.close()
 
@@ -238,23 +283,35 @@ class PrefixCache:
 
     def _held_chain(self, tokens) -> list[bytes]:
         """The keys of `tokens`' full blocks up to the first one neither tier holds."""
-        keys, parent, bs = [], self.root, self.block_size
-        for start in range(0, len(tokens) - bs + 1, bs):
-            parent = chain_hash(parent, tokens[start : start + bs])
-            if parent not in self.memory and (self.disk is None or parent not in self.disk):
-                break
-            keys.append(parent)
+        keys = self._chain(tokens)
+        for i, key in enumerate(keys):
+            if key not in self.memory and not self._on_disk(key):
+                return keys[:i]
         return keys
 
     def _disk_reads(self, keys: list[bytes]):
         return self.disk.get_many(keys) if self.disk is not None and keys else contextlib.nullcontext()
 
     def _chain(self, tokens) -> list[bytes]:
-        keys, parent, bs = [], self.root, self.block_size
-        for start in range(0, len(tokens) - bs + 1, bs):
+        """The keys of `tokens`' full blocks. A prefill commits after every chunk, so the
+        previous call's chain is reused as far as the tokens agree (one list comparison)
+        and only the new blocks are hashed: hashing the whole prefix again per chunk is
+        quadratic in the prompt."""
+        if not isinstance(tokens, list):
+            tokens = list(tokens)
+        bs, n = self.block_size, len(tokens) // self.block_size
+        memo_tokens, memo_keys = self._memo
+        m = min(n, len(memo_keys))
+        if m and tokens[: m * bs] != memo_tokens[: m * bs]:
+            m = 0
+        keys = memo_keys[:m]
+        parent = keys[-1] if keys else self.root
+        for start in range(m * bs, n * bs, bs):
             parent = chain_hash(parent, tokens[start : start + bs])
             keys.append(parent)
-        return keys
+        if n > len(memo_keys) or m < len(memo_keys):
+            self._memo = (list(tokens[: n * bs]), keys)
+        return list(keys)
 
     def _empty(self) -> list:
         return self.tq.make_cache(self._model) if self.tq is not None else make_prompt_cache(self._model)
@@ -267,38 +324,59 @@ class PrefixCache:
         return keys
 
     def _cached(self, key: bytes) -> bool:
-        return key in self.memory and (self.disk is None or key in self.disk)
+        return key in self.memory and (self.disk is None or self._on_disk(key))
 
-    def _keep(self, tokens: list[int], cache, *, first: int, tail: bool) -> None:
-        """Copy blocks `first`.. of `tokens` (and the tail) out of `cache` into the tiers."""
+    def _on_disk(self, key: bytes) -> bool:
+        return self.disk is not None and (key in self._unwritten or key in self.disk)
+
+    def _done(self, key: bytes) -> bool:
+        """Nothing left to copy for this block: cached in every tier, or the memory tier
+        refused it during this prefill and the disk (if any) has it."""
+        return self._cached(key) or (key in self._refused and (self.disk is None or self._on_disk(key)))
+
+    def _keep(self, tokens: list[int], cache, *, first: int, tail: bool) -> list[mx.array]:
+        """Copy blocks `first`.. of `tokens` (and the tail) out of `cache` into the tiers.
+
+        The copies are lazy: the arrays to evaluate are returned, and the disk tier's
+        copies wait in `_unwritten` for `settle` (after that evaluation)."""
         bs = self.block_size
         keys = self._chain(tokens)
         ends = [(i * bs, (i + 1) * bs, key) for i, key in enumerate(keys)]
         if tail and len(tokens) % bs:
             ends.append((len(keys) * bs, len(tokens), chain_hash(keys[-1] if keys else self.root, tokens[len(keys) * bs :])))
-        chain, in_memory = [], True
+        chain, in_memory, pending = [], True, []
         for start, stop, key in ends:
             parent = keys[start // bs - 1] if start else self.root
             chain.append(key)
             if start < first * bs or self._cached(key):
                 continue
+            # A block goes to memory only below a parent memory holds (else it is stranded).
+            in_memory = in_memory and (start == 0 or parent in self.memory)
             block = self.memory.get(key)
             if block is None:
-                if not in_memory and self.disk is not None and key in self.disk:
+                if not in_memory and self._on_disk(key):
                     # Memory refused an earlier block of this chain and the disk has this one:
                     # nothing to add, so no copy (each chunk's commit would otherwise copy the
                     # whole chain again past the first block memory could not hold).
                     continue
-                block = Block(key, parent, tuple(tokens[start:stop]), cut(cache, start, stop))
+                if key in self._refused and (self.disk is None or self._on_disk(key)):
+                    in_memory = False  # refused earlier in this prefill: not copied again
+                    continue
+                block = Block(key, parent, tuple(tokens[start:stop]), cut(cache, start, stop, evaluate=False))
+                pending += block_arrays(block.layers)
                 self._drop_superseded(block)
                 if in_memory and self.memory.can_hold(block.nbytes):
                     self.memory.put(block)  # may refuse it (budget full of its own chain)
                 # Past a refused block the rest of the chain would be stranded in memory.
                 in_memory = key in self.memory
-            if self.disk is not None and key not in self.disk:
-                self.disk.put(key, parent, block.tokens, to_numpy(block.layers), fmt=self.block_format,
-                              cache_format=self.cache_format)
+                if not in_memory:
+                    self._refused.add(key)
+            if self.disk is not None and not self._on_disk(key):
+                staged = stage(named_arrays(block.layers), copy=self._stage_copy)
+                pending += staged_arrays(staged)
+                self._unwritten[key] = (parent, block.tokens, staged)
         self._touch(chain)
+        return pending
 
     def _drop_superseded(self, block: Block) -> None:
         """A tail whose tokens begin `block`'s adds nothing once `block` is cached.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Callable
@@ -29,6 +30,11 @@ from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyEvent, To
 log = logging.getLogger("prefixtrace.reply")
 
 FALLBACK_TOOL_PARSER = "json_tools"  # Hermes `<tool_call>{"name": …, "arguments": …}</tool_call>`
+# The head of a Hermes call as the grammar writes it: the name, then the arguments object (matched once
+# the arguments' first character is out, so the space before them is never part of them).
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
+# What may still close the call object after its arguments: held back while streaming them.
+_HERMES_TAIL = re.compile(r'\s*\}?\s*$')
 
 
 @dataclass(frozen=True)
@@ -90,16 +96,22 @@ class ReplyParser:
         tools: the request's tools (some parsers read parameter types from them); None or [] with
             `parse_tools` False leaves call markers as plain text (tool_choice "none").
         reasoning: the output starts inside a reasoning block (see `ReplyFormat.opens_reasoning`).
+        stream_arguments: a grammar forces the Hermes call (engine/constraints.py), so its text is known
+            to be `{"name": N, "arguments": {…}}`: the call starts as soon as its name is out and the
+            arguments stream as they are written. Free output is parsed whole, by the family's parser.
     """
 
     def __init__(self, fmt: ReplyFormat, *, tools: list | None = None, parse_tools: bool = True,
-                 reasoning: bool = False):
+                 reasoning: bool = False, stream_arguments: bool = False):
         self.fmt = fmt
         self.tools = tools or None
         self._sm = fmt.state_machine(parse_tools)
         self._state = self._sm.make_state("reasoning" if reasoning and fmt.think_start else "normal")
         self._tool_text: str | None = None  # text of the call being read, while inside its markers
         self.num_calls = 0
+        self.stream_arguments = stream_arguments and fmt.tool_parser_name == FALLBACK_TOOL_PARSER
+        self._args_at: int | None = None  # streaming: where the arguments begin in the call's text
+        self._args_sent = 0
 
     @property
     def made_tool_call(self) -> bool:
@@ -125,6 +137,8 @@ class ReplyParser:
                 events += self._close_call()  # the end marker was matched
             if state == "tool":
                 self._tool_text = (self._tool_text or "") + text
+                if self.stream_arguments:
+                    events += self._stream_call()
             elif not text:
                 continue
             elif state == "reasoning":
@@ -133,7 +147,37 @@ class ReplyParser:
                 events.append(ContentDelta(text))
         return events
 
+    def _stream_call(self) -> list[ReplyEvent]:
+        """A forced call, as it is written: the start once the name is complete, then the arguments
+        except what may be the call object's closing brace."""
+        events: list[ReplyEvent] = []
+        text = self._tool_text
+        if self._args_at is None:
+            head = _HERMES_HEAD.match(text)
+            if head is None:
+                return events
+            self._args_at, self._args_sent = head.end(), 0
+            events.append(ToolCallStart(self.num_calls, new_call_id(), json.loads(head.group(1))))
+        args = text[self._args_at:]
+        safe = len(args) - len(_HERMES_TAIL.search(args).group(0))
+        if safe > self._args_sent:
+            events.append(ToolCallArgsDelta(self.num_calls, args[self._args_sent:safe]))
+            self._args_sent = safe
+        return events
+
+    def _close_streamed_call(self) -> list[ReplyEvent]:
+        args = self._tool_text[self._args_at:].rstrip()
+        args = args[:-1].rstrip() if args.endswith("}") else args  # the call object's own brace
+        events: list[ReplyEvent] = []
+        if len(args) > self._args_sent:
+            events.append(ToolCallArgsDelta(self.num_calls, args[self._args_sent:]))
+        self._tool_text, self._args_at = None, None
+        self.num_calls += 1
+        return events
+
     def _close_call(self, closed: bool = True) -> list[ReplyEvent]:
+        if self._args_at is not None:
+            return self._close_streamed_call()
         text, self._tool_text = self._tool_text, None
         try:
             parsed = self.fmt.parse_tool_call(text, self.tools)

@@ -91,11 +91,26 @@ class _Paused:
     cached_ids: list[int] = field(default_factory=list)
     remaining: int = 0
     pos: int = 0  # parked prefill: prompt tokens in the spilled cache
+    pinned: list[int] | None = None  # paused row: its KV's tokens, pinned in the prefix cache (no file)
+
+
+# Positions allocated beyond a restored prefix's prompt (mlx-lm's KVCache step): the
+# prompt's rest and the first decode steps then write into the restored cache in place.
+KV_ROOM_STEP = 256
 
 
 def _batch_of_one(layer):
     """The batched form of one row's layer cache: dense layers become a
-    `RowBatchKVCache`; other cache types batch through their own `merge`."""
+    `RowBatchKVCache`; other cache types batch through their own `merge`.
+
+    A dense layer is adopted as it is (its buffers, spare room included): one row
+    needs no padding, and mlx-lm's `merge` would copy the whole KV into a buffer of
+    exactly its length, which the first decode step then grows with a second copy."""
+    if type(layer) is KVCache and layer.keys is not None:
+        batched = RowBatchKVCache([0])
+        batched.keys, batched.values, batched._idx = layer.keys, layer.values, layer.offset
+        batched.offset = mx.array([layer.offset])
+        return batched
     if isinstance(layer, KVCache):
         return RowBatchKVCache.merge([layer])
     return layer.merge([layer])
@@ -203,7 +218,7 @@ class Scheduler:
             if self.memory is not None and self._active() and not self._fits(self._prompt_need(self.waiting[0])):
                 return  # wait for memory; paused requests and running rows go first
             seq = self.waiting.popleft()  # cancelled ones were reaped at the start of this step
-            hit = self.prefix_cache.lookup(seq.prompt_ids)
+            hit = self.prefix_cache.lookup(seq.prompt_ids, room=seq.num_prompt_tokens + KV_ROOM_STEP)
             seq.num_cached_tokens = hit.num_cached
             self.prefill = _Prefill(seq, self.adapt_cache(hit.cache), hit.num_cached)
             self._dense_suffix(self.prefill)
@@ -243,9 +258,13 @@ class Scheduler:
                 return
         if n > 0:
             self.model(mx.array(prompt[job.pos : job.pos + n])[None], cache=job.cache)
-            mx.eval([c.state for c in job.cache])
             job.pos += n
-            self.prefix_cache.commit(prompt[: job.pos], job.cache)  # progress survives a cancel or abort
+            # Progress survives a cancel or abort: the chunk's finished blocks are copied out
+            # in the same evaluation as the chunk itself (one sync per chunk, as a plain
+            # mlx-lm prefill has), and their disk copies go to the writer thread after it.
+            blocks = self.prefix_cache.commit(prompt[: job.pos], job.cache, lazy=True)
+            mx.eval([c.state for c in job.cache], blocks)
+            self.prefix_cache.settle()
         if job.pos == len(prompt) - 1:
             self.prefill = None
             if job.quantised is not None:
@@ -451,21 +470,35 @@ class Scheduler:
             self._finish(row, finish or "length", cache, cached_ids)
             return
         row.seq.num_pauses += 1
-        try:
-            path = self.spill.spill(f"row-{uid}-{row.seq.num_pauses}", cache)
-        except EngineError as exc:  # this request ends; the others are not touched
-            self.rows.pop(uid)
-            self.prefix_cache.store(cached_ids, cache)  # a re-sent request resumes from it
-            self._fail(row.seq, exc)
-            return
+        path, pinned = None, None
+        if self.prefix_cache.pageable(cache) and is_dense(cache):
+            # The prefix cache already holds the prompt's blocks (committed during prefill) and
+            # whatever earlier turns left: only the blocks it lacks are copied, and the pins
+            # keep them until the resume restores them by an ordinary lookup. Bit for bit the
+            # same KV as a spill file, without writing the whole row (docs/CACHE.md, "Pauses").
+            self.prefix_cache.pin(cached_ids)
+            self.prefix_cache.store(cached_ids, cache)
+            if self.prefix_cache.holds(cached_ids):
+                pinned = cached_ids
+            else:  # no room in either tier: the spill file below
+                self.prefix_cache.unpin(cached_ids)
+        if pinned is None:
+            try:
+                path = self.spill.spill(f"row-{uid}-{row.seq.num_pauses}", cache)
+            except EngineError as exc:  # this request ends; the others are not touched
+                self.rows.pop(uid)
+                self.prefix_cache.store(cached_ids, cache)  # a re-sent request resumes from it
+                self._fail(row.seq, exc)
+                return
         self.rows.pop(uid)
         self.paused.append(_Paused(row.seq, path, row.started_at, row=row, sampler=sampler, pending=pending,
-                                   cached_ids=cached_ids, remaining=remaining))
+                                   cached_ids=cached_ids, remaining=remaining, pinned=pinned))
         del cache
         mx.clear_cache()
         self.stats["pauses"] += 1
-        log.info("paused request %d after %d output tokens (%s): %d KV tokens spilled",
-                 uid, len(row.seq.output_ids), reason, len(cached_ids))
+        log.info("paused request %d after %d output tokens (%s): %d KV tokens %s",
+                 uid, len(row.seq.output_ids), reason, len(cached_ids),
+                 "pinned in the prefix cache" if pinned is not None else "spilled")
 
     def _park_prefill(self) -> None:
         """Free a prefill's live KV; it resumes from what it had computed.
@@ -516,7 +549,7 @@ class Scheduler:
             except EngineError as exc:  # recompute: progress commits left some of it in the prefix cache
                 log.warning("request %d: %s; its prefill recomputes what the prefix cache does not hold",
                             seq.seq_id, exc)
-        hit = self.prefix_cache.lookup(seq.prompt_ids)
+        hit = self.prefix_cache.lookup(seq.prompt_ids, room=seq.num_prompt_tokens + KV_ROOM_STEP)
         if paused.path is None:  # parked in the prefix cache: its pins go
             self.prefix_cache.unpin(seq.prompt_ids[: paused.pos])
             if hit.num_cached < paused.pos:
@@ -540,13 +573,26 @@ class Scheduler:
                 self.prefill = self._unpark(head)
             else:
                 try:
-                    cache = self.spill.restore(head.path, tokens=len(head.cached_ids))
+                    cache = self._restore_row(head)
                 except EngineError as exc:  # this request ends; the others are not touched
                     self._fail(head.seq, exc)
                     continue
                 self._rejoin(head, cache)
             self.stats["resumes"] += 1
             log.info("resumed request %d (%s)", head.seq.seq_id, "prefill" if head.row is None else "decode")
+
+    def _restore_row(self, paused: _Paused) -> list:
+        """A paused row's exact KV: from its spill file, or from the prefix cache's pinned blocks."""
+        if paused.pinned is None:
+            return self.spill.restore(paused.path, tokens=len(paused.cached_ids))
+        n = len(paused.cached_ids)
+        hit = self.prefix_cache.lookup([*paused.cached_ids, paused.pending], room=n + KV_ROOM_STEP)
+        self.prefix_cache.unpin(paused.pinned)
+        paused.pinned = None
+        if hit.num_cached != n:  # pinned blocks are never evicted; a damaged disk block can still miss
+            raise EngineError(f"the paused request's KV came back with {hit.num_cached} of its {n} tokens",
+                              retryable=True)
+        return hit.cache
 
     def _rejoin(self, paused: _Paused, cache: list) -> None:
         seq = paused.seq
@@ -575,6 +621,8 @@ class Scheduler:
                 paused.path.unlink(missing_ok=True)
         elif paused.row is None:
             self.prefix_cache.unpin(paused.seq.prompt_ids[: paused.pos])
+        elif paused.pinned is not None:
+            self.prefix_cache.unpin(paused.pinned)
 
     def _fail(self, seq: Sequence, error: EngineError) -> None:
         """End one request with an error (its KV could not be spilled or read back)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from engine.private_files import make_private, private_dir
 from prefixtrace.errors import EngineError
 
 
@@ -25,8 +26,7 @@ class SpillStore:
         if spill_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="prefixtrace-spill-")
             spill_dir = self._tmp.name
-        self.dir = Path(spill_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = private_dir(Path(spill_dir))  # spilled KV holds prompt content: owner-only
         self.bytes_written = 0
 
     def spill(self, key: str, cache: list) -> Path:
@@ -48,8 +48,9 @@ class SpillStore:
                     arrays[f"{i}.s{j}"] = array
         path = self.dir / f"{key}.safetensors"
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)  # removed while running: made again
+            private_dir(self.dir)  # removed while running: made again
             mx.save_safetensors(str(path), arrays, meta)
+            make_private(path)  # already unreachable for others inside the 0700 directory
             self.bytes_written += path.stat().st_size
         except Exception as exc:
             with contextlib.suppress(OSError):

@@ -71,6 +71,18 @@ class _Codes:
         self.codes = _grow(self.codes, used, codes)
 
 
+def _encode_into(k: _Codes, v: _Codes, used: int, keys: mx.array, values: mx.array, ck, cv) -> None:
+    """Encode new keys/values and write them at column `used`: on CUDA one fused launch
+    for both (engine.decode_attention.encode_kv) instead of some twenty MLX ops."""
+    if ck is cv and decode_attention.use_encode(keys, values, ck):
+        kn, kc, vn, vc = decode_attention.encode_kv(keys, values, ck)
+        k.write(used, kn, kc)
+        v.write(used, vn, vc)
+        return
+    k.write(used, *ck.encode(keys))
+    v.write(used, *cv.encode(values))
+
+
 class TurboQuantKVCache(_BaseCache):
     """One row of TurboQuant-coded K/V with a dense tail of < `group` recent tokens.
 
@@ -94,9 +106,7 @@ class TurboQuantKVCache(_BaseCache):
 
     def update_and_fetch(self, keys, values):
         prev, n = self.offset, self.offset + keys.shape[2]
-        ck, cv = self.codec(keys.shape[-1]), self.codec(values.shape[-1])
-        self.k.write(prev, *ck.encode(keys))
-        self.v.write(prev, *cv.encode(values))
+        _encode_into(self.k, self.v, prev, keys, values, self.codec(keys.shape[-1]), self.codec(values.shape[-1]))
         b = min(prev, _floor(n, self.group))  # positions < b are seen decoded
         cut = b - _floor(prev, self.group)
         # Positions [b, n), seen dense. The new tail is cut from these alone, so it
@@ -244,8 +254,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         prev, N = self._idx, keys.shape[2]
         new_idx = prev + N
         ck, cv = get_codec(keys.shape[-1], self.kv_bits, self.seed), get_codec(values.shape[-1], self.kv_bits, self.seed)
-        self.k.write(prev, *ck.encode(keys))
-        self.v.write(prev, *cv.encode(values))
+        _encode_into(self.k, self.v, prev, keys, values, ck, cv)
         dense_k = keys if self.win_k is None else mx.concatenate([self.win_k, keys], axis=2)  # columns [ws, new_idx)
         dense_v = values if self.win_v is None else mx.concatenate([self.win_v, values], axis=2)
         ws = self._ws if self.win_k is not None else prev

@@ -17,6 +17,7 @@ import click
 from prefixtrace import cli_analyze, cli_recorder
 from prefixtrace.cli_common import JSON_OPTION, FiniteFloatRange, echo_json, library_errors as _library_errors
 from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved
+from prefixtrace.urls import display_url
 
 
 @click.group()
@@ -66,7 +67,7 @@ def _upstream_urls(ctx, param, values):
         except ValueError:  # such a port, or an unclosed [IPv6 bracket
             ok = False
         if not ok:
-            raise click.BadParameter(f"{value!r} is not an http:// or https:// URL with a host.", ctx, param)
+            raise click.BadParameter(f"{display_url(value)!r} is not an http:// or https:// URL with a host.", ctx, param)
     return values
 
 
@@ -115,10 +116,19 @@ def _upstream_urls(ctx, param, values):
 @click.option("--max-tokens-policy", default="clamp", show_default=True, type=click.Choice(["clamp", "reject"]),
               help="A max_tokens beyond what fits after the prompt: lower it to what fits (the reply ends with "
                    "length / max_tokens, as llama.cpp, Ollama and LM Studio do), or refuse with a 400.")
+@click.option("--allow-client-templates", is_flag=True,
+              help="Accept a request's own chat template (chat_template_kwargs.chat_template), rendered in a "
+                   "bounded sandbox process. Default: refused with a 400 (docs/SECURITY.md).")
 @click.option("--allowed-hosts", metavar="NAMES",
               help="Comma-separated host names the Host header may carry ('*': any). Default: 127.0.0.1, localhost, "
                    "::1 and the --host address, so a web page under another name cannot drive the proxy "
                    "(docs/SECURITY.md).")
+@click.option("--max-request-mb", default=32.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
+              help="Largest request body accepted; a bigger one is answered 413 and recorded without its body "
+                   "(a 100k-token prompt with tools is ~1 MB) (docs/SECURITY.md).")
+@click.option("--recorder-stuck-after-s", default=30.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
+              help="A recorder write taking longer than this makes /health answer 503, and responses stop waiting "
+                   "for their commit (the turn stays queued) (docs/SECURITY.md).")
 @click.option("--default-temperature", type=FiniteFloatRange(min=0, max=2), metavar="T",
               help="Temperature of requests that set none (default: 1.0, OpenAI's). 0 makes agent runs "
                    "reproducible (docs/HARNESSES.md).")
@@ -135,8 +145,8 @@ def _upstream_urls(ctx, param, values):
 def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
-          thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allowed_hosts, default_temperature,
-          tool_choice_default, log_level, print_config):
+          thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
+          max_request_mb, recorder_stuck_after_s, default_temperature, tool_choice_default, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
@@ -149,8 +159,9 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
     """
     if print_config:
         ctx = click.get_current_context()
-        echo_json({"config_file": ctx.find_root().meta.get("prefixtrace.config_file"),
-                   "options": resolved(ctx, skip=("print_config",))})
+        options = resolved(ctx, skip=("print_config",))
+        options["upstreams"]["value"] = [display_url(u) for u in options["upstreams"]["value"] or ()]
+        echo_json({"config_file": ctx.find_root().meta.get("prefixtrace.config_file"), "options": options})
         return
     if model is not None and upstreams:
         raise click.UsageError("--model serves a model with the embedded engine and --upstream forwards to another "
@@ -176,6 +187,8 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           thinking_retention=thinking_retention,
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
                           notice_pattern=notice_pattern, max_tokens_policy=max_tokens_policy, log_level=log_level,
+                          allow_client_templates=allow_client_templates, max_request_mb=max_request_mb,
+                          recorder_stuck_after_s=recorder_stuck_after_s,
                           default_temperature=default_temperature, tool_choice_default=tool_choice_default,
                           allowed_hosts=None if allowed_hosts is None else
                           [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
@@ -185,7 +198,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
 ENGINE_ONLY = ("dtype", "cache_memory_gb", "cache_dir", "cache_disk_gb", "block_size", "memory_ceiling_gb",
                "prefill_chunk", "max_batch", "kv_quant", "kv_bits", "kv_dense_layers", "mid_system_policy",
                "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern", "max_tokens_policy",
-               "default_temperature", "tool_choice_default")
+               "allow_client_templates", "default_temperature", "tool_choice_default")
 
 
 def _warn_engine_only(ctx: click.Context) -> None:

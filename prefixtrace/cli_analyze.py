@@ -46,8 +46,14 @@ def _kwargs(template, model, tokenizer_spec, block_size, prefill_rate) -> dict:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), callback=output_path,
               help="Write the report here instead of stdout.")
 @MAX_UNREADABLE
+@click.option("--what-if", "what_if", metavar="CACHES",
+              help="Also price the traffic under other caches' documented rules, comma-separated: "
+                   "vllm, sglang, anthropic, openai (docs/ANALYZER.md 'What if').")
+@click.option("--kv-budget", type=click.IntRange(min=1), metavar="TOKENS",
+              help="With --what-if vllm/sglang: the server's KV cache size in tokens (LRU eviction beyond it).")
 @library_errors
-def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt, as_json, out, max_unreadable):
+def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt, as_json, out, max_unreadable,
+            what_if, kv_budget):
     """Per session and turn: did the prompt extend the previous one; if not, where
     it broke (message, char and token offset), why (a fixed cause name) and what
     it cost in re-prefilled tokens.
@@ -62,7 +68,8 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
     from analyzer.html import to_html
 
     with progress(f"analyzing {src.name}"):
-        report = run_analyze(src, **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
+        report = run_analyze(src, what_if=what_if, kv_budget=kv_budget,
+                             **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
     too_much = report.too_much_unread(max_unreadable)
     text = {"text": format_text, "json": to_json, "html": to_html}["json" if as_json else fmt](report)
     write_or_echo(text, out)
@@ -74,13 +81,16 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
 @click.command()
 @SRC
 @click.option("--allow", default="", metavar="CAUSES", help="Comma-separated causes that do not fail, e.g. compaction,request_local_tail.")
+@click.option("--fail-on", "fail_on", default="", metavar="KINDS",
+              help="Also fail on these, comma-separated: side_request (a fork of the main chain, e.g. title generation).")
 @_render_options
 @click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), callback=output_path, help="Also write a JUnit XML report here.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @JSON_FORMAT
 @MAX_UNREADABLE
 @library_errors
-def check(src, allow, template, model, tokenizer_spec, block_size, prefill_rate, junit, fmt, as_json, max_unreadable):
+def check(src, allow, fail_on, template, model, tokenizer_spec, block_size, prefill_rate, junit, fmt, as_json,
+          max_unreadable):
     """Exit 0 when every transition of every session is append-only or of an
     allowed cause, else 1, naming the first offending turn, its cause and diff.
 
@@ -92,7 +102,7 @@ def check(src, allow, template, model, tokenizer_spec, block_size, prefill_rate,
     from analyzer import check as run_check, to_junit
 
     with progress(f"checking {src.name}"):
-        result = run_check(src, allow=allow, max_unreadable=max_unreadable, **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
+        result = run_check(src, allow=allow, fail_on=fail_on, max_unreadable=max_unreadable, **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
     if junit:
         to_junit(result, junit)
     if fmt == "json" or as_json:

@@ -4,7 +4,8 @@
     ├── InvalidRequest           400  the client sent something we cannot serve
     │   ├── ContextExceedsCapacity 400  prompt + max_tokens can never fit
     │   ├── ForbiddenHost        403  the Host header names no allowed host (proxy/guard.py)
-    │   └── UnsupportedMediaType 415  a POST body that does not say application/json
+    │   ├── UnsupportedMediaType 415  a POST body that does not say application/json
+    │   └── RequestTooLarge      413  the body is over --max-request-mb
     ├── ModelNotFound            404  the request names a model we do not serve
     ├── UnknownEndpoint          404  no such path here
     │   └── MethodNotAllowed     405  the path exists, for another method
@@ -49,6 +50,8 @@ class ForbiddenHost(InvalidRequest):
 
 class UnsupportedMediaType(InvalidRequest):
     code = "unsupported_media_type"
+class RequestTooLarge(InvalidRequest):
+    code = "request_too_large"
 
 
 class ModelNotFound(PrefixtraceError):
@@ -89,6 +92,7 @@ HTTP_STATUS: dict[type[PrefixtraceError], int] = {
     ContextExceedsCapacity: 400,
     ForbiddenHost: 403,
     UnsupportedMediaType: 415,
+    RequestTooLarge: 413,
     InvalidRequest: 400,
     ModelNotFound: 404,
     MethodNotAllowed: 405,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -18,9 +19,15 @@ from proxy.guard import LOOPBACK_HOSTS
 from proxy.upstream_backend import UpstreamBackend
 from proxy.upstream_pool import UpstreamPool
 from prefixtrace.errors import EngineError
+from prefixtrace.urls import display_url
 from recorder.store import Recorder
 
 log = logging.getLogger("prefixtrace.serve")
+# SIGTERM/SIGINT: in-flight responses get this long to finish, then are cancelled
+# (and recorded as such), so shutdown always completes; then the recorder gets
+# RECORDER_CLOSE_S to write what is queued.
+SHUTDOWN_GRACE_S = 30
+RECORDER_CLOSE_S = 10.0
 
 
 @dataclass
@@ -46,9 +53,12 @@ class ServeConfig:
     thinking_retention_guard_tokens: int = 30000
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
     max_tokens_policy: str = "clamp"  # clamp|reject: a max_tokens beyond what fits after the prompt
+    max_request_mb: float = 32.0  # proxy/request_limits.py: 413 past it
+    recorder_stuck_after_s: float = 30.0  # /health is 503 once one recorder write takes longer
     default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
     tool_choice_default: str = "auto"  # or "required-after-user": a test aid for small models (docs/TOOLS.md)
     log_level: str = "info"
+    allow_client_templates: bool = False  # chat_template_kwargs.chat_template, sandboxed (docs/SECURITY.md)
     allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
 
 
@@ -62,10 +72,11 @@ def allowed_hosts(config: ServeConfig) -> list[str]:
 
 def build_backend(config: ServeConfig):
     if len(config.upstreams) > 1:
-        log.info("forwarding to %d upstreams with session affinity: %s", len(config.upstreams), ", ".join(config.upstreams))
+        log.info("forwarding to %d upstreams with session affinity: %s", len(config.upstreams),
+                 ", ".join(map(display_url, config.upstreams)))
         return UpstreamPool(config.upstreams)
     if config.upstreams:
-        log.info("forwarding to upstream %s", config.upstreams[0])
+        log.info("forwarding to upstream %s", display_url(config.upstreams[0]))
         return UpstreamBackend(config.upstreams[0])
     if config.model is None:
         from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
@@ -90,6 +101,7 @@ def build_backend(config: ServeConfig):
         thinking_retention=config.thinking_retention,
         thinking_retention_guard_tokens=config.thinking_retention_guard_tokens,
         notice_pattern=config.notice_pattern,
+        allow_client_templates=config.allow_client_templates,
         **({} if config.block_size is None else {"block_size": config.block_size}),
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
@@ -105,6 +117,22 @@ def build_backend(config: ServeConfig):
         log.info("requests that set no temperature sample at %g", config.default_temperature)
         backend = with_default_temperature(backend, config.default_temperature)
     return backend
+
+
+class QueryValuesMasked(logging.Filter):
+    """uvicorn's access log prints the request target; a client that put its key in
+    the query string (`?key=...`, `?api-key=...`, Azure's and Google's habit) would
+    have it in the log. Keep the names, mask every value."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+            path, query = args[2].split("?", 1)
+            record.args = (*args[:2], f"{path}?{_MASKED_VALUE.sub('=***', query)}", *args[3:])
+        return True
+
+
+_MASKED_VALUE = re.compile(r"=[^&]*")
 
 
 def _stop_if_the_model_fails_to_load(engine: Engine, server: uvicorn.Server, failures: list) -> threading.Thread:
@@ -129,10 +157,13 @@ def serve(config: ServeConfig) -> None:
     backend = build_backend(config)
     engine = backend.engine if isinstance(backend, EngineBackend) else None
     try:
-        with Recorder(config.db) as recorder:
+        recorder = Recorder(config.db, stuck_after_s=config.recorder_stuck_after_s)
+        try:
             log.info("recording to %s", config.db.resolve())
-            app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config))
-            server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level))
+            app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config), max_request_mb=config.max_request_mb)
+            server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                                   timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+            logging.getLogger("uvicorn.access").addFilter(QueryValuesMasked())
             failures: list[EngineError] = []
             if engine is not None:
                 _stop_if_the_model_fails_to_load(engine, server, failures)
@@ -144,6 +175,8 @@ def serve(config: ServeConfig) -> None:
                 raise failures[0]
             if not server.started:  # e.g. the port is in use; uvicorn has logged why
                 sys.exit(STARTUP_FAILURE)
+        finally:
+            recorder.close(timeout=RECORDER_CLOSE_S)  # bounded: a stuck writer must not keep the process up
     finally:
         if engine is not None:
             engine.shutdown()

@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from prefixtrace.errors import InvalidRequest, PrefixtraceError
 from prefixtrace.wire import messages as messages_wire
 from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
-from prefixtrace.wire.messages import to_anthropic_error  # noqa: F401 (the route's error shape)
+from prefixtrace.wire.messages import record_usage, to_anthropic_error  # noqa: F401 (the route's error shape)
 from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.relay import record_durably, serve_turn
@@ -66,19 +66,6 @@ def _passthrough_request(body: dict, headers: dict[str, str]) -> ChatRequest:
     req.body = body
     req.session_id = messages_wire.session_id(body, headers) or req.session_id
     return req
-
-
-def record_usage(builder: TurnBuilder, usage: dict) -> None:
-    """Fill the turn from an Anthropic usage object (kept as sent in `turn.usage`)."""
-    turn = builder.turn
-    read, created = usage.get("cache_read_input_tokens"), usage.get("cache_creation_input_tokens")
-    if isinstance(usage.get("input_tokens"), int):
-        turn.prompt_tokens = usage["input_tokens"] + (read or 0) + (created or 0)
-    if isinstance(usage.get("output_tokens"), int):
-        turn.completion_tokens = usage["output_tokens"]
-    # Unknown stays None: an upstream that does not report cache reads is not a miss.
-    turn.cached_tokens = read if isinstance(read, int) else None
-    turn.usage = dict(usage)
 
 
 def _event(kind: str, data: dict) -> bytes:
@@ -272,7 +259,8 @@ class UpstreamMessages(Relayed):
         if kind == "message_start":
             self._merge_usage((data.get("message") or {}).get("usage") or {})
         elif kind == "message_delta":
-            turn.finish_reason = (data.get("delta") or {}).get("stop_reason") or turn.finish_reason
+            turn.finish_reason = messages_wire.finish_reason((data.get("delta") or {}).get("stop_reason")) \
+                or turn.finish_reason
             self._merge_usage(data.get("usage") or {})
         elif kind == "error":
             turn.error = str(data.get("error"))[:2000]
@@ -287,7 +275,7 @@ class UpstreamMessages(Relayed):
         turn = self.builder.turn
         if body is not None and self.status < 400:
             self.builder.on_whole(self.reader.whole(body))
-            turn.finish_reason = body.get("stop_reason")
+            turn.finish_reason = messages_wire.finish_reason(body.get("stop_reason"))
             record_usage(self.builder, body.get("usage") or {})
         elif self.status >= 400:
             turn.error = (str(body.get("error", body)) if body is not None else data.decode(errors="replace"))[:2000]

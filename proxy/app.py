@@ -18,21 +18,25 @@ from fastapi.responses import JSONResponse
 from prefixtrace.errors import PrefixtraceError, http_status, to_openai_error
 from prefixtrace.wire import sse
 from proxy.anthropic import MESSAGES_PATH, add_messages_route, to_anthropic_error
-from proxy.responses import add_responses_route
+from proxy.responses import RESPONSES_PATH, add_responses_route
 from proxy.completions import add_completions_route
 from proxy.fallback import add_fallback_routes
 from proxy.chat_request import parse_chat_request
 from proxy.guard import RequestGuard, refusal_recorder
 from proxy.relay import TurnSink, record_durably, serve_turn
 from proxy.dashboard import observe
+from proxy.disconnect import CancelOnDisconnect
+from proxy.request_limits import DEFAULT_MAX_REQUEST_MB
 from prefixtrace.wire.turn_builder import TurnBuilder
 
 log = logging.getLogger("prefixtrace.proxy")
 CHAT_PATH = "/v1/chat/completions"
 
 
-def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None = None) -> FastAPI:
-    """`allowed_hosts`: names the Host header may carry (None: loopback only; "*": any), see proxy/guard.py."""
+def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None = None,
+               max_request_mb: float = DEFAULT_MAX_REQUEST_MB) -> FastAPI:
+    """`allowed_hosts`: names the Host header may carry (None: loopback only; "*": any), see proxy/guard.py;
+    `max_request_mb`: the largest body accepted (proxy/request_limits.py)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -42,10 +46,12 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     app = FastAPI(title="prefixtrace", lifespan=lifespan)
     app.state.backend = backend
     app.state.recorder = recorder
+    app.state.max_request_mb = max_request_mb  # proxy/request_limits.py
     recorder = observe(app, backend, recorder)  # /ui, /metrics: every turn also feeds them
     # A loopback Host on every request and JSON on every POST; refused turns are recorded.
-    app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts, refuse=refusal_recorder(
-        recorder, backend.label, {CHAT_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error}, record_durably))
+    error_bodies = {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error}
+    app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts,
+                       refuse=refusal_recorder(recorder, backend.label, error_bodies, record_durably))
 
     @app.middleware("http")
     async def max_context_header(request: Request, call_next):
@@ -58,6 +64,9 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
 
     @app.get("/health")
     async def health():
+        stalled = recorder_trouble(app.state.recorder)
+        if stalled is not None:
+            return stalled
         if await backend.ready():
             body = {"status": "ok", "backend": backend.label}
             if hasattr(backend, "engine"):
@@ -89,7 +98,22 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     add_responses_route(app, backend, recorder)  # POST /v1/responses (OpenAI Responses)
     add_completions_route(app, backend, recorder, _stream_and_record)  # POST /v1/completions (raw prompt)
     add_fallback_routes(app, backend, recorder)  # last: every other path, in the API's error shape
+    app.add_middleware(CancelOnDisconnect)  # a hung-up non-streamed request stops generating
     return app
+
+
+def recorder_trouble(recorder) -> JSONResponse | None:
+    """A 503 naming the reason when the recorder cannot record (writer stuck,
+    gone or closed): a proxy that answers but stores nothing must not look healthy."""
+    health = getattr(recorder, "health", None)
+    if health is None:
+        return None
+    ok, reason = health()
+    if ok:
+        return None
+    status = "recorder_stuck" if "stuck" in (reason or "") else "recorder_down"
+    return JSONResponse({"status": status, "reason": reason, "pending": getattr(recorder, "pending", None)},
+                        status_code=503)
 
 
 async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):

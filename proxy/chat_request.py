@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.sampling import SamplingParams
 from prefixtrace.errors import InvalidRequest
+from proxy.request_limits import MAX_JSON_DEPTH, check_depth
 
 
 @dataclass(slots=True)
@@ -38,6 +39,9 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw, parse_constant=_no_constant)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # ~990 deep: the parser's own recursion
+        raise InvalidRequest(f"the request body nests arrays/objects more than {MAX_JSON_DEPTH} deep") from exc
+    check_depth(body)  # deeper than the recorder and the analyzer can walk (proxy/request_limits.py)
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     return body

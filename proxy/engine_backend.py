@@ -16,7 +16,7 @@ import uuid
 from typing import AsyncIterator
 
 from engine.chat_render import thinking_kwargs
-from engine.constraints import ReplyPlan, plan_reply
+from engine.constraints import TOOL_CHOICE_DEFAULTS, ReplyPlan, plan_reply
 from engine.engine import Engine
 from engine.reply_parser import ReplyParser, final_finish_reason
 from engine.sequence import Failed, Finished, Sequence, TextDelta
@@ -45,6 +45,8 @@ class EngineBackend:
     def __init__(self, engine: Engine, tool_choice_default: str = "auto", *, max_tokens_policy: str = "clamp"):
         if max_tokens_policy not in MAX_TOKENS_POLICIES:
             raise ValueError(f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}, got {max_tokens_policy!r}")
+        if tool_choice_default not in TOOL_CHOICE_DEFAULTS:
+            raise ValueError(f"tool_choice_default must be one of {TOOL_CHOICE_DEFAULTS}, got {tool_choice_default!r}")
         self.engine = engine
         self.tool_choice_default = tool_choice_default
         self.max_tokens_policy = max_tokens_policy
@@ -169,7 +171,8 @@ class EngineChat:
         self.seq: Sequence | None = None
         self.plan = plan
         self.parser = ReplyParser(plan.fmt, tools=req.tools, parse_tools=plan.parse_tools,
-                                  reasoning=plan.fmt.opens_reasoning(prompt_text)) if plan is not None else None
+                                  reasoning=plan.fmt.opens_reasoning(prompt_text),
+                                  stream_arguments=plan.forced == "tool_call") if plan is not None else None
         self.finished: Finished | None = None  # the engine's last event, for timings
         self._events: asyncio.Queue = asyncio.Queue()
         self._first = None

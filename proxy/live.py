@@ -14,6 +14,7 @@ for display.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -28,6 +29,7 @@ from analyzer.sessions import SessionGrouper
 from recorder.redact import DEFAULT_REDACTOR, Redactor
 from recorder.turn import Turn
 
+log = logging.getLogger("prefixtrace.dashboard")
 _COUNTER_CACHE_MAX = 100_000  # token-count cache entries before it is rebuilt
 
 
@@ -107,7 +109,10 @@ class LiveSessions:
             with self._pending_lock:
                 turns, self._pending = self._pending, []
             for turn in sorted(turns, key=lambda t: t.started_at):
-                self._add(turn)
+                try:
+                    self._add(turn)
+                except Exception:  # one unanalysable turn must not cost the poll (and the batch) a 500
+                    log.exception("live analysis skipped turn %s", turn.request_id)
             if turns:
                 self.version += 1
                 self._trim()

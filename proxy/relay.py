@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prefixtrace.errors import PrefixtraceError, http_status
 from prefixtrace.wire.request import session_id
 from proxy.chat_request import parse_body
+from proxy.request_limits import read_request_body
 from prefixtrace.wire.turn_builder import TurnBuilder
 from recorder.turn import Turn
 
@@ -54,8 +55,9 @@ async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder
         client_addr=f"{request.client.host}:{request.client.port}" if request.client else None,
     )
     builder = TurnBuilder(turn)
-    raw = await request.body()
+    raw = b""
     try:
+        raw = await read_request_body(request, turn)  # 413 past --max-request-mb
         body = parse_body(raw)
         turn.request_body, turn.request_raw = body, raw.decode("utf-8", errors="replace")
         req = parse(body, turn.request_headers)
@@ -89,8 +91,9 @@ async def respond(chat, builder: TurnBuilder, recorder: TurnSink, stream, error_
         status = http_status(exc)
         await record_durably(recorder, builder.finish(status, exc.message))
         return JSONResponse(error_body(exc), status_code=status)
-    except asyncio.CancelledError:
+    except asyncio.CancelledError:  # the client hung up (proxy/disconnect.py) or the server is stopping
         chat.cancel()
+        builder.turn.finish_reason = "cancelled"
         recorder.record(builder.finish(499, "client disconnected"))
         raise
     await record_durably(recorder, builder.finish(chat.status))

@@ -12,6 +12,7 @@ from typing import AsyncIterator
 import httpx
 
 from prefixtrace.errors import UpstreamError
+from prefixtrace.urls import credentials, display_url, without_credentials
 from prefixtrace.wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
 from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
@@ -21,14 +22,21 @@ from prefixtrace.wire.turn_builder import TurnBuilder
 _HOP_HEADERS = {
     "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
     "upgrade", "proxy-authorization", "proxy-connection", "accept-encoding", "x-session-id",
+    # The client's browser state and network path are not the upstream's business (issue 14).
+    "cookie", "origin", "referer", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "forwarded",
+    "x-real-ip",
 }
 
 
 class UpstreamBackend:
     def __init__(self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None, timeout: float = 600.0):
-        self.base_url = normalize_base_url(base_url)
+        url = normalize_base_url(base_url)
+        # `base_url` names the upstream everywhere (label, errors, the recorded turn):
+        # its credentials, if any, only reach the client, as Basic auth (prefixtrace/urls.py).
+        self.base_url = display_url(url)
         self.client = httpx.AsyncClient(
-            base_url=self.base_url,
+            base_url=without_credentials(url),
+            auth=credentials(url),
             transport=transport,
             timeout=httpx.Timeout(timeout, connect=10.0),
         )

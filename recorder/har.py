@@ -9,9 +9,12 @@ chunk times, render facts, the exact original ts) goes in a custom
 export -> import -> export lossless.
 
 Import takes HAR from browsers and mitmproxy too: every POST whose body is a
-chat request (a JSON object with a `messages` list) becomes a turn; other
-entries (pages, assets, GETs) are skipped. Without `_prefixtrace`, the reply,
-usage and finish reason are read back from the response content, SSE or JSON.
+request of an API the proxy serves (chat completions or Messages with a
+`messages` list, Responses with an `input`, legacy completions with a `prompt`,
+told apart by the URL's path) becomes a turn; other entries (pages, assets,
+GETs) are skipped. Without `_prefixtrace`, the reply, usage and finish reason
+are read back from the response content, SSE or JSON, by that API's reader
+(prefixtrace/wire/), the same the proxy records an upstream's reply with.
 Import is all or nothing, like JSONL.
 """
 
@@ -27,6 +30,9 @@ from typing import IO, Any
 from urllib.parse import urlsplit
 
 from prefixtrace.errors import InvalidRequest
+from prefixtrace.wire import messages as messages_wire
+from prefixtrace.wire.request import protocol_of, session_id
+from prefixtrace.wire.responses_stream import TERMINAL, ResponsesReader
 from recorder.jsonl import DEFAULT_ENDPOINT, record_to_turn, turn_to_record
 from recorder.turn import Turn
 
@@ -181,17 +187,28 @@ def entry_to_turn(entry: Any, *, index: int = 0, source: str = "") -> Turn | Non
         body = json.loads(body_text)
     except json.JSONDecodeError:
         return None
-    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+    if not _is_request(urlsplit(str(request.get("url", ""))).path, body):
         return None
     return _foreign_turn(entry, body, body_text, headers, index, source)
 
 
+def _is_request(path: str, body: Any) -> bool:
+    if not isinstance(body, dict):
+        return False
+    protocol = protocol_of(path)
+    if protocol == "responses":
+        return isinstance(body.get("input"), (str, list))
+    if protocol == "completions":
+        return isinstance(body.get("prompt"), (str, list))
+    return isinstance(body.get("messages"), list) and not path.rstrip("/").endswith("/count_tokens")
+
+
 def _foreign_turn(entry: dict, body: dict, body_text: str, headers: dict, index: int, source: str) -> Turn:
-    from prefixtrace.wire.turn_builder import TurnBuilder  # the proxy's chunk parser: one reading of the wire format
+    # Imported here: prefixtrace.wire.turn_builder imports recorder.turn, whose package imports this module.
+    from prefixtrace.wire.turn_builder import TurnBuilder
 
     url = urlsplit(str(entry["request"].get("url", "")))
-    lower = {k.lower(): v for k, v in headers.items()}
-    session = lower.get("x-session-id") or body.get("user") or body.get("prompt_cache_key")
+    session = session_id(url.path, body, headers)
     digest = hashlib.sha256(f"{source}\0{index}\0{entry.get('startedDateTime')}\0".encode() + body_text.encode())
     turn = Turn(
         request_id=f"har-{digest.hexdigest()[:16]}",
@@ -207,6 +224,7 @@ def _foreign_turn(entry: dict, body: dict, body_text: str, headers: dict, index:
     response = entry.get("response") if isinstance(entry.get("response"), dict) else {}
     builder = TurnBuilder(turn)
     content = _text(response.get("content") or {})
+    read = _ReplyReader(protocol_of(url.path), builder)
     if "data:" in content:
         for line in content.splitlines():
             data = line[5:].strip() if line.startswith("data:") else ""
@@ -216,14 +234,14 @@ def _foreign_turn(entry: dict, body: dict, body_text: str, headers: dict, index:
                 except json.JSONDecodeError:
                     continue
                 if isinstance(chunk, dict):
-                    builder.on_chunk(chunk)
+                    read.event(chunk)
     elif content:
         try:
             parsed = json.loads(content)
         except json.JSONDecodeError:
             parsed = None
         if isinstance(parsed, dict):
-            builder.on_response(parsed)
+            read.whole(parsed)
     status = response.get("status") if isinstance(response.get("status"), int) else 0
     builder.finish(status, None if status < 400 else content[:500] or None)
     timings = entry.get("timings") if isinstance(entry.get("timings"), dict) else {}
@@ -234,3 +252,45 @@ def _foreign_turn(entry: dict, body: dict, body_text: str, headers: dict, index:
     turn.total_s = total / 1000 if isinstance(total, (int, float)) and total >= 0 else None
     turn.chunk_times = []
     return turn
+
+
+class _ReplyReader:
+    """A recorded reply (stream events or a whole body) read into the turn by its API's reader,
+    as the proxy reads an upstream's (prefixtrace/wire/)."""
+
+    def __init__(self, protocol: str, builder):
+        self.protocol, self.builder = protocol, builder
+        self.messages = messages_wire.MessagesReader()
+        self.responses = ResponsesReader()
+        self._usage: dict = {}
+
+    def event(self, data: dict) -> None:
+        if self.protocol == "messages":
+            for event in self.messages.feed(data):
+                self.builder.on_event(event)
+            kind = data.get("type")
+            usage = (data.get("message") or {}).get("usage") if kind == "message_start" else data.get("usage")
+            if kind in ("message_start", "message_delta") and isinstance(usage, dict):
+                self._usage.update({k: v for k, v in usage.items() if v is not None})
+                messages_wire.record_usage(self.builder, self._usage)
+            if kind == "message_delta":
+                reason = messages_wire.finish_reason((data.get("delta") or {}).get("stop_reason"))
+                self.builder.turn.finish_reason = reason or self.builder.turn.finish_reason
+        elif self.protocol == "responses":
+            for event in self.responses.feed(data):
+                self.builder.on_event(event)
+            if data.get("type") in TERMINAL:
+                self.builder.turn.usage = (data.get("response") or {}).get("usage")
+        else:
+            self.builder.on_chunk(data)
+
+    def whole(self, body: dict) -> None:
+        if self.protocol == "messages":
+            self.builder.on_whole(self.messages.whole(body))
+            self.builder.turn.finish_reason = messages_wire.finish_reason(body.get("stop_reason"))
+            messages_wire.record_usage(self.builder, body.get("usage") or {})
+        elif self.protocol == "responses":
+            self.builder.on_whole(self.responses.whole(body))
+            self.builder.turn.usage = body.get("usage")
+        else:
+            self.builder.on_response(body)

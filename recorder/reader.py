@@ -7,11 +7,13 @@ is writing.
 from __future__ import annotations
 
 import os
+import sqlite3
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from prefixtrace.errors import RecorderError
 from recorder.rows import BodyStore, row_to_turn
 from recorder.schema import open_db
 from recorder.turn import Turn
@@ -23,15 +25,26 @@ def iter_turns(db_path: str | Path, session: str | None = None) -> Iterator[Turn
     # Opened eagerly (not inside the generator) so a missing or foreign file
     # fails at the call, not at the first next().
     db = open_db(db_path, create=False)
-    return _iter_rows(db, session)
+    return _iter_rows(db, session, Path(db_path))
 
 
-def _iter_rows(db, session: str | None) -> Iterator[Turn]:
+def _iter_rows(db, session: str | None, path: Path) -> Iterator[Turn]:
     try:
         bodies = BodyStore(db)
         where, params = ("session_id = ?", [session]) if session is not None else (None, None)
-        for row in db["turn_log"].rows_where(where, params, order_by="started_at, request_id"):
-            yield row_to_turn(row, bodies)
+        rows = db["turn_log"].rows_where(where, params, order_by="started_at, request_id")
+        while True:
+            try:
+                row = next(rows, None)
+                if row is None:
+                    return
+                turn = row_to_turn(row, bodies)
+            except sqlite3.DatabaseError as exc:
+                raise RecorderError(f"{path} cannot be read: {exc} (the file is damaged?)") from exc
+            except (ValueError, TypeError, KeyError) as exc:  # a stored JSON text that no longer parses
+                raise RecorderError(f"{path}: turn {row.get('request_id')!r} cannot be read: "
+                                    f"{type(exc).__name__}: {exc} (the file is damaged?)") from exc
+            yield turn
     finally:
         db.close()
 
@@ -55,20 +68,26 @@ def db_info(db_path: str | Path) -> dict[str, Any]:
     p = Path(db_path)
     db = open_db(p, create=False)
     try:
-        version = int(db["meta"].get("schema_version")["value"])
-        turns, sessions, unlabelled, first, last = db.execute(
-            "select count(*), count(distinct session_id), sum(session_id is null),"
-            " min(started_at), max(started_at) from turn_log"
-        ).fetchone()
-        messages, message_bytes = db.execute("select count(*), coalesce(sum(length(cast(body as blob))), 0)"
-                                             " from messages").fetchone()
-        refs = db.execute(
-            "with recursive depth(id, n) as (select id, 1 from prefixes where parent = 0 union all"
-            " select p.id, depth.n + 1 from prefixes p join depth on p.parent = depth.id)"
-            " select coalesce(sum(depth.n), 0) from turn_log t join depth on depth.id = t.body_prefix"
-        ).fetchone()[0]
+        return _db_info(db, p)
+    except sqlite3.DatabaseError as exc:
+        raise RecorderError(f"{p} cannot be read: {exc} (the file is damaged?)") from exc
     finally:
         db.close()
+
+
+def _db_info(db, p: Path) -> dict[str, Any]:
+    version = int(db["meta"].get("schema_version")["value"])
+    turns, sessions, unlabelled, first, last = db.execute(
+        "select count(*), count(distinct session_id), sum(session_id is null),"
+        " min(started_at), max(started_at) from turn_log"
+    ).fetchone()
+    messages, message_bytes = db.execute("select count(*), coalesce(sum(length(cast(body as blob))), 0)"
+                                         " from messages").fetchone()
+    refs = db.execute(
+        "with recursive depth(id, n) as (select id, 1 from prefixes where parent = 0 union all"
+        " select p.id, depth.n + 1 from prefixes p join depth on p.parent = depth.id)"
+        " select coalesce(sum(depth.n), 0) from turn_log t join depth on depth.id = t.body_prefix"
+    ).fetchone()[0]
     size = sum(os.path.getsize(f) for f in (p, Path(f"{p}-wal")) if f.exists())
     return {
         "path": str(p),

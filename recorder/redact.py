@@ -11,6 +11,26 @@ Two mechanisms, because secrets arrive two ways:
 
 Redaction is deterministic, so two requests that carried the same secret still
 render identically and the prefix analysis is unaffected.
+
+Redaction is linear-time on any input and cheap on ordinary bodies
+(bench/bench_redact.py, docs/PERFORMANCE.md). Python's `re` backtracks, so each
+default pattern is written to keep it so:
+
+* it starts with a literal, so a text without it skips the pattern (`in`, a
+  fast substring search) and `re` skips to candidates (a leading `\\b` made every
+  position an attempt: ~50x slower per MB); the word boundary is a fixed-width
+  look-behind right after the literal;
+* no attempt can scan far and then fail from many overlapping starts: an
+  unbounded run is never followed by something required, except in the JWT
+  pattern, whose look-behind rules out a start inside a base64url run, and the
+  PEM body, which is possessive and stops at the first `-----`;
+* key-name patterns (`password: x`) are written in lower case and run over the
+  lower-cased text (same length for ASCII, checked), because `(?i)` turns the
+  substring search off too.
+
+Every pattern's matches are collected first and replaced in one pass, so no
+pattern sees another's `[REDACTED]`. A pattern with groups named `secret...` has
+only those groups replaced (`password: [REDACTED]` still says what was there).
 """
 
 from __future__ import annotations
@@ -24,28 +44,82 @@ from prefixtrace.errors import InvalidRequest
 REDACTED = "[REDACTED]"
 
 DROPPED_HEADERS = frozenset(
-    {"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie", "set-cookie"}
+    {"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie", "set-cookie",
+     # Other services' key headers a client may send through (Azure APIM, Google, AWS STS, generic).
+     "x-auth-token", "ocp-apim-subscription-key", "x-goog-api-key", "x-amz-security-token",
+     "x-functions-key", "x-access-token", "private-token", "x-csrf-token", "x-xsrf-token"}
 )
+# Any other header whose name says it carries a credential is dropped too: a
+# dropped header cannot leak through a value regex that missed its format.
+CREDENTIAL_HEADER_NAME = re.compile(r"token|secret|passw|api-?key|auth|cookie|session-key|subscription-key")
+# Header names matched above that carry no secret and are worth keeping.
+KEPT_HEADERS = frozenset({"x-session-id"})
 
 DEFAULT_PATTERNS: tuple[str, ...] = (
     # OpenAI (sk-..., sk-proj-...) and Anthropic (sk-ant-api03-...) keys. The
     # length floor keeps prose such as "sk-learn" from being redacted.
-    r"\bsk-[A-Za-z0-9_\-]{16,}",
+    r"sk-(?<!\wsk-)[A-Za-z0-9_\-]{16,}",
+    # Stripe secret and restricted keys.
+    r"sk_(?:live|test)_(?<!\wsk_live_)(?<!\wsk_test_)[A-Za-z0-9]{16,}",
+    r"rk_(?:live|test)_(?<!\wrk_live_)(?<!\wrk_test_)[A-Za-z0-9]{16,}",
     # Bearer tokens pasted into prompts or custom headers; same length floor so
     # the phrase "Bearer tokens" survives.
-    r"\bBearer\s+[A-Za-z0-9._~+/\-]{16,}=*",
+    r"Bearer(?<!\wBearer)\s+[A-Za-z0-9._~+/\-]{16,}=*",
     # AWS access key ids (long-term AKIA, temporary ASIA).
-    r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b",
+    r"AKIA(?<!\wAKIA)[0-9A-Z]{16}\b",
+    r"ASIA(?<!\wASIA)[0-9A-Z]{16}\b",
     # GitHub tokens (classic ghp_/gho_/ghu_/ghs_/ghr_, fine-grained github_pat_): coding
     # agents meet them in remotes, CI logs and .env files they read.
-    r"\bgh[pousr]_[A-Za-z0-9]{36,}",
-    r"\bgithub_pat_[A-Za-z0-9_]{22,}",
+    r"gh[pousr]_(?<!\wgh[pousr]_)[A-Za-z0-9]{36,}",
+    r"github_pat_(?<!\wgithub_pat_)[A-Za-z0-9_]{22,}",
+    # Hugging Face, npm and GitLab tokens.
+    r"hf_(?<!\whf_)[A-Za-z0-9]{30,}",
+    r"npm_(?<!\wnpm_)[A-Za-z0-9]{36,}",
+    r"glpat-(?<!\wglpat-)[A-Za-z0-9_\-]{20,}",
     # Slack tokens and Google API keys.
-    r"\bxox[abprs]-[A-Za-z0-9\-]{10,}",
-    r"\bAIza[0-9A-Za-z_\-]{35}",
-    # PEM private keys, header to footer (an agent that cats a key file sends all of it).
-    r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----",
+    r"xox[abprs]-(?<!\wxox[abprs]-)[A-Za-z0-9\-]{10,}",
+    r"AIza(?<!\wAIza)[0-9A-Za-z_\-]{35}",
+    # JWTs: header.payload.signature, both JSON parts base64url of `{"`.
+    r"eyJ(?<![\w\-]eyJ)[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}",
+    # PEM private keys: the header, the base64 body (with Proc-Type/DEK-Info lines and
+    # JSON's `\n` escapes) and the footer when there is one. A key cut off before its
+    # footer (`head id_rsa`) is still a key. Issue 14: the old lazy `[\s\S]*?` to the
+    # footer scanned the rest of the body from each of 10,000 unterminated headers.
+    r"-----BEGIN [A-Z0-9 ]{0,40}PRIVATE KEY-----(?:[A-Za-z0-9+/=\s\\:,]|-(?!----))*+"
+    r"(?:-----END [A-Z0-9 ]{0,40}PRIVATE KEY-----)?",
 )
+
+# Key names whose value is a credential wherever they appear, lower case: `password: x`,
+# `"apiKey": "x"`, `DB_PASSWORD=x`, `aws_secret_access_key = x` (an AWS secret key has
+# no format of its own, only its name). One literal start each (see the module doc).
+SECRET_KEY_NAMES: tuple[str, ...] = (
+    r"pass(?:word|wd|phrase)",
+    r"secret(?:[_-]?(?:access[_-]?)?key)?",
+    r"api[_-]?key",
+    r"access[_-]?token",
+    r"auth[_-]?token",
+    r"refresh[_-]?token",
+    r"private[_-]?token",
+)
+# After the name: its closing quote (JSON escapes it inside a string), `:` or `=`,
+# then a quoted value up to its quote, or a bare one up to white space or punctuation.
+# A type annotation (`api_key: str`, common in the code agents read) is not a value.
+_KEY_VALUE = (r"\\?[\"']?[ \t]*[:=][ \t]*(?:\\?[\"'](?P<secret_quoted>[^\"'\\\r\n]+)"
+              r"|(?!(?:str|int|bool|bytes|none|optional|any|string|number)\b)"
+              r"(?P<secret_bare>[^\s\"'\\,;{}()\[\]<>]+))")
+DEFAULT_FOLDED_PATTERNS: tuple[str, ...] = tuple(name + _KEY_VALUE for name in SECRET_KEY_NAMES)
+# A dict key ending in one of those names: its scalar value is redacted whole.
+_SECRET_KEY = re.compile("(?:" + "|".join(SECRET_KEY_NAMES) + ")$")
+
+
+def _compile(patterns: Iterable[str | re.Pattern[str]], flags: int = 0) -> list[re.Pattern[str]]:
+    compiled = []
+    for p in patterns:
+        try:
+            compiled.append(p if isinstance(p, re.Pattern) else re.compile(p, flags))
+        except re.error as exc:
+            raise InvalidRequest(f"bad redaction pattern {p!r}: {exc}") from exc
+    return compiled
 
 
 class Redactor:
@@ -53,61 +127,135 @@ class Redactor:
 
     Args:
         patterns: regexes (strings or compiled) whose matches are replaced by
-            `[REDACTED]`; defaults to `DEFAULT_PATTERNS`.
-        drop_headers: header names (any case) removed entirely.
+            `[REDACTED]` (only their `secret...` groups, where they have any);
+            defaults to `DEFAULT_PATTERNS`. Giving them also drops the default
+            folded patterns unless `folded_patterns` is given too.
+        folded_patterns: regexes written in lower case, matched against the
+            lower-cased text (case-insensitive key names); defaults to
+            `DEFAULT_FOLDED_PATTERNS`.
+        drop_headers: header names (any case) removed entirely, besides any
+            name that says it carries a credential (`CREDENTIAL_HEADER_NAME`).
     """
 
     def __init__(
         self,
         patterns: Iterable[str | re.Pattern[str]] | None = None,
         drop_headers: Iterable[str] = DROPPED_HEADERS,
+        folded_patterns: Iterable[str | re.Pattern[str]] | None = None,
     ):
-        compiled: list[re.Pattern[str]] = []
-        for p in DEFAULT_PATTERNS if patterns is None else patterns:
-            try:
-                compiled.append(p if isinstance(p, re.Pattern) else re.compile(p))
-            except re.error as exc:
-                raise InvalidRequest(f"bad redaction pattern {p!r}: {exc}") from exc
-        self.patterns = compiled
+        self.patterns = _compile(DEFAULT_PATTERNS if patterns is None else patterns)
+        if folded_patterns is None:
+            folded_patterns = DEFAULT_FOLDED_PATTERNS if patterns is None else ()
+        self.folded = _compile(folded_patterns)
+        # For text whose lower-casing changes its length (a few non-ASCII letters,
+        # e.g. U+0130): the same patterns, case-insensitive, over the text itself.
+        self._folded_ci = [re.compile(p.pattern, p.flags | re.IGNORECASE) for p in self.folded]
+        self._groups = {p: _secret_groups(p) for p in (*self.patterns, *self.folded, *self._folded_ci)}
+        self._literals = {p: _leading_literal(p.pattern) if isinstance(p.pattern, str)
+                          and not p.flags & re.IGNORECASE else ""
+                          for p in (*self.patterns, *self.folded)}
         self.drop_headers = frozenset(h.lower() for h in drop_headers)
-        # One pass instead of one per pattern: bodies are hundreds of KB and
-        # redaction is most of the writer's time. Only patterns that start at a
-        # word boundary (`\b`) and share their flags go into the alternation:
-        # one branch without `\b` (the PEM block) made the whole pass 6x slower
-        # (6.8 -> 42 ms per 400 KB body), while such a pattern alone, led by a
-        # literal, costs 0.2 ms; those run on their own.
-        anchored = [p for p in compiled if isinstance(p.pattern, str) and p.pattern.startswith("\\b")]
-        flags = {p.flags for p in anchored}
-        if len(anchored) > 1 and len(flags) == 1:
-            combined = re.compile("|".join(f"(?:{p.pattern})" for p in anchored), flags.pop())
-            self._passes = [combined] + [p for p in compiled if p not in anchored]
-        else:
-            self._passes = compiled
+        self._header_verdicts: dict[str, bool] = {}
 
     def text(self, value: str) -> str:
-        for pattern in self._passes:
-            value = pattern.sub(REDACTED, value)
-        return value
+        spans: list[tuple[int, int]] = []
+        literals = self._literals
+        for pattern in self.patterns:
+            # `in` is a fast substring search: a body without "sk-" skips that pattern's scan.
+            if literals[pattern] in value:
+                self._collect(pattern, value, spans)
+        if self.folded:
+            low = value.lower()
+            if len(low) == len(value):
+                for pattern in self.folded:
+                    if literals[pattern] in low:
+                        self._collect(pattern, low, spans)
+            else:
+                for pattern in self._folded_ci:
+                    self._collect(pattern, value, spans)
+        if not spans:
+            return value
+        spans.sort()
+        out, pos = [], 0
+        for start, end in spans:
+            if end <= pos:
+                continue  # inside a span already replaced
+            if start >= pos:
+                out += [value[pos:start], REDACTED]
+            pos = end
+        out.append(value[pos:])
+        return "".join(out)
+
+    def _collect(self, pattern: re.Pattern[str], text: str, spans: list[tuple[int, int]]) -> None:
+        groups = self._groups[pattern]
+        for match in pattern.finditer(text):
+            if not groups:
+                spans.append(match.span())
+            else:
+                spans.extend(match.span(g) for g in groups if match.start(g) >= 0)
 
     def value(self, value: Any) -> Any:
         """Redacts every string inside a JSON-like value (keys included: some
-        clients put keys in dict keys, e.g. `{"sk-...": "prod"}`)."""
+        clients put keys in dict keys, e.g. `{"sk-...": "prod"}`); the scalar
+        value of a key named like a credential (`"password": ...`) is replaced
+        whole, as the folded patterns replace it in the raw body text."""
         if isinstance(value, str):
             return self.text(value)
         if isinstance(value, dict):
-            return {self.value(k) if isinstance(k, str) else k: self.value(v) for k, v in value.items()}
+            out = {}
+            for k, v in value.items():
+                if isinstance(k, str) and _is_secret_scalar(v) and self.folded and _SECRET_KEY.search(k.lower()):
+                    out[self.text(k)] = REDACTED
+                else:
+                    out[self.text(k) if isinstance(k, str) else k] = self.value(v)
+            return out
         if isinstance(value, (list, tuple)):
             return [self.value(v) for v in value]
         return value
 
+    def drops_header(self, name: str) -> bool:
+        lower = name.lower()
+        verdict = self._header_verdicts.get(lower)
+        if verdict is None:
+            verdict = lower in self.drop_headers or (
+                lower not in KEPT_HEADERS and CREDENTIAL_HEADER_NAME.search(lower) is not None)
+            if len(self._header_verdicts) < 4096:
+                self._header_verdicts[lower] = verdict
+        return verdict
+
     def headers(self, headers: dict[str, str] | None) -> dict[str, str]:
         if not headers:
             return {}
-        return {
-            name: self.text(str(val))
-            for name, val in headers.items()
-            if name.lower() not in self.drop_headers
-        }
+        return {name: self.text(str(val)) for name, val in headers.items() if not self.drops_header(name)}
+
+
+def _is_secret_scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float)) and not isinstance(value, bool) and value != ""
+
+
+def _leading_literal(pattern: str) -> str:
+    """The plain text every match of `pattern` starts with ("" if none can be read
+    off simply), e.g. `sk-` for `sk-(?<!...)...`; a character followed by a
+    quantifier is not part of it, and an alternation at the top level gives ""."""
+    if "|" in pattern and not pattern.startswith("(?"):
+        depth = 0
+        for ch in pattern:  # a top-level `|` means no common start (escapes aside: rare, safe)
+            depth += ch == "("
+            depth -= ch == ")"
+            if ch == "|" and depth == 0:
+                return ""
+    out = []
+    for i, ch in enumerate(pattern):
+        if not (ch.isalnum() or ch in "-_ :/@#%&~,;<>=!'\"") or ch == "\\":
+            break
+        if i + 1 < len(pattern) and pattern[i + 1] in "?*{+":
+            break
+        out.append(ch)
+    return "".join(out)
+
+
+def _secret_groups(pattern: re.Pattern[str]) -> list[int]:
+    return [i for name, i in pattern.groupindex.items() if name.startswith("secret")]
 
 
 DEFAULT_REDACTOR = Redactor()

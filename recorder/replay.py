@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from prefixtrace.errors import InvalidRequest, UpstreamError
+from prefixtrace.urls import credentials, display_url, without_credentials
 from prefixtrace.wire import sse
 from prefixtrace.wire.request import protocol_of
 from prefixtrace.wire.http import map_httpx_errors, normalize_base_url
@@ -249,10 +250,12 @@ async def replay_target(
     progress: Callable[[str, ReplayedTurn], None] | None = None,
 ) -> dict:
     """Replays `sessions` against one target; returns its report entry."""
-    url = normalize_base_url(url)
+    real_url = normalize_base_url(url)
+    url = display_url(real_url)  # what the report names: never a target's credentials
     results: list[ReplayedTurn] = []
     limits = httpx.Limits(max_connections=max(concurrency, 1) + 1)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout, connect=10.0), limits=limits) as client:
+    async with httpx.AsyncClient(base_url=without_credentials(real_url), auth=credentials(real_url),
+                                 timeout=httpx.Timeout(timeout, connect=10.0), limits=limits) as client:
         unreachable = await _probe(client, url)
         if unreachable is not None:
             for session in sessions:

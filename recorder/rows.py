@@ -192,10 +192,15 @@ class BodyStore:
 
 
 def turn_to_row(turn: Turn, bodies: BodyStore, redactor: Redactor = DEFAULT_REDACTOR) -> dict[str, Any]:
-    """The `turn_log` row for `turn`, redacted, its messages stored. Everything
-    stored passes through here, so this is the one place secrets are stopped."""
+    """The `turn_log` row for `turn`, redacted, its messages stored."""
+    return store_row(redacted_row(turn, redactor), bodies)
+
+
+def redacted_row(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> dict[str, Any]:
+    """`turn`'s row, redacted, with its body still as text (`_body`, `_body_json`):
+    no database access, so the writer does this before its transaction begins.
+    Everything stored passes through here, so this is the one place secrets are stopped."""
     text, is_json = body_text(turn, redactor)
-    text = _utf8(text)  # the body goes to `bodies`; the row's own strings are made storable below
     body = turn.request_body
     model = redactor.value(body.get("model")) if isinstance(body, dict) else None
     row = {
@@ -210,7 +215,6 @@ def turn_to_row(turn: Turn, bodies: BodyStore, redactor: Redactor = DEFAULT_REDA
         "status": turn.status,
         "error": redactor.text(turn.error) if turn.error is not None else None,
         "model": model if isinstance(model, str) else None,
-        **bodies.put(text, is_json=is_json),
         "request_headers": _dumps(redactor.headers(turn.request_headers)),
         "response_text": redactor.text(turn.response_text or ""),
         "reasoning_text": redactor.text(turn.reasoning_text or ""),
@@ -225,7 +229,17 @@ def turn_to_row(turn: Turn, bodies: BodyStore, redactor: Redactor = DEFAULT_REDA
         "chunk_times": _dumps(list(turn.chunk_times or [])),
         "render": None if turn.render is None else _dumps(turn.render),
     }
-    return {k: _utf8(v) if isinstance(v, str) else v for k, v in row.items()}
+    row = {k: _utf8(v) if isinstance(v, str) else v for k, v in row.items()}
+    row["_body"], row["_body_json"] = _utf8(text), is_json
+    return row
+
+
+def store_row(row: dict[str, Any], bodies: BodyStore) -> dict[str, Any]:
+    """A `redacted_row` made a `turn_log` row: its body's messages stored (in the open transaction)."""
+    row = dict(row)
+    text, is_json = row.pop("_body"), row.pop("_body_json")
+    row.update(bodies.put(text, is_json=is_json))
+    return row
 
 
 _TURN_FIELDS = {f.name for f in fields(Turn)}
@@ -259,9 +273,10 @@ def write_turns(
     """Writes `turns` in one transaction (all or nothing). A request_id that is
     already stored is replaced, so re-importing a file is idempotent."""
     bodies = bodies or BodyStore(db)
+    prepared = [redacted_row(t, redactor) for t in turns]  # the CPU work, outside the transaction
     try:
         with db.atomic():
-            rows = [turn_to_row(t, bodies, redactor) for t in turns]
+            rows = [store_row(r, bodies) for r in prepared]
             db["turn_log"].insert_all(rows, pk="request_id", replace=True)
     except sqlite3.DatabaseError as exc:
         bodies.reset()

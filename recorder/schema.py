@@ -163,11 +163,25 @@ def migrate(db: sqlite_utils.Database) -> int:
         raise RecorderError(f"cannot open recorder database: {exc}") from exc
 
 
+def _refuse_if_damaged(db: sqlite_utils.Database, p: Path) -> None:
+    """A database about to be written must pass SQLite's `quick_check` (the b-trees and
+    their pages, not the index contents): recording into a damaged file spreads the
+    damage and may lose what it still holds. Readers skip this (a read reports what it
+    cannot read, in one line)."""
+    problems = [" ".join(row[0].split()) for row in db.execute("pragma quick_check(5)").fetchall()]
+    if problems != ["ok"]:
+        db.close()
+        raise RecorderError(f"{p} is damaged (SQLite quick_check: {'; '.join(problems)[:300]}); nothing was "
+                            f"written to it. Move it aside (mv {p} {p}.damaged) or pass another --db; "
+                            f"`sqlite3 {p} .recover` may save its turns.")
+
+
 def open_db(path: str | Path, *, tracer: Callable | None = None, create: bool = True) -> sqlite_utils.Database:
     """Opens (and migrates) a recorder database in WAL mode.
 
     A file that is not a SQLite database, or not a recorder database, raises
-    `RecorderError` before anything is written to it.
+    `RecorderError` before anything is written to it; so does, when opened for
+    writing (`create`), an existing database that fails `pragma quick_check`.
     """
     p = Path(path)
     if not create and not p.exists():
@@ -180,6 +194,8 @@ def open_db(path: str | Path, *, tracer: Callable | None = None, create: bool = 
         if tables and "meta" not in tables:
             db.close()
             raise RecorderError(f"{p} is a SQLite database but not a prefixtrace recorder database")
+        if tables and create:
+            _refuse_if_damaged(db, p)
         if not tables:
             # Small pages pack the message store tighter: a message larger
             # than a page goes to full overflow pages, and what is left over

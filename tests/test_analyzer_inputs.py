@@ -259,3 +259,24 @@ def test_unrenderable_turns_count_against_the_threshold(tmp_path):
     tpl = str(ROOT / "fixtures" / "templates" / "qwen35_style.jinja")
     result = CliRunner().invoke(cli, ["analyze", str(src), "--template", tpl])
     assert result.exit_code == 1 and "1 turn(s) could not be rendered" in result.output
+
+
+def test_interleaved_sessions_without_ids_reuse_their_own_parsed_history():
+    # Two sessions of one harness, no ids, lines alternating: each line must reuse its own session's
+    # parsed messages (same objects), not re-parse the whole history because the line before it was
+    # the other session's (the loader's fast path on real multi-session recordings).
+    from analyzer.load import IncrementalParser
+
+    system = {"role": "system", "content": "S" * 2000}
+    a = [system, {"role": "user", "content": "task A " * 50}]
+    b = [system, {"role": "user", "content": "task B " * 50}]
+    parser = IncrementalParser()
+    lines = []
+    for turn in range(4):
+        a = [*a, {"role": "assistant", "content": f"a{turn}"}]
+        b = [*b, {"role": "assistant", "content": f"b{turn}"}]
+        lines += [json.dumps({"request": {"messages": a}}), json.dumps({"request": {"messages": b}})]
+    parsed = [parser.loads(line)["request"]["messages"] for line in lines]
+    for earlier, later in zip(parsed, parsed[2:]):  # the same session, one turn apart
+        assert all(x is y for x, y in zip(earlier, later[: len(earlier)]))
+    assert parsed[0] == [json.loads(lines[0])["request"]["messages"]][0]

@@ -185,7 +185,9 @@ def test_cache_dir_removed_while_running_is_written_again(model, tmp_path):
 def test_cache_dir_that_is_a_file_fails_at_start_with_a_clear_error(model, tmp_path):
     path = tmp_path / "not-a-dir"
     path.write_text("x")
-    with pytest.raises(OSError):
+    from engine.disk_cache import CacheDirUnusable
+
+    with pytest.raises(CacheDirUnusable, match="cannot be used"):
         make(model, path)
 
 
@@ -449,7 +451,7 @@ def test_a_full_memory_tier_does_not_make_each_commit_copy_the_chain_again(model
     one = probe.stats["memory_bytes"]
     copies = []
     real_cut = prefix_cache.cut
-    monkeypatch.setattr(prefix_cache, "cut", lambda cache, a, b: copies.append((a, b)) or real_cut(cache, a, b))
+    monkeypatch.setattr(prefix_cache, "cut", lambda cache, a, b, **kw: copies.append((a, b)) or real_cut(cache, a, b, **kw))
     pc = make(model, tmp_path, max_bytes=int(1.5 * one), commit_blocks=1)
     tokens = (PROMPT * 3)[:8 * BS]
     cache = prefill(model, tokens)
@@ -461,3 +463,25 @@ def test_a_full_memory_tier_does_not_make_each_commit_copy_the_chain_again(model
     assert len(copies) <= 8 + 8  # ... and at most one more (the one memory refuses) per commit; was 29
     hit = make(model, tmp_path, max_bytes=int(1.5 * one)).lookup(tokens + [1])
     assert hit.num_cached == 8 * BS and same_kv(hit.cache, cache, 8 * BS)
+
+
+def test_a_full_memory_only_tier_copies_each_block_of_a_prefill_once(model, monkeypatch):
+    """Memory tier only, budget about one block: memory refuses every block after the first,
+    and each commit used to copy (and be refused) every block from the first refused one on
+    again: quadratic in the prompt (the 3.2x cold-prefill cost of issue 17 at 32k tokens).
+    A refused block is remembered for the rest of the prefill and copied once."""
+    import engine.prefix_cache as prefix_cache
+
+    probe = make(model)
+    probe.store(PROMPT[:BS], prefill(model, PROMPT[:BS]))
+    one = probe.stats["memory_bytes"]
+    copies = []
+    real_cut = prefix_cache.cut
+    monkeypatch.setattr(prefix_cache, "cut", lambda cache, a, b, **kw: copies.append((a, b)) or real_cut(cache, a, b, **kw))
+    pc = make(model, max_bytes=int(1.5 * one), commit_blocks=1)
+    tokens = (PROMPT * 3)[:8 * BS]
+    cache = prefill(model, tokens)
+    for n in range(1, 9):
+        pc.commit(tokens[: n * BS], cache)
+    assert sorted(a for a, _ in copies) == [i * BS for i in range(8)]  # each block once; was 1 + 2 + ... + 7 + 1
+    assert pc.lookup(tokens + [1]).num_cached == BS  # what memory could hold still serves

@@ -55,11 +55,12 @@ def test_cancelled_prefill_resends_from_the_committed_prefix(tmp_path):
     cache = e.prefix_cache
     commit, seen = cache.commit, []
 
-    def cancel_after_three_chunks(tokens, kv):  # runs on the engine thread, inside _prefill_chunk
-        commit(tokens, kv)
+    def cancel_after_three_chunks(tokens, kv, **kw):  # runs on the engine thread, inside _prefill_chunk
+        blocks = commit(tokens, kv, **kw)
         seen.append(len(tokens))
         if len(seen) == 3:
             target.cancel()
+        return blocks
 
     cache.commit = cancel_after_three_chunks
     prompt = e.render(LONG).token_ids
@@ -86,8 +87,8 @@ def test_failed_prefill_keeps_its_committed_blocks(tmp_path):
     cache = e.prefix_cache
     commit, seen = cache.commit, []
 
-    def fail_after_four_chunks(tokens, kv):
-        commit(tokens, kv)
+    def fail_after_four_chunks(tokens, kv, **kw):
+        commit(tokens, kv, **kw)  # its blocks are never evaluated by the failed step: settled later
         seen.append(len(tokens))
         if len(seen) == 4:
             raise RuntimeError("simulated abort mid-prefill")

@@ -60,8 +60,8 @@ def spy(e: Engine) -> tuple[list, list]:
         stored.append(host_state(kv))
         real_store(tokens, kv)
 
-    def lookup(tokens):
-        hit = real_lookup(tokens)
+    def lookup(tokens, **kw):
+        hit = real_lookup(tokens, **kw)
         restored.append((hit.num_cached, host_state(hit.cache), [type(c) for c in hit.cache]))
         return hit
 

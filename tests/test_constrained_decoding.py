@@ -129,3 +129,43 @@ def test_without_the_default_nothing_is_forced(openai_client):
     reply = openai_client.chat.completions.create(model="default", messages=MESSAGES, tools=TOOLS, max_tokens=6,
                                                   temperature=0)
     assert reply.choices[0].message.tool_calls is None
+
+
+BROKEN = [{"type": "function", "function": {"name": "Odd", "parameters": {"type": "object", "properties": {
+    "x": {"$ref": "https://example.com/elsewhere.json"}}}}}]
+
+
+def test_a_schema_the_grammar_cannot_take(tiny_engine, tmp_path):
+    """Asked for explicitly, a schema that cannot be enforced is a 400 with llguidance's reason; under the
+    serve default (the client asked for nothing) the reply is simply free. Keywords llguidance does not
+    implement (`not`) are left unenforced rather than refused."""
+    import openai
+    from openai import OpenAI
+
+    with Recorder(tmp_path / "t.db") as rec, running_server(
+            create_app(EngineBackend(tiny_engine, tool_choice_default="required-after-user"), rec)) as url:
+        client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match="cannot be enforced"):
+            client.chat.completions.create(model="default", messages=MESSAGES, tools=BROKEN, tool_choice="required",
+                                           max_tokens=5)
+        free = client.chat.completions.create(model="default", messages=MESSAGES, tools=BROKEN, max_tokens=5,
+                                              temperature=0)
+        assert free.choices[0].message.tool_calls is None
+        negated = [{"type": "function", "function": {"name": "Neg", "parameters": {"type": "object", "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 9, "not": {"const": 3}}},
+            "required": ["n"], "additionalProperties": False}}}]
+        forced = client.chat.completions.create(model="default", messages=MESSAGES, tools=negated, max_tokens=60,
+                                                temperature=0)
+        (call,) = forced.choices[0].message.tool_calls
+        assert 0 <= json.loads(call.function.arguments)["n"] <= 9
+
+
+def test_serve_option_reaches_the_backend():
+    from prefixtrace.serve import ServeConfig, build_backend
+
+    backend = build_backend(ServeConfig(model=TINY_MODEL, dtype="float32", tool_choice_default="required-after-user"))
+    try:
+        assert backend.tool_choice_default == "required-after-user"
+    finally:
+        backend.engine.wait_ready(60)
+        backend.engine.shutdown()

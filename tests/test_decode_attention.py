@@ -143,6 +143,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(decode_attention, "_dense_kernel", lambda: emulated_dense)
     monkeypatch.setattr(decode_attention, "_tq_kernel", lambda: emulated_tq)
     monkeypatch.setattr(decode_attention, "_reduce_kernel", lambda: emulated_reduce)
+    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: emulated_encode)
     decode_attention.set_mode("on")
     yield
     decode_attention.set_mode("on")
@@ -283,3 +284,57 @@ def test_greedy_tokens_through_the_kernel_arithmetic_equal_the_mlx_ops_path(emul
     with_kernel = greedy()
     decode_attention.set_mode("off")
     assert greedy() == with_kernel
+
+
+def emulated_encode(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+    """`_ENCODE_SOURCE` per warp: norm, unit vector x signs, the butterfly / sqrt(D), codes
+    counted against the thresholds, packed from bit (i * BITS) % 32 of word (i * BITS) // 32."""
+    k, v, signs, thr = (_np(a) for a in inputs)
+    t = dict(template)
+    D, BITS = t["D"], t["BITS"]
+    assert threadgroup == (32, 1, 1) and grid[0] == 2 * (k.size // D) * 32
+    outs = []
+    for x in (k.reshape(-1, D), v.reshape(-1, D)):
+        norm = np.sqrt((x * x).sum(axis=1)).astype(np.float32)
+        y = _butterfly(x / np.maximum(norm, 1e-30)[:, None] * signs) / np.float32(np.sqrt(D))
+        codes = (y[:, :, None] > thr).sum(axis=2).astype(np.uint64)
+        words = np.zeros((x.shape[0], D * BITS // 32), np.uint64)
+        for i in range(D):
+            words[:, i * BITS // 32] |= codes[:, i] << np.uint64(i * BITS % 32)
+        outs += [mx.array(norm), mx.array(words.astype(np.uint32))]
+    return outs
+
+
+@pytest.mark.parametrize("bits,dim", [(4, 128), (2, 64), (8, 256), (1, 32), (8, 64)])
+def test_fused_encode_packs_codes_as_the_codec_does(monkeypatch, bits, dim):
+    from engine.turboquant import get_codec
+
+    monkeypatch.setattr(decode_attention, "available", lambda: True)
+    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: emulated_encode)
+    codec = get_codec(dim, bits)
+    keys, values = mx.random.normal((2, 3, 5, dim)), mx.random.normal((2, 3, 5, dim)) * 3
+    assert decode_attention.use_encode(keys, values, codec)
+    kn, kc, vn, vc = decode_attention.encode_kv(keys, values, codec)
+    for (norms, codes), x in (((kn, kc), keys), ((vn, vc), values)):
+        ref_norms, ref_codes = codec.encode(x)
+        assert norms.shape == ref_norms.shape and codes.shape == ref_codes.shape
+        assert mx.allclose(norms, ref_norms, rtol=1e-6).item()
+        # float32 rounding in another order may move a coordinate sitting on a threshold
+        same = (codec.unpack(codes) == codec.unpack(ref_codes)).astype(mx.float32).mean().item()
+        assert same > 0.999
+
+
+def test_tq_cache_encodes_through_the_fused_kernel_where_it_applies(monkeypatch):
+    monkeypatch.setattr(decode_attention, "available", lambda: True)
+    calls = []
+    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: lambda **kw: calls.append(1) or emulated_encode(**kw))
+    cache = TurboQuantKVCache(kv_bits=4, group=16)
+    ref = TurboQuantKVCache(kv_bits=4, group=16)
+    kv = mx.random.normal((1, 2, 40, 64))
+    cache.update_and_fetch(kv, kv)
+    assert calls == [1]
+    monkeypatch.setattr(decode_attention, "available", lambda: False)
+    ref.update_and_fetch(kv, kv)
+    assert calls == [1]
+    same = (cache.k.codes[:, :, :40] == ref.k.codes[:, :, :40]).astype(mx.float32).mean().item()
+    assert same > 0.99 and mx.allclose(cache.k.norms[:, :, :40], ref.k.norms[:, :, :40]).item()

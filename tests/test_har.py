@@ -132,3 +132,59 @@ def test_a_broken_har_names_the_entry_and_writes_nothing(tmp_path):
     (tmp_path / "x.har").write_text('{"log": 3}')
     with pytest.raises(InvalidRequest, match="not a HAR"):
         import_file(tmp_path / "x.har", tmp_path / "t.db")
+
+
+def _sse(*events: dict) -> str:
+    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events)
+
+
+def test_a_foreign_har_of_messages_and_responses_traffic_is_read_by_each_apis_reader(tmp_path):
+    """A capture of Claude Code (Messages, a streamed tool_use) and Codex (Responses, a streamed
+    function call) is imported with each reply read as its API writes it, tool calls included."""
+    messages_reply = _sse(
+        {"type": "message_start", "message": {"usage": {"input_tokens": 3, "cache_read_input_tokens": 40,
+                                                        "output_tokens": 0}}},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Reading."}},
+        {"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "toolu_1",
+                                                                      "name": "Read", "input": {}}},
+        {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": '{"pa'}},
+        {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": 'th": "a"}'}},
+        {"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 9}},
+        {"type": "message_stop"})
+    call = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "exec_command", "arguments": ""}
+    responses_reply = _sse(
+        {"type": "response.created", "response": {"status": "in_progress", "output": []}},
+        {"type": "response.output_item.added", "output_index": 0, "item": call},
+        {"type": "response.function_call_arguments.delta", "item_id": "fc_1", "output_index": 0, "delta": '{"cmd":'},
+        {"type": "response.function_call_arguments.delta", "item_id": "fc_1", "output_index": 0, "delta": '"ls"}'},
+        {"type": "response.completed", "response": {"status": "completed", "output": [{**call, "arguments": '{"cmd":"ls"}'}],
+                                                    "usage": {"input_tokens": 50, "output_tokens": 7,
+                                                              "input_tokens_details": {"cached_tokens": 32}}}})
+    session = json.dumps({"device_id": "d", "session_id": "claude-1"})
+    har = {"log": {"version": "1.2", "entries": [
+        {"startedDateTime": "2026-12-01T10:00:00.000Z", "time": 100, "request": {
+            "method": "POST", "url": "http://127.0.0.1:8765/v1/messages?beta=true", "headers": [],
+            "postData": {"text": json.dumps({"model": "m", "max_tokens": 10, "stream": True,
+                                             "metadata": {"user_id": session},
+                                             "messages": [{"role": "user", "content": "read a"}]})}},
+         "response": {"status": 200, "content": {"text": messages_reply}}},
+        {"startedDateTime": "2026-12-01T10:00:01.000Z", "time": 100, "request": {
+            "method": "POST", "url": "http://127.0.0.1:8765/v1/responses",
+            "headers": [{"name": "session-id", "value": "codex-1"}],
+            "postData": {"text": json.dumps({"model": "m", "stream": True, "input": "list files"})}},
+         "response": {"status": 200, "content": {"text": responses_reply}}},
+    ]}}
+    path = tmp_path / "agents.har"
+    path.write_text(json.dumps(har))
+    assert import_file(path, tmp_path / "t.db") == 2
+    claude, codex = iter_turns(tmp_path / "t.db")
+    assert (claude.endpoint, claude.session_id, claude.response_text) == ("/v1/messages", "claude-1", "Reading.")
+    assert claude.tool_calls == [{"id": "toolu_1", "type": "function",
+                                  "function": {"name": "Read", "arguments": '{"path": "a"}'}}]
+    assert (claude.finish_reason, claude.prompt_tokens, claude.cached_tokens, claude.completion_tokens) == \
+        ("tool_calls", 43, 40, 9)
+    assert (codex.endpoint, codex.session_id, codex.finish_reason) == ("/v1/responses", "codex-1", "tool_calls")
+    assert codex.tool_calls == [{"id": "call_1", "type": "function",
+                                 "function": {"name": "exec_command", "arguments": '{"cmd":"ls"}'}}]
+    assert (codex.prompt_tokens, codex.cached_tokens, codex.completion_tokens) == (50, 32, 7)

@@ -269,7 +269,20 @@ def test_two_large_requests_that_fit_only_alone_both_finish(engine):
 # --- spill files ----------------------------------------------------------------------------
 
 
-def test_spill_directory_removed_mid_run_is_recreated(engine, tmp_path):
+# A paused row whose blocks the prefix cache can hold writes no file (next section); these
+# engines have no memory tier, so their rows spill.
+
+
+@pytest.fixture(scope="module")
+def spilling():
+    engine = Engine(TINY_MODEL, dtype="float32", prefill_step_size=16, cache_bytes=0).start()
+    engine.wait_ready(60)
+    yield engine
+    engine.shutdown()
+
+
+def test_spill_directory_removed_mid_run_is_recreated(spilling, tmp_path):
+    engine = spilling
     ids = prompt(engine, 8, "gone")
     ref, ref_events = run(engine, ids, max_tokens=30, ignore_eos=True, **GREEDY)
     wait(ref_events)
@@ -284,7 +297,8 @@ def test_spill_directory_removed_mid_run_is_recreated(engine, tmp_path):
         engine.scheduler.spill.dir = old
 
 
-def test_unwritable_spill_directory_fails_only_that_request(engine, tmp_path):
+def test_unwritable_spill_directory_fails_only_that_request(spilling, tmp_path):
+    engine = spilling
     ids = prompt(engine, 8, "ro")
     other_ids = prompt(engine, 9, "other")
     ref, ref_events = run(engine, other_ids, max_tokens=60, ignore_eos=True, **GREEDY)
@@ -302,7 +316,8 @@ def test_unwritable_spill_directory_fails_only_that_request(engine, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["truncated", "garbage"])
-def test_corrupt_spill_file_at_resume_fails_only_that_row(engine, kind):
+def test_corrupt_spill_file_at_resume_fails_only_that_row(spilling, kind):
+    engine = spilling
     ids = prompt(engine, 8, "corrupt")
     other_ids = prompt(engine, 9, "other")
     ref, ref_events = run(engine, other_ids, max_tokens=60, ignore_eos=True, **GREEDY)
@@ -408,3 +423,34 @@ def test_without_max_tokens_a_request_stops_where_memory_ends():
         assert end.completion_tokens == room - len(ids)
     finally:
         engine.shutdown()
+
+
+# --- pauses through the prefix cache --------------------------------------------------------
+
+
+def test_a_pause_copies_only_the_blocks_the_prefix_cache_lacks(monkeypatch):
+    """A paused row's KV goes to the prefix cache as pinned blocks: the prompt's blocks were
+    committed during its prefill, so the pause copies only the blocks (and tail) after them,
+    writes no spill file, and the resumed output is token-identical. Before, the whole row
+    was written to a spill file (the ~12 s stall extrapolated for a 100k-token row)."""
+    import engine.prefix_cache as prefix_cache
+
+    with own_engine(block_size=16) as engine:
+        ids = prompt(engine, 30, "pinned")
+        assert len(ids) > 5 * 16
+        ref, ref_events = run(engine, ids, max_tokens=30, ignore_eos=True, **GREEDY)
+        wait(ref_events)
+        copies, real_cut = [], prefix_cache.cut
+        monkeypatch.setattr(prefix_cache, "cut", lambda c, a, b, **kw: copies.append((a, b)) or real_cut(c, a, b, **kw))
+        fresh = [t + 1 if t + 1 < engine.model.args.vocab_size else 1 for t in ids[:-4]] + ids[-4:]  # no hit
+        ref2, ref2_events = run(engine, fresh, max_tokens=30, ignore_eos=True, **GREEDY)
+        wait(ref2_events)
+        copies.clear()
+        written = engine.scheduler.spill.bytes_written
+        seq, events = run(engine, fresh, pause_at=(5,), max_tokens=30, ignore_eos=True, **GREEDY)
+        _, done = wait(events)
+        assert isinstance(done, Finished) and seq.num_pauses == 1 and seq.output_ids == ref2.output_ids
+        assert engine.scheduler.spill.bytes_written == written and spill_files(engine) == []
+        prompt_blocks = (len(fresh) - 1) // 16 * 16
+        pause_copies = [(a, b) for a, b in copies if b <= len(fresh) + 6]  # the final store copies later ones
+        assert pause_copies and all(a >= prompt_blocks for a, _ in pause_copies)

@@ -125,3 +125,96 @@ def test_raw_body_text_is_redacted_too(tmp_path):
         assert t.request_body["messages"][0]["content"] == f"key {REDACTED}"
     data = b"".join(p.read_bytes() for p in tmp_path.iterdir())
     assert OPENAI_KEY[3:].encode() not in data
+
+
+# --- issue 14, finding 12: formats outside the old list ----------------------------------------
+
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+HF_TOKEN = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz01234567"
+STRIPE_LIVE = "sk_live_" + "51HabcdefGHIJKLmnopQRSTuv"
+STRIPE_RESTRICTED = "rk_live_" + "51HabcdefGHIJKLmnopQRSTuv"
+JWT = "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIiwibmFtZSI6IkpvaG4ifQ.SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c"
+PASSWORD = "correct-horse-battery-staple"
+
+
+@pytest.mark.parametrize("text, secret", [
+    (f"[default]\naws_access_key_id = {AWS_KEY}\naws_secret_access_key = {AWS_SECRET}\n", AWS_SECRET),
+    (f"export AWS_SECRET_ACCESS_KEY={AWS_SECRET}", AWS_SECRET),
+    (f"HF_TOKEN={HF_TOKEN}", HF_TOKEN),
+    (f"stripe.api_key = '{STRIPE_LIVE}'", STRIPE_LIVE),
+    (f"key {STRIPE_RESTRICTED} here", STRIPE_RESTRICTED),
+    (f"cookie: session={JWT}; path=/", JWT),
+    (f"password: {PASSWORD}", PASSWORD),
+    (f'{{"password": "{PASSWORD}"}}', PASSWORD),
+    (f'DB_PASSWORD={PASSWORD}', PASSWORD),
+    (f'  Password = "{PASSWORD}"', PASSWORD),
+    (f'{{"apiKey": "{PASSWORD}"}}', PASSWORD),
+    (f'client_secret: {PASSWORD}', PASSWORD),
+    ('-----BEGIN RSA PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\nDEK-Info: AES-128-CBC,3F17F5316E2BAC89\n\n'
+     'MIIEpAIBAAKCAQEA3Tz2mr7SZiAMfQyuvBjM\n-----END RSA PRIVATE KEY-----', "MIIEpAIBAAKCAQEA3Tz2mr7SZiAMfQyuvBjM"),
+    # cut off before its footer (`head id_rsa`): still a key
+    ("$ head -3 id_rsa\n-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmU\nAAAAC3NzaC1l", "b3BlbnNzaC1rZXktdjEAAAAABG5vbmU"),
+])
+def test_more_secret_formats_are_redacted(text, secret):
+    out = Redactor().text(text)
+    assert secret not in out and REDACTED in out
+    # The same text inside a JSON body, as the client's raw bytes spell it.
+    raw = json.dumps({"messages": [{"role": "user", "content": text}]})
+    assert secret not in Redactor().text(raw)
+
+
+def test_key_names_stay_readable_and_type_annotations_are_not_values():
+    r = Redactor()
+    assert r.text(f"password: {PASSWORD}") == f"password: {REDACTED}"
+    assert r.text(f'"api_key": "{PASSWORD}", "model": "x"') == f'"api_key": "{REDACTED}", "model": "x"'
+    code = "def connect(host: str, password: str, api_key: Optional[str] = None): ..."
+    assert r.text(code) == code
+
+
+def test_secret_named_keys_in_a_parsed_body_match_the_raw_text(tmp_path):
+    """`{"password": ...}` as a JSON member: the stored body keeps the client's bytes
+    (the raw text, redacted, still parses to the redacted body) and holds no secret."""
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                      "metadata": {"password": PASSWORD, "db_password": 12345678, "note": "ok"}})
+    turn = Turn(request_id="r", started_at=1.0, endpoint="/v1/chat/completions", upstream="u",
+                request_body=json.loads(raw), request_raw=raw)
+    with Recorder(tmp_path / "t.db") as rec:
+        rec.record(turn)
+    (stored,) = iter_turns(tmp_path / "t.db")
+    assert stored.request_body["metadata"] == {"password": REDACTED, "db_password": REDACTED, "note": "ok"}
+    data = b"".join(p.read_bytes() for p in tmp_path.iterdir())
+    assert PASSWORD.encode() not in data and b"12345678" not in data
+
+
+@pytest.mark.parametrize("name", ["X-Auth-Token", "Ocp-Apim-Subscription-Key", "x-goog-api-key", "api-key",
+                                  "X-Amz-Security-Token", "X-Vendor-Secret", "X-My-Access-Token"])
+def test_more_credential_headers_are_dropped(name):
+    out = Redactor().headers({name: "opaque-value-1234", "Content-Type": "application/json", "X-Session-Id": "s1"})
+    assert out == {"Content-Type": "application/json", "X-Session-Id": "s1"}
+
+
+# --- issue 14, finding 4: linear time on any input ----------------------------------------------
+
+def _best(fn, text, repeats=3):
+    import time
+
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(text)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def test_adversarial_bodies_cost_about_what_an_ordinary_body_of_the_same_size_costs():
+    """bench/bench_redact.py's bodies, at 64 KB: each built so that a pattern which
+    rescans from every start would be quadratic (the old PEM pattern took ~77 s on
+    218 KB of unterminated headers). The bound is relative and generous: 25x."""
+    from bench.bench_redact import ADVERSARIAL_UNITS, MAX_RATIO, adversarial_body, ordinary_body
+
+    r = Redactor()
+    size = 64_000
+    ordinary = _best(r.text, ordinary_body(size))
+    slow = {name: round(_best(r.text, adversarial_body(unit, size)) / ordinary, 1)
+            for name, unit in ADVERSARIAL_UNITS.items()}
+    assert max(slow.values()) <= MAX_RATIO, slow

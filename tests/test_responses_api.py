@@ -164,3 +164,40 @@ def test_responses_turns_export_import_and_replay_on_the_responses_endpoint(engi
     assert all(t["ttft_ms"] is not None and t["completion_tokens"] for t in turns)
     # Replayed on /v1/responses: the server recorded them there, as Responses bodies.
     assert [r["endpoint"] for r in rows(recorder)[-2:]] == ["/v1/responses"] * 2
+
+
+PARAMS = {"type": "object", "properties": {"cmd": {"type": "string", "enum": ["ls", "pwd"]}},
+          "required": ["cmd"], "additionalProperties": False}
+EXEC = {"type": "function", "name": "exec_command", "description": "Run a shell command", "parameters": PARAMS}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_function_call_round_trip_as_codex_sends_it_reuses_the_prefix(engine_server, stream):
+    """Codex's loop: a forced call comes back as a function_call item; the next request re-sends it
+    with its function_call_output (store: false), and the re-rendered prompt is the cached prefix."""
+    url, recorder = engine_server
+    c = client(url)
+    items = [{"role": "developer", "content": "You run commands."},
+             {"role": "user", "content": [{"type": "input_text", "text": "List the files."}]}]
+    first = ask(c, stream, instructions=INSTRUCTIONS, input=items, tools=[EXEC], tool_choice="required",
+                max_output_tokens=60, store=False)
+    [call] = [i for i in first.output if i.type == "function_call"]
+    assert call.name == "exec_command" and json.loads(call.arguments)["cmd"] in ("ls", "pwd")
+    assert call.call_id.startswith("call_") and first.status == "completed"
+    items += [call.model_dump(exclude_none=True), {"type": "function_call_output", "call_id": call.call_id,
+                                                   "output": "a.txt\nb.txt"}]
+    second = ask(c, stream, instructions=INSTRUCTIONS, input=items, tools=[EXEC], store=False)
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 4
+    recorded = rows(recorder)
+    assert json.loads(recorded[0]["tool_calls"]) == [{"id": call.call_id, "type": "function", "function": {
+        "name": "exec_command", "arguments": call.arguments}}]
+    assert recorded[0]["finish_reason"] == "tool_calls" and recorded[1]["tool_calls"] is None
+
+
+def test_text_format_json_schema_constrains_the_output(engine_server):
+    url, _ = engine_server
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "blue"]}},
+              "required": ["colour"], "additionalProperties": False}
+    r = ask(client(url), False, input="Pick a colour.", max_output_tokens=40,
+            text={"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}})
+    assert json.loads(r.output_text)["colour"] in ("red", "blue")

@@ -71,6 +71,64 @@ def browser():
 # --- HTML reports in a real browser -------------------------------------------------
 
 
+def _role_blind_upstream():
+    """An OpenAI-compatible upstream that takes any role, as a server rendering with a ChatML
+    template does (`<|im_start|>{{ role }}`); it answers every chat with one short reply."""
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "any", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat():
+        return {"id": "c1", "object": "chat.completion", "created": 0, "model": "any",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}
+
+    return app
+
+
+def test_analyze_html_does_not_run_a_role_planted_through_an_upstream(recorder, browser, tmp_path):
+    from proxy.upstream_backend import UpstreamBackend
+
+    head = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
+    with running_server(_role_blind_upstream()) as upstream, \
+            running_server(create_app(UpstreamBackend(upstream), recorder)) as url:
+        for tail in ({"role": EVIL_ROLE, "content": "c"}, {"role": "user", "content": "d"}):
+            r = _post(url, {"messages": [*head, tail], "max_tokens": 2}, "agent")
+            assert r.status_code == 200, r.text
+    recorder.flush()
+    out = tmp_path / "report.html"
+    done = _cli("analyze", str(recorder.path), "--format", "html", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    page = browser.new_page()
+    page.goto(out.as_uri())
+    page.wait_for_function("document.body.dataset.rendered !== undefined")
+    assert page.title() == "prefixtrace analysis"
+    assert page.evaluate("window.pwned") is None
+    heading = page.text_content(".break h3")  # request_local_tail/<the planted role>
+    assert "<script>document.title='pwned'" in heading  # shown as text
+
+
+def test_dashboard_shows_a_planted_role_as_text(recorder, browser):
+    from proxy.upstream_backend import UpstreamBackend
+
+    head = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
+    with running_server(_role_blind_upstream()) as upstream, \
+            running_server(create_app(UpstreamBackend(upstream), recorder)) as url:
+        page = browser.new_page()
+        page.goto(url + "/ui")
+        title = page.title()
+        for tail in ({"role": EVIL_ROLE, "content": "c"}, {"role": "user", "content": "d"}):
+            assert _post(url, {"messages": [*head, tail], "max_tokens": 2}, EVIL_SESSION).status_code == 200
+        brk = page.wait_for_selector('.break[data-turn="1"]', timeout=20_000)
+        assert "<script>document.title='pwned'" in brk.text_content()
+        assert page.title() == title and page.evaluate("[window.pwned, window.pwnedSession]") == [None, None]
+
+
 def test_analyze_html_does_not_run_a_role_planted_through_a_refused_request(engine_server, browser, tmp_path):
     url, recorder = engine_server
     _plant(url, EVIL_ROLE, EVIL_SESSION)
@@ -254,7 +312,9 @@ def test_a_page_on_another_origin_cannot_drive_or_read_the_proxy(engine_server, 
         assert page.evaluate("window.done") == ["fulfilled", "rejected"]  # the CORS preflight is refused
         time.sleep(0.5)
         turns = rows(recorder)
-        assert [t["status"] for t in turns] == [200, 415]  # the simple POST was refused; no turn ran
+        # The simple POST was refused and no turn ran; the CORS preflight (OPTIONS) is recorded too, as the
+        # 405 every unknown method/path gets (the fallback routes, issue 15).
+        assert [t["status"] for t in turns if t["status"] != 405] == [200, 415]
         # DNS rebinding: a name of the attacker's that now resolves to 127.0.0.1 reads nothing.
         response = page.goto(f"http://rebind.test:{url.rsplit(':', 1)[1]}/ui/api/sessions")
         assert response.status == 403 and "secret plan" not in page.content()

@@ -78,6 +78,25 @@ def test_parser_holds_back_a_partial_marker(tiny_format):
     assert parser.feed("s are fun") == [ContentDelta("<tools are fun")]
 
 
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_forced_call_arguments_stream_as_written(tiny_format, size):
+    """A grammar-forced call starts once its name is out; the arguments follow in pieces, never with the
+    call object's own closing brace."""
+    text = '<tool_call>\n{"name": "Read", "arguments": {"file_path": "a}b.txt", "n": {"x": 1}}}\n</tool_call>'
+    parser = ReplyParser(tiny_format, tools=TOOLS, stream_arguments=True)
+    events = []
+    for i in range(0, len(text), size):
+        new = parser.feed(text[i:i + size])
+        if any(isinstance(e, ToolCallStart) for e in new):
+            assert '"arguments"' in text[:i + size] and "</tool_call>" not in text[:i + size]
+        events += new
+    events += parser.finish()
+    args = [e.text for e in events if isinstance(e, ToolCallArgsDelta)]
+    assert len(args) > 3 and json.loads("".join(args)) == {"file_path": "a}b.txt", "n": {"x": 1}}
+    assert "".join(args).startswith("{"), "the space after 'arguments:' is not part of the arguments"
+    assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["Read"] and parser.num_calls == 1
+
+
 def test_unparseable_call_text_comes_back_as_text(tiny_format):
     parser = ReplyParser(tiny_format, tools=TOOLS)
     events = feed_in_pieces(parser, "<tool_call>\n{not json\n</tool_call>", 4)
@@ -149,7 +168,9 @@ def test_forced_call_streams_as_delta_tool_calls(openai_client, engine_server):
                 slot["arguments"] += (tc.function.arguments or "") if tc.function else ""
     assert finish == "tool_calls"
     assert deltas[0].id and deltas[0].function.name, "the first delta names the call"
+    assert sum(1 for d in deltas if d.function and d.function.arguments) > 1, "arguments stream in increments"
     (call,) = calls.values()
+    assert call["arguments"].startswith("{")
     jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
     (row,) = rows(engine_server[1])
     recorded = json.loads(row["tool_calls"])
@@ -273,3 +294,70 @@ def test_messages_tool_result_round_trip_renders_and_answers(engine_server):
                                                            "content": "hello"}]}])
     assert second.stop_reason in ("end_turn", "max_tokens")
     assert second.usage.cache_read_input_tokens > 0  # the first turn's prompt is the second's prefix
+
+
+# --- another family: Qwen3-Coder's XML calls ---------------------------------------------------------------
+
+CODER_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if tools %}<|im_start|>system\nCall tools as <tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n"
+    "</parameter>\n</function>\n</tool_call><|im_end|>\n{%- endif %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def coder_model(tmp_path_factory):
+    """The tiny model with a template in Qwen3-Coder's tool format (mlx-lm infers qwen3_coder from it)."""
+    import shutil
+
+    target = tmp_path_factory.mktemp("coder") / "tiny-coder"
+    shutil.copytree(TINY_MODEL, target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config["chat_template"] = CODER_TEMPLATE
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_qwen3_coder_calls_are_read_by_mlx_lms_parser(coder_model):
+    fmt = ReplyFormat.for_tokenizer(load(coder_model))
+    assert fmt.tool_parser_name == "qwen3_coder"
+    text = ("Let me look.\n<tool_call>\n<function=Bash>\n<parameter=command>\nls -la\n</parameter>\n"
+            "<parameter=timeout>\n5\n</parameter>\n</function>\n</tool_call>")
+    events = feed_in_pieces(ReplyParser(fmt, tools=TOOLS), text, 4)
+    (start,) = [e for e in events if isinstance(e, ToolCallStart)]
+    args = "".join(e.text for e in events if isinstance(e, ToolCallArgsDelta))
+    assert start.name == "Bash" and json.loads(args) == {"command": "ls -la", "timeout": 5}  # typed from the tool
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)).strip() == "Let me look."
+
+
+def test_forced_call_on_another_family_is_written_and_read_as_hermes(coder_model, tmp_path):
+    from openai import OpenAI
+
+    from engine.engine import Engine
+    from proxy.app import create_app
+    from proxy.engine_backend import EngineBackend
+    from recorder.store import Recorder
+    from tests.conftest import running_server
+
+    engine = Engine(coder_model, name="tiny-coder", dtype="float32").start()
+    engine.wait_ready(60)
+    try:
+        with Recorder(tmp_path / "t.db") as rec, running_server(create_app(EngineBackend(engine), rec)) as url:
+            client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+            reply = client.chat.completions.create(model="default", messages=MESSAGES, tools=TOOLS,
+                                                   tool_choice="required", max_tokens=120, temperature=0)
+    finally:
+        engine.shutdown()
+    (call,) = reply.choices[0].message.tool_calls
+    _validate(call)
+
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt(openai_client):
+    """"none" suppresses calls, not the tools: the rendered prefix stays the one the loop's other turns
+    share (the prefix cache keeps hitting)."""
+    def prompt_tokens(**extra):
+        return openai_client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=1,
+                                                     temperature=0, **extra).usage.prompt_tokens
+
+    with_tools = prompt_tokens(tools=TOOLS)
+    assert prompt_tokens(tools=TOOLS, tool_choice="none") == with_tools > prompt_tokens()

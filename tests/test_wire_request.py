@@ -58,3 +58,37 @@ def test_completions_keep_the_raw_prompt_and_bad_bodies_are_invalid():
                            ("/v1/chat/completions", {}), ("/v1/responses", "text")]:
         with pytest.raises(InvalidRequest):
             normalize_request(endpoint, body)
+
+
+def test_the_analyzers_reading_is_the_engines_for_every_protocol():
+    """prefixtrace.wire.normalize (lenient, for analysis) renders what normalize_request (strict, for
+    the engine) hands the engine: same messages, same tools, key order included."""
+    from prefixtrace.wire.normalize import ChatNormalizer
+
+    bodies = {
+        "/v1/responses": {"instructions": "You are Codex.", "tools": [
+            {"type": "function", "name": "exec_command", "description": "Run", "strict": False,
+             "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}},
+            {"type": "namespace", "name": "multi_agent_v1", "tools": []}, {"type": "web_search"}],
+            "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox"}]},
+                      {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "ls"}]},
+                      {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+                      {"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": '{"cmd":"ls"}'},
+                      {"type": "function_call_output", "call_id": "c1", "output": "a.txt"}]},
+        "/v1/messages": {"system": [{"type": "text", "text": "S"}], "thinking": {"type": "adaptive"},
+                         "tools": [{"name": "Read", "description": "Read", "input_schema": {"type": "object"}}],
+                         "messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "agents"},
+                                      {"role": "assistant", "content": [
+                                          {"type": "thinking", "thinking": "t", "signature": ""},
+                                          {"type": "tool_use", "id": "t1", "name": "Read", "input": {"p": 1}}]},
+                                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                                    "content": "x"}]}]},
+    }
+    keys = ("role", "content", "tool_calls", "tool_call_id", "reasoning_content")
+    for endpoint, body in bodies.items():
+        engine, analyzer = normalize_request(endpoint, body), ChatNormalizer().to_chat(body, endpoint)
+        assert [[m.get(k) for k in keys] for m in analyzer["messages"]] == \
+            [[m.get(k) for k in keys] for m in engine.messages], endpoint
+        assert [list(t["function"]) for t in analyzer["tools"]] == [list(t["function"]) for t in engine.tools]
+        assert analyzer["tools"] == engine.tools, endpoint
+        assert analyzer.get("chat_template_kwargs") == engine.chat_body.get("chat_template_kwargs")

@@ -28,7 +28,14 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 # Fields the engine reads (or that only a hosted API acts on and that change nothing here).
 KNOWN_FIELDS = {"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
                 "stream", "tools", "tool_choice", "thinking", "metadata", "service_tier", "container", "mcp_servers"}
+# stop_reason in the one vocabulary turns are recorded in (OpenAI's finish_reason, as ReplyDone has it);
+# others (pause_turn, refusal) are kept as sent.
+FINISH_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls"}
 _logged_once: set[str] = set()
+
+
+def finish_reason(stop_reason: Any) -> str | None:
+    return FINISH_REASONS.get(stop_reason, stop_reason) if isinstance(stop_reason, str) else None
 
 
 def to_anthropic_error(exc: PrefixtraceError) -> dict[str, Any]:
@@ -55,6 +62,20 @@ def session_id(body: dict, headers: dict[str, str]) -> str | None:
         if isinstance(parsed, dict) and isinstance(parsed.get("session_id"), str) and parsed["session_id"]:
             return parsed["session_id"]
     return user
+
+
+def record_usage(builder, usage: dict) -> None:
+    """Fill a `TurnBuilder`'s turn from an Anthropic usage object (kept as sent in `turn.usage`):
+    `prompt_tokens = input + cache read + cache creation`, `cached_tokens = cache read`."""
+    turn = builder.turn
+    read, created = usage.get("cache_read_input_tokens"), usage.get("cache_creation_input_tokens")
+    if isinstance(usage.get("input_tokens"), int):
+        turn.prompt_tokens = usage["input_tokens"] + (read or 0) + (created or 0)
+    if isinstance(usage.get("output_tokens"), int):
+        turn.completion_tokens = usage["output_tokens"]
+    # Unknown stays None: an upstream that does not report cache reads is not a miss.
+    turn.cached_tokens = read if isinstance(read, int) else None
+    turn.usage = dict(usage)
 
 
 def to_chat_body(body: dict) -> dict:
@@ -86,10 +107,9 @@ def to_chat_body(body: dict) -> dict:
         out["tools"] = [_translate_tool(t, j) for j, t in enumerate(tools)]
     if body.get("tool_choice") is not None:
         out["tool_choice"] = _tool_choice(body["tool_choice"])
-    thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled", "adaptive"):
-        # "adaptive": the model decides whether to think; the template must allow it to.
-        out["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled"}
+    kwargs = thinking_template_kwargs(body.get("thinking"))
+    if kwargs is not None:
+        out["chat_template_kwargs"] = kwargs
     output_config = body.get("output_config")
     if isinstance(output_config, dict) and isinstance(output_config.get("effort"), str):
         out["reasoning_effort"] = output_config["effort"]
@@ -99,6 +119,14 @@ def to_chat_body(body: dict) -> dict:
             out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
     _log_unused(body)
     return {k: v for k, v in out.items() if v is not None}
+
+
+def thinking_template_kwargs(thinking: Any) -> dict | None:
+    """What Messages' `thinking` tells the chat template (the engine's and the analyzer's renderer
+    read it the same way): "adaptive" lets the model decide, so the template must allow thinking."""
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled", "adaptive"):
+        return {"enable_thinking": thinking["type"] != "disabled"}
+    return None
 
 
 def _log_unused(body: dict) -> None:
@@ -190,9 +218,12 @@ def _translate_message(message: dict, i: int) -> list[dict]:
 def _translate_tool(tool: Any, j: int) -> dict:
     if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
         raise InvalidRequest(f"tools[{j}] must be an object with a 'name'", param="tools")
-    fn = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
+    # Key order as chat clients send it (name, description, parameters): templates dump tools as JSON,
+    # so the same tool renders the same whichever API carried it (and as the analyzer renders it).
+    fn: dict[str, Any] = {"name": tool["name"]}
     if tool.get("description"):
         fn["description"] = tool["description"]
+    fn["parameters"] = tool.get("input_schema") or {"type": "object"}
     return {"type": "function", "function": fn}
 
 

@@ -1,22 +1,22 @@
-"""One reading of a request body, whatever the API, and the server's own clean-up before the template.
+"""The analyzer's reading of any request body, and the server's own clean-up before the template.
 
 Two jobs, both protocol-independent (no server, engine or FastAPI imports):
 
 1. `ChatNormalizer.to_chat(body, endpoint)`: a chat-completions, Anthropic Messages or OpenAI
-   Responses body as one chat-shaped request (`messages` with the system prompt first, OpenAI-shaped
-   `tools`, the parameters that decide the prompt). The translation is the one the proxy applies
-   before its engine renders a Messages request (proxy/anthropic.py): `system` first, `tool_use` ->
-   `tool_calls` (arguments as JSON text), `tool_result` -> `tool` messages, `thinking` ->
-   `reasoning_content`; Responses `instructions` -> system, `function_call` items -> the assistant's
-   `tool_calls`, `function_call_output` -> `tool` messages, `reasoning` items -> the next assistant's
-   `reasoning_content`. Unlike the proxy it is lenient: a block it cannot render becomes a short
-   placeholder instead of a 400, because an analysis must read what was sent, not judge it. A body
-   that is none of the three raises `UnreadableBody` with the reason.
-
-   Converted messages are cached by the identity of the source message: a recorded session resends
-   its whole history every turn, and the analyzer's loader makes unchanged messages the same objects
-   from line to line, so each message is translated once and its translation is the same object in
-   every later turn (which keeps the analyzer's per-message caches hitting).
+   Responses body as one chat-shaped request (`messages` with the system prompt first, chat-shaped
+   `tools`, the parameters that decide the prompt). The translation itself is the protocol adapters'
+   (prefixtrace/wire/messages.py, responses.py: the one the proxy applies before its engine renders),
+   so the analyzer predicts the prompt the engine builds. What this adds is what an analysis of a
+   long recording needs and a server does not:
+   - speed: Messages bodies are translated message by message, cached by the identity of the
+     source message. A recorded session resends its whole history every turn and the analyzer's
+     loader makes unchanged messages the same objects from line to line, so each message is
+     translated once and its translation is the same object in every later turn (which keeps the
+     analyzer's per-message caches hitting);
+   - leniency: a block the engine refuses (an image, a document) becomes a `[type]` text
+     placeholder before translating, because an analysis must read what was sent, not judge it;
+   - the client's own message indices (`SOURCE_INDEX`), so reports name `messages[2]` as sent.
+   A body that is none of the three raises `UnreadableBody` with the reason.
 
 2. `template_message(msg)`: what servers do to a chat message before the chat template sees it,
    shared by the analyzer's renderer and the engine (engine/chat_render.py), documented in
@@ -37,12 +37,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from prefixtrace.errors import InvalidRequest
+from prefixtrace.wire import messages as wire_messages
+from prefixtrace.wire import responses as wire_responses
+
 TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "summary_text", "reasoning_text"})
-# Top-level fields carried over unchanged: what decides the prompt or the cache.
-CARRIED = ("model", "chat_template_kwargs", "reasoning_effort", "reasoning", "thinking", "enable_thinking",
-           "stream", "max_tokens", "max_completion_tokens", "max_output_tokens", "temperature", "metadata", "user",
-           "prompt_cache_key")
 API_CHAT, API_MESSAGES, API_RESPONSES = "chat", "messages", "responses"
+# In a translated Messages body: for each chat message, the index of the source message in
+# `messages` it came from (None for the top-level `system`). Reports name the client's own indices.
+SOURCE_INDEX = "_source_index"
+# Blocks the Messages adapter translates; any other becomes a text placeholder here.
+_MESSAGES_BLOCKS = frozenset({"text", "thinking", "redacted_thinking", "tool_use", "tool_result"})
 
 
 class UnreadableBody(ValueError):
@@ -53,7 +58,7 @@ def api_of(body: Any, endpoint: str | None = None) -> str:
     """Which API a body belongs to: the endpoint's path when known, else its shape."""
     if not isinstance(body, dict):
         raise UnreadableBody(f"request body is a JSON {type(body).__name__}, not an object")
-    path = (endpoint or "").rstrip("/")
+    path = (endpoint or "").split("?", 1)[0].rstrip("/")
     if path.endswith("/messages"):
         return API_MESSAGES
     if path.endswith("/responses"):
@@ -97,27 +102,42 @@ def text_of(content: Any) -> str:
     return json.dumps(content, ensure_ascii=False)
 
 
+def _placeholder(block: Any) -> dict:
+    return {"type": "text", "text": f"[{block.get('type') if isinstance(block, dict) else type(block).__name__}]"}
+
+
+def _renderable(message: dict) -> dict:
+    """`message` with the blocks the Messages adapter refuses (images, documents, non-text tool
+    results) replaced by text placeholders."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return {**message, "content": text_of(content)}
+    blocks = []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind not in _MESSAGES_BLOCKS:
+            block = _placeholder(block)
+        elif kind == "tool_result" and isinstance(block.get("content"), list):
+            block = {**block, "content": text_of(block["content"])}
+        elif kind in ("text", "thinking") and not isinstance(block.get(kind), str):
+            block = {**block, kind: text_of(block.get(kind))}
+        blocks.append(block)
+    return {**message, "content": blocks}
+
+
 def chat_tool(tool: Any) -> Any:
-    """An OpenAI-, Anthropic- or Responses-shaped tool as the OpenAI chat shape
-    `{"type": "function", "function": {"name", "description", "parameters"}}`, so that the same tool
-    compares equal whichever API carried it. Key order follows the proxy's translation; a tool that is
-    none of these (a server tool such as web_search) is kept as it is."""
-    if not isinstance(tool, dict):
+    """An OpenAI-, Anthropic- or Responses-shaped tool in the chat shape the engine renders
+    (the protocol adapters' translation), so that the same tool compares equal whichever API carried
+    it; a tool that is none of these (a server tool such as web_search) is kept as it is."""
+    if not isinstance(tool, dict) or isinstance(tool.get("function"), dict):
         return tool
-    if isinstance(tool.get("function"), dict):
-        return tool
-    if "input_schema" in tool and isinstance(tool.get("name"), str):  # Anthropic
-        fn: dict[str, Any] = {"name": tool["name"]}
-        if tool.get("description"):
-            fn["description"] = tool["description"]
-        fn["parameters"] = tool.get("input_schema") or {"type": "object"}
-        return {"type": "function", "function": fn}
-    if tool.get("type") == "function" and isinstance(tool.get("name"), str):  # Responses
-        fn = {"name": tool["name"]}
-        if tool.get("description"):
-            fn["description"] = tool["description"]
-        fn["parameters"] = tool.get("parameters") or {"type": "object"}
-        return {"type": "function", "function": fn}
+    try:
+        if "input_schema" in tool and isinstance(tool.get("name"), str):
+            return wire_messages._translate_tool(tool, 0)
+        if tool.get("type") == "function" and isinstance(tool.get("name"), str):
+            return (wire_responses.to_chat_tools([tool]) or [tool])[0]
+    except InvalidRequest:
+        pass
     return tool
 
 
@@ -143,14 +163,21 @@ class ChatNormalizer:
                 raise UnreadableBody('a chat-completions body needs a "messages" list')
             tools = self._chat_tools(body.get("tools"))
             return body if tools is body.get("tools") else {**body, "tools": tools}
-        out: dict[str, Any] = {k: body[k] for k in CARRIED if k in body}
-        out["messages"] = self._messages_body(body) if api == API_MESSAGES else self._responses_body(body)
+        if api == API_RESPONSES:
+            try:  # the adapter's translation, whole: Responses traffic is not the hot path
+                return wire_responses.to_chat_body(_renderable_responses(body))
+            except InvalidRequest as exc:
+                raise UnreadableBody(f"not a readable Responses body: {exc.message}") from None
+        try:
+            out = wire_messages.to_chat_body({**body, "messages": [{"role": "user", "content": ""}],
+                                              "system": None, "tools": None})
+        except InvalidRequest as exc:
+            raise UnreadableBody(f"not a readable Messages body: {exc.message}") from None
+        sources: list[int | None] = []
+        out["messages"] = self._messages_body(body, sources)
+        out[SOURCE_INDEX] = sources
         if body.get("tools"):
             out["tools"] = self._chat_tools(body["tools"])
-        thinking = body.get("thinking")
-        if api == API_MESSAGES and isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled") \
-                and "chat_template_kwargs" not in out:  # as the proxy passes it to the engine
-            out["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
         return out
 
     def _chat_tools(self, tools: Any) -> Any:
@@ -165,19 +192,7 @@ class ChatNormalizer:
         self._tools[id(tools)] = (tools, out)
         return out
 
-    def _cached(self, msg: Any, convert) -> list[dict]:
-        hit = self._messages.get(id(msg))
-        if hit is not None and hit[0] is msg:
-            return hit[1]
-        out = convert(msg)
-        if len(self._messages) > 500_000:  # bound on huge runs; refills from live messages
-            self._messages.clear()
-        self._messages[id(msg)] = (msg, out)
-        return out
-
-    # -- Anthropic Messages ------------------------------------------------------------------
-
-    def _messages_body(self, body: dict) -> list[dict]:
+    def _messages_body(self, body: dict, sources: list) -> list[dict]:
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise UnreadableBody('a Messages body needs a "messages" list')
@@ -189,100 +204,50 @@ class ChatNormalizer:
                 hit = (system, {"role": "system", "content": text_of(system)})
                 self._system[id(system)] = hit
             out.append(hit[1])
+            sources.append(None)
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise UnreadableBody(f"messages[{i}] is not an object")
-            out.extend(self._cached(m, _anthropic_message))
-        return out
-
-    # -- OpenAI Responses --------------------------------------------------------------------
-
-    def _responses_body(self, body: dict) -> list[dict]:
-        out: list[dict] = []
-        instructions = body.get("instructions")
-        if isinstance(instructions, str) and instructions:
-            out.append({"role": "system", "content": instructions})
-        items = body.get("input")
-        if isinstance(items, str):
-            out.append({"role": "user", "content": items})
-            return out
-        if not isinstance(items, list):
-            raise UnreadableBody('a Responses body needs "input" as a string or a list of items')
-        reasoning: list[str] = []
-        for i, item in enumerate(items):
-            if not isinstance(item, dict):
-                raise UnreadableBody(f"input[{i}] is not an object")
-            kind = item.get("type") or ("message" if "role" in item else None)
-            if kind == "message":
-                msg = {"role": str(item.get("role", "user")), "content": text_of(item.get("content"))}
-                if msg["role"] == "assistant" and reasoning:
-                    msg["reasoning_content"], reasoning = "".join(reasoning), []
-                out.append(msg)
-            elif kind == "function_call":
-                call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                        "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "")}}
-                last = out[-1] if out else None
-                if last is not None and last.get("role") == "assistant" and not reasoning:
-                    out[-1] = {**last, "tool_calls": [*last.get("tool_calls", []), call]}
-                else:
-                    msg = {"role": "assistant", "content": "", "tool_calls": [call]}
-                    if reasoning:
-                        msg["reasoning_content"], reasoning = "".join(reasoning), []
-                    out.append(msg)
-            elif kind == "function_call_output":
-                output = item.get("output")
-                out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                            "content": output if isinstance(output, str) else text_of(output)})
-            elif kind == "reasoning":
-                parts = item.get("content") or item.get("summary") or []
-                reasoning.append(text_of(parts) if isinstance(parts, list) else str(parts))
-            else:  # item_reference, server tool calls: opaque to a chat template
-                out.append({"role": "user", "content": f"[{kind}]"})
+            hit = self._messages.get(id(m))
+            if hit is None or hit[0] is not m:
+                hit = (m, _messages_message(m, i))
+                if len(self._messages) > 500_000:  # bound on huge runs; refills from live messages
+                    self._messages.clear()
+                self._messages[id(m)] = hit
+            out.extend(hit[1])
+            sources.extend([i] * len(hit[1]))
         return out
 
 
-def _anthropic_message(message: dict) -> list[dict]:
-    """One Anthropic message -> one or more chat messages (as proxy/anthropic.py, leniently)."""
-    role, content = str(message.get("role", "user")), message.get("content")
-    if isinstance(content, str) or content is None:
-        return [{"role": role, "content": content or ""}]
-    if not isinstance(content, list):
-        return [{"role": role, "content": text_of(content)}]
-    out: list[dict] = []
-    text: list[str] = []
-    reasoning: list[str] = []
-    calls: list[dict] = []
-    for block in content:
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            text.append(str(block.get("text", "")))
-        elif kind == "thinking":
-            reasoning.append(str(block.get("thinking", "")))
-        elif kind == "redacted_thinking":
-            continue  # opaque to any template
-        elif kind == "tool_use":
-            calls.append({"id": block.get("id"), "type": "function", "function": {
-                "name": block.get("name", ""), "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
-        elif kind == "tool_result":
-            if text:  # keep the order: text before the result stays before it
-                out.append({"role": "user", "content": "".join(text)})
-                text = []
-            result = text_of(block.get("content", ""))
-            if block.get("is_error"):
-                result = f"[error] {result}"
-            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
-        else:
-            text.append(f"[{kind}]")
-    if role == "assistant":
-        msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
-        if reasoning:
-            msg["reasoning_content"] = "".join(reasoning)
-        if calls:
-            msg["tool_calls"] = calls
-        out.append(msg)
-    elif text or not out:
-        out.append({"role": role, "content": "".join(text)})
-    return out
+def _messages_message(message: dict, i: int) -> list[dict]:
+    """One Messages message as chat messages: the adapter's translation, leniently."""
+    role = message.get("role")
+    if role == "system":  # kept a system message, as the adapter does
+        return [{"role": "system", "content": text_of(message.get("content"))}]
+    if role not in ("user", "assistant"):
+        raise UnreadableBody(f"messages[{i}].role must be 'user', 'assistant' or 'system', got {role!r}")
+    try:
+        return wire_messages._translate_message(message, i)
+    except InvalidRequest:
+        try:
+            return wire_messages._translate_message(_renderable(message), i)
+        except InvalidRequest as exc:
+            raise UnreadableBody(exc.message) from None
+
+
+def _renderable_responses(body: dict) -> dict:
+    """A Responses body with parts the adapter refuses (images, files) replaced by text placeholders."""
+    items = body.get("input")
+    if not isinstance(items, list):
+        return body
+    out = []
+    for item in items:
+        if isinstance(item, dict) and isinstance(item.get("content"), list) and any(
+                not (isinstance(p, dict) and (p.get("type") in TEXT_PART_TYPES or p.get("type") == "refusal"))
+                for p in item["content"]):
+            item = {**item, "content": text_of(item["content"])}
+        out.append(item)
+    return {**body, "input": out}
 
 
 # -- before the template --------------------------------------------------------------------

@@ -116,11 +116,11 @@ def to_chat_tools(tools: Any) -> list[dict] | None:
             continue
         if not isinstance(tool.get("name"), str):
             raise InvalidRequest(f"tools[{j}] must have a string 'name'", param="tools")
-        fn = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
+        # Key order as chat clients send it, as in prefixtrace/wire/messages.py (templates dump tools as JSON).
+        fn: dict[str, Any] = {"name": tool["name"]}
         if tool.get("description"):
             fn["description"] = tool["description"]
-        if tool.get("strict") is not None:
-            fn["strict"] = tool["strict"]
+        fn["parameters"] = tool.get("parameters") or {"type": "object"}
         out.append({"type": "function", "function": fn})
     return out or None
 
@@ -150,8 +150,10 @@ def to_chat_body(body: dict, previous: list[dict] | None = None) -> dict:
         out["reasoning_effort"] = reasoning["effort"]
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        out["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": fmt.get("name", "output"), "schema": fmt.get("schema") or {}, "strict": fmt.get("strict")}}
+        schema = {"name": fmt.get("name", "output"), "schema": fmt.get("schema") or {}}
+        if fmt.get("strict") is not None:
+            schema["strict"] = fmt["strict"]
+        out["response_format"] = {"type": "json_schema", "json_schema": schema}
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
         out["response_format"] = {"type": "json_object"}
     return {k: v for k, v in out.items() if v is not None}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-import harness_support as hs
+from harness import harness_support as hs
 
 HERE = Path(__file__).resolve().parent
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import harness_support as hs
+from harness import harness_support as hs
 
 
 def configure_codex(scratch: hs.Scratch, base_url: str) -> dict:

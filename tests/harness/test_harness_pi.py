@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-import harness_support as hs
+from harness import harness_support as hs
 
 
 def configure_pi(scratch: hs.Scratch, base_url: str) -> None:

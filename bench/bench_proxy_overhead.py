@@ -1,0 +1,241 @@
+"""What the proxy itself adds in `--upstream` mode (issue 17): TTFT and total time.
+
+Starts two real `prefixtrace serve` processes on 127.0.0.1, each recording to its own
+SQLite database (the recorder is on for both):
+
+    upstream  prefixtrace serve --model fixtures/tiny-llama
+    proxy     prefixtrace serve --upstream <upstream>
+
+then sends the same short request alternately straight to the upstream and through
+the proxy (after a warm-up), `--n` of each, with one keep-alive httpx client per
+target, and prints p50/p90 of both and what the proxy adds, per route and mode:
+
+    TTFT   request sent -> first content delta read (streamed requests)
+    total  request sent -> end of the response ([DONE] / the last event / the whole body)
+
+"added" is p50(proxied) - p50(direct); "paired" is the median of the per-pair
+differences (one direct and one proxied request sent back to back), which is less
+sensitive to drift on a loaded machine. Goal (issue 17): added TTFT p50 <= 1 ms.
+
+    python bench/bench_proxy_overhead.py                       # chat, messages, responses; 40 each
+    python bench/bench_proxy_overhead.py --routes chat --n 100
+    python bench/bench_proxy_overhead.py --proxy-http h11 --proxy-loop asyncio   # uvicorn's options, forced
+
+`--proxy-http` / `--proxy-loop` start the proxy with those uvicorn options (through
+`--serve-with`, below) so each can be measured against the default (auto: httptools
+and uvloop when installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_MODEL = ROOT / "fixtures" / "tiny-llama"
+GOAL_MS = 1.0
+PROMPT = "Say something short."
+
+# route -> (path, body builder, test: is this SSE data line a content delta?)
+ROUTES = {
+    "chat": (
+        "/v1/chat/completions",
+        lambda stream, max_tokens: {"model": "default", "stream": stream, "max_tokens": max_tokens, "temperature": 0,
+                                    "messages": [{"role": "user", "content": PROMPT}]},
+        lambda obj: bool(obj.get("choices")) and bool((obj["choices"][0].get("delta") or {}).get("content")),
+    ),
+    "messages": (
+        "/v1/messages",
+        lambda stream, max_tokens: {"model": "default", "stream": stream, "max_tokens": max_tokens, "temperature": 0,
+                                    "messages": [{"role": "user", "content": PROMPT}]},
+        lambda obj: obj.get("type") == "content_block_delta" and bool((obj.get("delta") or {}).get("text")),
+    ),
+    "responses": (
+        "/v1/responses",
+        lambda stream, max_tokens: {"model": "default", "stream": stream, "max_output_tokens": max_tokens,
+                                    "temperature": 0, "input": PROMPT},
+        lambda obj: obj.get("type") == "response.output_text.delta" and bool(obj.get("delta")),
+    ),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve(args: list[str], cwd: Path, log: Path, serve_with: tuple[str, str] | None = None):
+    port = free_port()
+    prefix = [sys.executable, "-m", "prefixtrace.cli"]
+    if serve_with is not None:
+        prefix = [sys.executable, __file__, "--serve-with", *serve_with, "--"]
+    proc = subprocess.Popen([*prefix, "serve", "--port", str(port), *args], cwd=cwd,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"serve {' '.join(args)} exited early:\n{log.read_text()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"serve {' '.join(args)} did not become healthy:\n{log.read_text()}")
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def one_request(client: httpx.Client, route: str, stream: bool, max_tokens: int) -> tuple[float | None, float]:
+    """(ttft_s or None when not streamed, total_s) of one request, measured on the client."""
+    path, body, is_content = ROUTES[route]
+    payload = body(stream, max_tokens)
+    t0 = time.perf_counter()
+    if not stream:
+        r = client.post(path, json=payload)
+        r.read()
+        total = time.perf_counter() - t0
+        if r.status_code != 200:
+            raise SystemExit(f"{route}: {r.status_code} {r.text[:500]}")
+        return None, total
+    ttft = None
+    with client.stream("POST", path, json=payload) as r:
+        if r.status_code != 200:
+            raise SystemExit(f"{route}: {r.status_code} {r.read()[:500]!r}")
+        for line in r.iter_lines():
+            if ttft is None and line.startswith("data:"):
+                data = line[5:].strip()
+                if data != "[DONE]" and is_content(json.loads(data)):
+                    ttft = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    if ttft is None:
+        raise SystemExit(f"{route}: the stream carried no content delta (max_tokens too small?)")
+    return ttft, total
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def measure(direct: httpx.Client, proxied: httpx.Client, route: str, stream: bool, n: int, warmup: int,
+            max_tokens: int) -> dict:
+    for _ in range(warmup):
+        one_request(direct, route, stream, max_tokens)
+        one_request(proxied, route, stream, max_tokens)
+    samples = {"direct": [], "proxied": []}
+    for i in range(n):
+        # Alternate which goes first, so neither side always follows the other.
+        order = ("direct", "proxied") if i % 2 == 0 else ("proxied", "direct")
+        for side in order:
+            samples[side].append(one_request(direct if side == "direct" else proxied, route, stream, max_tokens))
+    out = {}
+    for metric, idx in (("ttft", 0), ("total", 1)):
+        if metric == "ttft" and not stream:
+            continue
+        d = [s[idx] * 1000 for s in samples["direct"]]
+        p = [s[idx] * 1000 for s in samples["proxied"]]
+        out[metric] = {"direct_p50": pct(d, 0.5), "direct_p90": pct(d, 0.9),
+                       "proxied_p50": pct(p, 0.5), "proxied_p90": pct(p, 0.9),
+                       "added_p50": pct(p, 0.5) - pct(d, 0.5),
+                       "paired_p50": statistics.median(b - a for a, b in zip(d, p))}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=40, help="requests each way per case (default 40)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--routes", default="chat,messages,responses")
+    ap.add_argument("--modes", default="stream,whole")
+    ap.add_argument("--proxy-http", default=None, help="force uvicorn's --http for the proxy (h11, httptools)")
+    ap.add_argument("--proxy-loop", default=None, help="force uvicorn's --loop for the proxy (asyncio, uvloop)")
+    ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    args = ap.parse_args()
+
+    serve_with = None
+    if args.proxy_http or args.proxy_loop:
+        serve_with = (args.proxy_http or "auto", args.proxy_loop or "auto")
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench_proxy_") as tmp:
+        tmp = Path(tmp)
+        (tmp / "up").mkdir()
+        (tmp / "px").mkdir()
+        upstream, up_url = start_serve(["--model", str(TINY_MODEL), "--db", str(tmp / "up" / "up.db")],
+                                       tmp / "up", tmp / "up.log")
+        try:
+            proxy, px_url = start_serve(["--upstream", up_url, "--db", str(tmp / "px" / "px.db")],
+                                        tmp / "px", tmp / "px.log", serve_with)
+            try:
+                print(f"upstream {up_url} (pid {upstream.pid}), proxy {px_url} (pid {proxy.pid}), "
+                      f"proxy uvicorn http={serve_with[0] if serve_with else 'auto'} "
+                      f"loop={serve_with[1] if serve_with else 'auto'}; n={args.n} each, max_tokens={args.max_tokens}")
+                with httpx.Client(base_url=up_url, timeout=60) as direct, \
+                        httpx.Client(base_url=px_url, timeout=60) as proxied:
+                    for route in args.routes.split(","):
+                        for mode in args.modes.split(","):
+                            res = measure(direct, proxied, route, mode == "stream", args.n, args.warmup,
+                                          args.max_tokens)
+                            results[f"{route}/{mode}"] = res
+                            for metric, r in res.items():
+                                verdict = ""
+                                if metric == "ttft":
+                                    verdict = "  OK" if r["added_p50"] <= GOAL_MS else f"  (goal <= {GOAL_MS:.0f} ms)"
+                                print(f"{route:9s} {mode:6s} {metric:5s}  direct p50 {r['direct_p50']:7.2f} "
+                                      f"p90 {r['direct_p90']:7.2f} | proxied p50 {r['proxied_p50']:7.2f} "
+                                      f"p90 {r['proxied_p90']:7.2f} | added p50 {r['added_p50']:+6.2f} ms, "
+                                      f"paired {r['paired_p50']:+6.2f} ms{verdict}", flush=True)
+            finally:
+                stop(proxy)
+        finally:
+            stop(upstream)
+    if args.json:
+        print(json.dumps(results))
+
+
+def serve_with(http: str, loop: str, argv: list[str]) -> None:
+    """Run `prefixtrace <argv>` with uvicorn's `http` and `loop` options forced (bench only)."""
+    sys.path.insert(0, str(ROOT))
+    import uvicorn
+
+    original = uvicorn.Config.__init__
+
+    def init(self, *a, **kw):
+        kw["http"], kw["loop"] = http, loop
+        original(self, *a, **kw)
+
+    uvicorn.Config.__init__ = init
+    from prefixtrace.cli import main as cli_main
+    sys.argv = ["prefixtrace", *argv]
+    cli_main()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 3 and sys.argv[1] == "--serve-with":
+        serve_with(sys.argv[2], sys.argv[3], sys.argv[5:])
+    else:
+        main()
