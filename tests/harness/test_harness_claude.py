@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import harness_support as hs
+from harness import harness_support as hs
 
 
 def claude_env(scratch: hs.Scratch, base_url: str) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-import harness_support as hs
+from harness import harness_support as hs
 
 # The tool llm runs in its own process when the model calls it: real file I/O in the scratch dir.
 READ_FILE = '''

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-import harness_support as hs
+from harness import harness_support as hs
 
 # Every tool opencode 1.18 offers but read: nothing the model chooses can write or run a command.
 DISABLED = ("bash", "edit", "write", "patch", "glob", "grep", "list", "webfetch", "websearch", "task",

@@ -1,0 +1,56 @@
+"""Codex (`codex exec`) over the OpenAI Responses API, its shell tool in the read-only sandbox."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import harness_support as hs
+
+
+def configure_codex(scratch: hs.Scratch, base_url: str) -> dict:
+    codex_home = scratch.home / ".codex"
+    codex_home.mkdir(parents=True)
+    (codex_home / "config.toml").write_text(f'''\
+model = "default"
+model_provider = "pt"
+web_search = "disabled"
+
+[model_providers.pt]
+name = "prefixtrace"
+base_url = "{base_url}/v1"
+env_key = "PT_KEY"
+wire_api = "responses"
+request_max_retries = 0
+stream_max_retries = 0
+# a ~4.5k-token prompt prefilled on a busy CPU can take minutes before the first event
+stream_idle_timeout_ms = 1200000
+
+[analytics]
+enabled = false
+''')
+    return hs.harness_env(scratch, {"CODEX_HOME": str(codex_home), "PT_KEY": "unused"})
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "not yet seen passing end to end: on the loaded development VM (load average 12-20 on 2 cores) "
+    "codex's first ~4.7k-token prompt did not finish prefilling within the 15 min limit. Seen working "
+    "separately: the Responses loop on this server (a forced call, its function_call_output sent back, "
+    "a free answer; fixtures/traffic/codex_responses_smol.jsonl) and codex's read-only sandbox reading "
+    "the scratch file. Unverified: that greedy SmolLM2 picks exec_command among exec_command, "
+    "write_stdin and request_user_input. Remove this mark once CI shows it passing."))
+def test_codex_runs_a_read_only_command_through_the_proxy(npm_bins, backend, scratch, drive, tmp_path):
+    env = configure_codex(scratch, backend.url)
+    # Only the shell tool family is left (goals, sub-agents and images off): the model's command runs
+    # in codex's read-only sandbox, inside the scratch directory.
+    cmd = [npm_bins["codex"], "exec", "--skip-git-repo-check", "--sandbox", "read-only",
+           "--disable", "goals", "--disable", "multi_agent", "--disable", "view_image",
+           f"Read the file {scratch.hello}"]
+    result, records = drive("codex", cmd, env, timeout=900)
+    assert result.returncode == 0, result.output[-3000:]
+    responses = [r for r in records if r["endpoint"] == "/v1/responses"]
+    assert responses, hs.describe(records)
+    assert all(r["response"]["status"] == 200 for r in records), hs.describe(records)
+    hs.assert_tool_round_trip(responses, scratch, {"exec_command", "shell"})
+    hs.assert_recorded_calls_match_what_client_saw(responses)
+    check = hs.run_check(responses, tmp_path / "codex.jsonl")
+    assert check.returncode == 0, check.stdout + check.stderr
