@@ -75,7 +75,7 @@ class H11WithHeadTimeout(_HeadDeadline, H11Protocol):
 
 
 def _httptools_protocol():
-    """uvicorn's "auto" picks httptools when installed (pyproject installs it for speed): same deadline on it."""
+    """uvicorn's "auto" picks httptools when it is installed (not a dependency here): the same deadline on it."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
