@@ -7,8 +7,10 @@ import subprocess
 from harness import harness_support as hs
 
 # The tool llm runs in its own process when the model calls it: real file I/O in the scratch dir.
+# **extra: the forced call's grammar follows the schema, which does not forbid more properties, and
+# the model sometimes adds one ("type": "file"); a strict signature would turn that into an error result.
 READ_FILE = '''
-def read_file(path: str) -> str:
+def read_file(path: str, **extra) -> str:
     "Read a text file and return its contents."
     return open(path).read()
 '''
