@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixtrace.errors import InvalidRequest
+from prefixtrace.wire.messages import plain_session_id
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 _MESSAGES_KEY = '"messages":'
@@ -96,20 +97,11 @@ def parse_ts(value: Any) -> float | None:
 
 
 def session_of(value: Any) -> str | None:
-    """A session id as harnesses send it. Claude Code's `metadata.user_id` (recorded as the session)
-    is a JSON object whose `session_id` is the conversation; the device and account parts are the
-    same for every conversation on a machine, so they must not group them."""
+    """A session id as harnesses send it: Claude Code's JSON `metadata.user_id` (recorded as the
+    session) names its conversation by `session_id` (prefixtrace.wire.messages.plain_session_id)."""
     if value is None:
         return None
-    text = str(value)
-    if text.startswith("{") and '"session_id"' in text:
-        try:
-            inner = json.loads(text)
-        except ValueError:
-            return text
-        if isinstance(inner, dict) and isinstance(inner.get("session_id"), str) and inner["session_id"]:
-            return inner["session_id"]
-    return text
+    return plain_session_id(str(value))
 
 
 def _first(obj: dict, keys: tuple[str, ...]) -> Any:

@@ -54,14 +54,20 @@ def session_id(body: dict, headers: dict[str, str]) -> str | None:
     user = metadata.get("user_id")
     if not isinstance(user, str) or not user:
         return None
-    if user.lstrip().startswith("{"):
+    return plain_session_id(user)
+
+
+def plain_session_id(user_id: str) -> str:
+    """Claude Code's `metadata.user_id` is a JSON object whose `session_id` is the conversation (its
+    device and account parts are the same for every conversation on a machine); any other id as it is."""
+    if user_id.lstrip().startswith("{"):
         try:
-            parsed = json.loads(user)
+            parsed = json.loads(user_id)
         except ValueError:
-            return user
+            return user_id
         if isinstance(parsed, dict) and isinstance(parsed.get("session_id"), str) and parsed["session_id"]:
             return parsed["session_id"]
-    return user
+    return user_id
 
 
 def record_usage(builder, usage: dict) -> None:
