@@ -32,12 +32,12 @@ enabled = false
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "not yet seen passing end to end: on the loaded development VM (load average 12-20 on 2 cores) "
-    "codex's first ~4.7k-token prompt did not finish prefilling within the 15 min limit. Seen working "
-    "separately: the Responses loop on this server (a forced call, its function_call_output sent back, "
-    "a free answer; fixtures/traffic/codex_responses_smol.jsonl) and codex's read-only sandbox reading "
-    "the scratch file. Unverified: that greedy SmolLM2 picks exec_command among exec_command, "
-    "write_stdin and request_user_input. Remove this mark once CI shows it passing."))
+    "not yet seen passing end to end. Diagnosed on a quiet machine (session 4): greedy SmolLM2, forced to "
+    "call a tool, picks codex's request_user_input (not exec_command) and writes an ever-longer id string "
+    "inside its arguments; the grammar lets the string run, so the first turn decodes until the 300 s bound. "
+    "The Responses loop itself works (fixtures/traffic/codex_responses_smol.jsonl: a forced call, its "
+    "function_call_output, a free answer). Fix: leave codex only its shell tool, or bound string lengths in "
+    "forced-call grammars. Remove this mark once CI shows it passing."))
 def test_codex_runs_a_read_only_command_through_the_proxy(npm_bins, backend, scratch, drive, tmp_path):
     env = configure_codex(scratch, backend.url)
     # Only the shell tool family is left (goals, sub-agents and images off): the model's command runs
