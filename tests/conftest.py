@@ -16,6 +16,7 @@ import uvicorn
 from engine.engine import Engine
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
+from proxy.upstream_backend import UpstreamBackend
 from recorder.store import Recorder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,6 +69,16 @@ def tiny_engine():
 def recorder(tmp_path):
     with Recorder(tmp_path / "traffic.db") as rec:
         yield rec
+
+
+@pytest.fixture
+def chain(tiny_engine, tmp_path):
+    """client → proxy A (upstream mode) → proxy B (embedded tiny engine); both real uvicorn servers.
+    Yields (url_a, recorder_a, recorder_b)."""
+    with Recorder(tmp_path / "b.db") as rec_b, Recorder(tmp_path / "a.db") as rec_a:
+        with running_server(create_app(EngineBackend(tiny_engine), rec_b)) as url_b:
+            with running_server(create_app(UpstreamBackend(url_b + "/v1"), rec_a)) as url_a:
+                yield url_a, rec_a, rec_b
 
 
 @pytest.fixture

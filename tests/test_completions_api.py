@@ -9,8 +9,6 @@ from openai import OpenAI
 
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
-from proxy.upstream_backend import UpstreamBackend
-from recorder.store import Recorder
 from tests.conftest import rows, running_server
 
 PROMPT = "Once upon a time, in a land of careful caches, " * 3
@@ -74,14 +72,6 @@ def test_count_tokens_is_the_engines_own_prompt_length(engine_server):
     assert count.json() == {"input_tokens": usage["input_tokens"] + usage["cache_read_input_tokens"]}
     counted = rows(recorder)[0]
     assert counted["endpoint"] == "/v1/messages/count_tokens" and counted["prompt_tokens"] == count.json()["input_tokens"]
-
-
-@pytest.fixture
-def chain(tiny_engine, tmp_path):
-    with Recorder(tmp_path / "b.db") as rec_b, Recorder(tmp_path / "a.db") as rec_a:
-        with running_server(create_app(EngineBackend(tiny_engine), rec_b)) as url_b:
-            with running_server(create_app(UpstreamBackend(url_b), rec_a)) as url_a:
-                yield url_a, rec_a, rec_b
 
 
 @pytest.mark.parametrize("stream", [False, True])

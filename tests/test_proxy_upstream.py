@@ -12,19 +12,9 @@ import pytest
 from openai import OpenAI
 
 from proxy.app import create_app
-from proxy.engine_backend import EngineBackend
 from proxy.upstream_backend import UpstreamBackend
 from recorder.store import Recorder
 from tests.conftest import free_port, rows, running_server
-
-
-@pytest.fixture
-def chain(tiny_engine, tmp_path):
-    """client → proxy A (upstream mode) → proxy B (embedded tiny engine); both real uvicorn servers."""
-    with Recorder(tmp_path / "b.db") as rec_b, Recorder(tmp_path / "a.db") as rec_a:
-        with running_server(create_app(EngineBackend(tiny_engine), rec_b)) as url_b:
-            with running_server(create_app(UpstreamBackend(url_b + "/v1"), rec_a)) as url_a:
-                yield url_a, rec_a, rec_b
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -9,13 +9,9 @@ import httpx
 import pytest
 from openai import BadRequestError, OpenAI
 
-from proxy.app import create_app
-from proxy.engine_backend import EngineBackend
-from proxy.upstream_backend import UpstreamBackend
 from recorder import export, import_file, load_turns
 from recorder.replay import replay
-from recorder.store import Recorder
-from tests.conftest import rows, running_server
+from tests.conftest import rows
 
 INSTRUCTIONS = "You are a careful coding assistant. Answer briefly. " * 4
 
@@ -119,15 +115,6 @@ def test_bad_bodies_are_openai_shaped_400s_and_recorded(engine_server):
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
     assert [(t["endpoint"], t["status"]) for t in rows(recorder)] == [("/v1/responses", 400)] * len(bad)
-
-
-@pytest.fixture
-def chain(tiny_engine, tmp_path):
-    """client → proxy A (upstream mode) → proxy B (embedded tiny engine); both real uvicorn servers."""
-    with Recorder(tmp_path / "b.db") as rec_b, Recorder(tmp_path / "a.db") as rec_a:
-        with running_server(create_app(EngineBackend(tiny_engine), rec_b)) as url_b:
-            with running_server(create_app(UpstreamBackend(url_b + "/v1"), rec_a)) as url_a:
-                yield url_a, rec_a, rec_b
 
 
 @pytest.mark.parametrize("stream", [False, True])
