@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from prefixtrace.errors import EngineError, InvalidRequest
+from prefixtrace.wire.request import joined_text as _text
 
 log = logging.getLogger("prefixtrace.engine")
 
@@ -71,14 +72,6 @@ DEFAULT_NOTICE_PATTERN = (
 )
 HEAD_ROLES = ("system", "developer")
 REASONING_KEYS = ("reasoning_content", "reasoning")
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
 
 
 @dataclass(slots=True)

@@ -86,11 +86,12 @@ def normalize_request(endpoint: str | None, body: Any, previous: list[dict] | No
     for m in msgs:
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer"):
             break
-        system.append(_text(m.get("content")))
+        system.append(joined_text(m.get("content")))
     return WireRequest(protocol, body, chat, msgs, chat.get("tools"), "\n\n".join(system))
 
 
-def _text(content: Any) -> str:
+def joined_text(content: Any) -> str:
+    """A message's text: the string, or its text parts joined; anything else is no text."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
