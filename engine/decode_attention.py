@@ -49,7 +49,8 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = ["available", "mode", "set_mode", "use_dense", "use_tq", "dense_attend", "tq_attend", "split_chunk",
-           "tq_bounds", "MODES"]
+           "tq_bounds", "MODES", "tq_variant", "set_tq_variant", "defer_encode", "one_launch", "counters", "kernel_sources",
+           "TQ_VARIANTS"]
 
 NW = 4  # warps per pass-1 block
 _TARGET_BLOCKS = 1024  # ~8 blocks per SM on an H200's 132: enough to keep its memory system busy
@@ -172,14 +173,16 @@ _SOFTMAX_AND_STORE = """
 """
 
 # A block with no columns (a split inside a row's left padding) still writes its slot.
-_EMPTY_BLOCK = """
-    if (c0 >= c1) {
+_EMPTY_WRITES = """
         for (int i = tid; i < G * D; i += NT)
             o_part[((size_t)(b * HQ + h * G + i / D) * S + s) * D + i % D] = 0.f;
         if (tid < G) {
             ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = NEG_INF;
             ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = 0.f;
         }
+"""
+_EMPTY_BLOCK = """
+    if (c0 >= c1) {""" + _EMPTY_WRITES + """
         return;
     }
 """
@@ -406,6 +409,79 @@ _TQ_SOURCE = _PROLOGUE + """
                 }
 """)
 
+# v2: the same blocks, and the reduce in the same launch. Each block, once its partials are
+# written, bumps its (row, KV head)'s counter; the block that brings it to S (the last one
+# done) combines the S partials of its G query heads as `_REDUCE_SOURCE` does (max/sum
+# rescaling, the rotated part turned back once, the dense part added) and resets the
+# counter to 0 for the next launch. The counters are an input the kernel writes through
+# (MLX custom kernels have no in-place outputs; an output with an init value would cost
+# a fill launch per step): zero before and after every launch, so to MLX it never changes.
+# Counters belong to one cache, whose decode steps depend on each other, so no two
+# launches share them at once.
+_LAST_BLOCK_REDUCE = """
+    __shared__ bool last_;
+    __shared__ float ls_[G];
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        int* cnt_ = const_cast<int*>(cnt) + b * gridDim.y + h;
+        last_ = atomicAdd(cnt_, 1) == S - 1;
+        if (last_) atomicExch(cnt_, 0);
+    }
+    __syncthreads();
+    if (!last_) return;
+    __threadfence();
+    for (int i = tid; i < G * D; i += NT) {
+        const int g = i / D, d = i % D;
+        const size_t r = (size_t)(b * HQ + h * G + g);
+        const float* ml = ml_part + r * S * 2;
+        const float* op = o_part + r * S * D + d;
+        float M = NEG_INF;
+        for (int s2 = 0; s2 < S; ++s2) M = fmaxf(M, __ldcg(ml + 2 * s2));
+        float L = 0.f, rot = 0.f, plain = 0.f;
+        for (int s2 = 0; s2 < S; ++s2) {
+            const float m = __ldcg(ml + 2 * s2);
+            if (m == NEG_INF) continue;
+            const float w = __expf(m - M);
+            L += w * __ldcg(ml + 2 * s2 + 1);
+            if (s2 < S - 1) rot += w * __ldcg(op + (size_t)s2 * D);
+            else plain += w * __ldcg(op + (size_t)s2 * D);
+        }
+        red[0][g][d] = rot;
+        red[1][g][d] = plain;
+        if (d == 0) ls_[g] = L;
+    }
+    #pragma unroll
+    for (int hh = 1; hh < D; hh <<= 1) {
+        __syncthreads();
+        for (int i = tid; i < G * D / 2; i += NT) {
+            const int g = i / (D / 2), j = i % (D / 2);
+            const int lo = (j / hh) * 2 * hh + (j % hh), hi = lo + hh;
+            const float a = red[0][g][lo], c = red[0][g][hi];
+            red[0][g][lo] = a + c;
+            red[0][g][hi] = a - c;
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D; i += NT) {
+        const int g = i / D, d = i % D;
+        const float L = ls_[g];
+        const float v = red[1][g][d] + red[0][g][d] * rsqrtf((float)D) * signs[d];
+        out[(size_t)(b * HQ + h * G + g) * D + d] = static_cast<T>(L > 0.f ? v / L : 0.f);
+    }
+"""
+
+
+def _one_launch(source: str) -> str:
+    """`source` (a pass-1 body with `_EMPTY_BLOCK`) with the empty case as a branch instead of a
+    return (every block must reach the counter), then `_LAST_BLOCK_REDUCE`."""
+    head, body = source.split(_EMPTY_BLOCK)
+    return head + "\n    if (c0 >= c1) {" + _EMPTY_WRITES + "    } else {\n" + body + "\n    }\n" + _LAST_BLOCK_REDUCE
+
+
+_TQ1_SOURCE = _one_launch(_TQ_SOURCE)
+
+
 # One block of D threads per (row, query head): combine the S partials with max/sum
 # rescaling. ROT: slots [0, S-1) are in the codec's rotated basis and slot S-1 is dense;
 # the rotated sum is turned back (butterfly, 1/sqrt(D), signs) before the dense part is added.
@@ -577,6 +653,43 @@ def set_mode(new: str) -> None:
     _mode = new
 
 
+TQ_VARIANTS = ("v1", "v2", "v2s")
+_tq_variant: str | None = None
+
+
+def tq_variant() -> str:
+    """How a TurboQuant decode step runs on CUDA. "v2" (default): the new token is appended
+    to the dense tail in place and encoded later, in one launch for a whole group's worth
+    of tokens, when a row is about to see it decoded (or it leaves the tail); the decoded
+    K/V `update_and_fetch` returns is not built for hooked caches; attention is one launch
+    (split blocks plus a reduce by the last block of each row and head). "v2s": v2 with the
+    split kernel and the reduce kernel as two launches. "v1": session 4's step (encode every
+    token, concatenate the tail, two launches), kept to compare side by side and to fall
+    back to. From PREFIXTRACE_TQ_DECODE, read once."""
+    global _tq_variant
+    if _tq_variant is None:
+        env = os.environ.get("PREFIXTRACE_TQ_DECODE", "v2")
+        _tq_variant = env if env in TQ_VARIANTS else "v2"
+    return _tq_variant
+
+
+def set_tq_variant(new: str) -> None:
+    if new not in TQ_VARIANTS:
+        raise ValueError(f"TurboQuant decode variant must be one of {TQ_VARIANTS}, not {new!r}")
+    global _tq_variant
+    _tq_variant = new
+
+
+def defer_encode() -> bool:
+    """Whether a TurboQuant decode step may defer encoding its token (variant v2, CUDA)."""
+    return mode() != "off" and tq_variant() != "v1" and available()
+
+
+def one_launch() -> bool:
+    """Whether TurboQuant attention reduces in its own launch's last blocks (variant v2)."""
+    return tq_variant() == "v2"
+
+
 @lru_cache(maxsize=1)
 def available() -> bool:
     """A CUDA build of MLX with the GPU as default device (decided once per process)."""
@@ -598,6 +711,15 @@ def _tq_kernel():
     return mx.fast.cuda_kernel(name="prefixtrace_decode_tq",
                                input_names=["q", "kn", "kc", "vn", "vc", "tk", "tv", "lp", "signs", "cent", "params"],
                                output_names=["o_part", "ml_part"], source=_TQ_SOURCE, header=_HEADER,
+                               ensure_row_contiguous=False)
+
+
+@lru_cache(maxsize=1)
+def _tq1_kernel():
+    return mx.fast.cuda_kernel(name="prefixtrace_decode_tq1",
+                               input_names=["q", "kn", "kc", "vn", "vc", "tk", "tv", "lp", "signs", "cent", "params",
+                                            "cnt"],
+                               output_names=["o_part", "ml_part", "out"], source=_TQ1_SOURCE, header=_HEADER,
                                ensure_row_contiguous=False)
 
 
@@ -634,6 +756,16 @@ def _scalar(value: float) -> mx.array:
 @lru_cache(maxsize=None)
 def _zeros(rows: int) -> mx.array:
     return mx.array(np.zeros(rows, np.int32))
+
+
+def counters(owner, size: int) -> mx.array:
+    """`owner`'s int32 counters for the one-launch TurboQuant kernel (zeros, `size` of them;
+    made once per size, from numpy: no lazy array tied to one thread's stream)."""
+    c = getattr(owner, "_decode_counters", None)
+    if c is None or c.size < size:
+        c = mx.array(np.zeros(size, np.int32))
+        owner._decode_counters = c
+    return c
 
 
 @lru_cache(maxsize=None)
@@ -710,12 +842,13 @@ def dense_attend(queries: mx.array, keys: mx.array, values: mx.array, left_paddi
 
 def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: mx.array, v_codes: mx.array,
               win_k: mx.array, win_v: mx.array, left_padding: mx.array | None, scale: float, codec,
-              group: int) -> mx.array | None:
+              group: int, counters: mx.array | None = None) -> mx.array | None:
     """Attention of one query token per row over TurboQuant codes for columns [0, T)
     (norms (B, H, T, 1), codes (B, H, T, W)) and the dense window (B, H, Tw, D) of
     columns [T - Tw, T), unrotated; row b starts at left_padding[b] (None: 0). The
     output is in the original basis. CUDA only (`use_tq`); None where the dense window
-    does not fit one block (the caller falls back to MLX)."""
+    does not fit one block (the caller falls back to MLX). `counters` (int32 zeros, at
+    least B x H, owned by one cache: `_LAST_BLOCK_REDUCE`): one launch instead of two."""
     B, hq, _, dim = queries.shape
     H, T, tw = k_codes.shape[1], k_codes.shape[2], win_k.shape[2]
     g = hq // H
@@ -725,6 +858,15 @@ def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: 
     splits = -(-T // chunk) + 1  # + the dense block
     lp = _zeros(B) if left_padding is None else left_padding
     lp = lp if lp.dtype == mx.int32 else lp.astype(mx.int32)
+    if counters is not None:
+        assert counters.dtype == mx.int32 and counters.size >= B * H
+        return _tq1_kernel()(
+            inputs=[queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
+                    _scalar(scale), counters],
+            template=_templates("tq", win_k.dtype, dim, g, chunk, codec.bits, group),
+            grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
+            output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2), (B, hq, 1, dim)],
+            output_dtypes=[mx.float32, mx.float32, queries.dtype])[2]
     o_part, ml_part = _tq_kernel()(
         inputs=[queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
                 _scalar(scale)],
