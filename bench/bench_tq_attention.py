@@ -89,7 +89,7 @@ def _fill(cache, keys, values, chunk: int = 8192):
 
 
 def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 1, parts: bool = False,
-            only_tq: bool = False) -> dict:
+            only_tq: bool = False, unrolls: tuple = ()) -> dict:
     """One layer's decode step at `rows` rows of `context` tokens: dense (MLX's fused SDPA) and
     TurboQuant through MLX ops and through the kernel; with several rows, also left-padded
     rows (every row but the first 1,000 tokens shorter), dense (masked SDPA vs the kernel)."""
@@ -107,16 +107,18 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
     kernel = decode_attention.available()
     saved = decode_attention.mode()
 
-    saved_variant = decode_attention.tq_variant()
+    saved_variant, saved_unroll = decode_attention.tq_variant(), decode_attention.tq_unroll()
 
-    def timed(name, make, mode, kernel_mode, part="step", variant="v2"):
+    def timed(name, make, mode, kernel_mode, part="step", variant="v2", unroll=None):
         decode_attention.set_mode(kernel_mode)
         decode_attention.set_tq_variant(variant)
+        decode_attention.set_tq_unroll(unroll or saved_unroll)
         try:
             row[name] = round(1e3 * step_time(make(), mode, q_heads, kv_heads, dim, dtype, steps, rows, part), 4)
         finally:
             decode_attention.set_mode(saved)
             decode_attention.set_tq_variant(saved_variant)
+            decode_attention.set_tq_unroll(saved_unroll)
 
     def dense():
         c = KVCache()
@@ -135,6 +137,9 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
     if kernel:
         # v2 (deferred encode, in-place tail, one launch) and v1 (session 4's step), side by side.
         timed("tq_kernel_ms", tq, "hook", "on")
+        for u in unrolls:
+            timed(f"tq_kernel_u{u}_ms", tq, "hook", "on", unroll=u)
+            row[f"tq_kernel_u{u}_vs_dense"] = round(row[f"tq_kernel_u{u}_ms"] / row["dense_ms"], 3)
         timed("tq_kernel_v2s_ms", tq, "hook", "on", variant="v2s")
         timed("tq_kernel_v1_ms", tq, "hook", "on", variant="v1")
         if parts:
@@ -248,6 +253,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rows", type=int, action="append", help="rows per step (default 1; repeat: --rows 1 --rows 8)")
     ap.add_argument("--parts", action="store_true", help="also time the update and the attention apart")
+    ap.add_argument("--unroll", type=int, action="append", default=[],
+                    help="also time v2 with this tq_unroll (repeat: --unroll 8 --unroll 16)")
     ap.add_argument("--only-tq", action="store_true",
                     help="dense and the TurboQuant kernels only (no MLX-ops path, no padded rows)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
@@ -262,7 +269,8 @@ def main() -> None:
     for shape in args.shape or list(SHAPES):
         for rows in args.rows or [1]:
             for context in args.context or (1024, 4096, 16384):
-                out.append(measure(shape, context, args.bits, dtype, args.steps, rows, args.parts, args.only_tq))
+                out.append(measure(shape, context, args.bits, dtype, args.steps, rows, args.parts, args.only_tq,
+                                   tuple(args.unroll)))
                 print(json.dumps(out[-1]), flush=True)
                 mx.clear_cache()
     if args.json:

@@ -78,8 +78,9 @@ def dense_case(lengths: list[int], q_heads: int, kv_heads: int, dim: int, dtype)
 
 
 def tq_case(chunks_per_row: list[list[int]], q_heads: int, kv_heads: int, dim: int, bits: int, dtype,
-            group: int = 64, variant: str = "v2", steps: int = 3) -> None:
+            group: int = 64, variant: str = "v2", steps: int = 3, unroll: int = 4) -> None:
     decode_attention.set_tq_variant(variant)
+    decode_attention.set_tq_unroll(unroll)
     mx.random.seed(bits * 1000 + dim + len(chunks_per_row))
     rows = []
     for chunks in chunks_per_row:
@@ -101,7 +102,7 @@ def tq_case(chunks_per_row: list[list[int]], q_heads: int, kv_heads: int, dim: i
         ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
                                                    values.astype(mx.float32), scale=scale, mask=mask)
         e, s = err(got, ref)
-        record("turboquant", within(e, s, dtype), variant=variant, rows=B,
+        record("turboquant", within(e, s, dtype), variant=variant, unroll=unroll, rows=B,
                lengths=[sum(c) for c in chunks_per_row][:4], heads=[q_heads, kv_heads], dim=dim, bits=bits,
                dtype=str(dtype), step=step, max_err=e, scale=s)
         if B > 1:
@@ -166,9 +167,11 @@ def main() -> int:
     ap.add_argument("--variants", default="v2,v2s,v1",
                     help="TurboQuant decode variants to check (engine.decode_attention.TQ_VARIANTS)")
     ap.add_argument("--skip-dense", action="store_true", help="leave out the dense kernel's cases")
+    ap.add_argument("--unrolls", default="8,16", help="v2 with these tq_unroll values too (empty: none)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     variants = args.variants.split(",")
+    unrolls = [int(u) for u in args.unrolls.split(",") if u]
     if not decode_attention.available():
         print("no CUDA device: nothing to check (the kernels are CUDA only)")
         return 0
@@ -194,12 +197,21 @@ def main() -> int:
         for bits in (2, 8):
             tq_case([[300], [7, 30, 1]], 32, 8, 128, bits, mx.float32, group=16, variant=variant, steps=20)
         tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, mx.bfloat16, variant=variant)  # B = 8, G = 8
+    for unroll in unrolls:  # more tokens per lane group per loop step (v2 only)
+        tq_case([[4000, 33]], 32, 8, 128, 4, mx.bfloat16, unroll=unroll)
+        tq_case([[300], [7, 30, 1], [64], [1000, 3]], 32, 8, 128, 4, mx.float32, unroll=unroll)
+        tq_case([[100, 7], [20]], 4, 2, 16, 4, mx.float32, group=16, unroll=unroll, steps=20)
+        tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, mx.bfloat16, unroll=unroll)
+    decode_attention.set_tq_unroll(4)
     if args.long:
         for n in (32768, 100000):
             if not args.skip_dense:
                 dense_case([n, n - 5000, 77], 32, 8, 128, mx.bfloat16)
             for variant in variants:
                 tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, variant=variant)
+            for unroll in unrolls:
+                tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, unroll=unroll)
+            decode_attention.set_tq_unroll(4)
     greedy_identity(args.steps, variants, dense=not args.skip_dense)
     failed = [r for r in results if not r["ok"]]
     summary = {"checks": len(results), "failed": len(failed), "seconds": round(time.perf_counter() - t0, 1)}

@@ -49,7 +49,7 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = ["available", "mode", "set_mode", "use_dense", "use_tq", "dense_attend", "tq_attend", "split_chunk",
-           "tq_bounds", "MODES", "tq_variant", "set_tq_variant", "defer_encode", "one_launch", "counters", "kernel_sources",
+           "tq_bounds", "MODES", "tq_variant", "set_tq_variant", "tq_unroll", "set_tq_unroll", "defer_encode", "one_launch", "counters", "kernel_sources",
            "TQ_VARIANTS"]
 
 NW = 4  # warps per pass-1 block
@@ -277,7 +277,8 @@ _DENSE_SOURCE = _PROLOGUE + """
 # it are read as codes, the rest dense) is BatchTurboQuantKVCache's rule for a call of NQ
 # tokens: start + min(prev - start, floor((T - start) / GROUP) * GROUP), prev = T - NQ.
 # Blocks s < S - 1 take codes; block S - 1 takes the dense columns [max(bound, start), T).
-_TQ_SOURCE = _PROLOGUE + """
+# (U, tokens per lane group per loop step, is a template argument here: `tq_unroll`.)
+_TQ_SOURCE = _PROLOGUE.replace("    constexpr int U = 4;                  // tokens per group per loop step\n", "") + """
     constexpr int MASK = (1 << BITS) - 1;
     __shared__ float cs[1 << BITS];
     const int end = kc_shape[2];
@@ -804,11 +805,33 @@ def use_tq(queries: mx.array, kv_heads: int, bits: int, dim: int) -> bool:
 
 
 @lru_cache(maxsize=None)
-def _templates(kind: str, dtype, dim: int, g: int, chunk: int, bits: int = 0, group: int = 0) -> list:
+def _templates(kind: str, dtype, dim: int, g: int, chunk: int, bits: int = 0, group: int = 0, unroll: int = 4) -> list:
     t = [("T", dtype), ("D", dim), ("G", g), ("CHUNK", chunk), ("NW", NW)]
     if kind == "tq":
-        t += [("BITS", bits), ("GROUP", group), ("NQ", 1)]
+        t += [("BITS", bits), ("GROUP", group), ("NQ", 1), ("U", unroll)]
     return t
+
+
+UNROLLS = (4, 8, 16)
+_tq_unroll: int | None = None
+
+
+def tq_unroll() -> int:
+    """Tokens each lane group of the TurboQuant kernel loads before it uses them (more
+    loads in flight per lane; a long context is latency-bound on them), for variants v2 /
+    v2s (v1: 4, session 4's). From PREFIXTRACE_TQ_UNROLL, read once."""
+    global _tq_unroll
+    if _tq_unroll is None:
+        env = os.environ.get("PREFIXTRACE_TQ_UNROLL", "4")
+        _tq_unroll = int(env) if env in {str(u) for u in UNROLLS} else 4
+    return _tq_unroll
+
+
+def set_tq_unroll(new: int) -> None:
+    if new not in UNROLLS:
+        raise ValueError(f"TurboQuant unroll must be one of {UNROLLS}, not {new!r}")
+    global _tq_unroll
+    _tq_unroll = new
 
 
 def _reduce(o_part: mx.array, ml_part: mx.array, signs: mx.array, rows: int, q_heads: int, dim: int, dtype,
@@ -858,19 +881,20 @@ def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: 
     splits = -(-T // chunk) + 1  # + the dense block
     lp = _zeros(B) if left_padding is None else left_padding
     lp = lp if lp.dtype == mx.int32 else lp.astype(mx.int32)
+    unroll = 4 if tq_variant() == "v1" else tq_unroll()
     if counters is not None:
         assert counters.dtype == mx.int32 and counters.size >= B * H
         return _tq1_kernel()(
             inputs=[queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
                     _scalar(scale), counters],
-            template=_templates("tq", win_k.dtype, dim, g, chunk, codec.bits, group),
+            template=_templates("tq", win_k.dtype, dim, g, chunk, codec.bits, group, unroll),
             grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
             output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2), (B, hq, 1, dim)],
             output_dtypes=[mx.float32, mx.float32, queries.dtype])[2]
     o_part, ml_part = _tq_kernel()(
         inputs=[queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
                 _scalar(scale)],
-        template=_templates("tq", win_k.dtype, dim, g, chunk, codec.bits, group),
+        template=_templates("tq", win_k.dtype, dim, g, chunk, codec.bits, group, unroll),
         grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
         output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
     return _reduce(o_part, ml_part, codec.signs, B, hq, dim, queries.dtype, True)

@@ -64,7 +64,7 @@ def _variants(dtypes=("bfloat16", "float32", "float16")) -> list[str]:
     for dtype in dtypes:
         for dim, g, chunk, bits in ((128, 4, 256, 4), (64, 3, 1024, 2), (16, 2, 64, 8), (256, 4, 1024, 1)):  # G x D <= 1024 (`_gqa`)
             base = [("T", dtype), ("D", dim), ("G", g), ("CHUNK", chunk), ("NW", da.NW)]
-            tq = base + [("BITS", bits), ("GROUP", 64), ("NQ", 1)]
+            tq = base + [("BITS", bits), ("GROUP", 64), ("NQ", 1), ("U", da.UNROLLS[i % len(da.UNROLLS)])]
             inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS]
             out.append(render(f"tq_{i}", da._TQ_SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
                               tq))
@@ -93,6 +93,7 @@ def test_every_kernel_renders_with_the_names_its_body_uses():
     # The one-launch kernel: empty blocks take a branch, not a return, so each reaches its counter.
     assert one.count("return;") == 1 and "if (!last_) return;" in one and "cnt" in one
     assert da._TQ_SOURCE.count("return;") == 1
+    assert "constexpr int U" not in da._TQ_SOURCE and "constexpr int U = 4;" in da._DENSE_SOURCE  # U: a template
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine (CI): nothing to compile with")
