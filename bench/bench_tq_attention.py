@@ -5,9 +5,9 @@ Per decode step of one attention layer holding T cached tokens per row, side by 
 * dense: a `KVCache` and MLX's fused SDPA (the floor, rows of equal length);
 * TQ MLX ops: the rotated-basis path with stock MLX ops (codebook values of the
   whole cache materialised, then SDPA), what the CPU runs;
-* TQ kernel (CUDA): engine/decode_attention.py's split-K kernel over the codes, variant v2
-  (deferred encode, in-place dense tail, one launch), v2s (the same, split and reduce as two
-  launches) and v1 (session 4's step) side by side;
+* TQ kernel (CUDA): engine/decode_attention.py's split-K kernel over the codes, the default
+  variant and then each of them side by side: v2s (deferred encode, in-place dense tail, split
+  and reduce kernels), v2 (the same in one launch), v1 (session 4's step);
 * dense kernel (CUDA): the dense split-K kernel over equal-length rows;
 * with --rows > 1, left-padded rows: MLX's masked SDPA vs the dense kernel.
 
@@ -109,7 +109,7 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
 
     saved_variant, saved_unroll = decode_attention.tq_variant(), decode_attention.tq_unroll()
 
-    def timed(name, make, mode, kernel_mode, part="step", variant="v2", unroll=None):
+    def timed(name, make, mode, kernel_mode, part="step", variant=saved_variant, unroll=None):
         decode_attention.set_mode(kernel_mode)
         decode_attention.set_tq_variant(variant)
         decode_attention.set_tq_unroll(unroll or saved_unroll)
@@ -135,20 +135,19 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
         timed("tq_mlx_ops_ms", tq, "hook", "off")
         row["tq_mlx_ops_vs_dense"] = round(row["tq_mlx_ops_ms"] / row["dense_ms"], 3)
     if kernel:
-        # v2 (deferred encode, in-place tail, one launch) and v1 (session 4's step), side by side.
+        # The default variant (tq_kernel_ms), then every variant side by side (docs/TURBOQUANT.md).
         timed("tq_kernel_ms", tq, "hook", "on")
         for u in unrolls:
             timed(f"tq_kernel_u{u}_ms", tq, "hook", "on", unroll=u)
             row[f"tq_kernel_u{u}_vs_dense"] = round(row[f"tq_kernel_u{u}_ms"] / row["dense_ms"], 3)
-        timed("tq_kernel_v2s_ms", tq, "hook", "on", variant="v2s")
-        timed("tq_kernel_v1_ms", tq, "hook", "on", variant="v1")
+        for variant in decode_attention.TQ_VARIANTS:
+            timed(f"tq_kernel_{variant}_ms", tq, "hook", "on", variant=variant)
+            row[f"tq_kernel_{variant}_vs_dense"] = round(row[f"tq_kernel_{variant}_ms"] / row["dense_ms"], 3)
         if parts:
             timed("tq_update_ms", tq, "hook", "on", "update")
             timed("tq_kernel_attend_ms", tq, "hook", "on", "attend")
             timed("dense_attend_ms", dense, "dense", "off", "attend")
         row["tq_kernel_vs_dense"] = round(row["tq_kernel_ms"] / row["dense_ms"], 3)
-        row["tq_kernel_v2s_vs_dense"] = round(row["tq_kernel_v2s_ms"] / row["dense_ms"], 3)
-        row["tq_kernel_v1_vs_dense"] = round(row["tq_kernel_v1_ms"] / row["dense_ms"], 3)
     if only_tq:
         return row
     if rows > 1:
@@ -254,7 +253,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, action="append", help="rows per step (default 1; repeat: --rows 1 --rows 8)")
     ap.add_argument("--parts", action="store_true", help="also time the update and the attention apart")
     ap.add_argument("--unroll", type=int, action="append", default=[],
-                    help="also time v2 with this tq_unroll (repeat: --unroll 8 --unroll 16)")
+                    help="also time the default variant with this tq_unroll (repeat: --unroll 8 --unroll 16)")
     ap.add_argument("--only-tq", action="store_true",
                     help="dense and the TurboQuant kernels only (no MLX-ops path, no padded rows)")
     ap.add_argument("--json", type=Path, help="also write the rows here")

@@ -655,22 +655,24 @@ def set_mode(new: str) -> None:
 
 
 TQ_VARIANTS = ("v1", "v2", "v2s")
+DEFAULT_TQ_VARIANT = "v2s"  # the fastest of the three on the H200 (session 5), its checks passed
 _tq_variant: str | None = None
 
 
 def tq_variant() -> str:
-    """How a TurboQuant decode step runs on CUDA. "v2" (default): the new token is appended
+    """How a TurboQuant decode step runs on CUDA. "v2s" (default): the new token is appended
     to the dense tail in place and encoded later, in one launch for a whole group's worth
     of tokens, when a row is about to see it decoded (or it leaves the tail); the decoded
-    K/V `update_and_fetch` returns is not built for hooked caches; attention is one launch
-    (split blocks plus a reduce by the last block of each row and head). "v2s": v2 with the
-    split kernel and the reduce kernel as two launches. "v1": session 4's step (encode every
-    token, concatenate the tail, two launches), kept to compare side by side and to fall
+    K/V `update_and_fetch` returns is not built for hooked caches; attention is the split
+    kernel and the reduce kernel. "v2": the same with attention in one launch (the last block
+    of each row and head reduces): checked on the H200 but slower there (its reduce runs in
+    one block per row and KV head; docs/PERFORMANCE.md, session 5). "v1": session 4's step
+    (encode every token, concatenate the tail), kept to compare side by side and to fall
     back to. From PREFIXTRACE_TQ_DECODE, read once."""
     global _tq_variant
     if _tq_variant is None:
-        env = os.environ.get("PREFIXTRACE_TQ_DECODE", "v2")
-        _tq_variant = env if env in TQ_VARIANTS else "v2"
+        env = os.environ.get("PREFIXTRACE_TQ_DECODE", DEFAULT_TQ_VARIANT)
+        _tq_variant = env if env in TQ_VARIANTS else DEFAULT_TQ_VARIANT
     return _tq_variant
 
 
@@ -819,7 +821,8 @@ _tq_unroll: int | None = None
 def tq_unroll() -> int:
     """Tokens each lane group of the TurboQuant kernel loads before it uses them (more
     loads in flight per lane; a long context is latency-bound on them), for variants v2 /
-    v2s (v1: 4, session 4's). From PREFIXTRACE_TQ_UNROLL, read once."""
+    v2s (v1: 4, session 4's). Default 4: 8 and 16 were slower on the H200 except at one row
+    of 100k (session 5). From PREFIXTRACE_TQ_UNROLL, read once."""
     global _tq_unroll
     if _tq_unroll is None:
         env = os.environ.get("PREFIXTRACE_TQ_UNROLL", "4")
