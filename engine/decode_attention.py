@@ -17,7 +17,9 @@ block, lanes work in groups of D/8 lanes, one token per group, 8 coordinates per
 lane (one 16-byte load of bf16); the scores of the chunk go to shared memory, the
 block takes their max and exponentials, then the same groups read V and accumulate.
 Each block writes its unnormalised output with its max and sum; a second kernel
-combines the splits of each (row, head) with max/sum rescaling.
+combines the splits of each (row, head) with max/sum rescaling (variant v2 does that in the
+same launch, by the last block of each row and KV head: `_LAST_BLOCK_REDUCE`; slower on the
+H200, so v2s, two launches, is the default: `tq_variant`).
 
 TurboQuant (`tq_attend`, layout in engine/turboquant.py): a K or V vector is a
 float32 norm plus `bits`-bit codes of the rotated unit vector, packed little-end

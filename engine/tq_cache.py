@@ -2,7 +2,10 @@
 (`BatchTurboQuantKVCache`), plus `make_tq_cache` / `to_turboquant`.
 
 Every token's K and V are encoded on arrival (norm + packed codes, see
-`engine.turboquant`). A position p of a row holding n tokens is *represented*
+`engine.turboquant`); on CUDA a decode step defers that to the step that first
+reads the codes (`decode_attention.defer_encode`: same codes, from the same dense
+values, in one launch per group), and the public `k` / `v` attributes encode
+anything pending before they are read. A position p of a row holding n tokens is *represented*
 by its decoded value once p < floor(n / group) * group, and by its dense value
 before that (the dense tail, fewer than `group` tokens); tokens that arrive
 in the current call are always seen dense by that call. The representation is
