@@ -638,10 +638,15 @@ def _fused_decode(cache, queries: mx.array, scale: float) -> mx.array | None:
 
 def _hooked(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if sinks is None and isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):
-            # `keys`/`values` (the cache's unrotated K/V) go unused and, MLX being
-            # lazy, are never computed.
-            return cache.attend(queries, scale, mask)
+        if isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):
+            if sinks is None:
+                # `keys`/`values` (the cache's unrotated K/V) go unused and, MLX being
+                # lazy, are never computed.
+                return cache.attend(queries, scale, mask)
+            if _returns_unused(cache, keys):
+                # The step returned only its dense columns (`_returns_unused`); attention
+                # sinks need the original function, so build the decoded K/V after all.
+                keys, values = cache._fetch(rotated=False)
         if sinks is None and decode_attention.use_dense(cache, queries, keys, mask):
             # Left-padded dense rows on CUDA: each row's start offset instead of the mask.
             out = decode_attention.dense_attend(queries, keys, values, cache.left_padding, scale)

@@ -512,3 +512,18 @@ def test_variant_and_its_env_var(monkeypatch):
     monkeypatch.delenv("PREFIXTRACE_TQ_DECODE")
     assert decode_attention.tq_variant() == "v2s"  # the measured fastest (docs/PERFORMANCE.md, session 5)
     assert not decode_attention.defer_encode()  # the CPU: nothing deferred
+
+
+def test_a_hooked_v2s_step_with_attention_sinks_still_gets_the_decoded_kv(emulated):
+    """Attention sinks go to mlx-lm's own function: a hooked step that skipped building the
+    decoded K/V must build them there, not hand it the dense columns alone."""
+    cache, ref = _tq_rows([[100, 3]], 4, 2, 64, group=16) + _tq_rows([[100, 3]], 4, 2, 64, group=16)
+    cache.hooked = True
+    k, v = mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64))
+    keys, values = cache.update_and_fetch(k, v)
+    assert keys.shape[2] < cache.size()  # the cheap return
+    want_k, want_v = ref.update_and_fetch(k, v)
+    seen = []
+    hook = _hooked(lambda q, k, v, cache, scale, mask, sinks=None: seen.append((k, v)) or q)
+    hook(mx.random.normal((1, 4, 1, 64)), keys, values, cache=cache, scale=0.125, mask=None, sinks=mx.zeros((4,)))
+    assert _same(seen[0][0], want_k) and _same(seen[0][1], want_v)
