@@ -153,6 +153,9 @@ class TurboQuantKVCache(_BaseCache):
         self._step = None  # what the latest update_and_fetch's attention sees, for `attend`
         self.hooked = False  # the model's attention calls `attend` (see `_returns_unused`)
 
+    # Class defaults too: mlx-lm's `from_state` (engine/spill.py's resume) skips __init__.
+    hooked, _pending, _step = False, 0, None
+
     # Everything outside the decode step reads complete codes: the public names flush.
     k = property(lambda self: self._flushed()._k, lambda self, c: setattr(self, "_k", c))
     v = property(lambda self: self._flushed()._v, lambda self, c: setattr(self, "_v", c))
