@@ -22,13 +22,15 @@ from harness import harness_support as hs
 
 HERE = Path(__file__).resolve().parent
 
-# Three test aids of `serve` (docs/HARNESSES.md): until a tool has answered, a user turn of a request
-# that offers tools gets a grammar-constrained tool call (engine/constraints.py); after the tool
-# result the model answers freely, so every harness loop ends by itself (Claude Code's own "Output
-# token limit hit" user message after a cut answer is not forced into another call); and requests that set no temperature (no harness here
-# sets one) decode greedily, so which tool and which arguments is the model's most likely choice and
-# a run is reproducible; and a frequency penalty over the reply's own tokens, so a greedy free
-# answer ends instead of repeating the tool result to max_tokens.
+# Three test aids of `serve` (docs/HARNESSES.md):
+# - until a tool has answered, a user turn of a request that offers tools gets a grammar-constrained
+#   tool call (engine/constraints.py); after the tool result the model answers freely, so every
+#   harness loop ends by itself (Claude Code's own "Output token limit hit" user message after a cut
+#   answer is not forced into another call);
+# - requests that set no temperature (no harness here sets one) decode greedily, so which tool and
+#   which arguments is the model's most likely choice and a run is reproducible;
+# - a frequency penalty over the reply's own tokens, so a greedy free answer ends instead of
+#   repeating the tool result to max_tokens.
 ENGINE_ARGS = ["--tool-choice-default", "required-until-tool-result", "--default-temperature", "0",
                "--default-frequency-penalty", "0.5"]
 
