@@ -1,6 +1,6 @@
 """presence_penalty / frequency_penalty (OpenAI) and repetition_penalty (vLLM's extension) on the
 embedded engine: mlx-lm's arithmetic over the reply's own tokens (engine/sampling.py), and the
-`serve --default-frequency-penalty` test aid (prefixtrace/sampling_default.py)."""
+`serve --default-frequency-penalty` test aid (proxy/engine_backend.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from openai import OpenAI
 from conftest import rows, running_server
 from engine.sampling import GeneratedTokenPenalties, SamplingParams
 from engine.sequence import Failed, Finished, Sequence
-from prefixtrace.sampling_default import with_default_frequency_penalty
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 
@@ -65,7 +64,7 @@ def test_a_penalty_out_of_range_is_a_400(openai_client, field, value):
 
 
 def test_default_frequency_penalty_applies_to_requests_that_set_none(tiny_engine, recorder):
-    backend = with_default_frequency_penalty(EngineBackend(tiny_engine), 2.0)
+    backend = EngineBackend(tiny_engine, default_frequency_penalty=2.0)
     with running_server(create_app(backend, recorder)) as url:
         client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         texts = [client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=40, temperature=0,
@@ -74,3 +73,17 @@ def test_default_frequency_penalty_applies_to_requests_that_set_none(tiny_engine
     defaulted, own_zero, own_two = texts
     assert defaulted == own_two and defaulted != own_zero, texts  # the request's own 0.0 means no penalty
     assert '"frequency_penalty"' not in rows(recorder)[0]["request_body"]  # recorded as the client sent it
+
+
+def test_the_default_penalty_leaves_a_forced_call_alone(tiny_engine, recorder):
+    """A grammar-forced reply decodes exactly as without the default: the penalty is for free answers."""
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string", "maxLength": 40}}, "required": ["path"]}}}]
+    calls = []
+    for backend in (EngineBackend(tiny_engine), EngineBackend(tiny_engine, default_frequency_penalty=2.0)):
+        with running_server(create_app(backend, recorder)) as url:
+            client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+            reply = client.chat.completions.create(model="default", messages=MESSAGES, tools=tools,
+                                                   tool_choice="required", max_tokens=40, temperature=0)
+            calls.append(reply.choices[0].message.tool_calls[0].function.arguments)
+    assert calls[0] == calls[1], calls
