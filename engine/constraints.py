@@ -14,6 +14,10 @@ tool_choice:
 `--tool-choice-default required-after-user` (a test aid for small models, which rarely call a tool
 on their own): a request with tools and no tool_choice (or "auto") whose last message is a user turn
 is served as "required"; after a tool result the model answers freely, so an agent loop ends.
+
+A forced reply writes a bounded subset of what its schema accepts (`engine.grammar.GrammarLimits`:
+strings, arrays and numbers the schema leaves unbounded get a bound, `--grammar-max-string`), so a
+model that repeats itself inside a value still closes the call instead of decoding to max_tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from engine.grammar import DEFAULT_LIMITS, GrammarLimits
 from engine.reply_parser import ReplyFormat
 from prefixtrace.errors import InvalidRequest
 
@@ -95,8 +100,10 @@ def _tool_since_assistant(messages: list[dict]) -> bool:
 
 
 def plan_reply(*, fmt: ReplyFormat, grammar, tools: list | None, tool_choice: Any, response_format: Any,
-               messages: list[dict], prompt_text: str, tool_choice_default: str = "auto") -> ReplyPlan:
-    """How this request's reply is decoded and parsed. `grammar` is the engine's GrammarCompiler."""
+               messages: list[dict], prompt_text: str, tool_choice_default: str = "auto",
+               limits: GrammarLimits = DEFAULT_LIMITS) -> ReplyPlan:
+    """How this request's reply is decoded and parsed. `grammar` is the engine's GrammarCompiler;
+    `limits` bound what a forced reply may write where its schema does not (engine/grammar.py)."""
     mode, name = parse_tool_choice(tool_choice, tools)
     schema = response_schema(response_format)
     by_default = (mode == "auto" and bool(tools) and tool_choice_default == "required-after-user"
@@ -106,7 +113,8 @@ def plan_reply(*, fmt: ReplyFormat, grammar, tools: list | None, tool_choice: An
     if mode == "required" or by_default:
         hermes = fmt if fmt.tool_parser_name == "json_tools" else ReplyFormat.hermes(fmt.think_start, fmt.think_end)
         try:
-            processor = grammar.tool_call(tools, name, hermes.tool_call_start, hermes.tool_call_end, prefix=prefix)
+            processor = grammar.tool_call(tools, name, hermes.tool_call_start, hermes.tool_call_end, prefix=prefix,
+                                          limits=limits)
         except InvalidRequest as exc:
             if not by_default:
                 raise
@@ -115,5 +123,5 @@ def plan_reply(*, fmt: ReplyFormat, grammar, tools: list | None, tool_choice: An
         else:
             return ReplyPlan(hermes, True, processor, "tool_call")
     if schema is not None:
-        return ReplyPlan(fmt, False, grammar.json_schema(schema, prefix=prefix), "json")
+        return ReplyPlan(fmt, False, grammar.json_schema(schema, prefix=prefix, limits=limits), "json")
     return ReplyPlan(fmt, parse_tools=mode == "auto" and bool(tools))

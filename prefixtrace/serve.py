@@ -66,6 +66,7 @@ class ServeConfig:
     recorder_stuck_after_s: float = 30.0  # /health is 503 once one recorder write takes longer
     default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
     tool_choice_default: str = "auto"  # or "required-after-user": a test aid for small models (docs/TOOLS.md)
+    grammar_max_string: int = 4096  # maxLength of a forced reply's strings that set none (engine/grammar.py)
     log_level: str = "info"
     allow_client_templates: bool = False  # chat_template_kwargs.chat_template, sandboxed (docs/SECURITY.md)
     allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
@@ -118,8 +119,13 @@ def build_backend(config: ServeConfig):
     if config.tool_choice_default != "auto":
         log.warning("--tool-choice-default %s: requests with tools whose last message is a user turn are forced to "
                     "call one (a test aid for small models, docs/TOOLS.md)", config.tool_choice_default)
+    from dataclasses import replace
+
+    from engine.grammar import DEFAULT_LIMITS
+
     backend = EngineBackend(engine, max_tokens_policy=config.max_tokens_policy,
-                            tool_choice_default=config.tool_choice_default)
+                            tool_choice_default=config.tool_choice_default,
+                            grammar_limits=replace(DEFAULT_LIMITS, string_chars=config.grammar_max_string))
     if config.default_temperature is not None:
         from prefixtrace.sampling_default import with_default_temperature
 

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 from engine.chat_render import thinking_kwargs
 from engine.constraints import TOOL_CHOICE_DEFAULTS, ReplyPlan, plan_reply
+from engine.grammar import DEFAULT_LIMITS, GrammarLimits
 from engine.engine import Engine
 from engine.reply_parser import ReplyParser, final_finish_reason
 from engine.sequence import Failed, Finished, Sequence, TextDelta
@@ -40,15 +41,18 @@ class EngineBackend:
             when its last message is a user turn.
         max_tokens_policy: "clamp" (a max_tokens beyond what fits after the prompt is lowered to
             it) or "reject" (a 400 with the numbers).
+        grammar_limits: what a forced reply may write where its schema sets no bound (engine/grammar.py).
     """
 
-    def __init__(self, engine: Engine, tool_choice_default: str = "auto", *, max_tokens_policy: str = "clamp"):
+    def __init__(self, engine: Engine, tool_choice_default: str = "auto", *, max_tokens_policy: str = "clamp",
+                 grammar_limits: GrammarLimits = DEFAULT_LIMITS):
         if max_tokens_policy not in MAX_TOKENS_POLICIES:
             raise ValueError(f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}, got {max_tokens_policy!r}")
         if tool_choice_default not in TOOL_CHOICE_DEFAULTS:
             raise ValueError(f"tool_choice_default must be one of {TOOL_CHOICE_DEFAULTS}, got {tool_choice_default!r}")
         self.engine = engine
         self.tool_choice_default = tool_choice_default
+        self.grammar_limits = grammar_limits
         self.max_tokens_policy = max_tokens_policy
 
     @property
@@ -130,7 +134,7 @@ class EngineBackend:
         plan = await asyncio.to_thread(
             plan_reply, fmt=self.engine.reply_format, grammar=self.engine.grammar, tools=req.tools,
             tool_choice=req.tool_choice, response_format=req.response_format, messages=req.messages,
-            prompt_text=prompt_text, tool_choice_default=self.tool_choice_default)
+            prompt_text=prompt_text, tool_choice_default=self.tool_choice_default, limits=self.grammar_limits)
         if plan.forced:
             builder.turn.render["constrained"] = plan.forced
         chat = EngineChat(req, builder, self.engine.name, plan, prompt_text)
