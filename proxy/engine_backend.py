@@ -86,12 +86,13 @@ class EngineBackend:
         if n is not None and n != 1:
             raise InvalidRequest(f"'n' must be 1 here (the embedded engine returns one choice), got {n!r}", param="n")
 
-    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]) -> "EngineChat":
+    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str], *,
+                   wait_first: bool = True) -> "EngineChat":
         rendered = await self.render(req)
         builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
         if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
             builder.turn.render["policy"] = rendered.policy
-        return await self.start(req, rendered.token_ids, rendered.text, builder)
+        return await self.start(req, rendered.token_ids, rendered.text, builder, wait_first=wait_first)
 
     async def render(self, req: ChatRequest):
         """The prompt the engine runs for `req` (chat template, tools, render policies), in a worker
@@ -126,8 +127,10 @@ class EngineBackend:
         return await self.start(req, list(token_ids), prompt, builder)
 
     async def start(self, req: ChatRequest, token_ids: list[int], prompt_text: str,
-                    builder: TurnBuilder) -> "EngineChat":
-        """Submit a prompt's tokens; returns once the engine has answered (or raises its refusal)."""
+                    builder: TurnBuilder, *, wait_first: bool = True) -> "EngineChat":
+        """Submit a prompt's tokens; returns once the engine has answered (or raises its refusal).
+        `wait_first=False` returns once submitted, before prefill: a failure after that reaches the
+        reply's events instead of the HTTP status (the Responses stream says `response.created` first)."""
         self._fit_max_tokens(req, len(token_ids), builder)
         self.engine.check_fits(len(token_ids), req.sampling.max_tokens)
         # Compiling a grammar (and, once per model, llguidance's view of the vocabulary) is CPU work.
@@ -143,7 +146,8 @@ class EngineBackend:
             seq.logits_processors = [plan.processor]
         chat.seq = seq
         self.engine.submit(seq)
-        await chat.first_event()
+        if wait_first:
+            await chat.first_event()
         return chat
 
 
@@ -197,7 +201,7 @@ class EngineChat:
             raise self._first.error
 
     async def events(self):
-        event = self._first
+        event = self._first if self._first is not None else await self._events.get()
         while True:
             yield event
             if isinstance(event, (Finished, Failed)):
