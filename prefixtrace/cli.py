@@ -141,6 +141,9 @@ def _upstream_urls(ctx, param, values):
                    "with tools and no tool_choice whose last message is a user turn must call one (grammar-"
                    "constrained; the model picks the tool and arguments); after a tool result it answers freely "
                    "(docs/TOOLS.md).")
+@click.option("--default-max-tokens", type=click.IntRange(min=1), metavar="N",
+              help="Output cap of requests that set none (max_tokens, max_completion_tokens, max_output_tokens); "
+                   "default: up to the context's end. Codex sends none (docs/HARNESSES.md).")
 @click.option("--grammar-max-string", default=4096, show_default=True, type=click.IntRange(min=1), metavar="CHARS",
               help="Longest string a grammar-forced reply (tool_choice required or named, response_format "
                    "json_schema) may write where the schema sets no maxLength, so a model repeating itself "
@@ -153,8 +156,8 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
           thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
-          max_request_mb, recorder_stuck_after_s, default_temperature, tool_choice_default, grammar_max_string,
-          log_level, print_config):
+          max_request_mb, recorder_stuck_after_s, default_temperature, tool_choice_default, default_max_tokens,
+          grammar_max_string, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
@@ -198,7 +201,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           allow_client_templates=allow_client_templates, max_request_mb=max_request_mb,
                           recorder_stuck_after_s=recorder_stuck_after_s,
                           default_temperature=default_temperature, tool_choice_default=tool_choice_default,
-                          grammar_max_string=grammar_max_string,
+                          grammar_max_string=grammar_max_string, default_max_tokens=default_max_tokens,
                           allowed_hosts=None if allowed_hosts is None else
                           [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
 
@@ -207,7 +210,8 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
 ENGINE_ONLY = ("dtype", "cache_memory_gb", "cache_dir", "cache_disk_gb", "block_size", "memory_ceiling_gb",
                "prefill_chunk", "max_batch", "kv_quant", "kv_bits", "kv_dense_layers", "mid_system_policy",
                "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern", "max_tokens_policy",
-               "allow_client_templates", "default_temperature", "tool_choice_default", "grammar_max_string")
+               "allow_client_templates", "default_temperature", "tool_choice_default", "grammar_max_string",
+               "default_max_tokens")
 
 
 def _warn_engine_only(ctx: click.Context) -> None:

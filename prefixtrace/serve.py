@@ -66,6 +66,7 @@ class ServeConfig:
     recorder_stuck_after_s: float = 30.0  # /health is 503 once one recorder write takes longer
     default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
     tool_choice_default: str = "auto"  # or "required-after-user": a test aid for small models (docs/TOOLS.md)
+    default_max_tokens: int | None = None  # output cap of requests that set none (prefixtrace/sampling_default.py)
     grammar_max_string: int = 4096  # maxLength of a forced reply's strings that set none (engine/grammar.py)
     log_level: str = "info"
     allow_client_templates: bool = False  # chat_template_kwargs.chat_template, sandboxed (docs/SECURITY.md)
@@ -131,6 +132,11 @@ def build_backend(config: ServeConfig):
 
         log.info("requests that set no temperature sample at %g", config.default_temperature)
         backend = with_default_temperature(backend, config.default_temperature)
+    if config.default_max_tokens is not None:
+        from prefixtrace.sampling_default import with_default_max_tokens
+
+        log.info("requests that set no output cap stop after %d tokens", config.default_max_tokens)
+        backend = with_default_max_tokens(backend, config.default_max_tokens)
     return backend
 
 

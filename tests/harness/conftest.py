@@ -26,8 +26,10 @@ HERE = Path(__file__).resolve().parent
 # grammar-constrained tool call (engine/constraints.py), after the tool result the model answers
 # freely, so every harness loop ends by itself; and requests that set no temperature (no harness here
 # sets one) decode greedily, so which tool and which arguments is the model's most likely choice and
-# a run is reproducible.
-ENGINE_ARGS = ["--tool-choice-default", "required-after-user", "--default-temperature", "0"]
+# a run is reproducible; requests that set no output cap (Codex sends none) stop after 128 tokens,
+# so a small model's free answer cannot run to the context's end.
+ENGINE_ARGS = ["--tool-choice-default", "required-after-user", "--default-temperature", "0",
+               "--default-max-tokens", "128"]
 
 
 def pytest_collection_modifyitems(config, items):
