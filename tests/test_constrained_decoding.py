@@ -243,3 +243,43 @@ def test_a_forced_call_ends_within_the_bounds(tiny_engine, tmp_path):
             jsonschema.validate(args, UNBOUNDED[0]["function"]["parameters"])
             assert len(args["note"]) <= 12 and len(args["tags"]) <= 2 and abs(args["session_id"]) < 1e15
             assert reply.usage.completion_tokens < 400
+
+
+# Codex 0.171.0's write_stdin tool as it sends it: greedy SmolLM2, forced to call it, writes
+# "session_id": 1234567890… until max_tokens when numbers are unbounded (83+ digits in 120 tokens).
+CODEX_WRITE_STDIN = {"type": "function", "function": {
+    "name": "write_stdin",
+    "description": "Writes characters to an existing unified exec session and returns recent output.",
+    "parameters": {"type": "object", "properties": {
+        "chars": {"type": "string", "description": "Bytes to write to stdin. Defaults to empty, which polls "
+                                                   "without writing."},
+        "max_output_tokens": {"type": "number", "description": "Output token budget. Defaults to 10000 tokens; "
+                                                             "larger requests may be capped by policy."},
+        "session_id": {"type": "number", "description": "Identifier of the running unified exec session."},
+        "yield_time_ms": {"type": "number", "description": "Wait before yielding output. Non-empty writes "
+                          "default to 250 ms and cap at 30000 ms; empty polls wait 5000-300000 ms by default."}},
+        "required": ["session_id"], "additionalProperties": False}}}
+
+
+@pytest.mark.slow
+def test_greedy_smollm2_closes_a_forced_call_it_would_run_on(tmp_path):
+    from openai import OpenAI
+
+    from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+    from engine.engine import Engine
+
+    engine = Engine(default_model_dir(), name=DEFAULT_MODEL_NAME, dtype="float32").start()
+    try:
+        engine.wait_ready(300)
+        with Recorder(tmp_path / "t.db") as rec, running_server(create_app(EngineBackend(engine), rec)) as url:
+            client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+            reply = client.chat.completions.create(
+                model="default", messages=[{"role": "user", "content": "Read the file /tmp/x/hello.txt"}],
+                tools=[CODEX_WRITE_STDIN], tool_choice="required", max_tokens=120, temperature=0)
+    finally:
+        engine.shutdown()
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice  # unbounded: "length", the id still growing
+    args = json.loads(choice.message.tool_calls[0].function.arguments)
+    jsonschema.validate(args, CODEX_WRITE_STDIN["function"]["parameters"])
+    assert abs(args["session_id"]) < 1e15
