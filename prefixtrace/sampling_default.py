@@ -1,4 +1,5 @@
-"""`serve --default-temperature T` and `--default-max-tokens N`: what a request that sets neither gets.
+"""`serve --default-temperature T` / `--default-frequency-penalty F` / `--default-max-tokens N`: what a
+request that sets none gets.
 
 OpenAI's default is 1.0, and most coding agents send no temperature at all, so their runs against a
 small local model are random draws. llama.cpp (`--temp`) and vLLM (`--generation-config`) let the server
@@ -6,6 +7,12 @@ choose instead; so does this. The harness conformance suite (tests/harness/, doc
 with `--default-temperature 0`, so the tool call a harness gets is the model's greedy choice and the
 run is reproducible. A request that sets `temperature` keeps it; the recorded body is what the client
 sent. Wrapped around the backend's `open`, so every protocol (each builds a ChatRequest) gets it.
+
+Greedy decoding of a small model often never ends a free answer: SmolLM2-135M echoing a tool result
+repeats it line after line to max_tokens, and Claude Code answers a reply cut there with a request of
+its own, so a harness loop never finishes. OpenAI's `frequency_penalty` over the reply's own tokens
+ends it: on a recorded Claude Code turn (session 5) greedy ran the whole 200 tokens, frequency 0.5
+ended after 29 with a faithful echo of the file. The harness suite serves with 0.5.
 
 Codex sends no output cap at all (its `model_max_output_tokens` is not sent by 0.171.0), so a small
 model's free answer runs until it stops or the context ends: minutes on a CPU. `--default-max-tokens N`
@@ -38,6 +45,19 @@ def with_default_max_tokens(backend, max_tokens: int):
     async def open_with_default(req, builder, headers, **kwargs):
         if req.sampling.max_tokens is None:
             req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens=max_tokens))
+        return await open_reply(req, builder, headers, **kwargs)
+
+    backend.open = open_with_default
+    return backend
+
+
+def with_default_frequency_penalty(backend, penalty: float):
+    """`backend` (an EngineBackend) whose requests without a frequency_penalty get `penalty`."""
+    open_reply = backend.open
+
+    async def open_with_default(req, builder, headers, **kwargs):
+        if req.body.get("frequency_penalty") is None:
+            req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, frequency_penalty=penalty))
         return await open_reply(req, builder, headers, **kwargs)
 
     backend.open = open_with_default

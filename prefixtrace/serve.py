@@ -65,7 +65,8 @@ class ServeConfig:
     max_request_mb: float = 32.0  # proxy/request_limits.py: 413 past it
     recorder_stuck_after_s: float = 30.0  # /health is 503 once one recorder write takes longer
     default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
-    tool_choice_default: str = "auto"  # or "required-after-user": a test aid for small models (docs/TOOLS.md)
+    default_frequency_penalty: float | None = None  # None: 0, OpenAI's (prefixtrace/sampling_default.py)
+    tool_choice_default: str = "auto"  # or "required-after-user" / "required-until-tool-result": a test aid for small models (docs/TOOLS.md)
     default_max_tokens: int | None = None  # output cap of requests that set none (prefixtrace/sampling_default.py)
     grammar_max_string: int = 4096  # maxLength of a forced reply's strings that set none (engine/grammar.py)
     log_level: str = "info"
@@ -132,6 +133,11 @@ def build_backend(config: ServeConfig):
 
         log.info("requests that set no temperature sample at %g", config.default_temperature)
         backend = with_default_temperature(backend, config.default_temperature)
+    if config.default_frequency_penalty is not None:
+        from prefixtrace.sampling_default import with_default_frequency_penalty
+
+        log.info("requests that set no frequency_penalty get %g", config.default_frequency_penalty)
+        backend = with_default_frequency_penalty(backend, config.default_frequency_penalty)
     if config.default_max_tokens is not None:
         from prefixtrace.sampling_default import with_default_max_tokens
 

@@ -36,7 +36,7 @@ MAX_TOKENS_POLICIES = ("clamp", "reject")
 class EngineBackend:
     """Args:
         engine: the embedded engine.
-        tool_choice_default: "auto", or "required-after-user" (a test aid for small models,
+        tool_choice_default: "auto", "required-after-user" or "required-until-tool-result" (a test aid for small models,
             engine/constraints.py): a request with tools and no tool_choice is forced to call one
             when its last message is a user turn.
         max_tokens_policy: "clamp" (a max_tokens beyond what fits after the prompt is lowered to
@@ -143,7 +143,7 @@ class EngineBackend:
         chat = EngineChat(req, builder, self.engine.name, plan, prompt_text)
         seq = Sequence(token_ids, req.sampling, chat.emit_threadsafe(asyncio.get_running_loop()))
         if plan.processor is not None:
-            seq.logits_processors = [plan.processor]
+            seq.logits_processors.append(plan.processor)
         chat.seq = seq
         self.engine.submit(seq)
         if wait_first:
