@@ -45,7 +45,7 @@ def test_codex_runs_a_read_only_command_through_the_proxy(npm_bins, backend, scr
     cmd = [npm_bins["codex"], "exec", "--skip-git-repo-check", "--sandbox", "read-only",
            "--disable", "goals", "--disable", "multi_agent", "--disable", "view_image",
            f"Use exec_command to run: cat {scratch.hello}"]
-    # Measured 357-367 s (engine: a cold ~4.1k-token prefill) and 53-66 s (upstream: prefix cached) at
+    # Measured 234-367 s (engine: a cold ~4.1k-token prefill) and 44-66 s (upstream: prefix cached) at
     # load 6-9 on the 2-core development VM; a quiet one prefills in well under a minute (docs/HARNESSES.md).
     result, records = drive("codex", cmd, env, timeout=900)
     assert result.returncode == 0, result.output[-3000:]
