@@ -18,6 +18,10 @@ is served as "required"; after a tool result the model answers freely, so an age
 harness that answers a reply cut at max_tokens with a user message of its own (Claude Code's "Output
 token limit hit. Resume directly") would otherwise get a forced call again, and a small model that
 never ends its free answer by itself would loop call, answer, cut, call... until the harness's bound.
+
+A forced reply writes a bounded subset of what its schema accepts (`engine.grammar.GrammarLimits`:
+strings, arrays and numbers the schema leaves unbounded get a bound, `--grammar-max-string`), so a
+model that repeats itself inside a value still closes the call instead of decoding to max_tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from engine.grammar import DEFAULT_LIMITS, GrammarLimits
 from engine.reply_parser import ReplyFormat
 from prefixtrace.errors import InvalidRequest
 
@@ -108,8 +113,10 @@ def _tool_since_assistant(messages: list[dict]) -> bool:
 
 
 def plan_reply(*, fmt: ReplyFormat, grammar, tools: list | None, tool_choice: Any, response_format: Any,
-               messages: list[dict], prompt_text: str, tool_choice_default: str = "auto") -> ReplyPlan:
-    """How this request's reply is decoded and parsed. `grammar` is the engine's GrammarCompiler."""
+               messages: list[dict], prompt_text: str, tool_choice_default: str = "auto",
+               limits: GrammarLimits = DEFAULT_LIMITS) -> ReplyPlan:
+    """How this request's reply is decoded and parsed. `grammar` is the engine's GrammarCompiler;
+    `limits` bound what a forced reply may write where its schema does not (engine/grammar.py)."""
     mode, name = parse_tool_choice(tool_choice, tools)
     schema = response_schema(response_format)
     by_default = mode == "auto" and bool(tools) and forced_by_default(tool_choice_default, messages)
@@ -118,7 +125,8 @@ def plan_reply(*, fmt: ReplyFormat, grammar, tools: list | None, tool_choice: An
     if mode == "required" or by_default:
         hermes = fmt if fmt.tool_parser_name == "json_tools" else ReplyFormat.hermes(fmt.think_start, fmt.think_end)
         try:
-            processor = grammar.tool_call(tools, name, hermes.tool_call_start, hermes.tool_call_end, prefix=prefix)
+            processor = grammar.tool_call(tools, name, hermes.tool_call_start, hermes.tool_call_end, prefix=prefix,
+                                          limits=limits)
         except InvalidRequest as exc:
             if not by_default:
                 raise
@@ -127,5 +135,5 @@ def plan_reply(*, fmt: ReplyFormat, grammar, tools: list | None, tool_choice: An
         else:
             return ReplyPlan(hermes, True, processor, "tool_call")
     if schema is not None:
-        return ReplyPlan(fmt, False, grammar.json_schema(schema, prefix=prefix), "json")
+        return ReplyPlan(fmt, False, grammar.json_schema(schema, prefix=prefix, limits=limits), "json")
     return ReplyPlan(fmt, parse_tools=mode == "auto" and bool(tools))

@@ -145,6 +145,13 @@ def _upstream_urls(ctx, param, values):
                    "constrained; the model picks the tool and arguments); after a tool result it answers freely. "
                    "required-until-tool-result forces only until the conversation holds a tool result "
                    "(docs/TOOLS.md).")
+@click.option("--default-max-tokens", type=click.IntRange(min=1), metavar="N",
+              help="Output cap of requests that set none (max_tokens, max_completion_tokens, max_output_tokens); "
+                   "default: up to the context's end. Codex sends none (docs/HARNESSES.md).")
+@click.option("--grammar-max-string", default=4096, show_default=True, type=click.IntRange(min=1), metavar="CHARS",
+              help="Longest string a grammar-forced reply (tool_choice required or named, response_format "
+                   "json_schema) may write where the schema sets no maxLength, so a model repeating itself "
+                   "inside a value still closes it (docs/TOOLS.md).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
@@ -153,8 +160,8 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
           thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
-          max_request_mb, recorder_stuck_after_s, default_temperature, default_frequency_penalty, tool_choice_default, log_level,
-          print_config):
+          max_request_mb, recorder_stuck_after_s, default_temperature, default_frequency_penalty, tool_choice_default,
+          default_max_tokens, grammar_max_string, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
@@ -199,6 +206,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           recorder_stuck_after_s=recorder_stuck_after_s,
                           default_temperature=default_temperature, default_frequency_penalty=default_frequency_penalty,
                           tool_choice_default=tool_choice_default,
+                          grammar_max_string=grammar_max_string, default_max_tokens=default_max_tokens,
                           allowed_hosts=None if allowed_hosts is None else
                           [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
 
@@ -207,7 +215,8 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
 ENGINE_ONLY = ("dtype", "cache_memory_gb", "cache_dir", "cache_disk_gb", "block_size", "memory_ceiling_gb",
                "prefill_chunk", "max_batch", "kv_quant", "kv_bits", "kv_dense_layers", "mid_system_policy",
                "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern", "max_tokens_policy",
-               "allow_client_templates", "default_temperature", "default_frequency_penalty", "tool_choice_default")
+               "allow_client_templates", "default_temperature", "default_frequency_penalty", "tool_choice_default",
+               "grammar_max_string", "default_max_tokens")
 
 
 def _warn_engine_only(ctx: click.Context) -> None:

@@ -67,6 +67,8 @@ class ServeConfig:
     default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
     default_frequency_penalty: float | None = None  # free replies' penalty when unset; None: 0 (proxy/engine_backend.py)
     tool_choice_default: str = "auto"  # or "required-after-user" / "required-until-tool-result": a test aid for small models (docs/TOOLS.md)
+    default_max_tokens: int | None = None  # output cap of requests that set none (prefixtrace/sampling_default.py)
+    grammar_max_string: int = 4096  # maxLength of a forced reply's strings that set none (engine/grammar.py)
     log_level: str = "info"
     allow_client_templates: bool = False  # chat_template_kwargs.chat_template, sandboxed (docs/SECURITY.md)
     allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
@@ -119,9 +121,14 @@ def build_backend(config: ServeConfig):
     if config.tool_choice_default != "auto":
         log.warning("--tool-choice-default %s: requests with tools whose last message is a user turn are forced to "
                     "call one (a test aid for small models, docs/TOOLS.md)", config.tool_choice_default)
+    from dataclasses import replace
+
+    from engine.grammar import DEFAULT_LIMITS
+
     backend = EngineBackend(engine, max_tokens_policy=config.max_tokens_policy,
                             tool_choice_default=config.tool_choice_default,
-                            default_frequency_penalty=config.default_frequency_penalty)
+                            default_frequency_penalty=config.default_frequency_penalty,
+                            grammar_limits=replace(DEFAULT_LIMITS, string_chars=config.grammar_max_string))
     if config.default_temperature is not None:
         from prefixtrace.sampling_default import with_default_temperature
 
@@ -129,6 +136,11 @@ def build_backend(config: ServeConfig):
         backend = with_default_temperature(backend, config.default_temperature)
     if config.default_frequency_penalty is not None:
         log.info("free replies of requests that set no frequency_penalty get %g", config.default_frequency_penalty)
+    if config.default_max_tokens is not None:
+        from prefixtrace.sampling_default import with_default_max_tokens
+
+        log.info("requests that set no output cap stop after %d tokens", config.default_max_tokens)
+        backend = with_default_max_tokens(backend, config.default_max_tokens)
     return backend
 
 

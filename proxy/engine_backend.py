@@ -18,6 +18,7 @@ from typing import AsyncIterator
 
 from engine.chat_render import thinking_kwargs
 from engine.constraints import TOOL_CHOICE_DEFAULTS, ReplyPlan, plan_reply
+from engine.grammar import DEFAULT_LIMITS, GrammarLimits
 from engine.engine import Engine
 from engine.reply_parser import ReplyParser, final_finish_reason
 from engine.sequence import Failed, Finished, Sequence, TextDelta
@@ -46,16 +47,18 @@ class EngineBackend:
             instead of repeating itself to max_tokens). Not applied to a grammar-forced reply: there
             a penalty pushes the model off every token it has written, into a string that never
             closes (seen with llm's forced call on SmolLM2), and the grammar bounds the reply anyway.
+        grammar_limits: what a forced reply may write where its schema sets no bound (engine/grammar.py).
     """
 
     def __init__(self, engine: Engine, tool_choice_default: str = "auto", *, max_tokens_policy: str = "clamp",
-                 default_frequency_penalty: float | None = None):
+                 default_frequency_penalty: float | None = None, grammar_limits: GrammarLimits = DEFAULT_LIMITS):
         if max_tokens_policy not in MAX_TOKENS_POLICIES:
             raise ValueError(f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}, got {max_tokens_policy!r}")
         if tool_choice_default not in TOOL_CHOICE_DEFAULTS:
             raise ValueError(f"tool_choice_default must be one of {TOOL_CHOICE_DEFAULTS}, got {tool_choice_default!r}")
         self.engine = engine
         self.tool_choice_default = tool_choice_default
+        self.grammar_limits = grammar_limits
         self.max_tokens_policy = max_tokens_policy
         self.default_frequency_penalty = default_frequency_penalty
 
@@ -90,12 +93,13 @@ class EngineBackend:
         if n is not None and n != 1:
             raise InvalidRequest(f"'n' must be 1 here (the embedded engine returns one choice), got {n!r}", param="n")
 
-    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]) -> "EngineChat":
+    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str], *,
+                   wait_first: bool = True) -> "EngineChat":
         rendered = await self.render(req)
         builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
         if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
             builder.turn.render["policy"] = rendered.policy
-        return await self.start(req, rendered.token_ids, rendered.text, builder)
+        return await self.start(req, rendered.token_ids, rendered.text, builder, wait_first=wait_first)
 
     async def render(self, req: ChatRequest):
         """The prompt the engine runs for `req` (chat template, tools, render policies), in a worker
@@ -130,15 +134,17 @@ class EngineBackend:
         return await self.start(req, list(token_ids), prompt, builder)
 
     async def start(self, req: ChatRequest, token_ids: list[int], prompt_text: str,
-                    builder: TurnBuilder) -> "EngineChat":
-        """Submit a prompt's tokens; returns once the engine has answered (or raises its refusal)."""
+                    builder: TurnBuilder, *, wait_first: bool = True) -> "EngineChat":
+        """Submit a prompt's tokens; returns once the engine has answered (or raises its refusal).
+        `wait_first=False` returns once submitted, before prefill: a failure after that reaches the
+        reply's events instead of the HTTP status (the Responses stream says `response.created` first)."""
         self._fit_max_tokens(req, len(token_ids), builder)
         self.engine.check_fits(len(token_ids), req.sampling.max_tokens)
         # Compiling a grammar (and, once per model, llguidance's view of the vocabulary) is CPU work.
         plan = await asyncio.to_thread(
             plan_reply, fmt=self.engine.reply_format, grammar=self.engine.grammar, tools=req.tools,
             tool_choice=req.tool_choice, response_format=req.response_format, messages=req.messages,
-            prompt_text=prompt_text, tool_choice_default=self.tool_choice_default)
+            prompt_text=prompt_text, tool_choice_default=self.tool_choice_default, limits=self.grammar_limits)
         if plan.forced:
             builder.turn.render["constrained"] = plan.forced
         chat = EngineChat(req, builder, self.engine.name, plan, prompt_text)
@@ -151,7 +157,8 @@ class EngineBackend:
             seq.logits_processors.append(plan.processor)
         chat.seq = seq
         self.engine.submit(seq)
-        await chat.first_event()
+        if wait_first:
+            await chat.first_event()
         return chat
 
 
@@ -205,7 +212,7 @@ class EngineChat:
             raise self._first.error
 
     async def events(self):
-        event = self._first
+        event = self._first if self._first is not None else await self._events.get()
         while True:
             yield event
             if isinstance(event, (Finished, Failed)):

@@ -5,8 +5,11 @@ rendered like any other; the engine's reply events are written back as a Respons
 event stream (prefixtrace/wire/responses_stream.py). `store` (true unless the client says false,
 as on OpenAI) keeps the conversation in memory under the response id so that a later request can
 continue it with `previous_response_id`; an id this process does not hold (never stored, stored
-with `store: false`, or from before a restart) is a 400 naming it. Nothing stored here outlives
-the process: the recorder has every turn.
+with `store: false`, or from before a restart) is a 400 naming it; `GET /v1/responses/{id}` returns
+a stored Response object (404 in OpenAI's shape for any other id). Nothing stored here outlives
+the process: the recorder has every turn. A streamed reply says `response.created` and
+`response.in_progress` as soon as the request is accepted, before prefill; `parallel_tool_calls:
+false` keeps at most the reply's first call.
 
 Upstream: the body goes to the upstream's `/v1/responses` unchanged (the upstream owns
 `previous_response_id`), the stream passes through event by event and is read back into reply
@@ -24,8 +27,10 @@ from collections import OrderedDict
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
-from prefixtrace.errors import InvalidRequest, PrefixtraceError, UpstreamError, to_openai_error
+from prefixtrace.errors import (InvalidRequest, PrefixtraceError, UnknownEndpoint, UpstreamError, http_status,
+                                to_openai_error)
 from prefixtrace.wire import responses as wire
 from prefixtrace.wire import sse
 from prefixtrace.wire.events import ReplyDone
@@ -39,12 +44,19 @@ RESPONSES_PATH = wire.PATH
 STORE_LIMIT = 1024  # conversations kept for previous_response_id (oldest dropped first)
 
 
+class ResponseNotFound(UnknownEndpoint):
+    """`GET /v1/responses/{id}` of a response this process does not hold: 404, in OpenAI's shape."""
+    code = "not_found"
+
+
 class ResponseStore:
-    """Conversations (chat messages, instructions excluded) by response id, newest kept."""
+    """Conversations (chat messages, instructions excluded) by response id, newest kept, and the
+    Response objects themselves for `GET /v1/responses/{id}`."""
 
     def __init__(self, limit: int = STORE_LIMIT):
         self.limit = limit
         self._items: OrderedDict[str, list[dict]] = OrderedDict()
+        self._responses: dict[str, dict] = {}
 
     def get(self, response_id: str) -> list[dict]:
         if response_id not in self._items:
@@ -54,10 +66,19 @@ class ResponseStore:
         self._items.move_to_end(response_id)
         return self._items[response_id]
 
-    def put(self, response_id: str, messages: list[dict]) -> None:
+    def put(self, response_id: str, messages: list[dict], response: dict | None = None) -> None:
         self._items[response_id] = messages
+        if response is not None:
+            self._responses[response_id] = response
         while len(self._items) > self.limit:
-            self._items.popitem(last=False)
+            dropped, _ = self._items.popitem(last=False)
+            self._responses.pop(dropped, None)
+
+    def response(self, response_id: str) -> dict:
+        if response_id not in self._responses:
+            raise ResponseNotFound(f"Response with id {response_id!r} not found (only responses this server "
+                                   "made with store: true, since it started, are kept)", param="response_id")
+        return self._responses[response_id]
 
 
 def _conversation(req: ChatRequest) -> list[dict]:
@@ -85,6 +106,8 @@ class EngineResponses:
         self.chat.cancel()
 
     def _on(self, event) -> list[dict]:
+        if not self.writer.accepts(event):  # a second call under parallel_tool_calls: false: not sent, not recorded
+            return []
         self.builder.on_event(event)
         out = self.writer.feed(event)
         if isinstance(event, ReplyDone):
@@ -103,7 +126,8 @@ class EngineResponses:
         if calls:
             reply["tool_calls"] = [{"id": c["call_id"], "type": "function",
                                     "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
-        self.store.put(self.writer.id, _conversation(self.req) + [reply])
+        response = json.loads(json.dumps(self.writer.response()))  # a copy: the writer's items stay its own
+        self.store.put(self.writer.id, _conversation(self.req) + [reply], response)
 
     async def sse(self) -> AsyncIterator[bytes]:
         for event in self.writer.start():
@@ -189,7 +213,10 @@ def add_responses_route(app: FastAPI, backend, recorder) -> None:
 
     async def open_reply(req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
         if on_engine:
-            return EngineResponses(await backend.open(req, builder, headers), req, builder, store)
+            # Streamed: the headers and response.created go out before prefill (a client's idle timeout
+            # counts from the request), and an engine failure after that is response.failed in-band.
+            chat = await backend.open(req, builder, headers, wait_first=not req.stream)
+            return EngineResponses(chat, req, builder, store)
         response, url = await backend.post(RESPONSES_PATH, req.body, headers, session_id=req.session_id)
         return UpstreamResponses(response, builder, url)
 
@@ -197,6 +224,15 @@ def add_responses_route(app: FastAPI, backend, recorder) -> None:
     async def responses(request: Request):
         return await serve_turn(request, endpoint=RESPONSES_PATH, upstream=backend.label, recorder=recorder,
                                 parse=parse, open_reply=open_reply, stream=_stream, error_body=to_openai_error)
+
+    @app.get(RESPONSES_PATH + "/{response_id}")
+    async def retrieve(response_id: str):
+        """A stored Response object (not a model turn: not recorded). With --upstream the upstream
+        holds its own responses; this proxy keeps none, so the answer is the same 404."""
+        try:
+            return JSONResponse(store.response(response_id))
+        except ResponseNotFound as exc:
+            return JSONResponse(to_openai_error(exc), status_code=http_status(exc))
 
 
 def _is_terminal(event: bytes) -> bool:

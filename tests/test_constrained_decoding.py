@@ -185,3 +185,117 @@ def test_serve_option_reaches_the_backend():
     finally:
         backend.engine.wait_ready(60)
         backend.engine.shutdown()
+
+
+# A tool whose values nothing in its schema bounds: a session id (a number), a free string and a list,
+# the shape of codex's write_stdin/request_user_input, on which greedy SmolLM2 repeats digits or an id
+# until max_tokens.
+UNBOUNDED = [{"type": "function", "function": {"name": "Poll", "parameters": {"type": "object", "properties": {
+    "session_id": {"type": "number"}, "note": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["session_id", "note", "tags"]}}}]
+
+
+def test_bounded_schema_bounds_only_what_the_schema_leaves_open():
+    from engine.grammar import GrammarLimits, bounded_schema
+
+    limits = GrammarLimits(string_chars=10, array_items=3, number_magnitude=1000, number_decimals=2)
+    params = UNBOUNDED[0]["function"]["parameters"]
+    out = bounded_schema(params, limits)
+    assert out["properties"]["note"] == {"type": "string", "maxLength": 10}
+    assert out["properties"]["tags"] == {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 10}}
+    assert out["properties"]["session_id"] == {"type": "number", "minimum": -1000, "maximum": 1000, "multipleOf": 0.01}
+    assert out["additionalProperties"] is False
+    assert params["properties"]["note"] == {"type": "string"}  # the tool's own schema is left as it was
+    kept = {"type": "object", "properties": {
+        "a": {"type": "string", "maxLength": 99999}, "b": {"type": "string", "minLength": 50},
+        "c": {"enum": ["x", "y"], "type": "string"}, "n": {"type": "integer", "minimum": 5000},
+        "m": {"type": "integer", "exclusiveMaximum": -5000}}, "additionalProperties": {"type": "string"}}
+    out = bounded_schema(kept, limits)["properties"]
+    assert out["a"]["maxLength"] == 99999 and out["b"]["maxLength"] == 50 and "maxLength" not in out["c"]
+    assert out["n"] == {"type": "integer", "minimum": 5000, "maximum": 5000}  # never below its own minimum
+    assert out["m"] == {"type": "integer", "exclusiveMaximum": -5000, "minimum": -5000}
+    assert bounded_schema(kept, limits)["additionalProperties"] == {"type": "string", "maxLength": 10}
+
+
+def test_grammar_refuses_what_passes_the_bounds():
+    from engine.grammar import GrammarLimits
+
+    tokenizer = load(Path(TINY_MODEL))
+    compiler = GrammarCompiler(tokenizer, 508)
+    limits = GrammarLimits(string_chars=5, array_items=2, number_magnitude=100, number_decimals=1)
+
+    def accepted(args: str) -> bool:
+        proc = compiler.tool_call(UNBOUNDED, None, "<tool_call>", "</tool_call>", limits=limits)
+        text = '<tool_call>\n{"name": "Poll", "arguments": ' + args + '}\n</tool_call>'
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return proc.matcher.try_consume_tokens(ids) == len(ids) and proc.matcher.is_accepting()
+
+    assert accepted('{"session_id": 12.5, "note": "abcde", "tags": ["a", "b"]}')
+    assert not accepted('{"session_id": 12.5, "note": "abcdef", "tags": []}')  # a sixth character
+    assert not accepted('{"session_id": 1234, "note": "", "tags": []}')  # past the magnitude
+    assert not accepted('{"session_id": 1.25, "note": "", "tags": []}')  # a second decimal
+    assert not accepted('{"session_id": 1, "note": "", "tags": ["a", "b", "c"]}')  # a third item
+    assert not accepted('{"session_id": 1, "note": "", "tags": [], "extra": 1}')  # a property it does not list
+
+
+def test_a_forced_call_ends_within_the_bounds(tiny_engine, tmp_path):
+    """Random weights at temperature 1 stay inside an open string (closing it is one token of 508):
+    unbounded, the call runs to max_tokens and comes back cut; bounded, it closes by itself and
+    validates against the tool's schema."""
+    from openai import OpenAI
+
+    from engine.grammar import GrammarLimits
+
+    limits = GrammarLimits(string_chars=12, array_items=2)
+    with Recorder(tmp_path / "t.db") as rec, running_server(
+            create_app(EngineBackend(tiny_engine, grammar_limits=limits), rec)) as url:
+        client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        for seed in (1, 2, 3):
+            reply = client.chat.completions.create(model="default", messages=MESSAGES, tools=UNBOUNDED,
+                                                   tool_choice="required", max_tokens=400, temperature=1, seed=seed)
+            choice = reply.choices[0]
+            assert choice.finish_reason == "tool_calls", (seed, choice)
+            args = json.loads(choice.message.tool_calls[0].function.arguments)
+            jsonschema.validate(args, UNBOUNDED[0]["function"]["parameters"])
+            assert len(args["note"]) <= 12 and len(args["tags"]) <= 2 and abs(args["session_id"]) < 1e15
+            assert reply.usage.completion_tokens < 400
+
+
+# Codex 0.171.0's write_stdin tool as it sends it: greedy SmolLM2, forced to call it, writes
+# "session_id": 1234567890… until max_tokens when numbers are unbounded (83+ digits in 120 tokens).
+CODEX_WRITE_STDIN = {"type": "function", "function": {
+    "name": "write_stdin",
+    "description": "Writes characters to an existing unified exec session and returns recent output.",
+    "parameters": {"type": "object", "properties": {
+        "chars": {"type": "string", "description": "Bytes to write to stdin. Defaults to empty, which polls "
+                                                   "without writing."},
+        "max_output_tokens": {"type": "number", "description": "Output token budget. Defaults to 10000 tokens; "
+                                                             "larger requests may be capped by policy."},
+        "session_id": {"type": "number", "description": "Identifier of the running unified exec session."},
+        "yield_time_ms": {"type": "number", "description": "Wait before yielding output. Non-empty writes "
+                          "default to 250 ms and cap at 30000 ms; empty polls wait 5000-300000 ms by default."}},
+        "required": ["session_id"], "additionalProperties": False}}}
+
+
+@pytest.mark.slow
+def test_greedy_smollm2_closes_a_forced_call_it_would_run_on(tmp_path):
+    from openai import OpenAI
+
+    from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+    from engine.engine import Engine
+
+    engine = Engine(default_model_dir(), name=DEFAULT_MODEL_NAME, dtype="float32").start()
+    try:
+        engine.wait_ready(300)
+        with Recorder(tmp_path / "t.db") as rec, running_server(create_app(EngineBackend(engine), rec)) as url:
+            client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+            reply = client.chat.completions.create(
+                model="default", messages=[{"role": "user", "content": "Read the file /tmp/x/hello.txt"}],
+                tools=[CODEX_WRITE_STDIN], tool_choice="required", max_tokens=120, temperature=0)
+    finally:
+        engine.shutdown()
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice  # unbounded: "length", the id still growing
+    args = json.loads(choice.message.tool_calls[0].function.arguments)
+    jsonschema.validate(args, CODEX_WRITE_STDIN["function"]["parameters"])
+    assert abs(args["session_id"]) < 1e15

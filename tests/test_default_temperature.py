@@ -40,3 +40,21 @@ def test_without_the_option_requests_sample_at_openais_default(engine_server):
 def test_default_temperature_out_of_range_is_a_usage_error():
     result = CliRunner().invoke(cli, ["serve", "--default-temperature", "3"])
     assert result.exit_code == 2 and "--default-temperature" in result.output
+
+
+def test_requests_without_an_output_cap_stop_at_the_default_on_every_stream(tiny_engine, recorder):
+    """`--default-max-tokens`: a Responses request with no max_output_tokens (as Codex sends them)
+    stops at the default, streamed too (the wrappers pass the Responses stream's early-start option
+    through); one that sets its own cap keeps it."""
+    from prefixtrace.sampling_default import with_default_max_tokens
+
+    backend = with_default_max_tokens(with_default_temperature(EngineBackend(tiny_engine), 0.0), 7)
+    with running_server(create_app(backend, recorder)) as url:
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        whole = client.responses.create(model="default", input="Go on.")
+        with client.responses.stream(model="default", input="Go on.") as s:
+            streamed = s.get_final_response()
+        own = client.responses.create(model="default", input="Go on.", max_output_tokens=3)
+    assert whole.usage.output_tokens == 7 and whole.status == "incomplete"
+    assert streamed.usage.output_tokens == 7
+    assert own.usage.output_tokens == 3

@@ -188,3 +188,110 @@ def test_text_format_json_schema_constrains_the_output(engine_server):
     r = ask(client(url), False, input="Pick a colour.", max_output_tokens=40,
             text={"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}})
     assert json.loads(r.output_text)["colour"] in ("red", "blue")
+
+
+def test_a_forced_call_cut_by_max_output_tokens_is_an_incomplete_item(engine_server):
+    """What a client gets when max_output_tokens ends a forced call: a well-formed Response, status
+    incomplete, the call item itself marked incomplete (its arguments may not parse)."""
+    url, recorder = engine_server
+    tool = {"type": "function", "name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "minLength": 200}}, "required": ["text"]}}
+    for stream in (False, True):
+        r = ask(client(url), stream, input="Take a note.", tools=[tool], tool_choice="required",
+                max_output_tokens=40, temperature=1)
+        [call] = [i for i in r.output if i.type == "function_call"]
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert call.status == "incomplete" and call.name == "note"
+    assert [row["finish_reason"] for row in rows(recorder)] == ["length", "length"]
+
+
+def test_a_stored_response_can_be_retrieved_and_others_are_404(engine_server):
+    import openai
+
+    url, recorder = engine_server
+    c = client(url)
+    made = ask(c, False, input="Hello")
+    got = c.responses.retrieve(made.id)
+    assert got.model_dump() == made.model_dump()
+    streamed = ask(c, True, input="Hello")
+    assert c.responses.retrieve(streamed.id).output_text == streamed.output_text
+    unstored = ask(c, False, input="Hello", store=False)
+    for missing in (unstored.id, "resp_nope"):
+        with pytest.raises(openai.NotFoundError, match="not found"):
+            c.responses.retrieve(missing)
+    assert len(rows(recorder)) == 3  # a retrieval is not a model turn
+
+
+LONG = {"type": "json_schema", "name": "long", "schema": {
+    "type": "object", "properties": {"t": {"type": "string", "minLength": 1500}}, "required": ["t"]}}
+
+
+def test_the_stream_says_created_before_its_prefill(tmp_path):
+    """With one batch slot taken by a long reply, a second request waits before its prefill: its
+    stream must still open at once with response.created and response.in_progress (a client's idle
+    timeout, codex's stream_idle_timeout_ms, counts from the request)."""
+    import threading
+
+    from engine.engine import Engine
+    from proxy.app import create_app
+    from proxy.engine_backend import EngineBackend
+    from recorder.store import Recorder
+    from tests.conftest import TINY_MODEL, running_server
+
+    engine = Engine(TINY_MODEL, name="tiny-llama", dtype="float32", max_batch=1).start()
+    engine.wait_ready(60)
+    long_done = threading.Event()
+    try:
+        with Recorder(tmp_path / "t.db") as rec, running_server(create_app(EngineBackend(engine), rec)) as url:
+            c = client(url)
+
+            def long_reply():
+                try:
+                    # A grammar that refuses the end before 1500 characters: random weights cannot stop early.
+                    with c.responses.stream(model="default", input="Go on.", max_output_tokens=1500,
+                                            temperature=1, text={"format": LONG}) as s:
+                        for event in s:
+                            if event.type == "response.output_text.delta":
+                                deltas.append(1)
+                                started.set()
+                finally:
+                    long_done.set()
+
+            started, deltas = threading.Event(), []
+            threading.Thread(target=long_reply, daemon=True).start()
+            assert started.wait(60)
+            body = {"model": "default", "input": "Hello", "max_output_tokens": 3, "stream": True}
+            with httpx.stream("POST", url + "/v1/responses", json=body, timeout=120) as r:
+                lines = r.iter_lines()
+                kinds = []
+                for line in lines:
+                    if line.startswith("event:"):
+                        kinds.append(line.split(":", 1)[1].strip())
+                    if len(kinds) == 2:
+                        break
+                assert kinds == ["response.created", "response.in_progress"]
+                seen = len(deltas)
+                rest = [line.split(":", 1)[1].strip() for line in lines if line.startswith("event:")]
+            assert rest[-1] == "response.completed"
+            assert long_done.wait(120)
+            # The long reply still held the only slot when the second stream opened: most of its
+            # output came after (unfixed, the stream opened only once its prefill could start).
+            assert len(deltas) - seen > 200, (seen, len(deltas))
+    finally:
+        engine.shutdown()
+
+
+def test_parallel_tool_calls_false_keeps_only_the_first_call():
+    """The writer's rule (the engine adapter drops what it refuses before recording, so the turn is
+    what the client saw): a model that writes two calls under parallel_tool_calls: false returns one."""
+    from prefixtrace.wire.events import ReplyDone, ToolCallArgsDelta, ToolCallStart
+    from prefixtrace.wire.responses_stream import ResponsesWriter
+
+    events = [ToolCallStart(0, "call_a", "ls"), ToolCallArgsDelta(0, "{}"), ToolCallStart(1, "call_b", "pwd"),
+              ToolCallArgsDelta(1, "{}"), ReplyDone("tool_calls", 5, 9, 0)]
+    for parallel, want in ((False, ["call_a"]), (True, ["call_a", "call_b"]), (None, ["call_a", "call_b"])):
+        writer = ResponsesWriter({} if parallel is None else {"parallel_tool_calls": parallel}, "m")
+        for event in events:
+            if writer.accepts(event):
+                writer.feed(event)
+        assert [i["call_id"] for i in writer.output] == want

@@ -56,6 +56,7 @@ class ResponsesWriter:
         self._seq = 0
         self._open: dict | None = None  # the output item being written
         self._calls: dict[int, dict] = {}  # tool-call index → its function_call item
+        self.one_call = body.get("parallel_tool_calls") is False
 
     # --- the Response object -----------------------------------------------------
 
@@ -79,6 +80,11 @@ class ResponsesWriter:
         return [self._event("response.created", response=self.response()),
                 self._event("response.in_progress", response=self.response())]
 
+    def accepts(self, event: ReplyEvent) -> bool:
+        """Whether `event` belongs in this reply: with `parallel_tool_calls: false` a call after the
+        first does not (the model may write more; the caller drops them before recording too)."""
+        return not (self.one_call and isinstance(event, (ToolCallStart, ToolCallArgsDelta)) and event.index > 0)
+
     def feed(self, event: ReplyEvent) -> list[dict]:
         if isinstance(event, ContentDelta):
             return self._text("message", "output_text", event.text) if event.text else []
@@ -98,7 +104,8 @@ class ResponsesWriter:
             return [self._event("response.function_call_arguments.delta", item_id=item["id"],
                                 output_index=self.output.index(item), delta=event.text)]
         if isinstance(event, ReplyDone):
-            return self._close() + self._finish(event)
+            # The item max_output_tokens cut short says so (a call's arguments may not parse), as OpenAI's do.
+            return self._close("incomplete" if event.finish_reason == "length" else "completed") + self._finish(event)
         return []
 
     def fail(self, code: str, message: str) -> list[dict]:
@@ -133,7 +140,7 @@ class ResponsesWriter:
                                content_index=0, delta=text, **delta))
         return out
 
-    def _close(self) -> list[dict]:
+    def _close(self, status: str = "completed") -> list[dict]:
         item, self._open = self._open, None
         if item is None:
             return []
@@ -150,7 +157,7 @@ class ResponsesWriter:
             out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                    name=item["name"], arguments=item["arguments"]))
         if "status" in item:
-            item["status"] = "completed"
+            item["status"] = status
         out.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
         return out
 

@@ -22,7 +22,7 @@ from harness import harness_support as hs
 
 HERE = Path(__file__).resolve().parent
 
-# Three test aids of `serve` (docs/HARNESSES.md):
+# Four test aids of `serve` (docs/HARNESSES.md):
 # - until a tool has answered, a user turn of a request that offers tools gets a grammar-constrained
 #   tool call (engine/constraints.py); after the tool result the model answers freely, so every
 #   harness loop ends by itself (Claude Code's own "Output token limit hit" user message after a cut
@@ -30,9 +30,11 @@ HERE = Path(__file__).resolve().parent
 # - requests that set no temperature (no harness here sets one) decode greedily, so which tool and
 #   which arguments is the model's most likely choice and a run is reproducible;
 # - a frequency penalty over the reply's own tokens, so a greedy free answer ends instead of
-#   repeating the tool result to max_tokens.
+#   repeating the tool result to max_tokens;
+# - requests that set no output cap (Codex sends none) stop after 128 tokens, so a small model's free
+#   answer cannot run to the context's end.
 ENGINE_ARGS = ["--tool-choice-default", "required-until-tool-result", "--default-temperature", "0",
-               "--default-frequency-penalty", "0.5"]
+               "--default-frequency-penalty", "0.5", "--default-max-tokens", "128"]
 
 
 def pytest_collection_modifyitems(config, items):
