@@ -82,14 +82,15 @@ def free_port() -> int:
 
 
 def start_serve(args: list[str], cwd: Path, log: Path, serve_with: tuple[str, str] | None = None,
-                root: Path = ROOT):
-    """`prefixtrace serve` from the tree at `root` (another checkout: `--baseline`)."""
+                root: Path = ROOT, extra_path: str | None = None):
+    """`prefixtrace serve` from the tree at `root` (another checkout: `--baseline`), with
+    `extra_path` after it on its import path (`--baseline-path`)."""
     port = free_port()
     prefix = [sys.executable, "-m", "prefixtrace.cli"]
     if serve_with is not None:
         prefix = [sys.executable, str(Path(__file__).resolve()), "--serve-with", *serve_with, "--"]
     proc = subprocess.Popen([*prefix, "serve", "--port", str(port), *args], cwd=cwd,
-                            env={**os.environ, "PYTHONPATH": str(root)},
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), extra_path]))},
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -229,6 +230,9 @@ def main() -> None:
     ap.add_argument("--baseline-uvicorn", metavar="HTTP,LOOP", default=None,
                     help="uvicorn's http and loop for the baseline proxy (e.g. h11,asyncio): with --baseline "
                          "set to this tree, measures those options against the default")
+    ap.add_argument("--baseline-path", metavar="DIR", default=None,
+                    help="an extra import path for the baseline proxy only, e.g. a `pip install --target DIR "
+                         "uvloop httptools` (measures those without installing them for everything else)")
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     args = ap.parse_args()
 
@@ -259,11 +263,13 @@ def main() -> None:
                 if args.baseline:
                     (tmp / "bl").mkdir()
                     baseline, bl_url = start_serve(["--upstream", up_url, "--db", str(tmp / "bl" / "bl.db")],
-                                                   tmp / "bl", tmp / "bl.log", baseline_with, root=Path(args.baseline))
+                                                   tmp / "bl", tmp / "bl.log", baseline_with, root=Path(args.baseline).resolve(),
+                                                   extra_path=args.baseline_path)
                     clients["baseline"] = httpx.Client(base_url=bl_url, timeout=60)
                     pids["baseline"] = baseline.pid
                     print(f"baseline proxy {bl_url} (pid {baseline.pid}) from {args.baseline}, uvicorn "
-                          f"http,loop={','.join(baseline_with) if baseline_with else 'auto'}")
+                          f"http,loop={','.join(baseline_with) if baseline_with else 'auto'}"
+                          + (f", import path + {args.baseline_path}" if args.baseline_path else ""))
                 if args.relay:
                     relay_port = free_port()
                     relay_proc = subprocess.Popen([sys.executable, __file__, "--run-relay", str(relay_port),

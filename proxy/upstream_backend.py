@@ -16,6 +16,7 @@ from prefixtrace.errors import UpstreamError
 from prefixtrace.urls import credentials, display_url, without_credentials
 from prefixtrace.wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
 from prefixtrace.wire import sse
+from proxy.asyncio_network import use_asyncio_network
 from proxy.chat_request import ChatRequest
 from prefixtrace.wire.turn_builder import TurnBuilder
 
@@ -42,6 +43,8 @@ class UpstreamBackend:
             transport=transport,
             timeout=httpx.Timeout(timeout, connect=10.0),
         )
+        if transport is None and url.startswith("http://"):
+            use_asyncio_network(self.client)  # its sockets on plain asyncio, not anyio (proxy/asyncio_network.py)
         # The turn's POST skips the client's send stack (see `post`); it sends the same headers.
         self._auth_header = None if auth is None else \
             "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
