@@ -34,6 +34,7 @@ from prefixtrace.wire.turn_builder import TurnBuilder
 
 log = logging.getLogger("prefixtrace.proxy")
 CHAT_PATH = "/v1/chat/completions"
+TURN_PATHS = (CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH, COMPLETIONS_PATH)
 
 
 def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None = None,
@@ -53,8 +54,7 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     recorder = observe(app, backend, recorder)  # /ui, /metrics: every turn also feeds them
     # A loopback Host on every request and JSON on every POST; refused turns are recorded.
     # Inside the guard: the turn routes' functions called without FastAPI's request path (issue 17).
-    app.add_middleware(TurnRoutes, fastapi_app=app,
-                       paths=(CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH, COMPLETIONS_PATH))
+    app.add_middleware(TurnRoutes, fastapi_app=app, paths=TURN_PATHS)
     error_bodies = {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error}
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts,
                        refuse=refusal_recorder(recorder, backend.label, error_bodies, record_durably))
