@@ -300,8 +300,24 @@ def main() -> None:
                 stop(proxy)
         finally:
             stop(upstream)
+    summary(results)
     if args.json:
         print(json.dumps(results))
+
+
+def summary(results: dict) -> None:
+    """One line per case: what each side adds to the first content (streamed) or to the whole
+    response (whole), p50 and paired, and the proxies' CPU per request."""
+    print("\nsummary (ms; added p50 / paired p50 over direct; TTFT for streamed, total for whole)")
+    for case, res in results.items():
+        metric = "ttft" if "ttft" in res else "total"
+        r = res[metric]
+        cells = [f"{case:18s} {metric:5s} direct {r['direct_p50']:7.2f}"]
+        for side in ("relay", "baseline", "proxied"):
+            if side in r:
+                cells.append(f"{side} {r[side]['added_p50']:+6.2f} / {r[side]['paired_p50']:+6.2f}")
+        cells.append("CPU " + ", ".join(f"{side} {ms:.2f}" for side, ms in res["cpu_ms"].items()))
+        print(" | ".join(cells))
 
 
 def report(route: str, mode: str, res: dict) -> None:
