@@ -26,7 +26,9 @@ used per proxied request (all threads, from /proc), which load does not blur. Go
 one more local hop costs on this machine, the floor under any proxy's added latency.
 `--baseline TREE` adds a fourth: the same proxy run from another checkout (before a change),
 interleaved with this one, so before/after is measured side by side under the same load.
-`--proxy-http` / `--proxy-loop` start the proxy with those uvicorn options (through
+`--baseline-path DIR` adds DIR to the baseline proxy's import path only (`--baseline . --baseline-path DIR`
+with `pip install --target DIR uvloop httptools`: those measured without installing them for everything else).
+The run ends with a summary line per case. `--proxy-http` / `--proxy-loop` start the proxy with those uvicorn options (through
 `--serve-with`, below) so each can be measured against the default (auto: httptools
 and uvloop when installed).
 """
