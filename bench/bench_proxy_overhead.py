@@ -342,7 +342,8 @@ def report(route: str, mode: str, res: dict) -> None:
 
 def serve_with(http: str, loop: str, argv: list[str]) -> None:
     """Run `prefixtrace <argv>` with uvicorn's `http` and `loop` options forced (bench only)."""
-    sys.path.insert(0, str(ROOT))
+    # The tree start_serve put first on PYTHONPATH (a --baseline checkout), else this one.
+    sys.path.insert(0, (os.environ.get("PYTHONPATH") or str(ROOT)).split(os.pathsep)[0])
     import uvicorn
 
     original = uvicorn.Config.__init__
