@@ -5,7 +5,9 @@ Per decode step of one attention layer holding T cached tokens per row, side by 
 * dense: a `KVCache` and MLX's fused SDPA (the floor, rows of equal length);
 * TQ MLX ops: the rotated-basis path with stock MLX ops (codebook values of the
   whole cache materialised, then SDPA), what the CPU runs;
-* TQ kernel (CUDA): engine/decode_attention.py's split-K kernel over the codes;
+* TQ kernel (CUDA): engine/decode_attention.py's split-K kernel over the codes, the default
+  variant and then each of them side by side: v2s (deferred encode, in-place dense tail, split
+  and reduce kernels), v2 (the same in one launch), v1 (session 4's step);
 * dense kernel (CUDA): the dense split-K kernel over equal-length rows;
 * with --rows > 1, left-padded rows: MLX's masked SDPA vs the dense kernel.
 
@@ -75,8 +77,7 @@ def step_time(cache, mode: str, q_heads: int, kv_heads: int, dim: int, dtype, st
 
 def _cache_arrays(cache) -> list:
     if isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):
-        tail = cache.tail_k if isinstance(cache, TurboQuantKVCache) else cache.win_k
-        return [cache.k.codes, cache.v.codes, cache.k.norms, tail]
+        return cache._live_arrays()  # (not `cache.k`: that would encode what a v2 step deferred)
     return [cache.keys, cache.values]
 
 
@@ -87,7 +88,8 @@ def _fill(cache, keys, values, chunk: int = 8192):
     return cache
 
 
-def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 1, parts: bool = False) -> dict:
+def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 1, parts: bool = False,
+            only_tq: bool = False, unrolls: tuple = ()) -> dict:
     """One layer's decode step at `rows` rows of `context` tokens: dense (MLX's fused SDPA) and
     TurboQuant through MLX ops and through the kernel; with several rows, also left-padded
     rows (every row but the first 1,000 tokens shorter), dense (masked SDPA vs the kernel)."""
@@ -105,12 +107,18 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
     kernel = decode_attention.available()
     saved = decode_attention.mode()
 
-    def timed(name, make, mode, kernel_mode, part="step"):
+    saved_variant, saved_unroll = decode_attention.tq_variant(), decode_attention.tq_unroll()
+
+    def timed(name, make, mode, kernel_mode, part="step", variant=saved_variant, unroll=None):
         decode_attention.set_mode(kernel_mode)
+        decode_attention.set_tq_variant(variant)
+        decode_attention.set_tq_unroll(unroll or saved_unroll)
         try:
             row[name] = round(1e3 * step_time(make(), mode, q_heads, kv_heads, dim, dtype, steps, rows, part), 4)
         finally:
             decode_attention.set_mode(saved)
+            decode_attention.set_tq_variant(saved_variant)
+            decode_attention.set_tq_unroll(saved_unroll)
 
     def dense():
         c = KVCache()
@@ -118,18 +126,30 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
         return c
 
     def tq():
-        return _fill(TurboQuantKVCache(kv_bits=bits), keys, values)
+        c = _fill(TurboQuantKVCache(kv_bits=bits), keys, values)
+        c.hooked = True  # the hook route below, as make_tq_cache marks the engine's caches
+        return c
 
     timed("dense_ms", dense, "dense", "off")
-    timed("tq_mlx_ops_ms", tq, "hook", "off")
+    if not only_tq:
+        timed("tq_mlx_ops_ms", tq, "hook", "off")
+        row["tq_mlx_ops_vs_dense"] = round(row["tq_mlx_ops_ms"] / row["dense_ms"], 3)
     if kernel:
+        # The default variant (tq_kernel_ms), then every variant side by side (docs/TURBOQUANT.md).
         timed("tq_kernel_ms", tq, "hook", "on")
+        for u in unrolls:
+            timed(f"tq_kernel_u{u}_ms", tq, "hook", "on", unroll=u)
+            row[f"tq_kernel_u{u}_vs_dense"] = round(row[f"tq_kernel_u{u}_ms"] / row["dense_ms"], 3)
+        for variant in decode_attention.TQ_VARIANTS:
+            timed(f"tq_kernel_{variant}_ms", tq, "hook", "on", variant=variant)
+            row[f"tq_kernel_{variant}_vs_dense"] = round(row[f"tq_kernel_{variant}_ms"] / row["dense_ms"], 3)
         if parts:
             timed("tq_update_ms", tq, "hook", "on", "update")
             timed("tq_kernel_attend_ms", tq, "hook", "on", "attend")
             timed("dense_attend_ms", dense, "dense", "off", "attend")
         row["tq_kernel_vs_dense"] = round(row["tq_kernel_ms"] / row["dense_ms"], 3)
-    row["tq_mlx_ops_vs_dense"] = round(row["tq_mlx_ops_ms"] / row["dense_ms"], 3)
+    if only_tq:
+        return row
     if rows > 1:
         lengths = [context] + [context - 1000 - 37 * i for i in range(rows - 1)]
 
@@ -232,6 +252,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rows", type=int, action="append", help="rows per step (default 1; repeat: --rows 1 --rows 8)")
     ap.add_argument("--parts", action="store_true", help="also time the update and the attention apart")
+    ap.add_argument("--unroll", type=int, action="append", default=[],
+                    help="also time the default variant with this tq_unroll (repeat: --unroll 8 --unroll 16)")
+    ap.add_argument("--only-tq", action="store_true",
+                    help="dense and the TurboQuant kernels only (no MLX-ops path, no padded rows)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
@@ -244,7 +268,8 @@ def main() -> None:
     for shape in args.shape or list(SHAPES):
         for rows in args.rows or [1]:
             for context in args.context or (1024, 4096, 16384):
-                out.append(measure(shape, context, args.bits, dtype, args.steps, rows, args.parts))
+                out.append(measure(shape, context, args.bits, dtype, args.steps, rows, args.parts, args.only_tq,
+                                   tuple(args.unroll)))
                 print(json.dumps(out[-1]), flush=True)
                 mx.clear_cache()
     if args.json:

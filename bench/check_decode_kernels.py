@@ -1,12 +1,13 @@
 """GPU check of engine/decode_attention.py's kernels against the reference paths; exits 1 on a mismatch.
 
-    python bench/check_decode_kernels.py [--long] [--json out.json]
+    python bench/check_decode_kernels.py [--long] [--variants v2,v2s,v1] [--skip-dense] [--json out.json]
 
 * dense: `dense_attend` over left-padded `RowBatchKVCache` rows (strided views of the
   cache's buffer, as the model hands them) against MLX's masked SDPA on the same K/V in
   float32; float32 / bf16 / fp16, GQA 1-8, head dims 64 / 128 (and 16, the fixture's);
 * TurboQuant: `cache.attend` through the kernel against SDPA over the decoded cache
-  (what `update_and_fetch` returns), one row and left-padded batches, 2 / 4 / 8 bits;
+  (what `update_and_fetch` returns), one row and left-padded batches, 2 / 4 / 8 bits, per
+  decode variant (v2: deferred encode + one launch; v2s: two launches; v1: session 4's);
 * greedy tokens on fixtures/tiny-llama (float32): TurboQuant with the kernel against the
   MLX-ops path over a long generation, one row and a left-padded batch of three (whose
   dense last layer takes the dense kernel), and a dense padded batch.
@@ -77,19 +78,21 @@ def dense_case(lengths: list[int], q_heads: int, kv_heads: int, dim: int, dtype)
 
 
 def tq_case(chunks_per_row: list[list[int]], q_heads: int, kv_heads: int, dim: int, bits: int, dtype,
-            group: int = 64) -> None:
+            group: int = 64, variant: str = "v2s", steps: int = 3, unroll: int = 4) -> None:
+    decode_attention.set_tq_variant(variant)
+    decode_attention.set_tq_unroll(unroll)
     mx.random.seed(bits * 1000 + dim + len(chunks_per_row))
     rows = []
     for chunks in chunks_per_row:
         c = TurboQuantKVCache(kv_bits=bits, group=group)
-        for n in chunks:
+        for n in [m for m in chunks if m]:  # (a 0-token call would encode an empty array)
             c.update_and_fetch(mx.random.normal((1, kv_heads, n, dim)).astype(dtype),
                                mx.random.normal((1, kv_heads, n, dim)).astype(dtype))
         rows.append(c)
     cache = rows[0] if len(rows) == 1 else BatchTurboQuantKVCache.merge(rows)
     B = len(rows)
     mask = cache.make_mask(1) if B > 1 else None
-    for step in range(3):  # consecutive decode steps (the dense window shifts)
+    for step in range(steps):  # consecutive decode steps (the dense window shifts, deferred codes land)
         keys, values = cache.update_and_fetch(mx.random.normal((B, kv_heads, 1, dim)).astype(dtype),
                                               mx.random.normal((B, kv_heads, 1, dim)).astype(dtype))
         q = mx.random.normal((B, q_heads, 1, dim)).astype(dtype)
@@ -99,8 +102,9 @@ def tq_case(chunks_per_row: list[list[int]], q_heads: int, kv_heads: int, dim: i
         ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
                                                    values.astype(mx.float32), scale=scale, mask=mask)
         e, s = err(got, ref)
-        record("turboquant", within(e, s, dtype), rows=B, lengths=[sum(c) for c in chunks_per_row][:4],
-               heads=[q_heads, kv_heads], dim=dim, bits=bits, dtype=str(dtype), step=step, max_err=e, scale=s)
+        record("turboquant", within(e, s, dtype), variant=variant, unroll=unroll, rows=B,
+               lengths=[sum(c) for c in chunks_per_row][:4], heads=[q_heads, kv_heads], dim=dim, bits=bits,
+               dtype=str(dtype), step=step, max_err=e, scale=s)
         if B > 1:
             mask = cache.make_mask(1)
 
@@ -126,7 +130,7 @@ def _greedy(model, make_caches, prompts: list[list[int]], steps: int) -> list[li
     return out
 
 
-def greedy_identity(steps: int) -> None:
+def greedy_identity(steps: int, variants=("v2s",), dense: bool = True) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from engine.model_files import load_model_dir
@@ -136,49 +140,79 @@ def greedy_identity(steps: int) -> None:
     install_attention_hook(model)
     single = [[(i * 37 + 11) % 500 + 3 for i in range(300)]]
     batch = [[(i * 13 + 5) % 500 + 3 for i in range(n)] for n in (190, 17, 75)]
-    for name, make, prompts in (("tq_single", lambda: make_tq_cache(model, bits=4), single),
-                                ("tq_padded_batch", lambda: make_tq_cache(model, bits=4), batch),
-                                ("dense_padded_batch", lambda: make_prompt_cache(model), batch)):
-        decode_attention.set_mode("off")
-        ref = _greedy(model, make, prompts, steps)
+    cases = [(f"tq_single_{v}", v, lambda: make_tq_cache(model, bits=4), single) for v in variants]
+    cases += [(f"tq_padded_batch_{v}", v, lambda: make_tq_cache(model, bits=4), batch) for v in variants]
+    if dense:
+        cases.append(("dense_padded_batch", "v2s", lambda: make_prompt_cache(model), batch))
+    refs = {}
+    for name, variant, make, prompts in cases:
+        decode_attention.set_tq_variant(variant)
+        key = (name.startswith("tq"), len(prompts))
+        if key not in refs:  # the MLX-ops path does not depend on the variant
+            decode_attention.set_mode("off")
+            refs[key] = _greedy(model, make, prompts, steps)
+        ref = refs[key]
         decode_attention.set_mode("on")
         got = _greedy(model, make, prompts, steps)
         same = [a == b for a, b in zip(got, ref)]
         first = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(got, ref)]
         record("greedy_" + name, all(same), steps=steps, rows=len(prompts), first_difference=first)
+    decode_attention.set_tq_variant("v2s")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--long", action="store_true", help="also 32k / 100k contexts")
     ap.add_argument("--steps", type=int, default=400, help="greedy tokens compared on the fixture")
+    ap.add_argument("--variants", default="v2,v2s,v1",
+                    help="TurboQuant decode variants to check (engine.decode_attention.TQ_VARIANTS)")
+    ap.add_argument("--skip-dense", action="store_true", help="leave out the dense kernel's cases")
+    ap.add_argument("--unrolls", default="8,16", help="v2s with these tq_unroll values too (empty: none)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    unrolls = [int(u) for u in args.unrolls.split(",") if u]
     if not decode_attention.available():
         print("no CUDA device: nothing to check (the kernels are CUDA only)")
         return 0
     t0 = time.perf_counter()
-    for dtype in (mx.float32, mx.bfloat16):
-        dense_case([100], 32, 8, 128, dtype)
-        dense_case([1000, 963, 100, 1], 32, 8, 128, dtype)
-        dense_case([4097, 4000, 2500, 17, 4097, 64, 65, 3000], 32, 8, 128, dtype)
-        dense_case([300, 250, 10], 9, 3, 64, dtype)  # SmolLM2: G = 3
-        dense_case([70, 5], 4, 2, 16, dtype)  # the fixture
-    dense_case([500, 20], 8, 8, 128, mx.float16)  # no GQA
-    dense_case([800, 300], 64, 8, 128, mx.bfloat16)  # G = 8
-    for dtype in (mx.float32, mx.bfloat16):
-        tq_case([[200, 9]], 32, 8, 128, 4, dtype)
-        tq_case([[4000, 33]], 32, 8, 128, 4, dtype)
-        tq_case([[300], [7, 30, 1], [64], [1000, 3]], 32, 8, 128, 4, dtype)
-        tq_case([[150, 10], [70]], 9, 3, 64, 4, dtype)
-        tq_case([[100, 7], [20]], 4, 2, 16, 4, dtype, group=16)
-    for bits in (2, 8):
-        tq_case([[300], [7, 30, 1]], 32, 8, 128, bits, mx.float32)
+    if not args.skip_dense:
+        for dtype in (mx.float32, mx.bfloat16):
+            dense_case([100], 32, 8, 128, dtype)
+            dense_case([1000, 963, 100, 1], 32, 8, 128, dtype)
+            dense_case([4097, 4000, 2500, 17, 4097, 64, 65, 3000], 32, 8, 128, dtype)
+            dense_case([300, 250, 10], 9, 3, 64, dtype)  # SmolLM2: G = 3
+            dense_case([70, 5], 4, 2, 16, dtype)  # the fixture
+        dense_case([500, 20], 8, 8, 128, mx.float16)  # no GQA
+        dense_case([800, 300], 64, 8, 128, mx.bfloat16)  # G = 8
+    for variant in variants:
+        # v2 defers codes to the step a row first sees them decoded: runs of steps that cross
+        # group boundaries (20 steps at group 16, 70 at 64 for the long row).
+        for dtype in (mx.float32, mx.bfloat16):
+            tq_case([[200, 9]], 32, 8, 128, 4, dtype, variant=variant)
+            tq_case([[4000, 33]], 32, 8, 128, 4, dtype, variant=variant, steps=70 if dtype == mx.float32 else 3)
+            tq_case([[300], [7, 30, 1], [64], [1000, 3]], 32, 8, 128, 4, dtype, variant=variant)
+            tq_case([[150, 10], [70]], 9, 3, 64, 4, dtype, variant=variant)
+            tq_case([[100, 7], [20]], 4, 2, 16, 4, dtype, group=16, variant=variant, steps=20)
+        for bits in (2, 8):
+            tq_case([[300], [7, 30, 1]], 32, 8, 128, bits, mx.float32, group=16, variant=variant, steps=20)
+        tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, mx.bfloat16, variant=variant)  # B = 8, G = 8
+    for unroll in unrolls:  # more tokens per lane group per loop step (v2s)
+        tq_case([[4000, 33]], 32, 8, 128, 4, mx.bfloat16, unroll=unroll)
+        tq_case([[300], [7, 30, 1], [64], [1000, 3]], 32, 8, 128, 4, mx.float32, unroll=unroll)
+        tq_case([[100, 7], [20]], 4, 2, 16, 4, mx.float32, group=16, unroll=unroll, steps=20)
+        tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, mx.bfloat16, unroll=unroll)
+    decode_attention.set_tq_unroll(4)
     if args.long:
         for n in (32768, 100000):
-            dense_case([n, n - 5000, 77], 32, 8, 128, mx.bfloat16)
-            tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16)
-    greedy_identity(args.steps)
+            if not args.skip_dense:
+                dense_case([n, n - 5000, 77], 32, 8, 128, mx.bfloat16)
+            for variant in variants:
+                tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, variant=variant)
+            for unroll in unrolls:
+                tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, unroll=unroll)
+            decode_attention.set_tq_unroll(4)
+    greedy_identity(args.steps, variants, dense=not args.skip_dense)
     failed = [r for r in results if not r["ok"]]
     summary = {"checks": len(results), "failed": len(failed), "seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(summary))

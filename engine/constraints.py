@@ -14,6 +14,10 @@ tool_choice:
 `--tool-choice-default required-after-user` (a test aid for small models, which rarely call a tool
 on their own): a request with tools and no tool_choice (or "auto") whose last message is a user turn
 is served as "required"; after a tool result the model answers freely, so an agent loop ends.
+`required-until-tool-result` forces only while the conversation holds no tool result at all: a
+harness that answers a reply cut at max_tokens with a user message of its own (Claude Code's "Output
+token limit hit. Resume directly") would otherwise get a forced call again, and a small model that
+never ends its free answer by itself would loop call, answer, cut, call... until the harness's bound.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 from engine.reply_parser import ReplyFormat
 from prefixtrace.errors import InvalidRequest
 
-TOOL_CHOICE_DEFAULTS = ("auto", "required-after-user")
+TOOL_CHOICE_DEFAULTS = ("auto", "required-after-user", "required-until-tool-result")
 log = logging.getLogger("prefixtrace.constraints")
 
 
@@ -85,6 +89,15 @@ def after_user_turn(messages: list[dict]) -> bool:
     return bool(messages) and messages[-1].get("role") == "user" and not _tool_since_assistant(messages)
 
 
+def forced_by_default(tool_choice_default: str, messages: list[dict]) -> bool:
+    """Whether serve's `--tool-choice-default` turns this request's "auto" into "required"."""
+    if tool_choice_default == "required-after-user":
+        return after_user_turn(messages)
+    if tool_choice_default == "required-until-tool-result":
+        return after_user_turn(messages) and not any(m.get("role") == "tool" for m in messages)
+    return False
+
+
 def _tool_since_assistant(messages: list[dict]) -> bool:
     for message in reversed(messages):
         if message.get("role") == "assistant":
@@ -99,8 +112,7 @@ def plan_reply(*, fmt: ReplyFormat, grammar, tools: list | None, tool_choice: An
     """How this request's reply is decoded and parsed. `grammar` is the engine's GrammarCompiler."""
     mode, name = parse_tool_choice(tool_choice, tools)
     schema = response_schema(response_format)
-    by_default = (mode == "auto" and bool(tools) and tool_choice_default == "required-after-user"
-                  and after_user_turn(messages))
+    by_default = mode == "auto" and bool(tools) and forced_by_default(tool_choice_default, messages)
     # A template that opened a reasoning block for the model: a forced reply closes it first.
     prefix = (fmt.think_end + "\n\n") if fmt.opens_reasoning(prompt_text) else ""
     if mode == "required" or by_default:

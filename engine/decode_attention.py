@@ -17,7 +17,9 @@ block, lanes work in groups of D/8 lanes, one token per group, 8 coordinates per
 lane (one 16-byte load of bf16); the scores of the chunk go to shared memory, the
 block takes their max and exponentials, then the same groups read V and accumulate.
 Each block writes its unnormalised output with its max and sum; a second kernel
-combines the splits of each (row, head) with max/sum rescaling.
+combines the splits of each (row, head) with max/sum rescaling (variant v2 does that in the
+same launch, by the last block of each row and KV head: `_LAST_BLOCK_REDUCE`; slower on the
+H200, so v2s, two launches, is the default: `tq_variant`).
 
 TurboQuant (`tq_attend`, layout in engine/turboquant.py): a K or V vector is a
 float32 norm plus `bits`-bit codes of the rotated unit vector, packed little-end
@@ -49,7 +51,8 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = ["available", "mode", "set_mode", "use_dense", "use_tq", "dense_attend", "tq_attend", "split_chunk",
-           "tq_bounds", "MODES"]
+           "tq_bounds", "MODES", "tq_variant", "set_tq_variant", "tq_unroll", "set_tq_unroll", "defer_encode", "one_launch", "counters", "kernel_sources",
+           "TQ_VARIANTS"]
 
 NW = 4  # warps per pass-1 block
 _TARGET_BLOCKS = 1024  # ~8 blocks per SM on an H200's 132: enough to keep its memory system busy
@@ -172,14 +175,16 @@ _SOFTMAX_AND_STORE = """
 """
 
 # A block with no columns (a split inside a row's left padding) still writes its slot.
-_EMPTY_BLOCK = """
-    if (c0 >= c1) {
+_EMPTY_WRITES = """
         for (int i = tid; i < G * D; i += NT)
             o_part[((size_t)(b * HQ + h * G + i / D) * S + s) * D + i % D] = 0.f;
         if (tid < G) {
             ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = NEG_INF;
             ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = 0.f;
         }
+"""
+_EMPTY_BLOCK = """
+    if (c0 >= c1) {""" + _EMPTY_WRITES + """
         return;
     }
 """
@@ -274,7 +279,8 @@ _DENSE_SOURCE = _PROLOGUE + """
 # it are read as codes, the rest dense) is BatchTurboQuantKVCache's rule for a call of NQ
 # tokens: start + min(prev - start, floor((T - start) / GROUP) * GROUP), prev = T - NQ.
 # Blocks s < S - 1 take codes; block S - 1 takes the dense columns [max(bound, start), T).
-_TQ_SOURCE = _PROLOGUE + """
+# (U, tokens per lane group per loop step, is a template argument here: `tq_unroll`.)
+_TQ_SOURCE = _PROLOGUE.replace("    constexpr int U = 4;                  // tokens per group per loop step\n", "") + """
     constexpr int MASK = (1 << BITS) - 1;
     __shared__ float cs[1 << BITS];
     const int end = kc_shape[2];
@@ -405,6 +411,79 @@ _TQ_SOURCE = _PROLOGUE + """
                     for (int i = 0; i < 8; ++i) acc[g][i] += p * x[u][i];
                 }
 """)
+
+# v2: the same blocks, and the reduce in the same launch. Each block, once its partials are
+# written, bumps its (row, KV head)'s counter; the block that brings it to S (the last one
+# done) combines the S partials of its G query heads as `_REDUCE_SOURCE` does (max/sum
+# rescaling, the rotated part turned back once, the dense part added) and resets the
+# counter to 0 for the next launch. The counters are an input the kernel writes through
+# (MLX custom kernels have no in-place outputs; an output with an init value would cost
+# a fill launch per step): zero before and after every launch, so to MLX it never changes.
+# Counters belong to one cache, whose decode steps depend on each other, so no two
+# launches share them at once.
+_LAST_BLOCK_REDUCE = """
+    __shared__ bool last_;
+    __shared__ float ls_[G];
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        int* cnt_ = const_cast<int*>(cnt) + b * gridDim.y + h;
+        last_ = atomicAdd(cnt_, 1) == S - 1;
+        if (last_) atomicExch(cnt_, 0);
+    }
+    __syncthreads();
+    if (!last_) return;
+    __threadfence();
+    for (int i = tid; i < G * D; i += NT) {
+        const int g = i / D, d = i % D;
+        const size_t r = (size_t)(b * HQ + h * G + g);
+        const float* ml = ml_part + r * S * 2;
+        const float* op = o_part + r * S * D + d;
+        float M = NEG_INF;
+        for (int s2 = 0; s2 < S; ++s2) M = fmaxf(M, __ldcg(ml + 2 * s2));
+        float L = 0.f, rot = 0.f, plain = 0.f;
+        for (int s2 = 0; s2 < S; ++s2) {
+            const float m = __ldcg(ml + 2 * s2);
+            if (m == NEG_INF) continue;
+            const float w = __expf(m - M);
+            L += w * __ldcg(ml + 2 * s2 + 1);
+            if (s2 < S - 1) rot += w * __ldcg(op + (size_t)s2 * D);
+            else plain += w * __ldcg(op + (size_t)s2 * D);
+        }
+        red[0][g][d] = rot;
+        red[1][g][d] = plain;
+        if (d == 0) ls_[g] = L;
+    }
+    #pragma unroll
+    for (int hh = 1; hh < D; hh <<= 1) {
+        __syncthreads();
+        for (int i = tid; i < G * D / 2; i += NT) {
+            const int g = i / (D / 2), j = i % (D / 2);
+            const int lo = (j / hh) * 2 * hh + (j % hh), hi = lo + hh;
+            const float a = red[0][g][lo], c = red[0][g][hi];
+            red[0][g][lo] = a + c;
+            red[0][g][hi] = a - c;
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D; i += NT) {
+        const int g = i / D, d = i % D;
+        const float L = ls_[g];
+        const float v = red[1][g][d] + red[0][g][d] * rsqrtf((float)D) * signs[d];
+        out[(size_t)(b * HQ + h * G + g) * D + d] = static_cast<T>(L > 0.f ? v / L : 0.f);
+    }
+"""
+
+
+def _one_launch(source: str) -> str:
+    """`source` (a pass-1 body with `_EMPTY_BLOCK`) with the empty case as a branch instead of a
+    return (every block must reach the counter), then `_LAST_BLOCK_REDUCE`."""
+    head, body = source.split(_EMPTY_BLOCK)
+    return head + "\n    if (c0 >= c1) {" + _EMPTY_WRITES + "    } else {\n" + body + "\n    }\n" + _LAST_BLOCK_REDUCE
+
+
+_TQ1_SOURCE = _one_launch(_TQ_SOURCE)
+
 
 # One block of D threads per (row, query head): combine the S partials with max/sum
 # rescaling. ROT: slots [0, S-1) are in the codec's rotated basis and slot S-1 is dense;
@@ -577,6 +656,45 @@ def set_mode(new: str) -> None:
     _mode = new
 
 
+TQ_VARIANTS = ("v1", "v2", "v2s")
+DEFAULT_TQ_VARIANT = "v2s"  # the fastest of the three on the H200 (session 5), its checks passed
+_tq_variant: str | None = None
+
+
+def tq_variant() -> str:
+    """How a TurboQuant decode step runs on CUDA. "v2s" (default): the new token is appended
+    to the dense tail in place and encoded later, in one launch for a whole group's worth
+    of tokens, when a row is about to see it decoded (or it leaves the tail); the decoded
+    K/V `update_and_fetch` returns is not built for hooked caches; attention is the split
+    kernel and the reduce kernel. "v2": the same with attention in one launch (the last block
+    of each row and head reduces): checked on the H200 but slower there (its reduce runs in
+    one block per row and KV head; docs/PERFORMANCE.md, session 5). "v1": session 4's step
+    (encode every token, concatenate the tail), kept to compare side by side and to fall
+    back to. From PREFIXTRACE_TQ_DECODE, read once."""
+    global _tq_variant
+    if _tq_variant is None:
+        env = os.environ.get("PREFIXTRACE_TQ_DECODE", DEFAULT_TQ_VARIANT)
+        _tq_variant = env if env in TQ_VARIANTS else DEFAULT_TQ_VARIANT
+    return _tq_variant
+
+
+def set_tq_variant(new: str) -> None:
+    if new not in TQ_VARIANTS:
+        raise ValueError(f"TurboQuant decode variant must be one of {TQ_VARIANTS}, not {new!r}")
+    global _tq_variant
+    _tq_variant = new
+
+
+def defer_encode() -> bool:
+    """Whether a TurboQuant decode step may defer encoding its token (variant v2, CUDA)."""
+    return mode() != "off" and tq_variant() != "v1" and available()
+
+
+def one_launch() -> bool:
+    """Whether TurboQuant attention reduces in its own launch's last blocks (variant v2)."""
+    return tq_variant() == "v2"
+
+
 @lru_cache(maxsize=1)
 def available() -> bool:
     """A CUDA build of MLX with the GPU as default device (decided once per process)."""
@@ -598,6 +716,15 @@ def _tq_kernel():
     return mx.fast.cuda_kernel(name="prefixtrace_decode_tq",
                                input_names=["q", "kn", "kc", "vn", "vc", "tk", "tv", "lp", "signs", "cent", "params"],
                                output_names=["o_part", "ml_part"], source=_TQ_SOURCE, header=_HEADER,
+                               ensure_row_contiguous=False)
+
+
+@lru_cache(maxsize=1)
+def _tq1_kernel():
+    return mx.fast.cuda_kernel(name="prefixtrace_decode_tq1",
+                               input_names=["q", "kn", "kc", "vn", "vc", "tk", "tv", "lp", "signs", "cent", "params",
+                                            "cnt"],
+                               output_names=["o_part", "ml_part", "out"], source=_TQ1_SOURCE, header=_HEADER,
                                ensure_row_contiguous=False)
 
 
@@ -636,6 +763,16 @@ def _zeros(rows: int) -> mx.array:
     return mx.array(np.zeros(rows, np.int32))
 
 
+def counters(owner, size: int) -> mx.array:
+    """`owner`'s int32 counters for the one-launch TurboQuant kernel (zeros, `size` of them;
+    made once per size, from numpy: no lazy array tied to one thread's stream)."""
+    c = getattr(owner, "_decode_counters", None)
+    if c is None or c.size < size:
+        c = mx.array(np.zeros(size, np.int32))
+        owner._decode_counters = c
+    return c
+
+
 @lru_cache(maxsize=None)
 def _no_signs(dim: int) -> mx.array:
     return mx.array(np.ones(dim, np.float32))
@@ -672,11 +809,34 @@ def use_tq(queries: mx.array, kv_heads: int, bits: int, dim: int) -> bool:
 
 
 @lru_cache(maxsize=None)
-def _templates(kind: str, dtype, dim: int, g: int, chunk: int, bits: int = 0, group: int = 0) -> list:
+def _templates(kind: str, dtype, dim: int, g: int, chunk: int, bits: int = 0, group: int = 0, unroll: int = 4) -> list:
     t = [("T", dtype), ("D", dim), ("G", g), ("CHUNK", chunk), ("NW", NW)]
     if kind == "tq":
-        t += [("BITS", bits), ("GROUP", group), ("NQ", 1)]
+        t += [("BITS", bits), ("GROUP", group), ("NQ", 1), ("U", unroll)]
     return t
+
+
+UNROLLS = (4, 8, 16)
+_tq_unroll: int | None = None
+
+
+def tq_unroll() -> int:
+    """Tokens each lane group of the TurboQuant kernel loads before it uses them (more
+    loads in flight per lane; a long context is latency-bound on them), for variants v2 /
+    v2s (v1: 4, session 4's). Default 4: 8 and 16 were slower on the H200 except at one row
+    of 100k (session 5). From PREFIXTRACE_TQ_UNROLL, read once."""
+    global _tq_unroll
+    if _tq_unroll is None:
+        env = os.environ.get("PREFIXTRACE_TQ_UNROLL", "4")
+        _tq_unroll = int(env) if env in {str(u) for u in UNROLLS} else 4
+    return _tq_unroll
+
+
+def set_tq_unroll(new: int) -> None:
+    if new not in UNROLLS:
+        raise ValueError(f"TurboQuant unroll must be one of {UNROLLS}, not {new!r}")
+    global _tq_unroll
+    _tq_unroll = new
 
 
 def _reduce(o_part: mx.array, ml_part: mx.array, signs: mx.array, rows: int, q_heads: int, dim: int, dtype,
@@ -710,12 +870,13 @@ def dense_attend(queries: mx.array, keys: mx.array, values: mx.array, left_paddi
 
 def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: mx.array, v_codes: mx.array,
               win_k: mx.array, win_v: mx.array, left_padding: mx.array | None, scale: float, codec,
-              group: int) -> mx.array | None:
+              group: int, counters: mx.array | None = None) -> mx.array | None:
     """Attention of one query token per row over TurboQuant codes for columns [0, T)
     (norms (B, H, T, 1), codes (B, H, T, W)) and the dense window (B, H, Tw, D) of
     columns [T - Tw, T), unrotated; row b starts at left_padding[b] (None: 0). The
     output is in the original basis. CUDA only (`use_tq`); None where the dense window
-    does not fit one block (the caller falls back to MLX)."""
+    does not fit one block (the caller falls back to MLX). `counters` (int32 zeros, at
+    least B x H, owned by one cache: `_LAST_BLOCK_REDUCE`): one launch instead of two."""
     B, hq, _, dim = queries.shape
     H, T, tw = k_codes.shape[1], k_codes.shape[2], win_k.shape[2]
     g = hq // H
@@ -725,10 +886,20 @@ def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: 
     splits = -(-T // chunk) + 1  # + the dense block
     lp = _zeros(B) if left_padding is None else left_padding
     lp = lp if lp.dtype == mx.int32 else lp.astype(mx.int32)
+    unroll = 4 if tq_variant() == "v1" else tq_unroll()
+    if counters is not None:
+        assert counters.dtype == mx.int32 and counters.size >= B * H
+        return _tq1_kernel()(
+            inputs=[queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
+                    _scalar(scale), counters],
+            template=_templates("tq", win_k.dtype, dim, g, chunk, codec.bits, group, unroll),
+            grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
+            output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2), (B, hq, 1, dim)],
+            output_dtypes=[mx.float32, mx.float32, queries.dtype])[2]
     o_part, ml_part = _tq_kernel()(
         inputs=[queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
                 _scalar(scale)],
-        template=_templates("tq", win_k.dtype, dim, g, chunk, codec.bits, group),
+        template=_templates("tq", win_k.dtype, dim, g, chunk, codec.bits, group, unroll),
         grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
         output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
     return _reduce(o_part, ml_part, codec.signs, B, hq, dim, queries.dtype, True)

@@ -65,6 +65,10 @@ class Sequence:
     logits_processors: list = field(default_factory=list)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
+    def __post_init__(self):
+        # The sampling penalties run first: a grammar's mask, added later, then has the last word.
+        self.logits_processors = self.params.make_penalties() + list(self.logits_processors)
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)

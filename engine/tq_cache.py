@@ -2,7 +2,10 @@
 (`BatchTurboQuantKVCache`), plus `make_tq_cache` / `to_turboquant`.
 
 Every token's K and V are encoded on arrival (norm + packed codes, see
-`engine.turboquant`). A position p of a row holding n tokens is *represented*
+`engine.turboquant`); on CUDA a decode step defers that to the step that first
+reads the codes (`decode_attention.defer_encode`: same codes, from the same dense
+values, in one launch per group), and the public `k` / `v` attributes encode
+anything pending before they are read. A position p of a row holding n tokens is *represented*
 by its decoded value once p < floor(n / group) * group, and by its dense value
 before that (the dense tail, fewer than `group` tokens); tokens that arrive
 in the current call are always seen dense by that call. The representation is
@@ -70,6 +73,53 @@ class _Codes:
         self.norms = _grow(self.norms, used, norms)
         self.codes = _grow(self.codes, used, codes)
 
+    def reserve(self, columns: int) -> None:
+        """Room for `columns` columns (a deferred step's views must span the whole context)."""
+        if self.codes is not None and self.codes.shape[2] < columns:
+            used = self.codes.shape[2]
+            self.norms = _grow(self.norms, used, mx.zeros((*self.norms.shape[:2], columns - used, 1), self.norms.dtype))
+            self.codes = _grow(self.codes, used, mx.zeros((*self.codes.shape[:2], columns - used, self.codes.shape[3]),
+                                                          self.codes.dtype))
+
+
+class _Window:
+    """Dense K or V of consecutive columns, kept in a buffer with room after them, so that a
+    decode step appends its token with one in-place slice write (as mlx-lm's `KVCache`
+    does; MLX reuses the buffer when nothing else holds it) instead of concatenating the
+    whole tail every step. `view()` is the columns held; `drop(n)` forgets the first n."""
+
+    STEP = 256
+
+    def __init__(self, arr: mx.array):
+        self.buf, self.lo, self.hi = arr, 0, arr.shape[2]
+
+    def view(self) -> mx.array:
+        return self.buf if self.lo == 0 and self.hi == self.buf.shape[2] else self.buf[:, :, self.lo : self.hi]
+
+    def append(self, new: mx.array) -> None:
+        n = new.shape[2]
+        if self.hi + n > self.buf.shape[2]:  # full: move the held columns to the front of a new buffer
+            held = self.hi - self.lo
+            shape = list(self.buf.shape)
+            shape[2] = -(-(held + n + self.STEP) // self.STEP) * self.STEP
+            grown = mx.zeros(shape, self.buf.dtype)
+            if held:
+                grown[:, :, :held] = self.buf[:, :, self.lo : self.hi]
+            self.buf, self.lo, self.hi = grown, 0, held
+        self.buf[:, :, self.hi : self.hi + n] = new
+        self.hi += n
+
+    def drop(self, n: int) -> None:
+        self.lo += n
+
+
+def _window(arr: mx.array | None) -> _Window | None:
+    return None if arr is None else _Window(arr)
+
+
+def _view(w: _Window | None) -> mx.array | None:
+    return None if w is None else w.view()
+
 
 def _encode_into(k: _Codes, v: _Codes, used: int, keys: mx.array, values: mx.array, ck, cv) -> None:
     """Encode new keys/values and write them at column `used`: on CUDA one fused launch
@@ -95,28 +145,72 @@ class TurboQuantKVCache(_BaseCache):
     def __init__(self, kv_bits: int = 4, seed: int = 0, group: int = DEFAULT_GROUP):
         self.kv_bits, self.seed, self.group = kv_bits, seed, group
         self.offset = 0
-        self.k = _Codes()
-        self.v = _Codes()
-        self.tail_k: mx.array | None = None  # dense values of positions [floor(offset), offset)
-        self.tail_v: mx.array | None = None
+        self._k = _Codes()
+        self._v = _Codes()
+        self._tail_k: _Window | None = None  # dense values of positions [floor(offset), offset)
+        self._tail_v: _Window | None = None
+        self._pending = 0  # the last _pending positions have no codes yet (`_flush`)
         self._step = None  # what the latest update_and_fetch's attention sees, for `attend`
+        self.hooked = False  # the model's attention calls `attend` (see `_returns_unused`)
+
+    # Class defaults too: mlx-lm's `from_state` (engine/spill.py's resume) skips __init__.
+    hooked, _pending, _step = False, 0, None
+
+    # Everything outside the decode step reads complete codes: the public names flush.
+    k = property(lambda self: self._flushed()._k, lambda self, c: setattr(self, "_k", c))
+    v = property(lambda self: self._flushed()._v, lambda self, c: setattr(self, "_v", c))
+    tail_k = property(lambda self: _view(self._tail_k), lambda self, a: setattr(self, "_tail_k", _window(a)))
+    tail_v = property(lambda self: _view(self._tail_v), lambda self, a: setattr(self, "_tail_v", _window(a)))
 
     def codec(self, dim: int):
         return get_codec(dim, self.kv_bits, self.seed)
 
+    def _flushed(self):
+        """Encode the positions a deferred decode step left without codes (from the tail)."""
+        if self._pending:
+            n = self._pending
+            self._pending = 0
+            tk, tv = self._tail_k.view(), self._tail_v.view()
+            _encode_into(self._k, self._v, self.offset - n, tk[:, :, -n:], tv[:, :, -n:],
+                         self.codec(tk.shape[-1]), self.codec(tv.shape[-1]))
+        return self
+
     def update_and_fetch(self, keys, values):
+        self._step = None  # its views of the tail would keep MLX from writing the buffer in place
         prev, n = self.offset, self.offset + keys.shape[2]
-        _encode_into(self.k, self.v, prev, keys, values, self.codec(keys.shape[-1]), self.codec(values.shape[-1]))
+        ck, cv = self.codec(keys.shape[-1]), self.codec(values.shape[-1])
         b = min(prev, _floor(n, self.group))  # positions < b are seen decoded
         cut = b - _floor(prev, self.group)
-        # Positions [b, n), seen dense. The new tail is cut from these alone, so it
-        # never depends on (and never forces) a decode of the whole cache.
-        dense_k = keys if self.tail_k is None else mx.concatenate([self.tail_k[:, :, cut:], keys], axis=2)
-        dense_v = values if self.tail_v is None else mx.concatenate([self.tail_v[:, :, cut:], values], axis=2)
+        keep = _floor(n, self.group) - b
+        if keys.shape[2] == 1 and self._tail_k is not None and self._k.codes is not None \
+                and decode_attention.defer_encode():
+            # A decode step: append to the tail in place; encode only when a position
+            # without codes is about to be seen decoded or to leave the tail.
+            self.offset = n  # (`_flushed` counts the pending positions back from it)
+            self._tail_k.append(keys)
+            self._tail_v.append(values)
+            self._pending += 1
+            first = n - self._pending
+            if b > first or _floor(n, self.group) > first:
+                self._flushed()
+            self._k.reserve(n)
+            self._v.reserve(n)
+            dense_k, dense_v = self._tail_k.view()[:, :, cut:], self._tail_v.view()[:, :, cut:]
+            self._tail_k.drop(cut + keep)
+            self._tail_v.drop(cut + keep)
+        else:
+            self._flushed()
+            _encode_into(self._k, self._v, prev, keys, values, ck, cv)
+            # Positions [b, n), seen dense. The new tail is cut from these alone, so it
+            # never depends on (and never forces) a decode of the whole cache.
+            tail_k, tail_v = _view(self._tail_k), _view(self._tail_v)
+            dense_k = keys if tail_k is None else mx.concatenate([tail_k[:, :, cut:], keys], axis=2)
+            dense_v = values if tail_v is None else mx.concatenate([tail_v[:, :, cut:], values], axis=2)
+            self.tail_k, self.tail_v = dense_k[:, :, keep:], dense_v[:, :, keep:]
         self._step = (b, dense_k, dense_v)
         self.offset = n
-        keep = _floor(n, self.group) - b
-        self.tail_k, self.tail_v = dense_k[:, :, keep:], dense_v[:, :, keep:]
+        if _returns_unused(self, keys):
+            return dense_k, dense_v
         return self._fetch(rotated=False)
 
     def _fetch(self, rotated: bool):
@@ -124,7 +218,7 @@ class TurboQuantKVCache(_BaseCache):
         in the rotated basis (no inverse rotation of the cache) when `rotated`."""
         b, dense_k, dense_v = self._step
         out = []
-        for codes, dense in ((self.k, dense_k), (self.v, dense_v)):
+        for codes, dense in ((self._k, dense_k), (self._v, dense_v)):
             codec = self.codec(dense.shape[-1])
             decode = codec.decode_rotated if rotated else codec.decode
             if rotated:
@@ -183,6 +277,7 @@ class TurboQuantKVCache(_BaseCache):
         n = min(self.offset, n)
         if not n:
             return 0
+        self._flushed()
         new = self.offset - n
         old_floor, new_floor = _floor(self.offset, self.group), _floor(new, self.group)
         if new_floor >= old_floor:
@@ -206,6 +301,7 @@ class TurboQuantKVCache(_BaseCache):
     def state(self, v):
         self.k, self.v = _Codes(), _Codes()
         self.tail_k = self.tail_v = None
+        self._pending, self._step = 0, None
         if v:
             self.k.norms, self.k.codes, self.v.norms, self.v.codes, self.tail_k, self.tail_v = v
 
@@ -220,8 +316,14 @@ class TurboQuantKVCache(_BaseCache):
     @property
     def nbytes(self):
         if not self.offset:
-            return 0
-        return sum(a.nbytes for a in self.state)
+            return 0  # (not from `state`: that would encode what a decode step deferred)
+        o = self.offset
+        codes = [a[:, :, :o] for a in (self._k.norms, self._k.codes, self._v.norms, self._v.codes)]
+        return sum(a.nbytes for a in codes) + self.tail_k.nbytes + self.tail_v.nbytes
+
+    def _live_arrays(self) -> list:
+        """The arrays a step writes (for benchmarks to evaluate), without flushing."""
+        return [self._k.codes, self._v.codes, self._k.norms, self._v.norms, self._tail_k.buf, self._tail_v.buf]
 
 
 class BatchTurboQuantKVCache(_BaseCache):
@@ -238,11 +340,29 @@ class BatchTurboQuantKVCache(_BaseCache):
         self.offset = mx.array([-p for p in self._pads])
         self._idx = 0
         self._ws = 0
-        self.k = _Codes()
-        self.v = _Codes()
-        self.win_k: mx.array | None = None
-        self.win_v: mx.array | None = None
+        self._k = _Codes()
+        self._v = _Codes()
+        self._win_k: _Window | None = None
+        self._win_v: _Window | None = None
+        self._pending = 0  # columns [_idx - _pending, _idx) have no codes yet (`_flushed`)
         self._step = None
+        self.hooked = False
+
+    k = property(lambda self: self._flushed()._k, lambda self, c: setattr(self, "_k", c))
+    v = property(lambda self: self._flushed()._v, lambda self, c: setattr(self, "_v", c))
+    win_k = property(lambda self: _view(self._win_k), lambda self, a: setattr(self, "_win_k", _window(a)))
+    win_v = property(lambda self: _view(self._win_v), lambda self, a: setattr(self, "_win_v", _window(a)))
+
+    def _flushed(self):
+        """Encode the columns deferred decode steps left without codes (from the window)."""
+        if self._pending:
+            n = self._pending
+            self._pending = 0
+            wk, wv = self._win_k.view(), self._win_v.view()
+            _encode_into(self._k, self._v, self._idx - n, wk[:, :, -n:], wv[:, :, -n:],
+                         get_codec(wk.shape[-1], self.kv_bits, self.seed),
+                         get_codec(wv.shape[-1], self.kv_bits, self.seed))
+        return self
 
     def _lengths(self) -> list[int]:
         return [self._idx - p for p in self._pads]
@@ -251,27 +371,49 @@ class BatchTurboQuantKVCache(_BaseCache):
         return min(p + _floor(self._idx - p, self.group) for p in self._pads)
 
     def update_and_fetch(self, keys, values):
+        self._step = None  # its views of the window would keep MLX from writing the buffer in place
         prev, N = self._idx, keys.shape[2]
         new_idx = prev + N
         ck, cv = get_codec(keys.shape[-1], self.kv_bits, self.seed), get_codec(values.shape[-1], self.kv_bits, self.seed)
-        _encode_into(self.k, self.v, prev, keys, values, ck, cv)
-        dense_k = keys if self.win_k is None else mx.concatenate([self.win_k, keys], axis=2)  # columns [ws, new_idx)
-        dense_v = values if self.win_v is None else mx.concatenate([self.win_v, values], axis=2)
-        ws = self._ws if self.win_k is not None else prev
+        ws = self._ws if self._win_k is not None else prev
         # Per row, columns >= its boundary are seen dense.
         bounds = [p + min(prev - p, _floor(new_idx - p, self.group)) for p in self._pads]
-        self._step = (prev, new_idx, ws, bounds, dense_k, dense_v)
         self._idx = new_idx
         self.offset = self.offset + N
         new_ws = self._window_start()
-        self.win_k, self.win_v = dense_k[:, :, new_ws - ws :], dense_v[:, :, new_ws - ws :]
+        if N == 1 and self._win_k is not None and self._k.codes is not None and decode_attention.defer_encode():
+            # A decode step: append to the window in place; encode the columns without
+            # codes only when one is about to be seen decoded by some row or to leave the window.
+            self._win_k.append(keys)
+            self._win_v.append(values)
+            self._pending += 1
+            first = new_idx - self._pending
+            if max(bounds) > first or new_ws > first:
+                self._flushed()
+            self._k.reserve(new_idx)
+            self._v.reserve(new_idx)
+            dense_k, dense_v = self._win_k.view(), self._win_v.view()  # columns [ws, new_idx)
+            self._win_k.drop(new_ws - ws)
+            self._win_v.drop(new_ws - ws)
+        else:
+            self._idx = prev
+            self._flushed()
+            self._idx = new_idx
+            _encode_into(self._k, self._v, prev, keys, values, ck, cv)
+            win_k, win_v = _view(self._win_k), _view(self._win_v)
+            dense_k = keys if win_k is None else mx.concatenate([win_k, keys], axis=2)  # columns [ws, new_idx)
+            dense_v = values if win_v is None else mx.concatenate([win_v, values], axis=2)
+            self.win_k, self.win_v = dense_k[:, :, new_ws - ws :], dense_v[:, :, new_ws - ws :]
+        self._step = (prev, new_idx, ws, bounds, dense_k, dense_v)
         self._ws = new_ws
+        if _returns_unused(self, keys):
+            return dense_k, dense_v
         return self._fetch(rotated=False)
 
     def _fetch(self, rotated: bool):
         prev, new_idx, ws, bounds, dense_k, dense_v = self._step
         out = []
-        for codes, dense in ((self.k, dense_k), (self.v, dense_v)):
+        for codes, dense in ((self._k, dense_k), (self._v, dense_v)):
             codec = get_codec(dense.shape[-1], self.kv_bits, self.seed)
             if rotated:
                 dense = codec.rotate(dense.astype(mx.float32)).astype(dense.dtype)
@@ -302,6 +444,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         top = max(lengths)
         pads = [top - n for n in lengths]
         batch = cls(pads, first.kv_bits, first.seed, first.group)
+        batch.hooked = all(c.hooked for c in caches)
         full = [c for c in caches if c.offset]
         if not full:
             return batch
@@ -329,6 +472,7 @@ class BatchTurboQuantKVCache(_BaseCache):
 
     def extract(self, idx: int) -> TurboQuantKVCache:
         cache = TurboQuantKVCache(self.kv_bits, self.seed, self.group)
+        cache.hooked = self.hooked
         p = self._pads[idx]
         n = self._idx - p
         if not n:
@@ -417,7 +561,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         return self._idx
 
     def empty(self):
-        return self.k.codes is None
+        return self._k.codes is None
 
     def is_trimmable(self):
         return False
@@ -428,10 +572,24 @@ class BatchTurboQuantKVCache(_BaseCache):
 
     @property
     def nbytes(self):
-        if self.k.codes is None:
+        if self._k.codes is None:
             return 0
-        used = [c[:, :, : self._idx] for c in (self.k.norms, self.k.codes, self.v.norms, self.v.codes)]
+        used = [c[:, :, : self._idx] for c in (self._k.norms, self._k.codes, self._v.norms, self._v.codes)]
         return sum(a.nbytes for a in used) + self.win_k.nbytes + self.win_v.nbytes
+
+    def _live_arrays(self) -> list:
+        """The arrays a step writes (for benchmarks to evaluate), without flushing."""
+        return [self._k.codes, self._v.codes, self._k.norms, self._v.norms, self._win_k.buf, self._win_v.buf]
+
+
+def _returns_unused(cache, keys: mx.array) -> bool:
+    """Whether `update_and_fetch` may skip building the decoded K/V it returns: nobody
+    reads them when the model's attention goes through the hook (`cache.hooked`, set by
+    `make_tq_cache` and `TQConfig.adapt`, whose models have it installed), which attends
+    from `_step` instead. Building that graph costs more Python time than the whole dense
+    step (~0.1 ms per layer). CUDA with decode variant v2 / v2s only, so the CPU keeps
+    returning what it always has."""
+    return cache.hooked and decode_attention.tq_variant() != "v1" and decode_attention.available()
 
 
 # --- attention in the rotated basis ------------------------------------------------
@@ -474,16 +632,24 @@ def _fused_decode(cache, queries: mx.array, scale: float) -> mx.array | None:
     else:
         end, lp = cache.offset, None
     cols = (slice(None), slice(None), slice(0, end))
-    return decode_attention.tq_attend(queries, cache.k.norms[cols], cache.k.codes[cols], cache.v.norms[cols],
-                                      cache.v.codes[cols], dense_k, dense_v, lp, scale, codec, cache.group)
+    k, v = cache._k, cache._v  # not `cache.k`: that would encode what this step deferred
+    one = decode_attention.one_launch()
+    cnt = decode_attention.counters(cache, queries.shape[0] * dense_k.shape[1]) if one else None
+    return decode_attention.tq_attend(queries, k.norms[cols], k.codes[cols], v.norms[cols], v.codes[cols],
+                                      dense_k, dense_v, lp, scale, codec, cache.group, counters=cnt)
 
 
 def _hooked(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if sinks is None and isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):
-            # `keys`/`values` (the cache's unrotated K/V) go unused and, MLX being
-            # lazy, are never computed.
-            return cache.attend(queries, scale, mask)
+        if isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):
+            if sinks is None:
+                # `keys`/`values` (the cache's unrotated K/V) go unused and, MLX being
+                # lazy, are never computed.
+                return cache.attend(queries, scale, mask)
+            if _returns_unused(cache, keys):
+                # The step returned only its dense columns (`_returns_unused`); attention
+                # sinks need the original function, so build the decoded K/V after all.
+                keys, values = cache._fetch(rotated=False)
         if sinks is None and decode_attention.use_dense(cache, queries, keys, mask):
             # Left-padded dense rows on CUDA: each row's start offset instead of the mask.
             out = decode_attention.dense_attend(queries, keys, values, cache.left_padding, scale)
@@ -530,7 +696,10 @@ def make_tq_cache(model, bits: int = 4, seed: int = 0, dense_layers=(-1,), group
     """One cache per layer: `TurboQuantKVCache`, or a dense `KVCache` for `dense_layers`."""
     install_attention_hook(model)
     dense = _dense_set(len(model.layers), dense_layers)
-    return [KVCache() if i in dense else TurboQuantKVCache(bits, seed, group) for i in range(len(model.layers))]
+    caches = [KVCache() if i in dense else TurboQuantKVCache(bits, seed, group) for i in range(len(model.layers))]
+    for c in caches:
+        c.hooked = not isinstance(c, KVCache)
+    return caches
 
 
 def to_turboquant(cache_list: list, bits: int = 4, seed: int = 0, dense_layers=(-1,), group: int = DEFAULT_GROUP):
@@ -571,8 +740,14 @@ class TQConfig:
 
     def adapt(self, cache_list: list) -> list:
         """`to_turboquant` with these settings: dense layers of a hit are quantised,
-        TurboQuant layers (a TurboQuant hit) pass through untouched."""
-        return to_turboquant(cache_list, self.bits, self.seed, self.dense_layers, self.group)
+        TurboQuant layers (a TurboQuant hit) pass through untouched. The engine's model
+        has the attention hook (it made its caches with `make_cache`), so they are marked
+        `hooked`."""
+        out = to_turboquant(cache_list, self.bits, self.seed, self.dense_layers, self.group)
+        for c in out:
+            if type(c) is TurboQuantKVCache:
+                c.hooked = True
+        return out
 
     def matches(self, layer) -> bool:
         return (type(layer) is TurboQuantKVCache and layer.kv_bits == self.bits and layer.seed == self.seed

@@ -135,11 +135,15 @@ def _upstream_urls(ctx, param, values):
 @click.option("--default-temperature", type=FiniteFloatRange(min=0, max=2), metavar="T",
               help="Temperature of requests that set none (default: 1.0, OpenAI's). 0 makes agent runs "
                    "reproducible (docs/HARNESSES.md).")
+@click.option("--default-frequency-penalty", type=FiniteFloatRange(min=-2, max=2), metavar="F",
+              help="frequency_penalty of requests that set none (default 0, OpenAI's); over the reply's own tokens. "
+                   "0.5 ends a small model's greedy repetition (docs/HARNESSES.md).")
 @click.option("--tool-choice-default", default="auto", show_default=True,
-              type=click.Choice(["auto", "required-after-user"]),
+              type=click.Choice(["auto", "required-after-user", "required-until-tool-result"]),
               help="Test aid for small models that rarely call tools on their own: with required-after-user, a request "
                    "with tools and no tool_choice whose last message is a user turn must call one (grammar-"
-                   "constrained; the model picks the tool and arguments); after a tool result it answers freely "
+                   "constrained; the model picks the tool and arguments); after a tool result it answers freely. "
+                   "required-until-tool-result forces only until the conversation holds a tool result "
                    "(docs/TOOLS.md).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
@@ -149,7 +153,8 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
           thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
-          max_request_mb, recorder_stuck_after_s, default_temperature, tool_choice_default, log_level, print_config):
+          max_request_mb, recorder_stuck_after_s, default_temperature, default_frequency_penalty, tool_choice_default, log_level,
+          print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
@@ -192,7 +197,8 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           notice_pattern=notice_pattern, max_tokens_policy=max_tokens_policy, log_level=log_level,
                           allow_client_templates=allow_client_templates, max_request_mb=max_request_mb,
                           recorder_stuck_after_s=recorder_stuck_after_s,
-                          default_temperature=default_temperature, tool_choice_default=tool_choice_default,
+                          default_temperature=default_temperature, default_frequency_penalty=default_frequency_penalty,
+                          tool_choice_default=tool_choice_default,
                           allowed_hosts=None if allowed_hosts is None else
                           [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
 
@@ -201,7 +207,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
 ENGINE_ONLY = ("dtype", "cache_memory_gb", "cache_dir", "cache_disk_gb", "block_size", "memory_ceiling_gb",
                "prefill_chunk", "max_batch", "kv_quant", "kv_bits", "kv_dense_layers", "mid_system_policy",
                "thinking_retention", "thinking_retention_guard_tokens", "notice_pattern", "max_tokens_policy",
-               "allow_client_templates", "default_temperature", "tool_choice_default")
+               "allow_client_templates", "default_temperature", "default_frequency_penalty", "tool_choice_default")
 
 
 def _warn_engine_only(ctx: click.Context) -> None:

@@ -24,3 +24,4 @@ def with_default_temperature(backend, temperature: float):
 
     backend.open = open_with_default
     return backend
+

@@ -65,7 +65,8 @@ class ServeConfig:
     max_request_mb: float = 32.0  # proxy/request_limits.py: 413 past it
     recorder_stuck_after_s: float = 30.0  # /health is 503 once one recorder write takes longer
     default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
-    tool_choice_default: str = "auto"  # or "required-after-user": a test aid for small models (docs/TOOLS.md)
+    default_frequency_penalty: float | None = None  # free replies' penalty when unset; None: 0 (proxy/engine_backend.py)
+    tool_choice_default: str = "auto"  # or "required-after-user" / "required-until-tool-result": a test aid for small models (docs/TOOLS.md)
     log_level: str = "info"
     allow_client_templates: bool = False  # chat_template_kwargs.chat_template, sandboxed (docs/SECURITY.md)
     allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
@@ -119,12 +120,15 @@ def build_backend(config: ServeConfig):
         log.warning("--tool-choice-default %s: requests with tools whose last message is a user turn are forced to "
                     "call one (a test aid for small models, docs/TOOLS.md)", config.tool_choice_default)
     backend = EngineBackend(engine, max_tokens_policy=config.max_tokens_policy,
-                            tool_choice_default=config.tool_choice_default)
+                            tool_choice_default=config.tool_choice_default,
+                            default_frequency_penalty=config.default_frequency_penalty)
     if config.default_temperature is not None:
         from prefixtrace.sampling_default import with_default_temperature
 
         log.info("requests that set no temperature sample at %g", config.default_temperature)
         backend = with_default_temperature(backend, config.default_temperature)
+    if config.default_frequency_penalty is not None:
+        log.info("free replies of requests that set no frequency_penalty get %g", config.default_frequency_penalty)
     return backend
 
 

@@ -101,6 +101,9 @@ def _sampling(body: dict) -> SamplingParams:
         seed=None if body.get("seed") is None else _seed(body["seed"]),
         stop=list(stop) if isinstance(stop, list) else _bad("stop", "a string or an array of strings"),
         ignore_eos=bool(body.get("ignore_eos", False)),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
     )
 
 

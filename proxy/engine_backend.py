@@ -10,6 +10,7 @@ through `EngineChat.reply_events()`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -35,14 +36,20 @@ MAX_TOKENS_POLICIES = ("clamp", "reject")
 class EngineBackend:
     """Args:
         engine: the embedded engine.
-        tool_choice_default: "auto", or "required-after-user" (a test aid for small models,
+        tool_choice_default: "auto", "required-after-user" or "required-until-tool-result" (a test aid for small models,
             engine/constraints.py): a request with tools and no tool_choice is forced to call one
             when its last message is a user turn.
         max_tokens_policy: "clamp" (a max_tokens beyond what fits after the prompt is lowered to
             it) or "reject" (a 400 with the numbers).
+        default_frequency_penalty: the frequency_penalty of a free reply whose request sets none
+            (`serve --default-frequency-penalty`, a test aid: a small model's greedy answer then ends
+            instead of repeating itself to max_tokens). Not applied to a grammar-forced reply: there
+            a penalty pushes the model off every token it has written, into a string that never
+            closes (seen with llm's forced call on SmolLM2), and the grammar bounds the reply anyway.
     """
 
-    def __init__(self, engine: Engine, tool_choice_default: str = "auto", *, max_tokens_policy: str = "clamp"):
+    def __init__(self, engine: Engine, tool_choice_default: str = "auto", *, max_tokens_policy: str = "clamp",
+                 default_frequency_penalty: float | None = None):
         if max_tokens_policy not in MAX_TOKENS_POLICIES:
             raise ValueError(f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}, got {max_tokens_policy!r}")
         if tool_choice_default not in TOOL_CHOICE_DEFAULTS:
@@ -50,6 +57,7 @@ class EngineBackend:
         self.engine = engine
         self.tool_choice_default = tool_choice_default
         self.max_tokens_policy = max_tokens_policy
+        self.default_frequency_penalty = default_frequency_penalty
 
     @property
     def label(self) -> str:
@@ -134,9 +142,13 @@ class EngineBackend:
         if plan.forced:
             builder.turn.render["constrained"] = plan.forced
         chat = EngineChat(req, builder, self.engine.name, plan, prompt_text)
-        seq = Sequence(token_ids, req.sampling, chat.emit_threadsafe(asyncio.get_running_loop()))
+        sampling = req.sampling
+        if (self.default_frequency_penalty is not None and plan.processor is None
+                and req.body.get("frequency_penalty") is None):
+            sampling = dataclasses.replace(sampling, frequency_penalty=self.default_frequency_penalty)
+        seq = Sequence(token_ids, sampling, chat.emit_threadsafe(asyncio.get_running_loop()))
         if plan.processor is not None:
-            seq.logits_processors = [plan.processor]
+            seq.logits_processors.append(plan.processor)
         chat.seq = seq
         self.engine.submit(seq)
         await chat.first_event()

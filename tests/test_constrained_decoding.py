@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlx_lm.tokenizer_utils import load
 
-from engine.constraints import after_user_turn, parse_tool_choice, response_schema
+from engine.constraints import after_user_turn, forced_by_default, parse_tool_choice, response_schema
 from engine.grammar import GrammarCompiler, apply_bitmask
 from prefixtrace.errors import InvalidRequest
 from proxy.app import create_app
@@ -99,6 +99,22 @@ def test_request_parsing_rules():
     assert after_user_turn([user]) and after_user_turn([user, call, result, {"role": "assistant", "content": "x"}, user])
     assert not after_user_turn([user, call, result])
     assert not after_user_turn([user, call, result, user])  # a Messages tool_result followed by text
+
+
+def test_required_until_tool_result_stops_forcing_once_a_tool_has_answered():
+    """Claude Code answers a reply cut at max_tokens with a user message of its own; under
+    required-after-user that continuation is forced into another call, under required-until-tool-result
+    it is free once any tool has answered."""
+    user = {"role": "user", "content": "Read hello.txt"}
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}
+    result = {"role": "tool", "tool_call_id": "1", "content": "ok"}
+    cut = {"role": "assistant", "content": "The file says"}
+    resume = {"role": "user", "content": "Output token limit hit. Resume directly"}
+    assert forced_by_default("required-until-tool-result", [user])
+    assert forced_by_default("required-after-user", [user, call, result, cut, resume])
+    assert not forced_by_default("required-until-tool-result", [user, call, result, cut, resume])
+    assert not forced_by_default("required-until-tool-result", [user, call, result])
+    assert not forced_by_default("auto", [user])
 
 
 def test_required_after_user_forces_the_first_call_and_frees_the_answer(tiny_engine, tmp_path):

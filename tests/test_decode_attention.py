@@ -137,11 +137,25 @@ def emulated_reduce(inputs, template, grid, threadgroup, output_shapes, output_d
     return [mx.array(out.reshape(output_shapes[0]).astype(np.float32)).astype(output_dtypes[0])]
 
 
+def emulated_tq1(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+    """`_TQ1_SOURCE`: the split blocks of `_TQ_SOURCE`, then the last block of each (row,
+    KV head) reduces as `_REDUCE_SOURCE` does; the counters are zeros before and after."""
+    *tq_inputs, cnt = inputs
+    t, S, H, B = _blocks(template, grid, threadgroup)
+    assert cnt.dtype == mx.int32 and cnt.size >= B * H and not np.array(cnt).any()
+    o, ml = emulated_tq(tq_inputs, template, grid, threadgroup, output_shapes[:2], output_dtypes[:2])
+    D = t["D"]
+    out = emulated_reduce([o, ml, tq_inputs[8]], [("D", D), ("ROT", True)], (ml.shape[0] * D, 1, 1), (D, 1, 1),
+                          [output_shapes[2]], [output_dtypes[2]])[0]
+    return [o, ml, out]
+
+
 @pytest.fixture
 def emulated(monkeypatch):
     monkeypatch.setattr(decode_attention, "available", lambda: True)
     monkeypatch.setattr(decode_attention, "_dense_kernel", lambda: emulated_dense)
     monkeypatch.setattr(decode_attention, "_tq_kernel", lambda: emulated_tq)
+    monkeypatch.setattr(decode_attention, "_tq1_kernel", lambda: emulated_tq1)
     monkeypatch.setattr(decode_attention, "_reduce_kernel", lambda: emulated_reduce)
     monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: emulated_encode)
     decode_attention.set_mode("on")
@@ -338,3 +352,178 @@ def test_tq_cache_encodes_through_the_fused_kernel_where_it_applies(monkeypatch)
     assert calls == [1]
     same = (cache.k.codes[:, :, :40] == ref.k.codes[:, :, :40]).astype(mx.float32).mean().item()
     assert same > 0.99 and mx.allclose(cache.k.norms[:, :, :40], ref.k.norms[:, :, :40]).item()
+
+
+# --- variant v2: deferred encode, in-place dense tail, one launch ----------------------------
+
+
+def _feed(caches, steps, heads, dim, seed=3, trim_at=None):
+    """The same decode steps into each cache; per step, what each returned."""
+    mx.random.seed(seed)
+    B = caches[0].left_padding.size if hasattr(caches[0], "left_padding") else 1
+    seen = []
+    for i in range(steps):
+        k, v = mx.random.normal((B, heads, 1, dim)), mx.random.normal((B, heads, 1, dim))
+        seen.append([c.update_and_fetch(k, v) for c in caches])
+        if trim_at == i:
+            assert [c.trim(5) for c in caches] == [5] * len(caches)
+    return seen
+
+
+def _same(a, b, tol=0.0):
+    if a.shape != b.shape:
+        return False
+    return a.size == 0 or mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item() <= tol
+
+
+@pytest.mark.parametrize("trim_at", [None, 30])
+def test_deferred_encode_keeps_every_position_represented_as_before_one_row(monkeypatch, trim_at):
+    """MLX ops (no kernels), deferral forced on for one cache: every step sees the same K/V,
+    and the codes it holds afterwards are the same bits, though most steps encoded nothing."""
+    deferred, ref = _tq_rows([[37, 5]], 4, 2, 64, group=16) + _tq_rows([[37, 5]], 4, 2, 64, group=16)
+    defer = {"on": False}
+    monkeypatch.setattr(decode_attention, "defer_encode", lambda: defer["on"])
+    pending = []
+    mx.random.seed(3)
+    for i in range(70):
+        k, v = mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64))
+        defer["on"] = True
+        got = deferred.update_and_fetch(k, v)
+        pending.append(deferred._pending)
+        defer["on"] = False
+        want = ref.update_and_fetch(k, v)
+        assert _same(got[0], want[0]) and _same(got[1], want[1]), i
+        if trim_at == i:
+            assert deferred.trim(5) == ref.trim(5) == 5
+    assert max(pending) == 15 and pending.count(0) <= 70 // 16 + 2  # one encode per group of 16
+    for a, b in zip(deferred.state, ref.state):
+        assert _same(a, b)
+    assert deferred._pending == 0  # `state` encoded what was deferred
+    assert deferred.nbytes == ref.nbytes
+
+
+def test_deferred_encode_over_left_padded_rows_joining_and_leaving(monkeypatch):
+    rows = _tq_rows([[300], [7, 30, 1], [16], [40, 3]], 4, 2, 32, group=16, seed=5)
+    refs = _tq_rows([[300], [7, 30, 1], [16], [40, 3]], 4, 2, 32, group=16, seed=5)
+    defer = {"on": False}
+    monkeypatch.setattr(decode_attention, "defer_encode", lambda: defer["on"])
+    batches = []
+    for group in (rows, refs):
+        b = BatchTurboQuantKVCache.merge(group[:3])
+        b.extend(BatchTurboQuantKVCache.merge(group[3:]))
+        batches.append(b)
+    got_b, ref_b = batches
+    mx.random.seed(4)
+
+    def steps(n, rows_now):
+        for i in range(n):
+            k, v = mx.random.normal((rows_now, 2, 1, 32)), mx.random.normal((rows_now, 2, 1, 32))
+            mask = ref_b.make_mask(1)  # before the layers add this token, as the model builds it
+            defer["on"] = True
+            got = got_b.update_and_fetch(k, v)
+            defer["on"] = False
+            want = ref_b.update_and_fetch(k, v)
+            assert _same(got[0], want[0]) and _same(got[1], want[1]), i
+            q = mx.random.normal((rows_now, 4, 1, 32))
+            assert _same(got_b.attend(q, 0.3, mask), ref_b.attend(q, 0.3, mask), 1e-6)
+
+    steps(40, 4)
+    one, two = got_b.extract(1), ref_b.extract(1)  # a row leaving takes complete codes
+    for a, b in zip(one.state, two.state):
+        assert _same(a, b)
+    got_b.filter([0, 2, 3])
+    ref_b.filter([0, 2, 3])
+    steps(25, 3)
+    extra = [BatchTurboQuantKVCache.merge(_tq_rows([[50, 2]], 4, 2, 32, group=16, seed=9)) for _ in range(2)]
+    got_b.extend(extra[0])
+    ref_b.extend(extra[1])
+    steps(25, 4)
+    assert got_b.nbytes == ref_b.nbytes
+
+
+def _kernel_calls(monkeypatch):
+    calls = {"encode": 0, "tq": 0, "tq1": 0, "reduce": 0}
+
+    def counted(name, f):
+        def run(**kw):
+            calls[name] += 1
+            return f(**kw)
+        return lambda: run
+
+    for name, f in (("encode", emulated_encode), ("tq", emulated_tq), ("tq1", emulated_tq1),
+                    ("reduce", emulated_reduce)):
+        monkeypatch.setattr(decode_attention, f"_{name}_kernel", counted(name, f))
+    return calls
+
+
+@pytest.mark.parametrize("rows", [[[150, 9]], [[300], [7, 30, 1], [64], [100, 3]]])
+def test_v2_steps_attend_as_v1_with_fewer_launches(emulated, monkeypatch, rows):
+    """Hooked caches (as the engine makes them) on the emulated kernels: variant v2 gives the
+    attention v1 gives, step after step, encodes once per group instead of once per token,
+    and takes one attention launch per step instead of two (v2s: two, as v1)."""
+    calls = _kernel_calls(monkeypatch)
+    made = {}
+    for variant in ("v1", "v2", "v2s"):
+        decode_attention.set_tq_variant(variant)
+        group = _tq_rows(rows, 4, 2, 64, group=16)
+        c = group[0] if len(group) == 1 else BatchTurboQuantKVCache.merge(group)
+        c.hooked = True
+        made[variant] = c
+    B = len(rows)
+    mx.random.seed(11)
+    counts = {}
+    outs = {"v1": [], "v2": [], "v2s": []}
+    steps = []
+    for _ in range(48):
+        steps.append((mx.random.normal((B, 2, 1, 64)), mx.random.normal((B, 2, 1, 64)), mx.random.normal((B, 8, 1, 64))))
+    try:
+        for variant in ("v1", "v2", "v2s"):
+            decode_attention.set_tq_variant(variant)
+            before = dict(calls)
+            c = made[variant]
+            for k, v, q in steps:
+                keys, _ = c.update_and_fetch(k, v)
+                mask = c.make_mask(1) if B > 1 else None
+                outs[variant].append(c.attend(q, 0.125, mask))
+            counts[variant] = {n: calls[n] - before[n] for n in calls}
+            mx.eval(outs[variant])
+            if variant != "v1":  # the returned K/V of a hooked v2 step: its dense columns only
+                assert keys.shape[2] < c.size()
+    finally:
+        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+    for a, b, c in zip(outs["v1"], outs["v2"], outs["v2s"]):
+        assert _same(a, b, 1e-5) and _same(a, c, 1e-5)
+    assert counts["v1"] == {"encode": 48, "tq": 48, "tq1": 0, "reduce": 48}
+    assert counts["v2"]["tq1"] == 48 and counts["v2"]["tq"] == counts["v2"]["reduce"] == 0
+    # One row: an encode each time a group of 16 completes. Four rows in different phases: at
+    # most one per row and group.
+    assert counts["v2"]["encode"] <= (48 // 16 + 1) * B
+    assert counts["v2s"] == {**counts["v2"], "tq": 48, "tq1": 0, "reduce": 48}
+
+
+def test_variant_and_its_env_var(monkeypatch):
+    assert decode_attention.tq_variant() in decode_attention.TQ_VARIANTS
+    with pytest.raises(ValueError):
+        decode_attention.set_tq_variant("v3")
+    monkeypatch.setattr(decode_attention, "_tq_variant", None)
+    monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v1")
+    assert decode_attention.tq_variant() == "v1"
+    monkeypatch.setattr(decode_attention, "_tq_variant", None)
+    monkeypatch.delenv("PREFIXTRACE_TQ_DECODE")
+    assert decode_attention.tq_variant() == "v2s"  # the measured fastest (docs/PERFORMANCE.md, session 5)
+    assert not decode_attention.defer_encode()  # the CPU: nothing deferred
+
+
+def test_a_hooked_v2s_step_with_attention_sinks_still_gets_the_decoded_kv(emulated):
+    """Attention sinks go to mlx-lm's own function: a hooked step that skipped building the
+    decoded K/V must build them there, not hand it the dense columns alone."""
+    cache, ref = _tq_rows([[100, 3]], 4, 2, 64, group=16) + _tq_rows([[100, 3]], 4, 2, 64, group=16)
+    cache.hooked = True
+    k, v = mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64))
+    keys, values = cache.update_and_fetch(k, v)
+    assert keys.shape[2] < cache.size()  # the cheap return
+    want_k, want_v = ref.update_and_fetch(k, v)
+    seen = []
+    hook = _hooked(lambda q, k, v, cache, scale, mask, sinks=None: seen.append((k, v)) or q)
+    hook(mx.random.normal((1, 4, 1, 64)), keys, values, cache=cache, scale=0.125, mask=None, sinks=mx.zeros((4,)))
+    assert _same(seen[0][0], want_k) and _same(seen[0][1], want_v)

@@ -22,12 +22,17 @@ from harness import harness_support as hs
 
 HERE = Path(__file__).resolve().parent
 
-# Two test aids of `serve` (docs/HARNESSES.md): after a user turn, a request that offers tools gets a
-# grammar-constrained tool call (engine/constraints.py), after the tool result the model answers
-# freely, so every harness loop ends by itself; and requests that set no temperature (no harness here
-# sets one) decode greedily, so which tool and which arguments is the model's most likely choice and
-# a run is reproducible.
-ENGINE_ARGS = ["--tool-choice-default", "required-after-user", "--default-temperature", "0"]
+# Three test aids of `serve` (docs/HARNESSES.md):
+# - until a tool has answered, a user turn of a request that offers tools gets a grammar-constrained
+#   tool call (engine/constraints.py); after the tool result the model answers freely, so every
+#   harness loop ends by itself (Claude Code's own "Output token limit hit" user message after a cut
+#   answer is not forced into another call);
+# - requests that set no temperature (no harness here sets one) decode greedily, so which tool and
+#   which arguments is the model's most likely choice and a run is reproducible;
+# - a frequency penalty over the reply's own tokens, so a greedy free answer ends instead of
+#   repeating the tool result to max_tokens.
+ENGINE_ARGS = ["--tool-choice-default", "required-until-tool-result", "--default-temperature", "0",
+               "--default-frequency-penalty", "0.5"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -123,15 +128,27 @@ def backend(request) -> hs.Server:
 
 
 @pytest.fixture
-def scratch():
-    """A short path (the model copies it into its tool call token by token: pytest's tmp_path
-    costs ~40 more tokens of the call's budget), removed afterwards."""
+def scratch(request):
+    """The same short path on every run: `/tmp/pt-<harness>-<backend>/`. The model copies the file's
+    path into its tool call token by token, so the path is part of the prompt a greedy decode answers:
+    a random directory name (pytest's tmp_path, or mkdtemp's 8 random letters) made the call's
+    arguments, and so the test's outcome, differ from run to run (CI once saw SmolLM2 write
+    `/tmp/pt-51tiu-work/hello.txt` for `/tmp/pt-51tiueke/work/hello.txt`). Words copy reliably.
+    A lock file beside it keeps two pytest sessions of one machine from sharing the directory."""
+    import fcntl
     import shutil
-    import tempfile
 
-    base = Path(tempfile.mkdtemp(prefix="pt-"))
-    yield hs.make_scratch(base)
-    shutil.rmtree(base, ignore_errors=True)
+    harness = request.node.module.__name__.rsplit(".", 1)[-1].removeprefix("test_harness_")
+    callspec = getattr(request.node, "callspec", None)
+    backend = callspec.params.get("backend", "any") if callspec else "any"
+    base = Path(f"/tmp/pt-{harness}-{backend}")
+    with open(f"{base}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        shutil.rmtree(base, ignore_errors=True)
+        try:
+            yield hs.make_scratch(base)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture

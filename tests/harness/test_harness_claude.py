@@ -22,14 +22,14 @@ def test_claude_code_reads_a_file_through_the_proxy(npm_bins, backend, scratch, 
     # Read only: Claude Code's whole tool set makes a ~7.5k-token prompt, most of SmolLM2's 8k context
     # and minutes of CPU prefill; Read is allowed without a prompt, nothing else is offered.
     cmd = [npm_bins["claude"], "-p", "--model", "default", "--tools=Read", "--allowedTools=Read",
-           "--no-session-persistence", f"Read the file {scratch.hello}"]
+           "--no-session-persistence", "Read the file hello.txt"]
     result, records = drive("claude", cmd, claude_env(scratch, backend.url), timeout=900)
     assert result.returncode == 0, result.output[-3000:]
     messages = [r for r in records if r["endpoint"] == "/v1/messages"]
     assert messages, hs.describe(records)
     assert all(r["response"]["status"] == 200 for r in records), hs.describe(records)
     call = hs.assert_tool_round_trip(messages, scratch, {"Read"})
-    assert hs.call_args(call)["file_path"] == str(scratch.hello)
+    assert (scratch.work / hs.call_args(call)["file_path"]).resolve() == scratch.hello.resolve()
     hs.assert_recorded_calls_match_what_client_saw(messages)
     sessions = {r["session"] for r in messages}
     assert len(sessions) == 1 and None not in sessions, sessions  # the plain session id, every turn

@@ -30,7 +30,7 @@ def configure_opencode(scratch: hs.Scratch, base_url: str) -> None:
 def test_opencode_reads_a_file_through_the_proxy(npm_bins, backend, scratch, drive, tmp_path):
     configure_opencode(scratch, backend.url)
     env = hs.harness_env(scratch, {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1"})
-    cmd = [npm_bins["opencode"], "run", "--pure", f"Read the file {scratch.hello}"]
+    cmd = [npm_bins["opencode"], "run", "--pure", "Read the file hello.txt"]
     result, records = drive("opencode", cmd, env, timeout=900)
     assert result.returncode == 0, result.output[-3000:]
     assert records, result.output[-3000:]
