@@ -26,7 +26,9 @@ used per proxied request (all threads, from /proc), which load does not blur. Go
 one more local hop costs on this machine, the floor under any proxy's added latency.
 `--baseline TREE` adds a fourth: the same proxy run from another checkout (before a change),
 interleaved with this one, so before/after is measured side by side under the same load.
-`--proxy-http` / `--proxy-loop` start the proxy with those uvicorn options (through
+`--baseline-path DIR` adds DIR to the baseline proxy's import path only (`--baseline . --baseline-path DIR`
+with `pip install --target DIR uvloop httptools`: those measured without installing them for everything else).
+The run ends with a summary line per case. `--proxy-http` / `--proxy-loop` start the proxy with those uvicorn options (through
 `--serve-with`, below) so each can be measured against the default (auto: httptools
 and uvloop when installed).
 """
@@ -82,14 +84,15 @@ def free_port() -> int:
 
 
 def start_serve(args: list[str], cwd: Path, log: Path, serve_with: tuple[str, str] | None = None,
-                root: Path = ROOT):
-    """`prefixtrace serve` from the tree at `root` (another checkout: `--baseline`)."""
+                root: Path = ROOT, extra_path: str | None = None):
+    """`prefixtrace serve` from the tree at `root` (another checkout: `--baseline`), with
+    `extra_path` after it on its import path (`--baseline-path`)."""
     port = free_port()
     prefix = [sys.executable, "-m", "prefixtrace.cli"]
     if serve_with is not None:
         prefix = [sys.executable, str(Path(__file__).resolve()), "--serve-with", *serve_with, "--"]
     proc = subprocess.Popen([*prefix, "serve", "--port", str(port), *args], cwd=cwd,
-                            env={**os.environ, "PYTHONPATH": str(root)},
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), extra_path]))},
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -229,6 +232,9 @@ def main() -> None:
     ap.add_argument("--baseline-uvicorn", metavar="HTTP,LOOP", default=None,
                     help="uvicorn's http and loop for the baseline proxy (e.g. h11,asyncio): with --baseline "
                          "set to this tree, measures those options against the default")
+    ap.add_argument("--baseline-path", metavar="DIR", default=None,
+                    help="an extra import path for the baseline proxy only, e.g. a `pip install --target DIR "
+                         "uvloop httptools` (measures those without installing them for everything else)")
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     args = ap.parse_args()
 
@@ -259,11 +265,13 @@ def main() -> None:
                 if args.baseline:
                     (tmp / "bl").mkdir()
                     baseline, bl_url = start_serve(["--upstream", up_url, "--db", str(tmp / "bl" / "bl.db")],
-                                                   tmp / "bl", tmp / "bl.log", baseline_with, root=Path(args.baseline))
+                                                   tmp / "bl", tmp / "bl.log", baseline_with, root=Path(args.baseline).resolve(),
+                                                   extra_path=args.baseline_path)
                     clients["baseline"] = httpx.Client(base_url=bl_url, timeout=60)
                     pids["baseline"] = baseline.pid
                     print(f"baseline proxy {bl_url} (pid {baseline.pid}) from {args.baseline}, uvicorn "
-                          f"http,loop={','.join(baseline_with) if baseline_with else 'auto'}")
+                          f"http,loop={','.join(baseline_with) if baseline_with else 'auto'}"
+                          + (f", import path + {args.baseline_path}" if args.baseline_path else ""))
                 if args.relay:
                     relay_port = free_port()
                     relay_proc = subprocess.Popen([sys.executable, __file__, "--run-relay", str(relay_port),
@@ -294,8 +302,24 @@ def main() -> None:
                 stop(proxy)
         finally:
             stop(upstream)
+    summary(results)
     if args.json:
         print(json.dumps(results))
+
+
+def summary(results: dict) -> None:
+    """One line per case: what each side adds to the first content (streamed) or to the whole
+    response (whole), p50 and paired, and the proxies' CPU per request."""
+    print("\nsummary (ms; added p50 / paired p50 over direct; TTFT for streamed, total for whole)")
+    for case, res in results.items():
+        metric = "ttft" if "ttft" in res else "total"
+        r = res[metric]
+        cells = [f"{case:18s} {metric:5s} direct {r['direct_p50']:7.2f}"]
+        for side in ("relay", "baseline", "proxied"):
+            if side in r:
+                cells.append(f"{side} {r[side]['added_p50']:+6.2f} / {r[side]['paired_p50']:+6.2f}")
+        cells.append("CPU " + ", ".join(f"{side} {ms:.2f}" for side, ms in res["cpu_ms"].items()))
+        print(" | ".join(cells))
 
 
 def report(route: str, mode: str, res: dict) -> None:
@@ -318,7 +342,8 @@ def report(route: str, mode: str, res: dict) -> None:
 
 def serve_with(http: str, loop: str, argv: list[str]) -> None:
     """Run `prefixtrace <argv>` with uvicorn's `http` and `loop` options forced (bench only)."""
-    sys.path.insert(0, str(ROOT))
+    # The tree start_serve put first on PYTHONPATH (a --baseline checkout), else this one.
+    sys.path.insert(0, (os.environ.get("PYTHONPATH") or str(ROOT)).split(os.pathsep)[0])
     import uvicorn
 
     original = uvicorn.Config.__init__

@@ -75,7 +75,8 @@ class H11WithHeadTimeout(_HeadDeadline, H11Protocol):
 
 
 def _httptools_protocol():
-    """uvicorn's "auto" picks httptools when it is installed (not a dependency here): the same deadline on it."""
+    """uvicorn's "auto" picks httptools when it is installed (a dependency since issue 17; h11 where it is
+    missing): the same deadline on it."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:

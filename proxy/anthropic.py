@@ -243,7 +243,7 @@ class UpstreamMessages(Relayed):
     async def sse(self) -> AsyncIterator[bytes]:
         try:
             with map_httpx_errors(self.url):
-                async for event in sse.iter_events(self.response.aiter_lines()):
+                async for event in self.events():
                     self._parse(sse.decode_data(event))
                     yield event
         finally:

@@ -20,7 +20,7 @@ from prefixtrace.errors import PrefixtraceError, http_status, to_openai_error
 from prefixtrace.wire import sse
 from proxy.anthropic import MESSAGES_PATH, add_messages_route, to_anthropic_error
 from proxy.responses import RESPONSES_PATH, add_responses_route
-from proxy.completions import add_completions_route
+from proxy.completions import COMPLETIONS_PATH, add_completions_route
 from proxy.fallback import add_fallback_routes
 from proxy.chat_request import parse_chat_request
 from proxy.guard import RequestGuard, refusal_recorder
@@ -28,10 +28,13 @@ from proxy.relay import TurnSink, record_durably, serve_turn
 from proxy.dashboard import observe
 from proxy.disconnect import CancelOnDisconnect
 from proxy.request_limits import DEFAULT_MAX_REQUEST_MB
+from proxy.turn_routes import TurnRoutes
+from prefixtrace.wire.messages import COUNT_TOKENS_PATH
 from prefixtrace.wire.turn_builder import TurnBuilder
 
 log = logging.getLogger("prefixtrace.proxy")
 CHAT_PATH = "/v1/chat/completions"
+TURN_PATHS = (CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH, COMPLETIONS_PATH)
 
 
 def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None = None,
@@ -50,6 +53,8 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     app.state.max_request_mb = max_request_mb  # proxy/request_limits.py
     recorder = observe(app, backend, recorder)  # /ui, /metrics: every turn also feeds them
     # A loopback Host on every request and JSON on every POST; refused turns are recorded.
+    # Inside the guard: the turn routes' functions called without FastAPI's request path (issue 17).
+    app.add_middleware(TurnRoutes, fastapi_app=app, paths=TURN_PATHS)
     error_bodies = {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error}
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts,
                        refuse=refusal_recorder(recorder, backend.label, error_bodies, record_durably))

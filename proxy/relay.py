@@ -10,17 +10,17 @@ import uuid
 from typing import Callable, Protocol
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from prefixtrace.errors import PrefixtraceError, http_status
 from prefixtrace.wire.request import session_id
 from proxy.chat_request import parse_body
+from proxy.event_stream import EventStreamResponse
 from proxy.request_limits import read_request_body
 from prefixtrace.wire.turn_builder import TurnBuilder
 from recorder.turn import Turn
 
 log = logging.getLogger("prefixtrace.proxy")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class TurnSink(Protocol):
@@ -84,7 +84,7 @@ async def respond(chat, builder: TurnBuilder, recorder: TurnSink, stream, error_
     """`stream` is the SSE generator to send when the chat streams; otherwise the whole
     body goes out, recorded first. `error_body` renders an error in the API's shape."""
     if chat.streams_events:
-        return StreamingResponse(stream, status_code=chat.status, media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStreamResponse(stream, status_code=chat.status)
     try:
         data, content_type = await chat.whole()
     except PrefixtraceError as exc:

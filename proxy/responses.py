@@ -171,7 +171,7 @@ class UpstreamResponses(Relayed):
     async def sse(self) -> AsyncIterator[bytes]:
         try:
             with map_httpx_errors(self.url):
-                async for event in sse.iter_events(self.response.aiter_lines()):
+                async for event in self.events():
                     data = sse.decode_data(event)
                     if data:
                         self._on(data)

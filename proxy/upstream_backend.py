@@ -6,6 +6,7 @@ whole); each event is also parsed so the turn can be recorded.
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import AsyncIterator, Callable
 
@@ -15,6 +16,7 @@ from prefixtrace.errors import UpstreamError
 from prefixtrace.urls import credentials, display_url, without_credentials
 from prefixtrace.wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
 from prefixtrace.wire import sse
+from proxy.asyncio_network import use_asyncio_network
 from proxy.chat_request import ChatRequest
 from prefixtrace.wire.turn_builder import TurnBuilder
 
@@ -34,12 +36,18 @@ class UpstreamBackend:
         # `base_url` names the upstream everywhere (label, errors, the recorded turn):
         # its credentials, if any, only reach the client, as Basic auth (prefixtrace/urls.py).
         self.base_url = display_url(url)
+        auth = credentials(url)
         self.client = httpx.AsyncClient(
             base_url=without_credentials(url),
-            auth=credentials(url),
+            auth=auth,
             transport=transport,
             timeout=httpx.Timeout(timeout, connect=10.0),
         )
+        if transport is None and url.startswith("http://"):
+            use_asyncio_network(self.client)  # its sockets on plain asyncio, not anyio (proxy/asyncio_network.py)
+        # The turn's POST skips the client's send stack (see `post`); it sends the same headers.
+        self._auth_header = None if auth is None else \
+            "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
 
     @property
     def label(self) -> str:
@@ -91,7 +99,25 @@ class UpstreamBackend:
             forward["content-type"] = "application/json"
         request = self.client.build_request("POST", path, content=_json_bytes(body), headers=forward)
         with map_httpx_errors(self.base_url):
-            return await self.client.send(request, stream=True), self.base_url
+            return await self._send(request), self.base_url
+
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        """`client.send(request, stream=True)` without the client's own layers around the transport:
+        auth flow, redirect and cookie handling, its response stream wrapper and its per-request INFO
+        log line were a fifth of the proxy's CPU on a short streamed turn (issue 17). A turn's POST
+        needs none of them: the credentials are one fixed Basic header, redirects are not followed
+        (the client's default too), and the upstream's cookies are not kept (the proxy serves many
+        clients; a cookie one answer sets is no other request's). The transport is the one the client
+        would have picked for the URL (its connection pool, or a proxy from the environment); the
+        health checks and /v1/models still go through the client, and are still logged."""
+        pick = getattr(self.client, "_transport_for_url", None)  # httpx >= 0.18; else the plain way
+        if pick is None:
+            return await self.client.send(request, stream=True)
+        if self._auth_header is not None:
+            request.headers["Authorization"] = self._auth_header
+        response = await pick(request.url).handle_async_request(request)
+        response.request = request
+        return response
 
 
 def _json_bytes(body: dict) -> bytes:
@@ -119,6 +145,10 @@ class Relayed:
 
     def cancel(self) -> None:
         pass  # closing the response (in `sse`'s finally) is what tells the upstream
+
+    def events(self) -> AsyncIterator[bytes]:
+        """The response's SSE events as they arrive, split on the bytes (prefixtrace/wire/sse.py)."""
+        return sse.iter_events_bytes(self.response.aiter_bytes())
 
     async def read(self) -> tuple[bytes, dict | None]:
         """The whole body, and its JSON object when it is one."""
@@ -149,7 +179,7 @@ class UpstreamChat(Relayed):
     async def sse(self) -> AsyncIterator[bytes]:
         try:
             with map_httpx_errors(self.url):
-                async for event in sse.iter_events(self.response.aiter_lines()):
+                async for event in self.events():
                     out = self._pass(event)
                     if out:
                         yield out

@@ -1,0 +1,195 @@
+"""The proxy's fast path in upstream mode (issue 17): SSE split on bytes, the lean event-stream
+response, the turn routes served without FastAPI's router. Each serves and records as before."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+
+from prefixtrace.wire import sse
+from proxy.app import create_app
+from proxy.upstream_backend import UpstreamBackend
+from recorder.store import Recorder
+from tests.conftest import rows, running_server
+
+
+def _split(stream: bytes, cuts: list[int]) -> list[bytes]:
+    async def chunks():
+        last = 0
+        for cut in [*cuts, len(stream)]:
+            yield stream[last:cut]
+            last = cut
+
+    async def collect():
+        return [event async for event in sse.iter_events_bytes(chunks())]
+
+    return asyncio.run(collect())
+
+
+def test_sse_events_are_the_same_however_the_bytes_are_cut():
+    stream = (b"\n: comment\r\ndata: {\"a\":1}\r\n\r\nevent: x\rdata: 2\r\rdata: [DONE]\n\n\n\n"
+              b"data: 3\ndata: 4\n\ndata: last")
+    want = [b": comment\ndata: {\"a\":1}\n\n", b"event: x\ndata: 2\n\n", b"data: [DONE]\n\n",
+            b"data: 3\ndata: 4\n\n", b"data: last\n\n"]
+    assert _split(stream, []) == want
+    for cut in range(len(stream) + 1):
+        assert _split(stream, [cut]) == want, cut
+    assert _split(stream, list(range(1, len(stream)))) == want  # one byte at a time
+
+
+def test_sse_line_separators_inside_json_strings_are_data():
+    """U+2028, U+2029 and U+0085 may stand unescaped in a JSON string; SSE ends lines only at
+    CR and LF. A `str.splitlines` reader cut the event there and the chunk reached the client
+    (and the recorder) as two broken lines."""
+    event = json.dumps({"text": "a\u2028b\u2029c\x85d"}, ensure_ascii=False).encode()
+    assert _split(b"data: " + event + b"\n\n", []) == [b"data: " + event + b"\n\n"]
+
+
+def scripted_stream(chunks: list[dict]) -> UpstreamBackend:
+    async def events():
+        for chunk in chunks:
+            yield b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
+
+    return UpstreamBackend("http://upstream.test", transport=httpx.MockTransport(handler))
+
+
+def test_a_reply_with_unicode_line_separators_passes_through_and_is_recorded(tmp_path):
+    text = "one\u2028two\x85three\u2029"
+    chunks = [{"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text},
+                                                                          "finish_reason": "stop"}]},
+              {"id": "x", "object": "chat.completion.chunk", "choices": [],
+               "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}]
+    with Recorder(tmp_path / "a.db") as rec:
+        with running_server(create_app(scripted_stream(chunks), rec)) as url:
+            body = {"stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=10) as r:
+                raw = r.read()
+        events = [e for e in raw.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        seen = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+        assert [c["choices"][0]["delta"]["content"] for c in seen] == [text]
+        assert rows(rec)[0]["response_text"] == text
+
+
+# --- the upstream client on plain asyncio (proxy/asyncio_network.py) -------------------------------
+
+import socket  # noqa: E402
+import threading  # noqa: E402
+
+from proxy.asyncio_network import AsyncioBackend  # noqa: E402
+
+WHOLE = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                                 "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+
+
+def _read_head_and_body(conn: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int([line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")][0])
+    while len(body) < length:
+        body += conn.recv(65536)
+    return head
+
+
+class ScriptedUpstream:
+    """A socket server on loopback that answers each connection's first request by `answer(conn)`."""
+
+    def __init__(self, answer):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        self.answer = answer
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
+
+    def close(self):
+        self.sock.close()
+
+
+def test_an_idle_connection_the_upstream_closed_is_not_reused(tmp_path):
+    """The upstream answers with keep-alive, then closes the idle connection: the next turn must go
+    out on a new connection (the backend's idle check sees the EOF), not fail on the dead one."""
+    def answer(conn):
+        _read_head_and_body(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(WHOLE), WHOLE))
+        time.sleep(0.1)
+        conn.close()
+
+    upstream = ScriptedUpstream(answer)
+    backend = UpstreamBackend(upstream.url)
+    assert isinstance(backend.client._transport._pool._network_backend, AsyncioBackend)
+    try:
+        with Recorder(tmp_path / "a.db") as rec:
+            with running_server(create_app(backend, rec)) as url:
+                body = {"messages": [{"role": "user", "content": "hi"}]}
+                first = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+                time.sleep(0.5)  # the upstream has closed its side by now
+                second = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+            assert (first.status_code, second.status_code) == (200, 200), second.text
+            assert upstream.connections == 2
+            assert [r["status"] for r in rows(rec)] == [200, 200]
+    finally:
+        upstream.close()
+
+
+def test_an_upstream_that_never_answers_is_a_timeout_with_a_reason(tmp_path):
+    def answer(conn):
+        _read_head_and_body(conn)
+        time.sleep(5)  # never answers within the backend's timeout
+        conn.close()
+
+    upstream = ScriptedUpstream(answer)
+    try:
+        with Recorder(tmp_path / "a.db") as rec:
+            with running_server(create_app(UpstreamBackend(upstream.url, timeout=0.5), rec)) as url:
+                r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                               timeout=10)
+            assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
+            assert "ReadTimeout" in r.json()["error"]["message"]
+            assert rows(rec)[0]["status"] == 504
+    finally:
+        upstream.close()
+
+
+# --- the turn routes without FastAPI's router (proxy/turn_routes.py) ------------------------------
+
+
+def test_every_turn_route_is_on_the_fast_path_in_both_modes(tiny_engine):
+    """A route function that stopped matching `async def f(request)` would silently fall back to
+    FastAPI's stack: every turn endpoint must be found, on an upstream and on the engine."""
+    from proxy.app import TURN_PATHS
+    from proxy.engine_backend import EngineBackend
+    from proxy.turn_routes import TurnRoutes
+
+    for backend in (UpstreamBackend("http://127.0.0.1:9"), EngineBackend(tiny_engine)):
+        app = create_app(backend, Recorder.__new__(Recorder))
+        assert set(TurnRoutes(None, fastapi_app=app, paths=TURN_PATHS)._find()) == set(TURN_PATHS)
+
+
+def test_other_methods_and_paths_still_go_through_fastapi(tmp_path):
+    with Recorder(tmp_path / "a.db") as rec:
+        with running_server(create_app(scripted_stream([]), rec)) as url:
+            get = httpx.get(url + "/v1/chat/completions")
+            slash = httpx.post(url + "/v1/chat/completions/", json={"messages": []})
+    assert get.status_code == 405 and get.json()["error"]["type"] == "method_not_allowed"
+    assert slash.status_code == 404 and "unknown endpoint" in slash.json()["error"]["message"]
