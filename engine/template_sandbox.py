@@ -16,6 +16,7 @@ importing transformers in the child would cost seconds per request.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from typing import Any
@@ -70,7 +71,10 @@ def render_client_template(template: str, context: dict[str, Any], *, timeout_s:
     timeout_s = timeout_s or TIMEOUT_S
     memory_bytes, max_chars = memory_bytes or MEMORY_BYTES, max_chars or MAX_TEXT_CHARS
     job = json.dumps({"template": template, "context": context})
-    limits = json.dumps({"memory": memory_bytes + 8 * len(job), "cpu": max(1, int(timeout_s)), "chars": max_chars})
+    # The CPU limit is a backstop one second past the wall clock: the render is one thread, so its CPU
+    # time never passes its wall time, and the wall clock's clear message wins. At an equal limit the
+    # kernel's SIGKILL and the timeout raced (CI once saw "ended (-9)" for a template that spun).
+    limits = json.dumps({"memory": memory_bytes + 8 * len(job), "cpu": math.ceil(timeout_s) + 1, "chars": max_chars})
     try:
         done = subprocess.run([sys.executable, "-I", "-c", _CHILD, limits], input=job, capture_output=True,
                               text=True, timeout=timeout_s)
