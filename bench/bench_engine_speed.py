@@ -163,13 +163,18 @@ def section_prefill(args, engines: Engines, model, vocab, rng, out):
     res["best_plain_chunk"] = min(res["plain_ttft_s"], key=res["plain_ttft_s"].get)
     disk = dict(cache_bytes=args.cache_bytes, cache_dir=engines.work / "disk", cache_disk_bytes=args.disk_bytes)
     tiers = {"off": dict(cache_bytes=0), "memory": dict(cache_bytes=args.cache_bytes), "memory+disk": disk}
-    if mx.default_device().type != mx.DeviceType.cpu:  # the other way to the host (cache_blocks.HOST_COPY)
-        tiers["memory+disk(writer-copy)"] = dict(disk, cache_dir=engines.work / "disk2")
+    default_copy = cache_blocks.HOST_COPY
+    host_copy = {name: default_copy for name in tiers}
+    if mx.default_device().type != mx.DeviceType.cpu:  # the other ways to the host (cache_blocks.HOST_COPY)
+        for i, mode in enumerate(m for m in args.host_copies if m != default_copy):
+            tiers[f"memory+disk({mode})"] = dict(disk, cache_dir=engines.work / f"disk{i + 2}")
+            host_copy[f"memory+disk({mode})"] = mode
+    res["host_copy"] = host_copy
     last_prompt = {}
     for chunk in args.chunks:
         for name, kw in tiers.items():
             e = with_chunk(engines.get(name, **kw), chunk)
-            cache_blocks.HOST_COPY = "writer" if "writer-copy" in name else "cpu"
+            cache_blocks.HOST_COPY = host_copy[name]
             res["first_run_s"][f"{name}@{chunk}"] = round(ttft(e, rand_prompt(rng, args.prompt, vocab))[0], 3)
             e.prefix_cache.flush()
         times = {name: [] for name in ["plain", *tiers]}
@@ -178,7 +183,7 @@ def section_prefill(args, engines: Engines, model, vocab, rng, out):
             for name, kw in tiers.items():
                 e = with_chunk(engines.get(name, **kw), chunk)
                 prompt = rand_prompt(rng, args.prompt, vocab)
-                cache_blocks.HOST_COPY = "writer" if "writer-copy" in name else "cpu"
+                cache_blocks.HOST_COPY = host_copy[name]
                 took, cached = ttft(e, prompt)
                 assert cached == 0, cached
                 times[name].append(took)
@@ -186,7 +191,7 @@ def section_prefill(args, engines: Engines, model, vocab, rng, out):
                 t0 = time.perf_counter()
                 e.prefix_cache.flush()  # the writer's backlog, if any: off the TTFT, timed here
                 res["disk_writes_drained_s"].setdefault(f"{name}@{chunk}", []).append(round(time.perf_counter() - t0, 3))
-        cache_blocks.HOST_COPY = "cpu"
+        cache_blocks.HOST_COPY = default_copy
         med = {name: statistics.median(v) for name, v in times.items()}
         res["plain_ttft_s"].setdefault(chunk, round(med["plain"], 4))
         for name in tiers:
@@ -251,7 +256,30 @@ def section_disk(args, engines: Engines, model, prompt, out):
         trials.append({"cached": got, "restore_gb_s": round(nbytes / restore_s / 1e9, 3),
                        "raw_same_files_gb_s": round(raw / raw_s / 1e9, 3), "ratio": round(raw_s / restore_s, 3)})
     out["disk"] = {"files": len(files), "bytes": sum(f.stat().st_size for f in files), "trials": trials,
-                   "median_ratio": statistics.median(t["ratio"] for t in trials)}
+                   "median_ratio": statistics.median(t["ratio"] for t in trials),
+                   "blocks_match_memory": disk_blocks_match(e.prefix_cache, prompt)}
+
+
+def disk_blocks_match(pc, prompt) -> dict:
+    """Whether blocks read back from the disk tier hold the memory tier's bytes (first, middle,
+    last block of the prompt): checks the device-to-host path the writer took (cache_blocks.HOST_COPY)."""
+    import numpy as np
+
+    from engine.cache_blocks import named_arrays
+
+    keys = [k for k in pc._chain(prompt[:-1]) if k in pc.memory]
+    checked = {}
+    for key in {keys[0], keys[len(keys) // 2], keys[-1]} if keys else ():
+        found = pc.disk.get(key)
+        if found is None:
+            checked[key.hex()[:12]] = "not on disk"
+            continue
+        _, arrays = found
+        mem = named_arrays(pc.memory.get(key).layers)
+        same = all(np.array_equal(arrays[name][0], np.array((a + 0).view(mx.uint16) if a.dtype == mx.bfloat16 else a + 0))
+                   for name, a in mem.items())
+        checked[key.hex()[:12]] = bool(same and set(arrays) == set(mem))
+    return checked
 
 
 def section_decode(args, engines: Engines, model, vocab, out):
@@ -284,19 +312,26 @@ def section_decode(args, engines: Engines, model, vocab, out):
 
 
 def section_pause(args, engines: Engines, out):
+    for name in [n for n in engines.made if n != "off"]:  # the prefill section's tiers: their memory back
+        engines.close(name)
     res = {}
-    for name, kw in (("prefix_cache", dict(cache_bytes=args.cache_bytes)), ("spill_file", dict(cache_bytes=0))):
+    # The memory tier holds the largest paused row's blocks (a 100k row of the 8B shape: 14.7 GB).
+    held = max(args.cache_bytes, int(1.2 * args.kv_per_token * max(args.pause_contexts)))
+    for name, kw, contexts in (("prefix_cache", dict(cache_bytes=held), args.pause_contexts),
+                               ("spill_file", dict(cache_bytes=0), args.spill_contexts or args.pause_contexts)):
         e = engines.get(f"pause-{name}", **kw)
         with_chunk(e, args.chunks[-1])
         pause_once(e, 256)
-        res[name] = [pause_once(e, c) for c in args.pause_contexts]
+        res[name] = [pause_once(e, c) for c in contexts]
         engines.close(f"pause-{name}")
-    xs = args.pause_contexts
-    for rows in res.values():
-        if len(xs) >= 2:  # linear growth per token from the two largest contexts, to a 100k row
+    for name, rows in res.items():
+        xs = [r["context_tokens"] for r in rows]
+        if len(xs) >= 2 and xs[-1] < 100_000:  # linear growth per token from the two largest contexts, to a 100k row
             (x0, r0), (x1, r1) = (xs[-2], rows[-2]), (xs[-1], rows[-1])
             slope = (r1["stall_s"] - r0["stall_s"]) / (x1 - x0)
             rows.append({"extrapolated_100k_stall_s": round(r1["stall_s"] + slope * (100_000 - x1), 3)})
+        elif xs and xs[-1] >= 100_000:
+            rows.append({"measured_100k_stall_s": rows[-1]["stall_s"]})
     out["pause"] = res
 
 
@@ -367,7 +402,11 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=3, help="disk restore / raw read trials")
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--pause-contexts", default=None, help="default 8192,32768 with --random, else 1024,4096")
+    p.add_argument("--spill-contexts", default=None, help="contexts of the spill-file pauses (default: --pause-contexts)")
+    p.add_argument("--host-copies", default="dtoh,writer",
+                   help="on a GPU, the disk tier's ways to the host measured side by side (cache_blocks.HOST_COPY)")
     p.add_argument("--cache-gb", type=float, default=None, help="memory tier (default: 3 prompts' KV)")
+    p.add_argument("--disk-gb", type=float, default=None, help="each disk tier's budget (default: every prompt's KV)")
     p.add_argument("--only", default="prefill,warm,disk,decode,pause", help="sections (also: profile)")
     p.add_argument("--dir", type=Path, help="work directory (the disk tier; default a temporary one)")
     p.add_argument("--out", type=Path)
@@ -376,6 +415,8 @@ def main() -> None:
     args.chunks = [int(c) for c in args.chunks.split(",")]
     args.sweep = [int(c) for c in args.sweep.split(",")]
     args.pause_contexts = [int(c) for c in (args.pause_contexts or ("8192,32768" if args.random else "1024,4096")).split(",")]
+    args.spill_contexts = [int(c) for c in args.spill_contexts.split(",")] if args.spill_contexts else None
+    args.host_copies = args.host_copies.split(",")
     only = set(args.only.split(","))
     work = Path(tempfile.mkdtemp(prefix="bench-speed-", dir=args.dir))
     out = {"device": str(mx.default_device()), "load_average": os.getloadavg()[0]}
@@ -387,7 +428,9 @@ def main() -> None:
                                                                           a.hidden_size // a.num_attention_heads)
         kv_per_token *= 2 if args.random else 4
         args.cache_bytes = int(args.cache_gb * 1e9) if args.cache_gb else 3 * kv_per_token * (args.prompt + 512)
-        args.disk_bytes = 4 * kv_per_token * args.prompt * (len(args.chunks) * args.repeats + 2)
+        args.disk_bytes = int(args.disk_gb * 1e9) if args.disk_gb else \
+            4 * kv_per_token * args.prompt * (len(args.chunks) * args.repeats + 2)
+        args.kv_per_token = kv_per_token
         out.update(model=label, build_s=round(time.perf_counter() - t0, 1), kv_bytes_per_token=kv_per_token,
                    memory_tier_bytes=args.cache_bytes)
         vocab = int(config["vocab_size"])
@@ -435,6 +478,8 @@ def ratios(out: dict) -> dict:
         if rows and "extrapolated_100k_stall_s" in rows[-1]:
             r[f"pause stall, {name}, extrapolated to a 100k row, s (goal <= 1 on the H200)"] = \
                 rows[-1]["extrapolated_100k_stall_s"]
+        if rows and "measured_100k_stall_s" in rows[-1]:
+            r[f"pause stall, {name}, a 100k row, s (goal <= 1 on the H200)"] = rows[-1]["measured_100k_stall_s"]
     return r
 
 

@@ -1,6 +1,7 @@
 """Restored-prefix prefill (issue 5): suffix prefill after a restored TurboQuant prefix.
 
     python bench/bench_restored_prefill.py [--prefix 2048] [--suffix 1024] [--chunk 256] [--repeat 3] [--tiny]
+    python bench/bench_restored_prefill.py --random qwen3-8b --prefix 16384 --suffix 2048 --chunk 2048   # GPU
 
 In one run, on the CPU default model (else fixtures/tiny-llama), median of
 `--repeat` for each. The default model is loaded as `prefixtrace serve` loads
@@ -66,13 +67,20 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="use fixtures/tiny-llama")
+    parser.add_argument("--random", choices=["qwen3-8b"], help="random-weight model of this shape (GPU figures)")
     args = parser.parse_args()
-    if sys.platform == "linux" and not args.tiny:
+    if sys.platform == "linux" and not args.tiny and not args.random:
         from engine.cpu_runtime import maybe_reexec_with_openblas
 
         maybe_reexec_with_openblas()  # as `prefixtrace serve`: OpenBLAS, hence dense float32 weights
     load_start = os.getloadavg()[0]
-    model_dir, loader, label = pick_model(args.tiny)
+    model_work = Path(tempfile.mkdtemp(prefix="pt-restored-model-"))
+    if args.random:
+        from bench.bench_cache_tiers import random_model
+
+        model_dir, loader, label = random_model(model_work)
+    else:
+        model_dir, loader, label = pick_model(args.tiny)
     model = loader()[0]
     dense_weights = not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
     if not dense_weights and sys.platform == "linux":
@@ -118,6 +126,7 @@ def main() -> None:
         reader.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(model_work, ignore_errors=True)
 
     med = {name: statistics.median(v) for name, v in (
         ("cold_tq_suffix_s", cold_tq), ("cold_dense_suffix_s", cold_dense), ("restored_quantised_path_s", restored_tq),

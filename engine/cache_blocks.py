@@ -258,25 +258,81 @@ def to_numpy(layers: list) -> dict[str, tuple[np.ndarray, str]]:
 
 
 # How a GPU block reaches the host for the disk writer (docs/CACHE.md, "Writes"):
-# "writer": the writer thread reads the block's device copy itself (MLX copies it to the host
-# inside the buffer export); "cpu": a copy on MLX's CPU stream, started after the chunk.
-# Measured side by side on the H200 (bench_engine_speed.py, 32k prompt, chunk 2048): cold
-# TTFT 1.15x plain mlx-lm with "writer", 3.0x with "cpu", 1.48x reading it on the engine thread.
-HOST_COPY = os.environ.get("PREFIXTRACE_DISK_HOST_COPY", "writer")
+# "dtoh" (the default where the CUDA driver loads): the block staged as one flat device array
+# and copied by the writer thread with the driver's cuMemcpyDtoH, GIL released (engine/host_copy.py);
+# "writer": the writer thread reads per-array device copies through MLX (`memoryview`: MLX moves
+# each buffer into managed memory, holding the GIL); "cpu": a copy on MLX's CPU stream, started
+# after the chunk. Measured side by side on the H200 (bench_engine_speed.py, 32k prompt, chunk
+# 2048; docs/PERFORMANCE.md, issue 17): cold TTFT 1.15x plain mlx-lm with "writer", 3.0x with
+# "cpu", 1.48x reading it on the engine thread; "dtoh": session 6's table.
+HOST_COPY = os.environ.get("PREFIXTRACE_DISK_HOST_COPY", "dtoh")
 
 
-def stage(named: dict[str, mx.array], *, copy: bool) -> tuple[dict[str, tuple[mx.array, str]], list[mx.array]]:
+@dataclass(eq=False, slots=True)
+class FlatBlock:
+    """A block staged for the disk writer as one flat uint8 array: the block file's payload.
+
+    specs: per array (name, dtype name, numpy dtype string, shape, byte offset, nbytes), in
+    payload order (the header's "arrays"). address: a (1,) uint64 array with `flat`'s device
+    address (engine/host_copy.py), None where the writer reads `flat` through MLX instead."""
+
+    specs: list
+    flat: mx.array
+    address: mx.array | None = None
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [self.flat] if self.address is None else [self.flat, self.address]
+
+    def payload(self) -> np.ndarray:
+        """The payload bytes on the host (writer thread). Through the driver copy: a view of the
+        calling thread's pinned buffer, valid until its next call (the writer writes it first)."""
+        if self.address is not None:
+            from engine import host_copy
+
+            where = int(self.address.item())  # an 8-byte output in MLX's host-visible pool: no move
+            if where and host_copy.available():
+                return host_copy.host_bytes(where, self.flat.nbytes)
+        return host_view(self.flat)
+
+
+def _flat(named: dict[str, mx.array], *, address: bool) -> FlatBlock:
+    specs, parts, offset = [], [], 0
+    for name, a in named.items():
+        dtype = str(a.dtype).removeprefix("mlx.core.")
+        bits = a.view(_AS_BITS[a.dtype]) if a.dtype in _AS_BITS else a
+        np_dtype = np.dtype(str(bits.dtype).removeprefix("mlx.core.")).str
+        specs.append((name, dtype, np_dtype, list(a.shape), offset, a.nbytes))
+        parts.append(bits.view(mx.uint8).reshape(-1))
+        offset += a.nbytes
+    flat = mx.concatenate(parts)  # a fresh buffer, even for one part
+    if not address:
+        return FlatBlock(specs, flat)
+    from engine.host_copy import device_address
+
+    return FlatBlock(specs, flat, device_address(flat))
+
+
+def stage(named: dict[str, mx.array], *, copy: bool, flat: bool | None = None):
     """What the disk writer will read of a block, and the device arrays to evaluate with
-    the caller's work: ({name: (array, dtype)}, [device arrays]).
+    the caller's work: (staged, [device arrays]); staged is a `FlatBlock` or {name: (array, dtype)}.
 
     The staged arrays are in a dtype numpy has (bfloat16 as its uint16 bits: a view).
-    copy (a GPU): the writer must not read the memory tier's own block: handing a CUDA
-    buffer to the host moves it there, and the next hit on that block would pay the way
+    copy (a GPU): the writer must not read the memory tier's own block through MLX: handing a
+    CUDA buffer to the host moves it there, and the next hit on that block would pay the way
     back (a memory hit with the disk tier present took 0.94 s against 0.20 s without, in
-    issue 17). So a device copy of its own is made with the chunk (~15 us per 38 MB block),
-    and, with HOST_COPY "cpu", a host copy of that on MLX's CPU stream, which `settle`
-    starts asynchronously. On the CPU the block's buffer is read as it is.
+    issue 17). So a device copy of its own is made with the chunk (~15 us per 38 MB block):
+    with HOST_COPY "dtoh" one flat array the driver copies (nothing of MLX's moves), with
+    "writer" per-array copies MLX moves, with "cpu" a host copy of those on MLX's CPU stream,
+    which `settle` starts asynchronously. On the CPU the block's buffer is read as it is.
+    flat: force (True) or refuse (False) the flat staging; None: HOST_COPY decides (tests
+    force it on the CPU, where the writer then reads the flat array through MLX).
     """
+    if flat is None:
+        flat = copy and HOST_COPY == "dtoh" and _driver_copy()
+    if flat:
+        block = _flat(named, address=copy and _driver_copy())
+        return block, block.arrays
     out, device = {}, []
     for name, a in named.items():
         dtype = str(a.dtype).removeprefix("mlx.core.")
@@ -290,7 +346,15 @@ def stage(named: dict[str, mx.array], *, copy: bool) -> tuple[dict[str, tuple[mx
     return out, device
 
 
-def staged_arrays(staged: dict[str, tuple[mx.array, str]]) -> list[mx.array]:
+def _driver_copy() -> bool:
+    from engine import host_copy
+
+    return host_copy.available()
+
+
+def staged_arrays(staged) -> list[mx.array]:
+    if isinstance(staged, FlatBlock):
+        return staged.arrays
     return [a for a, _ in staged.values()]
 
 

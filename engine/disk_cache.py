@@ -20,7 +20,9 @@ line. The payload's checksum is verified on every read; a mismatch, a short
 file or a vanished file is a miss, never an exception and never wrong KV.
 
 Writes run on a writer thread: the engine thread hands over host (numpy)
-copies, and the writer frames, checksums, writes (temp file + rename, so a
+arrays or evaluated device arrays private to the disk path (on CUDA one flat
+payload array the writer copies with the driver: engine/host_copy.py), and the
+writer frames, checksums, writes (temp file + rename, so a
 reader never sees half a block) and evicts least-recently-used unpinned files
 past the byte budget. The index is shared with the engine thread under a lock.
 
@@ -50,7 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.block_hash import chain_hash
-from engine.cache_blocks import host_view
+from engine.cache_blocks import FlatBlock, host_view
 from engine.private_files import open_private, private_dir
 from prefixtrace.errors import EngineError
 
@@ -89,10 +91,17 @@ class _Entry:
     size: int
 
 
-def encode_header(*, fmt: str, cache_format: str, key: bytes, parent: bytes, tokens, arrays: dict) -> tuple[bytes, list]:
-    """The header bytes and the payload buffers, in order."""
+def encode_header(*, fmt: str, cache_format: str, key: bytes, parent: bytes, tokens, arrays) -> tuple[bytes, list]:
+    """The header bytes and the payload buffers, in order. `arrays`: {name: (array, dtype)}, or
+    a `FlatBlock` (engine/cache_blocks.py) whose one payload is already laid out; the same bytes."""
     specs, buffers, offset = [], [], 0
-    for name, (a, dtype) in arrays.items():
+    if isinstance(arrays, FlatBlock):
+        specs = [{"name": name, "dtype": dtype, "np": np_dtype, "shape": shape, "offset": off, "nbytes": n}
+                 for name, dtype, np_dtype, shape, off, n in arrays.specs]
+        payload = arrays.payload()  # the device-to-host copy, on the writer thread
+        buffers.append(memoryview(payload).cast("B"))
+        offset = payload.nbytes
+    for name, (a, dtype) in ({} if isinstance(arrays, FlatBlock) else arrays).items():
         a = np.ascontiguousarray(host_view(a))  # an evaluated MLX array is read here, on the writer thread
         specs.append({"name": name, "dtype": dtype, "np": a.dtype.str, "shape": list(a.shape),
                       "offset": offset, "nbytes": a.nbytes})

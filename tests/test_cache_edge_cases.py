@@ -16,6 +16,7 @@ import os
 import pathlib
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from engine.block_hash import chain_hash
@@ -487,14 +488,20 @@ def test_a_full_memory_only_tier_copies_each_block_of_a_prefill_once(model, monk
     assert pc.lookup(tokens + [1]).num_cached == BS  # what memory could hold still serves
 
 
-@pytest.mark.parametrize("host_copy", ["cpu", "writer"])
+@pytest.mark.parametrize("host_copy", ["cpu", "writer", "flat"])
 def test_gpu_staging_path_writes_the_same_blocks(model, tmp_path, monkeypatch, host_copy):
     """The GPU path of the disk writes (a device copy per block, then a host copy on MLX's
-    CPU stream or read by the writer thread) runs on the CPU too: forced on here, the blocks
+    CPU stream or read by the writer thread; or one flat payload array, which on CUDA the
+    driver copies and here MLX reads) runs on the CPU too: forced on here, the blocks
     read back bit for bit after a restart, from commits evaluated lazily with the chunk."""
     import engine.cache_blocks as cache_blocks
+    import engine.prefix_cache as prefix_cache
 
-    monkeypatch.setattr(cache_blocks, "HOST_COPY", host_copy)
+    if host_copy == "flat":
+        real = cache_blocks.stage
+        monkeypatch.setattr(prefix_cache, "stage", lambda named, copy: real(named, copy=copy, flat=True))
+    else:
+        monkeypatch.setattr(cache_blocks, "HOST_COPY", host_copy)
     pc = make(model, tmp_path)
     pc._stage_copy = True
     tokens = (PROMPT * 2)[: 5 * BS + 3]
@@ -506,3 +513,29 @@ def test_gpu_staging_path_writes_the_same_blocks(model, tmp_path, monkeypatch, h
     pc.close()
     hit = make(model, tmp_path, max_bytes=0).lookup(tokens + [1])
     assert hit.num_cached == len(tokens) and same_kv(hit.cache, cache, len(tokens))
+
+
+def test_flat_staging_frames_the_same_file_bytes():
+    """A block staged as one flat payload (the CUDA driver-copy path, engine/host_copy.py) is
+    framed into exactly the bytes of the per-array path: mixed dtypes (bfloat16 as its bits,
+    uint32 codes, float32 norms), payload offsets and header alike. On the CPU there is no
+    driver copy: the flat array is read through MLX."""
+    from engine import host_copy
+    from engine.cache_blocks import FlatBlock, stage
+    from engine.disk_cache import encode_header
+
+    assert not host_copy.available()  # CUDA only: a no-op here
+    rng = np.random.default_rng(3)
+    named = {"0.k": mx.array(rng.standard_normal((1, 2, 5, 8)).astype(np.float32)).astype(mx.bfloat16),
+             "0.kc": mx.array(rng.integers(0, 2**32, (1, 2, 5, 3), dtype=np.uint32)),
+             "0.kn": mx.array(rng.standard_normal((1, 2, 5, 1)).astype(np.float32)),
+             "1.v": mx.array(rng.standard_normal((1, 2, 5, 8)).astype(np.float16))}
+    per_array, _ = stage(named, copy=False)
+    flat, device = stage(named, copy=True, flat=True)
+    assert isinstance(flat, FlatBlock) and flat.address is None and device == [flat.flat]
+    mx.eval(device)
+    kw = dict(fmt="dense", cache_format="f", key=b"k" * 32, parent=b"p" * 32, tokens=(1, 2, 3, 4, 5))
+    h1, b1 = encode_header(arrays=per_array, **kw)
+    h2, b2 = encode_header(arrays=flat, **kw)
+    assert h1 == h2
+    assert b"".join(bytes(b) for b in b1) == b"".join(bytes(b) for b in b2)
