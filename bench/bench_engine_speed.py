@@ -170,6 +170,9 @@ def section_prefill(args, engines: Engines, model, vocab, rng, out):
             tiers[f"memory+disk({mode})"] = dict(disk, cache_dir=engines.work / f"disk{i + 2}")
             host_copy[f"memory+disk({mode})"] = mode
     res["host_copy"] = host_copy
+    from engine import host_copy as driver
+
+    res["driver_copy_available"] = driver.available()  # "dtoh" falls back to "writer" without it
     last_prompt = {}
     for chunk in args.chunks:
         for name, kw in tiers.items():
