@@ -180,6 +180,7 @@ def section_prefill(args, engines: Engines, model, vocab, rng, out):
             cache_blocks.HOST_COPY = host_copy[name]
             res["first_run_s"][f"{name}@{chunk}"] = round(ttft(e, rand_prompt(rng, args.prompt, vocab))[0], 3)
             e.prefix_cache.flush()
+            print(f"  first run {name}@{chunk}: {res['first_run_s'][f'{name}@{chunk}']} s", file=sys.stderr, flush=True)
         times = {name: [] for name in ["plain", *tiers]}
         for _ in range(args.repeats):  # interleaved: drift touches every variant alike
             times["plain"].append(plain_ttft(model, rand_prompt(rng, args.prompt, vocab), chunk))
@@ -451,6 +452,8 @@ def main() -> None:
                 run()
                 out.setdefault("section_s", {})[name] = round(time.perf_counter() - t1, 1)
                 print(f"[{name} done in {out['section_s'][name]} s]", file=sys.stderr, flush=True)
+                if args.out:  # what is done so far survives a later section's crash or time limit
+                    args.out.write_text(json.dumps(out, indent=2))
         for name in list(engines.made):
             engines.close(name)
         out["ratios"] = ratios(out)

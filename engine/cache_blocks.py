@@ -313,6 +313,44 @@ def _flat(named: dict[str, mx.array], *, address: bool) -> FlatBlock:
     return FlatBlock(specs, flat, device_address(flat))
 
 
+def flat_staging(copy: bool) -> bool:
+    """Whether a GPU block goes to the disk writer as one flat payload (HOST_COPY "dtoh" and the
+    CUDA driver copy available)."""
+    return copy and HOST_COPY == "dtoh" and _driver_copy()
+
+
+def cut_shared(cache: list, start: int, stop: int, *, address: bool) -> tuple[list, FlatBlock] | None:
+    """Positions [start, stop) of a dense cache in ONE fresh device array that is both the disk
+    payload and, through views, the block's layers; None unless every layer is a `KVCache` of one
+    head count, head dim and dtype (then `cut` + `stage` do it in two copies).
+
+    One copy per array instead of two (the block's own, then the disk's): a 32k prompt of the
+    8B shape is 128 blocks of 72 arrays, and each copy is a launch on the prefill's critical path.
+    The views are slices of a contiguous array (no copy, no launch); the writer reads the payload
+    through the driver (engine/host_copy.py), which moves nothing, so the memory tier's views stay
+    on the device. Lazy: evaluate `FlatBlock.arrays` and the layers with the chunk."""
+    if not is_dense(cache):
+        return None
+    k0 = cache[0].keys
+    heads, dim, dtype = k0.shape[1], k0.shape[3], k0.dtype
+    if any(a.shape[1] != heads or a.shape[3] != dim or a.dtype != dtype for c in cache for a in (c.keys, c.values)):
+        return None
+    joined = mx.concatenate([a[..., start:stop, :] for c in cache for a in (c.keys, c.values)], axis=0)
+    layers = [(joined[2 * i : 2 * i + 1], joined[2 * i + 1 : 2 * i + 2]) for i in range(len(cache))]
+    bits = joined.view(_AS_BITS[dtype]) if dtype in _AS_BITS else joined
+    flat = bits.reshape(-1).view(mx.uint8)
+    name = str(dtype).removeprefix("mlx.core.")
+    np_dtype = np.dtype(str(bits.dtype).removeprefix("mlx.core.")).str
+    each = joined.nbytes // joined.shape[0]
+    shape = [1, heads, stop - start, dim]
+    specs = [(f"{i // 2}.{'kv'[i % 2]}", name, np_dtype, shape, i * each, each) for i in range(joined.shape[0])]
+    if not address:
+        return layers, FlatBlock(specs, flat)
+    from engine.host_copy import device_address
+
+    return layers, FlatBlock(specs, flat, device_address(flat))
+
+
 def stage(named: dict[str, mx.array], *, copy: bool, flat: bool | None = None):
     """What the disk writer will read of a block, and the device arrays to evaluate with
     the caller's work: (staged, [device arrays]); staged is a `FlatBlock` or {name: (array, dtype)}.
@@ -329,7 +367,7 @@ def stage(named: dict[str, mx.array], *, copy: bool, flat: bool | None = None):
     force it on the CPU, where the writer then reads the flat array through MLX).
     """
     if flat is None:
-        flat = copy and HOST_COPY == "dtoh" and _driver_copy()
+        flat = flat_staging(copy)
     if flat:
         block = _flat(named, address=copy and _driver_copy())
         return block, block.arrays

@@ -36,8 +36,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.block_hash import chain_hash, model_fingerprint, root_hash
-from engine.cache_blocks import (DENSE, Block, TQLayer, block_arrays, cut, from_numpy, is_dense, join, named_arrays,
-                                 stage, staged_arrays)
+from engine.cache_blocks import (DENSE, Block, TQLayer, block_arrays, cut, cut_shared, flat_staging, from_numpy,
+                                 is_dense, join, named_arrays, stage, staged_arrays)
 from engine.disk_cache import DiskCache
 from engine.memory_cache import MemoryCache
 from engine.tq_cache import TQConfig
@@ -367,7 +367,16 @@ class PrefixCache:
                 if key in self._refused and (self.disk is None or self._on_disk(key)):
                     in_memory = False  # refused earlier in this prefill: not copied again
                     continue
-                block = Block(key, parent, tuple(tokens[start:stop]), cut(cache, start, stop, evaluate=False))
+                shared = None
+                if self.disk is not None and not self._on_disk(key) and self._shared_staging():
+                    shared = cut_shared(cache, start, stop, address=flat_staging(self._stage_copy))
+                if shared is not None:  # one copy: the disk payload, and the block's layers as views of it
+                    layers, staged = shared
+                    block = Block(key, parent, tuple(tokens[start:stop]), layers)
+                    pending += staged.arrays
+                    self._unwritten[key] = (parent, block.tokens, staged)
+                else:
+                    block = Block(key, parent, tuple(tokens[start:stop]), cut(cache, start, stop, evaluate=False))
                 pending += block_arrays(block.layers)
                 self._drop_superseded(block)
                 if in_memory and self.memory.can_hold(block.nbytes):
@@ -376,12 +385,17 @@ class PrefixCache:
                 in_memory = key in self.memory
                 if not in_memory:
                     self._refused.add(key)
-            if self.disk is not None and not self._on_disk(key):
+            if self.disk is not None and not self._on_disk(key) and key not in self._unwritten:
                 staged, device = stage(named_arrays(block.layers), copy=self._stage_copy)
                 pending += device if self._stage_copy else staged_arrays(staged)
                 self._unwritten[key] = (parent, block.tokens, staged)
         self._touch(chain)
         return pending
+
+    def _shared_staging(self) -> bool:
+        """Whether a new block is cut straight into its disk payload (`cut_shared`): on CUDA with
+        the driver copy (cache_blocks.flat_staging)."""
+        return flat_staging(self._stage_copy)
 
     def _drop_superseded(self, block: Block) -> None:
         """A tail whose tokens begin `block`'s adds nothing once `block` is cached.

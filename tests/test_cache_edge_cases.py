@@ -488,7 +488,7 @@ def test_a_full_memory_only_tier_copies_each_block_of_a_prefill_once(model, monk
     assert pc.lookup(tokens + [1]).num_cached == BS  # what memory could hold still serves
 
 
-@pytest.mark.parametrize("host_copy", ["cpu", "writer", "flat"])
+@pytest.mark.parametrize("host_copy", ["cpu", "writer", "flat", "shared"])
 def test_gpu_staging_path_writes_the_same_blocks(model, tmp_path, monkeypatch, host_copy):
     """The GPU path of the disk writes (a device copy per block, then a host copy on MLX's
     CPU stream or read by the writer thread; or one flat payload array, which on CUDA the
@@ -500,6 +500,9 @@ def test_gpu_staging_path_writes_the_same_blocks(model, tmp_path, monkeypatch, h
     if host_copy == "flat":
         real = cache_blocks.stage
         monkeypatch.setattr(prefix_cache, "stage", lambda named, copy: real(named, copy=copy, flat=True))
+    elif host_copy == "shared":  # new blocks cut straight into their disk payload (cache_blocks.cut_shared)
+        monkeypatch.setattr(prefix_cache.PrefixCache, "_shared_staging", lambda self: True)
+        monkeypatch.setattr(prefix_cache, "cut", lambda *a, **kw: pytest.fail("a second copy of a new block"))
     else:
         monkeypatch.setattr(cache_blocks, "HOST_COPY", host_copy)
     pc = make(model, tmp_path)
@@ -510,6 +513,8 @@ def test_gpu_staging_path_writes_the_same_blocks(model, tmp_path, monkeypatch, h
         mx.eval(pc.commit(tokens[: n * BS], cache, lazy=True))
         pc.settle()
     pc.store(tokens, cache)
+    mem = pc.lookup(tokens + [1])  # the memory tier's blocks (views of the payload, for "shared")
+    assert mem.num_cached == len(tokens) and same_kv(mem.cache, cache, len(tokens))
     pc.close()
     hit = make(model, tmp_path, max_bytes=0).lookup(tokens + [1])
     assert hit.num_cached == len(tokens) and same_kv(hit.cache, cache, len(tokens))
