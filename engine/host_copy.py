@@ -105,11 +105,29 @@ def available() -> bool:
     with _lock:
         if _driver is None and not _driver_failed:
             try:
-                _driver = _Driver()
-            except (OSError, AttributeError) as exc:
+                driver = _Driver()
+                _self_test(driver)
+                _driver = driver
+            except (OSError, AttributeError, RuntimeError, ValueError) as exc:
                 _driver_failed = True
                 log.warning("prefix cache: no CUDA driver copy for the disk tier (%s); MLX reads blocks instead", exc)
     return _driver is not None
+
+
+def _self_test(driver: _Driver) -> None:
+    """Build the address kernel and copy a known array back once, so that a kernel that does not
+    compile or a copy that does not work turns the path off here, not inside a prefill's eval."""
+    probe = (mx.arange(4096) % 251).astype(mx.uint8)
+    address = device_address(probe)
+    mx.eval(probe, address)
+    where = int(address.item())
+    if not where:
+        raise OSError("the device address kernel gave 0")
+    out = np.empty(probe.size, np.uint8)
+    driver.current()
+    driver.check(driver.lib.cuMemcpyDtoH_v2(out.ctypes.data, where, out.nbytes), "cuMemcpyDtoH")
+    if not np.array_equal(out, np.arange(4096) % 251):
+        raise OSError("the driver copy read other bytes than the array holds")
 
 
 class PinnedBuffer:

@@ -122,6 +122,8 @@ class PrefixCache:
         self._memo: tuple[list[int], list[bytes]] = ([], [])
         # On a GPU the disk writer reads its own copy of a block (cache_blocks.stage).
         self._stage_copy = mx.default_device().type != mx.DeviceType.cpu
+        if self.disk is not None:
+            flat_staging(self._stage_copy)  # on CUDA: the driver copy checked once now, not in a prefill
 
     # --- asking -----------------------------------------------------------------
 
