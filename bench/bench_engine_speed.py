@@ -19,7 +19,11 @@ figure of a section is measured on the same weights in the same minutes.
 4. decode: engine B=1 (decode phase) against a plain mlx-lm `generate_step` loop, and
    engine B=8 against mlx-lm's `GenerationBatch` alone (bench_scheduler's functions).
 5. pause: the stall of one pause/resume of a decoding row at several context lengths,
-   through the prefix cache (the default) and through a spill file (no memory tier).
+   through the prefix cache (the default) and through a spill file (no memory tier);
+   measured at a 100k row when --pause-contexts reaches it, else extrapolated.
+
+On a GPU the memory + disk tier is measured per way to the host (--host-copies, cache_blocks.HOST_COPY),
+and the disk section checks blocks read back against the memory tier's (`blocks_match_memory`).
 
 Prints one JSON object (also written to --out); "ratios" lists each target's figure
 with its goal.
