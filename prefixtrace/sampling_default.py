@@ -60,3 +60,6 @@ class SamplingDefaults:
         if self.frequency_penalty is not None:
             lines.append(f"free replies of requests that set no frequency_penalty get {self.frequency_penalty:g}")
         return lines
+
+
+NO_DEFAULTS = SamplingDefaults()  # every setting as the request (or its protocol) leaves it

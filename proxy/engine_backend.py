@@ -22,7 +22,7 @@ from engine.grammar import DEFAULT_LIMITS, GrammarLimits
 from engine.engine import Engine
 from engine.reply_parser import ReplyParser, final_finish_reason
 from engine.sequence import Failed, Finished, Sequence, TextDelta
-from prefixtrace.sampling_default import SamplingDefaults
+from prefixtrace.sampling_default import NO_DEFAULTS, SamplingDefaults
 from prefixtrace.errors import ContextExceedsCapacity, EngineError, EngineNotReady, InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
 from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
 from prefixtrace.wire import sse
@@ -50,7 +50,7 @@ class EngineBackend:
     """
 
     def __init__(self, engine: Engine, tool_choice_default: str = "auto", *, max_tokens_policy: str = "clamp",
-                 defaults: SamplingDefaults = SamplingDefaults(), grammar_limits: GrammarLimits = DEFAULT_LIMITS):
+                 defaults: SamplingDefaults = NO_DEFAULTS, grammar_limits: GrammarLimits = DEFAULT_LIMITS):
         if max_tokens_policy not in MAX_TOKENS_POLICIES:
             raise ValueError(f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}, got {max_tokens_policy!r}")
         if tool_choice_default not in TOOL_CHOICE_DEFAULTS:
