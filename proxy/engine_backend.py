@@ -200,7 +200,18 @@ class EngineChat:
         self._first = None
 
     def emit_threadsafe(self, loop: asyncio.AbstractEventLoop):
-        return lambda event: loop.call_soon_threadsafe(self._events.put_nowait, event)
+        """The engine thread's `emit` for this request. Once the server's loop is closed (a shutdown
+        while a cancelled row still ends) nobody is listening: the event is dropped, not raised into
+        the engine thread, where a RuntimeError would end every other row's step."""
+        events = self._events
+
+        def emit(event) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # "Event loop is closed"
+                if not loop.is_closed():
+                    raise
+        return emit
 
     async def first_event(self) -> None:
         """Wait for the first event so that a failure before any output keeps its HTTP status."""
