@@ -109,13 +109,14 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
     saved = decode_attention.mode()
 
     saved_variant, saved_unroll = decode_attention.tq_variant(), decode_attention.tq_unroll()
-    saved_load = decode_attention.tq3_load()
+    saved_load, saved_nib = decode_attention.tq3_load(), decode_attention.tq3_nibble()
 
-    def timed(name, make, mode, kernel_mode, part="step", variant=saved_variant, unroll=None, load=None):
+    def timed(name, make, mode, kernel_mode, part="step", variant=saved_variant, unroll=None, load=None, nib=None):
         decode_attention.set_mode(kernel_mode)
         decode_attention.set_tq_variant(variant)
         decode_attention.set_tq_unroll(unroll or saved_unroll)
         decode_attention.set_tq3_load(load or saved_load)
+        decode_attention.set_tq3_nibble(saved_nib if nib is None else nib)
         try:
             row[name] = round(1e3 * step_time(make(), mode, q_heads, kv_heads, dim, dtype, steps, rows, part), 4)
         finally:
@@ -123,6 +124,7 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
             decode_attention.set_tq_variant(saved_variant)
             decode_attention.set_tq_unroll(saved_unroll)
             decode_attention.set_tq3_load(saved_load)
+            decode_attention.set_tq3_nibble(saved_nib)
 
     def dense():
         c = KVCache()
@@ -134,6 +136,8 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
         c.hooked = True  # the hook route below, as make_tq_cache marks the engine's caches
         return c
 
+    timed("warmup_dense_ms", dense, "dense", "off")  # discarded: the first timing of a shape ran slow (session 6)
+    del row["warmup_dense_ms"]
     timed("dense_ms", dense, "dense", "off")
     if not only_tq:
         timed("tq_mlx_ops_ms", tq, "hook", "off")
@@ -147,9 +151,10 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
         for variant in variants or decode_attention.TQ_VARIANTS:
             timed(f"tq_kernel_{variant}_ms", tq, "hook", "on", variant=variant)
             row[f"tq_kernel_{variant}_vs_dense"] = round(row[f"tq_kernel_{variant}_ms"] / row["dense_ms"], 3)
-        for load in loads:  # v3 with narrower code loads per lane (fewer registers, more blocks per SM)
-            timed(f"tq_kernel_v3_l{load}_ms", tq, "hook", "on", variant="v3", load=load)
-            row[f"tq_kernel_v3_l{load}_vs_dense"] = round(row[f"tq_kernel_v3_l{load}_ms"] / row["dense_ms"], 3)
+        for spec in loads:  # v3 at other code-load widths ("8": 8 bytes; "8p": shift-and-mask code extraction)
+            load, nib = int(str(spec).rstrip("p")), not str(spec).endswith("p")
+            timed(f"tq_kernel_v3_l{spec}_ms", tq, "hook", "on", variant="v3", load=load, nib=nib)
+            row[f"tq_kernel_v3_l{spec}_vs_dense"] = round(row[f"tq_kernel_v3_l{spec}_ms"] / row["dense_ms"], 3)
         # dense once more at the end: the spread of the baseline inside one row's measurements
         timed("dense_again_ms", dense, "dense", "off")
         if parts:
@@ -264,8 +269,9 @@ def main() -> None:
     ap.add_argument("--unroll", type=int, action="append", default=[],
                     help="also time the default variant with this tq_unroll (repeat: --unroll 8 --unroll 16)")
     ap.add_argument("--variants", help="TurboQuant kernel variants timed side by side (default: all), e.g. v2s,v3")
-    ap.add_argument("--tq3-load", type=int, action="append", default=[],
-                    help="also time v3 with this many code bytes per lane load (repeat: --tq3-load 8 --tq3-load 4)")
+    ap.add_argument("--tq3-load", action="append", default=[],
+                    help="also time v3 with this many code bytes per lane load, suffix p: without the byte-permute "
+                    "code extraction (repeat: --tq3-load 16 --tq3-load 8p)")
     ap.add_argument("--only-tq", action="store_true",
                     help="dense and the TurboQuant kernels only (no MLX-ops path, no padded rows)")
     ap.add_argument("--json", type=Path, help="also write the rows here")

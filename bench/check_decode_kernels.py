@@ -79,7 +79,8 @@ def dense_case(lengths: list[int], q_heads: int, kv_heads: int, dim: int, dtype)
 
 
 def tq_case(chunks_per_row: list[list[int]], q_heads: int, kv_heads: int, dim: int, bits: int, dtype,
-            group: int = 64, variant: str = "v2s", steps: int = 3, unroll: int = 4, load: int = 16) -> None:
+            group: int = 64, variant: str = "v2s", steps: int = 3, unroll: int = 4, load: int | None = None) -> None:
+    load = load or decode_attention.DEFAULT_TQ3_LOAD
     decode_attention.set_tq_variant(variant)
     decode_attention.set_tq_unroll(unroll)
     decode_attention.set_tq3_load(load)
@@ -170,7 +171,8 @@ def main() -> int:
                     help="TurboQuant decode variants to check (engine.decode_attention.TQ_VARIANTS)")
     ap.add_argument("--skip-dense", action="store_true", help="leave out the dense kernel's cases")
     ap.add_argument("--unrolls", default="8,16", help="v2s with these tq_unroll values too (empty: none)")
-    ap.add_argument("--tq3-loads", default="8,4", help="v3 with these tq3_load widths too (empty: none)")
+    ap.add_argument("--tq3-loads", default="16,4", help="v3 with these tq3_load widths too (empty: none)")
+    ap.add_argument("--greedy-variants", help="variants of the greedy-token identity (default: --variants)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -216,7 +218,9 @@ def main() -> int:
         tq_case([[100, 7], [20]], 4, 2, 16, 4, mx.float32, group=16, unroll=unroll, steps=20)
         tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, mx.bfloat16, unroll=unroll)
     decode_attention.set_tq_unroll(4)
-    decode_attention.set_tq3_load(16)
+    decode_attention.set_tq3_load(decode_attention.DEFAULT_TQ3_LOAD)
+    greedy_identity(args.steps, args.greedy_variants.split(",") if args.greedy_variants else variants,
+                    dense=not args.skip_dense)
     if args.long:
         for n in (32768, 100000):
             if not args.skip_dense:
@@ -232,8 +236,7 @@ def main() -> int:
                 tq_case([[8192] * (m // 8192) + [m % 8192] for m in (n, n - 1000, n - 5037, 77)], 32, 8, 128, 4,
                         mx.bfloat16, variant=variant, steps=2)
             decode_attention.set_tq_unroll(4)
-            decode_attention.set_tq3_load(16)
-    greedy_identity(args.steps, variants, dense=not args.skip_dense)
+            decode_attention.set_tq3_load(decode_attention.DEFAULT_TQ3_LOAD)
     failed = [r for r in results if not r["ok"]]
     summary = {"checks": len(results), "failed": len(failed), "seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(summary))

@@ -52,7 +52,7 @@ import numpy as np
 
 __all__ = ["available", "mode", "set_mode", "use_dense", "use_tq", "dense_attend", "tq_attend", "split_chunk",
            "tq_bounds", "MODES", "tq_variant", "set_tq_variant", "tq_unroll", "set_tq_unroll", "defer_encode", "one_launch", "counters", "kernel_sources",
-           "TQ_VARIANTS", "tq3_load", "set_tq3_load", "tq3_cpl"]
+           "TQ_VARIANTS", "tq3_load", "set_tq3_load", "tq3_cpl", "tq3_nibble", "set_tq3_nibble"]
 
 NW = 4  # warps per pass-1 block
 _TARGET_BLOCKS = 1024  # ~8 blocks per SM on an H200's 132: enough to keep its memory system busy
@@ -643,6 +643,22 @@ __device__ inline void load_words(const uint32_t* p, uint32_t* o) {
     }
 }
 
+// Centroid of code k (of PER) in word w: c[(w >> k * BITS) & mask]. NIB (4 bits): the byte
+// offsets of all eight codes come from two shifts and two masks per word (even codes' offsets
+// x 4 in the bytes of lo, odd codes' in hi; the table is 16 floats, so an offset fits 6 bits) and
+// one byte permute per code, instead of a shift, a mask and an address add per code: the
+// compiler hoists lo / hi out of the k loop (k is a constant after unrolling).
+template <int BITS, bool NIB, int PER>
+__device__ inline float centroid(const float* cs, uint32_t w, int k) {
+    if constexpr (NIB && BITS == 4) {
+        const uint32_t lo = (w << 2) & 0x3C3C3C3Cu, hi = (w >> 2) & 0x3C3C3C3Cu;
+        const uint32_t off = __byte_perm((k & 1) ? hi : lo, 0u, 0x4440u + (k >> 1));
+        return *reinterpret_cast<const float*>(reinterpret_cast<const char*>(cs) + off);
+    } else {
+        return cs[(w >> (k * BITS)) & ((1u << BITS) - 1u)];
+    }
+}
+
 // The Walsh-Hadamard butterfly of one D-vector held by a warp, E = max(1, D / 32) coordinates
 // per lane (coordinate lane * E + e): stages below E within a lane, the rest between lanes.
 // Unscaled, in the stage order of mx.hadamard_transform's (and the encode kernel's).
@@ -681,7 +697,6 @@ _TQ3_SOURCE = """
     constexpr int DLPT = D / 8;           // dense path: lanes per token, 8 coordinates each
     constexpr int DTPW = 32 / DLPT;
     constexpr int DTG = NW * DTPW;
-    constexpr int MASK = (1 << BITS) - 1;
     constexpr int E = D >= 32 ? D / 32 : 1;
     __shared__ float sc[G][CHUNK];
     __shared__ float qs[G][D];
@@ -766,7 +781,7 @@ _TQ3_SOURCE = """
                 for (int j = 0; j < LW; ++j)
                     #pragma unroll
                     for (int k = 0; k < PER; ++k) {
-                        const float c = cs[(w[u][j] >> (k * BITS)) & MASK];
+                        const float c = centroid<BITS, NIB, PER>(cs, w[u][j], k);
                         #pragma unroll
                         for (int g = 0; g < G; ++g) a[g] = fmaf(qr[g][j * PER + k], c, a[g]);
                     }
@@ -881,7 +896,7 @@ _TQ3_SOURCE = """
                     for (int j = 0; j < LW; ++j)
                         #pragma unroll
                         for (int k = 0; k < PER; ++k) {
-                            const float c = cs[(w[u][j] >> (k * BITS)) & MASK];
+                            const float c = centroid<BITS, NIB, PER>(cs, w[u][j], k);
                             #pragma unroll
                             for (int g = 0; g < G; ++g) acc[g][j * PER + k] = fmaf(p[g], c, acc[g][j * PER + k]);
                         }
@@ -1336,18 +1351,22 @@ def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: 
 # --- v3 (`_TQ3_SOURCE`) --------------------------------------------------------------------------
 
 TQ3_LOADS = (16, 8, 4)
+# 8: faster than 16 at every shape on the H200 (one row and B = 8, 32k and 100k: 119 registers and
+# 4 blocks per SM against 168 and 3; docs/PERFORMANCE.md, session 6), and than 4 (more load and
+# shuffle instructions per coordinate).
+DEFAULT_TQ3_LOAD = 8
 _TQ3_REGS = 128  # G x CPL query (and accumulator) registers a lane may hold: ptxas, no spills
 _tq3_load: int | None = None
 
 
 def tq3_load() -> int:
-    """Bytes of codes a v3 lane loads per token, at most (16: 32 codes at 4 bits; 8 and 4 for
-    timing side by side: fewer query registers per lane, more blocks per SM). From
-    PREFIXTRACE_TQ3_LOAD, read once."""
+    """Bytes of codes a v3 lane loads per token, at most (16: 32 codes at 4 bits; 8 (default):
+    16 codes, fewer query registers per lane, more blocks per SM; 4). From PREFIXTRACE_TQ3_LOAD,
+    read once."""
     global _tq3_load
     if _tq3_load is None:
-        env = os.environ.get("PREFIXTRACE_TQ3_LOAD", "16")
-        _tq3_load = int(env) if env in {str(b) for b in TQ3_LOADS} else 16
+        env = os.environ.get("PREFIXTRACE_TQ3_LOAD", str(DEFAULT_TQ3_LOAD))
+        _tq3_load = int(env) if env in {str(b) for b in TQ3_LOADS} else DEFAULT_TQ3_LOAD
     return _tq3_load
 
 
@@ -1393,10 +1412,28 @@ def _tq3_reduce_kernel():
 TQ3_RW = 4  # warps per v3 reduce block
 
 
+_tq3_nibble: bool | None = None
+
+
+def tq3_nibble() -> bool:
+    """Whether v3 at 4 bits extracts code offsets with byte permutes (`centroid`'s NIB path: ~1.5
+    integer instructions per code instead of ~2.7, ptxas SASS) rather than shift-and-mask. From
+    PREFIXTRACE_TQ3_NIBBLE ("0": off), read once."""
+    global _tq3_nibble
+    if _tq3_nibble is None:
+        _tq3_nibble = os.environ.get("PREFIXTRACE_TQ3_NIBBLE", "1") != "0"
+    return _tq3_nibble
+
+
+def set_tq3_nibble(on: bool) -> None:
+    global _tq3_nibble
+    _tq3_nibble = bool(on)
+
+
 @lru_cache(maxsize=None)
-def _templates3(dtype, dim: int, g: int, chunk: int, bits: int, group: int, cpl: int) -> list:
+def _templates3(dtype, dim: int, g: int, chunk: int, bits: int, group: int, cpl: int, nib: bool = True) -> list:
     return [("T", dtype), ("D", dim), ("G", g), ("CHUNK", chunk), ("NW", NW), ("BITS", bits), ("GROUP", group),
-            ("NQ", 1), ("CPL", cpl), ("U", tq3_unroll(cpl, bits))]
+            ("NQ", 1), ("CPL", cpl), ("U", tq3_unroll(cpl, bits)), ("NIB", bool(nib and bits == 4))]
 
 
 def _tq3_attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group, chunk, splits,
@@ -1406,7 +1443,7 @@ def _tq3_attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, s
     o_part, ml_part = _tq3_kernel()(
         inputs=[queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
                 _scalar(scale)],
-        template=_templates3(win_k.dtype, dim, hq // H, chunk, codec.bits, group, cpl),
+        template=_templates3(win_k.dtype, dim, hq // H, chunk, codec.bits, group, cpl, tq3_nibble()),
         grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
         output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
     return _tq3_reduce_kernel()(inputs=[o_part, ml_part, codec.signs],

@@ -639,16 +639,17 @@ def test_v3_kernel_arithmetic_over_one_row_and_left_padded_rows(emulated, monkey
                 assert got.shape == ref.shape and mx.abs(got - ref).max().item() < 1e-4, (rows, step)
     finally:
         decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
-        decode_attention.set_tq3_load(16)
+        decode_attention.set_tq3_load(decode_attention.DEFAULT_TQ3_LOAD)
     assert calls["tq3"] == calls["tq3_reduce"] == 40 and calls["tq"] == calls["reduce"] == calls["tq1"] == 0
 
 
 def test_v3_lane_mapping_rules():
     cpl = decode_attention.tq3_cpl
-    assert cpl(4, 128, 4) == 32  # one 16-byte load of 32 codes per lane, 4 lanes per token
+    assert cpl(4, 128, 4, load=16) == 32  # one 16-byte load of 32 codes per lane, 4 lanes per token
     assert cpl(4, 128, 4, load=8) == 16 and cpl(4, 128, 4, load=4) == 8
-    assert cpl(8, 128, 4) == 16  # G = 8: 8 x 32 query registers would not fit
-    assert cpl(4, 128, 8) == 16 and cpl(4, 128, 2) == 32 and cpl(1, 128, 2) == 64
+    assert cpl(4, 128, 4) == 16 == cpl(4, 128, 4, load=decode_attention.DEFAULT_TQ3_LOAD)  # measured fastest
+    assert cpl(8, 128, 4, load=16) == 16  # G = 8: 8 x 32 query registers would not fit
+    assert cpl(4, 128, 8, load=16) == 16 and cpl(4, 128, 2, load=16) == 32 and cpl(1, 128, 2, load=16) == 64
     assert cpl(2, 16, 1) is None  # 16 one-bit codes: less than one word per token
     assert decode_attention.tq3_unroll(32, 4) == 2 and decode_attention.tq3_unroll(8, 4) == 8
     with pytest.raises(ValueError):
@@ -706,3 +707,25 @@ def test_greedy_tokens_through_the_v3_arithmetic_equal_the_mlx_ops_path(emulated
             assert greedy(rows) == ref
         finally:
             decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+
+
+def _byte_perm(x: np.ndarray, y: int, sel: int) -> np.ndarray:
+    """CUDA's __byte_perm: byte i of the result is byte (sel >> 4i) & 7 of the 8 bytes y:x."""
+    both = (np.uint64(y) << np.uint64(32)) | x.astype(np.uint64)
+    out = np.zeros_like(x, dtype=np.uint64)
+    for i in range(4):
+        pick = (sel >> (4 * i)) & 7
+        out |= ((both >> np.uint64(8 * pick)) & np.uint64(0xFF)) << np.uint64(8 * i)
+    return out.astype(np.uint32)
+
+
+def test_v3_nibble_offsets_equal_shift_and_mask():
+    """`centroid`'s NIB path (4 bits): the byte offset of code k from two shifted, masked copies of
+    the word and one byte permute equals 4 x ((w >> 4k) & 15), for every k and random words."""
+    w = np.random.default_rng(0).integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)
+    w[:2] = (0, 0xFFFFFFFF)
+    lo = (w << np.uint32(2)) & np.uint32(0x3C3C3C3C)
+    hi = (w >> np.uint32(2)) & np.uint32(0x3C3C3C3C)
+    for k in range(8):
+        off = _byte_perm(hi if k & 1 else lo, 0, 0x4440 + (k >> 1))
+        assert (off == ((w >> np.uint32(4 * k)) & np.uint32(15)) * np.uint32(4)).all(), k

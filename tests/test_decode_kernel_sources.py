@@ -101,11 +101,13 @@ def _v3_engine_shapes(dtype="bfloat16") -> list[tuple[str, str]]:
     out = []
     for dim, g, chunk, bits in ((128, 4, 1024, 4), (128, 4, 256, 4), (128, 8, 512, 4), (64, 3, 1024, 4)):
         for load in da.TQ3_LOADS:
-            cpl = da.tq3_cpl(g, dim, bits, load)
-            name = f"v3_d{dim}_g{g}_c{chunk}_b{bits}_l{load}"
-            inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS]
-            out.append((name, render(name, da._TQ3_SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
-                                     da._templates3(dtype, dim, g, chunk, bits, 64, cpl))))
+            for nib in (True, False):
+                cpl = da.tq3_cpl(g, dim, bits, load)
+                name = f"v3_d{dim}_g{g}_c{chunk}_b{bits}_l{load}" + ("" if nib else "_plain")
+                inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS]
+                out.append((name, render(name, da._TQ3_SOURCE, inputs,
+                                         [("o_part", "float32"), ("ml_part", "float32")],
+                                         da._templates3(dtype, dim, g, chunk, bits, 64, cpl, nib))))
     return out
 
 
@@ -147,7 +149,8 @@ def test_v3_keeps_its_registers_without_spills(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     report = {}
     for block in re.split(r"Compiling entry function", run.stderr)[1:]:
-        name = next(n for n, _ in shapes if n in block.split("'")[1])
+        mangled = block.split("'")[1]
+        name = next(n for n, _ in shapes if re.search(rf"\d{n}P", mangled))
         regs = int(re.search(r"Used (\d+) registers", block).group(1))
         frame = int(re.search(r"(\d+) bytes stack frame", block).group(1))
         spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block).groups()
