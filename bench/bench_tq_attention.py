@@ -6,8 +6,8 @@ Per decode step of one attention layer holding T cached tokens per row, side by 
 * TQ MLX ops: the rotated-basis path with stock MLX ops (codebook values of the
   whole cache materialised, then SDPA), what the CPU runs;
 * TQ kernel (CUDA): engine/decode_attention.py's split-K kernel over the codes, the default
-  variant and then each of them side by side: v3 (v2s's step, session 6's kernel: 16-byte code
-  loads, `--tq3-load` 8 / 4 narrower), v2s (deferred encode, in-place dense tail, split and reduce
+  variant and then each of them side by side: v3 (v2s's step, session 6's kernel: 8-byte code
+  loads per lane by default, `--tq3-load 16` / `4` / `8p` to compare), v2s (deferred encode, in-place dense tail, split and reduce
   kernels), v2 (the same in one launch), v1 (session 4's step);
 * dense kernel (CUDA): the dense split-K kernel over equal-length rows;
 * with --rows > 1, left-padded rows: MLX's masked SDPA vs the dense kernel.

@@ -19,7 +19,8 @@ block takes their max and exponentials, then the same groups read V and accumula
 Each block writes its unnormalised output with its max and sum; a second kernel
 combines the splits of each (row, head) with max/sum rescaling (variant v2 does that in the
 same launch, by the last block of each row and KV head: `_LAST_BLOCK_REDUCE`; slower on the
-H200, so v2s, two launches, is the default: `tq_variant`).
+H200, so v2s, two launches, replaced it; variant v3, the default, is two launches of its own
+kernels, `_TQ3_SOURCE` and `_TQ3_REDUCE_SOURCE`: `tq_variant`).
 
 TurboQuant (`tq_attend`, layout in engine/turboquant.py): a K or V vector is a
 float32 norm plus `bits`-bit codes of the rotated unit vector, packed little-end
@@ -611,9 +612,10 @@ _ENCODE_SOURCE = """
 # SM). v3 changes the lane mapping and splits the paths:
 #
 # * A lane owns CPL consecutive coordinates of a token and loads their codes as one LB-byte load
-#   (LB = CPL * BITS / 8: 16 bytes, 32 codes at 4 bits, where the G x CPL query registers fit the
-#   budget; 8 or 4 otherwise: `tq3_cpl`), U tokens deep (32 bytes of codes in flight per lane per
-#   pass), so a warp moves 8 tokens' 64-byte code rows per load instruction at D = 128.
+#   (LB = CPL * BITS / 8, at most `tq3_load()` and with the G x CPL query registers within budget:
+#   `tq3_cpl`), U tokens deep (32 bytes of codes in flight per lane per pass). 16 bytes (32 codes at
+#   4 bits, a warp moving 8 tokens' 64-byte code rows per load instruction at D = 128) costs 168
+#   registers (3 blocks per SM); 8 bytes, 120 (4 blocks) and measured faster: the default.
 # * The G queries of the KV head's group are rotated once per block, one warp per query head, in
 #   registers (in-lane butterfly stages, then shuffles: no barrier per stage), then each lane keeps
 #   its CPL coordinates of all G in registers and scores every G at once.
@@ -1093,14 +1095,15 @@ def set_mode(new: str) -> None:
 
 
 TQ_VARIANTS = ("v1", "v2", "v2s", "v3")
-DEFAULT_TQ_VARIANT = "v2s"  # the fastest of the three on the H200 (session 5), its checks passed
+DEFAULT_TQ_VARIANT = "v3"  # faster than v2s at every measured shape on the H200 (session 6), its checks passed
 _tq_variant: str | None = None
 
 
 def tq_variant() -> str:
-    """How a TurboQuant decode step runs on CUDA. "v3": v2s's step (below) with the attention
-    kernel rebuilt from the bandwidth floor down (`_TQ3_SOURCE`: 16-byte code loads, the dense
-    tail on its own path, a reduce parallel over the splits). "v2s" (default): the new token is appended
+    """How a TurboQuant decode step runs on CUDA. "v3" (default): v2s's step (below) with the
+    attention kernel rebuilt from the bandwidth floor down (`_TQ3_SOURCE`: wide code loads, the
+    dense tail on its own path, a reduce parallel over the splits; 0.66-0.90x v2s's step on the
+    H200, session 6). "v2s": the new token is appended
     to the dense tail in place and encoded later, in one launch for a whole group's worth
     of tokens, when a row is about to see it decoded (or it leaves the tail); the decoded
     K/V `update_and_fetch` returns is not built for hooked caches; attention is the split

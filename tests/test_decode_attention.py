@@ -585,7 +585,7 @@ def test_variant_and_its_env_var(monkeypatch):
     assert decode_attention.tq_variant() == "v1"
     monkeypatch.setattr(decode_attention, "_tq_variant", None)
     monkeypatch.delenv("PREFIXTRACE_TQ_DECODE")
-    assert decode_attention.tq_variant() == "v2s"  # the measured fastest (docs/PERFORMANCE.md, session 5)
+    assert decode_attention.tq_variant() == "v3"  # the measured fastest (docs/PERFORMANCE.md, session 6)
     assert not decode_attention.defer_encode()  # the CPU: nothing deferred
 
 
