@@ -6,8 +6,9 @@ Per decode step of one attention layer holding T cached tokens per row, side by 
 * TQ MLX ops: the rotated-basis path with stock MLX ops (codebook values of the
   whole cache materialised, then SDPA), what the CPU runs;
 * TQ kernel (CUDA): engine/decode_attention.py's split-K kernel over the codes, the default
-  variant and then each of them side by side: v2s (deferred encode, in-place dense tail, split
-  and reduce kernels), v2 (the same in one launch), v1 (session 4's step);
+  variant and then each of them side by side: v3 (v2s's step, session 6's kernel: 8-byte code
+  loads per lane by default, `--tq3-load 16` / `4` / `8p` to compare), v2s (deferred encode, in-place dense tail, split and reduce
+  kernels), v2 (the same in one launch), v1 (session 4's step);
 * dense kernel (CUDA): the dense split-K kernel over equal-length rows;
 * with --rows > 1, left-padded rows: MLX's masked SDPA vs the dense kernel.
 
@@ -89,7 +90,7 @@ def _fill(cache, keys, values, chunk: int = 8192):
 
 
 def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 1, parts: bool = False,
-            only_tq: bool = False, unrolls: tuple = ()) -> dict:
+            only_tq: bool = False, unrolls: tuple = (), variants: tuple | None = None, loads: tuple = ()) -> dict:
     """One layer's decode step at `rows` rows of `context` tokens: dense (MLX's fused SDPA) and
     TurboQuant through MLX ops and through the kernel; with several rows, also left-padded
     rows (every row but the first 1,000 tokens shorter), dense (masked SDPA vs the kernel)."""
@@ -108,17 +109,22 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
     saved = decode_attention.mode()
 
     saved_variant, saved_unroll = decode_attention.tq_variant(), decode_attention.tq_unroll()
+    saved_load, saved_nib = decode_attention.tq3_load(), decode_attention.tq3_nibble()
 
-    def timed(name, make, mode, kernel_mode, part="step", variant=saved_variant, unroll=None):
+    def timed(name, make, mode, kernel_mode, part="step", variant=saved_variant, unroll=None, load=None, nib=None):
         decode_attention.set_mode(kernel_mode)
         decode_attention.set_tq_variant(variant)
         decode_attention.set_tq_unroll(unroll or saved_unroll)
+        decode_attention.set_tq3_load(load or saved_load)
+        decode_attention.set_tq3_nibble(saved_nib if nib is None else nib)
         try:
             row[name] = round(1e3 * step_time(make(), mode, q_heads, kv_heads, dim, dtype, steps, rows, part), 4)
         finally:
             decode_attention.set_mode(saved)
             decode_attention.set_tq_variant(saved_variant)
             decode_attention.set_tq_unroll(saved_unroll)
+            decode_attention.set_tq3_load(saved_load)
+            decode_attention.set_tq3_nibble(saved_nib)
 
     def dense():
         c = KVCache()
@@ -130,6 +136,8 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
         c.hooked = True  # the hook route below, as make_tq_cache marks the engine's caches
         return c
 
+    timed("warmup_dense_ms", dense, "dense", "off")  # discarded: the first timing of a shape ran slow (session 6)
+    del row["warmup_dense_ms"]
     timed("dense_ms", dense, "dense", "off")
     if not only_tq:
         timed("tq_mlx_ops_ms", tq, "hook", "off")
@@ -140,9 +148,15 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
         for u in unrolls:
             timed(f"tq_kernel_u{u}_ms", tq, "hook", "on", unroll=u)
             row[f"tq_kernel_u{u}_vs_dense"] = round(row[f"tq_kernel_u{u}_ms"] / row["dense_ms"], 3)
-        for variant in decode_attention.TQ_VARIANTS:
+        for variant in variants or decode_attention.TQ_VARIANTS:
             timed(f"tq_kernel_{variant}_ms", tq, "hook", "on", variant=variant)
             row[f"tq_kernel_{variant}_vs_dense"] = round(row[f"tq_kernel_{variant}_ms"] / row["dense_ms"], 3)
+        for spec in loads:  # v3 at other code-load widths ("8": 8 bytes; "8p": shift-and-mask code extraction)
+            load, nib = int(str(spec).rstrip("p")), not str(spec).endswith("p")
+            timed(f"tq_kernel_v3_l{spec}_ms", tq, "hook", "on", variant="v3", load=load, nib=nib)
+            row[f"tq_kernel_v3_l{spec}_vs_dense"] = round(row[f"tq_kernel_v3_l{spec}_ms"] / row["dense_ms"], 3)
+        # dense once more at the end: the spread of the baseline inside one row's measurements
+        timed("dense_again_ms", dense, "dense", "off")
         if parts:
             timed("tq_update_ms", tq, "hook", "on", "update")
             timed("tq_kernel_attend_ms", tq, "hook", "on", "attend")
@@ -254,6 +268,10 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true", help="also time the update and the attention apart")
     ap.add_argument("--unroll", type=int, action="append", default=[],
                     help="also time the default variant with this tq_unroll (repeat: --unroll 8 --unroll 16)")
+    ap.add_argument("--variants", help="TurboQuant kernel variants timed side by side (default: all), e.g. v2s,v3")
+    ap.add_argument("--tq3-load", action="append", default=[],
+                    help="also time v3 with this many code bytes per lane load, suffix p: without the byte-permute "
+                    "code extraction (repeat: --tq3-load 16 --tq3-load 8p)")
     ap.add_argument("--only-tq", action="store_true",
                     help="dense and the TurboQuant kernels only (no MLX-ops path, no padded rows)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
@@ -269,7 +287,8 @@ def main() -> None:
         for rows in args.rows or [1]:
             for context in args.context or (1024, 4096, 16384):
                 out.append(measure(shape, context, args.bits, dtype, args.steps, rows, args.parts, args.only_tq,
-                                   tuple(args.unroll)))
+                                   tuple(args.unroll), tuple(args.variants.split(",")) if args.variants else None,
+                                   tuple(args.tq3_load)))
                 print(json.dumps(out[-1]), flush=True)
                 mx.clear_cache()
     if args.json:

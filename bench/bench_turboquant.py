@@ -4,7 +4,7 @@
     python bench/bench_turboquant.py --quick    # fewer samples
     python bench/bench_turboquant.py --smollm2 --quick  # the bundled trained model, one sample (~3 min)
     python bench/bench_turboquant.py --smollm2  # both samples, 1024 + 256 tokens (~10 min on 2 busy cores)
-    python bench/bench_turboquant.py --engine-decode 32768 --engine-decode 100000  # GPU: through the engine
+    python bench/bench_turboquant.py --engine-decode 32768 --engine-decode 100000 --engine-variants v2s,v3  # GPU: engine
 
 Default: per bit width, D_mse of unit vectors (the paper's per-vector figure),
 KV bytes vs bf16 at a 64-dim head, attention-output relative error and
@@ -348,41 +348,63 @@ def smollm2_main(args) -> None:
         timings("SmolLM2-135M (default model)", model, (512, 2048), (1, 3))
 
 
-def engine_decode(contexts, tokens: int, chunk: int) -> dict:
+def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: int = 4096) -> dict:
     """Whole-model figures through the engine, dense and `--kv-quant turboquant` side by side
     on one random Qwen3-8B-shaped model (bf16; GPU): per context, the cold prefill time and
-    the decode tokens/s of one row (the engine's own `Finished` timings)."""
+    the decode tokens/s of one row (the engine's own `Finished` timings). `variants`: the
+    TurboQuant decode variants to run (engine.decode_attention.TQ_VARIANTS; None: the default),
+    one engine each. `warmup`: each engine first serves one request of this many prompt tokens
+    (not recorded), so the kernels' first-shape compilations (prefill chunks, decode) stay out
+    of the figures."""
     import queue
 
     from bench.bench_scheduler import QWEN3_8B, random_loader
+    from engine import decode_attention
     from engine.engine import Engine
     from engine.sampling import SamplingParams
     from engine.sequence import Failed, Finished, Sequence
 
-    built = random_loader(QWEN3_8B)()  # one model for both engines
-    out = {"device": str(mx.default_device()), "tokens": tokens, "prefill_chunk": chunk, "runs": []}
-    for kv in ("none", "turboquant"):
+    built = random_loader(QWEN3_8B)()  # one model for all engines
+    out = {"device": str(mx.default_device()), "tokens": tokens, "prefill_chunk": chunk, "warmup": warmup,
+           "runs": []}
+
+    def serve(engine, context, n_tokens):
+        done = queue.Queue()
+        prompt = mx.random.randint(10, 30000, (context,), key=mx.random.key(context)).tolist()
+        seq = Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True),
+                       lambda ev: done.put(ev) if isinstance(ev, (Finished, Failed)) else None)
+        engine.submit(seq)
+        ev = done.get(timeout=1800)
+        if isinstance(ev, Failed):
+            raise ev.error
+        return ev
+
+    default = decode_attention.tq_variant()
+    labels = []
+    for kv, variant in [("none", None)] + [("turboquant", v) for v in variants]:
+        label = kv if kv == "none" else f"turboquant_{variant or default}"
+        labels.append(label)
+        decode_attention.set_tq_variant(variant or default)
         engine = Engine("random-qwen3-8b", loader=lambda: built, kv_quant=kv, max_batch=1,
                         prefill_step_size=chunk, cache_bytes=0).start()
-        engine.wait_ready(600)
-        for context in contexts:
-            done = queue.Queue()
-            prompt = mx.random.randint(10, 30000, (context,), key=mx.random.key(context)).tolist()
-            seq = Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
-                           lambda ev: done.put(ev) if isinstance(ev, (Finished, Failed)) else None)
-            engine.submit(seq)
-            ev = done.get(timeout=1800)
-            if isinstance(ev, Failed):
-                raise ev.error
-            row = {"kv": kv, "context": context, "prefill_s": round(ev.prefill_s, 3),
-                   "decode_tok_s": round((ev.completion_tokens - 1) / ev.decode_s, 2)}
-            out["runs"].append(row)
-            print(json.dumps(row), flush=True)
-        engine.shutdown()
-        mx.clear_cache()
+        try:
+            engine.wait_ready(600)
+            if warmup:
+                serve(engine, warmup, 4)
+            for context in contexts:
+                ev = serve(engine, context, tokens)
+                row = {"kv": label, "context": context, "prefill_s": round(ev.prefill_s, 3),
+                       "decode_tok_s": round((ev.completion_tokens - 1) / ev.decode_s, 2)}
+                out["runs"].append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            engine.shutdown()
+            decode_attention.set_tq_variant(default)
+            mx.clear_cache()
     by = {(r["kv"], r["context"]): r for r in out["runs"]}
-    out["ratios"] = {str(c): {"tq_decode_vs_dense": round(by["turboquant", c]["decode_tok_s"] / by["none", c]["decode_tok_s"], 3),
-                              "tq_prefill_vs_dense": round(by["turboquant", c]["prefill_s"] / by["none", c]["prefill_s"], 3)}
+    out["ratios"] = {str(c): {f"{label}_{what}_vs_dense": round(by[label, c][key] / by["none", c][key], 3)
+                              for label in labels[1:] for what, key in (("decode", "decode_tok_s"),
+                                                                        ("prefill", "prefill_s"))}
                      for c in contexts}
     return out
 
@@ -395,6 +417,11 @@ def main() -> None:
                         "random Qwen3-8B shape, at this context (repeatable)")
     parser.add_argument("--engine-tokens", type=int, default=32)
     parser.add_argument("--engine-chunk", type=int, default=2048)
+    parser.add_argument("--engine-variants", default="",
+                        help="TurboQuant decode variants through the engine, one engine each (e.g. v2s,v3; default: the default)")
+    parser.add_argument("--engine-warmup", type=int, default=4096,
+                        help="prompt tokens of one unrecorded request per engine first (0: none)")
+    parser.add_argument("--json", type=Path, help="--engine-decode: also write the figures here")
     parser.add_argument("--skip-tiny-timing", action="store_true")
     parser.add_argument("--smollm2", action="store_true", help="quality on the bundled trained model instead")
     parser.add_argument("--prompt", type=int, default=1024, help="--smollm2: prompt tokens (multiple of 64)")
@@ -407,7 +434,11 @@ def main() -> None:
     parser.add_argument("--timing", action="store_true", help="--smollm2: also decode step times")
     args = parser.parse_args()
     if args.engine_decode:
-        print(json.dumps(engine_decode(args.engine_decode, args.engine_tokens, args.engine_chunk), indent=1))
+        variants = tuple(args.engine_variants.split(",")) if args.engine_variants else (None,)
+        out = engine_decode(args.engine_decode, args.engine_tokens, args.engine_chunk, variants, args.engine_warmup)
+        print(json.dumps(out, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1))
         return
     if args.smollm2:
         return smollm2_main(args)

@@ -7,7 +7,8 @@
   float32; float32 / bf16 / fp16, GQA 1-8, head dims 64 / 128 (and 16, the fixture's);
 * TurboQuant: `cache.attend` through the kernel against SDPA over the decoded cache
   (what `update_and_fetch` returns), one row and left-padded batches, 2 / 4 / 8 bits, per
-  decode variant (v2: deferred encode + one launch; v2s: two launches; v1: session 4's);
+  decode variant (v3: v2s's step with the session-6 kernel, also at narrower code loads; v2: deferred
+  encode + one launch; v2s: two launches; v1: session 4's);
 * greedy tokens on fixtures/tiny-llama (float32): TurboQuant with the kernel against the
   MLX-ops path over a long generation, one row and a left-padded batch of three (whose
   dense last layer takes the dense kernel), and a dense padded batch.
@@ -78,9 +79,11 @@ def dense_case(lengths: list[int], q_heads: int, kv_heads: int, dim: int, dtype)
 
 
 def tq_case(chunks_per_row: list[list[int]], q_heads: int, kv_heads: int, dim: int, bits: int, dtype,
-            group: int = 64, variant: str = "v2s", steps: int = 3, unroll: int = 4) -> None:
+            group: int = 64, variant: str = "v2s", steps: int = 3, unroll: int = 4, load: int | None = None) -> None:
+    load = load or decode_attention.DEFAULT_TQ3_LOAD
     decode_attention.set_tq_variant(variant)
     decode_attention.set_tq_unroll(unroll)
+    decode_attention.set_tq3_load(load)
     mx.random.seed(bits * 1000 + dim + len(chunks_per_row))
     rows = []
     for chunks in chunks_per_row:
@@ -102,7 +105,7 @@ def tq_case(chunks_per_row: list[list[int]], q_heads: int, kv_heads: int, dim: i
         ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
                                                    values.astype(mx.float32), scale=scale, mask=mask)
         e, s = err(got, ref)
-        record("turboquant", within(e, s, dtype), variant=variant, unroll=unroll, rows=B,
+        record("turboquant", within(e, s, dtype), variant=variant, unroll=unroll, load=load, rows=B,
                lengths=[sum(c) for c in chunks_per_row][:4], heads=[q_heads, kv_heads], dim=dim, bits=bits,
                dtype=str(dtype), step=step, max_err=e, scale=s)
         if B > 1:
@@ -164,14 +167,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--long", action="store_true", help="also 32k / 100k contexts")
     ap.add_argument("--steps", type=int, default=400, help="greedy tokens compared on the fixture")
-    ap.add_argument("--variants", default="v2,v2s,v1",
+    ap.add_argument("--variants", default="v3,v2s,v2,v1",
                     help="TurboQuant decode variants to check (engine.decode_attention.TQ_VARIANTS)")
     ap.add_argument("--skip-dense", action="store_true", help="leave out the dense kernel's cases")
     ap.add_argument("--unrolls", default="8,16", help="v2s with these tq_unroll values too (empty: none)")
+    ap.add_argument("--tq3-loads", default="16,4", help="v3 with these tq3_load widths too (empty: none)")
+    ap.add_argument("--greedy-variants", help="variants of the greedy-token identity (default: --variants)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     variants = args.variants.split(",")
     unrolls = [int(u) for u in args.unrolls.split(",") if u]
+    loads = [int(u) for u in args.tq3_loads.split(",") if u] if "v3" in variants else []
     if not decode_attention.available():
         print("no CUDA device: nothing to check (the kernels are CUDA only)")
         return 0
@@ -197,12 +203,24 @@ def main() -> int:
         for bits in (2, 8):
             tq_case([[300], [7, 30, 1]], 32, 8, 128, bits, mx.float32, group=16, variant=variant, steps=20)
         tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, mx.bfloat16, variant=variant)  # B = 8, G = 8
+        tq_case([[500, 3], [64]], 8, 8, 128, 4, mx.float32, variant=variant, steps=20)  # G = 1
+    for load in loads:  # v3 with narrower code loads per lane (more blocks per SM)
+        for dtype in (mx.float32, mx.bfloat16):
+            tq_case([[4000, 33]], 32, 8, 128, 4, dtype, variant="v3", load=load, steps=70 if dtype == mx.float32 else 3)
+            tq_case([[300], [7, 30, 1], [64], [1000, 3]], 32, 8, 128, 4, dtype, variant="v3", load=load)
+        tq_case([[150, 10], [70]], 9, 3, 64, 4, mx.float32, variant="v3", load=load)
+        tq_case([[100, 7], [20]], 4, 2, 16, 4, mx.float32, group=16, variant="v3", load=load, steps=20)
+        tq_case([[300], [7, 30, 1]], 32, 8, 128, 2, mx.float32, group=16, variant="v3", load=load, steps=20)
+        tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, mx.bfloat16, variant="v3", load=load)
     for unroll in unrolls:  # more tokens per lane group per loop step (v2s)
         tq_case([[4000, 33]], 32, 8, 128, 4, mx.bfloat16, unroll=unroll)
         tq_case([[300], [7, 30, 1], [64], [1000, 3]], 32, 8, 128, 4, mx.float32, unroll=unroll)
         tq_case([[100, 7], [20]], 4, 2, 16, 4, mx.float32, group=16, unroll=unroll, steps=20)
         tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, mx.bfloat16, unroll=unroll)
     decode_attention.set_tq_unroll(4)
+    decode_attention.set_tq3_load(decode_attention.DEFAULT_TQ3_LOAD)
+    greedy_identity(args.steps, args.greedy_variants.split(",") if args.greedy_variants else variants,
+                    dense=not args.skip_dense)
     if args.long:
         for n in (32768, 100000):
             if not args.skip_dense:
@@ -211,8 +229,14 @@ def main() -> int:
                 tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, variant=variant)
             for unroll in unrolls:
                 tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, unroll=unroll)
+            for load in loads:
+                tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, variant="v3", load=load)
+            # four left-padded rows, the longest at this context
+            for variant in [v for v in variants if v in ("v2s", "v3")]:
+                tq_case([[8192] * (m // 8192) + [m % 8192] for m in (n, n - 1000, n - 5037, 77)], 32, 8, 128, 4,
+                        mx.bfloat16, variant=variant, steps=2)
             decode_attention.set_tq_unroll(4)
-    greedy_identity(args.steps, variants, dense=not args.skip_dense)
+            decode_attention.set_tq3_load(decode_attention.DEFAULT_TQ3_LOAD)
     failed = [r for r in results if not r["ok"]]
     summary = {"checks": len(results), "failed": len(failed), "seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(summary))

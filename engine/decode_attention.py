@@ -19,7 +19,8 @@ block takes their max and exponentials, then the same groups read V and accumula
 Each block writes its unnormalised output with its max and sum; a second kernel
 combines the splits of each (row, head) with max/sum rescaling (variant v2 does that in the
 same launch, by the last block of each row and KV head: `_LAST_BLOCK_REDUCE`; slower on the
-H200, so v2s, two launches, is the default: `tq_variant`).
+H200, so v2s, two launches, replaced it; variant v3, the default, is two launches of its own
+kernels, `_TQ3_SOURCE` and `_TQ3_REDUCE_SOURCE`: `tq_variant`).
 
 TurboQuant (`tq_attend`, layout in engine/turboquant.py): a K or V vector is a
 float32 norm plus `bits`-bit codes of the rotated unit vector, packed little-end
@@ -52,7 +53,7 @@ import numpy as np
 
 __all__ = ["available", "mode", "set_mode", "use_dense", "use_tq", "dense_attend", "tq_attend", "split_chunk",
            "tq_bounds", "MODES", "tq_variant", "set_tq_variant", "tq_unroll", "set_tq_unroll", "defer_encode", "one_launch", "counters", "kernel_sources",
-           "TQ_VARIANTS"]
+           "TQ_VARIANTS", "tq3_load", "set_tq3_load", "tq3_cpl", "tq3_nibble", "set_tq3_nibble"]
 
 NW = 4  # warps per pass-1 block
 _TARGET_BLOCKS = 1024  # ~8 blocks per SM on an H200's 132: enough to keep its memory system busy
@@ -602,6 +603,443 @@ _ENCODE_SOURCE = """
     if (lane == 0) (is_v ? vn : kn)[vec] = norm;
 """
 
+
+# --- variant v3: the TurboQuant decode kernel designed from the bandwidth floor down ------------
+#
+# What bounds a v2 block at long context is not bytes but how few of them are in flight: a lane
+# loads one 4-byte code word per token, and the dense-tail path, living in the same loop body,
+# keeps U x 8 floats of dense values in every block's registers (104-237 registers, 2-4 blocks per
+# SM). v3 changes the lane mapping and splits the paths:
+#
+# * A lane owns CPL consecutive coordinates of a token and loads their codes as one LB-byte load
+#   (LB = CPL * BITS / 8, at most `tq3_load()` and with the G x CPL query registers within budget:
+#   `tq3_cpl`), U tokens deep (32 bytes of codes in flight per lane per pass). 16 bytes (32 codes at
+#   4 bits, a warp moving 8 tokens' 64-byte code rows per load instruction at D = 128) costs 168
+#   registers (3 blocks per SM); 8 bytes, 120 (4 blocks) and measured faster: the default.
+# * The G queries of the KV head's group are rotated once per block, one warp per query head, in
+#   registers (in-lane butterfly stages, then shuffles: no barrier per stage), then each lane keeps
+#   its CPL coordinates of all G in registers and scores every G at once.
+# * Codebook: the 2^BITS centroids in shared memory, looked up once per coordinate and reused for
+#   the G heads (one LDS and G FMAs per coordinate). The alternative, a per-dimension q x centroid
+#   table (D x 2^BITS x G floats: 32 KB at D = 128, G = 4), turns each FMA into an LDS + FADD: G
+#   shared-memory reads per coordinate instead of one, and shared-memory bandwidth (one 32-lane
+#   LDS per SM per clock) is already the co-bottleneck with the FMAs at G = 4. The 16-entry table
+#   sits in 16 distinct banks, so any pattern of codes reads it without conflicts.
+# * The dense tail (< GROUP tokens and this call's own) is the last block of each (row, KV head),
+#   on its own small code path (8 coordinates per lane, one token in flight), so it adds nothing to
+#   the code path's registers; both land in the same softmax through the reduce.
+# * The reduce (`_TQ3_REDUCE_SOURCE`) is parallel over the splits: per (row, query head) one block of
+#   RW warps, each warp summing every RW-th split (D / 32 coordinates per lane), the softmax
+#   weights once per split, then one warp turns the rotated sum back with shuffles.
+_TQ3_HEADER = """
+template <int LW>
+__device__ inline void load_words(const uint32_t* p, uint32_t* o) {
+    if constexpr (LW == 4) {
+        const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
+        o[0] = r.x; o[1] = r.y; o[2] = r.z; o[3] = r.w;
+    } else if constexpr (LW == 2) {
+        const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
+        o[0] = r.x; o[1] = r.y;
+    } else {
+        o[0] = __ldg(p);
+    }
+}
+
+// Centroid of code k (of PER) in word w: c[(w >> k * BITS) & mask]. NIB (4 bits): the byte
+// offsets of all eight codes come from two shifts and two masks per word (even codes' offsets
+// x 4 in the bytes of lo, odd codes' in hi; the table is 16 floats, so an offset fits 6 bits) and
+// one byte permute per code, instead of a shift, a mask and an address add per code: the
+// compiler hoists lo / hi out of the k loop (k is a constant after unrolling).
+template <int BITS, bool NIB, int PER>
+__device__ inline float centroid(const float* cs, uint32_t w, int k) {
+    if constexpr (NIB && BITS == 4) {
+        const uint32_t lo = (w << 2) & 0x3C3C3C3Cu, hi = (w >> 2) & 0x3C3C3C3Cu;
+        const uint32_t off = __byte_perm((k & 1) ? hi : lo, 0u, 0x4440u + (k >> 1));
+        return *reinterpret_cast<const float*>(reinterpret_cast<const char*>(cs) + off);
+    } else {
+        return cs[(w >> (k * BITS)) & ((1u << BITS) - 1u)];
+    }
+}
+
+// The Walsh-Hadamard butterfly of one D-vector held by a warp, E = max(1, D / 32) coordinates
+// per lane (coordinate lane * E + e): stages below E within a lane, the rest between lanes.
+// Unscaled, in the stage order of mx.hadamard_transform's (and the encode kernel's).
+template <int D, int E>
+__device__ inline void warp_hadamard(float* x, int lane) {
+    #pragma unroll
+    for (int hh = 1; hh < E; hh <<= 1)
+        #pragma unroll
+        for (int e = 0; e < E; ++e)
+            if ((e & hh) == 0) {
+                const float a = x[e], c = x[e + hh];
+                x[e] = a + c;
+                x[e + hh] = a - c;
+            }
+    #pragma unroll
+    for (int hh = E; hh < D; hh <<= 1) {
+        const int o = hh / E;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const float other = __shfl_xor_sync(0xffffffff, x[e], o);
+            x[e] = (lane & o) ? other - x[e] : x[e] + other;
+        }
+    }
+}
+"""
+
+# Template: T, D, G, CHUNK, NW, BITS, GROUP, NQ as `_TQ_SOURCE`, plus CPL (coordinates per lane on
+# the code path) and U (tokens in flight per lane). Columns and boundaries: `_TQ_SOURCE`'s rule.
+_TQ3_SOURCE = """
+    constexpr int NT = NW * 32;
+    constexpr int LW = CPL * BITS / 32;   // code words a lane loads per token: 4 = one 16-byte load
+    constexpr int PER = 32 / BITS;        // codes per word
+    constexpr int LPT = D / CPL;          // code path: lanes per token
+    constexpr int TPW = 32 / LPT;
+    constexpr int TG = NW * TPW;          // tokens per block per load
+    constexpr int DLPT = D / 8;           // dense path: lanes per token, 8 coordinates each
+    constexpr int DTPW = 32 / DLPT;
+    constexpr int DTG = NW * DTPW;
+    constexpr int E = D >= 32 ? D / 32 : 1;
+    __shared__ float sc[G][CHUNK];
+    __shared__ float qs[G][D];
+    __shared__ float cs[1 << BITS];
+    __shared__ float red[NW][G][D];
+    __shared__ float stat[NW][G];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int s = blockIdx.x, S = gridDim.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int HQ = gridDim.y * G;
+    const int start = lp[b];
+    const float scale = params[0];
+    const int end = kc_shape[2];
+    const int ws = end - tk_shape[2];
+    const int prev = end - NQ;
+    const int bound = start + min(prev - start, ((end - start) / GROUP) * GROUP);
+    const bool tail = s == S - 1;
+    const int c0 = tail ? max(bound, start) : max(s * CHUNK, start);
+    const int c1 = tail ? end : min((s + 1) * CHUNK, bound);
+    if (c0 >= c1) {
+        for (int i = tid; i < G * D; i += NT)
+            o_part[((size_t)(b * HQ + h * G + i / D) * S + s) * D + i % D] = 0.f;
+        if (tid < G) {
+            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = NEG_INF;
+            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = 0.f;
+        }
+        return;
+    }
+    const int n = c1 - c0;
+    for (int i = tid; i < (1 << BITS); i += NT) cs[i] = cent[i];
+    // Queries, scaled; for the code blocks rotated as the codec rotates keys: q' = H (q * signs) / sqrt(D).
+    for (int g = warp; g < G; g += NW) {
+        float x[E];
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int d = lane * E + e;
+            x[e] = d < D ? scale * static_cast<float>(q[b * q_strides[0] + (h * G + g) * q_strides[1]
+                                                        + d * q_strides[3]]) : 0.f;
+            if (!tail && d < D) x[e] *= signs[d];
+        }
+        if (!tail) {
+            warp_hadamard<D, E>(x, lane);
+            #pragma unroll
+            for (int e = 0; e < E; ++e) x[e] *= rsqrtf((float)D);
+        }
+        #pragma unroll
+        for (int e = 0; e < E; ++e)
+            if (lane * E + e < D) qs[g][lane * E + e] = x[e];
+    }
+    __syncthreads();
+    if (!tail) {
+        const int sub = lane % LPT, tg = warp * TPW + lane / LPT;
+        float qr[G][CPL];
+        #pragma unroll
+        for (int g = 0; g < G; ++g)
+            #pragma unroll
+            for (int i = 0; i < CPL; ++i) qr[g][i] = qs[g][sub * CPL + i];
+        const uint32_t* kcb = kc + b * kc_strides[0] + h * kc_strides[1] + sub * LW;
+        const float* knb = kn + b * kn_strides[0] + h * kn_strides[1];
+        for (int base = 0; base < n; base += TG * U) {
+            uint32_t w[U][LW];
+            float nr[U];
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int t = base + u * TG + tg;
+                if (t < n) {
+                    load_words<LW>(kcb + (size_t)(c0 + t) * kc_strides[2], w[u]);
+                    nr[u] = knb[(size_t)(c0 + t) * kn_strides[2]];
+                } else {
+                    #pragma unroll
+                    for (int j = 0; j < LW; ++j) w[u][j] = 0u;
+                    nr[u] = 0.f;
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int t = base + u * TG + tg;
+                float a[G];
+                #pragma unroll
+                for (int g = 0; g < G; ++g) a[g] = 0.f;
+                #pragma unroll
+                for (int j = 0; j < LW; ++j)
+                    #pragma unroll
+                    for (int k = 0; k < PER; ++k) {
+                        const float c = centroid<BITS, NIB, PER>(cs, w[u][j], k);
+                        #pragma unroll
+                        for (int g = 0; g < G; ++g) a[g] = fmaf(qr[g][j * PER + k], c, a[g]);
+                    }
+                #pragma unroll
+                for (int o = LPT / 2; o > 0; o >>= 1)
+                    #pragma unroll
+                    for (int g = 0; g < G; ++g) a[g] += __shfl_xor_sync(0xffffffff, a[g], o);
+                if (t < n && sub == 0) {
+                    #pragma unroll
+                    for (int g = 0; g < G; ++g) sc[g][t] = a[g] * nr[u];
+                }
+            }
+        }
+    } else {
+        const int sub = lane % DLPT, tg = warp * DTPW + lane / DLPT;
+        float qr[G][8];
+        #pragma unroll
+        for (int g = 0; g < G; ++g)
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) qr[g][i] = qs[g][sub * 8 + i];
+        const T* tkb = tk + b * tk_strides[0] + h * tk_strides[1] + sub * 8;
+        for (int base = 0; base < n; base += DTG) {
+            const int t = base + tg;
+            float x[8];
+            if (t < n) load8(tkb + (size_t)(c0 + t - ws) * tk_strides[2], x);
+            else {
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) x[i] = 0.f;
+            }
+            float a[G];
+            #pragma unroll
+            for (int g = 0; g < G; ++g) {
+                a[g] = 0.f;
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) a[g] = fmaf(qr[g][i], x[i], a[g]);
+            }
+            #pragma unroll
+            for (int o = DLPT / 2; o > 0; o >>= 1)
+                #pragma unroll
+                for (int g = 0; g < G; ++g) a[g] += __shfl_xor_sync(0xffffffff, a[g], o);
+            if (t < n && sub == 0) {
+                #pragma unroll
+                for (int g = 0; g < G; ++g) sc[g][t] = a[g];
+            }
+        }
+    }
+    __syncthreads();
+    float mx_[G], l_[G];
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float m = NEG_INF;
+        for (int t = tid; t < n; t += NT) m = fmaxf(m, sc[g][t]);
+        m = warp_max(m);
+        if (lane == 0) stat[warp][g] = m;
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float m = stat[0][g];
+        #pragma unroll
+        for (int w = 1; w < NW; ++w) m = fmaxf(m, stat[w][g]);
+        mx_[g] = m;
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float l = 0.f;
+        for (int t = tid; t < n; t += NT) {
+            const float p = __expf(sc[g][t] - mx_[g]);
+            sc[g][t] = p;
+            l += p;
+        }
+        l = warp_sum(l);
+        if (lane == 0) stat[warp][g] = l;
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float l = 0.f;
+        #pragma unroll
+        for (int w = 0; w < NW; ++w) l += stat[w][g];
+        l_[g] = l;
+    }
+    if (!tail) {
+        const int sub = lane % LPT, tg = warp * TPW + lane / LPT;
+        float acc[G][CPL];
+        #pragma unroll
+        for (int g = 0; g < G; ++g)
+            #pragma unroll
+            for (int i = 0; i < CPL; ++i) acc[g][i] = 0.f;
+        const uint32_t* vcb = vc + b * vc_strides[0] + h * vc_strides[1] + sub * LW;
+        const float* vnb = vn + b * vn_strides[0] + h * vn_strides[1];
+        for (int base = 0; base < n; base += TG * U) {
+            uint32_t w[U][LW];
+            float nr[U];
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int t = base + u * TG + tg;
+                if (t < n) {
+                    load_words<LW>(vcb + (size_t)(c0 + t) * vc_strides[2], w[u]);
+                    nr[u] = vnb[(size_t)(c0 + t) * vn_strides[2]];
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int t = base + u * TG + tg;
+                if (t < n) {
+                    float p[G];
+                    #pragma unroll
+                    for (int g = 0; g < G; ++g) p[g] = sc[g][t] * nr[u];
+                    #pragma unroll
+                    for (int j = 0; j < LW; ++j)
+                        #pragma unroll
+                        for (int k = 0; k < PER; ++k) {
+                            const float c = centroid<BITS, NIB, PER>(cs, w[u][j], k);
+                            #pragma unroll
+                            for (int g = 0; g < G; ++g) acc[g][j * PER + k] = fmaf(p[g], c, acc[g][j * PER + k]);
+                        }
+                }
+            }
+        }
+        // Token groups of a warp hold the same coordinates: add them, then the warps (below).
+        #pragma unroll
+        for (int o = LPT; o < 32; o <<= 1)
+            #pragma unroll
+            for (int g = 0; g < G; ++g)
+                #pragma unroll
+                for (int i = 0; i < CPL; ++i) acc[g][i] += __shfl_xor_sync(0xffffffff, acc[g][i], o);
+        if (lane < LPT) {
+            #pragma unroll
+            for (int g = 0; g < G; ++g)
+                #pragma unroll
+                for (int i = 0; i < CPL; ++i) red[warp][g][sub * CPL + i] = acc[g][i];
+        }
+    } else {
+        const int sub = lane % DLPT, tg = warp * DTPW + lane / DLPT;
+        float acc[G][8];
+        #pragma unroll
+        for (int g = 0; g < G; ++g)
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+        const T* tvb = tv + b * tv_strides[0] + h * tv_strides[1] + sub * 8;
+        for (int base = 0; base < n; base += DTG) {
+            const int t = base + tg;
+            if (t < n) {
+                float x[8];
+                load8(tvb + (size_t)(c0 + t - ws) * tv_strides[2], x);
+                #pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const float p = sc[g][t];
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p, x[i], acc[g][i]);
+                }
+            }
+        }
+        #pragma unroll
+        for (int o = DLPT; o < 32; o <<= 1)
+            #pragma unroll
+            for (int g = 0; g < G; ++g)
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) acc[g][i] += __shfl_xor_sync(0xffffffff, acc[g][i], o);
+        if (lane < DLPT) {
+            #pragma unroll
+            for (int g = 0; g < G; ++g)
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) red[warp][g][sub * 8 + i] = acc[g][i];
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D; i += NT) {
+        const int g = i / D, d = i % D;
+        float v = 0.f;
+        #pragma unroll
+        for (int w = 0; w < NW; ++w) v += red[w][g][d];
+        o_part[((size_t)(b * HQ + h * G + g) * S + s) * D + d] = v;
+    }
+    #pragma unroll
+    for (int g = 0; g < G; ++g)  // (not mx_[tid]: a register array indexed at run time goes to the stack)
+        if (tid == g) {
+            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2] = mx_[g];
+            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2 + 1] = l_[g];
+        }
+"""
+
+# One block of RW warps per (row, query head). Slots [0, S-1) are in the rotated basis, slot S-1
+# (the dense block) in the original one. The max and the sum over the splits are block
+# reductions; warp w adds the weighted outputs of splits w, w + RW, ... (E coordinates per lane,
+# a coalesced row of D floats per split per warp), so a thread walks S / RW splits, not S.
+_TQ3_REDUCE_SOURCE = """
+    constexpr int E = D >= 32 ? D / 32 : 1;
+    constexpr int NT = RW * 32;
+    __shared__ float part[RW][D];
+    __shared__ float st[2][RW];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int r = blockIdx.x;
+    const int S = ml_part_shape[1];
+    const float* ml = ml_part + (size_t)r * S * 2;
+    const float* op = o_part + (size_t)r * S * D;
+    float m = NEG_INF;
+    for (int s = tid; s < S; s += NT) m = fmaxf(m, ml[2 * s]);
+    m = warp_max(m);
+    if (lane == 0) st[0][warp] = m;
+    __syncthreads();
+    float M = st[0][0];
+    #pragma unroll
+    for (int w = 1; w < RW; ++w) M = fmaxf(M, st[0][w]);
+    float l = 0.f;
+    for (int s = tid; s < S; s += NT) {
+        const float ms = ml[2 * s];
+        if (ms != NEG_INF) l += __expf(ms - M) * ml[2 * s + 1];
+    }
+    l = warp_sum(l);
+    if (lane == 0) st[1][warp] = l;
+    float x[E];
+    #pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = 0.f;
+    #pragma unroll 4
+    for (int s = warp; s < S - 1; s += RW) {
+        const float ms = ml[2 * s];
+        const float w = ms == NEG_INF ? 0.f : __expf(ms - M);
+        #pragma unroll
+        for (int e = 0; e < E; ++e)
+            if (lane * E + e < D) x[e] = fmaf(w, op[(size_t)s * D + lane * E + e], x[e]);
+    }
+    #pragma unroll
+    for (int e = 0; e < E; ++e)
+        if (lane * E + e < D) part[warp][lane * E + e] = x[e];
+    __syncthreads();
+    if (warp == 0) {
+        float L = 0.f;
+        #pragma unroll
+        for (int w = 0; w < RW; ++w) L += st[1][w];
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int d = lane * E + e;
+            float v = 0.f;
+            if (d < D) {
+                #pragma unroll
+                for (int w = 0; w < RW; ++w) v += part[w][d];
+            }
+            x[e] = v;
+        }
+        warp_hadamard<D, E>(x, lane);
+        const float md = ml[2 * (S - 1)];
+        const float wd = md == NEG_INF ? 0.f : __expf(md - M);
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int d = lane * E + e;
+            if (d < D) {
+                const float v = x[e] * rsqrtf((float)D) * signs[d] + wd * op[(size_t)(S - 1) * D + d];
+                out[(size_t)r * D + d] = static_cast<T>(L > 0.f ? v / L : 0.f);
+            }
+        }
+    }
+"""
+
 ENCODE_DIMS = (32, 64, 128, 256)
 
 
@@ -656,13 +1094,16 @@ def set_mode(new: str) -> None:
     _mode = new
 
 
-TQ_VARIANTS = ("v1", "v2", "v2s")
-DEFAULT_TQ_VARIANT = "v2s"  # the fastest of the three on the H200 (session 5), its checks passed
+TQ_VARIANTS = ("v1", "v2", "v2s", "v3")
+DEFAULT_TQ_VARIANT = "v3"  # faster than v2s at every measured shape on the H200 (session 6), its checks passed
 _tq_variant: str | None = None
 
 
 def tq_variant() -> str:
-    """How a TurboQuant decode step runs on CUDA. "v2s" (default): the new token is appended
+    """How a TurboQuant decode step runs on CUDA. "v3" (default): v2s's step (below) with the
+    attention kernel rebuilt from the bandwidth floor down (`_TQ3_SOURCE`: wide code loads, the
+    dense tail on its own path, a reduce parallel over the splits; 0.66-0.90x v2s's step on the
+    H200, session 6). "v2s": the new token is appended
     to the dense tail in place and encoded later, in one launch for a whole group's worth
     of tokens, when a row is about to see it decoded (or it leaves the tail); the decoded
     K/V `update_and_fetch` returns is not built for hooked caches; attention is the split
@@ -896,6 +1337,11 @@ def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: 
             grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
             output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2), (B, hq, 1, dim)],
             output_dtypes=[mx.float32, mx.float32, queries.dtype])[2]
+    if tq_variant() == "v3":
+        cpl = tq3_cpl(g, dim, codec.bits)
+        if cpl is not None:
+            return _tq3_attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group,
+                               chunk, splits, cpl)
     o_part, ml_part = _tq_kernel()(
         inputs=[queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
                 _scalar(scale)],
@@ -903,3 +1349,107 @@ def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: 
         grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
         output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
     return _reduce(o_part, ml_part, codec.signs, B, hq, dim, queries.dtype, True)
+
+
+# --- v3 (`_TQ3_SOURCE`) --------------------------------------------------------------------------
+
+TQ3_LOADS = (16, 8, 4)
+# 8: faster than 16 at every shape on the H200 (one row and B = 8, 32k and 100k: 119 registers and
+# 4 blocks per SM against 168 and 3; docs/PERFORMANCE.md, session 6), and than 4 (more load and
+# shuffle instructions per coordinate).
+DEFAULT_TQ3_LOAD = 8
+_TQ3_REGS = 128  # G x CPL query (and accumulator) registers a lane may hold: ptxas, no spills
+_tq3_load: int | None = None
+
+
+def tq3_load() -> int:
+    """Bytes of codes a v3 lane loads per token, at most (16: 32 codes at 4 bits; 8 (default):
+    16 codes, fewer query registers per lane, more blocks per SM; 4). From PREFIXTRACE_TQ3_LOAD,
+    read once."""
+    global _tq3_load
+    if _tq3_load is None:
+        env = os.environ.get("PREFIXTRACE_TQ3_LOAD", str(DEFAULT_TQ3_LOAD))
+        _tq3_load = int(env) if env in {str(b) for b in TQ3_LOADS} else DEFAULT_TQ3_LOAD
+    return _tq3_load
+
+
+def set_tq3_load(new: int) -> None:
+    if new not in TQ3_LOADS:
+        raise ValueError(f"v3 load bytes must be one of {TQ3_LOADS}, not {new!r}")
+    global _tq3_load
+    _tq3_load = new
+
+
+def tq3_cpl(g: int, dim: int, bits: int, load: int | None = None) -> int | None:
+    """Coordinates per lane of v3's code path: the widest load (of `load`, 8, 4 bytes) whose
+    CPL = bytes * 8 / bits coordinates fit the head (D / CPL lanes per token, a power of two
+    <= 32) with G x CPL <= `_TQ3_REGS`. None where none fits (D x bits < 32: the v2 kernel)."""
+    for lb in TQ3_LOADS:
+        if lb > (load or tq3_load()):
+            continue
+        cpl = lb * 8 // bits
+        if cpl <= dim and dim % cpl == 0 and g * cpl <= _TQ3_REGS:
+            return cpl
+    return None
+
+
+def tq3_unroll(cpl: int, bits: int) -> int:
+    """Tokens a v3 lane loads per pass before using them: 32 bytes of codes in flight."""
+    return max(1, 32 // (cpl * bits // 8))
+
+
+@lru_cache(maxsize=1)
+def _tq3_kernel():
+    return mx.fast.cuda_kernel(name="prefixtrace_decode_tq3",
+                               input_names=["q", "kn", "kc", "vn", "vc", "tk", "tv", "lp", "signs", "cent", "params"],
+                               output_names=["o_part", "ml_part"], source=_TQ3_SOURCE, header=_HEADER + _TQ3_HEADER,
+                               ensure_row_contiguous=False)
+
+
+@lru_cache(maxsize=1)
+def _tq3_reduce_kernel():
+    return mx.fast.cuda_kernel(name="prefixtrace_decode_tq3_reduce", input_names=["o_part", "ml_part", "signs"],
+                               output_names=["out"], source=_TQ3_REDUCE_SOURCE, header=_HEADER + _TQ3_HEADER)
+
+
+TQ3_RW = 4  # warps per v3 reduce block
+
+
+_tq3_nibble: bool | None = None
+
+
+def tq3_nibble() -> bool:
+    """Whether v3 at 4 bits extracts code offsets with byte permutes (`centroid`'s NIB path: ~1.5
+    integer instructions per code instead of ~2.7, ptxas SASS) rather than shift-and-mask. From
+    PREFIXTRACE_TQ3_NIBBLE ("0": off), read once."""
+    global _tq3_nibble
+    if _tq3_nibble is None:
+        _tq3_nibble = os.environ.get("PREFIXTRACE_TQ3_NIBBLE", "1") != "0"
+    return _tq3_nibble
+
+
+def set_tq3_nibble(on: bool) -> None:
+    global _tq3_nibble
+    _tq3_nibble = bool(on)
+
+
+@lru_cache(maxsize=None)
+def _templates3(dtype, dim: int, g: int, chunk: int, bits: int, group: int, cpl: int, nib: bool = True) -> list:
+    return [("T", dtype), ("D", dim), ("G", g), ("CHUNK", chunk), ("NW", NW), ("BITS", bits), ("GROUP", group),
+            ("NQ", 1), ("CPL", cpl), ("U", tq3_unroll(cpl, bits)), ("NIB", bool(nib and bits == 4))]
+
+
+def _tq3_attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group, chunk, splits,
+                cpl):
+    B, hq, _, dim = queries.shape
+    H = k_codes.shape[1]
+    o_part, ml_part = _tq3_kernel()(
+        inputs=[queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
+                _scalar(scale)],
+        template=_templates3(win_k.dtype, dim, hq // H, chunk, codec.bits, group, cpl, tq3_nibble()),
+        grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
+        output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
+    return _tq3_reduce_kernel()(inputs=[o_part, ml_part, codec.signs],
+                                template=[("T", queries.dtype), ("D", dim), ("RW", TQ3_RW)],
+                                grid=(B * hq * TQ3_RW * 32, 1, 1), threadgroup=(TQ3_RW * 32, 1, 1),
+                                output_shapes=[(B, hq, 1, dim)], output_dtypes=[queries.dtype])[0]

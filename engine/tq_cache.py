@@ -587,7 +587,7 @@ def _returns_unused(cache, keys: mx.array) -> bool:
     reads them when the model's attention goes through the hook (`cache.hooked`, set by
     `make_tq_cache` and `TQConfig.adapt`, whose models have it installed), which attends
     from `_step` instead. Building that graph costs more Python time than the whole dense
-    step (~0.1 ms per layer). CUDA with decode variant v2 / v2s only, so the CPU keeps
+    step (~0.1 ms per layer). CUDA with decode variant v2 / v2s / v3 only, so the CPU keeps
     returning what it always has."""
     return cache.hooked and decode_attention.tq_variant() != "v1" and decode_attention.available()
 

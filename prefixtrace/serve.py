@@ -65,7 +65,7 @@ class ServeConfig:
     max_request_mb: float = 32.0  # proxy/request_limits.py: 413 past it
     recorder_stuck_after_s: float = 30.0  # /health is 503 once one recorder write takes longer
     default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
-    default_frequency_penalty: float | None = None  # free replies' penalty when unset; None: 0 (proxy/engine_backend.py)
+    default_frequency_penalty: float | None = None  # free replies' penalty when unset; None: 0 (prefixtrace/sampling_default.py)
     tool_choice_default: str = "auto"  # or "required-after-user" / "required-until-tool-result": a test aid for small models (docs/TOOLS.md)
     default_max_tokens: int | None = None  # output cap of requests that set none (prefixtrace/sampling_default.py)
     grammar_max_string: int = 4096  # maxLength of a forced reply's strings that set none (engine/grammar.py)
@@ -125,22 +125,15 @@ def build_backend(config: ServeConfig):
 
     from engine.grammar import DEFAULT_LIMITS
 
+    from prefixtrace.sampling_default import SamplingDefaults
+
+    defaults = SamplingDefaults(temperature=config.default_temperature, max_tokens=config.default_max_tokens,
+                                frequency_penalty=config.default_frequency_penalty)
+    for line in defaults.describe():
+        log.info("%s", line)
     backend = EngineBackend(engine, max_tokens_policy=config.max_tokens_policy,
-                            tool_choice_default=config.tool_choice_default,
-                            default_frequency_penalty=config.default_frequency_penalty,
+                            tool_choice_default=config.tool_choice_default, defaults=defaults,
                             grammar_limits=replace(DEFAULT_LIMITS, string_chars=config.grammar_max_string))
-    if config.default_temperature is not None:
-        from prefixtrace.sampling_default import with_default_temperature
-
-        log.info("requests that set no temperature sample at %g", config.default_temperature)
-        backend = with_default_temperature(backend, config.default_temperature)
-    if config.default_frequency_penalty is not None:
-        log.info("free replies of requests that set no frequency_penalty get %g", config.default_frequency_penalty)
-    if config.default_max_tokens is not None:
-        from prefixtrace.sampling_default import with_default_max_tokens
-
-        log.info("requests that set no output cap stop after %d tokens", config.default_max_tokens)
-        backend = with_default_max_tokens(backend, config.default_max_tokens)
     return backend
 
 

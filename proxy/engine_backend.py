@@ -22,6 +22,7 @@ from engine.grammar import DEFAULT_LIMITS, GrammarLimits
 from engine.engine import Engine
 from engine.reply_parser import ReplyParser, final_finish_reason
 from engine.sequence import Failed, Finished, Sequence, TextDelta
+from prefixtrace.sampling_default import NO_DEFAULTS, SamplingDefaults
 from prefixtrace.errors import ContextExceedsCapacity, EngineError, EngineNotReady, InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
 from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
 from prefixtrace.wire import sse
@@ -42,16 +43,14 @@ class EngineBackend:
             when its last message is a user turn.
         max_tokens_policy: "clamp" (a max_tokens beyond what fits after the prompt is lowered to
             it) or "reject" (a 400 with the numbers).
-        default_frequency_penalty: the frequency_penalty of a free reply whose request sets none
-            (`serve --default-frequency-penalty`, a test aid: a small model's greedy answer then ends
-            instead of repeating itself to max_tokens). Not applied to a grammar-forced reply: there
-            a penalty pushes the model off every token it has written, into a string that never
-            closes (seen with llm's forced call on SmolLM2), and the grammar bounds the reply anyway.
+        defaults: what a request that leaves temperature, output cap or frequency penalty unset
+            gets (`serve --default-*`, prefixtrace/sampling_default.py); applied in `start`, which
+            every protocol and the legacy completions route pass through.
         grammar_limits: what a forced reply may write where its schema sets no bound (engine/grammar.py).
     """
 
     def __init__(self, engine: Engine, tool_choice_default: str = "auto", *, max_tokens_policy: str = "clamp",
-                 default_frequency_penalty: float | None = None, grammar_limits: GrammarLimits = DEFAULT_LIMITS):
+                 defaults: SamplingDefaults = NO_DEFAULTS, grammar_limits: GrammarLimits = DEFAULT_LIMITS):
         if max_tokens_policy not in MAX_TOKENS_POLICIES:
             raise ValueError(f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}, got {max_tokens_policy!r}")
         if tool_choice_default not in TOOL_CHOICE_DEFAULTS:
@@ -60,7 +59,7 @@ class EngineBackend:
         self.tool_choice_default = tool_choice_default
         self.grammar_limits = grammar_limits
         self.max_tokens_policy = max_tokens_policy
-        self.default_frequency_penalty = default_frequency_penalty
+        self.defaults = defaults
 
     @property
     def label(self) -> str:
@@ -138,6 +137,7 @@ class EngineBackend:
         """Submit a prompt's tokens; returns once the engine has answered (or raises its refusal).
         `wait_first=False` returns once submitted, before prefill: a failure after that reaches the
         reply's events instead of the HTTP status (the Responses stream says `response.created` first)."""
+        req = dataclasses.replace(req, sampling=self.defaults.for_request(req.sampling, req.body))
         self._fit_max_tokens(req, len(token_ids), builder)
         self.engine.check_fits(len(token_ids), req.sampling.max_tokens)
         # Compiling a grammar (and, once per model, llguidance's view of the vocabulary) is CPU work.
@@ -148,10 +148,7 @@ class EngineBackend:
         if plan.forced:
             builder.turn.render["constrained"] = plan.forced
         chat = EngineChat(req, builder, self.engine.name, plan, prompt_text)
-        sampling = req.sampling
-        if (self.default_frequency_penalty is not None and plan.processor is None
-                and req.body.get("frequency_penalty") is None):
-            sampling = dataclasses.replace(sampling, frequency_penalty=self.default_frequency_penalty)
+        sampling = req.sampling if plan.processor is not None else self.defaults.for_free_reply(req.sampling, req.body)
         seq = Sequence(token_ids, sampling, chat.emit_threadsafe(asyncio.get_running_loop()))
         if plan.processor is not None:
             seq.logits_processors.append(plan.processor)
@@ -203,7 +200,18 @@ class EngineChat:
         self._first = None
 
     def emit_threadsafe(self, loop: asyncio.AbstractEventLoop):
-        return lambda event: loop.call_soon_threadsafe(self._events.put_nowait, event)
+        """The engine thread's `emit` for this request. Once the server's loop is closed (a shutdown
+        while a cancelled row still ends) nobody is listening: the event is dropped, not raised into
+        the engine thread, where a RuntimeError would end every other row's step."""
+        events = self._events
+
+        def emit(event) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # "Event loop is closed"
+                if not loop.is_closed():
+                    raise
+        return emit
 
     async def first_event(self) -> None:
         """Wait for the first event so that a failure before any output keeps its HTTP status."""

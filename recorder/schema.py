@@ -20,6 +20,7 @@ Layout since version 2 (docs/FORMATS.md has the columns):
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -176,6 +177,26 @@ def _refuse_if_damaged(db: sqlite_utils.Database, p: Path) -> None:
                             f"`sqlite3 {p} .recover` may save its turns.")
 
 
+def _create_owner_only(p: Path) -> None:
+    """An empty database file, 0600 whatever the umask.
+
+    The database holds every prompt a client sent (secrets redacted, the rest of the
+    code and conversation not), so a new one is readable by its owner only. SQLite
+    gives its -wal and -shm files the database file's mode, so they follow. An empty
+    file is a valid empty database. An existing database keeps the mode it has: it is
+    the user's file, and a mode they chose is not ours to change."""
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except FileExistsError:  # created between the check and here: SQLite opens it as it is
+        return
+    except OSError as exc:
+        raise RecorderError(f"cannot create recorder database {p}: {exc.strerror}") from exc
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 def open_db(path: str | Path, *, tracer: Callable | None = None, create: bool = True) -> sqlite_utils.Database:
     """Opens (and migrates) a recorder database in WAL mode.
 
@@ -187,6 +208,8 @@ def open_db(path: str | Path, *, tracer: Callable | None = None, create: bool = 
     if not create and not p.exists():
         raise RecorderError(f"no recorder database at {p}")
     try:
+        if create and not p.exists():
+            _create_owner_only(p)
         db = sqlite_utils.Database(p, tracer=tracer)
         # Read before any write: a corrupt or foreign file must fail here,
         # not after WAL mode or a migration has touched it.

@@ -150,6 +150,79 @@ def emulated_tq1(inputs, template, grid, threadgroup, output_shapes, output_dtyp
     return [o, ml, out]
 
 
+def _unpack3(codes: np.ndarray, bits: int, dim: int, cpl: int) -> np.ndarray:
+    """Codes as a v3 lane reads them: lane `sub` loads words [sub * LW, (sub + 1) * LW) of the row
+    (LW = CPL * BITS / 32, one vector load) and coordinate sub * CPL + j * PER + k is bits
+    [k * BITS, (k + 1) * BITS) of its word j (PER = 32 / BITS codes per word)."""
+    lw, per = cpl * bits // 32, 32 // bits
+    assert lw in (1, 2, 4) and codes.shape[-1] == dim // cpl * lw  # one load covers the lane's codes
+    out = np.zeros(codes.shape[:-1] + (dim,), np.int64)
+    for sub in range(dim // cpl):
+        for j in range(lw):
+            word = codes[..., sub * lw + j].astype(np.uint64)
+            for k in range(per):
+                out[..., sub * cpl + j * per + k] = (word >> np.uint64(k * bits)) & np.uint64((1 << bits) - 1)
+    return out
+
+
+def emulated_tq3(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+    """`_TQ3_SOURCE`: blocks as `_TQ_SOURCE`'s (the same columns and boundaries), the lane
+    mapping of its code path (CPL coordinates per lane, D / CPL lanes per token, a power of two
+    within a warp, G x CPL query registers within the budget) and its own unpacking."""
+    q, kn, kc, vn, vc, tk, tv, lp, signs, cent, params = (_np(a) for a in inputs)
+    t, S, H, B = _blocks(template, grid, threadgroup)
+    D, G, CHUNK, BITS, GROUP, NQ, CPL, U = (t[k] for k in ("D", "G", "CHUNK", "BITS", "GROUP", "NQ", "CPL", "U"))
+    lpt = D // CPL
+    assert D % CPL == 0 and 32 % lpt == 0 and G * CPL <= decode_attention._TQ3_REGS and U >= 1
+    assert G * CHUNK <= decode_attention._SMEM_SCORES
+    HQ, end = H * G, kc.shape[2]
+    ws, prev = end - tk.shape[2], end - NQ
+    kd, vd = cent[_unpack3(kc, BITS, D, CPL)], cent[_unpack3(vc, BITS, D, CPL)]
+    o = np.zeros((B * HQ, S, D), np.float32)
+    ml = np.zeros((B * HQ, S, 2), np.float32)
+    for b in range(B):
+        bound = lp[b] + min(prev - lp[b], (end - lp[b]) // GROUP * GROUP)
+        for h in range(H):
+            qs = params[0] * q[b, h * G : h * G + G, 0]
+            qr = _butterfly(qs * signs) / np.sqrt(D)  # one warp per head: the same stages
+            for s in range(S):
+                r = slice(b * HQ + h * G, b * HQ + h * G + G)
+                tail = s == S - 1
+                c0 = max(bound, lp[b]) if tail else max(s * CHUNK, lp[b])
+                c1 = end if tail else min((s + 1) * CHUNK, bound)
+                if c0 >= c1:
+                    ml[r, s] = (-np.inf, 0.0)
+                    continue
+                assert c1 - c0 <= CHUNK
+                if tail:
+                    assert c0 >= ws  # the dense path reads the window only
+                    m, l, acc = _partial(qs, tk[b, h, c0 - ws : c1 - ws], tv[b, h, c0 - ws : c1 - ws])
+                else:
+                    m, l, acc = _partial(qr, kd[b, h, c0:c1] * kn[b, h, c0:c1], vd[b, h, c0:c1] * vn[b, h, c0:c1])
+                ml[r, s, 0], ml[r, s, 1], o[r, s] = m, l, acc
+    assert (o.size,) == output_shapes[0] and ml.shape == output_shapes[1]
+    return [mx.array(o.reshape(-1)), mx.array(ml)]
+
+
+def emulated_tq3_reduce(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+    """`_TQ3_REDUCE_SOURCE`: per (row, query head) one block of RW warps; warp w sums splits
+    w, w + RW, ... of the rotated part, then the warps' sums, the inverse rotation and the
+    dense slot (the same sums as `_REDUCE_SOURCE`, grouped by warp)."""
+    o, ml, signs = (_np(a) for a in inputs)
+    t = dict(template)
+    D, RW = t["D"], t["RW"]
+    R, S = ml.shape[0], ml.shape[1]
+    assert threadgroup == (RW * 32, 1, 1) and grid == (R * RW * 32, 1, 1)
+    o = o.reshape(R, S, D)
+    M = ml[:, :, 0].max(axis=1, keepdims=True)
+    w = np.where(np.isinf(ml[:, :, 0]), 0.0, np.exp(ml[:, :, 0] - M))
+    L = (w * ml[:, :, 1]).sum(axis=1)
+    per_warp = [(w[:, k : S - 1 : RW, None] * o[:, k : S - 1 : RW]).sum(axis=1) for k in range(RW)]
+    out = _butterfly(sum(per_warp)) / np.sqrt(D) * signs + w[:, -1:] * o[:, -1]
+    out = np.where(L[:, None] > 0, out / np.where(L > 0, L, 1)[:, None], 0.0)
+    return [mx.array(out.reshape(output_shapes[0]).astype(np.float32)).astype(output_dtypes[0])]
+
+
 @pytest.fixture
 def emulated(monkeypatch):
     monkeypatch.setattr(decode_attention, "available", lambda: True)
@@ -158,6 +231,8 @@ def emulated(monkeypatch):
     monkeypatch.setattr(decode_attention, "_tq1_kernel", lambda: emulated_tq1)
     monkeypatch.setattr(decode_attention, "_reduce_kernel", lambda: emulated_reduce)
     monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: emulated_encode)
+    monkeypatch.setattr(decode_attention, "_tq3_kernel", lambda: emulated_tq3)
+    monkeypatch.setattr(decode_attention, "_tq3_reduce_kernel", lambda: emulated_tq3_reduce)
     decode_attention.set_mode("on")
     yield
     decode_attention.set_mode("on")
@@ -442,7 +517,7 @@ def test_deferred_encode_over_left_padded_rows_joining_and_leaving(monkeypatch):
 
 
 def _kernel_calls(monkeypatch):
-    calls = {"encode": 0, "tq": 0, "tq1": 0, "reduce": 0}
+    calls = {"encode": 0, "tq": 0, "tq1": 0, "reduce": 0, "tq3": 0, "tq3_reduce": 0}
 
     def counted(name, f):
         def run(**kw):
@@ -451,7 +526,7 @@ def _kernel_calls(monkeypatch):
         return lambda: run
 
     for name, f in (("encode", emulated_encode), ("tq", emulated_tq), ("tq1", emulated_tq1),
-                    ("reduce", emulated_reduce)):
+                    ("reduce", emulated_reduce), ("tq3", emulated_tq3), ("tq3_reduce", emulated_tq3_reduce)):
         monkeypatch.setattr(decode_attention, f"_{name}_kernel", counted(name, f))
     return calls
 
@@ -493,7 +568,7 @@ def test_v2_steps_attend_as_v1_with_fewer_launches(emulated, monkeypatch, rows):
         decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
     for a, b, c in zip(outs["v1"], outs["v2"], outs["v2s"]):
         assert _same(a, b, 1e-5) and _same(a, c, 1e-5)
-    assert counts["v1"] == {"encode": 48, "tq": 48, "tq1": 0, "reduce": 48}
+    assert counts["v1"] == {"encode": 48, "tq": 48, "tq1": 0, "reduce": 48, "tq3": 0, "tq3_reduce": 0}
     assert counts["v2"]["tq1"] == 48 and counts["v2"]["tq"] == counts["v2"]["reduce"] == 0
     # One row: an encode each time a group of 16 completes. Four rows in different phases: at
     # most one per row and group.
@@ -504,13 +579,13 @@ def test_v2_steps_attend_as_v1_with_fewer_launches(emulated, monkeypatch, rows):
 def test_variant_and_its_env_var(monkeypatch):
     assert decode_attention.tq_variant() in decode_attention.TQ_VARIANTS
     with pytest.raises(ValueError):
-        decode_attention.set_tq_variant("v3")
+        decode_attention.set_tq_variant("v4")
     monkeypatch.setattr(decode_attention, "_tq_variant", None)
     monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v1")
     assert decode_attention.tq_variant() == "v1"
     monkeypatch.setattr(decode_attention, "_tq_variant", None)
     monkeypatch.delenv("PREFIXTRACE_TQ_DECODE")
-    assert decode_attention.tq_variant() == "v2s"  # the measured fastest (docs/PERFORMANCE.md, session 5)
+    assert decode_attention.tq_variant() == "v3"  # the measured fastest (docs/PERFORMANCE.md, session 6)
     assert not decode_attention.defer_encode()  # the CPU: nothing deferred
 
 
@@ -527,3 +602,130 @@ def test_a_hooked_v2s_step_with_attention_sinks_still_gets_the_decoded_kv(emulat
     hook = _hooked(lambda q, k, v, cache, scale, mask, sinks=None: seen.append((k, v)) or q)
     hook(mx.random.normal((1, 4, 1, 64)), keys, values, cache=cache, scale=0.125, mask=None, sinks=mx.zeros((4,)))
     assert _same(seen[0][0], want_k) and _same(seen[0][1], want_v)
+
+
+# --- variant v3: wide code loads, the dense tail on its own path, a split-parallel reduce -------
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,dim,bits,load", [
+    (8, 2, 128, 4, 16),  # G = 4, 32 codes per lane: the Qwen3-8B shape's lane mapping
+    (8, 2, 128, 4, 8),
+    (8, 2, 128, 4, 4),
+    (16, 2, 128, 4, 16),  # G = 8: 16 coordinates per lane (G x CPL <= 128)
+    (6, 2, 64, 2, 16),  # G = 3, 2 bits: 64 codes would not fit, 32 per lane (8 bytes)
+    (4, 2, 64, 8, 16),  # G = 2, 8 bits: 16 codes per 16-byte load
+    (2, 2, 16, 4, 16),  # G = 1, head dim 16: one lane per token
+    (4, 2, 16, 2, 16),  # head dim 16 at 2 bits: one 4-byte word per token
+])
+def test_v3_kernel_arithmetic_over_one_row_and_left_padded_rows(emulated, monkeypatch, q_heads, kv_heads, dim,
+                                                                 bits, load):
+    calls = _kernel_calls(monkeypatch)
+    decode_attention.set_tq_variant("v3")
+    decode_attention.set_tq3_load(load)
+    try:
+        for rows in ([[150, 9]], [[300], [7, 30, 1], [16], [40, 3]]):
+            group = _tq_rows(rows, bits, kv_heads, dim, group=16, seed=len(rows))
+            cache = group[0] if len(group) == 1 else BatchTurboQuantKVCache.merge(group)
+            cache.hooked = True
+            B = len(rows)
+            for step in range(20):  # across group boundaries: deferred codes land, the window shifts
+                mask = cache.make_mask(1) if B > 1 else None
+                keys, values = cache.update_and_fetch(mx.random.normal((B, kv_heads, 1, dim)),
+                                                      mx.random.normal((B, kv_heads, 1, dim)))
+                q = mx.random.normal((B, q_heads, 1, dim))
+                got = cache.attend(q, dim ** -0.5, mask)
+                ref_k, ref_v = cache._fetch(rotated=False)
+                ref = mx.fast.scaled_dot_product_attention(q, ref_k, ref_v, scale=dim ** -0.5, mask=mask)
+                assert got.shape == ref.shape and mx.abs(got - ref).max().item() < 1e-4, (rows, step)
+    finally:
+        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+        decode_attention.set_tq3_load(decode_attention.DEFAULT_TQ3_LOAD)
+    assert calls["tq3"] == calls["tq3_reduce"] == 40 and calls["tq"] == calls["reduce"] == calls["tq1"] == 0
+
+
+def test_v3_lane_mapping_rules():
+    cpl = decode_attention.tq3_cpl
+    assert cpl(4, 128, 4, load=16) == 32  # one 16-byte load of 32 codes per lane, 4 lanes per token
+    assert cpl(4, 128, 4, load=8) == 16 and cpl(4, 128, 4, load=4) == 8
+    assert cpl(4, 128, 4) == 16 == cpl(4, 128, 4, load=decode_attention.DEFAULT_TQ3_LOAD)  # measured fastest
+    assert cpl(8, 128, 4, load=16) == 16  # G = 8: 8 x 32 query registers would not fit
+    assert cpl(4, 128, 8, load=16) == 16 and cpl(4, 128, 2, load=16) == 32 and cpl(1, 128, 2, load=16) == 64
+    assert cpl(2, 16, 1) is None  # 16 one-bit codes: less than one word per token
+    assert decode_attention.tq3_unroll(32, 4) == 2 and decode_attention.tq3_unroll(8, 4) == 8
+    with pytest.raises(ValueError):
+        decode_attention.set_tq3_load(12)
+
+
+def test_v3_falls_back_to_the_v2_kernel_where_no_lane_mapping_fits(emulated, monkeypatch):
+    calls = _kernel_calls(monkeypatch)
+    decode_attention.set_tq_variant("v3")
+    try:
+        cache = _tq_rows([[100]], 1, 2, 16, group=16)[0]  # 1 bit x 16 coordinates: 2 bytes a token
+        cache.update_and_fetch(mx.random.normal((1, 2, 1, 16)), mx.random.normal((1, 2, 1, 16)))
+        keys, values = cache._fetch(rotated=False)
+        q = mx.random.normal((1, 4, 1, 16))
+        ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.25)
+        assert mx.abs(cache.attend(q, 0.25, None) - ref).max().item() < 1e-4
+    finally:
+        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+    assert calls["tq3"] == 0 and calls["tq"] == calls["reduce"] == 1
+
+
+def test_greedy_tokens_through_the_v3_arithmetic_equal_the_mlx_ops_path(emulated):
+    """The fixture model (head dim 16, G = 2), a single row and a left-padded batch of three, 120
+    greedy tokens: the emulated v3 kernels give today's MLX-ops tokens."""
+    from engine.model_files import load_model_dir
+    from engine.tq_cache import make_tq_cache
+    from tests.conftest import TINY_MODEL
+
+    model, _, _ = load_model_dir(TINY_MODEL, "float32")
+    prompts = [[(i * 13 + 5) % 500 + 3 for i in range(n)] for n in (190, 17, 75)]
+
+    def greedy(rows):
+        per_row = []
+        for p in rows:
+            cache = make_tq_cache(model, bits=4)
+            for a in range(0, len(p) - 1, 64):
+                model(mx.array([p[a : min(a + 64, len(p) - 1)]]), cache=cache)
+            per_row.append(cache)
+        cache = per_row[0] if len(rows) == 1 else [
+            RowBatchKVCache.merge([r[i] for r in per_row]) if type(per_row[0][i]) is KVCache
+            else per_row[0][i].merge([r[i] for r in per_row]) for i in range(len(per_row[0]))]
+        tokens = mx.array([[p[-1]] for p in rows])
+        out = []
+        for _ in range(120):
+            tokens = mx.argmax(model(tokens, cache=cache)[:, -1, :], axis=-1)[:, None]
+            out.append(tokens[:, 0].tolist())
+        return out
+
+    for rows in (prompts[:1], prompts):
+        decode_attention.set_mode("off")
+        ref = greedy(rows)
+        decode_attention.set_mode("on")
+        decode_attention.set_tq_variant("v3")
+        try:
+            assert greedy(rows) == ref
+        finally:
+            decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+
+
+def _byte_perm(x: np.ndarray, y: int, sel: int) -> np.ndarray:
+    """CUDA's __byte_perm: byte i of the result is byte (sel >> 4i) & 7 of the 8 bytes y:x."""
+    both = (np.uint64(y) << np.uint64(32)) | x.astype(np.uint64)
+    out = np.zeros_like(x, dtype=np.uint64)
+    for i in range(4):
+        pick = (sel >> (4 * i)) & 7
+        out |= ((both >> np.uint64(8 * pick)) & np.uint64(0xFF)) << np.uint64(8 * i)
+    return out.astype(np.uint32)
+
+
+def test_v3_nibble_offsets_equal_shift_and_mask():
+    """`centroid`'s NIB path (4 bits): the byte offset of code k from two shifted, masked copies of
+    the word and one byte permute equals 4 x ((w >> 4k) & 15), for every k and random words."""
+    w = np.random.default_rng(0).integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)
+    w[:2] = (0, 0xFFFFFFFF)
+    lo = (w << np.uint32(2)) & np.uint32(0x3C3C3C3C)
+    hi = (w >> np.uint32(2)) & np.uint32(0x3C3C3C3C)
+    for k in range(8):
+        off = _byte_perm(hi if k & 1 else lo, 0, 0x4440 + (k >> 1))
+        assert (off == ((w >> np.uint32(4 * k)) & np.uint32(15)) * np.uint32(4)).all(), k

@@ -82,13 +82,41 @@ def _variants(dtypes=("bfloat16", "float32", "float16")) -> list[str]:
                                   [("k", dtype, 4), ("v", dtype, 4), ("signs", "float32", 1), ("thr", "float32", 1)],
                                   [("kn", "float32"), ("kc", "uint32"), ("vn", "float32"), ("vc", "uint32")],
                                   [("D", dim), ("BITS", bits)]))
+            for load in da.TQ3_LOADS:
+                cpl = da.tq3_cpl(g, dim, bits, load)
+                if cpl is not None:
+                    out.append(render(f"tq3_{i}_{load}", da._TQ3_SOURCE, inputs,
+                                      [("o_part", "float32"), ("ml_part", "float32")],
+                                      da._templates3(dtype, dim, g, chunk, bits, 64, cpl)))
+            out.append(render(f"tq3_reduce_{i}", da._TQ3_REDUCE_SOURCE,
+                              [("o_part", "float32", 1), ("ml_part", "float32", 3), ("signs", "float32", 1)],
+                              [("out", dtype)], [("T", dtype), ("D", dim), ("RW", da.TQ3_RW)]))
             i += 1
+    return out
+
+
+def _v3_engine_shapes(dtype="bfloat16") -> list[tuple[str, str]]:
+    """v3 at the shapes the engine runs (Qwen3-8B: D 128, G 4, 4 bits; G 8; SmolLM2: D 64, G 3),
+    every load width, as (name, source)."""
+    out = []
+    for dim, g, chunk, bits in ((128, 4, 1024, 4), (128, 4, 256, 4), (128, 8, 512, 4), (64, 3, 1024, 4)):
+        for load in da.TQ3_LOADS:
+            for nib in (True, False):
+                cpl = da.tq3_cpl(g, dim, bits, load)
+                name = f"v3_d{dim}_g{g}_c{chunk}_b{bits}_l{load}" + ("" if nib else "_plain")
+                inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS]
+                out.append((name, render(name, da._TQ3_SOURCE, inputs,
+                                         [("o_part", "float32"), ("ml_part", "float32")],
+                                         da._templates3(dtype, dim, g, chunk, bits, 64, cpl, nib))))
     return out
 
 
 def test_every_kernel_renders_with_the_names_its_body_uses():
     sources = _variants()
-    assert len(sources) == 3 * 4 * 5 + 3 * 3
+    # per dtype and shape: tq, tq1, dense, 2 reduces, v3 per load width that fits, the v3 reduce; encode if D >= 32
+    v3 = sum(da.tq3_cpl(g, d, b, load) is not None for d, g, b in ((128, 4, 4), (64, 3, 2), (16, 2, 8), (256, 4, 1))
+             for load in da.TQ3_LOADS)
+    assert len(sources) == 3 * (4 * 6 + v3) + 3 * 3
     one = da._TQ1_SOURCE
     # The one-launch kernel: empty blocks take a branch, not a return, so each reaches its counter.
     assert one.count("return;") == 1 and "if (!last_) return;" in one and "cnt" in one
@@ -100,7 +128,35 @@ def test_every_kernel_renders_with_the_names_its_body_uses():
 def test_every_kernel_compiles_for_the_h200(tmp_path):
     src = tmp_path / "kernels.cu"
     # bf16 (what the engine decodes in) and float32 (the GPU check's exact comparisons).
-    src.write_text(_PRELUDE + da._HEADER + "\n".join(_variants(("bfloat16", "float32"))))
+    src.write_text(_PRELUDE + da._HEADER + da._TQ3_HEADER + "\n".join(_variants(("bfloat16", "float32"))))
     run = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "k.o")],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine (CI): nothing to compile with")
+def test_v3_keeps_its_registers_without_spills(tmp_path):
+    """ptxas's resource report for v3 at the engine's shapes: no spills, no stack frame (a register
+    array indexed at run time would land there), and at G = 4 the narrower loads cost fewer
+    registers (more blocks per SM) than the 16-byte one."""
+    import re
+
+    shapes = _v3_engine_shapes()
+    src = tmp_path / "v3.cu"
+    src.write_text(_PRELUDE + da._HEADER + da._TQ3_HEADER + "\n".join(body for _, body in shapes))
+    run = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "v3.o"),
+                          "-Xptxas", "-v"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = {}
+    for block in re.split(r"Compiling entry function", run.stderr)[1:]:
+        mangled = block.split("'")[1]
+        name = next(n for n, _ in shapes if re.search(rf"\d{n}P", mangled))
+        regs = int(re.search(r"Used (\d+) registers", block).group(1))
+        frame = int(re.search(r"(\d+) bytes stack frame", block).group(1))
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block).groups()
+        report[name] = regs
+        assert frame == 0 and spills == ("0", "0"), (name, block)
+    assert len(report) == len(shapes)
+    g4 = [report[f"v3_d128_g4_c1024_b4_l{load}"] for load in (16, 8, 4)]
+    assert g4[0] > g4[1] > g4[2] and g4[0] <= 192, g4
+    print("ptxas registers:", report)

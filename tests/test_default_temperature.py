@@ -8,7 +8,7 @@ from openai import OpenAI
 
 from conftest import running_server
 from prefixtrace.cli import cli
-from prefixtrace.sampling_default import with_default_temperature
+from prefixtrace.sampling_default import SamplingDefaults
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 
@@ -22,7 +22,7 @@ def _texts(url: str, n: int, **extra) -> list[str]:
 
 
 def test_requests_without_temperature_sample_at_the_default(tiny_engine, recorder):
-    backend = with_default_temperature(EngineBackend(tiny_engine), 0.0)
+    backend = EngineBackend(tiny_engine, defaults=SamplingDefaults(temperature=0.0))
     with running_server(create_app(backend, recorder)) as url:
         greedy = _texts(url, 3)
         sampled = _texts(url, 3, temperature=1.0)
@@ -44,11 +44,8 @@ def test_default_temperature_out_of_range_is_a_usage_error():
 
 def test_requests_without_an_output_cap_stop_at_the_default_on_every_stream(tiny_engine, recorder):
     """`--default-max-tokens`: a Responses request with no max_output_tokens (as Codex sends them)
-    stops at the default, streamed too (the wrappers pass the Responses stream's early-start option
-    through); one that sets its own cap keeps it."""
-    from prefixtrace.sampling_default import with_default_max_tokens
-
-    backend = with_default_max_tokens(with_default_temperature(EngineBackend(tiny_engine), 0.0), 7)
+    stops at the default, streamed too; one that sets its own cap keeps it."""
+    backend = EngineBackend(tiny_engine, defaults=SamplingDefaults(temperature=0.0, max_tokens=7))
     with running_server(create_app(backend, recorder)) as url:
         client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         whole = client.responses.create(model="default", input="Go on.")
@@ -58,3 +55,16 @@ def test_requests_without_an_output_cap_stop_at_the_default_on_every_stream(tiny
     assert whole.usage.output_tokens == 7 and whole.status == "incomplete"
     assert streamed.usage.output_tokens == 7
     assert own.usage.output_tokens == 3
+
+
+def test_legacy_completions_get_the_defaults_too(tiny_engine, recorder):
+    """/v1/completions takes another way into the engine (a raw prompt, no chat template); the
+    defaults apply there as well (they did not when they wrapped only the chat route's entry)."""
+    backend = EngineBackend(tiny_engine, defaults=SamplingDefaults(temperature=0.0, max_tokens=5))
+    with running_server(create_app(backend, recorder)) as url:
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        replies = [client.completions.create(model="default", prompt="Once upon a time") for _ in range(3)]
+        own = client.completions.create(model="default", prompt="Once upon a time", max_tokens=2)
+    assert [r.usage.completion_tokens for r in replies] == [5, 5, 5]
+    assert len({r.choices[0].text for r in replies}) == 1  # temperature 0: one answer
+    assert own.usage.completion_tokens == 2

@@ -118,3 +118,21 @@ def test_secrets_never_reach_the_database(engine_server):
         path = recorder.path.with_name(recorder.path.name + suffix)
         if path.exists():
             assert secret.encode() not in path.read_bytes()
+
+
+def test_an_event_for_a_closed_loop_is_dropped_not_raised_into_the_engine_thread():
+    import asyncio
+
+    from proxy.engine_backend import EngineChat
+    from engine.sequence import TextDelta
+
+    loop = asyncio.new_event_loop()
+    chat = EngineChat.__new__(EngineChat)
+    chat._events = asyncio.Queue()
+    emit = chat.emit_threadsafe(loop)
+    emit(TextDelta("a", [1]))  # delivered while the loop is open
+    loop.run_until_complete(asyncio.sleep(0))
+    assert chat._events.qsize() == 1
+    loop.close()
+    emit(TextDelta("b", [2]))  # after shutdown: nobody listens, nothing raised
+    assert chat._events.qsize() == 1

@@ -210,3 +210,32 @@ def test_reading_a_missing_db_raises(tmp_path):
         iter_turns(tmp_path / "missing.db")
     with pytest.raises(RecorderError):
         db_info(tmp_path / "missing.db")
+
+
+def test_a_new_database_and_its_wal_files_are_owner_only_whatever_the_umask(tmp_path):
+    """The database holds every prompt (docs/SECURITY.md): 0600 for a new one, not the umask's 0644."""
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "traffic.db"
+        with Recorder(path) as rec:
+            rec.record(make_turn(1))
+            assert rec.flush(10)
+            modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+        assert {"traffic.db", "traffic.db-wal", "traffic.db-shm"} <= set(modes)  # WAL mode, files still open
+        assert set(modes.values()) == {0o600}, modes
+        assert [t.request_id for t in iter_turns(path)] == ["req-1"]
+    finally:
+        os.umask(old)
+
+
+def test_an_existing_database_keeps_the_mode_its_owner_gave_it(tmp_path):
+    path = tmp_path / "shared.db"
+    with Recorder(path) as rec:
+        rec.record(make_turn(1))
+        assert rec.flush(10)
+    os.chmod(path, 0o640)  # e.g. shared with a group on purpose
+    with Recorder(path) as rec:
+        rec.record(make_turn(2))
+        assert rec.flush(10)
+    assert path.stat().st_mode & 0o777 == 0o640
+    assert len(list(iter_turns(path))) == 2

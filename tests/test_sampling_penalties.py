@@ -15,6 +15,7 @@ from conftest import rows, running_server
 from engine.sampling import GeneratedTokenPenalties, SamplingParams
 from engine.sequence import Failed, Finished, Sequence
 from proxy.app import create_app
+from prefixtrace.sampling_default import SamplingDefaults
 from proxy.engine_backend import EngineBackend
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -64,7 +65,7 @@ def test_a_penalty_out_of_range_is_a_400(openai_client, field, value):
 
 
 def test_default_frequency_penalty_applies_to_requests_that_set_none(tiny_engine, recorder):
-    backend = EngineBackend(tiny_engine, default_frequency_penalty=2.0)
+    backend = EngineBackend(tiny_engine, defaults=SamplingDefaults(frequency_penalty=2.0))
     with running_server(create_app(backend, recorder)) as url:
         client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         texts = [client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=40, temperature=0,
@@ -80,7 +81,7 @@ def test_the_default_penalty_leaves_a_forced_call_alone(tiny_engine, recorder):
     tools = [{"type": "function", "function": {"name": "read", "parameters": {
         "type": "object", "properties": {"path": {"type": "string", "maxLength": 40}}, "required": ["path"]}}}]
     calls = []
-    for backend in (EngineBackend(tiny_engine), EngineBackend(tiny_engine, default_frequency_penalty=2.0)):
+    for backend in (EngineBackend(tiny_engine), EngineBackend(tiny_engine, defaults=SamplingDefaults(frequency_penalty=2.0))):
         with running_server(create_app(backend, recorder)) as url:
             client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
             reply = client.chat.completions.create(model="default", messages=MESSAGES, tools=tools,
