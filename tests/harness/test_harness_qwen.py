@@ -43,7 +43,8 @@ def configure_qwen(scratch: hs.Scratch, base_url: str) -> dict:
         "memory": {"enableManagedAutoMemory": False},
         "telemetry": {"enabled": False},
         "privacy": {"usageStatisticsEnabled": False},
-        "general": {"disableAutoUpdate": True},
+        # the key 0.15.10 reads (its settings migration maps the older `disableAutoUpdate` onto it)
+        "general": {"enableAutoUpdate": False},
     }
     (qwen_dir / "settings.json").write_text(json.dumps(settings))
     system_md = scratch.home / "system.md"
