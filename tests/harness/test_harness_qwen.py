@@ -2,7 +2,7 @@
 
 qwen-code's default main request is ~50k tokens (a ~40k-character system prompt, fifteen tool schemas,
 an auto-memory section), far above SmolLM2's 8k context: the engine refuses it with a 400. Every knob
-below is one a user can set (settings.json, the QWEN_SYSTEM_MD variable of its docs), and each is set
+below is one a user can set (settings.json, the QWEN_SYSTEM_MD variable its bundle reads), and each is set
 for a reason said beside it (docs/HARNESSES.md).
 """
 
