@@ -91,6 +91,16 @@ def llm_exe(timings) -> Path:
 
 
 @pytest.fixture(scope="session")
+def aider_exe(timings) -> Path:
+    try:
+        exe, spent = hs.install_pypi("aider")
+    except hs.HarnessUnavailable as exc:
+        pytest.fail(f"harness install failed: {exc}", pytrace=False)
+    timings("install: aider (PyPI venv)", spent, "cached" if spent == 0 else "fresh")
+    return exe
+
+
+@pytest.fixture(scope="session")
 def server_dir():
     """Not under pytest's basetemp: concurrent pytest sessions of one user prune each other's
     older basetemps, and these databases must outlive the whole session."""

@@ -35,8 +35,10 @@ NPM_PINS = {
     "claude": ("@anthropic-ai/claude-code", "2.1.197"),
     "codex": ("@openai/codex", "0.171.0"),
     "opencode": ("opencode-ai", "1.18.33"),
+    "qwen": ("@qwen-code/qwen-code", "0.15.10"),
 }
-PYPI_PINS = {"llm": ("llm", "0.36")}
+# harness name -> (PyPI package, version); each gets its own venv, its executable is named like the harness
+PYPI_PINS = {"llm": ("llm", "0.36"), "aider": ("aider-chat", "0.86.2")}
 
 INSTALL_TIMEOUT_S = 900
 SERVER_START_TIMEOUT_S = 300
@@ -112,15 +114,17 @@ def install_npm_harnesses() -> tuple[dict[str, Path], float]:
             spent = time.monotonic() - start
             marker.write_text(json.dumps({"pins": NPM_PINS, "node": major, "seconds": round(spent, 1)}))
     bins = {name: prefix / "node_modules" / ".bin" / exe
-            for name, exe in {"pi": "pi", "claude": "claude", "codex": "codex", "opencode": "opencode"}.items()}
+            for name, exe in {"pi": "pi", "claude": "claude", "codex": "codex", "opencode": "opencode",
+                              "qwen": "qwen"}.items()}
     for name, path in bins.items():
         _check_version(name, path, NPM_PINS[name][1])
     return bins, spent
 
 
-def install_llm() -> tuple[Path, float]:
-    """llm from PyPI in its own virtual environment (its plugins and deps stay out of the project's)."""
-    pkg, ver = PYPI_PINS["llm"]
+def install_pypi(name: str) -> tuple[Path, float]:
+    """A PyPI harness (llm, aider) in its own virtual environment: its plugins and dependencies
+    (aider pins ~100 packages, ~700 MB) stay out of the project's. Bounded by INSTALL_TIMEOUT_S."""
+    pkg, ver = PYPI_PINS[name]
     venv = cache_root() / f"venv-{pkg}-{ver}-py{sys.version_info.major}{sys.version_info.minor}"
     marker = venv / "installed.json"
     spent = 0.0
@@ -134,9 +138,13 @@ def install_llm() -> tuple[Path, float]:
                           f"{pkg}=={ver}"], venv / "install.log")
             spent = time.monotonic() - start
             marker.write_text(json.dumps({"pin": f"{pkg}=={ver}", "seconds": round(spent, 1)}))
-    exe = venv / "bin" / "llm"
-    _check_version("llm", exe, ver)
+    exe = venv / "bin" / name
+    _check_version(name, exe, ver)
     return exe, spent
+
+
+def install_llm() -> tuple[Path, float]:
+    return install_pypi("llm")
 
 
 def _check_version(name: str, exe: Path, want: str) -> None:
