@@ -286,7 +286,7 @@ async def open_messages(backend, req: ChatRequest, builder: TurnBuilder, headers
     if hasattr(backend, "engine"):
         return EngineMessages(await backend.open(req, builder, headers), req, builder,
                               getattr(backend.engine, "tokenizer", None))
-    response, url = await backend.post(MESSAGES_PATH, req.body, headers, session_id=req.session_id)
+    response, url = await backend.post(MESSAGES_PATH, req.body, headers, session_id=req.session_id, raw=req.raw)
     return UpstreamMessages(response, builder, url)
 
 
@@ -332,7 +332,7 @@ class TokenCount:
 async def open_count(backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
     if not hasattr(backend, "engine"):
         response, url = await backend.post(messages_wire.COUNT_TOKENS_PATH, req.body, headers,
-                                           session_id=req.session_id)
+                                           session_id=req.session_id, raw=req.raw)
         return UpstreamCount(response, builder, url)
     req.stream = False
     rendered = await backend.render(req)

@@ -217,7 +217,8 @@ def add_responses_route(app: FastAPI, backend, recorder) -> None:
             # counts from the request), and an engine failure after that is response.failed in-band.
             chat = await backend.open(req, builder, headers, wait_first=not req.stream)
             return EngineResponses(chat, req, builder, store)
-        response, url = await backend.post(RESPONSES_PATH, req.body, headers, session_id=req.session_id)
+        response, url = await backend.post(RESPONSES_PATH, req.body, headers, session_id=req.session_id,
+                                           raw=req.raw)
         return UpstreamResponses(response, builder, url)
 
     @app.post(RESPONSES_PATH)
