@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
+from proxy.turn_routes import WATCHED
+
 HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
            (b"content-type", b"text/event-stream; charset=utf-8")]
 
@@ -39,7 +41,9 @@ class EventStreamResponse:
                 hung_up = True
                 task.cancel()
 
-        listener = asyncio.ensure_future(listen())
+        # Where the app watches for the hang-up itself (proxy/turn_routes.py), it cancels this task
+        # just as `listen` would: no second listener.
+        listener = None if scope.get(WATCHED) else asyncio.ensure_future(listen())
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": HEADERS})
             async for event in self.events:
@@ -52,5 +56,6 @@ class EventStreamResponse:
             task.uncancel()  # the client went away: the stream's generator has recorded it
         finally:
             finished = True
-            listener.cancel()
+            if listener is not None:
+                listener.cancel()
             await self.events.aclose()  # a generator left at a `yield` records the hang-up now

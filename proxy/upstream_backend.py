@@ -170,6 +170,10 @@ class UpstreamBackend:
         return response
 
 
+def _is_done_marker(event: bytes) -> bool:
+    return event == sse.DONE  # what `_stream_and_record` commits before (proxy/app.py)
+
+
 def _plain_json_object(raw: bytes) -> bool:
     """Whether `raw` (a body that parsed as a JSON object) is UTF-8 with no byte-order mark: `{`
     first and `}` last, bar whitespace. UTF-16/32 put a NUL beside one of them, a BOM comes first."""
@@ -213,6 +217,10 @@ class Relayed:
         """The response's SSE events as they arrive, split on the bytes (prefixtrace/wire/sse.py)."""
         return sse.iter_events_bytes(self.response.aiter_bytes())
 
+    def event_batches(self) -> AsyncIterator[list[bytes]]:
+        """`events`, those that one read of the upstream completed together in one list."""
+        return sse.iter_event_batches(self.response.aiter_bytes())
+
     async def read(self) -> tuple[bytes, dict | None]:
         """The whole body, and its JSON object when it is one."""
         try:
@@ -240,11 +248,12 @@ class UpstreamChat(Relayed):
         self._final = False
 
     async def sse(self) -> AsyncIterator[bytes]:
+        """What the client is sent, one item per upstream read (`sse.joined`); [DONE] by itself."""
         try:
             with map_httpx_errors(self.url):
-                async for event in self.events():
-                    out = self._pass(event)
-                    if out:
+                async for batch in self.event_batches():
+                    passed = [out for out in map(self._pass, batch) if out]
+                    for out in sse.joined(passed, _is_done_marker):
                         yield out
         finally:
             await self.response.aclose()
@@ -264,13 +273,13 @@ class UpstreamChat(Relayed):
             # Data after the final usage chunk: the turn is already with the recorder, which
             # may be writing it right now; it is passed on, not recorded (a broken upstream).
             return event
-        if any(isinstance(c, dict) and c.get("finish_reason") for c in chunk.get("choices") or []) or \
-                "error" in chunk:
+        choices = chunk.get("choices") or ()
+        if "error" in chunk or any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
             self._complete = True
         self.builder.on_chunk(chunk)
         if "error" in chunk and not chunk.get("choices"):
             self.builder.turn.error = str(chunk["error"])
-        usage_only = not chunk.get("choices") and chunk.get("usage")
+        usage_only = not choices and chunk.get("usage")
         if usage_only and self._complete and "error" not in chunk and self.on_final is not None:
             self._final = True
             self.on_final()

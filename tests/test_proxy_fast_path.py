@@ -181,7 +181,7 @@ def test_every_turn_route_is_on_the_fast_path_in_both_modes(tiny_engine):
 
     for backend in (UpstreamBackend("http://127.0.0.1:9"), EngineBackend(tiny_engine)):
         app = create_app(backend, Recorder.__new__(Recorder))
-        assert set(TurnRoutes(None, fastapi_app=app, paths=TURN_PATHS)._find()) == set(TURN_PATHS)
+        assert set(TurnRoutes(fastapi_app=app, paths=TURN_PATHS)._find()) == set(TURN_PATHS)
 
 
 def test_other_methods_and_paths_still_go_through_fastapi(tmp_path):
@@ -294,3 +294,39 @@ def test_a_refused_connection_is_a_502_naming_the_upstream(tmp_path):
         assert r.status_code == 502 and dead in r.json()["error"]["message"]
         assert "ConnectError" in r.json()["error"]["message"]
         assert rows(rec)[0]["status"] == 502
+
+
+def test_the_events_of_one_upstream_read_go_out_together_and_done_alone():
+    """The role chunk and the first content usually come in one read: one write to the client,
+    not two (issue 17). [DONE] still comes by itself (the commit waits in front of it), and a
+    usage chunk the client did not ask for is still not shown."""
+    from prefixtrace.wire.turn_builder import TurnBuilder
+    from proxy.chat_request import parse_chat_request
+    from recorder.turn import Turn
+
+    def chunk(delta, finish=None):
+        return (b"data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": delta, "finish_reason": finish}]}).encode() + b"\n\n")
+
+    role, first, last = chunk({"role": "assistant", "content": ""}), chunk({"content": "hi"}), chunk({}, "stop")
+    usage = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}\n\n'
+    reads = [role + first, last + usage + b"data: [DONE]\n\n"]
+
+    async def content():
+        for read in reads:
+            yield read
+
+    backend = UpstreamBackend("http://upstream.test", transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, headers={"content-type": "text/event-stream"}, content=content())))
+
+    async def run():
+        req = parse_chat_request({"stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        builder = TurnBuilder(Turn(request_id="r", started_at=0.0, endpoint="/v1/chat/completions",
+                                   upstream="u", request_body=None, request_headers={}))
+        chat = await backend.open(req, builder, {})
+        return [out async for out in chat.sse()], builder.turn
+
+    sent, turn = asyncio.run(run())
+    assert sent == [role + first, last, sse.DONE]
+    assert turn.response_text == "hi" and turn.finish_reason == "stop" and turn.completion_tokens == 1
+    assert len(turn.chunk_times) == 4  # every chunk is still in the timeline, usage included
