@@ -4,10 +4,11 @@ Starlette's `StreamingResponse` does the same job through an anyio task group: a
 streams while the first listens for `http.disconnect`, with cancel-scope bookkeeping around
 every chunk, a few percent of the proxy's CPU on a short streamed request (issue 17). This one
 streams in the app's own task and leaves the listening to one plain task, whose only act is to
-cancel the streaming task when the client hangs up. What the stream's generator sees is the same
-as before: a `CancelledError` where it waits (for the upstream, or the engine) or, when it was
-suspended at a `yield`, a `GeneratorExit` from `aclose()`; either way it records the turn as the
-client saw it and tells its backend to stop.
+cancel the streaming task when the client hangs up; where the app's front already watches for
+the hang-up and cancels the same task (`TurnRoutes`, proxy/turn_routes.py), it adds none. What
+the stream's generator sees is the same as before: a `CancelledError` where it waits (for the
+upstream, or the engine) or, when it was suspended at a `yield`, a `GeneratorExit` from
+`aclose()`; either way it records the turn as the client saw it and tells its backend to stop.
 """
 
 from __future__ import annotations

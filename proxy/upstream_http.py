@@ -15,9 +15,10 @@ exceptions (`ConnectError`, `ConnectTimeout`, `ReadTimeout`, `WriteTimeout`, `Re
 `ReadError`, `WriteError`), which `map_httpx_errors` and the pool's failover read;
 kept-alive connections are reused, never once the upstream has closed them or sent anything
 unasked (the idle check is the protocol's own state: no system call); idle ones expire; a body
-framed by closing the connection ends at EOF; a
-gzip/deflate body (which an upstream should not send: we ask for identity) is still decoded;
-reading pauses past `READ_LIMIT` buffered bytes. Used by `UpstreamBackend` for plain-http
+framed by closing the connection ends at EOF; a gzip/deflate body (which an upstream should not
+send: we ask for identity) is still decoded; reading pauses past `READ_LIMIT` buffered bytes.
+Unlike httpx's pool it puts no cap on open connections (httpx's was 100): each turn in flight
+holds one, and the upstream queues its own. Used by `UpstreamBackend` for plain-http
 upstreams that no proxy from the environment stands in front of; https and the health checks
 keep httpx.
 """
