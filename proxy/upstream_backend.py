@@ -213,12 +213,9 @@ class Relayed:
     def cancel(self) -> None:
         pass  # closing the response (in `sse`'s finally) is what tells the upstream
 
-    def events(self) -> AsyncIterator[bytes]:
-        """The response's SSE events as they arrive, split on the bytes (prefixtrace/wire/sse.py)."""
-        return sse.iter_events_bytes(self.response.aiter_bytes())
-
     def event_batches(self) -> AsyncIterator[list[bytes]]:
-        """`events`, those that one read of the upstream completed together in one list."""
+        """The response's SSE events as they arrive, split on the bytes (prefixtrace/wire/sse.py),
+        those that one read of the upstream completed together in one list."""
         return sse.iter_event_batches(self.response.aiter_bytes())
 
     async def read(self) -> tuple[bytes, dict | None]:
