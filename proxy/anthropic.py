@@ -241,11 +241,14 @@ class UpstreamMessages(Relayed):
         self._usage: dict = {}
 
     async def sse(self) -> AsyncIterator[bytes]:
+        """The events as they came, one item per upstream read (`sse.joined`); message_stop by itself."""
         try:
             with map_httpx_errors(self.url):
-                async for event in self.events():
-                    self._parse(sse.decode_data(event))
-                    yield event
+                async for batch in self.event_batches():
+                    for event in batch:
+                        self._parse(sse.decode_data(event))
+                    for out in sse.joined(batch, _is_stop):
+                        yield out
         finally:
             await self.response.aclose()
 
@@ -286,7 +289,7 @@ async def open_messages(backend, req: ChatRequest, builder: TurnBuilder, headers
     if hasattr(backend, "engine"):
         return EngineMessages(await backend.open(req, builder, headers), req, builder,
                               getattr(backend.engine, "tokenizer", None))
-    response, url = await backend.post(MESSAGES_PATH, req.body, headers, session_id=req.session_id)
+    response, url = await backend.post(MESSAGES_PATH, req.body, headers, session_id=req.session_id, raw=req.raw)
     return UpstreamMessages(response, builder, url)
 
 
@@ -332,7 +335,7 @@ class TokenCount:
 async def open_count(backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
     if not hasattr(backend, "engine"):
         response, url = await backend.post(messages_wire.COUNT_TOKENS_PATH, req.body, headers,
-                                           session_id=req.session_id)
+                                           session_id=req.session_id, raw=req.raw)
         return UpstreamCount(response, builder, url)
     req.stream = False
     rendered = await backend.render(req)
@@ -361,11 +364,15 @@ class UpstreamCount(Relayed):
         return data, self.content_type
 
 
+def _is_stop(event: bytes) -> bool:
+    return event.startswith(b"event: message_stop")  # what `_stream` commits before
+
+
 async def _stream(chat, builder: TurnBuilder, recorder):
     recorded = False
     try:
         async for event in chat.sse():
-            if event.startswith(b"event: message_stop") and not recorded:
+            if _is_stop(event) and not recorded:
                 # Commit before the client sees the end of the stream (as chat completions do).
                 recorded = True
                 await record_durably(recorder, builder.finish(chat.status))

@@ -47,19 +47,21 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
         if hasattr(backend, "aclose"):
             await backend.aclose()
 
-    app = FastAPI(title="prefixtrace", lifespan=lifespan)
+    app = ProxyApp(title="prefixtrace", lifespan=lifespan)
     app.state.backend = backend
     app.state.recorder = recorder
     app.state.max_request_mb = max_request_mb  # proxy/request_limits.py
     recorder = observe(app, backend, recorder)  # /ui, /metrics: every turn also feeds them
     # A loopback Host on every request and JSON on every POST; refused turns are recorded.
-    # Inside the guard: the turn routes' functions called without FastAPI's request path (issue 17).
-    app.add_middleware(TurnRoutes, fastapi_app=app, paths=TURN_PATHS)
     error_bodies = {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error}
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts,
                        refuse=refusal_recorder(recorder, backend.label, error_bodies, record_durably))
 
     app.add_middleware(MaxContextHeader, backend=backend)  # on every response, refusals included
+    # An accepted turn POST skips all of the above and FastAPI's request path: the same checks,
+    # header and hang-up watch in one layer (proxy/turn_routes.py, issue 17).
+    app.turn_routes = TurnRoutes(fastapi_app=app, paths=TURN_PATHS, guard=RequestGuard(None, allowed_hosts=allowed_hosts),
+                                 context_header=MaxContextHeader(None, backend=backend))
 
     @app.get("/health")
     async def health():
@@ -101,6 +103,21 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     return app
 
 
+class ProxyApp(FastAPI):
+    """FastAPI, with the turn endpoints' accepted POSTs served before Starlette's middleware
+    stack by `turn_routes` (proxy/turn_routes.py); everything else as FastAPI serves it."""
+
+    turn_routes: TurnRoutes | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        routes = self.turn_routes
+        if routes is not None and scope["type"] == "http" and scope["method"] == "POST":
+            handler = routes.handler_for(scope)
+            if handler is not None:
+                return await routes.serve(handler, scope, receive, send)
+        await super().__call__(scope, receive, send)
+
+
 class MaxContextHeader:
     """ASGI middleware: `X-Max-Context-Tokens` on every response whose backend has a limit,
     which lets a harness compact before it hits the wall. Pure ASGI (it only edits the
@@ -121,12 +138,16 @@ class MaxContextHeader:
 
         async def send_with_header(message):
             if message["type"] == "http.response.start":
-                limit = getattr(self.backend, "max_context_tokens", None)
-                if limit is not None:
-                    MutableHeaders(scope=message)["X-Max-Context-Tokens"] = str(limit)
+                self.add_to(message)
             await send(message)
 
         await self.app(scope, receive, send_with_header)
+
+    def add_to(self, start: dict) -> None:
+        """The header on one `http.response.start` message, when the backend has a limit now."""
+        limit = getattr(self.backend, "max_context_tokens", None)
+        if limit is not None:
+            MutableHeaders(scope=start)["X-Max-Context-Tokens"] = str(limit)
 
 
 def recorder_trouble(recorder) -> JSONResponse | None:

@@ -30,6 +30,9 @@ class ChatRequest:
     tool_choice: Any = None
     response_format: Any = None
     reasoning_effort: str | None = None
+    # `body` as the client's bytes (set by `proxy.relay.serve_turn` when `body` is the parsed request
+    # as it came): an upstream is sent these rather than `body` encoded again.
+    raw: bytes | None = None
 
 
 def parse_body(raw: bytes) -> dict:

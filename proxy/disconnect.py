@@ -6,6 +6,9 @@ sits in `await chat.whole()` until the model is done, so a client that gave up
 still cost a generation to `max_tokens` and was recorded as a normal 200
 (issue 14, finding 11).
 
+The turn endpoints' accepted POSTs get the same watch from `TurnRoutes.serve`
+(proxy/turn_routes.py) without this layer; this one serves everything else.
+
 `CancelOnDisconnect` is a pure ASGI middleware: once the app has read the whole
 request body it keeps one task waiting on the ASGI receive channel. When that
 returns `http.disconnect` before the response has started, it cancels the

@@ -4,16 +4,19 @@ Starlette's `StreamingResponse` does the same job through an anyio task group: a
 streams while the first listens for `http.disconnect`, with cancel-scope bookkeeping around
 every chunk, a few percent of the proxy's CPU on a short streamed request (issue 17). This one
 streams in the app's own task and leaves the listening to one plain task, whose only act is to
-cancel the streaming task when the client hangs up. What the stream's generator sees is the same
-as before: a `CancelledError` where it waits (for the upstream, or the engine) or, when it was
-suspended at a `yield`, a `GeneratorExit` from `aclose()`; either way it records the turn as the
-client saw it and tells its backend to stop.
+cancel the streaming task when the client hangs up; where the app's front already watches for
+the hang-up and cancels the same task (`TurnRoutes`, proxy/turn_routes.py), it adds none. What
+the stream's generator sees is the same as before: a `CancelledError` where it waits (for the
+upstream, or the engine) or, when it was suspended at a `yield`, a `GeneratorExit` from
+`aclose()`; either way it records the turn as the client saw it and tells its backend to stop.
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import AsyncIterator
+
+from proxy.turn_routes import WATCHED
 
 HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
            (b"content-type", b"text/event-stream; charset=utf-8")]
@@ -39,7 +42,9 @@ class EventStreamResponse:
                 hung_up = True
                 task.cancel()
 
-        listener = asyncio.ensure_future(listen())
+        # Where the app watches for the hang-up itself (proxy/turn_routes.py), it cancels this task
+        # just as `listen` would: no second listener.
+        listener = None if scope.get(WATCHED) else asyncio.ensure_future(listen())
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": HEADERS})
             async for event in self.events:
@@ -52,5 +57,6 @@ class EventStreamResponse:
             task.uncancel()  # the client went away: the stream's generator has recorded it
         finally:
             finished = True
-            listener.cancel()
+            if listener is not None:
+                listener.cancel()
             await self.events.aclose()  # a generator left at a `yield` records the hang-up now

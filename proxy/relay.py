@@ -61,6 +61,8 @@ async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder
         body = parse_body(raw)
         turn.request_body, turn.request_raw = body, raw.decode("utf-8", errors="replace")
         req = parse(body, turn.request_headers)
+        if req.body is body:
+            req.raw = raw
         turn.session_id, turn.stream = req.session_id, req.stream
         chat = await open_reply(req, builder, turn.request_headers)
     except Exception as exc:

@@ -169,13 +169,16 @@ class UpstreamResponses(Relayed):
             self.builder.turn.error = str(data.get("message") or data)[:2000]
 
     async def sse(self) -> AsyncIterator[bytes]:
+        """The events as they came, one item per upstream read (`sse.joined`); a terminal one by itself."""
         try:
             with map_httpx_errors(self.url):
-                async for event in self.events():
-                    data = sse.decode_data(event)
-                    if data:
-                        self._on(data)
-                    yield event
+                async for batch in self.event_batches():
+                    for event in batch:
+                        data = sse.decode_data(event)
+                        if data:
+                            self._on(data)
+                    for out in sse.joined(batch, _is_terminal):
+                        yield out
         finally:
             await self.response.aclose()
         if not self._complete:  # cut short: only the protocol's own end marks tell (as on chat completions)
@@ -217,7 +220,8 @@ def add_responses_route(app: FastAPI, backend, recorder) -> None:
             # counts from the request), and an engine failure after that is response.failed in-band.
             chat = await backend.open(req, builder, headers, wait_first=not req.stream)
             return EngineResponses(chat, req, builder, store)
-        response, url = await backend.post(RESPONSES_PATH, req.body, headers, session_id=req.session_id)
+        response, url = await backend.post(RESPONSES_PATH, req.body, headers, session_id=req.session_id,
+                                           raw=req.raw)
         return UpstreamResponses(response, builder, url)
 
     @app.post(RESPONSES_PATH)
@@ -250,7 +254,8 @@ async def _stream(chat, builder: TurnBuilder, recorder):
 
     try:
         async for event in chat.sse():
-            builder.on_sent()
+            for _ in range(event.count(b"\n\n")):  # an upstream's read may carry several events
+                builder.on_sent()
             if _is_terminal(event) and not recorded:
                 # Commit before the client can see the end of the stream (as chat completions do).
                 await record_durably(recorder, finish())

@@ -1,37 +1,54 @@
-"""The turn endpoints' requests handed straight to their route functions (issue 17).
+"""The turn endpoints' POSTs served ahead of Starlette's middleware stack (issue 17).
 
 Every turn route (`POST /v1/chat/completions`, `/v1/messages`, `/v1/responses`, ...) is one
 function `(request) -> response` that does all its own work (`proxy.relay.serve_turn`): it reads
 its body, answers every error in its API's shape and never raises for a bad request. FastAPI's
 request path around it (exception middleware, async exit stack, router match, dependency solving,
-the endpoint wrapper) adds nothing to such a function but its cost, paid on every chunk sent too
-(each layer wraps `send`). `TurnRoutes` sits inside the request guard and calls the function the
-FastAPI route holds, so there is one handler per endpoint, registered once (and still listed in
-the OpenAPI schema); every other request, and every method but POST, goes through FastAPI as
-before.
+the endpoint wrapper) and the app's own middleware (request guard, context-limit header, cancel on
+disconnect, each wrapping `send` and `receive` again, one running the app in a task of its own)
+add nothing to such a function but their cost, paid on every chunk sent too. So `ProxyApp`
+(proxy/app.py) hands an accepted turn POST to `TurnRoutes.serve`, which does what those layers
+did for it in one place: the guard's check (a request it refuses takes the full stack, where
+`RequestGuard` answers and records it), the `X-Max-Context-Tokens` header, and the hang-up
+watch: once the body is read, one task waits for `http.disconnect` and, until the last byte is
+out, cancels the request's own task (a non-streamed turn stops its backend; a streamed one is
+recorded as the client saw it, `proxy/event_stream.py`). It calls the function the FastAPI route
+holds, so there is one handler per endpoint, registered once (and still in the OpenAPI schema);
+every other request, and every method but POST, goes through FastAPI as before.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 
 from fastapi.routing import APIRoute
+from starlette.datastructures import Headers
 from starlette.requests import Request
+
+# Set in the scope of a request whose hang-up `TurnRoutes` watches: a response that would
+# listen for `http.disconnect` itself (proxy/event_stream.py) need not.
+WATCHED = "prefixtrace.disconnect_watched"
 
 
 class TurnRoutes:
-    """ASGI middleware: POSTs to `paths` served by the app's own route functions for them.
+    """POSTs to `paths` served by the app's own route functions for them.
 
     Args:
+        fastapi_app: the app whose routes hold the functions (read at the first request:
+            routes are added after this is made).
         paths: the turn endpoints; a path whose route function is not `async def f(request)`
             is left to FastAPI.
+        guard: the app's `RequestGuard`; a request it would refuse is left to the full stack.
+        context_header: the app's `MaxContextHeader`, whose header goes on every response.
     """
 
-    def __init__(self, app, *, fastapi_app, paths):
-        self.app = app
+    def __init__(self, *, fastapi_app, paths, guard=None, context_header=None):
         self.fastapi_app = fastapi_app
         self.paths = frozenset(paths)
-        self.handlers = None  # path -> route function, read at the first request (routes are added after us)
+        self.guard = guard
+        self.context_header = None if context_header is None or context_header.never else context_header
+        self.handlers = None  # path -> route function
 
     def _find(self) -> dict:
         handlers = {}
@@ -41,15 +58,68 @@ class TurnRoutes:
                 handlers[route.path] = route.endpoint
         return handlers
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
-            if self.handlers is None:
-                self.handlers = self._find()
-            handler = self.handlers.get(scope["path"])
-            if handler is not None:
-                response = await handler(Request(scope, receive))
-                return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
+    def handler_for(self, scope):
+        """The route function that serves this POST here, or None (then the full stack serves it)."""
+        if self.handlers is None:
+            self.handlers = self._find()
+        handler = self.handlers.get(scope["path"])
+        if handler is None or scope.get("root_path"):
+            return None
+        if self.guard is not None and self.guard.check("POST", Headers(scope=scope)) is not None:
+            return None
+        return handler
+
+    async def serve(self, handler, scope, receive, send) -> None:
+        task = asyncio.current_task()
+        watcher: asyncio.Task | None = None
+        finished = False  # the response's last byte is out: a disconnect now is the connection's own end
+        hung_up = False
+
+        async def watch() -> dict:
+            nonlocal hung_up
+            message = await receive()
+            while message["type"] != "http.disconnect":  # nothing else is expected after the body
+                message = await receive()
+            if not finished:
+                hung_up = True
+                task.cancel()
+            return message
+
+        async def watched_receive() -> dict:
+            nonlocal watcher
+            if watcher is not None:  # one reader of the channel: later callers get its answer
+                return await asyncio.shield(watcher)
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                watcher = asyncio.ensure_future(watch())
+            return message
+
+        header = self.context_header
+
+        async def watched_send(message: dict) -> None:
+            nonlocal finished
+            kind = message["type"]
+            if kind == "http.response.body" and not message.get("more_body", False):
+                finished = True
+            elif kind == "http.response.start" and header is not None:
+                header.add_to(message)
+            await send(message)
+
+        scope["app"] = self.fastapi_app  # what Starlette sets: `request.app` (its state) reads it
+        scope[WATCHED] = True
+        try:
+            response = await handler(Request(scope, watched_receive))
+            await response(scope, watched_receive, watched_send)
+        except asyncio.CancelledError:
+            if not hung_up:
+                raise  # the server is stopping (or someone else cancelled us): not ours to swallow
+            if task.uncancel():
+                raise  # cancelled for a hang-up and for something else too
+            # The client hung up: the route has recorded the turn; nothing can be sent to it.
+        finally:
+            finished = True
+            if watcher is not None and not watcher.done():
+                watcher.cancel()
 
 
 def _takes_only_a_request(fn) -> bool:

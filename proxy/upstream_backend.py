@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from typing import AsyncIterator, Callable
 
 import httpx
@@ -16,8 +17,8 @@ from prefixtrace.errors import UpstreamError
 from prefixtrace.urls import credentials, display_url, without_credentials
 from prefixtrace.wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
 from prefixtrace.wire import sse
-from proxy.asyncio_network import use_asyncio_network
 from proxy.chat_request import ChatRequest
+from proxy.upstream_http import UpstreamConnections
 from prefixtrace.wire.turn_builder import TurnBuilder
 
 # Headers that describe one hop, not the request; httpx sets its own.
@@ -28,6 +29,10 @@ _HOP_HEADERS = {
     "cookie", "origin", "referer", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "forwarded",
     "x-real-ip",
 }
+# What httpx's client adds to a request that lacks them (the turn's POST skips the client: `_head`).
+_DEFAULT_HEADERS = {"accept": b"*/*", "user-agent": f"python-httpx/{httpx.__version__}".encode()}
+_NOT_IN_A_HEADER = re.compile("[\r\n\0]")
+USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 
 
 class UpstreamBackend:
@@ -43,17 +48,34 @@ class UpstreamBackend:
             transport=transport,
             timeout=httpx.Timeout(timeout, connect=10.0),
         )
-        if transport is None and url.startswith("http://"):
-            use_asyncio_network(self.client)  # its sockets on plain asyncio, not anyio (proxy/asyncio_network.py)
-        # The turn's POST skips the client's send stack (see `post`); it sends the same headers.
+        # The turn's POST skips the client's send stack (see `_send`); it sends the same headers.
         self._auth_header = None if auth is None else \
             "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        self.connections = self._direct_connections(without_credentials(url), transport, timeout)
+
+    def _direct_connections(self, url: str, transport, timeout: float) -> UpstreamConnections | None:
+        """The lean client for the turn's POST (proxy/upstream_http.py) where it can stand in for
+        httpx's: plain http, no injected transport, no proxy from the environment for this URL
+        (httpx would have sent through it), no query string to merge."""
+        target = httpx.URL(url)
+        pick = getattr(self.client, "_transport_for_url", None)
+        if transport is not None or target.scheme != "http" or target.query or pick is None \
+                or pick(target) is not getattr(self.client, "_transport", None):
+            return None
+        port = target.port or 80
+        self._target_prefix = target.raw_path.rstrip(b"/")
+        self._host = target.host.encode("idna") if target.port is None else \
+            (f"[{target.host}]" if ":" in target.host else target.host).encode("idna") + b":%d" % port
+        return UpstreamConnections(target.host, port, connect_timeout=10.0, read_timeout=timeout,
+                                   write_timeout=timeout)
 
     @property
     def label(self) -> str:
         return self.base_url
 
     async def aclose(self) -> None:
+        if self.connections is not None:
+            await self.connections.aclose()
         await self.client.aclose()
 
     async def ready(self) -> bool:
@@ -82,24 +104,52 @@ class UpstreamBackend:
     async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str], *,
                    path: str = "/v1/chat/completions") -> "UpstreamChat":
         """Chat completions, or (`path`) legacy completions, whose chunks carry `text`."""
-        body = dict(req.body)
-        if req.stream:
+        body, raw = req.body, req.raw
+        options = body.get("stream_options")
+        if req.stream and not (isinstance(options, dict) and options.get("include_usage") is True):
             # Ask for usage so every turn can be recorded; the client only sees
             # the usage chunk if it asked for it itself.
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        response, url = await self.post(path, body, headers, session_id=req.session_id)
+            body = {**body, "stream_options": {**(options or {}), "include_usage": True}}
+            # The client's bytes with the option added, when it had none (no re-encoding).
+            raw = _with_member(raw, USAGE_OPTION) if "stream_options" not in req.body and req.body else None
+        response, url = await self.post(path, body, headers, session_id=req.session_id, raw=raw)
         return UpstreamChat(req, builder, response, url)
 
     async def post(self, path: str, body: dict, headers: dict[str, str], *,
-                   session_id: str | None = None) -> tuple[httpx.Response, str]:
+                   session_id: str | None = None, raw: bytes | None = None) -> tuple[httpx.Response, str]:
         """POST `body` to `path`, response streamed; returns it with the URL that answered
-        (`UpstreamPool` picks one of several by session; one upstream ignores `session_id`)."""
+        (`UpstreamPool` picks one of several by session; one upstream ignores `session_id`).
+        `raw`: `body` as the client's bytes, sent as they are when they are plain UTF-8 JSON."""
         forward = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
         if not any(k.lower() == "content-type" for k in forward):
             forward["content-type"] = "application/json"
-        request = self.client.build_request("POST", path, content=_json_bytes(body), headers=forward)
+        content = raw if raw is not None and _plain_json_object(raw) else _json_bytes(body)
         with map_httpx_errors(self.base_url):
+            if self.connections is not None:
+                return await self.connections.request(self._head(path, forward, len(content)), content), self.base_url
+            request = self.client.build_request("POST", path, content=content, headers=forward)
             return await self._send(request), self.base_url
+
+    def _head(self, path: str, headers: dict[str, str], length: int) -> bytes:
+        """The request line and headers for `_direct_connections`: what httpx would have sent (its
+        defaults where the client sent none, the credentials' Basic header), asking for no compression."""
+        lines = [b"POST " + self._target_prefix + path.encode() + b" HTTP/1.1\r\nhost: " + self._host]
+        seen = set()
+        for name, value in headers.items():
+            name = name.lower()
+            if name == "authorization" and self._auth_header is not None:
+                continue  # the upstream URL's credentials stand in for the client's
+            if _NOT_IN_A_HEADER.search(name) or _NOT_IN_A_HEADER.search(value):
+                raise httpx.LocalProtocolError(f"header {name!r} holds a line break or NUL")
+            seen.add(name)
+            lines.append(name.encode("latin-1") + b": " + value.encode("latin-1"))
+        for name, value in _DEFAULT_HEADERS.items():
+            if name not in seen:
+                lines.append(name.encode() + b": " + value)
+        if self._auth_header is not None:
+            lines.append(b"authorization: " + self._auth_header.encode())
+        lines.append(b"accept-encoding: identity\r\ncontent-length: %d\r\n\r\n" % length)
+        return b"\r\n".join(lines)
 
     async def _send(self, request: httpx.Request) -> httpx.Response:
         """`client.send(request, stream=True)` without the client's own layers around the transport:
@@ -118,6 +168,23 @@ class UpstreamBackend:
         response = await pick(request.url).handle_async_request(request)
         response.request = request
         return response
+
+
+def _is_done_marker(event: bytes) -> bool:
+    return event == sse.DONE  # what `_stream_and_record` commits before (proxy/app.py)
+
+
+def _plain_json_object(raw: bytes) -> bool:
+    """Whether `raw` (a body that parsed as a JSON object) is UTF-8 with no byte-order mark: `{`
+    first and `}` last, bar whitespace. UTF-16/32 put a NUL beside one of them, a BOM comes first."""
+    return raw.lstrip(b" \t\r\n")[:1] == b"{" and raw.rstrip(b" \t\r\n")[-1:] == b"}"
+
+
+def _with_member(raw: bytes | None, member: bytes) -> bytes | None:
+    """`raw`, a non-empty JSON object without `member`'s key, with `member` added at its end."""
+    if raw is None or not _plain_json_object(raw):
+        return None
+    return raw.rstrip(b" \t\r\n")[:-1] + b"," + member + b"}"
 
 
 def _json_bytes(body: dict) -> bytes:
@@ -146,9 +213,10 @@ class Relayed:
     def cancel(self) -> None:
         pass  # closing the response (in `sse`'s finally) is what tells the upstream
 
-    def events(self) -> AsyncIterator[bytes]:
-        """The response's SSE events as they arrive, split on the bytes (prefixtrace/wire/sse.py)."""
-        return sse.iter_events_bytes(self.response.aiter_bytes())
+    def event_batches(self) -> AsyncIterator[list[bytes]]:
+        """The response's SSE events as they arrive, split on the bytes (prefixtrace/wire/sse.py),
+        those that one read of the upstream completed together in one list."""
+        return sse.iter_event_batches(self.response.aiter_bytes())
 
     async def read(self) -> tuple[bytes, dict | None]:
         """The whole body, and its JSON object when it is one."""
@@ -177,11 +245,12 @@ class UpstreamChat(Relayed):
         self._final = False
 
     async def sse(self) -> AsyncIterator[bytes]:
+        """What the client is sent, one item per upstream read (`sse.joined`); [DONE] by itself."""
         try:
             with map_httpx_errors(self.url):
-                async for event in self.events():
-                    out = self._pass(event)
-                    if out:
+                async for batch in self.event_batches():
+                    passed = [out for out in map(self._pass, batch) if out]
+                    for out in sse.joined(passed, _is_done_marker):
                         yield out
         finally:
             await self.response.aclose()
@@ -201,13 +270,13 @@ class UpstreamChat(Relayed):
             # Data after the final usage chunk: the turn is already with the recorder, which
             # may be writing it right now; it is passed on, not recorded (a broken upstream).
             return event
-        if any(isinstance(c, dict) and c.get("finish_reason") for c in chunk.get("choices") or []) or \
-                "error" in chunk:
+        choices = chunk.get("choices") or ()
+        if "error" in chunk or any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
             self._complete = True
         self.builder.on_chunk(chunk)
         if "error" in chunk and not chunk.get("choices"):
             self.builder.turn.error = str(chunk["error"])
-        usage_only = not chunk.get("choices") and chunk.get("usage")
+        usage_only = not choices and chunk.get("usage")
         if usage_only and self._complete and "error" not in chunk and self.on_final is not None:
             self._final = True
             self.on_final()

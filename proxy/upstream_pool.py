@@ -170,7 +170,7 @@ class UpstreamPool:
             self.pins.popitem(last=False)
 
     async def post(self, path: str, body: dict, headers: dict[str, str], *,
-                   session_id: str | None = None) -> tuple[httpx.Response, str]:
+                   session_id: str | None = None, raw: bytes | None = None) -> tuple[httpx.Response, str]:
         """Send to the session's upstream; on a failure before any answer, the next one."""
         self._ensure_health_checks()
         key = session_key(body, session_id)
@@ -178,7 +178,7 @@ class UpstreamPool:
         for member in self.route(key):
             member.requests += 1
             try:
-                response, url = await member.backend.post(path, body, headers)
+                response, url = await member.backend.post(path, body, headers, raw=raw)
             except UpstreamError as exc:
                 if not isinstance(exc.__cause__, RETRYABLE):
                     raise

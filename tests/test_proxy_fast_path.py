@@ -78,12 +78,10 @@ def test_a_reply_with_unicode_line_separators_passes_through_and_is_recorded(tmp
         assert rows(rec)[0]["response_text"] == text
 
 
-# --- the upstream client on plain asyncio (proxy/asyncio_network.py) -------------------------------
+# --- the turn's POST on the lean client (proxy/upstream_http.py) ----------------------------------
 
 import socket  # noqa: E402
 import threading  # noqa: E402
-
-from proxy.asyncio_network import AsyncioBackend  # noqa: E402
 
 WHOLE = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
@@ -137,7 +135,7 @@ def test_an_idle_connection_the_upstream_closed_is_not_reused(tmp_path):
 
     upstream = ScriptedUpstream(answer)
     backend = UpstreamBackend(upstream.url)
-    assert isinstance(backend.client._transport._pool._network_backend, AsyncioBackend)
+    assert backend.connections is not None  # the turn's POST is on the lean client
     try:
         with Recorder(tmp_path / "a.db") as rec:
             with running_server(create_app(backend, rec)) as url:
@@ -183,7 +181,7 @@ def test_every_turn_route_is_on_the_fast_path_in_both_modes(tiny_engine):
 
     for backend in (UpstreamBackend("http://127.0.0.1:9"), EngineBackend(tiny_engine)):
         app = create_app(backend, Recorder.__new__(Recorder))
-        assert set(TurnRoutes(None, fastapi_app=app, paths=TURN_PATHS)._find()) == set(TURN_PATHS)
+        assert set(TurnRoutes(fastapi_app=app, paths=TURN_PATHS)._find()) == set(TURN_PATHS)
 
 
 def test_other_methods_and_paths_still_go_through_fastapi(tmp_path):
@@ -193,3 +191,142 @@ def test_other_methods_and_paths_still_go_through_fastapi(tmp_path):
             slash = httpx.post(url + "/v1/chat/completions/", json={"messages": []})
     assert get.status_code == 405 and get.json()["error"]["type"] == "method_not_allowed"
     assert slash.status_code == 404 and "unknown endpoint" in slash.json()["error"]["message"]
+
+
+def _keep_answering(answers):
+    """A connection handler that answers each request on the connection with the next of
+    `answers` (bytes, or a callable given the request head and body), recording what came."""
+    seen = []
+
+    def answer(conn):
+        data = b""
+        for reply in answers:
+            while b"\r\n\r\n" not in data:
+                more = conn.recv(65536)
+                if not more:
+                    return
+                data += more
+            head, _, data = data.partition(b"\r\n\r\n")
+            length = int([line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")][0])
+            while len(data) < length:
+                data += conn.recv(65536)
+            body, data = data[:length], data[length:]
+            seen.append((head, body))
+            conn.sendall(reply(head, body) if callable(reply) else reply)
+        time.sleep(0.2)
+        conn.close()
+
+    return answer, seen
+
+
+def _whole(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n%s" % (
+        extra, len(body), body)
+
+
+def test_the_upstream_gets_the_clients_bytes_and_the_connection_is_kept(tmp_path):
+    """A pass-through body goes out as the client sent it (no re-encoding: key order, spacing and
+    escapes kept), a streamed chat request gets `include_usage` added to those bytes, and the
+    second turn reuses the kept-alive connection."""
+    sse_reply = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                 + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in [
+                     b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n',
+                     b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}\n\n',
+                     b"data: [DONE]\n\n"]) + b"0\r\n\r\n")
+    answer, seen = _keep_answering([_whole(WHOLE), sse_reply])
+    upstream = ScriptedUpstream(answer)
+    backend = UpstreamBackend(upstream.url)
+    whole = b'{ "messages" : [{"role":"user","content":"caf\\u00e9 \\ud83d\\ude00"}],  "z": 1, "a": 2 }'
+    streamed = b'{"stream": true, "messages": [{"role": "user", "content": "hi"}]}\n'
+    try:
+        with Recorder(tmp_path / "a.db") as rec:
+            with running_server(create_app(backend, rec)) as url:
+                with httpx.Client(base_url=url, timeout=10) as client:
+                    first = client.post("/v1/chat/completions", content=whole,
+                                        headers={"content-type": "application/json"})
+                    second = client.post("/v1/chat/completions", content=streamed,
+                                         headers={"content-type": "application/json"})
+            assert (first.status_code, second.status_code) == (200, 200), second.text
+            assert b'"hi"' in second.content and b"usage" not in second.content  # not asked for: not shown
+            assert [r["response_text"] for r in rows(rec)] == ["ok", "hi"]
+        assert seen[0][1] == whole
+        assert seen[1][1] == streamed.rstrip()[:-1] + b',"stream_options":{"include_usage":true}}'
+        assert json.loads(seen[1][1])["stream_options"] == {"include_usage": True}
+        assert upstream.connections == 1 and backend.connections.opened == 1
+        head = seen[0][0].decode().lower()
+        assert head.startswith("post /v1/chat/completions http/1.1\r\n")
+        assert f"host: {upstream.url.split('//')[1]}" in head and "accept-encoding: identity" in head
+    finally:
+        upstream.close()
+
+
+def test_a_compressed_whole_body_is_decoded_and_a_broken_stream_is_a_502(tmp_path):
+    """An upstream that gzips anyway is still read; one that closes mid-body is reported, not
+    passed on as a short answer."""
+    import gzip
+
+    cut = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n{\"id\":"
+    answer, _ = _keep_answering([_whole(gzip.compress(WHOLE), b"content-encoding: gzip\r\n"), cut])
+    upstream = ScriptedUpstream(answer)
+    try:
+        with Recorder(tmp_path / "a.db") as rec:
+            with running_server(create_app(UpstreamBackend(upstream.url), rec)) as url:
+                body = {"messages": [{"role": "user", "content": "hi"}]}
+                with httpx.Client(base_url=url, timeout=10) as client:
+                    first = client.post("/v1/chat/completions", json=body)
+                    second = client.post("/v1/chat/completions", json=body)
+            assert first.status_code == 200 and first.json()["choices"][0]["message"]["content"] == "ok"
+            assert second.status_code == 502 and "RemoteProtocolError" in second.json()["error"]["message"]
+            assert [r["status"] for r in rows(rec)] == [200, 502]
+    finally:
+        upstream.close()
+
+
+def test_a_refused_connection_is_a_502_naming_the_upstream(tmp_path):
+    port = socket.create_server(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{port.getsockname()[1]}"
+    port.close()
+    with Recorder(tmp_path / "a.db") as rec:
+        with running_server(create_app(UpstreamBackend(dead), rec)) as url:
+            r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                           timeout=10)
+        assert r.status_code == 502 and dead in r.json()["error"]["message"]
+        assert "ConnectError" in r.json()["error"]["message"]
+        assert rows(rec)[0]["status"] == 502
+
+
+def test_the_events_of_one_upstream_read_go_out_together_and_done_alone():
+    """The role chunk and the first content usually come in one read: one write to the client,
+    not two (issue 17). [DONE] still comes by itself (the commit waits in front of it), and a
+    usage chunk the client did not ask for is still not shown."""
+    from prefixtrace.wire.turn_builder import TurnBuilder
+    from proxy.chat_request import parse_chat_request
+    from recorder.turn import Turn
+
+    def chunk(delta, finish=None):
+        return (b"data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": delta, "finish_reason": finish}]}).encode() + b"\n\n")
+
+    role, first, last = chunk({"role": "assistant", "content": ""}), chunk({"content": "hi"}), chunk({}, "stop")
+    usage = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}\n\n'
+    reads = [role + first, last + usage + b"data: [DONE]\n\n"]
+
+    async def content():
+        for read in reads:
+            yield read
+
+    backend = UpstreamBackend("http://upstream.test", transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, headers={"content-type": "text/event-stream"}, content=content())))
+
+    async def run():
+        req = parse_chat_request({"stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        builder = TurnBuilder(Turn(request_id="r", started_at=0.0, endpoint="/v1/chat/completions",
+                                   upstream="u", request_body=None, request_headers={}))
+        chat = await backend.open(req, builder, {})
+        return [out async for out in chat.sse()], builder.turn
+
+    sent, turn = asyncio.run(run())
+    assert sent == [role + first, last, sse.DONE]
+    assert turn.response_text == "hi" and turn.finish_reason == "stop" and turn.completion_tokens == 1
+    assert len(turn.chunk_times) == 4  # every chunk is still in the timeline, usage included
