@@ -92,9 +92,10 @@ __device__ inline float warp_sum(float v) {
 """
 
 # Shared by both pass-1 kernels once a block knows its columns [c0, c1) (n = c1 - c0 > 0) and
-# has filled sc[g][t] with the scaled scores: softmax statistics of the chunk, then the
-# values pass (VALUE(t, w) accumulates w * v_t into acc), then the block's partial output.
-_SOFTMAX_AND_STORE = """
+# has filled sc[g][t] with the scaled scores: softmax statistics of the chunk (_SOFTMAX_STATS,
+# v3's kernel uses it too), then the values pass (VALUE(t, w) accumulates w * v_t into acc),
+# then the block's partial output.
+_SOFTMAX_STATS = """
     __syncthreads();
     float mx_[G], l_[G];
     #pragma unroll
@@ -132,7 +133,8 @@ _SOFTMAX_AND_STORE = """
         for (int w = 0; w < NW; ++w) l += stat[w][g];
         l_[g] = l;
     }
-    float acc[G][8];
+"""
+_SOFTMAX_AND_STORE = _SOFTMAX_STATS + """    float acc[G][8];
     #pragma unroll
     for (int g = 0; g < G; ++g)
         #pragma unroll
@@ -829,45 +831,7 @@ _TQ3_SOURCE = """
                 for (int g = 0; g < G; ++g) sc[g][t] = a[g];
             }
         }
-    }
-    __syncthreads();
-    float mx_[G], l_[G];
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float m = NEG_INF;
-        for (int t = tid; t < n; t += NT) m = fmaxf(m, sc[g][t]);
-        m = warp_max(m);
-        if (lane == 0) stat[warp][g] = m;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float m = stat[0][g];
-        #pragma unroll
-        for (int w = 1; w < NW; ++w) m = fmaxf(m, stat[w][g]);
-        mx_[g] = m;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float l = 0.f;
-        for (int t = tid; t < n; t += NT) {
-            const float p = __expf(sc[g][t] - mx_[g]);
-            sc[g][t] = p;
-            l += p;
-        }
-        l = warp_sum(l);
-        if (lane == 0) stat[warp][g] = l;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float l = 0.f;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) l += stat[w][g];
-        l_[g] = l;
-    }
-    if (!tail) {
+    }""" + _SOFTMAX_STATS + """    if (!tail) {
         const int sub = lane % LPT, tg = warp * TPW + lane / LPT;
         float acc[G][CPL];
         #pragma unroll
