@@ -232,9 +232,24 @@ class Scheduler:
         """Restored-prefix prefill (docs/TURBOQUANT.md): before a suffix of more than one
         chunk after a restored TurboQuant prefix, prefill on a dense copy of the prefix
         (decoded once) instead of decoding the whole prefix again in every chunk; the
-        suffix is quantised and appended at the end (`_requantise`). Only if the copy fits."""
+        suffix is quantised and appended at the end (`_requantise`). Only if the copy fits.
+
+        A cold prefill (nothing restored) of more than one chunk runs the same way on fresh
+        dense caches and is quantised once when the prompt is done, instead of every chunk
+        attending over the decoded codes of all chunks before it (docs/TURBOQUANT.md). Its
+        dense KV is what the memory model already charges for the prompt: `_prompt_need`
+        and `_used_bytes` count dense bytes per token for a TurboQuant engine too, and
+        `append_suffix` frees each dense layer as it is encoded. Its blocks reach the prefix
+        cache once, quantised, at the end (a dense chunk is not in the TurboQuant block
+        format: `PrefixCache.pageable`), so a cancel midway keeps none of its progress."""
         suffix = job.seq.num_prompt_tokens - 1 - job.pos
-        if job.pos == 0 or suffix <= self.prefill_chunk or not any(type(c) is TurboQuantKVCache for c in job.cache):
+        if suffix <= self.prefill_chunk or not any(type(c) is TurboQuantKVCache for c in job.cache):
+            return
+        if job.pos == 0:
+            job.quantised = job.cache
+            job.cache = [KVCache() if type(c) is TurboQuantKVCache else c for c in job.cache]
+            log.info("request %d: cold prefill of %d tokens on dense caches, quantised at the end",
+                     job.seq.seq_id, suffix)
             return
         need = dense_copy_bytes(job.cache, job.pos + suffix)
         if self.memory is not None and not self._fits(need):
