@@ -94,6 +94,11 @@ class _Paused:
     pinned: list[int] | None = None  # paused row: its KV's tokens, pinned in the prefix cache (no file)
 
 
+# A TurboQuant engine's cold prefill of more than one chunk runs on dense caches and is
+# quantised once at the end (`Scheduler._dense_suffix`). False: every chunk on the
+# TurboQuant caches, as before session 6; kept for bench_turboquant's before/after figures.
+COLD_DENSE_PREFILL = True
+
 # Positions allocated beyond a restored prefix's prompt (mlx-lm's KVCache step): the
 # prompt's rest and the first decode steps then write into the restored cache in place.
 KV_ROOM_STEP = 256
@@ -246,6 +251,8 @@ class Scheduler:
         if suffix <= self.prefill_chunk or not any(type(c) is TurboQuantKVCache for c in job.cache):
             return
         if job.pos == 0:
+            if not COLD_DENSE_PREFILL:
+                return
             job.quantised = job.cache
             job.cache = [KVCache() if type(c) is TurboQuantKVCache else c for c in job.cache]
             log.info("request %d: cold prefill of %d tokens on dense caches, quantised at the end",
