@@ -5,7 +5,7 @@
     python bench/bench_turboquant.py --smollm2 --quick  # the bundled trained model, one sample (~3 min)
     python bench/bench_turboquant.py --smollm2  # both samples, 1024 + 256 tokens (~10 min on 2 busy cores)
     python bench/bench_turboquant.py --engine-decode 32768 --engine-decode 100000 --engine-variants v2s,v3  # GPU: engine
-    python bench/bench_turboquant.py --engine-decode 4096 --engine-shape small --engine-chunk 512 \
+    python bench/bench_turboquant.py --engine-decode 8192 --engine-shape tiny --engine-chunk 512 \
         --engine-warmup 512 --engine-tokens 4 --engine-chunked-too  # CPU: cold prefill, dense KV vs chunked on TQ
 
 Default: per bit width, D_mse of unit vectors (the paper's per-vector figure),
@@ -379,11 +379,14 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
     from engine.sampling import SamplingParams
     from engine.sequence import Failed, Finished, Sequence
 
-    small = shape == "small"
-    built = random_loader(SMALL_QWEN3 if small else QWEN3_8B, mx.float32 if small else mx.bfloat16)()  # one model for all
+    small, tiny = shape == "small", shape == "tiny"
+    if tiny:  # fixtures/tiny-llama, loaded by each engine as `prefixtrace serve` would
+        built, vocab = None, json.loads((ROOT / "fixtures/tiny-llama/config.json").read_text())["vocab_size"]
+    else:
+        built = random_loader(SMALL_QWEN3 if small else QWEN3_8B, mx.float32 if small else mx.bfloat16)()  # one for all
+        vocab = (SMALL_QWEN3 if small else QWEN3_8B)["vocab_size"]
     out = {"device": str(mx.default_device()), "shape": shape, "tokens": tokens, "prefill_chunk": chunk,
            "warmup": warmup, "load_average_start": round(os.getloadavg()[0], 2), "runs": []}
-    vocab = (SMALL_QWEN3 if small else QWEN3_8B)["vocab_size"]
 
     def serve(engine, context, n_tokens):
         done = queue.Queue()
@@ -411,8 +414,9 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
         labels.append(label)
         decode_attention.set_tq_variant(variant or default)
         scheduler.COLD_DENSE_PREFILL = not chunked
-        engine = Engine("random-qwen3-8b", loader=lambda: built, kv_quant=kv, max_batch=1,
-                        prefill_step_size=chunk, cache_bytes=0).start()
+        model_kw = dict(model_dir=str(ROOT / "fixtures/tiny-llama"), dtype="float32") if tiny else \
+            dict(model_dir="random-qwen3-8b", loader=lambda: built)
+        engine = Engine(**model_kw, kv_quant=kv, max_batch=1, prefill_step_size=chunk, cache_bytes=0).start()
         try:
             engine.wait_ready(600)
             if warmup:
@@ -456,8 +460,8 @@ def main() -> None:
                         help="TurboQuant decode variants through the engine, one engine each (e.g. v2s,v3; default: the default)")
     parser.add_argument("--engine-warmup", type=int, default=4096,
                         help="prompt tokens of one unrecorded request per engine first (0: none)")
-    parser.add_argument("--engine-shape", choices=("qwen3-8b", "small"), default="qwen3-8b",
-                        help="--engine-decode: the random model (small: a CPU-sized Qwen3 shape, float32)")
+    parser.add_argument("--engine-shape", choices=("qwen3-8b", "small", "tiny"), default="qwen3-8b",
+                        help="--engine-decode: the random model (small: a CPU-sized Qwen3 shape, float32; tiny: fixtures/tiny-llama)")
     parser.add_argument("--engine-chunked-too", action="store_true",
                         help="--engine-decode: TurboQuant also with its cold prefill chunked on TurboQuant "
                         "caches (the path before session 6), for a before/after")
