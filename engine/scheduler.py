@@ -246,7 +246,8 @@ class Scheduler:
         and `_used_bytes` count dense bytes per token for a TurboQuant engine too, and
         `append_suffix` frees each dense layer as it is encoded. Its blocks reach the prefix
         cache once, quantised, at the end (a dense chunk is not in the TurboQuant block
-        format: `PrefixCache.pageable`), so a cancel midway keeps none of its progress."""
+        format: `PrefixCache.pageable`); a cancel or park quantises what was done first, only
+        a failed step (`fail_all`) loses the chunks done."""
         suffix = job.seq.num_prompt_tokens - 1 - job.pos
         if suffix <= self.prefill_chunk or not any(type(c) is TurboQuantKVCache for c in job.cache):
             return
