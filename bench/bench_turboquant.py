@@ -5,6 +5,8 @@
     python bench/bench_turboquant.py --smollm2 --quick  # the bundled trained model, one sample (~3 min)
     python bench/bench_turboquant.py --smollm2  # both samples, 1024 + 256 tokens (~10 min on 2 busy cores)
     python bench/bench_turboquant.py --engine-decode 32768 --engine-decode 100000 --engine-variants v2s,v3  # GPU: engine
+    python bench/bench_turboquant.py --engine-decode 8192 --engine-shape tiny --engine-chunk 512 \
+        --engine-warmup 512 --engine-tokens 4 --engine-chunked-too  # CPU: cold prefill, dense KV vs chunked on TQ
 
 Default: per bit width, D_mse of unit vectors (the paper's per-vector figure),
 KV bytes vs bf16 at a 64-dim head, attention-output relative error and
@@ -348,29 +350,47 @@ def smollm2_main(args) -> None:
         timings("SmolLM2-135M (default model)", model, (512, 2048), (1, 3))
 
 
-def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: int = 4096) -> dict:
+# --engine-shape small: a Qwen3-shaped random model the CPU prefills a few thousand tokens of
+# in seconds (float32), for the cold-prefill before/after on this VM.
+SMALL_QWEN3 = dict(
+    model_type="qwen3", hidden_size=512, num_hidden_layers=12, intermediate_size=1536,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-6,
+    vocab_size=4096, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False,
+)
+
+
+def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: int = 4096, shape: str = "qwen3-8b",
+                  chunked_too: bool = False) -> dict:
     """Whole-model figures through the engine, dense and `--kv-quant turboquant` side by side
     on one random Qwen3-8B-shaped model (bf16; GPU): per context, the cold prefill time and
     the decode tokens/s of one row (the engine's own `Finished` timings). `variants`: the
     TurboQuant decode variants to run (engine.decode_attention.TQ_VARIANTS; None: the default),
     one engine each. `warmup`: each engine first serves one request of this many prompt tokens
     (not recorded), so the kernels' first-shape compilations (prefill chunks, decode) stay out
-    of the figures."""
+    of the figures. `shape`: "qwen3-8b" (bf16) or "small" (`SMALL_QWEN3`, float32, for the
+    CPU). `chunked_too`: each TurboQuant variant also runs with its cold prefill chunked on
+    the TurboQuant caches (engine.scheduler.COLD_DENSE_PREFILL off: the path before
+    session 6), labelled `..._chunked`, for a before/after in one run."""
     import queue
 
     from bench.bench_scheduler import QWEN3_8B, random_loader
-    from engine import decode_attention
+    from engine import decode_attention, scheduler
     from engine.engine import Engine
     from engine.sampling import SamplingParams
     from engine.sequence import Failed, Finished, Sequence
 
-    built = random_loader(QWEN3_8B)()  # one model for all engines
-    out = {"device": str(mx.default_device()), "tokens": tokens, "prefill_chunk": chunk, "warmup": warmup,
-           "runs": []}
+    small, tiny = shape == "small", shape == "tiny"
+    if tiny:  # fixtures/tiny-llama, loaded by each engine as `prefixtrace serve` would
+        built, vocab = None, json.loads((ROOT / "fixtures/tiny-llama/config.json").read_text())["vocab_size"]
+    else:
+        built = random_loader(SMALL_QWEN3 if small else QWEN3_8B, mx.float32 if small else mx.bfloat16)()  # one for all
+        vocab = (SMALL_QWEN3 if small else QWEN3_8B)["vocab_size"]
+    out = {"device": str(mx.default_device()), "shape": shape, "tokens": tokens, "prefill_chunk": chunk,
+           "warmup": warmup, "load_average_start": round(os.getloadavg()[0], 2), "runs": []}
 
     def serve(engine, context, n_tokens):
         done = queue.Queue()
-        prompt = mx.random.randint(10, 30000, (context,), key=mx.random.key(context)).tolist()
+        prompt = mx.random.randint(10, min(30000, vocab - 2), (context,), key=mx.random.key(context)).tolist()
         seq = Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True),
                        lambda ev: done.put(ev) if isinstance(ev, (Finished, Failed)) else None)
         engine.submit(seq)
@@ -381,12 +401,22 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
 
     default = decode_attention.tq_variant()
     labels = []
-    for kv, variant in [("none", None)] + [("turboquant", v) for v in variants]:
-        label = kv if kv == "none" else f"turboquant_{variant or default}"
+    runs = [("none", None, False)] + [("turboquant", v, False) for v in variants]
+    if chunked_too:
+        # Then each TurboQuant engine again: the first one of a process pays first-shape
+        # compilations at the long context that the warm-up did not reach (a new decode
+        # context, the encoder's and the codec's shapes), and the second round is free of them.
+        runs += [("turboquant", v, True) for v in variants]
+        runs += [("turboquant", v, c) for c in (False, True) for v in variants]
+    for kv, variant, chunked in runs:
+        label = kv if kv == "none" else f"turboquant_{variant or default}" + ("_chunked" if chunked else "")
+        label += "_again" if label in labels else ""
         labels.append(label)
         decode_attention.set_tq_variant(variant or default)
-        engine = Engine("random-qwen3-8b", loader=lambda: built, kv_quant=kv, max_batch=1,
-                        prefill_step_size=chunk, cache_bytes=0).start()
+        scheduler.COLD_DENSE_PREFILL = not chunked
+        model_kw = dict(model_dir=str(ROOT / "fixtures/tiny-llama"), dtype="float32") if tiny else \
+            dict(model_dir="random-qwen3-8b", loader=lambda: built)
+        engine = Engine(**model_kw, kv_quant=kv, max_batch=1, prefill_step_size=chunk, cache_bytes=0).start()
         try:
             engine.wait_ready(600)
             if warmup:
@@ -400,12 +430,21 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
         finally:
             engine.shutdown()
             decode_attention.set_tq_variant(default)
+            scheduler.COLD_DENSE_PREFILL = True
             mx.clear_cache()
     by = {(r["kv"], r["context"]): r for r in out["runs"]}
     out["ratios"] = {str(c): {f"{label}_{what}_vs_dense": round(by[label, c][key] / by["none", c][key], 3)
                               for label in labels[1:] for what, key in (("decode", "decode_tok_s"),
                                                                         ("prefill", "prefill_s"))}
                      for c in contexts}
+    if chunked_too:  # after / before, the same variant and context
+        for c in contexts:
+            for v in variants:
+                for again in ("", "_again"):
+                    label = f"turboquant_{v or default}"
+                    out["ratios"][str(c)][f"{label}{again}_prefill_vs_chunked"] = round(
+                        by[label + again, c]["prefill_s"] / by[label + "_chunked" + again, c]["prefill_s"], 3)
+    out["load_average_end"] = round(os.getloadavg()[0], 2)
     return out
 
 
@@ -421,6 +460,11 @@ def main() -> None:
                         help="TurboQuant decode variants through the engine, one engine each (e.g. v2s,v3; default: the default)")
     parser.add_argument("--engine-warmup", type=int, default=4096,
                         help="prompt tokens of one unrecorded request per engine first (0: none)")
+    parser.add_argument("--engine-shape", choices=("qwen3-8b", "small", "tiny"), default="qwen3-8b",
+                        help="--engine-decode: the random model (small: a CPU-sized Qwen3 shape, float32; tiny: fixtures/tiny-llama)")
+    parser.add_argument("--engine-chunked-too", action="store_true",
+                        help="--engine-decode: TurboQuant also with its cold prefill chunked on TurboQuant "
+                        "caches (the path before session 6), for a before/after")
     parser.add_argument("--json", type=Path, help="--engine-decode: also write the figures here")
     parser.add_argument("--skip-tiny-timing", action="store_true")
     parser.add_argument("--smollm2", action="store_true", help="quality on the bundled trained model instead")
@@ -435,7 +479,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.engine_decode:
         variants = tuple(args.engine_variants.split(",")) if args.engine_variants else (None,)
-        out = engine_decode(args.engine_decode, args.engine_tokens, args.engine_chunk, variants, args.engine_warmup)
+        out = engine_decode(args.engine_decode, args.engine_tokens, args.engine_chunk, variants, args.engine_warmup,
+                            args.engine_shape, args.engine_chunked_too)
         print(json.dumps(out, indent=1))
         if args.json:
             args.json.write_text(json.dumps(out, indent=1))

@@ -94,6 +94,11 @@ class _Paused:
     pinned: list[int] | None = None  # paused row: its KV's tokens, pinned in the prefix cache (no file)
 
 
+# A TurboQuant engine's cold prefill of more than one chunk runs on dense caches and is
+# quantised once at the end (`Scheduler._dense_suffix`). False: every chunk on the
+# TurboQuant caches, as before session 6; kept for bench_turboquant's before/after figures.
+COLD_DENSE_PREFILL = True
+
 # Positions allocated beyond a restored prefix's prompt (mlx-lm's KVCache step): the
 # prompt's rest and the first decode steps then write into the restored cache in place.
 KV_ROOM_STEP = 256
@@ -232,9 +237,27 @@ class Scheduler:
         """Restored-prefix prefill (docs/TURBOQUANT.md): before a suffix of more than one
         chunk after a restored TurboQuant prefix, prefill on a dense copy of the prefix
         (decoded once) instead of decoding the whole prefix again in every chunk; the
-        suffix is quantised and appended at the end (`_requantise`). Only if the copy fits."""
+        suffix is quantised and appended at the end (`_requantise`). Only if the copy fits.
+
+        A cold prefill (nothing restored) of more than one chunk runs the same way on fresh
+        dense caches and is quantised once when the prompt is done, instead of every chunk
+        attending over the decoded codes of all chunks before it (docs/TURBOQUANT.md). Its
+        dense KV is what the memory model already charges for the prompt: `_prompt_need`
+        and `_used_bytes` count dense bytes per token for a TurboQuant engine too, and
+        `append_suffix` frees each dense layer as it is encoded. Its blocks reach the prefix
+        cache once, quantised, at the end (a dense chunk is not in the TurboQuant block
+        format: `PrefixCache.pageable`); a cancel or park quantises what was done first, only
+        a failed step (`fail_all`) loses the chunks done."""
         suffix = job.seq.num_prompt_tokens - 1 - job.pos
-        if job.pos == 0 or suffix <= self.prefill_chunk or not any(type(c) is TurboQuantKVCache for c in job.cache):
+        if suffix <= self.prefill_chunk or not any(type(c) is TurboQuantKVCache for c in job.cache):
+            return
+        if job.pos == 0:
+            if not COLD_DENSE_PREFILL:
+                return
+            job.quantised = job.cache
+            job.cache = [KVCache() if type(c) is TurboQuantKVCache else c for c in job.cache]
+            log.info("request %d: cold prefill of %d tokens on dense caches, quantised at the end",
+                     job.seq.seq_id, suffix)
             return
         need = dense_copy_bytes(job.cache, job.pos + suffix)
         if self.memory is not None and not self._fits(need):

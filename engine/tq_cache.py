@@ -803,20 +803,28 @@ def append_suffix(quantised: list, dense: list) -> list:
     """`quantised` with the positions `dense` holds past each TurboQuant layer's offset
     encoded and appended; the prefix's norms and codes are not touched (bit for bit).
     The dense tail becomes `dense`'s values from the last multiple of `group` on.
-    Dense layers are taken from `dense` (they are the same objects)."""
+    Dense layers are taken from `dense` (they are the same objects).
+
+    With empty `quantised` caches (a cold prefill run dense) the result is exactly
+    `TurboQuantKVCache.from_dense` of each layer. The suffix is encoded as new tokens
+    are (`_encode_into`: one fused launch on CUDA). `dense` is consumed: each entry is
+    replaced by its quantised layer as soon as that is evaluated, so its dense K/V can
+    be freed and the peak stays near the dense KV alone, not dense plus all codes."""
     out = []
-    for q, d in zip(quantised, dense):
+    for i, (q, d) in enumerate(zip(quantised, dense)):
         if type(q) is not TurboQuantKVCache or q is d:
             out.append(d)
             continue
         prev, n = q.offset, d.offset
         keys, values = d.keys[:, :, :n], d.values[:, :, :n]
         if n > prev:
-            q.k.write(prev, *q.codec(keys.shape[-1]).encode(keys[:, :, prev:]))
-            q.v.write(prev, *q.codec(values.shape[-1]).encode(values[:, :, prev:]))
+            _encode_into(q.k, q.v, prev, keys[:, :, prev:], values[:, :, prev:],
+                         q.codec(keys.shape[-1]), q.codec(values.shape[-1]))
         keep = _floor(n, q.group)
         q.tail_k, q.tail_v = mx.contiguous(keys[:, :, keep:]), mx.contiguous(values[:, :, keep:])
         q.offset = n
+        if n:
+            mx.eval(q.state)
+        dense[i] = q
         out.append(q)
-    mx.eval([c.state for c in out if c.offset])
     return out

@@ -243,3 +243,93 @@ def test_hook_routes_only_turboquant_caches():
 
 def _tq_layers(model):
     return [KVCache() if i == len(model.layers) - 1 else TurboQuantKVCache(4, 0, 16) for i in range(len(model.layers))]
+
+
+# --- cold prefill on dense caches, quantised once (Scheduler._dense_suffix, pos 0) ---------
+
+
+def test_cold_prefill_runs_dense_and_equals_quantising_a_dense_prefill(caplog):
+    """A TurboQuant engine's multi-chunk cold prefill leaves exactly the codes
+    `from_dense` makes of a dense engine's prefill of the same prompt in the same chunks
+    (before: every chunk after the first attended over decoded codes, so the K/V of
+    layers above the first, and their codes, differed)."""
+    tq = tq_engine(prefill_step_size=32)  # 133 prompt positions: five chunks
+    try:
+        stored, _ = spy(tq)
+        ids = prompt_ids(tq)
+        with caplog.at_level("INFO", logger="prefixtrace.scheduler"):
+            generate(tq, ids, max_tokens=1)
+        assert any("cold prefill of 133 tokens on dense caches" in r.getMessage() for r in caplog.records)
+        got = stored[-1]
+    finally:
+        tq.shutdown()
+    dense = Engine(TINY_MODEL, dtype="float32", block_size=16, prefill_step_size=32).start()
+    dense.wait_ready(60)
+    try:
+        dense_stored, _ = spy(dense)
+        generate(dense, ids, max_tokens=1)
+        want_layers = dense_stored[-1]
+    finally:
+        dense.shutdown()
+    n = PROMPT_LEN - 1  # the last prompt token is fed by the decode step, on TurboQuant caches
+    checked = 0
+    for layer, (g, w) in enumerate(zip(got, want_layers)):
+        if len(g) == 2:  # the dense last layer: the same K/V
+            assert all(np.array_equal(a[:, :, :n], b[:, :, :n]) for a, b in zip(g, w))
+            continue
+        kv = KVCache()
+        kv.state = (mx.array(w[0][:, :, :n]), mx.array(w[1][:, :, :n]), n)
+        want = [np.array(a) for a in TurboQuantKVCache.from_dense(kv, kv_bits=4, seed=0, group=64).state]
+        for a, b in zip(g[:4], want[:4]):  # norms and codes of K and V
+            assert np.array_equal(a[:, :, :n], b)
+        for a, b in zip(g[4:], want[4:]):  # the dense tail
+            assert np.array_equal(a[:, :, : b.shape[2]], b)
+        checked += 1
+    assert checked == len(got) - 1
+
+
+def test_cold_prefill_in_chunks_decodes_as_one_chunk_and_warm_turn_still_hits():
+    """Chunking no longer changes a TurboQuant engine's output: a prompt prefilled in five
+    chunks continues as one prefilled in a single chunk (which always saw its own tokens
+    dense and quantised once); its blocks, committed quantised at the end, serve the warm
+    turn, which continues the same way."""
+    one = tq_engine(prefill_step_size=1024)
+    try:
+        ids = prompt_ids(one)
+        want, _ = generate(one, ids, max_tokens=24)
+    finally:
+        one.shutdown()
+    e = tq_engine(prefill_step_size=32)
+    try:
+        first, cold = generate(e, ids, max_tokens=24)
+        assert cold.cached_tokens == 0 and first == want
+        again, warm = generate(e, ids, max_tokens=24)
+        assert warm.cached_tokens == PROMPT_LEN - 1 and again == first
+    finally:
+        e.shutdown()
+
+
+def test_cold_dense_prefill_is_charged_at_dense_bytes():
+    """The memory model charges a TurboQuant engine's prefill at dense bytes per token,
+    which is what the dense caches of a cold prefill hold: the never-fits check and
+    admission never promise a prompt that could not be prefilled dense."""
+    e = tq_engine(prefill_step_size=32)
+    seen = []
+    sched = e.scheduler
+    real = sched._prefill_chunk
+
+    def chunk():
+        job = sched.prefill
+        real()
+        if sched.prefill is job and job.quantised is not None:
+            held = sum(c.keys[:, :, : c.offset].nbytes + c.values[:, :, : c.offset].nbytes for c in job.cache)
+            seen.append((held, job.pos * sched.memory.kv_bytes_per_token))
+
+    sched._prefill_chunk = chunk
+    try:
+        generate(e, prompt_ids(e), max_tokens=1)
+    finally:
+        e.shutdown()
+    assert len(seen) >= 3  # chunks run on dense caches
+    assert all(held <= charged for held, charged in seen)
+    assert seen[-1][0] == seen[-1][1]  # every layer dense while prefilling: exactly what is charged
