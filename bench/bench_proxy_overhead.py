@@ -52,6 +52,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "fixtures" / "tiny-llama"
 GOAL_MS = 1.0
+# The servers keep the bench's own import path after their tree: packages installed with
+# `pip install --target` (a GPU host with no registry) are found there too.
+INHERITED_PATH = os.environ.get("PYTHONPATH")
 PROMPT = "Say something short."
 
 # route -> (path, body builder, test: is this SSE data line a content delta?)
@@ -92,7 +95,8 @@ def start_serve(args: list[str], cwd: Path, log: Path, serve_with: tuple[str, st
     if serve_with is not None:
         prefix = [sys.executable, str(Path(__file__).resolve()), "--serve-with", *serve_with, "--"]
     proc = subprocess.Popen([*prefix, "serve", "--port", str(port), *args], cwd=cwd,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), extra_path]))},
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), extra_path,
+                                                                                           INHERITED_PATH]))},
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
