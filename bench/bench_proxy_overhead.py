@@ -22,6 +22,8 @@ used per proxied request (all threads, from /proc), which load does not blur. Go
     python bench/bench_proxy_overhead.py --routes chat --n 100
     python bench/bench_proxy_overhead.py --proxy-http h11 --proxy-loop asyncio   # uvicorn's options, forced
 
+`--server-cpus 0,1 --client-cpus 2,3` pins the servers (upstream, proxies, relay) and the client
+apart (`taskset -c 0,1 python bench/...` puts everything on two cores, as issue 17 measured it).
 `--relay` adds a third target, a bare TCP relay to the upstream (no HTTP, no work): what
 one more local hop costs on this machine, the floor under any proxy's added latency.
 `--baseline TREE` adds a fourth: the same proxy run from another checkout (before a change),
@@ -86,6 +88,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVER_CPUS: set[int] | None = None  # --server-cpus: every server (and the relay) runs on these
+
+
+def _pinned():
+    if SERVER_CPUS is not None:
+        os.sched_setaffinity(0, SERVER_CPUS)
+
+
 def start_serve(args: list[str], cwd: Path, log: Path, serve_with: tuple[str, str] | None = None,
                 root: Path = ROOT, extra_path: str | None = None):
     """`prefixtrace serve` from the tree at `root` (another checkout: `--baseline`), with
@@ -97,7 +107,7 @@ def start_serve(args: list[str], cwd: Path, log: Path, serve_with: tuple[str, st
     proc = subprocess.Popen([*prefix, "serve", "--port", str(port), *args], cwd=cwd,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), extra_path,
                                                                                            INHERITED_PATH]))},
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, preexec_fn=_pinned)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -240,7 +250,16 @@ def main() -> None:
                     help="an extra import path for the baseline proxy only, e.g. a `pip install --target DIR "
                          "uvloop httptools` (measures those without installing them for everything else)")
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    ap.add_argument("--server-cpus", metavar="0,1", default=None,
+                    help="run the upstream, the proxies and the relay on these CPUs only (Linux)")
+    ap.add_argument("--client-cpus", metavar="2,3", default=None,
+                    help="run this process (the client) on these CPUs only (Linux)")
     args = ap.parse_args()
+    global SERVER_CPUS
+    if args.server_cpus:
+        SERVER_CPUS = {int(c) for c in args.server_cpus.split(",")}
+    if args.client_cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})
 
     serve_with = None
     if args.proxy_http or args.proxy_loop:
@@ -259,6 +278,8 @@ def main() -> None:
             proxy, px_url = start_serve(["--upstream", up_url, "--db", str(tmp / "px" / "px.db")],
                                         tmp / "px", tmp / "px.log", serve_with)
             try:
+                print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; servers on CPUs "
+                      f"{sorted(SERVER_CPUS) if SERVER_CPUS else 'any'}, client on {sorted(os.sched_getaffinity(0))}")
                 print(f"upstream {up_url} (pid {upstream.pid}), proxy {px_url} (pid {proxy.pid}), "
                       f"proxy uvicorn http={serve_with[0] if serve_with else 'auto'} "
                       f"loop={serve_with[1] if serve_with else 'auto'}; n={args.n} each, max_tokens={args.max_tokens}")
@@ -279,7 +300,7 @@ def main() -> None:
                 if args.relay:
                     relay_port = free_port()
                     relay_proc = subprocess.Popen([sys.executable, __file__, "--run-relay", str(relay_port),
-                                                   up_url.rsplit(":", 1)[1]])
+                                                   up_url.rsplit(":", 1)[1]], preexec_fn=_pinned)
                     for _ in range(300):  # until it listens
                         try:
                             socket.create_connection(("127.0.0.1", relay_port), timeout=1).close()
@@ -307,6 +328,7 @@ def main() -> None:
         finally:
             stop(upstream)
     summary(results)
+    print(f"load average after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         print(json.dumps(results))
 
