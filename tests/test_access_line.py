@@ -1,6 +1,6 @@
-"""uvicorn's access line is written after a response's first body bytes, not inside its head's
-write (prefixtrace/connections.py, issue 17), and says what it said before: same logger, same
-arguments, same filters, once per request, also when no body ever follows the head."""
+"""uvicorn's access line is written after a response's last bytes, not inside its head's write
+(prefixtrace/connections.py, issue 17), and says what it said before: same logger, same
+arguments, same filters, once per request, also when the body never ends."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ import time
 import pytest
 import uvicorn
 
-from prefixtrace.connections import H11WithHeadTimeout, _httptools_protocol, with_head_timeout
+from prefixtrace.connections import (
+    H11WithHeadTimeout,
+    _httptools_protocol,
+    with_head_timeout,
+)
 from prefixtrace.serve import QueryValuesMasked
 from tests.conftest import free_port
 
@@ -35,11 +39,13 @@ class Lines(logging.Handler):
 
 
 class App:
-    """`/slow`: the head, then (once `release` is set) two body chunks. `/fail`: the head, then an
-    exception. `/hang`: the head, then waits forever. `/quick`: a whole response."""
+    """`/slow`: the head, then a body chunk once `release` is set, the last one once `release_last`
+    is. `/fail`: the head, then an exception. `/hang`: the head and a body chunk, then waits forever.
+    `/quick`: a whole response."""
 
     def __init__(self):
         self.release = threading.Event()
+        self.release_last = threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def __call__(self, scope, receive, send):
@@ -58,10 +64,13 @@ class App:
         if scope["path"] == "/fail":
             raise RuntimeError("failed after the head")
         if scope["path"] == "/hang":
+            await send({"type": "http.response.body", "body": b"first", "more_body": True})
             await asyncio.sleep(3600)
         while not self.release.is_set():
             await asyncio.sleep(0.005)
         await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        while not self.release_last.is_set():
+            await asyncio.sleep(0.005)
         await send({"type": "http.response.body", "body": b"last", "more_body": False})
 
 
@@ -115,7 +124,7 @@ def _wait_for(lines: Lines, count: int, timeout: float = 10.0) -> list[str]:
     return lines.messages()
 
 
-def test_the_line_waits_for_the_first_body_bytes_and_says_what_uvicorn_said(server):
+def test_the_line_waits_for_the_last_bytes_and_says_what_uvicorn_said(server):
     port, app, lines = server
     sock = _connect(port)
     try:
@@ -124,11 +133,14 @@ def test_the_line_waits_for_the_first_body_bytes_and_says_what_uvicorn_said(serv
         time.sleep(0.2)
         assert lines.messages() == []  # ... and the line is not: it used to be written before the head
         app.release.set()
-        data = _read_until(sock, b"first", data)
+        data = _read_until(sock, b"first", data)  # the first body bytes (a stream's role chunk) ...
+        time.sleep(0.2)
+        assert lines.messages() == []  # ... not yet either
+        app.release_last.set()
+        data = _read_until(sock, b"0\r\n\r\n", data)
         client_port = sock.getsockname()[1]
         messages = _wait_for(lines, 1)
         assert messages == [f'127.0.0.1:{client_port} - "GET /slow?key=***&v=*** HTTP/1.1" 200']
-        _read_until(sock, b"0\r\n\r\n", data)
         # The same connection's next request gets its own line, once.
         sock.sendall(b"GET /quick HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         _read_until(sock, b"done")
@@ -140,8 +152,8 @@ def test_the_line_waits_for_the_first_body_bytes_and_says_what_uvicorn_said(serv
         sock.close()
 
 
-def test_a_head_without_a_body_is_still_logged_once(server):
-    port, app, lines = server
+def test_a_response_that_never_ends_is_still_logged_once(server):
+    port, _, lines = server
     # The app fails after the head: uvicorn closes the connection; the line comes then.
     sock = _connect(port)
     try:
@@ -150,10 +162,10 @@ def test_a_head_without_a_body_is_still_logged_once(server):
         assert _wait_for(lines, 1)[-1].endswith('"GET /fail HTTP/1.1" 200')
     finally:
         sock.close()
-    # The client hangs up after the head: the line comes when the connection is lost.
+    # The client hangs up mid-body: the line comes when the connection is lost.
     sock = _connect(port)
     sock.sendall(b"GET /hang HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-    _read_until(sock, b"\r\n\r\n")
+    _read_until(sock, b"first")
     time.sleep(0.1)
     assert len(lines.records) == 1
     sock.close()
