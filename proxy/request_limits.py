@@ -73,7 +73,7 @@ def check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> None:
     A recursive walk that stops `limit` levels down, so it uses at most `limit` + 1 frames
     whatever it is given (well inside Python's 1000 at the default of 100). It replaced an
     explicit stack of (node, depth) tuples, filled through a generator with an `isinstance`
-    per value: 4-5x the time (1.9-2.6 vs 0.41-0.54 ms on a 270 KB, 330-message agent body,
+    per value: 3-5x the time on a 270 KB, 330-message agent body (bench/bench_body_check.py,
     issue 17), spent on the request's way to the upstream."""
     if isinstance(value, (dict, list)):
         try:
