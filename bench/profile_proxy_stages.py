@@ -29,6 +29,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -38,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
+NON_EMPTY_CONTENT = re.compile(rb'"content":"[^"]')  # a role chunk's `"content":""` is not content
 STAGES = ("app", "body", "sent", "head", "started", "content")
 
 
@@ -80,8 +82,7 @@ def install_stamps(out_path: str) -> None:
             await _send(self, message)
             if message["type"] == "http.response.start":
                 stamp("started")
-            elif message["type"] == "http.response.body" and b'"content":"' in message.get("body", b"") \
-                    and b'"content":""' not in message.get("body", b""):
+            elif message["type"] == "http.response.body" and NON_EMPTY_CONTENT.search(message.get("body", b"")):
                 stamp("content")
 
         cycle_class.send = stamped_send
