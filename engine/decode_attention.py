@@ -1029,7 +1029,9 @@ def encode_kv(keys: mx.array, values: mx.array, codec):
     words = codec.words
     kn, kc, vn, vc = _encode_kernel()(
         inputs=[keys, values.astype(keys.dtype), codec.signs, codec.thresholds],
-        template=[("D", codec.dim), ("BITS", codec.bits)],
+        # T: MLX names a kernel by its template arguments only and writes the inputs' dtypes into
+        # its source, so without it a second dtype in one process ran the first one's build.
+        template=[("T", keys.dtype), ("D", codec.dim), ("BITS", codec.bits)],
         grid=(2 * nv * 32, 1, 1), threadgroup=(32, 1, 1),
         output_shapes=[(nv,), (nv, words), (nv,), (nv, words)],
         output_dtypes=[mx.float32, mx.uint32, mx.float32, mx.uint32])

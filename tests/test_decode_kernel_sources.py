@@ -81,7 +81,7 @@ def _variants(dtypes=("bfloat16", "float32", "float16")) -> list[str]:
                 out.append(render(f"encode_{i}", da._ENCODE_SOURCE,
                                   [("k", dtype, 4), ("v", dtype, 4), ("signs", "float32", 1), ("thr", "float32", 1)],
                                   [("kn", "float32"), ("kc", "uint32"), ("vn", "float32"), ("vc", "uint32")],
-                                  [("D", dim), ("BITS", bits)]))
+                                  [("T", dtype), ("D", dim), ("BITS", bits)]))
             for load in da.TQ3_LOADS:
                 cpl = da.tq3_cpl(g, dim, bits, load)
                 if cpl is not None:
