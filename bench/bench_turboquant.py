@@ -450,7 +450,7 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
     if probe_build and not tiny:
         on, tq_prebuild.ENABLED = tq_prebuild.ENABLED, True
         try:
-            probe = tq_prebuild.prebuild(built[0], TQConfig(), int(built[0].args.max_position_embeddings), 1)
+            probe = tq_prebuild.prebuild(built[0], TQConfig(), 1)
         finally:
             tq_prebuild.ENABLED = on
         out["probe_build_s"] = {str(c or "encode"): round(s, 3) for c, s in probe.items()}

@@ -251,8 +251,7 @@ class Engine:
                 adapt_cache=self.tq.adapt if self.tq is not None else None,  # a TurboQuant hit passes through
             )
             if self.tq is not None:  # CUDA: every decode kernel now, not inside a request (engine/tq_prebuild.py)
-                self.tq_kernel_build_s = tq_prebuild.prebuild(self.model, self.tq, self.context_length,
-                                                              self.max_batch)
+                self.tq_kernel_build_s = tq_prebuild.prebuild(self.model, self.tq, self.max_batch)
             mx.synchronize()
             log.info("model %s loaded from %s (context %d tokens)", self.name, self.model_dir, self.context_length)
         except BaseException as exc:  # reported through wait_ready()

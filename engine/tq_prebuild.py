@@ -77,9 +77,15 @@ def model_shape(model) -> tuple[int, int, int]:
     return hq, heads, dim
 
 
-def prebuild(model, tq, context: int, max_batch: int) -> dict[int, float]:
-    """Run the TurboQuant decode attention once per CHUNK of `chunk_plan` (and the fused
-    encode once) on zero inputs, so each kernel is compiled now: {chunk: seconds}. Nothing
+# Columns the plan covers: more than any prompt. Nothing holds a prompt to the model's stated
+# context below the memory ceiling, and a longer one would pick the largest chunk inside a request.
+PLAN_TOKENS = 1 << 20
+
+
+def prebuild(model, tq, max_batch: int) -> dict[int, float]:
+    """Run the TurboQuant decode attention once per CHUNK of `chunk_plan` (any context, up to
+    `max_batch` rows) and the fused encode once, on zero inputs, so each kernel is compiled
+    now: {chunk: seconds} (0: the encode). Nothing
     (an empty dict) where a decode step would not use the kernels: the CPU, head sizes or
     bits they have no variant for, PREFIXTRACE_TQ_PREBUILD=0."""
     hq, heads, dim = model_shape(model)
@@ -96,7 +102,7 @@ def prebuild(model, tq, context: int, max_batch: int) -> dict[int, float]:
     if decode_attention.use_encode(keys, keys, codec):
         mx.eval(decode_attention.encode_kv(keys, keys, codec))
     out[0] = time.perf_counter() - t0  # 0: the encode kernel
-    for chunk, (rows, tokens) in chunk_plan(heads, g, context, max_batch).items():
+    for chunk, (rows, tokens) in chunk_plan(heads, g, PLAN_TOKENS, max_batch).items():
         t0 = time.perf_counter()
         norms = mx.zeros((rows, heads, tokens, 1), mx.float32)
         codes = mx.zeros((rows, heads, tokens, words), mx.uint32)

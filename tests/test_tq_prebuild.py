@@ -43,6 +43,9 @@ def test_qwen3_8b_at_one_row_needs_a_new_chunk_at_each_doubling_past_8k():
     assert [pick(t) for t in (4096, 4097, 8193, 32768, 32769, 100000)] == [64, 64, 128, 256, 512, 1024]
     assert tq_prebuild.chunk_plan(8, 4, 40960, 1) == {64: (1, 1), 128: (1, 8193), 256: (1, 16385),
                                                      512: (1, 32769)}
+    # What an engine builds: past the model's stated context too (a 100k prompt on a 40,960-token
+    # model is not refused below the memory ceiling).
+    assert set(tq_prebuild.chunk_plan(8, 4, tq_prebuild.PLAN_TOKENS, 1)) == {64, 128, 256, 512, 1024}
 
 
 def test_the_cpu_builds_nothing():
@@ -51,7 +54,7 @@ def test_the_cpu_builds_nothing():
 
     model, _ = load(str(ROOT / "fixtures" / "tiny-llama"))
     assert not da.available()
-    assert tq_prebuild.prebuild(model, TQConfig(), context=4096, max_batch=8) == {}
+    assert tq_prebuild.prebuild(model, TQConfig(), max_batch=8) == {}
     assert tq_prebuild.model_shape(model) == (model.args.num_attention_heads, model.args.num_key_value_heads,
                                               model.args.hidden_size // model.args.num_attention_heads)
 
