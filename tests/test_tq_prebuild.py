@@ -59,13 +59,26 @@ def test_the_cpu_builds_nothing():
                                               model.args.hidden_size // model.args.num_attention_heads)
 
 
-def test_a_turboquant_engine_on_the_cpu_reports_no_builds():
+@pytest.mark.parametrize("kv_quant", ["turboquant", "none"])
+def test_an_engine_builds_at_load_only_with_turboquant(monkeypatch, kv_quant):
+    """The engine asks for the builds while it loads, with its own batch size, only when its
+    caches are TurboQuant; on the CPU the answer is that nothing was built."""
     from engine.engine import Engine
 
-    engine = Engine(model_dir=str(ROOT / "fixtures" / "tiny-llama"), kv_quant="turboquant", cache_bytes=0).start()
+    calls = []
+    real = tq_prebuild.prebuild
+
+    def recorded(model, tq, max_batch):
+        calls.append((tq, max_batch))
+        return real(model, tq, max_batch)
+
+    monkeypatch.setattr(tq_prebuild, "prebuild", recorded)
+    engine = Engine(model_dir=str(ROOT / "fixtures" / "tiny-llama"), kv_quant=kv_quant, max_batch=3,
+                    cache_bytes=0).start()
     try:
         assert engine.wait_ready(120)
         assert engine.tq_kernel_build_s == {}
+        assert calls == ([(engine.tq, 3)] if kv_quant == "turboquant" else [])
     finally:
         engine.shutdown()
 
