@@ -82,37 +82,54 @@ def model_shape(model) -> tuple[int, int, int]:
 PLAN_TOKENS = 1 << 20
 
 
-def prebuild(model, tq, max_batch: int) -> dict[int, float]:
-    """Run the TurboQuant decode attention once per CHUNK of `chunk_plan` (any context, up to
-    `max_batch` rows) and the fused encode once, on zero inputs, so each kernel is compiled
-    now: {chunk: seconds} (0: the encode). Nothing
-    (an empty dict) where a decode step would not use the kernels: the CPU, head sizes or
-    bits they have no variant for, PREFIXTRACE_TQ_PREBUILD=0."""
+def launches(model, tq, max_batch: int):
+    """(chunk, args, kwargs) of one `decode_attention.tq_attend` call per chunk of `chunk_plan`,
+    on zero inputs of the model's decode shape, and the keys/values/codec of one
+    `encode_kv` call (chunk 0); None where a decode step would not use the kernels (head
+    sizes or bits they have no variant for, the CPU). Lazy arrays: nothing runs until
+    evaluated."""
     hq, heads, dim = model_shape(model)
     dtype = _activation_dtype(model)
     codec = get_codec(dim, tq.bits, tq.seed)
-    probe = mx.zeros((1, hq, 1, dim), dtype)
-    if not (ENABLED and codec.hadamard and decode_attention.use_tq(probe, heads, tq.bits, dim)):
-        return {}
-    g = hq // heads
-    words = codec.words
-    out: dict[int, float] = {}
-    t0 = time.perf_counter()
+    if not (codec.hadamard and decode_attention.use_tq(mx.zeros((1, hq, 1, dim), dtype), heads, tq.bits, dim)):
+        return None
     keys = mx.zeros((1, heads, tq.group, dim), dtype)
-    if decode_attention.use_encode(keys, keys, codec):
-        mx.eval(decode_attention.encode_kv(keys, keys, codec))
-    out[0] = time.perf_counter() - t0  # 0: the encode kernel
-    for chunk, (rows, tokens) in chunk_plan(heads, g, PLAN_TOKENS, max_batch).items():
-        t0 = time.perf_counter()
+    out = [(0, (keys, keys, codec), {})]
+    for chunk, (rows, tokens) in chunk_plan(heads, hq // heads, PLAN_TOKENS, max_batch).items():
         norms = mx.zeros((rows, heads, tokens, 1), mx.float32)
-        codes = mx.zeros((rows, heads, tokens, words), mx.uint32)
+        codes = mx.zeros((rows, heads, tokens, codec.words), mx.uint32)
         window = mx.zeros((rows, heads, 1, dim), dtype)
         cnt = decode_attention.counters(SimpleNamespace(), rows * heads) if decode_attention.one_launch() else None
-        result = decode_attention.tq_attend(mx.zeros((rows, hq, 1, dim), dtype), norms, codes, norms, codes,
-                                            window, window, None, dim ** -0.5, codec, tq.group, counters=cnt)
-        if result is not None:
-            mx.eval(result)
-        out[chunk] = time.perf_counter() - t0
+        out.append((chunk, (mx.zeros((rows, hq, 1, dim), dtype), norms, codes, norms, codes, window, window, None,
+                            dim ** -0.5, codec, tq.group), {"counters": cnt}))
+    return out
+
+
+def prebuild(model, tq, max_batch: int) -> dict[int, float]:
+    """Run the TurboQuant decode attention once per CHUNK of `chunk_plan` (any context, up to
+    `max_batch` rows) and the fused encode once, on zero inputs, so each kernel is compiled
+    now: {chunk: seconds} (0: the encode). Nothing (an empty dict) where a decode step would
+    not use the kernels (`launches`) or with PREFIXTRACE_TQ_PREBUILD=0. A build that fails
+    here is logged and left to the first request that needs it, as without this."""
+    plan = launches(model, tq, max_batch) if ENABLED else None
+    if plan is None:
+        return {}
+    out: dict[int, float] = {}
+    try:
+        for chunk, args, kwargs in plan:
+            t0 = time.perf_counter()
+            if chunk == 0:
+                if decode_attention.use_encode(*args[:2], args[2]):
+                    mx.eval(decode_attention.encode_kv(*args))
+            else:
+                result = decode_attention.tq_attend(*args, **kwargs)
+                if result is not None:
+                    mx.eval(result)
+            out[chunk] = time.perf_counter() - t0
+    except Exception as exc:  # the engine still serves: the kernel is built (or fails) on first use
+        log.warning("TurboQuant decode kernels not built at load (%r); the first step that needs one builds it",
+                    exc)
+        return out
     log.info("TurboQuant decode kernels built for chunks %s in %.1f s (%s)", sorted(c for c in out if c),
              sum(out.values()), ", ".join(f"{c or 'encode'}: {s:.2f} s" for c, s in out.items()))
     return out

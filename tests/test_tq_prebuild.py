@@ -112,3 +112,25 @@ def test_the_fused_encode_is_named_per_dtype(monkeypatch):
         da.encode_kv(x, x, codec)
     names = {_module_name("prefixtrace_tq_encode", t) for t in asked}
     assert len(asked) == 2 and len(names) == 2, names
+
+
+def test_the_launches_fit_the_kernels_signatures(monkeypatch):
+    """What the builds would launch on CUDA, made on the CPU: one attention call per planned
+    chunk, shaped as a decode step of that many rows and columns, bound against `tq_attend`'s
+    and `encode_kv`'s signatures (a change there would otherwise surface only on the device)."""
+    import inspect
+
+    from mlx_lm.utils import load
+
+    model, _ = load(str(ROOT / "fixtures" / "tiny-llama"))
+    hq, heads, dim = tq_prebuild.model_shape(model)
+    monkeypatch.setattr(da, "use_tq", lambda q, kv_heads, bits, d: (q.shape[1], kv_heads, d) == (hq, heads, dim))
+    plan = tq_prebuild.launches(model, TQConfig(), max_batch=4)
+    assert plan is not None and plan[0][0] == 0
+    inspect.signature(da.encode_kv).bind(*plan[0][1], **plan[0][2])
+    assert [c for c, _, _ in plan[1:]] == list(tq_prebuild.chunk_plan(heads, hq // heads, tq_prebuild.PLAN_TOKENS, 4))
+    for chunk, args, kwargs in plan[1:]:
+        bound = inspect.signature(da.tq_attend).bind(*args, **kwargs).arguments
+        rows, tokens = bound["k_codes"].shape[0], bound["k_codes"].shape[2]
+        assert bound["queries"].shape == (rows, hq, 1, dim) and bound["win_k"].shape[:2] == (rows, heads)
+        assert da.split_chunk(tokens, heads, rows, hq // heads, at_least=bound["win_k"].shape[2]) == chunk
