@@ -1231,13 +1231,23 @@ def use_dense(cache, queries: mx.array, keys: mx.array, mask) -> bool:
     the left-padding mask alone: mlx-lm gives sliding-window layers a `RotatingKVCache`,
     whose batched form is not a `BatchKVCache`, and rows past right padding are rolled
     back (`finalize`) before decoding (`_right_padding` is checked)."""
+    kind = mode()
+    if kind == "off" or (mask is None and kind != "all") or not available():
+        return False  # the CPU and every unpadded step stop here, before any array is looked at
+    return (isinstance(cache, _batch_kv_cache()) and getattr(cache, "_right_padding", None) is None
+            and keys.dtype in _DENSE_DTYPES and queries.dtype == keys.dtype
+            and _gqa(queries, keys.shape[1]) is not None)
+
+
+_DENSE_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+@lru_cache(maxsize=1)
+def _batch_kv_cache() -> type:
+    # Imported once, on the first decode step (the hook runs this per layer per step).
     from mlx_lm.models.cache import BatchKVCache
 
-    kind = mode()
-    return (kind != "off" and (mask is not None or kind == "all") and available()
-            and isinstance(cache, BatchKVCache) and getattr(cache, "_right_padding", None) is None
-            and keys.dtype in (mx.bfloat16, mx.float16, mx.float32) and queries.dtype == keys.dtype
-            and _gqa(queries, keys.shape[1]) is not None)
+    return BatchKVCache
 
 
 def use_tq(queries: mx.array, kv_heads: int, bits: int, dim: int) -> bool:
@@ -1252,6 +1262,11 @@ def _templates(kind: str, dtype, dim: int, g: int, chunk: int, bits: int = 0, gr
     if kind == "tq":
         t += [("BITS", bits), ("GROUP", group), ("NQ", 1), ("U", unroll)]
     return t
+
+
+@lru_cache(maxsize=4096)
+def _dense_chunk(tokens: int, kv_heads: int, rows: int, g: int, target: int) -> int | None:
+    return split_chunk(tokens, kv_heads, rows, g, target=target)  # per step and layer: looked up, not looped
 
 
 @lru_cache(maxsize=None)
@@ -1296,10 +1311,10 @@ def dense_attend(queries: mx.array, keys: mx.array, values: mx.array, left_paddi
     [left_padding[b], T) of keys/values (B, H, T, D). CUDA only (`use_dense`); None
     where no chunk size fits (the caller falls back to MLX)."""
     B, hq, _, dim = queries.shape
-    H, T = keys.shape[1], keys.shape[2]
+    _, H, T, _ = keys.shape
     g = hq // H
     blocks, unroll = dense_shape()
-    chunk = split_chunk(T, H, B, g, target=blocks)
+    chunk = _dense_chunk(T, H, B, g, blocks)
     if chunk is None:
         return None
     splits = -(-T // chunk)
