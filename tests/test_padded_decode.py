@@ -155,3 +155,36 @@ def test_greedy_tokens_of_a_left_padded_batch_equal_at_every_dense_shape(emulate
     finally:
         decode_attention.set_dense_shape(*saved)
         decode_attention.set_mode("on")
+
+
+def test_the_bench_runs_its_gpu_branches_through_the_emulated_kernel(emulated, monkeypatch, tmp_path):  # noqa: F811
+    """bench/bench_decode_mask.py end to end on the fixture with the kernels emulated, so a typo in
+    its CUDA-only branches (kernel shapes, logits check, attention alone, GenerationBatch) costs
+    no device time; every figure the docs read is in its JSON."""
+    import json
+    import sys
+
+    from bench import bench_decode_mask
+
+    out = tmp_path / "mask.json"
+    monkeypatch.setattr(sys, "argv", ["bench_decode_mask.py", "--attention", "both", "--attention-only",
+                                      "--context", "80", "--repeats", "2", "--dense-shape", "1024x4",
+                                      "--dense-shape", "4096x8", "--generation-batch", "3", "--json", str(out)])
+    saved = decode_attention.dense_shape()
+    try:
+        bench_decode_mask.main()
+    finally:
+        decode_attention.set_dense_shape(*saved)
+        decode_attention.set_mode("on")
+    result = json.loads(out.read_text())
+    row = result["runs"][0]
+    for key in ("equal_ms", "equal_build_ms", "equal_pipelined_ms", "padded_masked_vs_equal", "padded_kernel_ms",
+                "padded_kernel_4096x8_ms", "padded_kernel_pipelined_vs_equal", "equal_kernel_vs_equal",
+                "padded_copy_vs_equal_copy", "padded_copy_pipelined_vs_equal_copy", "attn_equal_sdpa_us",
+                "attn_padded_masked_us", "attn_padded_kernel_us", "attn_padded_kernel_4096x8_us",
+                "attn_equal_kernel_us"):
+        assert row[key] > 0, key
+    assert not [k for k in row if k.startswith("warmup")]
+    # the emulated kernel computes what masked SDPA does: same greedy choice for every row
+    assert row["padded_kernel_check"]["argmax_agree"] == 1.0 and row["padded_kernel_check"]["max_rel_err"] < 0.05
+    assert {"equal_tok_s", "padded_masked_tok_s", "padded_kernel_tok_s"} <= set(result["generation_batch"])
