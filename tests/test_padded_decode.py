@@ -188,3 +188,34 @@ def test_the_bench_runs_its_gpu_branches_through_the_emulated_kernel(emulated, m
     # the emulated kernel computes what masked SDPA does: same greedy choice for every row
     assert row["padded_kernel_check"]["argmax_agree"] == 1.0 and row["padded_kernel_check"]["max_rel_err"] < 0.05
     assert {"equal_tok_s", "padded_masked_tok_s", "padded_kernel_tok_s"} <= set(result["generation_batch"])
+
+
+def _offset_attention(queries, keys, values, left_padding, scale):
+    """Attention of one query per row over columns [left_padding[b], T), in MLX ops that
+    share none of the padding mask's comparisons (a graph-preserving stand-in for the kernel)."""
+    B, hq, _, D = queries.shape
+    H, T = keys.shape[1], keys.shape[2]
+    q = queries.reshape(B, H, hq // H, D)
+    scores = (q * scale) @ keys.swapaxes(-1, -2)  # (B, H, G, T)
+    bias = mx.minimum(mx.arange(T)[None, :] - left_padding[:, None], 0).astype(scores.dtype) * 1e9
+    out = mx.softmax(scores + bias[:, None, None, :], axis=-1) @ values
+    return out.reshape(B, hq, 1, D)
+
+
+def test_the_padding_mask_is_not_evaluated_when_the_kernel_takes_the_step(tmp_path, small_qwen3, monkeypatch):
+    """mlx-lm still builds the mask each step, but the kernel route reads `left_padding`, not the
+    mask: none of the mask's nodes reach the graph that evaluating the step runs."""
+    mask_nodes = {"GreaterEqual", "LessEqual", "BitwiseAnd"}
+    padded = batch_cache(small_qwen3, [96, 90, 71, 40])
+    decode_attention.set_mode("off")
+    try:
+        masked = step_graph(tmp_path, small_qwen3, padded, "masked")
+    finally:
+        decode_attention.set_mode("on")
+    assert mask_nodes <= set(masked)  # the control: MLX's masked SDPA reads it
+    monkeypatch.setattr(decode_attention, "available", lambda: True)
+    calls = []
+    monkeypatch.setattr(decode_attention, "dense_attend", lambda *a: calls.append(1) or _offset_attention(*a))
+    kernel_route = step_graph(tmp_path, small_qwen3, padded, "kernel_route")
+    assert len(calls) == 3  # every layer took the route
+    assert not mask_nodes & set(kernel_route)
