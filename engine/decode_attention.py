@@ -1264,11 +1264,6 @@ def _templates(kind: str, dtype, dim: int, g: int, chunk: int, bits: int = 0, gr
     return t
 
 
-@lru_cache(maxsize=4096)
-def _dense_chunk(tokens: int, kv_heads: int, rows: int, g: int, target: int) -> int | None:
-    return split_chunk(tokens, kv_heads, rows, g, target=target)  # per step and layer: looked up, not looped
-
-
 @lru_cache(maxsize=None)
 def _dense_templates(dtype, dim: int, g: int, chunk: int, unroll: int) -> list:
     return _templates("dense", dtype, dim, g, chunk) + [("U", unroll)]
@@ -1314,7 +1309,7 @@ def dense_attend(queries: mx.array, keys: mx.array, values: mx.array, left_paddi
     _, H, T, _ = keys.shape
     g = hq // H
     blocks, unroll = dense_shape()
-    chunk = _dense_chunk(T, H, B, g, blocks)
+    chunk = split_chunk(T, H, B, g, target=blocks)
     if chunk is None:
         return None
     splits = -(-T // chunk)
