@@ -1058,7 +1058,7 @@ def set_mode(new: str) -> None:
     _mode = new
 
 
-TQ_VARIANTS = ("v1", "v2", "v2s", "v3")
+TQ_VARIANTS = ("v1", "v2", "v2s", "v3", "v4")
 DEFAULT_TQ_VARIANT = "v3"  # faster than v2s at every measured shape on the H200 (session 6), its checks passed
 _tq_variant: str | None = None
 
@@ -1075,7 +1075,8 @@ def tq_variant() -> str:
     of each row and head reduces): checked on the H200 but slower there (its reduce runs in
     one block per row and KV head; docs/PERFORMANCE.md, session 5). "v1": session 4's step
     (encode every token, concatenate the tail), kept to compare side by side and to fall
-    back to. From PREFIXTRACE_TQ_DECODE, read once."""
+    back to. "v4": v3's step with the scores and values on the tensor cores (engine/tq_mma.py;
+    bf16 / f16 caches with 4-bit codes, else v3). From PREFIXTRACE_TQ_DECODE, read once."""
     global _tq_variant
     if _tq_variant is None:
         env = os.environ.get("PREFIXTRACE_TQ_DECODE", DEFAULT_TQ_VARIANT)
@@ -1301,7 +1302,14 @@ def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: 
             grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
             output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2), (B, hq, 1, dim)],
             output_dtypes=[mx.float32, mx.float32, queries.dtype])[2]
-    if tq_variant() == "v3":
+    if tq_variant() == "v4":
+        from engine import tq_mma  # (imports this module: not at the top)
+
+        out = tq_mma.attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group,
+                            chunk, splits)
+        if out is not None:
+            return out
+    if tq_variant() in ("v3", "v4"):  # v4 runs v3 where it cannot map the step (tq_mma.usable)
         cpl = tq3_cpl(g, dim, codec.bits)
         if cpl is not None:
             return _tq3_attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group,

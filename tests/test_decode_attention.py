@@ -579,7 +579,7 @@ def test_v2_steps_attend_as_v1_with_fewer_launches(emulated, monkeypatch, rows):
 def test_variant_and_its_env_var(monkeypatch):
     assert decode_attention.tq_variant() in decode_attention.TQ_VARIANTS
     with pytest.raises(ValueError):
-        decode_attention.set_tq_variant("v4")
+        decode_attention.set_tq_variant("v9")
     monkeypatch.setattr(decode_attention, "_tq_variant", None)
     monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v1")
     assert decode_attention.tq_variant() == "v1"
