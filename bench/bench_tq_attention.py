@@ -84,12 +84,14 @@ def step_time(cache, mode: str, q_heads: int, kv_heads: int, dim: int, dtype, st
 
 
 def queued_step_time(make, mode: str, layers: int, q_heads: int, kv_heads: int, dim: int, dtype, steps: int,
-                     rows: int = 1) -> float:
+                     rows: int = 1, host_out: list | None = None) -> float:
     """Median seconds per layer of one "token" as the engine runs it: `layers` caches made by
     `make`, each layer's `update_and_fetch` + attention queued after the previous layer's, whose
     output (B, Hq, 1, D) is the next layer's query (a dependency chain, as through a model's
     layers), and one eval of every output and cache array at the end: no host sync between
-    layers, so launches and their Python overlap the GPU's work as in a decode step."""
+    layers, so launches and their Python overlap the GPU's work as in a decode step. `host_out`
+    gets the median seconds per layer spent building the graph before the eval (Python and
+    MLX's graph, no GPU wait: where it is close to the total, the step waits on the host)."""
     from engine.tq_cache import _hooked
 
     hook = _hooked(lambda q, k, v, cache, scale, mask, sinks=None: mx.fast.scaled_dot_product_attention(
@@ -98,7 +100,7 @@ def queued_step_time(make, mode: str, layers: int, q_heads: int, kv_heads: int, 
     for _ in range(layers):
         caches.append(make())
         mx.eval(*_cache_arrays(caches[-1]))
-    times = []
+    times, host = [], []
     for _ in range(steps):
         k = mx.random.normal((rows, kv_heads, 1, dim)).astype(dtype)
         v = mx.random.normal((rows, kv_heads, 1, dim)).astype(dtype)
@@ -113,9 +115,12 @@ def queued_step_time(make, mode: str, layers: int, q_heads: int, kv_heads: int, 
             else:
                 q = mx.fast.scaled_dot_product_attention(q, keys, values, scale=dim ** -0.5, mask=None)
             live += _cache_arrays(cache)
+        host.append((time.perf_counter() - t0) / layers)  # building the token's graph: the host's share
         mx.eval(q, *live)
         times.append((time.perf_counter() - t0) / layers)
     del caches
+    if host_out is not None:
+        host_out.append(statistics.median(host[2:]))
     return statistics.median(times[2:])
 
 
@@ -223,8 +228,10 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
             decode_attention.set_mode(kernel_mode)
             decode_attention.set_tq_variant(variant)
             try:
+                host = []
                 row[name] = round(1e3 * queued_step_time(make, mode, layers, q_heads, kv_heads, dim, dtype, steps,
-                                                         rows), 4)
+                                                         rows, host), 4)
+                row[name.replace("_ms", "_host_ms")] = round(1e3 * host[0], 4)
             finally:
                 decode_attention.set_mode(saved)
                 decode_attention.set_tq_variant(saved_variant)

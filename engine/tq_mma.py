@@ -308,9 +308,10 @@ def templates(dtype, dim: int, g: int, chunk: int, bits: int, group: int) -> lis
     return t + [("U", U4), ("TC", table_copies(g, dim, chunk, bits))]
 
 
-def attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group, chunk, splits):
+def attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group, chunk, splits, end):
     """`decode_attention.tq_attend`'s step on the tensor cores, or None where v4 cannot map it
-    (the caller runs v3). Same launch grid, partial outputs and reduce as v3."""
+    (the caller runs v3). Same launch grid, partial outputs and reduce as v3; columns [0, end) of
+    the norms and codes (whole buffers) are the cache's."""
     B, hq, _, dim = queries.shape
     H = k_codes.shape[1]
     g = hq // H
@@ -319,7 +320,7 @@ def attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale,
     launches[0] += 1
     o_part, ml_part = _tq4_kernel()(
         inputs=[queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
-                da._scalar(scale)],
+                da._params(scale, end)],
         template=templates(win_k.dtype, dim, g, chunk, codec.bits, group),
         grid=(splits * da.NW * 32, H, B), threadgroup=(da.NW * 32, 1, 1),
         output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])

@@ -132,7 +132,8 @@ def emulated_tq4(inputs, template, grid, threadgroup, output_shapes, output_dtyp
     D, G, CHUNK, BITS, GROUP, NQ, TC = (t[k] for k in ("D", "G", "CHUNK", "BITS", "GROUP", "NQ", "TC"))
     assert BITS == 4 and D in tq_mma.DIMS4 and G <= 8 and TC == tq_mma.table_copies(G, D, CHUNK)
     assert G * CHUNK <= decode_attention._SMEM_SCORES
-    HQ, end = H * G, kc.shape[2]
+    HQ, end = H * G, int(params[1])  # (kc: the cache's whole buffer, columns [0, end) its own)
+    assert end <= min(kn.shape[2], kc.shape[2], vn.shape[2], vc.shape[2])
     ws, prev = end - tk.shape[2], end - NQ
     o = np.zeros((B * HQ, S, D), np.float32)
     ml = np.zeros((B * HQ, S, 2), np.float32)
@@ -339,3 +340,38 @@ def test_v4_compiles_for_the_h200_without_spills(tmp_path):
     assert len(report) == len(shapes)
     assert report["v4_bfloat16_d128_g4_c1024"][0] <= 128, report
     print("ptxas registers, smem:", report)
+
+
+def test_v3_and_v4_take_the_whole_code_buffers_and_the_cache_end(emulated, monkeypatch):
+    """The step hands v3 / v4 the cache's norm and code buffers unsliced (capacity past the
+    cache's columns) and the column count in params[1] (four slices were ~28 us of host time per
+    layer); the kernels read [0, end) only, so the output still matches the decoded cache."""
+    seen = []
+
+    def spy(f):
+        def run(**kw):
+            kc, params = kw["inputs"][2], np.array(kw["inputs"][10])
+            seen.append((kc.shape[2], int(params[1])))
+            return f(**kw)
+        return lambda: run
+
+    monkeypatch.setattr(decode_attention, "_tq3_kernel", spy(emulated_tq3))
+    monkeypatch.setattr(tq_mma, "_tq4_kernel", spy(emulated_tq4))
+    for variant, dtype in (("v3", mx.float32), ("v4", mx.bfloat16)):
+        decode_attention.set_tq_variant(variant)
+        try:
+            cache = _rows([[150, 9]], 2, 128, dtype, seed=3)
+            cache.hooked = True
+            for _ in range(3):
+                cache.update_and_fetch(mx.random.normal((1, 2, 1, 128)).astype(dtype),
+                                       mx.random.normal((1, 2, 1, 128)).astype(dtype))
+                q = mx.random.normal((1, 8, 1, 128)).astype(dtype)
+                got = cache.attend(q, 128 ** -0.5, None)
+                keys, values = cache._fetch(rotated=False)
+                ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
+                                                           values.astype(mx.float32), scale=128 ** -0.5)
+                tol = 1e-4 if dtype == mx.float32 else 2e-2 * max(mx.abs(ref).max().item(), 1.0)
+                assert mx.abs(got.astype(mx.float32) - ref).max().item() <= tol
+        finally:
+            decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+    assert len(seen) == 6 and all(cap > end for cap, end in seen) and [e for _, e in seen[:3]] == [160, 161, 162]
