@@ -218,6 +218,8 @@ def main() -> int:
     ap.add_argument("--greedy-dtypes", default="float32", help="model dtypes of the greedy-token identity")
     ap.add_argument("--greedy-wide", default="",
                     help="also the greedy identity on `wide_model` (head dim 128: v4 maps it) at these dtypes")
+    ap.add_argument("--only-long", action="store_true",
+                    help="leave out the short cases and the fixture's greedy part (with --long / --greedy-wide)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -236,7 +238,7 @@ def main() -> int:
             dense_case([70, 5], 4, 2, 16, dtype)  # the fixture
         dense_case([500, 20], 8, 8, 128, mx.float16)  # no GQA
         dense_case([800, 300], 64, 8, 128, mx.bfloat16)  # G = 8
-    for variant in variants:
+    for variant in variants if not args.only_long else ():
         # v2 defers codes to the step a row first sees them decoded: runs of steps that cross
         # group boundaries (20 steps at group 16, 70 at 64 for the long row).
         for dtype in (mx.float32, mx.bfloat16):
@@ -249,7 +251,7 @@ def main() -> int:
             tq_case([[300], [7, 30, 1]], 32, 8, 128, bits, mx.float32, group=16, variant=variant, steps=20)
         tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, mx.bfloat16, variant=variant)  # B = 8, G = 8
         tq_case([[500, 3], [64]], 8, 8, 128, 4, mx.float32, variant=variant, steps=20)  # G = 1
-    if "v4" in variants:  # what v4 maps, bf16 / f16 at 4 bits (the loop above: its float32 cases run v3)
+    if "v4" in variants and not args.only_long:  # what v4 maps, bf16 / f16 at 4 bits (the loop above: its float32 cases run v3)
         for dtype in (mx.bfloat16, mx.float16):
             tq_case([[4000, 33]], 32, 8, 128, 4, dtype, variant="v4", steps=70)
             tq_case([[500, 3], [64]], 8, 8, 128, 4, dtype, variant="v4", steps=20)  # G = 1
@@ -271,7 +273,7 @@ def main() -> int:
         tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, mx.bfloat16, unroll=unroll)
     decode_attention.set_tq_unroll(4)
     decode_attention.set_tq3_load(decode_attention.DEFAULT_TQ3_LOAD)
-    for i, dtype in enumerate(args.greedy_dtypes.split(",")):
+    for i, dtype in enumerate(args.greedy_dtypes.split(",") if not args.only_long else ()):
         greedy_identity(args.steps, args.greedy_variants.split(",") if args.greedy_variants else variants,
                         dense=not args.skip_dense and i == 0, dtype=dtype)
     for dtype in [d for d in args.greedy_wide.split(",") if d]:
