@@ -290,7 +290,7 @@ def main() -> int:
             for load in loads:
                 tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, variant="v3", load=load)
             # four left-padded rows, the longest at this context
-            for variant in [v for v in variants if v in ("v2s", "v3")]:
+            for variant in [v for v in variants if v in ("v2s", "v3", "v4")]:
                 tq_case([[8192] * (m // 8192) + [m % 8192] for m in (n, n - 1000, n - 5037, 77)], 32, 8, 128, 4,
                         mx.bfloat16, variant=variant, steps=2)
             decode_attention.set_tq_unroll(4)
