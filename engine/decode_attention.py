@@ -20,7 +20,8 @@ Each block writes its unnormalised output with its max and sum; a second kernel
 combines the splits of each (row, head) with max/sum rescaling (variant v2 does that in the
 same launch, by the last block of each row and KV head: `_LAST_BLOCK_REDUCE`; slower on the
 H200, so v2s, two launches, replaced it; variant v3, the default, is two launches of its own
-kernels, `_TQ3_SOURCE` and `_TQ3_REDUCE_SOURCE`: `tq_variant`).
+kernels, `_TQ3_SOURCE` and `_TQ3_REDUCE_SOURCE`: `tq_variant`; v4, engine/tq_mma.py, is v3's kernel
+with the scores and values on the tensor cores).
 
 TurboQuant (`tq_attend`, layout in engine/turboquant.py): a K or V vector is a
 float32 norm plus `bits`-bit codes of the rotated unit vector, packed little-end
