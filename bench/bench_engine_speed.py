@@ -162,8 +162,13 @@ def section_prefill(args, engines: Engines, model, vocab, rng, out):
     res["first_run_s"] = {}
     for chunk in args.sweep:
         res["first_run_s"][f"plain@{chunk}"] = round(plain_ttft(model, rand_prompt(rng, args.prompt, vocab), chunk), 3)
-        res["plain_ttft_s"][chunk] = round(statistics.median(
-            plain_ttft(model, rand_prompt(rng, args.prompt, vocab), chunk) for _ in range(args.repeats)), 4)
+    sweep = {chunk: [] for chunk in args.sweep}
+    for _ in range(args.repeats):  # interleaved across chunks: a load drift touches every chunk alike
+        for chunk in args.sweep:
+            sweep[chunk].append(plain_ttft(model, rand_prompt(rng, args.prompt, vocab), chunk))
+    for chunk, times in sweep.items():
+        res["plain_ttft_s"][chunk] = round(statistics.median(times), 4)
+    res["sweep_all_s"] = {chunk: [round(t, 4) for t in times] for chunk, times in sweep.items()}
     res["best_plain_chunk"] = min(res["plain_ttft_s"], key=res["plain_ttft_s"].get)
     disk = dict(cache_bytes=args.cache_bytes, cache_dir=engines.work / "disk", cache_disk_bytes=args.disk_bytes)
     tiers = {"off": dict(cache_bytes=0), "memory": dict(cache_bytes=args.cache_bytes), "memory+disk": disk}
@@ -419,6 +424,12 @@ def main() -> None:
     p.add_argument("--dir", type=Path, help="work directory (the disk tier; default a temporary one)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    if sys.platform == "linux" and mx.default_device() == mx.cpu:
+        # The figures must be serve's: serve re-execs with OpenBLAS, and without it
+        # MLX's reference BLAS makes a CPU prefill ~12x slower (docs/PERFORMANCE.md).
+        from engine.cpu_runtime import maybe_reexec_with_openblas
+
+        maybe_reexec_with_openblas()
     args.prompt = args.prompt or (32768 if args.random else 8192)
     args.chunks = [int(c) for c in args.chunks.split(",")]
     args.sweep = [int(c) for c in args.sweep.split(",")]
@@ -427,7 +438,8 @@ def main() -> None:
     args.host_copies = args.host_copies.split(",")
     only = set(args.only.split(","))
     work = Path(tempfile.mkdtemp(prefix="bench-speed-", dir=args.dir))
-    out = {"device": str(mx.default_device()), "load_average": os.getloadavg()[0]}
+    out = {"device": str(mx.default_device()), "load_average": os.getloadavg()[0],
+           "openblas_preloaded": os.environ.get("PREFIXTRACE_OPENBLAS_PRELOADED")}
     try:
         t0 = time.perf_counter()
         model, tokenizer, config, model_dir, label = build(args, work)

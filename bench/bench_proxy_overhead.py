@@ -16,12 +16,15 @@ target, and prints p50/p90 of both and what the proxy adds, per route and mode:
 "added" is p50(proxied) - p50(direct); "paired" is the median of the per-pair
 differences (one direct and one proxied request sent back to back), which is less
 sensitive to drift on a loaded machine. "proxy CPU" is the CPU time the proxy process
-used per proxied request (all threads, from /proc), which load does not blur. Goal (issue 17): added TTFT p50 <= 1 ms.
+used per proxied request (its threads' schedstat, ns; and in clock ticks, all threads), which load
+does not blur. Goal (issue 17): added TTFT p50 <= 1 ms.
 
     python bench/bench_proxy_overhead.py                       # chat, messages, responses; 40 each
     python bench/bench_proxy_overhead.py --routes chat --n 100
     python bench/bench_proxy_overhead.py --proxy-http h11 --proxy-loop asyncio   # uvicorn's options, forced
 
+`--server-cpus 0,1 --client-cpus 2,3` pins the servers (upstream, proxies, relay) and the client
+apart (`taskset -c 0,1 python bench/...` puts everything on two cores, as issue 17 measured it).
 `--relay` adds a third target, a bare TCP relay to the upstream (no HTTP, no work): what
 one more local hop costs on this machine, the floor under any proxy's added latency.
 `--baseline TREE` adds a fourth: the same proxy run from another checkout (before a change),
@@ -52,6 +55,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "fixtures" / "tiny-llama"
 GOAL_MS = 1.0
+# The servers keep the bench's own import path after their tree: packages installed with
+# `pip install --target` (a GPU host with no registry) are found there too.
+INHERITED_PATH = os.environ.get("PYTHONPATH")
 PROMPT = "Say something short."
 
 # route -> (path, body builder, test: is this SSE data line a content delta?)
@@ -83,6 +89,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVER_CPUS: set[int] | None = None  # --server-cpus: every server (and the relay) runs on these
+
+
+def _pinned():
+    if SERVER_CPUS is not None:
+        os.sched_setaffinity(0, SERVER_CPUS)
+
+
 def start_serve(args: list[str], cwd: Path, log: Path, serve_with: tuple[str, str] | None = None,
                 root: Path = ROOT, extra_path: str | None = None):
     """`prefixtrace serve` from the tree at `root` (another checkout: `--baseline`), with
@@ -92,8 +106,10 @@ def start_serve(args: list[str], cwd: Path, log: Path, serve_with: tuple[str, st
     if serve_with is not None:
         prefix = [sys.executable, str(Path(__file__).resolve()), "--serve-with", *serve_with, "--"]
     proc = subprocess.Popen([*prefix, "serve", "--port", str(port), *args], cwd=cwd,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), extra_path]))},
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), extra_path,
+                                                                                           INHERITED_PATH]))},
+                            stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            preexec_fn=_pinned)  # noqa: PLW1509 (the bench starts no threads)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -152,9 +168,22 @@ def pct(values: list[float], q: float) -> float:
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds the process `pid` has used (all its threads), from /proc."""
+    """User + system CPU seconds the process `pid` has used (all its threads, exited ones too),
+    from /proc, in clock ticks (10 ms: over 40 requests, a 0.25 ms step per request)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_fine_s(pid: int) -> float:
+    """The same in nanoseconds, from each live thread's /proc/PID/task/TID/schedstat (its time on a
+    CPU); a thread that has exited is not counted (the proxy's threads live as long as it does)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / 1e9
 
 
 def measure(clients: dict[str, httpx.Client], route: str, stream: bool, n: int, warmup: int,
@@ -168,16 +197,20 @@ def measure(clients: dict[str, httpx.Client], route: str, stream: bool, n: int, 
             one_request(clients[side], route, stream, max_tokens)
     samples = {side: [] for side in sides}
     cpu = {side: 0.0 for side in pids}
+    fine = {side: 0.0 for side in pids}
     for i in range(n):
         order = sides[i % len(sides):] + sides[:i % len(sides)]
         for side in order:
-            cpu0 = cpu_s(pids[side]) if side in pids else 0.0
+            if side in pids:
+                cpu0, fine0 = cpu_s(pids[side]), cpu_fine_s(pids[side])
             samples[side].append(one_request(clients[side], route, stream, max_tokens))
             if side in pids:
                 cpu[side] += cpu_s(pids[side]) - cpu0
+                fine[side] += cpu_fine_s(pids[side]) - fine0
     # A proxy's own CPU per request (event loop and recorder thread): on a loaded machine
     # latency is noisy, the work it takes much less so.
-    out = {"cpu_ms": {side: t * 1000 / n for side, t in cpu.items()}}
+    out = {"cpu_ms": {side: t * 1000 / n for side, t in cpu.items()},
+           "cpu_fine_ms": {side: t * 1000 / n for side, t in fine.items()}}
     for metric, idx in (("ttft", 0), ("total", 1)):
         if metric == "ttft" and not stream:
             continue
@@ -236,7 +269,16 @@ def main() -> None:
                     help="an extra import path for the baseline proxy only, e.g. a `pip install --target DIR "
                          "uvloop httptools` (measures those without installing them for everything else)")
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    ap.add_argument("--server-cpus", metavar="0,1", default=None,
+                    help="run the upstream, the proxies and the relay on these CPUs only (Linux)")
+    ap.add_argument("--client-cpus", metavar="2,3", default=None,
+                    help="run this process (the client) on these CPUs only (Linux)")
     args = ap.parse_args()
+    global SERVER_CPUS
+    if args.server_cpus:
+        SERVER_CPUS = {int(c) for c in args.server_cpus.split(",")}
+    if args.client_cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})
 
     serve_with = None
     if args.proxy_http or args.proxy_loop:
@@ -255,6 +297,8 @@ def main() -> None:
             proxy, px_url = start_serve(["--upstream", up_url, "--db", str(tmp / "px" / "px.db")],
                                         tmp / "px", tmp / "px.log", serve_with)
             try:
+                print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; servers on CPUs "
+                      f"{sorted(SERVER_CPUS) if SERVER_CPUS else 'any'}, client on {sorted(os.sched_getaffinity(0))}")
                 print(f"upstream {up_url} (pid {upstream.pid}), proxy {px_url} (pid {proxy.pid}), "
                       f"proxy uvicorn http={serve_with[0] if serve_with else 'auto'} "
                       f"loop={serve_with[1] if serve_with else 'auto'}; n={args.n} each, max_tokens={args.max_tokens}")
@@ -275,7 +319,8 @@ def main() -> None:
                 if args.relay:
                     relay_port = free_port()
                     relay_proc = subprocess.Popen([sys.executable, __file__, "--run-relay", str(relay_port),
-                                                   up_url.rsplit(":", 1)[1]])
+                                                   up_url.rsplit(":", 1)[1]],
+                                                  preexec_fn=_pinned)  # noqa: PLW1509
                     for _ in range(300):  # until it listens
                         try:
                             socket.create_connection(("127.0.0.1", relay_port), timeout=1).close()
@@ -303,6 +348,7 @@ def main() -> None:
         finally:
             stop(upstream)
     summary(results)
+    print(f"load average after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         print(json.dumps(results))
 
@@ -318,13 +364,13 @@ def summary(results: dict) -> None:
         for side in ("relay", "baseline", "proxied"):
             if side in r:
                 cells.append(f"{side} {r[side]['added_p50']:+6.2f} / {r[side]['paired_p50']:+6.2f}")
-        cells.append("CPU " + ", ".join(f"{side} {ms:.2f}" for side, ms in res["cpu_ms"].items()))
+        cells.append("CPU " + ", ".join(f"{side} {ms:.3f}" for side, ms in res["cpu_fine_ms"].items()))
         print(" | ".join(cells))
 
 
 def report(route: str, mode: str, res: dict) -> None:
     for metric, r in res.items():
-        if metric == "cpu_ms":
+        if metric in ("cpu_ms", "cpu_fine_ms"):
             continue
         line = f"{route:9s} {mode:6s} {metric:5s}  direct p50 {r['direct_p50']:7.2f} p90 {r['direct_p90']:7.2f}"
         for side in ("relay", "baseline", "proxied"):
@@ -336,7 +382,9 @@ def report(route: str, mode: str, res: dict) -> None:
                 line += (f" | {side} p50 {x['p50']:7.2f} p90 {x['p90']:7.2f} added {x['added_p50']:+6.2f}"
                          f" paired {x['paired_p50']:+6.2f}{verdict}")
         print(line + "  (ms)", flush=True)
-    print(f"{route:9s} {mode:6s} proxy CPU per request: "
+    print(f"{route:9s} {mode:6s} proxy CPU per request (schedstat, live threads): "
+          + ", ".join(f"{side} {ms:.3f} ms" for side, ms in res["cpu_fine_ms"].items())
+          + "; in clock ticks, all threads: "
           + ", ".join(f"{side} {ms:.2f} ms" for side, ms in res["cpu_ms"].items()), flush=True)
 
 

@@ -2,6 +2,7 @@
 
     python bench/bench_restored_prefill.py [--prefix 2048] [--suffix 1024] [--chunk 256] [--repeat 3] [--tiny]
     python bench/bench_restored_prefill.py --random qwen3-8b --prefix 16384 --suffix 2048 --chunk 2048   # GPU
+    python bench/bench_restored_prefill.py --random qwen3-8b --prefix 8192 --prefix 32768 --suffix 2048 --chunk 2048 --repeat 2
 
 In one run, on the CPU default model (else fixtures/tiny-llama), median of
 `--repeat` for each. The default model is loaded as `prefixtrace serve` loads
@@ -25,7 +26,8 @@ matmul (~10 tok/s of prefill instead of ~200 on 2 cores): the reason a
   also gives the median of each part).
 
 Ratio = restored dense path / cold TQ suffix (target <= 1.0; upstream 2.41
-before its fix, 0.92 after). Prints JSON.
+before its fix, 0.92 after). Prints JSON; with several `--prefix`, one object per
+prefix under "results", on the one model.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def prefill(model, tokens, cache, chunk) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--prefix", type=int, default=2048)
+    parser.add_argument("--prefix", type=int, action="append", help="prefix tokens (repeatable; default 2048)")
     parser.add_argument("--suffix", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3)
@@ -82,43 +84,57 @@ def main() -> None:
     else:
         model_dir, loader, label = pick_model(args.tiny)
     model = loader()[0]
+    prefixes = args.prefix or [2048]
+    results = [measure(model, model_dir, prefix, args.suffix, args.chunk, args.repeat) for prefix in prefixes]
+    shutil.rmtree(model_work, ignore_errors=True)
     dense_weights = not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
     if not dense_weights and sys.platform == "linux":
         print("warning: quantized weights without OpenBLAS: MLX's slow CPU quantized matmul (~10 tok/s on SmolLM2)",
               file=sys.stderr)
+    head = {"model": label, "blas": os.environ.get("LD_PRELOAD") or "bundled reference BLAS",
+            "dense_weights": dense_weights, "loadavg_start": round(load_start, 2),
+            "loadavg_end": round(os.getloadavg()[0], 2), "device": str(mx.default_device())}
+    if len(results) == 1:
+        print(json.dumps({**head, **results[0]}, indent=1))
+    else:
+        print(json.dumps({**head, "results": results}, indent=1))
+
+
+def measure(model, model_dir, prefix: int, suffix: int, chunk: int, repeat: int) -> dict:
+    """The five timings above for one prefix length (medians of `repeat`), and their ratios."""
     vocab = model.args.vocab_size
-    tokens = [(i * 7919 + 13) % (vocab - 10) + 5 for i in range(args.prefix + args.suffix)]
-    head, tail = tokens[: args.prefix], tokens[args.prefix :]
+    tokens = [(i * 7919 + 13) % (vocab - 10) + 5 for i in range(prefix + suffix)]
+    head, tail = tokens[:prefix], tokens[prefix:]
     tq = TQConfig()
     work = Path(tempfile.mkdtemp(prefix="pt-restored-"))
     try:
         writer = PrefixCache(model, max_bytes=8 << 30, cache_dir=work, model_dir=model_dir, tq=tq)
         seed = tq.make_cache(model)
-        prefill(model, head, seed, args.chunk)
+        prefill(model, head, seed, chunk)
         writer.store(head, seed)
         writer.close()
         reader = PrefixCache(model, max_bytes=0, cache_dir=work, model_dir=model_dir, tq=tq)  # every hit from disk
 
         cold_tq, cold_dense, restored_tq, restored_dense, restore_s, parts = [], [], [], [], [], []
-        for _ in range(args.repeat):
+        for _ in range(repeat):
             cache = tq.make_cache(model)
-            prefill(model, head, cache, args.chunk)
-            cold_tq.append(prefill(model, tail, cache, args.chunk))
+            prefill(model, head, cache, chunk)
+            cold_tq.append(prefill(model, tail, cache, chunk))
             cache = make_prompt_cache(model)
-            prefill(model, head, cache, args.chunk)
-            cold_dense.append(prefill(model, tail, cache, args.chunk))
+            prefill(model, head, cache, chunk)
+            cold_dense.append(prefill(model, tail, cache, chunk))
 
             t0 = time.perf_counter()
             hit = reader.lookup(tokens)
             restore_s.append(time.perf_counter() - t0)
-            assert hit.num_cached == args.prefix, hit.num_cached
-            restored_tq.append(prefill(model, tail, hit.cache, args.chunk))
+            assert hit.num_cached == prefix, hit.num_cached
+            restored_tq.append(prefill(model, tail, hit.cache, chunk))
 
             hit = reader.lookup(tokens)
             t0 = time.perf_counter()
             dense = dense_copy(hit.cache, len(tail))
             t1 = time.perf_counter()
-            chunks = prefill(model, tail, dense, args.chunk)
+            chunks = prefill(model, tail, dense, chunk)
             t2 = time.perf_counter()
             append_suffix(hit.cache, dense)
             restored_dense.append(time.perf_counter() - t0)
@@ -126,16 +142,12 @@ def main() -> None:
         reader.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(model_work, ignore_errors=True)
 
     med = {name: statistics.median(v) for name, v in (
         ("cold_tq_suffix_s", cold_tq), ("cold_dense_suffix_s", cold_dense), ("restored_quantised_path_s", restored_tq),
         ("restored_dense_path_s", restored_dense), ("disk_restore_s", restore_s))}
-    print(json.dumps({
-        "model": label, "blas": os.environ.get("LD_PRELOAD") or "bundled reference BLAS",
-        "dense_weights": dense_weights, "loadavg_start": round(load_start, 2),
-        "loadavg_end": round(os.getloadavg()[0], 2),
-        "prefix": args.prefix, "suffix": args.suffix, "chunk": args.chunk, "repeat": args.repeat,
+    return {
+        "prefix": prefix, "suffix": suffix, "chunk": chunk, "repeat": repeat,
         **{k: round(v, 4) for k, v in med.items()},
         "ratio_dense_path_vs_cold_tq": round(med["restored_dense_path_s"] / med["cold_tq_suffix_s"], 3),
         "ratio_dense_path_vs_cold_dense": round(med["restored_dense_path_s"] / med["cold_dense_suffix_s"], 3),
@@ -145,7 +157,7 @@ def main() -> None:
                                         for i, name in enumerate(("dense_copy", "suffix_chunks", "append_suffix"))},
         "runs_s": {"cold_tq": runs(cold_tq), "cold_dense": runs(cold_dense), "restored_quantised": runs(restored_tq),
                    "restored_dense": runs(restored_dense)},
-    }, indent=1))
+    }
 
 
 def runs(values: list[float]) -> list[float]:

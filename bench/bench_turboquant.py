@@ -360,7 +360,7 @@ SMALL_QWEN3 = dict(
 
 
 def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: int = 4096, shape: str = "qwen3-8b",
-                  chunked_too: bool = False) -> dict:
+                  chunked_too: bool = False, repeat: int = 1, dense: bool = True, probe_build: bool = False) -> dict:
     """Whole-model figures through the engine, dense and `--kv-quant turboquant` side by side
     on one random Qwen3-8B-shaped model (bf16; GPU): per context, the cold prefill time and
     the decode tokens/s of one row (the engine's own `Finished` timings). `variants`: the
@@ -370,11 +370,18 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
     of the figures. `shape`: "qwen3-8b" (bf16) or "small" (`SMALL_QWEN3`, float32, for the
     CPU). `chunked_too`: each TurboQuant variant also runs with its cold prefill chunked on
     the TurboQuant caches (engine.scheduler.COLD_DENSE_PREFILL off: the path before
-    session 6), labelled `..._chunked`, for a before/after in one run."""
+    session 6), labelled `..._chunked`, for a before/after in one run. `repeat`: each engine
+    serves each context this many times (other tokens each time, `run` 1, 2, ...): the first
+    run pays what is built per shape (kernels, cuDNN graphs), the next ones not. `dense`:
+    False skips the dense engine. `probe_build`: after the engines, time
+    `engine.tq_prebuild.prebuild` (every decode-kernel chunk; a chunk no engine built costs
+    its compile, one already built ~nothing). Each engine's load time and the kernels it built
+    at load (`Engine.tq_kernel_build_s`, PREFIXTRACE_TQ_PREBUILD) are in `engines`."""
     import queue
 
     from bench.bench_scheduler import QWEN3_8B, random_loader
-    from engine import decode_attention, scheduler
+    from engine import decode_attention, scheduler, tq_prebuild
+    from engine.tq_cache import TQConfig
     from engine.engine import Engine
     from engine.sampling import SamplingParams
     from engine.sequence import Failed, Finished, Sequence
@@ -386,11 +393,14 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
         built = random_loader(SMALL_QWEN3 if small else QWEN3_8B, mx.float32 if small else mx.bfloat16)()  # one for all
         vocab = (SMALL_QWEN3 if small else QWEN3_8B)["vocab_size"]
     out = {"device": str(mx.default_device()), "shape": shape, "tokens": tokens, "prefill_chunk": chunk,
-           "warmup": warmup, "load_average_start": round(os.getloadavg()[0], 2), "runs": []}
+           "warmup": warmup, "repeat": repeat, "tq_prebuild": tq_prebuild.ENABLED,
+           "mlx_ptx_cache_dir": os.environ.get("MLX_PTX_CACHE_DIR"),
+           "load_average_start": round(os.getloadavg()[0], 2), "runs": [], "engines": []}
 
-    def serve(engine, context, n_tokens):
+    def serve(engine, context, n_tokens, run=1):
         done = queue.Queue()
-        prompt = mx.random.randint(10, min(30000, vocab - 2), (context,), key=mx.random.key(context)).tolist()
+        key = mx.random.key(context + 7919 * (run - 1))  # another prompt per run: nothing to reuse
+        prompt = mx.random.randint(10, min(30000, vocab - 2), (context,), key=key).tolist()
         seq = Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True),
                        lambda ev: done.put(ev) if isinstance(ev, (Finished, Failed)) else None)
         engine.submit(seq)
@@ -401,7 +411,7 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
 
     default = decode_attention.tq_variant()
     labels = []
-    runs = [("none", None, False)] + [("turboquant", v, False) for v in variants]
+    runs = [("none", None, False)] * dense + [("turboquant", v, False) for v in variants]
     if chunked_too:
         # Then each TurboQuant engine again: the first one of a process pays first-shape
         # compilations at the long context that the warm-up did not reach (a new decode
@@ -416,34 +426,54 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
         scheduler.COLD_DENSE_PREFILL = not chunked
         model_kw = dict(model_dir=str(ROOT / "fixtures/tiny-llama"), dtype="float32") if tiny else \
             dict(model_dir="random-qwen3-8b", loader=lambda: built)
+        t0 = time.perf_counter()
         engine = Engine(**model_kw, kv_quant=kv, max_batch=1, prefill_step_size=chunk, cache_bytes=0).start()
         try:
             engine.wait_ready(600)
+            built_s = {str(c or "encode"): round(s, 3) for c, s in engine.tq_kernel_build_s.items()}
+            out["engines"].append({"kv": label, "load_s": round(time.perf_counter() - t0, 3), "kernel_build_s": built_s})
+            print(json.dumps(out["engines"][-1]), flush=True)
             if warmup:
                 serve(engine, warmup, 4)
             for context in contexts:
-                ev = serve(engine, context, tokens)
-                row = {"kv": label, "context": context, "prefill_s": round(ev.prefill_s, 3),
-                       "decode_tok_s": round((ev.completion_tokens - 1) / ev.decode_s, 2)}
-                out["runs"].append(row)
-                print(json.dumps(row), flush=True)
+                for run in range(1, repeat + 1):
+                    ev = serve(engine, context, tokens, run)
+                    row = {"kv": label, "context": context, "run": run, "prefill_s": round(ev.prefill_s, 3),
+                           "decode_tok_s": round((ev.completion_tokens - 1) / ev.decode_s, 2)}
+                    out["runs"].append(row)
+                    print(json.dumps(row), flush=True)
         finally:
             engine.shutdown()
             decode_attention.set_tq_variant(default)
             scheduler.COLD_DENSE_PREFILL = True
             mx.clear_cache()
-    by = {(r["kv"], r["context"]): r for r in out["runs"]}
-    out["ratios"] = {str(c): {f"{label}_{what}_vs_dense": round(by[label, c][key] / by["none", c][key], 3)
-                              for label in labels[1:] for what, key in (("decode", "decode_tok_s"),
-                                                                        ("prefill", "prefill_s"))}
+    if probe_build and not tiny:
+        on, tq_prebuild.ENABLED = tq_prebuild.ENABLED, True
+        try:
+            probe = tq_prebuild.prebuild(built[0], TQConfig(), 1)
+        finally:
+            tq_prebuild.ENABLED = on
+        out["probe_build_s"] = {str(c or "encode"): round(s, 3) for c, s in probe.items()}
+        print(json.dumps({"probe_build_s": out["probe_build_s"]}), flush=True)
+    by = {(r["kv"], r["context"], r["run"]): r for r in out["runs"]}
+    runs_ = range(1, repeat + 1)
+    tag = (lambda r: "") if repeat == 1 else (lambda r: f"_run{r}")
+    out["ratios"] = {str(c): {f"{label}{tag(r)}_{what}_vs_dense": round(by[label, c, r][key] / by["none", c, r][key], 3)
+                              for label in labels[1:] if dense for r in runs_
+                              for what, key in (("decode", "decode_tok_s"), ("prefill", "prefill_s"))}
                      for c in contexts}
+    if repeat > 1:  # what the first run paid that the second did not, per engine
+        for c in contexts:
+            for label in labels:
+                out["ratios"][str(c)][f"{label}_prefill_first_minus_second_s"] = round(
+                    by[label, c, 1]["prefill_s"] - by[label, c, 2]["prefill_s"], 3)
     if chunked_too:  # after / before, the same variant and context
         for c in contexts:
             for v in variants:
                 for again in ("", "_again"):
                     label = f"turboquant_{v or default}"
                     out["ratios"][str(c)][f"{label}{again}_prefill_vs_chunked"] = round(
-                        by[label + again, c]["prefill_s"] / by[label + "_chunked" + again, c]["prefill_s"], 3)
+                        by[label + again, c, 1]["prefill_s"] / by[label + "_chunked" + again, c, 1]["prefill_s"], 3)
     out["load_average_end"] = round(os.getloadavg()[0], 2)
     return out
 
@@ -465,6 +495,11 @@ def main() -> None:
     parser.add_argument("--engine-chunked-too", action="store_true",
                         help="--engine-decode: TurboQuant also with its cold prefill chunked on TurboQuant "
                         "caches (the path before session 6), for a before/after")
+    parser.add_argument("--engine-repeat", type=int, default=1,
+                        help="--engine-decode: serve each context this many times per engine (first vs second run)")
+    parser.add_argument("--engine-no-dense", action="store_true", help="--engine-decode: TurboQuant engines only")
+    parser.add_argument("--engine-probe-build", action="store_true",
+                        help="--engine-decode: then time building every TurboQuant decode-kernel chunk (tq_prebuild)")
     parser.add_argument("--json", type=Path, help="--engine-decode: also write the figures here")
     parser.add_argument("--skip-tiny-timing", action="store_true")
     parser.add_argument("--smollm2", action="store_true", help="quality on the bundled trained model instead")
@@ -480,7 +515,8 @@ def main() -> None:
     if args.engine_decode:
         variants = tuple(args.engine_variants.split(",")) if args.engine_variants else (None,)
         out = engine_decode(args.engine_decode, args.engine_tokens, args.engine_chunk, variants, args.engine_warmup,
-                            args.engine_shape, args.engine_chunked_too)
+                            args.engine_shape, args.engine_chunked_too, args.engine_repeat, not args.engine_no_dense,
+                            args.engine_probe_build)
         print(json.dumps(out, indent=1))
         if args.json:
             args.json.write_text(json.dumps(out, indent=1))

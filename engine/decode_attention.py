@@ -54,7 +54,8 @@ import numpy as np
 
 __all__ = ["available", "mode", "set_mode", "use_dense", "use_tq", "dense_attend", "tq_attend", "split_chunk",
            "tq_bounds", "MODES", "tq_variant", "set_tq_variant", "tq_unroll", "set_tq_unroll", "defer_encode", "one_launch", "counters", "kernel_sources",
-           "TQ_VARIANTS", "tq3_load", "set_tq3_load", "tq3_cpl", "tq3_nibble", "set_tq3_nibble"]
+           "TQ_VARIANTS", "tq3_load", "set_tq3_load", "tq3_cpl", "tq3_nibble", "set_tq3_nibble",
+           "dense_shape", "set_dense_shape", "DENSE_BLOCKS", "DENSE_UNROLLS"]
 
 NW = 4  # warps per pass-1 block
 _TARGET_BLOCKS = 1024  # ~8 blocks per SM on an H200's 132: enough to keep its memory system busy
@@ -213,8 +214,11 @@ _PROLOGUE = """
 """
 
 # Dense K/V (B, H, T, D) of any strides along B, H, T (the cache's capacity buffer,
-# sliced), last axis contiguous. Columns [left_padding[b], T) are row b's.
-_DENSE_SOURCE = _PROLOGUE + """
+# sliced), last axis contiguous. Columns [left_padding[b], T) are row b's. U (tokens per
+# lane group per loop step) is a template argument here: `dense_unroll`.
+_U4 = "    constexpr int U = 4;                  // tokens per group per loop step\n"
+assert _U4 in _PROLOGUE
+_DENSE_SOURCE = _PROLOGUE.replace(_U4, "") + """
     const int end = k_shape[2];
     const int c0 = max(s * CHUNK, start), c1 = min((s + 1) * CHUNK, end);
 """ + _EMPTY_BLOCK + """
@@ -1030,7 +1034,9 @@ def encode_kv(keys: mx.array, values: mx.array, codec):
     words = codec.words
     kn, kc, vn, vc = _encode_kernel()(
         inputs=[keys, values.astype(keys.dtype), codec.signs, codec.thresholds],
-        template=[("D", codec.dim), ("BITS", codec.bits)],
+        # T: MLX names a kernel by its template arguments only and writes the inputs' dtypes into
+        # its source, so without it a second dtype in one process ran the first one's build.
+        template=[("T", keys.dtype), ("D", codec.dim), ("BITS", codec.bits)],
         grid=(2 * nv * 32, 1, 1), threadgroup=(32, 1, 1),
         output_shapes=[(nv,), (nv, words), (nv,), (nv, words)],
         output_dtypes=[mx.float32, mx.uint32, mx.float32, mx.uint32])
@@ -1141,14 +1147,15 @@ def _reduce_kernel():
                                output_names=["out"], source=_REDUCE_SOURCE, header=_HEADER)
 
 
-def split_chunk(tokens: int, kv_heads: int, rows: int, g: int, at_least: int = 0) -> int | None:
+def split_chunk(tokens: int, kv_heads: int, rows: int, g: int, at_least: int = 0,
+                target: int = _TARGET_BLOCKS) -> int | None:
     """Context columns per pass-1 block: the smallest power of two from 64 that keeps the
-    grid near `_TARGET_BLOCKS`, up to 1024 and to the G x CHUNK scores of a block fitting
+    grid near `target` blocks, up to 1024 and to the G x CHUNK scores of a block fitting
     16 KB of shared memory, and at least `at_least` (a TurboQuant row's dense columns are
     one block's). None when `at_least` does not fit."""
     top = min(MAX_CHUNK, _SMEM_SCORES // g)
     chunk = MIN_CHUNK
-    while chunk < at_least or (chunk < top and -(-tokens // chunk) * kv_heads * rows > _TARGET_BLOCKS):
+    while chunk < at_least or (chunk < top and -(-tokens // chunk) * kv_heads * rows > target):
         chunk *= 2
     return chunk if chunk <= top else None
 
@@ -1158,6 +1165,34 @@ def tq_bounds(end: int, left_padding: list[int], group: int, queries: int = 1) -
     `BatchTurboQuantKVCache.update_and_fetch`'s `bounds`, tested)."""
     prev = end - queries
     return [p + min(prev - p, (end - p) // group * group) for p in left_padding]
+
+
+DENSE_BLOCKS = (1024, 2048, 4096)
+DENSE_UNROLLS = (4, 8)
+_dense_shape: tuple[int, int] | None = None
+
+
+def dense_shape() -> tuple[int, int]:
+    """The dense kernel's (target blocks per launch, tokens per lane group per loop step).
+    Default (1024, 4), session 4's. The kernel takes 80 registers a thread at D = 128, G = 4
+    (ptxas, sm_90): 6 blocks of 128 threads per SM, 792 on an H200, so 1,024 blocks (8 rows x
+    4k) run as 1.3 waves; 2,048 / 4,096 (smaller chunks) even those waves out, U = 8 puts
+    twice the loads in flight per lane. From PREFIXTRACE_DENSE_BLOCKS and
+    PREFIXTRACE_DENSE_UNROLL, read once; `set_dense_shape` for benchmarks."""
+    global _dense_shape
+    if _dense_shape is None:
+        blocks = os.environ.get("PREFIXTRACE_DENSE_BLOCKS", "")
+        unroll = os.environ.get("PREFIXTRACE_DENSE_UNROLL", "")
+        _dense_shape = (int(blocks) if blocks in {str(b) for b in DENSE_BLOCKS} else DENSE_BLOCKS[0],
+                        int(unroll) if unroll in {str(u) for u in DENSE_UNROLLS} else DENSE_UNROLLS[0])
+    return _dense_shape
+
+
+def set_dense_shape(blocks: int, unroll: int) -> None:
+    if blocks not in DENSE_BLOCKS or unroll not in DENSE_UNROLLS:
+        raise ValueError(f"dense kernel shape must be blocks in {DENSE_BLOCKS}, unroll in {DENSE_UNROLLS}")
+    global _dense_shape
+    _dense_shape = (blocks, unroll)
 
 
 @lru_cache(maxsize=None)
@@ -1200,13 +1235,23 @@ def use_dense(cache, queries: mx.array, keys: mx.array, mask) -> bool:
     the left-padding mask alone: mlx-lm gives sliding-window layers a `RotatingKVCache`,
     whose batched form is not a `BatchKVCache`, and rows past right padding are rolled
     back (`finalize`) before decoding (`_right_padding` is checked)."""
+    kind = mode()
+    if kind == "off" or (mask is None and kind != "all") or not available():
+        return False  # the CPU and every unpadded step stop here, before any array is looked at
+    return (isinstance(cache, _batch_kv_cache()) and getattr(cache, "_right_padding", None) is None
+            and keys.dtype in _DENSE_DTYPES and queries.dtype == keys.dtype
+            and _gqa(queries, keys.shape[1]) is not None)
+
+
+_DENSE_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+@lru_cache(maxsize=1)
+def _batch_kv_cache() -> type:
+    # Imported once, on the first decode step (the hook runs this per layer per step).
     from mlx_lm.models.cache import BatchKVCache
 
-    kind = mode()
-    return (kind != "off" and (mask is not None or kind == "all") and available()
-            and isinstance(cache, BatchKVCache) and getattr(cache, "_right_padding", None) is None
-            and keys.dtype in (mx.bfloat16, mx.float16, mx.float32) and queries.dtype == keys.dtype
-            and _gqa(queries, keys.shape[1]) is not None)
+    return BatchKVCache
 
 
 def use_tq(queries: mx.array, kv_heads: int, bits: int, dim: int) -> bool:
@@ -1221,6 +1266,11 @@ def _templates(kind: str, dtype, dim: int, g: int, chunk: int, bits: int = 0, gr
     if kind == "tq":
         t += [("BITS", bits), ("GROUP", group), ("NQ", 1), ("U", unroll)]
     return t
+
+
+@lru_cache(maxsize=None)
+def _dense_templates(dtype, dim: int, g: int, chunk: int, unroll: int) -> list:
+    return _templates("dense", dtype, dim, g, chunk) + [("U", unroll)]
 
 
 UNROLLS = (4, 8, 16)
@@ -1260,16 +1310,17 @@ def dense_attend(queries: mx.array, keys: mx.array, values: mx.array, left_paddi
     [left_padding[b], T) of keys/values (B, H, T, D). CUDA only (`use_dense`); None
     where no chunk size fits (the caller falls back to MLX)."""
     B, hq, _, dim = queries.shape
-    H, T = keys.shape[1], keys.shape[2]
+    _, H, T, _ = keys.shape
     g = hq // H
-    chunk = split_chunk(T, H, B, g)
+    blocks, unroll = dense_shape()
+    chunk = split_chunk(T, H, B, g, target=blocks)
     if chunk is None:
         return None
     splits = -(-T // chunk)
     lp = left_padding if left_padding.dtype == mx.int32 else left_padding.astype(mx.int32)
     o_part, ml_part = _dense_kernel()(
         inputs=[queries, keys, values, lp, _scalar(scale)],
-        template=_templates("dense", keys.dtype, dim, g, chunk),
+        template=_dense_templates(keys.dtype, dim, g, chunk, unroll),
         grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
         output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
     return _reduce(o_part, ml_part, _no_signs(dim), B, hq, dim, queries.dtype, False)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine import decode_attention, skinny_gemm
+from engine import decode_attention, skinny_gemm, tq_prebuild
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
 from engine.disk_cache import CacheDirUnusable
 from engine.grammar import GrammarCompiler
@@ -125,6 +125,7 @@ class Engine:
         self._stopped = threading.Event()
         self._load_error: BaseException | None = None
         self.scheduler: Scheduler | None = None
+        self.tq_kernel_build_s: dict[int, float] = {}  # TurboQuant kernels built at load: {chunk: s}
         self._thread = threading.Thread(target=self._main, name="prefixtrace-engine", daemon=True)
 
     # --- lifecycle (any thread) -------------------------------------------------
@@ -249,6 +250,8 @@ class Engine:
                 memory=self.memory,
                 adapt_cache=self.tq.adapt if self.tq is not None else None,  # a TurboQuant hit passes through
             )
+            if self.tq is not None:  # CUDA: every decode kernel now, not inside a request (engine/tq_prebuild.py)
+                self.tq_kernel_build_s = tq_prebuild.prebuild(self.model, self.tq, self.max_batch)
             mx.synchronize()
             log.info("model %s loaded from %s (context %d tokens)", self.name, self.model_dir, self.context_length)
         except BaseException as exc:  # reported through wait_ready()

@@ -67,6 +67,8 @@ class _Prefill:
     started_at: float = field(default_factory=time.perf_counter)
     # Restored-prefix prefill: the restored TurboQuant caches while `cache` is their dense copy.
     quantised: list | None = None
+    # A chunk is being run: `cache` may hold part of it (what `pos` does not count).
+    in_chunk: bool = False
 
 
 @dataclass(eq=False)
@@ -217,9 +219,31 @@ class Scheduler:
         self.waiting.clear()
         while self.paused:  # their spill files and pins go with them
             self._release(self.paused.popleft())
+        job = self.prefill
         self.prefill, self.batch, self.rows = None, None, {}
+        self._keep_failed_prefill(job)  # before the errors: a request re-sent on its error finds it
         for seq in seqs:
             seq.emit(error_event)
+
+    def _keep_failed_prefill(self, job: _Prefill | None) -> None:
+        """What a prefill on dense caches had done when a step failed goes to the prefix cache,
+        quantised, as a cancel's does (a re-sent request then resumes from it): nothing of it
+        was committed yet (dense chunks are not in the TurboQuant block format), while a dense
+        engine's or the chunked path's per-chunk commits already hold theirs.
+
+        Only between chunks: a failure inside a chunk (the forward pass or its evaluation)
+        may have left part of that chunk in some layers and not others, lazily, and
+        evaluating it could raise again (out of memory); nothing is kept then. A failure
+        here is logged, never raised: the requests have their error already."""
+        if job is None or job.quantised is None or job.in_chunk:
+            return
+        try:
+            self._requantise(job)
+            self.prefix_cache.store(job.seq.prompt_ids[: job.pos], job.cache)
+            log.info("request %d failed mid-prefill: its %d prefilled tokens are kept in the prefix cache",
+                     job.seq.seq_id, job.pos)
+        except Exception:
+            log.exception("request %d: could not keep its prefilled tokens after the failed step", job.seq.seq_id)
 
     # --- admission and prefill ---------------------------------------------------
 
@@ -246,8 +270,9 @@ class Scheduler:
         and `_used_bytes` count dense bytes per token for a TurboQuant engine too, and
         `append_suffix` frees each dense layer as it is encoded. Its blocks reach the prefix
         cache once, quantised, at the end (a dense chunk is not in the TurboQuant block
-        format: `PrefixCache.pageable`); a cancel or park quantises what was done first, only
-        a failed step (`fail_all`) loses the chunks done."""
+        format: `PrefixCache.pageable`); a cancel or park quantises what was done first, and so
+        does a step that fails between two chunks (`_keep_failed_prefill`); one that fails
+        inside a chunk loses the chunks done."""
         suffix = job.seq.num_prompt_tokens - 1 - job.pos
         if suffix <= self.prefill_chunk or not any(type(c) is TurboQuantKVCache for c in job.cache):
             return
@@ -285,6 +310,7 @@ class Scheduler:
                 self._prefill_wave([job, *wave], n)
                 return
         if n > 0:
+            job.in_chunk = True
             self.model(mx.array(prompt[job.pos : job.pos + n])[None], cache=job.cache)
             job.pos += n
             # Progress survives a cancel or abort: the chunk's finished blocks are copied out
@@ -293,6 +319,7 @@ class Scheduler:
             blocks = self.prefix_cache.commit(prompt[: job.pos], job.cache, lazy=True)
             mx.eval([c.state for c in job.cache], blocks)
             self.prefix_cache.settle()
+            job.in_chunk = False
         if job.pos == len(prompt) - 1:
             self.prefill = None
             if job.quantised is not None:

@@ -10,6 +10,17 @@ connection waiting for a request head gets `HEAD_TIMEOUT_S` from the moment it
 began waiting (trickled bytes do not extend it), then is closed. What remains is
 the limit itself (docs/SECURITY.md): more than that many connections opened
 within one timeout still starve the server until the timeout frees them.
+
+Also here, because it is the same protocol class: uvicorn writes its access line
+(`127.0.0.1:5 - "POST /v1/chat/completions HTTP/1.1" 200`) inside its send of the
+response head, so every response's first bytes wait for a log record to be
+formatted and written (issue 17: 0.2-0.3 ms on the proxy's path to the first byte
+on a loaded 2-core machine). `_AccessLineAtTheEnd` holds that same line, with the
+same logger, arguments and filters (the query values masked, prefixtrace/serve.py),
+until the response's last bytes have gone out, or the connection ends first: the
+line of a streamed turn comes when it ends, as nginx's does. Not after the first
+body bytes: a streamed turn's first body is often its role chunk, one read before
+the first content, so the line would still be written in front of it.
 """
 
 from __future__ import annotations
@@ -67,11 +78,65 @@ class _HeadDeadline:
             self.transport.close()
 
 
-class H11WithHeadTimeout(_HeadDeadline, H11Protocol):
+class _HeldAccessLine:
+    """Stands in for a request cycle's access logger: keeps the one line uvicorn logs at the
+    response head, to log it on the real logger when `flush` is called."""
+
+    __slots__ = ("line", "logger")
+
+    def __init__(self, logger: logging.Logger):
+        self.logger = logger
+        self.line: tuple | None = None
+
+    def info(self, msg, *args) -> None:
+        self.line = (msg, args)
+
+    def flush(self) -> None:
+        line, self.line = self.line, None
+        if line is not None:
+            self.logger.info(line[0], *line[1])
+
+
+class _AccessLineAtTheEnd:
+    """Mixin for a uvicorn HTTP protocol: each request cycle's access line is written after the
+    response's last bytes (or when the connection ends before them), not before its head.
+    `_hold_access_line` is called where the protocol has just made a cycle, before the cycle's
+    task has run (it reads `cycle.send` when it starts)."""
+
+    def _hold_access_line(self) -> None:
+        cycle = getattr(self, "cycle", None)
+        if cycle is None or not cycle.access_log or isinstance(cycle.access_logger, _HeldAccessLine):
+            return
+        held = cycle.access_logger = _HeldAccessLine(cycle.access_logger)
+        unsent = self.__dict__.setdefault("_unsent_access_lines", set())  # cycles of this connection
+        unsent.add(held)
+        send = cycle.send
+
+        async def send_then_log(message) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False) and held in unsent:
+                unsent.discard(held)
+                held.flush()  # the whole response is out: now the line
+
+        cycle.send = send_then_log
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        unsent = self.__dict__.get("_unsent_access_lines")
+        while unsent:
+            unsent.pop().flush()  # a head went out, not the whole body (a hang-up, an app that failed)
+        super().connection_lost(exc)
+
+
+class H11WithHeadTimeout(_AccessLineAtTheEnd, _HeadDeadline, H11Protocol):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # the head is in: the deadline is met
             self._head_received()
+        self._hold_access_line()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._hold_access_line()  # a request already buffered gets its cycle in there
 
 
 def _httptools_protocol():
@@ -82,16 +147,18 @@ def _httptools_protocol():
     except ImportError:
         return None
 
-    class HttpToolsWithHeadTimeout(_HeadDeadline, HttpToolsProtocol):
+    class HttpToolsWithHeadTimeout(_AccessLineAtTheEnd, _HeadDeadline, HttpToolsProtocol):
         def on_headers_complete(self) -> None:
             self._head_received()
             super().on_headers_complete()
+            self._hold_access_line()
 
     return HttpToolsWithHeadTimeout
 
 
 def with_head_timeout(seconds: float) -> type:
-    """The protocol uvicorn's "auto" would use (httptools, else h11), with a request-head deadline."""
+    """The protocol uvicorn's "auto" would use (httptools, else h11), with a request-head deadline
+    and the access line after the response's last bytes."""
     base = _httptools_protocol() or H11WithHeadTimeout
     return type(base.__name__, (base,), {"head_timeout_s": seconds})
 

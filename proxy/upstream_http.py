@@ -233,11 +233,19 @@ class UpstreamResponse:
             await self._wait()
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        """The body as it arrives, chunk by chunk (decoded if the upstream compressed it)."""
+        """The body as it arrives (decoded if the upstream compressed it): each time, all that has
+        arrived since the last time, as one piece. Not one piece per HTTP chunk: a streamed turn's
+        role chunk and its first content often come in one read as two chunks, and each piece
+        becomes one write to the client (`sse.iter_event_batches`), so they would go out as two
+        writes and two wake-ups of the client where one does (issue 17)."""
         conn = self._conn
         while True:
             if self._chunks:
-                chunk = self._chunks.popleft()
+                if len(self._chunks) == 1:
+                    chunk = self._chunks.popleft()
+                else:
+                    chunk = b"".join(self._chunks)
+                    self._chunks.clear()
                 self.buffered -= len(chunk)
                 if conn is not None and conn.reading_paused and self.buffered <= READ_LIMIT // 2:
                     conn.resume()

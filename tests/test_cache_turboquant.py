@@ -333,3 +333,86 @@ def test_cold_dense_prefill_is_charged_at_dense_bytes():
     assert len(seen) >= 3  # chunks run on dense caches
     assert all(held <= charged for held, charged in seen)
     assert seen[-1][0] == seen[-1][1]  # every layer dense while prefilling: exactly what is charged
+
+
+def _ended(events: queue.Queue):
+    while True:
+        event = events.get(timeout=60)
+        if isinstance(event, (Finished, Failed)):
+            return event
+
+
+def test_a_step_failing_between_chunks_keeps_what_the_cold_prefill_did(caplog):
+    """A step that fails while a cold prefill runs on dense caches (here: another request's
+    decode step, between two of its chunks) fails both requests, but the chunks already done
+    go to the prefix cache quantised, as a cancel's would: the re-sent request resumes from
+    them. Before, `fail_all` dropped them (nothing of a dense-chunk prefill is committed until
+    its prompt is in)."""
+    e = tq_engine(prefill_step_size=32)  # the long prompt: 133 positions, five chunks
+    sched = e.scheduler
+    real_decode = sched._decode
+    failed_at = []
+
+    def decode():
+        job = sched.prefill
+        if job is not None and job.quantised is not None and job.pos >= 64 and not failed_at:
+            failed_at.append(job.pos)
+            sched._decode = real_decode  # once; the engine serves on afterwards
+            raise RuntimeError("injected failure in another row's decode step")
+        real_decode()
+
+    try:
+        ids = prompt_ids(e)
+        short_events, long_events = queue.Queue(), queue.Queue()
+        e.submit(Sequence(ids[-20:][::-1], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True),
+                          short_events.put))
+        short_events.get(timeout=60)  # decoding: the long prompt's chunks now run between its steps
+        sched._decode = decode
+        with caplog.at_level("INFO", logger="prefixtrace.scheduler"):
+            e.submit(Sequence(ids, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), long_events.put))
+            for events in (short_events, long_events):
+                event = _ended(events)
+                assert isinstance(event, Failed) and "injected failure" in str(event.error)
+        assert failed_at and 64 <= failed_at[0] < PROMPT_LEN - 1
+        assert any("prefilled tokens are kept" in r.getMessage() for r in caplog.records)
+        again = queue.Queue()
+        e.submit(Sequence(ids, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), again.put))
+        event = _ended(again)
+        assert isinstance(event, Finished) and event.completion_tokens == 4
+        # Kept to a whole 64-token group at least (a TurboQuant hit is cut back to one).
+        assert 64 <= event.cached_tokens <= failed_at[0]
+    finally:
+        e.shutdown()
+
+
+def test_a_step_failing_inside_a_chunk_keeps_nothing_of_it():
+    """A failure inside the chunk itself may leave part of it in some layers: nothing is kept,
+    and the engine serves the re-sent request cold, with the output of a never-failed run."""
+    e = tq_engine(prefill_step_size=32)
+    try:
+        ids = prompt_ids(e)
+        want, _ = generate(e, ids, max_tokens=6)  # a fresh engine below: nothing of this is cached there
+    finally:
+        e.shutdown()
+    e = tq_engine(prefill_step_size=32)
+    sched = e.scheduler
+    model = sched.model
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the third chunk, after two went in
+            raise RuntimeError("injected failure inside a chunk")
+        return model(*args, **kwargs)
+
+    try:
+        sched.model = broken
+        events = queue.Queue()
+        e.submit(Sequence(ids, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), events.put))
+        event = _ended(events)
+        assert isinstance(event, Failed) and "inside a chunk" in str(event.error)
+        sched.model = model
+        got, finished = generate(e, ids, max_tokens=6)
+        assert finished.cached_tokens == 0 and got == want
+    finally:
+        e.shutdown()

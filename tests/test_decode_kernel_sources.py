@@ -72,7 +72,8 @@ def _variants(dtypes=("bfloat16", "float32", "float16")) -> list[str]:
                               [("o_part", "float32"), ("ml_part", "float32"), ("out", dtype)], tq))
             out.append(render(f"dense_{i}", da._DENSE_SOURCE,
                               [("q", dtype, 4), ("k", dtype, 4), ("v", dtype, 4), ("lp", "int32", 1),
-                               ("params", "float32", 1)], [("o_part", "float32"), ("ml_part", "float32")], base))
+                               ("params", "float32", 1)], [("o_part", "float32"), ("ml_part", "float32")],
+                              base + [("U", da.DENSE_UNROLLS[i % len(da.DENSE_UNROLLS)])]))
             for rot in (True, False):
                 out.append(render(f"reduce_{i}_{int(rot)}", da._REDUCE_SOURCE,
                                   [("o_part", "float32", 1), ("ml_part", "float32", 3), ("signs", "float32", 1)],
@@ -81,7 +82,7 @@ def _variants(dtypes=("bfloat16", "float32", "float16")) -> list[str]:
                 out.append(render(f"encode_{i}", da._ENCODE_SOURCE,
                                   [("k", dtype, 4), ("v", dtype, 4), ("signs", "float32", 1), ("thr", "float32", 1)],
                                   [("kn", "float32"), ("kc", "uint32"), ("vn", "float32"), ("vc", "uint32")],
-                                  [("D", dim), ("BITS", bits)]))
+                                  [("T", dtype), ("D", dim), ("BITS", bits)]))
             for load in da.TQ3_LOADS:
                 cpl = da.tq3_cpl(g, dim, bits, load)
                 if cpl is not None:
@@ -121,7 +122,7 @@ def test_every_kernel_renders_with_the_names_its_body_uses():
     # The one-launch kernel: empty blocks take a branch, not a return, so each reaches its counter.
     assert one.count("return;") == 1 and "if (!last_) return;" in one and "cnt" in one
     assert da._TQ_SOURCE.count("return;") == 1
-    assert "constexpr int U" not in da._TQ_SOURCE and "constexpr int U = 4;" in da._DENSE_SOURCE  # U: a template
+    assert "constexpr int U" not in da._TQ_SOURCE and "constexpr int U" not in da._DENSE_SOURCE  # U: a template
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine (CI): nothing to compile with")

@@ -330,3 +330,57 @@ def test_the_events_of_one_upstream_read_go_out_together_and_done_alone():
     assert sent == [role + first, last, sse.DONE]
     assert turn.response_text == "hi" and turn.finish_reason == "stop" and turn.completion_tokens == 1
     assert len(turn.chunk_times) == 4  # every chunk is still in the timeline, usage included
+
+
+def test_http_chunks_that_arrived_together_go_out_as_one_write(tmp_path):
+    """On the proxy's own upstream client (proxy/upstream_http.py): an upstream that sends its role
+    chunk and first content as two HTTP chunks that reach the proxy in one read. They leave as one
+    item, one write to the client (issue 17: it was one item per HTTP chunk, two writes, two
+    wake-ups of the client before its first content), and every chunk is still recorded."""
+    from prefixtrace.wire.turn_builder import TurnBuilder
+    from proxy.chat_request import parse_chat_request
+    from recorder.turn import Turn
+
+    def chunk(delta, finish=None):
+        return (b"data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": delta, "finish_reason": finish}]}).encode() + b"\n\n")
+
+    def http_chunk(data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data)
+
+    role, first, last = chunk({"role": "assistant", "content": ""}), chunk({"content": "hi"}), chunk({}, "stop")
+    usage = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}\n\n'
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    def answer(conn):
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(65536)
+        conn.sendall(head + http_chunk(role) + http_chunk(first))  # one write: one read at the proxy
+        time.sleep(0.3)
+        conn.sendall(http_chunk(last) + http_chunk(usage) + http_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        time.sleep(0.2)
+        conn.close()
+
+    upstream = ScriptedUpstream(answer)
+    backend = UpstreamBackend(upstream.url)
+    assert backend.connections is not None  # the proxy's own client, not httpx's
+
+    async def run():
+        req = parse_chat_request({"stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        builder = TurnBuilder(Turn(request_id="r", started_at=0.0, endpoint="/v1/chat/completions",
+                                   upstream="u", request_body=None, request_headers={}))
+        chat = await backend.open(req, builder, {})
+        try:
+            return [out async for out in chat.sse()], builder.turn
+        finally:
+            await backend.aclose()
+
+    try:
+        sent, turn = asyncio.run(run())
+    finally:
+        upstream.close()
+    assert sent[0] == role + first
+    assert sent == [role + first, last, sse.DONE]
+    assert turn.response_text == "hi" and turn.finish_reason == "stop" and turn.completion_tokens == 1
+    assert len(turn.chunk_times) == 4

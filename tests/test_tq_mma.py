@@ -375,3 +375,35 @@ def test_v3_and_v4_take_the_whole_code_buffers_and_the_cache_end(emulated, monke
         finally:
             decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
     assert len(seen) == 6 and all(cap > end for cap, end in seen) and [e for _, e in seen[:3]] == [160, 161, 162]
+
+
+def test_prebuild_at_load_builds_the_v4_kernels_under_v4(monkeypatch):
+    """engine/tq_prebuild.py builds through `tq_attend`, so under v4 it compiles v4's kernel, once
+    per CHUNK (and TC: the table copies follow the chunk) a decode step can pick, not v3's."""
+    from types import SimpleNamespace
+
+    from engine import tq_prebuild
+    from engine.tq_cache import TQConfig
+
+    built = []
+
+    def record(**kw):
+        built.append(dict(kw["template"]))
+        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+    monkeypatch.setattr(decode_attention, "available", lambda: True)
+    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: record)
+    monkeypatch.setattr(decode_attention, "_tq3_kernel", lambda: pytest.fail("v3 built under v4"))
+    monkeypatch.setattr(decode_attention, "_tq3_reduce_kernel", lambda: record)
+    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: record)
+    args = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096)
+    model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
+    decode_attention.set_tq_variant("v4")
+    try:
+        out = tq_prebuild.prebuild(model, TQConfig(), max_batch=2)
+    finally:
+        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+    tq4 = [t for t in built if "TC" in t]
+    chunks = sorted(c for c in out if c)
+    assert chunks and sorted(t["CHUNK"] for t in tq4) == chunks
+    assert all(t["TC"] == tq_mma.table_copies(4, 128, t["CHUNK"]) for t in tq4)
