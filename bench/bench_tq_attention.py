@@ -10,13 +10,20 @@ Per decode step of one attention layer holding T cached tokens per row, side by 
   loads per lane by default, `--tq3-load 16` / `4` / `8p` to compare), v2s (deferred encode, in-place dense tail, split and reduce
   kernels), v2 (the same in one launch), v1 (session 4's step);
 * dense kernel (CUDA): the dense split-K kernel over equal-length rows;
-* with --rows > 1, left-padded rows: MLX's masked SDPA vs the dense kernel.
+* with --rows > 1, left-padded rows: MLX's masked SDPA vs the dense kernel;
+* --queued: how the engine runs a token (`queued_step_time`): L independent layer caches
+  (--layers, default 36, fewer where L dense caches would pass --queued-gb), each layer's step
+  queued after the previous one's (its output is the next layer's query) and one eval per
+  token, reported as ms per layer (total / L), dense and each TurboQuant variant side by side.
+  The default (synced) figure evaluates every single layer step, so at one row it mostly
+  times the host's launch latency; both are reported.
 
 Each step includes the cache update (TurboQuant encodes the new token); --parts also
 times update and attention apart.
 
     python bench/bench_tq_attention.py --shape qwen3-8b --context 4096 --context 32768 --context 100000
     python bench/bench_tq_attention.py --shape qwen3-8b --rows 1 --rows 8 --context 32768 --parts
+    python bench/bench_tq_attention.py --shape qwen3-8b --context 32768 --rows 1 --queued --variants v3,v4
     python bench/bench_tq_attention.py --model fixtures/tiny-llama     # whole-model decode tok/s
 """
 
@@ -76,6 +83,54 @@ def step_time(cache, mode: str, q_heads: int, kv_heads: int, dim: int, dtype, st
     return statistics.median(times[2:])
 
 
+def queued_step_time(make, mode: str, layers: int, q_heads: int, kv_heads: int, dim: int, dtype, steps: int,
+                     rows: int = 1, host_out: list | None = None) -> float:
+    """Median seconds per layer of one "token" as the engine runs it: `layers` caches made by
+    `make`, each layer's `update_and_fetch` + attention queued after the previous layer's, whose
+    output (B, Hq, 1, D) is the next layer's query (a dependency chain, as through a model's
+    layers), and one eval of every output and cache array at the end: no host sync between
+    layers, so launches and their Python overlap the GPU's work as in a decode step. `host_out`
+    gets the median seconds per layer spent building the graph before the eval (Python and
+    MLX's graph, no GPU wait: where it is close to the total, the step waits on the host)."""
+    from engine.tq_cache import _hooked
+
+    hook = _hooked(lambda q, k, v, cache, scale, mask, sinks=None: mx.fast.scaled_dot_product_attention(
+        q, k, v, scale=scale, mask=mask))
+    caches = []
+    for _ in range(layers):
+        caches.append(make())
+        mx.eval(*_cache_arrays(caches[-1]))
+    times, host = [], []
+    for _ in range(steps):
+        k = mx.random.normal((rows, kv_heads, 1, dim)).astype(dtype)
+        v = mx.random.normal((rows, kv_heads, 1, dim)).astype(dtype)
+        q = mx.random.normal((rows, q_heads, 1, dim)).astype(dtype)
+        mx.eval(k, v, q)
+        t0 = time.perf_counter()
+        live = []
+        for cache in caches:
+            keys, values = cache.update_and_fetch(k, v)
+            if mode == "hook":
+                q = hook(q, keys, values, cache=cache, scale=dim ** -0.5, mask=None)
+            else:
+                q = mx.fast.scaled_dot_product_attention(q, keys, values, scale=dim ** -0.5, mask=None)
+            live += _cache_arrays(cache)
+        host.append((time.perf_counter() - t0) / layers)  # building the token's graph: the host's share
+        mx.eval(q, *live)
+        times.append((time.perf_counter() - t0) / layers)
+    del caches
+    if host_out is not None:
+        host_out.append(statistics.median(host[2:]))
+    return statistics.median(times[2:])
+
+
+def queued_layers(context: int, rows: int, kv_heads: int, dim: int, dtype, wanted: int, budget_gb: float) -> int:
+    """Layers of the queued mode: `wanted`, or fewer where that many dense caches (the largest
+    kind) would take more than `budget_gb` (36 x 8 rows x 100k of a Qwen3-8B layer is 118 GB)."""
+    per_layer = 2 * rows * kv_heads * context * dim * mx.zeros((), dtype).itemsize
+    return max(1, min(wanted, int(budget_gb * 1e9 // per_layer)))
+
+
 def _cache_arrays(cache) -> list:
     if isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):
         return cache._live_arrays()  # (not `cache.k`: that would encode what a v2 step deferred)
@@ -90,10 +145,12 @@ def _fill(cache, keys, values, chunk: int = 8192):
 
 
 def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 1, parts: bool = False,
-            only_tq: bool = False, unrolls: tuple = (), variants: tuple | None = None, loads: tuple = ()) -> dict:
+            only_tq: bool = False, unrolls: tuple = (), variants: tuple | None = None, loads: tuple = (),
+            queued: int = 0, queued_gb: float = 40.0, only_queued: bool = False) -> dict:
     """One layer's decode step at `rows` rows of `context` tokens: dense (MLX's fused SDPA) and
     TurboQuant through MLX ops and through the kernel; with several rows, also left-padded
-    rows (every row but the first 1,000 tokens shorter), dense (masked SDPA vs the kernel)."""
+    rows (every row but the first 1,000 tokens shorter), dense (masked SDPA vs the kernel).
+    `queued` > 0: also the queued per-layer figures (`queued_step_time`) over that many layers."""
     from mlx_lm.models.cache import KVCache
 
     from engine import decode_attention
@@ -136,33 +193,60 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
         c.hooked = True  # the hook route below, as make_tq_cache marks the engine's caches
         return c
 
-    timed("warmup_dense_ms", dense, "dense", "off")  # discarded: the first timing of a shape ran slow (session 6)
-    del row["warmup_dense_ms"]
-    timed("dense_ms", dense, "dense", "off")
-    if not only_tq:
-        timed("tq_mlx_ops_ms", tq, "hook", "off")
-        row["tq_mlx_ops_vs_dense"] = round(row["tq_mlx_ops_ms"] / row["dense_ms"], 3)
-    if kernel:
-        # The default variant (tq_kernel_ms), then every variant side by side (docs/TURBOQUANT.md).
-        timed("tq_kernel_ms", tq, "hook", "on")
-        for u in unrolls:
-            timed(f"tq_kernel_u{u}_ms", tq, "hook", "on", unroll=u)
-            row[f"tq_kernel_u{u}_vs_dense"] = round(row[f"tq_kernel_u{u}_ms"] / row["dense_ms"], 3)
-        for variant in variants or decode_attention.TQ_VARIANTS:
-            timed(f"tq_kernel_{variant}_ms", tq, "hook", "on", variant=variant)
-            row[f"tq_kernel_{variant}_vs_dense"] = round(row[f"tq_kernel_{variant}_ms"] / row["dense_ms"], 3)
-        for spec in loads:  # v3 at other code-load widths ("8": 8 bytes; "8p": shift-and-mask code extraction)
-            load, nib = int(str(spec).rstrip("p")), not str(spec).endswith("p")
-            timed(f"tq_kernel_v3_l{spec}_ms", tq, "hook", "on", variant="v3", load=load, nib=nib)
-            row[f"tq_kernel_v3_l{spec}_vs_dense"] = round(row[f"tq_kernel_v3_l{spec}_ms"] / row["dense_ms"], 3)
-        # dense once more at the end: the spread of the baseline inside one row's measurements
-        timed("dense_again_ms", dense, "dense", "off")
-        if parts:
-            timed("tq_update_ms", tq, "hook", "on", "update")
-            timed("tq_kernel_attend_ms", tq, "hook", "on", "attend")
-            timed("dense_attend_ms", dense, "dense", "off", "attend")
-        row["tq_kernel_vs_dense"] = round(row["tq_kernel_ms"] / row["dense_ms"], 3)
-    if only_tq:
+    if not only_queued:
+        timed("warmup_dense_ms", dense, "dense", "off")  # discarded: the first timing of a shape ran slow (session 6)
+        del row["warmup_dense_ms"]
+        timed("dense_ms", dense, "dense", "off")
+        if not only_tq:
+            timed("tq_mlx_ops_ms", tq, "hook", "off")
+            row["tq_mlx_ops_vs_dense"] = round(row["tq_mlx_ops_ms"] / row["dense_ms"], 3)
+        if kernel:
+            # The default variant (tq_kernel_ms), then every variant side by side (docs/TURBOQUANT.md).
+            timed("tq_kernel_ms", tq, "hook", "on")
+            for u in unrolls:
+                timed(f"tq_kernel_u{u}_ms", tq, "hook", "on", unroll=u)
+                row[f"tq_kernel_u{u}_vs_dense"] = round(row[f"tq_kernel_u{u}_ms"] / row["dense_ms"], 3)
+            for variant in variants or decode_attention.TQ_VARIANTS:
+                timed(f"tq_kernel_{variant}_ms", tq, "hook", "on", variant=variant)
+                row[f"tq_kernel_{variant}_vs_dense"] = round(row[f"tq_kernel_{variant}_ms"] / row["dense_ms"], 3)
+            for spec in loads:  # v3 at other code-load widths ("8": 8 bytes; "8p": shift-and-mask code extraction)
+                load, nib = int(str(spec).rstrip("p")), not str(spec).endswith("p")
+                timed(f"tq_kernel_v3_l{spec}_ms", tq, "hook", "on", variant="v3", load=load, nib=nib)
+                row[f"tq_kernel_v3_l{spec}_vs_dense"] = round(row[f"tq_kernel_v3_l{spec}_ms"] / row["dense_ms"], 3)
+            # dense once more at the end: the spread of the baseline inside one row's measurements
+            timed("dense_again_ms", dense, "dense", "off")
+            if parts:
+                timed("tq_update_ms", tq, "hook", "on", "update")
+                timed("tq_kernel_attend_ms", tq, "hook", "on", "attend")
+                timed("dense_attend_ms", dense, "dense", "off", "attend")
+            row["tq_kernel_vs_dense"] = round(row["tq_kernel_ms"] / row["dense_ms"], 3)
+    if queued:
+        layers = queued_layers(context, rows, kv_heads, dim, dtype, queued, queued_gb)
+        row["queued_layers"] = layers
+
+        def qtimed(name, make, mode, kernel_mode, variant=saved_variant):
+            decode_attention.set_mode(kernel_mode)
+            decode_attention.set_tq_variant(variant)
+            try:
+                host = []
+                row[name] = round(1e3 * queued_step_time(make, mode, layers, q_heads, kv_heads, dim, dtype, steps,
+                                                         rows, host), 4)
+                row[name.replace("_ms", "_host_ms")] = round(1e3 * host[0], 4)
+            finally:
+                decode_attention.set_mode(saved)
+                decode_attention.set_tq_variant(saved_variant)
+                mx.clear_cache()
+
+        qtimed("queued_dense_ms", dense, "dense", "off")
+        if kernel:
+            for variant in variants or decode_attention.TQ_VARIANTS:
+                qtimed(f"queued_tq_{variant}_ms", tq, "hook", "on", variant=variant)
+                row[f"queued_tq_{variant}_vs_dense"] = round(row[f"queued_tq_{variant}_ms"] / row["queued_dense_ms"], 3)
+            qtimed("queued_dense_again_ms", dense, "dense", "off")
+        else:
+            qtimed("queued_tq_mlx_ops_ms", tq, "hook", "off")
+            row["queued_tq_mlx_ops_vs_dense"] = round(row["queued_tq_mlx_ops_ms"] / row["queued_dense_ms"], 3)
+    if only_tq or only_queued:
         return row
     if rows > 1:
         lengths = [context] + [context - 1000 - 37 * i for i in range(rows - 1)]
@@ -274,6 +358,12 @@ def main() -> None:
                     "code extraction (repeat: --tq3-load 16 --tq3-load 8p)")
     ap.add_argument("--only-tq", action="store_true",
                     help="dense and the TurboQuant kernels only (no MLX-ops path, no padded rows)")
+    ap.add_argument("--queued", action="store_true",
+                    help="also time L layers queued per token, one eval at the end (ms per layer: total / L)")
+    ap.add_argument("--layers", type=int, default=36, help="layers of --queued (default 36, Qwen3-8B's)")
+    ap.add_argument("--queued-gb", type=float, default=40.0,
+                    help="fewer --queued layers where that many dense caches would take more (GB)")
+    ap.add_argument("--only-queued", action="store_true", help="with --queued: leave out the synced figures")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
@@ -288,7 +378,8 @@ def main() -> None:
             for context in args.context or (1024, 4096, 16384):
                 out.append(measure(shape, context, args.bits, dtype, args.steps, rows, args.parts, args.only_tq,
                                    tuple(args.unroll), tuple(args.variants.split(",")) if args.variants else None,
-                                   tuple(args.tq3_load)))
+                                   tuple(args.tq3_load), args.layers if args.queued else 0, args.queued_gb,
+                                   args.only_queued))
                 print(json.dumps(out[-1]), flush=True)
                 mx.clear_cache()
     if args.json:

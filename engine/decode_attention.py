@@ -20,7 +20,8 @@ Each block writes its unnormalised output with its max and sum; a second kernel
 combines the splits of each (row, head) with max/sum rescaling (variant v2 does that in the
 same launch, by the last block of each row and KV head: `_LAST_BLOCK_REDUCE`; slower on the
 H200, so v2s, two launches, replaced it; variant v3, the default, is two launches of its own
-kernels, `_TQ3_SOURCE` and `_TQ3_REDUCE_SOURCE`: `tq_variant`).
+kernels, `_TQ3_SOURCE` and `_TQ3_REDUCE_SOURCE`: `tq_variant`; v4, engine/tq_mma.py, is v3's kernel
+with the scores and values on the tensor cores).
 
 TurboQuant (`tq_attend`, layout in engine/turboquant.py): a K or V vector is a
 float32 norm plus `bits`-bit codes of the rotated unit vector, packed little-end
@@ -717,7 +718,7 @@ _TQ3_SOURCE = """
     const int HQ = gridDim.y * G;
     const int start = lp[b];
     const float scale = params[0];
-    const int end = kc_shape[2];
+    const int end = static_cast<int>(params[1]);  // the cache's columns: kc may be its whole buffer
     const int ws = end - tk_shape[2];
     const int prev = end - NQ;
     const int bound = start + min(prev - start, ((end - start) / GROUP) * GROUP);
@@ -1064,7 +1065,7 @@ def set_mode(new: str) -> None:
     _mode = new
 
 
-TQ_VARIANTS = ("v1", "v2", "v2s", "v3")
+TQ_VARIANTS = ("v1", "v2", "v2s", "v3", "v4")
 DEFAULT_TQ_VARIANT = "v3"  # faster than v2s at every measured shape on the H200 (session 6), its checks passed
 _tq_variant: str | None = None
 
@@ -1081,7 +1082,8 @@ def tq_variant() -> str:
     of each row and head reduces): checked on the H200 but slower there (its reduce runs in
     one block per row and KV head; docs/PERFORMANCE.md, session 5). "v1": session 4's step
     (encode every token, concatenate the tail), kept to compare side by side and to fall
-    back to. From PREFIXTRACE_TQ_DECODE, read once."""
+    back to. "v4": v3's step with the scores and values on the tensor cores (engine/tq_mma.py;
+    bf16 / f16 caches with 4-bit codes, else v3). From PREFIXTRACE_TQ_DECODE, read once."""
     global _tq_variant
     if _tq_variant is None:
         env = os.environ.get("PREFIXTRACE_TQ_DECODE", DEFAULT_TQ_VARIANT)
@@ -1326,15 +1328,19 @@ def dense_attend(queries: mx.array, keys: mx.array, values: mx.array, left_paddi
 
 def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: mx.array, v_codes: mx.array,
               win_k: mx.array, win_v: mx.array, left_padding: mx.array | None, scale: float, codec,
-              group: int, counters: mx.array | None = None) -> mx.array | None:
+              group: int, counters: mx.array | None = None, end: int | None = None) -> mx.array | None:
     """Attention of one query token per row over TurboQuant codes for columns [0, T)
     (norms (B, H, T, 1), codes (B, H, T, W)) and the dense window (B, H, Tw, D) of
     columns [T - Tw, T), unrotated; row b starts at left_padding[b] (None: 0). The
     output is in the original basis. CUDA only (`use_tq`); None where the dense window
     does not fit one block (the caller falls back to MLX). `counters` (int32 zeros, at
-    least B x H, owned by one cache: `_LAST_BLOCK_REDUCE`): one launch instead of two."""
+    least B x H, owned by one cache: `_LAST_BLOCK_REDUCE`): one launch instead of two. `end`:
+    T when the norms and codes are whole buffers of a larger capacity (columns [0, end) are
+    the cache's): v3 / v4 take it as a parameter, the older kernels get slices."""
     B, hq, _, dim = queries.shape
-    H, T, tw = k_codes.shape[1], k_codes.shape[2], win_k.shape[2]
+    H, tw = k_codes.shape[1], win_k.shape[2]
+    T = k_codes.shape[2] if end is None else end
+    assert T <= min(k_norms.shape[2], k_codes.shape[2], v_norms.shape[2], v_codes.shape[2])
     g = hq // H
     chunk = split_chunk(T, H, B, g, at_least=tw)
     if chunk is None:
@@ -1343,6 +1349,11 @@ def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: 
     lp = _zeros(B) if left_padding is None else left_padding
     lp = lp if lp.dtype == mx.int32 else lp.astype(mx.int32)
     unroll = 4 if tq_variant() == "v1" else tq_unroll()
+    variant = tq_variant()
+    if k_codes.shape[2] != T and not (variant in ("v3", "v4") and counters is None):
+        # the older kernels (and v2's one launch) take T from the codes' shape
+        cols = (slice(None), slice(None), slice(0, T))
+        k_norms, k_codes, v_norms, v_codes = k_norms[cols], k_codes[cols], v_norms[cols], v_codes[cols]
     if counters is not None:
         assert counters.dtype == mx.int32 and counters.size >= B * H
         return _tq1_kernel()(
@@ -1352,11 +1363,21 @@ def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: 
             grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
             output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2), (B, hq, 1, dim)],
             output_dtypes=[mx.float32, mx.float32, queries.dtype])[2]
-    if tq_variant() == "v3":
+    if variant == "v4":
+        from engine import tq_mma  # (imports this module: not at the top)
+
+        out = tq_mma.attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group,
+                            chunk, splits, T)
+        if out is not None:
+            return out
+    if variant in ("v3", "v4"):  # v4 runs v3 where it cannot map the step (tq_mma.usable)
         cpl = tq3_cpl(g, dim, codec.bits)
         if cpl is not None:
             return _tq3_attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group,
-                               chunk, splits, cpl)
+                               chunk, splits, cpl, T)
+        if k_codes.shape[2] != T:  # no v3 lane mapping: the v2 kernel, which takes T from the shape
+            cols = (slice(None), slice(None), slice(0, T))
+            k_norms, k_codes, v_norms, v_codes = k_norms[cols], k_codes[cols], v_norms[cols], v_codes[cols]
     o_part, ml_part = _tq_kernel()(
         inputs=[queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
                 _scalar(scale)],
@@ -1454,13 +1475,19 @@ def _templates3(dtype, dim: int, g: int, chunk: int, bits: int, group: int, cpl:
             ("NQ", 1), ("CPL", cpl), ("U", tq3_unroll(cpl, bits)), ("NIB", bool(nib and bits == 4))]
 
 
+def _params(scale: float, end: int) -> mx.array:
+    """v3 / v4's float parameters: the scale and the cache's column count (exact in float32 below 2^24)."""
+    assert end < 1 << 24
+    return mx.array(np.array([scale, end], np.float32))  # from numpy: no lazy array tied to one thread's stream
+
+
 def _tq3_attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group, chunk, splits,
-                cpl):
+                cpl, end):
     B, hq, _, dim = queries.shape
     H = k_codes.shape[1]
     o_part, ml_part = _tq3_kernel()(
         inputs=[queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
-                _scalar(scale)],
+                _params(scale, end)],
         template=_templates3(win_k.dtype, dim, hq // H, chunk, codec.bits, group, cpl, tq3_nibble()),
         grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
         output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])

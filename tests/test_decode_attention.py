@@ -175,7 +175,8 @@ def emulated_tq3(inputs, template, grid, threadgroup, output_shapes, output_dtyp
     lpt = D // CPL
     assert D % CPL == 0 and 32 % lpt == 0 and G * CPL <= decode_attention._TQ3_REGS and U >= 1
     assert G * CHUNK <= decode_attention._SMEM_SCORES
-    HQ, end = H * G, kc.shape[2]
+    HQ, end = H * G, int(params[1])  # (kc: the cache's whole buffer, columns [0, end) its own)
+    assert end <= min(kn.shape[2], kc.shape[2], vn.shape[2], vc.shape[2])
     ws, prev = end - tk.shape[2], end - NQ
     kd, vd = cent[_unpack3(kc, BITS, D, CPL)], cent[_unpack3(vc, BITS, D, CPL)]
     o = np.zeros((B * HQ, S, D), np.float32)
@@ -579,7 +580,7 @@ def test_v2_steps_attend_as_v1_with_fewer_launches(emulated, monkeypatch, rows):
 def test_variant_and_its_env_var(monkeypatch):
     assert decode_attention.tq_variant() in decode_attention.TQ_VARIANTS
     with pytest.raises(ValueError):
-        decode_attention.set_tq_variant("v4")
+        decode_attention.set_tq_variant("v9")
     monkeypatch.setattr(decode_attention, "_tq_variant", None)
     monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v1")
     assert decode_attention.tq_variant() == "v1"

@@ -1,0 +1,409 @@
+"""engine/tq_mma.py (TurboQuant decode v4, scores and values on the tensor cores) on the CPU.
+
+The kernel cannot run here, so `emulated_tq4` replays it in numpy lane by lane: each lane's
+MMA fragment registers are built from the codes exactly as the source builds them (which 16
+bytes a lane loads, which code byte feeds which register, the two-token nibble merge of the
+values, the permuted token order of P, the query columns >= G left zero), every element is
+rounded to f16 where the kernel packs it, and the m16n8k16 MMA is applied through the PTX
+fragment layout (A, B scattered into 16x16 / 16x8 matrices by lane, C gathered back). With the
+rounding switched off the emulation must equal v3's arithmetic (`emulated_tq3`) on the same
+inputs to float precision: that checks the permutations; with it on, the step must stay within
+the bf16 tolerance of attention over the decoded cache. What runs on the GPU is checked by
+bench/check_decode_kernels.py (variant v4); the sources compile in
+tests/test_decode_kernel_sources.py."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import decode_attention, tq_mma
+from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache
+from tests.test_decode_attention import _blocks, _butterfly, _kernel_calls, _np, emulated, emulated_tq3  # noqa: F401
+
+ROUND = {"on": True}
+
+# PTX m16n8k16 fragment layout, per lane (gq = lane >> 2, tq = lane & 3): A reg r, half e ->
+# (row, col); B reg r, half e -> (row, col); C element i -> (row, col).
+_LANE = np.arange(32)
+_GQ, _TQ = _LANE >> 2, _LANE & 3
+_AR = np.stack([_GQ, _GQ + 8, _GQ, _GQ + 8], 1)[:, :, None].repeat(2, 2)
+_AC = np.stack([2 * _TQ, 2 * _TQ, 2 * _TQ + 8, 2 * _TQ + 8], 1)[:, :, None] + np.arange(2)
+_BR = np.stack([2 * _TQ, 2 * _TQ + 8], 1)[:, :, None] + np.arange(2)
+_BC = np.broadcast_to(_GQ[:, None, None], (32, 2, 2))
+_CR = np.stack([_GQ, _GQ, _GQ + 8, _GQ + 8], 1)
+_CC = np.stack([2 * _TQ, 2 * _TQ + 1, 2 * _TQ, 2 * _TQ + 1], 1)
+
+
+def _f16(x):
+    x = np.asarray(x, np.float64)
+    return x.astype(np.float16).astype(np.float64) if ROUND["on"] else x
+
+
+def _mma(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a (..., 32, 4, 2), b (..., 32, 2, 2) lane registers (low half first) -> C (..., 32, 4)."""
+    A = np.zeros(a.shape[:-3] + (16, 16))
+    B = np.zeros(b.shape[:-3] + (16, 8))
+    A[..., _AR, _AC] = a
+    B[..., _BR, _BC] = b
+    C = A @ B
+    return C[..., _CR, _CC]
+
+
+def _pairs(cent: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """The pair table's entry for code bytes idx: (c[low nibble], c[high nibble]), f16."""
+    return np.stack([_f16(cent[idx & 15]), _f16(cent[idx >> 4])], -1)
+
+
+def _byte(x: np.ndarray, by) -> np.ndarray:
+    return (x >> np.uint32(8 * by)) & np.uint32(0xFF)
+
+
+def _scores(qr, kw, kn, cent, G, D):
+    """One block's scores (G, n): tiles of 16 tokens, the K fragments of `_K4`."""
+    n = kw.shape[0]
+    nt = -(-n // 16)
+    w = np.zeros((nt * 16, kw.shape[1]), np.uint32)
+    w[:n] = kw
+    KW, KM = D // 32, D // 16
+    tok0 = np.arange(nt)[:, None] * 16 + _GQ  # (nt, 32): rows gq
+    tok1 = tok0 + 8
+    qg = np.where(_GQ < G, _GQ, 0)
+    c = np.zeros((nt, 32, 4))
+    for j in range(KM):
+        word = _TQ * KW + (j >> 1)  # the lane's words: [tq * KW, (tq + 1) * KW)
+        by = 2 * (j & 1)
+        x0, x1 = w[tok0, word], w[tok1, word]
+        a = np.stack([_pairs(cent, _byte(x0, by)), _pairs(cent, _byte(x1, by)),
+                      _pairs(cent, _byte(x0, by + 1)), _pairs(cent, _byte(x1, by + 1))], -2)
+        d = (D // 4) * _TQ + 4 * j
+        b = np.stack([np.stack([qr[qg, d], qr[qg, d + 1]], -1), np.stack([qr[qg, d + 2], qr[qg, d + 3]], -1)], -2)
+        b = np.where((_GQ < G)[:, None, None], _f16(b), 0.0)
+        c += _mma(a, np.broadcast_to(b, (nt, 32, 2, 2)))
+    sc = np.full((G, nt * 16), np.nan)
+    nr = np.zeros(nt * 16)
+    nr[:n] = kn
+    for i, (tok, q) in enumerate(((tok0, 2 * _TQ), (tok0, 2 * _TQ + 1), (tok1, 2 * _TQ), (tok1, 2 * _TQ + 1))):
+        keep = np.broadcast_to(q < G, tok.shape)
+        sc[np.broadcast_to(q, tok.shape)[keep], tok[keep]] = (c[..., i] * nr[tok])[keep]
+    return sc[:, :n]
+
+
+def _values(p, vw, vn, cent, G, D):
+    """One block's unnormalised output (G, D) from probabilities p (G, n): `_V4`'s fragments."""
+    n = vw.shape[0]
+    nt = -(-n // 16)
+    w = np.zeros((nt * 16, vw.shape[1]), np.uint32)
+    w[:n] = vw
+    pp = np.zeros((G, nt * 16))
+    pp[:, :n] = p * vn[None, :]
+    VW, VM = D // 64, D // 16
+    qg = np.where(_GQ < G, _GQ, 0)
+    o = np.zeros((VM, 32, 4))
+    for tile in range(nt):
+        tok = tile * 16 + 4 * _TQ[:, None] + np.arange(4)  # (32, 4): tokens 4tq .. 4tq+3
+        pr = np.where((_GQ < G)[:, None], pp[qg[:, None], tok], 0.0)
+        b = _f16(pr.reshape(32, 2, 2))  # b0 = (tok 0, tok 1), b1 = (tok 2, tok 3)
+        m4 = np.uint32(0x0F0F0F0F)
+        for j in range(VW):
+            ws = [w[tok[:, r], _GQ * VW + j] for r in range(4)]
+            lo01 = (ws[0] & m4) | ((ws[1] << np.uint32(4)) & ~m4)
+            hi01 = ((ws[0] >> np.uint32(4)) & m4) | (ws[1] & ~m4)
+            lo23 = (ws[2] & m4) | ((ws[3] << np.uint32(4)) & ~m4)
+            hi23 = ((ws[2] >> np.uint32(4)) & m4) | (ws[3] & ~m4)
+            for k in range(4):
+                a = np.stack([_pairs(cent, _byte(x, k)) for x in (lo01, hi01, lo23, hi23)], -2)
+                o[4 * j + k] += _mma(a, b)
+    out = np.zeros((G, D))
+    for m in range(VM):
+        d = (D // 8) * _GQ + 2 * m
+        for i, (q, dd) in enumerate(((2 * _TQ, d), (2 * _TQ + 1, d), (2 * _TQ, d + 1), (2 * _TQ + 1, d + 1))):
+            keep = q < G
+            out[q[keep], dd[keep]] = o[m, keep, i]
+    return out
+
+
+def emulated_tq4(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+    """`TQ4_SOURCE`: v3's blocks (columns, boundaries, the dense tail's block) with the code
+    blocks' scores and values through `_scores` / `_values`."""
+    q, kn, kc, vn, vc, tk, tv, lp, signs, cent, params = (_np(a) for a in inputs)
+    t, S, H, B = _blocks(template, grid, threadgroup)
+    D, G, CHUNK, BITS, GROUP, NQ, TC = (t[k] for k in ("D", "G", "CHUNK", "BITS", "GROUP", "NQ", "TC"))
+    assert BITS == 4 and D in tq_mma.DIMS4 and G <= 8 and TC == tq_mma.table_copies(G, D, CHUNK)
+    assert G * CHUNK <= decode_attention._SMEM_SCORES
+    HQ, end = H * G, int(params[1])  # (kc: the cache's whole buffer, columns [0, end) its own)
+    assert end <= min(kn.shape[2], kc.shape[2], vn.shape[2], vc.shape[2])
+    ws, prev = end - tk.shape[2], end - NQ
+    o = np.zeros((B * HQ, S, D), np.float32)
+    ml = np.zeros((B * HQ, S, 2), np.float32)
+    for b in range(B):
+        bound = lp[b] + min(prev - lp[b], (end - lp[b]) // GROUP * GROUP)
+        for h in range(H):
+            qs = params[0] * q[b, h * G : h * G + G, 0]
+            qr = _butterfly(qs * signs) / np.sqrt(D)
+            for s in range(S):
+                r = slice(b * HQ + h * G, b * HQ + h * G + G)
+                tail = s == S - 1
+                c0 = max(bound, lp[b]) if tail else max(s * CHUNK, lp[b])
+                c1 = end if tail else min((s + 1) * CHUNK, bound)
+                if c0 >= c1:
+                    ml[r, s] = (-np.inf, 0.0)
+                    continue
+                assert c1 - c0 <= CHUNK
+                if tail:
+                    sc = qs @ tk[b, h, c0 - ws : c1 - ws].T
+                    m = sc.max(axis=1)
+                    p = np.exp(sc - m[:, None])
+                    acc = p @ tv[b, h, c0 - ws : c1 - ws]
+                else:
+                    sc = _scores(qr, kc[b, h, c0:c1], kn[b, h, c0:c1, 0], cent, G, D)
+                    m = sc.max(axis=1)
+                    p = np.exp(sc - m[:, None])
+                    acc = _values(p, vc[b, h, c0:c1], vn[b, h, c0:c1, 0], cent, G, D)
+                ml[r, s, 0], ml[r, s, 1], o[r, s] = m, p.sum(axis=1), acc
+    assert (o.size,) == output_shapes[0] and ml.shape == output_shapes[1]
+    return [mx.array(o.reshape(-1)), mx.array(ml)]
+
+
+@pytest.fixture
+def emulated4(emulated, monkeypatch):
+    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: emulated_tq4)
+    decode_attention.set_tq_variant("v4")
+    ROUND["on"] = True
+    yield
+    ROUND["on"] = True
+    decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+
+
+def _rows(chunks_per_row, heads, dim, dtype, group=16, seed=0):
+    mx.random.seed(seed)
+    rows = []
+    for chunks in chunks_per_row:
+        c = TurboQuantKVCache(kv_bits=4, group=group)
+        for n in chunks:
+            c.update_and_fetch(mx.random.normal((1, heads, n, dim)).astype(dtype),
+                               mx.random.normal((1, heads, n, dim)).astype(dtype))
+        rows.append(c)
+    return rows[0] if len(rows) == 1 else BatchTurboQuantKVCache.merge(rows)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,dim", [
+    (8, 2, 128),  # G = 4, the Qwen3-8B shape
+    (16, 2, 128),  # G = 8: every query column of the MMA
+    (6, 2, 64),  # G = 3, D = 64: one word per token and lane for V, two for K
+    (2, 2, 128),  # G = 1
+    (8, 2, 256),  # D = 256: two 16-byte loads per token for K
+])
+def test_v4_fragments_equal_v3_arithmetic_without_rounding(emulated4, monkeypatch, q_heads, kv_heads, dim):
+    """The permutations (coordinates of K, tokens and coordinates of V, P's token order): the v4
+    emulation without f16 rounding gives v3's block outputs on the very inputs v4 is launched with."""
+    ROUND["on"] = False
+    seen = []
+
+    def both(**kw):
+        got = emulated_tq4(**kw)
+        t3 = [(k, v) for k, v in kw["template"] if k not in ("TC",)] + [("CPL", 16)]
+        ref = emulated_tq3(**{**kw, "template": t3})
+        seen.append(1)
+        for g, r in zip(got, ref):
+            g, r = np.array(g), np.array(r)
+            assert np.allclose(g, r, atol=1e-5, rtol=1e-5, equal_nan=True), np.abs(g - r).max()
+        return got
+
+    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: both)
+    for rows in ([[150, 9]], [[300], [7, 30, 1], [16], [40, 3]]):
+        cache = _rows(rows, kv_heads, dim, mx.bfloat16, seed=len(rows))
+        cache.hooked = True
+        B = len(rows)
+        for _ in range(4):
+            mask = cache.make_mask(1) if B > 1 else None
+            cache.update_and_fetch(mx.random.normal((B, kv_heads, 1, dim)).astype(mx.bfloat16),
+                                   mx.random.normal((B, kv_heads, 1, dim)).astype(mx.bfloat16))
+            cache.attend(mx.random.normal((B, q_heads, 1, dim)).astype(mx.bfloat16), dim ** -0.5, mask)
+    assert len(seen) == 8
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_v4_step_within_the_bf16_tolerance_of_attention_over_the_decoded_cache(emulated4, monkeypatch, dtype):
+    """With the f16 rounding the kernel does, one row and left-padded rows, steps across group
+    boundaries: within bench/check_decode_kernels.py's tolerance of SDPA over the decoded cache."""
+    calls = _kernel_calls(monkeypatch)
+    n4 = {"tq4": 0}
+
+    def counted(**kw):
+        n4["tq4"] += 1
+        return emulated_tq4(**kw)
+
+    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: counted)
+    tol = 2e-2 if dtype == mx.bfloat16 else 4e-3
+    for rows in ([[150, 9]], [[300], [7, 30, 1], [16], [40, 3]]):
+        cache = _rows(rows, 2, 128, dtype, seed=7 + len(rows))
+        cache.hooked = True
+        B = len(rows)
+        for step in range(20):
+            mask = cache.make_mask(1) if B > 1 else None
+            cache.update_and_fetch(mx.random.normal((B, 2, 1, 128)).astype(dtype),
+                                   mx.random.normal((B, 2, 1, 128)).astype(dtype))
+            q = mx.random.normal((B, 8, 1, 128)).astype(dtype)
+            got = cache.attend(q, 128 ** -0.5, mask)
+            keys, values = cache._fetch(rotated=False)
+            ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
+                                                       values.astype(mx.float32), scale=128 ** -0.5, mask=mask)
+            e = mx.abs(got.astype(mx.float32) - ref).max().item()
+            assert got.dtype == dtype and e <= tol * max(mx.abs(ref).max().item(), 1.0), (rows, step, e)
+    assert n4["tq4"] == 40 and calls["tq3_reduce"] == 40 and calls["tq3"] == 0
+
+
+def test_v4_falls_back_to_v3_where_it_cannot_map_the_step(emulated4, monkeypatch):
+    """float32 caches (f16 operands would miss the float32 tolerance), 2 / 8-bit codes and head
+    dim 16 run v3's kernel under PREFIXTRACE_TQ_DECODE=v4."""
+    calls = _kernel_calls(monkeypatch)
+    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: pytest.fail("v4 launched where it cannot map the step"))
+    cases = [(mx.float32, 4, 128), (mx.bfloat16, 2, 128), (mx.bfloat16, 8, 64), (mx.bfloat16, 4, 16)]
+    for dtype, bits, dim in cases:
+        mx.random.seed(bits + dim)
+        cache = TurboQuantKVCache(kv_bits=bits, group=16)
+        cache.update_and_fetch(mx.random.normal((1, 2, 40, dim)).astype(dtype),
+                               mx.random.normal((1, 2, 40, dim)).astype(dtype))
+        cache.hooked = True
+        cache.update_and_fetch(mx.random.normal((1, 2, 1, dim)).astype(dtype),
+                               mx.random.normal((1, 2, 1, dim)).astype(dtype))
+        q = mx.random.normal((1, 4, 1, dim)).astype(dtype)
+        keys, values = cache._fetch(rotated=False)
+        ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
+                                                   values.astype(mx.float32), scale=dim ** -0.5)
+        got = cache.attend(q, dim ** -0.5, None)
+        tol = 1e-4 if dtype == mx.float32 else 2e-2 * max(mx.abs(ref).max().item(), 1.0)
+        assert mx.abs(got.astype(mx.float32) - ref).max().item() <= tol, (dtype, bits, dim)
+    assert calls["tq3"] == len(cases) and calls["tq3_reduce"] == len(cases)
+
+
+def test_v4_variant_and_table_rules(monkeypatch):
+    assert "v4" in decode_attention.TQ_VARIANTS
+    assert tq_mma.table_copies(4, 128, 256) == 32  # conflict-free where the scores leave room (32k, one row)
+    assert tq_mma.table_copies(4, 128, 1024) == 16  # the 100k split: at most two-way conflicts
+    assert tq_mma.table_copies(8, 128, 512) == 8
+    q = mx.zeros((1, 32, 1, 128), mx.bfloat16)
+    assert tq_mma.usable(q, 4, 4, 128, 1024) and not tq_mma.usable(q, 2, 4, 128, 1024)
+    assert not tq_mma.usable(q.astype(mx.float32), 4, 4, 128, 1024) and not tq_mma.usable(q, 4, 4, 32, 1024)
+    # the v4 body is v3's with both code paths replaced: none of v3's per-coordinate FMA loops left
+    assert "centroid<" not in tq_mma.TQ4_SOURCE and tq_mma.TQ4_SOURCE.count("mma_f16(") == 2
+    assert "float qr[G][8];" in tq_mma.TQ4_SOURCE and "float acc[G][8];" in tq_mma.TQ4_SOURCE  # the dense tail
+    monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v4")
+    monkeypatch.setattr(decode_attention, "_tq_variant", None)
+    assert decode_attention.tq_variant() == "v4"
+    monkeypatch.setattr(decode_attention, "_tq_variant", None)
+
+
+def _v4_engine_shapes() -> list[tuple[str, str]]:
+    from tests.test_decode_kernel_sources import _TQ_INPUTS, render
+
+    out = []
+    for dtype in ("bfloat16", "float16"):
+        for dim, g, chunk in ((128, 4, 1024), (128, 4, 256), (128, 8, 512), (64, 3, 1024), (256, 4, 1024),
+                              (128, 1, 1024)):
+            name = f"v4_{dtype}_d{dim}_g{g}_c{chunk}"
+            inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS]
+            out.append((name, render(name, tq_mma.TQ4_SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
+                                     tq_mma.templates(dtype, dim, g, chunk, 4, 64))))
+    return out
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="no nvcc on this machine (CI)")
+def test_v4_compiles_for_the_h200_without_spills(tmp_path):
+    """nvcc for sm_90 at the engine's shapes (bf16 / f16): the MMA's PTX assembles, the static
+    shared memory (v3's arrays + the pair table) stays under 48 KB, no spills or stack frame, and
+    the Qwen3-8B shape (D 128, G 4) keeps <= 128 registers (4+ blocks of 128 threads per SM)."""
+    import re
+    import subprocess
+
+    from tests.test_decode_kernel_sources import _PRELUDE
+
+    shapes = _v4_engine_shapes()
+    src = tmp_path / "v4.cu"
+    src.write_text(_PRELUDE + decode_attention._HEADER + decode_attention._TQ3_HEADER + tq_mma.TQ4_HEADER
+                   + "\n".join(body for _, body in shapes))
+    run = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "v4.o"),
+                          "-Xptxas", "-v"], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = {}
+    for block in re.split(r"Compiling entry function", run.stderr)[1:]:
+        mangled = block.split("'")[1]
+        name = next(n for n, _ in shapes if re.search(rf"\d{n}P", mangled))
+        regs = int(re.search(r"Used (\d+) registers", block).group(1))
+        smem = int(re.search(r"(\d+) bytes smem", block).group(1))
+        frame = int(re.search(r"(\d+) bytes stack frame", block).group(1))
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block).groups()
+        report[name] = (regs, smem)
+        assert frame == 0 and spills == ("0", "0") and smem <= 48 * 1024, (name, block)
+    assert len(report) == len(shapes)
+    assert report["v4_bfloat16_d128_g4_c1024"][0] <= 128, report
+    print("ptxas registers, smem:", report)
+
+
+def test_v3_and_v4_take_the_whole_code_buffers_and_the_cache_end(emulated, monkeypatch):
+    """The step hands v3 / v4 the cache's norm and code buffers unsliced (capacity past the
+    cache's columns) and the column count in params[1] (four slices were ~28 us of host time per
+    layer); the kernels read [0, end) only, so the output still matches the decoded cache."""
+    seen = []
+
+    def spy(f):
+        def run(**kw):
+            kc, params = kw["inputs"][2], np.array(kw["inputs"][10])
+            seen.append((kc.shape[2], int(params[1])))
+            return f(**kw)
+        return lambda: run
+
+    monkeypatch.setattr(decode_attention, "_tq3_kernel", spy(emulated_tq3))
+    monkeypatch.setattr(tq_mma, "_tq4_kernel", spy(emulated_tq4))
+    for variant, dtype in (("v3", mx.float32), ("v4", mx.bfloat16)):
+        decode_attention.set_tq_variant(variant)
+        try:
+            cache = _rows([[150, 9]], 2, 128, dtype, seed=3)
+            cache.hooked = True
+            for _ in range(3):
+                cache.update_and_fetch(mx.random.normal((1, 2, 1, 128)).astype(dtype),
+                                       mx.random.normal((1, 2, 1, 128)).astype(dtype))
+                q = mx.random.normal((1, 8, 1, 128)).astype(dtype)
+                got = cache.attend(q, 128 ** -0.5, None)
+                keys, values = cache._fetch(rotated=False)
+                ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
+                                                           values.astype(mx.float32), scale=128 ** -0.5)
+                tol = 1e-4 if dtype == mx.float32 else 2e-2 * max(mx.abs(ref).max().item(), 1.0)
+                assert mx.abs(got.astype(mx.float32) - ref).max().item() <= tol
+        finally:
+            decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+    assert len(seen) == 6 and all(cap > end for cap, end in seen) and [e for _, e in seen[:3]] == [160, 161, 162]
+
+
+def test_prebuild_at_load_builds_the_v4_kernels_under_v4(monkeypatch):
+    """engine/tq_prebuild.py builds through `tq_attend`, so under v4 it compiles v4's kernel, once
+    per CHUNK (and TC: the table copies follow the chunk) a decode step can pick, not v3's."""
+    from types import SimpleNamespace
+
+    from engine import tq_prebuild
+    from engine.tq_cache import TQConfig
+
+    built = []
+
+    def record(**kw):
+        built.append(dict(kw["template"]))
+        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+    monkeypatch.setattr(decode_attention, "available", lambda: True)
+    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: record)
+    monkeypatch.setattr(decode_attention, "_tq3_kernel", lambda: pytest.fail("v3 built under v4"))
+    monkeypatch.setattr(decode_attention, "_tq3_reduce_kernel", lambda: record)
+    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: record)
+    args = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096)
+    model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
+    decode_attention.set_tq_variant("v4")
+    try:
+        out = tq_prebuild.prebuild(model, TQConfig(), max_batch=2)
+    finally:
+        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+    tq4 = [t for t in built if "TC" in t]
+    chunks = sorted(c for c in out if c)
+    assert chunks and sorted(t["CHUNK"] for t in tq4) == chunks
+    assert all(t["TC"] == tq_mma.table_copies(4, 128, t["CHUNK"]) for t in tq4)
