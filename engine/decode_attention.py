@@ -1066,12 +1066,16 @@ def set_mode(new: str) -> None:
 
 
 TQ_VARIANTS = ("v1", "v2", "v2s", "v3", "v4")
-DEFAULT_TQ_VARIANT = "v3"  # faster than v2s at every measured shape on the H200 (session 6), its checks passed
+# v4: faster than v3 at every per-layer shape on the H200 (0.73-0.89x its synced step, session 7) and
+# through the engine at 100k (84.0 / 91.9 tok/s against v3's 58.2 / 63.2, two runs); its 474 checks passed.
+# Steps v4 cannot map (float32, 2 / 8 bits, other head sizes) run v3.
+DEFAULT_TQ_VARIANT = "v4"
 _tq_variant: str | None = None
 
 
 def tq_variant() -> str:
-    """How a TurboQuant decode step runs on CUDA. "v3" (default): v2s's step (below) with the
+    """How a TurboQuant decode step runs on CUDA. "v4" (default): v3's step with the scores and
+    values on the tensor cores (below). "v3": v2s's step (below) with the
     attention kernel rebuilt from the bandwidth floor down (`_TQ3_SOURCE`: wide code loads, the
     dense tail on its own path, a reduce parallel over the splits; 0.66-0.90x v2s's step on the
     H200, session 6). "v2s": the new token is appended
@@ -1083,7 +1087,7 @@ def tq_variant() -> str:
     one block per row and KV head; docs/PERFORMANCE.md, session 5). "v1": session 4's step
     (encode every token, concatenate the tail), kept to compare side by side and to fall
     back to. "v4": v3's step with the scores and values on the tensor cores (engine/tq_mma.py;
-    bf16 / f16 caches with 4-bit codes, else v3). From PREFIXTRACE_TQ_DECODE, read once."""
+    bf16 / f16 caches with 4-bit codes, else v3; docs/PERFORMANCE.md, session 7). From PREFIXTRACE_TQ_DECODE, read once."""
     global _tq_variant
     if _tq_variant is None:
         env = os.environ.get("PREFIXTRACE_TQ_DECODE", DEFAULT_TQ_VARIANT)
