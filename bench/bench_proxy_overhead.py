@@ -110,11 +110,16 @@ def start_serve(args: list[str], cwd: Path, log: Path, serve_with: tuple[str, st
                                                                                            INHERITED_PATH]))},
                             stdout=log.open("w"), stderr=subprocess.STDOUT,
                             preexec_fn=_pinned)  # noqa: PLW1509 (the bench starts no threads)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    return wait_healthy(proc, f"http://127.0.0.1:{port}", f"serve {' '.join(args)}", log)
+
+
+def wait_healthy(proc, url: str, what: str, log: Path, timeout_s: float = 180):
+    """(proc, url) once `url`/health answers 200; SystemExit with the server's log if it
+    exits first or never does."""
+    deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise SystemExit(f"serve {' '.join(args)} exited early:\n{log.read_text()}")
+            raise SystemExit(f"{what} exited early:\n{log.read_text()}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
@@ -122,7 +127,7 @@ def start_serve(args: list[str], cwd: Path, log: Path, serve_with: tuple[str, st
             pass
         if time.monotonic() > deadline:
             proc.kill()
-            raise SystemExit(f"serve {' '.join(args)} did not become healthy:\n{log.read_text()}")
+            raise SystemExit(f"{what} did not become healthy:\n{log.read_text()}")
         time.sleep(0.2)
 
 

@@ -208,22 +208,7 @@ def _start(serve_args: list[str], tmp: Path, name: str, stamped: tuple[str, str]
     cmd = [sys.executable, str(Path(__file__).resolve()), *stamped, "--", "serve", "--port", str(port), *serve_args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), bench.INHERITED_PATH]))}
     proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    import httpx
-
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"{' '.join(cmd)} exited early:\n{log.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"{' '.join(cmd)} did not become healthy:\n{log.read_text()}")
-        time.sleep(0.2)
+    return bench.wait_healthy(proc, f"http://127.0.0.1:{port}", " ".join(cmd), log)
 
 
 def _rows(path: Path) -> list[dict]:
