@@ -87,20 +87,15 @@ def emulated_dense(inputs, template, grid, threadgroup, output_shapes, output_dt
     return [mx.array(o.reshape(-1)), mx.array(ml)]
 
 
-def emulated_tq(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-    q, kn, kc, vn, vc, tk, tv, lp, signs, cent, params = (_np(a) for a in inputs)
-    t, S, H, B = _blocks(template, grid, threadgroup)
-    D, G, CHUNK, BITS, GROUP, NQ = t["D"], t["G"], t["CHUNK"], t["BITS"], t["GROUP"], t["NQ"]
-    HQ, end = H * G, kc.shape[2]
-    ws, prev = end - tk.shape[2], end - NQ
-    kd, vd = cent[_unpack(kc, BITS, D)], cent[_unpack(vc, BITS, D)]  # codebook values, rotated basis
-    o = np.zeros((B * HQ, S, D), np.float32)
-    ml = np.zeros((B * HQ, S, 2), np.float32)
+def tq_split_blocks(lp, B, H, G, S, CHUNK, GROUP, end, prev, ml):
+    """(b, h, s, rows, tail, c0, c1) of every TurboQuant split block with columns, by the
+    kernels' own boundaries (v2, v3 and v4 share them): blocks of CHUNK code columns up to
+    the last full group a row has seen (`bound`), the last split for the dense tail past it.
+    An empty block gets the empty partial (-inf, 0) in `ml` and is not yielded."""
+    HQ = H * G
     for b in range(B):
         bound = lp[b] + min(prev - lp[b], (end - lp[b]) // GROUP * GROUP)
         for h in range(H):
-            qs = params[0] * q[b, h * G : h * G + G, 0]
-            qr = _butterfly(qs * signs) / np.sqrt(D)
             for s in range(S):
                 r = slice(b * HQ + h * G, b * HQ + h * G + G)
                 tail = s == S - 1
@@ -110,11 +105,26 @@ def emulated_tq(inputs, template, grid, threadgroup, output_shapes, output_dtype
                     ml[r, s] = (-np.inf, 0.0)
                     continue
                 assert c1 - c0 <= CHUNK
-                if tail:
-                    m, l, acc = _partial(qs, tk[b, h, c0 - ws : c1 - ws], tv[b, h, c0 - ws : c1 - ws])
-                else:
-                    m, l, acc = _partial(qr, kd[b, h, c0:c1] * kn[b, h, c0:c1], vd[b, h, c0:c1] * vn[b, h, c0:c1])
-                ml[r, s, 0], ml[r, s, 1], o[r, s] = m, l, acc
+                yield b, h, s, r, tail, c0, c1
+
+
+def emulated_tq(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+    q, kn, kc, vn, vc, tk, tv, lp, signs, cent, params = (_np(a) for a in inputs)
+    t, S, H, B = _blocks(template, grid, threadgroup)
+    D, G, CHUNK, BITS, GROUP, NQ = t["D"], t["G"], t["CHUNK"], t["BITS"], t["GROUP"], t["NQ"]
+    HQ, end = H * G, kc.shape[2]
+    ws, prev = end - tk.shape[2], end - NQ
+    kd, vd = cent[_unpack(kc, BITS, D)], cent[_unpack(vc, BITS, D)]  # codebook values, rotated basis
+    o = np.zeros((B * HQ, S, D), np.float32)
+    ml = np.zeros((B * HQ, S, 2), np.float32)
+    for b, h, s, r, tail, c0, c1 in tq_split_blocks(lp, B, H, G, S, CHUNK, GROUP, end, prev, ml):
+        qs = params[0] * q[b, h * G : h * G + G, 0]
+        if tail:
+            m, l, acc = _partial(qs, tk[b, h, c0 - ws : c1 - ws], tv[b, h, c0 - ws : c1 - ws])
+        else:
+            qr = _butterfly(qs * signs) / np.sqrt(D)
+            m, l, acc = _partial(qr, kd[b, h, c0:c1] * kn[b, h, c0:c1], vd[b, h, c0:c1] * vn[b, h, c0:c1])
+        ml[r, s, 0], ml[r, s, 1], o[r, s] = m, l, acc
     assert (o.size,) == output_shapes[0] and ml.shape == output_shapes[1]
     return [mx.array(o.reshape(-1)), mx.array(ml)]
 
@@ -181,26 +191,15 @@ def emulated_tq3(inputs, template, grid, threadgroup, output_shapes, output_dtyp
     kd, vd = cent[_unpack3(kc, BITS, D, CPL)], cent[_unpack3(vc, BITS, D, CPL)]
     o = np.zeros((B * HQ, S, D), np.float32)
     ml = np.zeros((B * HQ, S, 2), np.float32)
-    for b in range(B):
-        bound = lp[b] + min(prev - lp[b], (end - lp[b]) // GROUP * GROUP)
-        for h in range(H):
-            qs = params[0] * q[b, h * G : h * G + G, 0]
+    for b, h, s, r, tail, c0, c1 in tq_split_blocks(lp, B, H, G, S, CHUNK, GROUP, end, prev, ml):
+        qs = params[0] * q[b, h * G : h * G + G, 0]
+        if tail:
+            assert c0 >= ws  # the dense path reads the window only
+            m, l, acc = _partial(qs, tk[b, h, c0 - ws : c1 - ws], tv[b, h, c0 - ws : c1 - ws])
+        else:
             qr = _butterfly(qs * signs) / np.sqrt(D)  # one warp per head: the same stages
-            for s in range(S):
-                r = slice(b * HQ + h * G, b * HQ + h * G + G)
-                tail = s == S - 1
-                c0 = max(bound, lp[b]) if tail else max(s * CHUNK, lp[b])
-                c1 = end if tail else min((s + 1) * CHUNK, bound)
-                if c0 >= c1:
-                    ml[r, s] = (-np.inf, 0.0)
-                    continue
-                assert c1 - c0 <= CHUNK
-                if tail:
-                    assert c0 >= ws  # the dense path reads the window only
-                    m, l, acc = _partial(qs, tk[b, h, c0 - ws : c1 - ws], tv[b, h, c0 - ws : c1 - ws])
-                else:
-                    m, l, acc = _partial(qr, kd[b, h, c0:c1] * kn[b, h, c0:c1], vd[b, h, c0:c1] * vn[b, h, c0:c1])
-                ml[r, s, 0], ml[r, s, 1], o[r, s] = m, l, acc
+            m, l, acc = _partial(qr, kd[b, h, c0:c1] * kn[b, h, c0:c1], vd[b, h, c0:c1] * vn[b, h, c0:c1])
+        ml[r, s, 0], ml[r, s, 1], o[r, s] = m, l, acc
     assert (o.size,) == output_shapes[0] and ml.shape == output_shapes[1]
     return [mx.array(o.reshape(-1)), mx.array(ml)]
 

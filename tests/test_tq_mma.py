@@ -20,7 +20,9 @@ import pytest
 
 from engine import decode_attention, tq_mma
 from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache
-from tests.test_decode_attention import _blocks, _butterfly, _kernel_calls, _np, emulated, emulated_tq3  # noqa: F401
+from tests.test_decode_attention import (  # noqa: F401
+    _blocks, _butterfly, _kernel_calls, _np, emulated, emulated_tq3, tq_split_blocks,
+)
 
 ROUND = {"on": True}
 
@@ -137,31 +139,20 @@ def emulated_tq4(inputs, template, grid, threadgroup, output_shapes, output_dtyp
     ws, prev = end - tk.shape[2], end - NQ
     o = np.zeros((B * HQ, S, D), np.float32)
     ml = np.zeros((B * HQ, S, 2), np.float32)
-    for b in range(B):
-        bound = lp[b] + min(prev - lp[b], (end - lp[b]) // GROUP * GROUP)
-        for h in range(H):
-            qs = params[0] * q[b, h * G : h * G + G, 0]
+    for b, h, s, r, tail, c0, c1 in tq_split_blocks(lp, B, H, G, S, CHUNK, GROUP, end, prev, ml):
+        qs = params[0] * q[b, h * G : h * G + G, 0]
+        if tail:
+            sc = qs @ tk[b, h, c0 - ws : c1 - ws].T
+            m = sc.max(axis=1)
+            p = np.exp(sc - m[:, None])
+            acc = p @ tv[b, h, c0 - ws : c1 - ws]
+        else:
             qr = _butterfly(qs * signs) / np.sqrt(D)
-            for s in range(S):
-                r = slice(b * HQ + h * G, b * HQ + h * G + G)
-                tail = s == S - 1
-                c0 = max(bound, lp[b]) if tail else max(s * CHUNK, lp[b])
-                c1 = end if tail else min((s + 1) * CHUNK, bound)
-                if c0 >= c1:
-                    ml[r, s] = (-np.inf, 0.0)
-                    continue
-                assert c1 - c0 <= CHUNK
-                if tail:
-                    sc = qs @ tk[b, h, c0 - ws : c1 - ws].T
-                    m = sc.max(axis=1)
-                    p = np.exp(sc - m[:, None])
-                    acc = p @ tv[b, h, c0 - ws : c1 - ws]
-                else:
-                    sc = _scores(qr, kc[b, h, c0:c1], kn[b, h, c0:c1, 0], cent, G, D)
-                    m = sc.max(axis=1)
-                    p = np.exp(sc - m[:, None])
-                    acc = _values(p, vc[b, h, c0:c1], vn[b, h, c0:c1, 0], cent, G, D)
-                ml[r, s, 0], ml[r, s, 1], o[r, s] = m, p.sum(axis=1), acc
+            sc = _scores(qr, kc[b, h, c0:c1], kn[b, h, c0:c1, 0], cent, G, D)
+            m = sc.max(axis=1)
+            p = np.exp(sc - m[:, None])
+            acc = _values(p, vc[b, h, c0:c1], vn[b, h, c0:c1, 0], cent, G, D)
+        ml[r, s, 0], ml[r, s, 1], o[r, s] = m, p.sum(axis=1), acc
     assert (o.size,) == output_shapes[0] and ml.shape == output_shapes[1]
     return [mx.array(o.reshape(-1)), mx.array(ml)]
 
