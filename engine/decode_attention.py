@@ -1352,8 +1352,8 @@ def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: 
     splits = -(-T // chunk) + 1  # + the dense block
     lp = _zeros(B) if left_padding is None else left_padding
     lp = lp if lp.dtype == mx.int32 else lp.astype(mx.int32)
-    unroll = 4 if tq_variant() == "v1" else tq_unroll()
     variant = tq_variant()
+    unroll = 4 if variant == "v1" else tq_unroll()
     if k_codes.shape[2] != T and not (variant in ("v3", "v4") and counters is None):
         # the older kernels (and v2's one launch) take T from the codes' shape
         cols = (slice(None), slice(None), slice(0, T))

@@ -112,6 +112,27 @@ def _v3_engine_shapes(dtype="bfloat16") -> list[tuple[str, str]]:
     return out
 
 
+def ptxas_report(src, headers: str, shapes: list[tuple[str, str]], timeout: int) -> dict:
+    """Compiles the kernels `shapes` ((name, rendered body)) after `headers` for sm_90 into
+    `src` and returns ptxas's report per kernel: {name: (registers, shared memory bytes,
+    stack frame bytes, (spill store, spill load bytes), the report's text)}."""
+    import re
+
+    src.write_text(_PRELUDE + headers + "\n".join(body for _, body in shapes))
+    run = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(src.with_suffix(".o")),
+                          "-Xptxas", "-v"], capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = {}
+    for block in re.split(r"Compiling entry function", run.stderr)[1:]:
+        mangled = block.split("'")[1]
+        name = next(n for n, _ in shapes if re.search(rf"\d{n}P", mangled))
+        smem = re.search(r"(\d+) bytes smem", block)
+        report[name] = (int(re.search(r"Used (\d+) registers", block).group(1)), int(smem.group(1)) if smem else 0,
+                        int(re.search(r"(\d+) bytes stack frame", block).group(1)),
+                        re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block).groups(), block)
+    return report
+
+
 def test_every_kernel_renders_with_the_names_its_body_uses():
     sources = _variants()
     # per dtype and shape: tq, tq1, dense, 2 reduces, v3 per load width that fits, the v3 reduce; encode if D >= 32
@@ -140,21 +161,10 @@ def test_v3_keeps_its_registers_without_spills(tmp_path):
     """ptxas's resource report for v3 at the engine's shapes: no spills, no stack frame (a register
     array indexed at run time would land there), and at G = 4 the narrower loads cost fewer
     registers (more blocks per SM) than the 16-byte one."""
-    import re
-
     shapes = _v3_engine_shapes()
-    src = tmp_path / "v3.cu"
-    src.write_text(_PRELUDE + da._HEADER + da._TQ3_HEADER + "\n".join(body for _, body in shapes))
-    run = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "v3.o"),
-                          "-Xptxas", "-v"], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
     report = {}
-    for block in re.split(r"Compiling entry function", run.stderr)[1:]:
-        mangled = block.split("'")[1]
-        name = next(n for n, _ in shapes if re.search(rf"\d{n}P", mangled))
-        regs = int(re.search(r"Used (\d+) registers", block).group(1))
-        frame = int(re.search(r"(\d+) bytes stack frame", block).group(1))
-        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block).groups()
+    for name, (regs, _smem, frame, spills, block) in ptxas_report(
+            tmp_path / "v3.cu", da._HEADER + da._TQ3_HEADER, shapes, timeout=600).items():
         report[name] = regs
         assert frame == 0 and spills == ("0", "0"), (name, block)
     assert len(report) == len(shapes)

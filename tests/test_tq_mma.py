@@ -306,26 +306,13 @@ def test_v4_compiles_for_the_h200_without_spills(tmp_path):
     """nvcc for sm_90 at the engine's shapes (bf16 / f16): the MMA's PTX assembles, the static
     shared memory (v3's arrays + the pair table) stays under 48 KB, no spills or stack frame, and
     the Qwen3-8B shape (D 128, G 4) keeps <= 128 registers (4+ blocks of 128 threads per SM)."""
-    import re
-    import subprocess
-
-    from tests.test_decode_kernel_sources import _PRELUDE
+    from tests.test_decode_kernel_sources import ptxas_report
 
     shapes = _v4_engine_shapes()
-    src = tmp_path / "v4.cu"
-    src.write_text(_PRELUDE + decode_attention._HEADER + decode_attention._TQ3_HEADER + tq_mma.TQ4_HEADER
-                   + "\n".join(body for _, body in shapes))
-    run = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "v4.o"),
-                          "-Xptxas", "-v"], capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
     report = {}
-    for block in re.split(r"Compiling entry function", run.stderr)[1:]:
-        mangled = block.split("'")[1]
-        name = next(n for n, _ in shapes if re.search(rf"\d{n}P", mangled))
-        regs = int(re.search(r"Used (\d+) registers", block).group(1))
-        smem = int(re.search(r"(\d+) bytes smem", block).group(1))
-        frame = int(re.search(r"(\d+) bytes stack frame", block).group(1))
-        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block).groups()
+    for name, (regs, smem, frame, spills, block) in ptxas_report(
+            tmp_path / "v4.cu", decode_attention._HEADER + decode_attention._TQ3_HEADER + tq_mma.TQ4_HEADER, shapes,
+            timeout=900).items():
         report[name] = (regs, smem)
         assert frame == 0 and spills == ("0", "0") and smem <= 48 * 1024, (name, block)
     assert len(report) == len(shapes)
