@@ -55,7 +55,8 @@ import numpy as np
 __all__ = ["available", "mode", "set_mode", "use_dense", "use_tq", "dense_attend", "tq_attend", "split_chunk",
            "tq_bounds", "MODES", "tq_variant", "set_tq_variant", "tq_unroll", "set_tq_unroll", "defer_encode", "one_launch", "counters", "kernel_sources",
            "TQ_VARIANTS", "tq3_load", "set_tq3_load", "tq3_cpl", "tq3_nibble", "set_tq3_nibble",
-           "dense_shape", "set_dense_shape", "DENSE_BLOCKS", "DENSE_UNROLLS"]
+           "dense_shape", "set_dense_shape", "DENSE_BLOCKS", "DENSE_UNROLLS", "DENSE_VARIANTS", "dense_variant",
+           "set_dense_variant"]
 
 NW = 4  # warps per pass-1 block
 _TARGET_BLOCKS = 1024  # ~8 blocks per SM on an H200's 132: enough to keep its memory system busy
@@ -1199,6 +1200,30 @@ def set_dense_shape(blocks: int, unroll: int) -> None:
     _dense_shape = (blocks, unroll)
 
 
+DENSE_VARIANTS = ("v1", "mma")
+DEFAULT_DENSE_VARIANT = "v1"  # until the H200 says otherwise (docs/PERFORMANCE.md, session 8)
+_dense_variant: str | None = None
+
+
+def dense_variant() -> str:
+    """How `dense_attend`'s first pass runs on CUDA: "v1" (session 4's kernel, `_DENSE_SOURCE`,
+    CUDA cores) or "mma" (engine/dense_mma.py: scores and values on the tensor cores; bf16 /
+    f16 caches at head sizes 64 / 128 / 256, else v1). Both hand the same partial outputs to
+    `_reduce`. From PREFIXTRACE_DENSE_DECODE, read once; `set_dense_variant` for benchmarks."""
+    global _dense_variant
+    if _dense_variant is None:
+        env = os.environ.get("PREFIXTRACE_DENSE_DECODE", DEFAULT_DENSE_VARIANT)
+        _dense_variant = env if env in DENSE_VARIANTS else DEFAULT_DENSE_VARIANT
+    return _dense_variant
+
+
+def set_dense_variant(new: str) -> None:
+    if new not in DENSE_VARIANTS:
+        raise ValueError(f"dense decode variant must be one of {DENSE_VARIANTS}, not {new!r}")
+    global _dense_variant
+    _dense_variant = new
+
+
 @lru_cache(maxsize=None)
 def _scalar(value: float) -> mx.array:
     return mx.array(np.array([value], np.float32))  # from numpy: no lazy array tied to one thread's stream
@@ -1322,6 +1347,13 @@ def dense_attend(queries: mx.array, keys: mx.array, values: mx.array, left_paddi
         return None
     splits = -(-T // chunk)
     lp = left_padding if left_padding.dtype == mx.int32 else left_padding.astype(mx.int32)
+    parts = None
+    if dense_variant() == "mma":
+        from engine import dense_mma  # (imports this module: not at the top)
+
+        parts = dense_mma.attend(queries, keys, values, lp, scale, chunk, splits)  # None: float32, other sizes
+    if parts is not None:
+        return _reduce(parts[0], parts[1], _no_signs(dim), B, hq, dim, queries.dtype, False)
     o_part, ml_part = _dense_kernel()(
         inputs=[queries, keys, values, lp, _scalar(scale)],
         template=_dense_templates(keys.dtype, dim, g, chunk, unroll),
