@@ -11,6 +11,8 @@ lengths context, context - 37, ... (left-padded; a smaller gap for short context
   `--dense-shape` (target blocks x unroll: `decode_attention.dense_shape`);
 * equal, kernel: the same kernel on the equal rows (mode "all"): the kernel against MLX's
   fused SDPA on the same K/V;
+* `--dense-variants v1,mma[,mma-uN]`: each dense kernel (v1: session 4's CUDA-core kernel; mma:
+  engine/dense_mma.py) side by side in one process, keys tagged `_mma` / `_v1` past the default;
 * copy (`--attention copy` or `both`): every attention call replaced by its query (the same
   output shape; the cache update still runs, its arrays are evaluated with the logits), so
   what is left is the step outside attention, equal vs padded.
@@ -29,6 +31,8 @@ Target (issue 17): padded within 10% of equal.
     python bench/bench_decode_mask.py --random qwen3-8b --context 4096 --context 32768 --repeats 12 \\
         --attention both --attention-only --dense-shape 1024x4 --dense-shape 2048x4 --dense-shape 4096x4 \\
         --dense-shape 1024x8 --generation-batch 64                                      # GPU
+    python bench/bench_decode_mask.py --random qwen3-8b --context 4096 --context 32768 --repeats 12 \\
+        --attention both --attention-only --dense-variants v1,mma                      # GPU, session 8
     python bench/bench_decode_mask.py --attention both --attention-only                  # CPU, tiny fixture
 """
 
@@ -50,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from bench.bench_scheduler import QWEN3_8B, random_loader, steady_batch_decode  # noqa: E402
-from engine import decode_attention  # noqa: E402
+from engine import decode_attention, dense_mma, dense_prebuild  # noqa: E402
 from engine.batch_cache import RowBatchKVCache  # noqa: E402
 from engine.tq_cache import install_attention_hook  # noqa: E402
 
@@ -193,6 +197,29 @@ def _shape(spec: str) -> tuple[int, int]:
     return int(blocks), int(unroll)
 
 
+def _variant(spec: str) -> tuple[str, int]:
+    """"v1", "mma" or "mma-uN" (the MMA kernel at unroll N) -> (variant, MMA unroll)."""
+    name, _, u = spec.partition("-u")
+    if name not in decode_attention.DENSE_VARIANTS or (u and int(u) not in dense_mma.UNROLLS):
+        raise SystemExit(f"--dense-variants: {spec!r} is not v1, mma or mma-uN (N in {dense_mma.UNROLLS})")
+    return name, int(u) if u else dense_mma.U
+
+
+@contextmanager
+def dense_kernel(variant: tuple[str, int], shape: tuple[int, int]):
+    """The dense kernel's variant and launch shape for the duration (restored after)."""
+    saved = decode_attention.dense_variant(), dense_mma.unroll(), decode_attention.dense_shape()
+    decode_attention.set_dense_variant(variant[0])
+    dense_mma.set_unroll(variant[1])
+    decode_attention.set_dense_shape(*shape)
+    try:
+        yield
+    finally:
+        decode_attention.set_dense_variant(saved[0])
+        dense_mma.set_unroll(saved[1])
+        decode_attention.set_dense_shape(*saved[2])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--random", choices=["qwen3-8b"])
@@ -204,6 +231,9 @@ def main():
     parser.add_argument("--attention-only", action="store_true", help="also time attention calls alone")
     parser.add_argument("--dense-shape", action="append", default=[],
                         help="BLOCKSxUNROLL of the dense kernel to time padded rows at (default: the current one)")
+    parser.add_argument("--dense-variants", default="",
+                        help="comma-separated dense kernels to time side by side: v1, mma, mma-uN (default: "
+                             "the current one); each beside the others at every --dense-shape")
     parser.add_argument("--generation-batch", type=int, default=0, metavar="TOKENS",
                         help="also mlx-lm's GenerationBatch, padded vs equal rows, this many tokens")
     parser.add_argument("--json", type=Path)
@@ -219,8 +249,30 @@ def main():
     kernel = decode_attention.available()
     shapes = [_shape(s) for s in args.dense_shape] or [decode_attention.dense_shape()]
     default_shape = decode_attention.dense_shape()
+    default_variant = (decode_attention.dense_variant(), dense_mma.unroll())
+    variants = [_variant(v) for v in args.dense_variants.split(",") if v] or [default_variant]
+
+    def tag_of(variant, shape=None) -> str:
+        """"" for the current kernel at the current shape, else _mma[_uN] / _v1 and _BLOCKSxUNROLL."""
+        parts = []
+        if variant != default_variant:
+            parts.append(variant[0] + (f"_u{variant[1]}" if variant[0] == "mma" and variant[1] != dense_mma.U else ""))
+        if shape is not None and shape != default_shape:
+            parts.append(f"{shape[0]}x{shape[1]}")
+        return "".join("_" + p for p in parts)
+
+    configs = [(v, sh) for v in variants for sh in shapes]
     tokens = mx.zeros((args.batch, 1), dtype=mx.int32)
     out = {"device": str(mx.default_device()), "batch": args.batch, "repeats": args.repeats, "runs": []}
+    if kernel:  # each variant's chunk instances as an engine builds them at load (engine/dense_prebuild.py)
+        out["prebuild_s"] = {}
+        for variant in variants:
+            with dense_kernel(variant, default_shape):
+                t0 = time.perf_counter()
+                built = dense_prebuild.prebuild(model, args.batch)
+                out["prebuild_s"][tag_of(variant) or "default"] = {"total": round(time.perf_counter() - t0, 3),
+                                                                    **{str(c): round(x, 3) for c, x in built.items()}}
+        print(json.dumps({"prebuild_s": out["prebuild_s"]}), flush=True)
 
     def save():
         if args.json:
@@ -252,17 +304,19 @@ def main():
                                                             / row["equal_pipelined_ms"], 3)
             if kernel:
                 ref = step_logits(model, padded, tokens, "off")
-                for blocks, unroll in shapes:
-                    decode_attention.set_dense_shape(blocks, unroll)
-                    tag = "" if (blocks, unroll) == default_shape else f"_{blocks}x{unroll}"
-                    row[f"padded_kernel{tag}_check"] = agreement(step_logits(model, padded, tokens, "on"), ref)
-                    timed("padded_kernel" + tag, padded)
+                for variant, shape in configs:
+                    tag = tag_of(variant, shape)
+                    with dense_kernel(variant, shape):
+                        row[f"padded_kernel{tag}_check"] = agreement(step_logits(model, padded, tokens, "on"), ref)
+                        timed("padded_kernel" + tag, padded)
                     row[f"padded_kernel{tag}_vs_equal"] = round(row[f"padded_kernel{tag}_ms"] / row["equal_ms"], 3)
                     row[f"padded_kernel{tag}_pipelined_vs_equal"] = round(
                         row[f"padded_kernel{tag}_pipelined_ms"] / row["equal_pipelined_ms"], 3)
-                decode_attention.set_dense_shape(*default_shape)
-                timed("equal_kernel", equal, "all")
-                row["equal_kernel_vs_equal"] = round(row["equal_kernel_ms"] / row["equal_ms"], 3)
+                for variant in variants:  # each kernel on the equal rows too (mode "all"): against fused SDPA
+                    tag = tag_of(variant)
+                    with dense_kernel(variant, default_shape):
+                        timed("equal_kernel" + tag, equal, "all")
+                    row[f"equal_kernel{tag}_vs_equal"] = round(row[f"equal_kernel{tag}_ms"] / row["equal_ms"], 3)
             timed("equal_again", equal, "off")  # the baseline's spread within this row
         if args.attention in ("copy", "both"):
             with attention_replaced(model, _copy_attention):
@@ -275,13 +329,19 @@ def main():
             row["attn_equal_sdpa_us"] = round(attention_only_us(model, equal, "sdpa", args.repeats), 2)
             row["attn_padded_masked_us"] = round(attention_only_us(model, padded, "masked", args.repeats), 2)
             if kernel:
-                for blocks, unroll in shapes:
-                    decode_attention.set_dense_shape(blocks, unroll)
-                    tag = "" if (blocks, unroll) == default_shape else f"_{blocks}x{unroll}"
-                    row[f"attn_padded_kernel{tag}_us"] = round(attention_only_us(model, padded, "kernel",
-                                                                                 args.repeats), 2)
-                decode_attention.set_dense_shape(*default_shape)
-                row["attn_equal_kernel_us"] = round(attention_only_us(model, equal, "kernel", args.repeats), 2)
+                for variant, shape in configs:
+                    tag = tag_of(variant, shape)
+                    with dense_kernel(variant, shape):
+                        row[f"attn_padded_kernel{tag}_us"] = round(attention_only_us(model, padded, "kernel",
+                                                                                     args.repeats), 2)
+                    row[f"attn_padded_kernel{tag}_vs_sdpa"] = round(row[f"attn_padded_kernel{tag}_us"]
+                                                                    / row["attn_equal_sdpa_us"], 3)
+                for variant in variants:
+                    tag = tag_of(variant)
+                    with dense_kernel(variant, default_shape):
+                        row[f"attn_equal_kernel{tag}_us"] = round(attention_only_us(model, equal, "kernel",
+                                                                                    args.repeats), 2)
+                row["attn_equal_sdpa_again_us"] = round(attention_only_us(model, equal, "sdpa", args.repeats), 2)
         out["runs"].append(row)
         print(json.dumps(row), flush=True)
         save()

@@ -1,10 +1,13 @@
 """GPU check of engine/decode_attention.py's kernels against the reference paths; exits 1 on a mismatch.
 
     python bench/check_decode_kernels.py [--long] [--variants v2,v2s,v1] [--skip-dense] [--json out.json]
+    python bench/check_decode_kernels.py --only-dense --dense-variants v1,mma --long   # the dense kernels alone
 
 * dense: `dense_attend` over left-padded `RowBatchKVCache` rows (strided views of the
   cache's buffer, as the model hands them) against MLX's masked SDPA on the same K/V in
-  float32; float32 / bf16 / fp16, GQA 1-8, head dims 64 / 128 (and 16, the fixture's);
+  float32; float32 / bf16 / fp16, GQA 1-8, head dims 64 / 128 (and 16, the fixture's); per
+  `--dense-variants` (mma: engine/dense_mma.py, its cases record `mma_launches`, 0 where it
+  hands the step to v1: float32, head dim 16);
 * TurboQuant: `cache.attend` through the kernel against SDPA over the decoded cache
   (what `update_and_fetch` returns), one row and left-padded batches, 2 / 4 / 8 bits, per
   decode variant (v3: v2s's step with the session-6 kernel, also at narrower code loads; v2: deferred
@@ -35,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from engine import decode_attention, tq_mma  # noqa: E402
+from engine import decode_attention, dense_mma, tq_mma  # noqa: E402
 from engine.batch_cache import RowBatchKVCache  # noqa: E402
 from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache  # noqa: E402
 
@@ -57,7 +60,8 @@ def within(e: float, scale: float, dtype) -> bool:
     return e <= TOL[dtype] * (1.0 if dtype == mx.float32 else max(scale, 1.0))
 
 
-def dense_case(lengths: list[int], q_heads: int, kv_heads: int, dim: int, dtype) -> None:
+def dense_case(lengths: list[int], q_heads: int, kv_heads: int, dim: int, dtype, variant: str = "v1") -> None:
+    decode_attention.set_dense_variant(variant)
     mx.random.seed(sum(lengths) + dim)
     rows = []
     for n in lengths:
@@ -73,12 +77,18 @@ def dense_case(lengths: list[int], q_heads: int, kv_heads: int, dim: int, dtype)
     q = mx.random.normal((B, q_heads, 1, dim)).astype(dtype)
     scale = dim ** -0.5
     assert decode_attention.use_dense(batch, q, keys, mask if mask is not None else "x")
+    launched = dense_mma.launches[0]
     got = decode_attention.dense_attend(q, keys, values, batch.left_padding, scale)
     ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
                                                values.astype(mx.float32), scale=scale, mask=mask)
     e, s = err(got, ref)
-    record("dense", within(e, s, dtype), lengths=lengths[:4], rows=B, heads=[q_heads, kv_heads], dim=dim,
-           dtype=str(dtype), max_err=e, scale=s)
+    mma = dense_mma.launches[0] - launched
+    # the MMA kernel must have run (not handed the step to v1) wherever it maps the shape
+    mma_ok = variant != "mma" or mma == int(dense_mma.usable(q, keys, q_heads // kv_heads))
+    record("dense", within(e, s, dtype) and mma_ok, variant=variant, lengths=lengths[:4], rows=B,
+           heads=[q_heads, kv_heads], dim=dim, dtype=str(dtype), max_err=e, scale=s,
+           **({"mma_launches": mma} if variant == "mma" else {}))
+    decode_attention.set_dense_variant(decode_attention.DEFAULT_DENSE_VARIANT)
 
 
 def tq_case(chunks_per_row: list[list[int]], q_heads: int, kv_heads: int, dim: int, bits: int, dtype,
@@ -220,6 +230,10 @@ def main() -> int:
                     help="also the greedy identity on `wide_model` (head dim 128: v4 maps it) at these dtypes")
     ap.add_argument("--only-long", action="store_true",
                     help="leave out the short cases and the fixture's greedy part (with --long / --greedy-wide)")
+    ap.add_argument("--dense-variants", default="v1",
+                    help="dense kernel variants to check (engine.decode_attention.DENSE_VARIANTS)")
+    ap.add_argument("--only-dense", action="store_true",
+                    help="the dense cases alone (with --long: the padded long rows too) and the dense greedy part")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -229,15 +243,27 @@ def main() -> int:
         print("no CUDA device: nothing to check (the kernels are CUDA only)")
         return 0
     t0 = time.perf_counter()
-    if not args.skip_dense:
+    dense_variants = [v for v in args.dense_variants.split(",") if v] if not args.skip_dense else []
+    if args.only_dense:  # no TurboQuant case anywhere
+        variants, unrolls, loads = [], [], []
+    for dv in dense_variants if not args.only_long else ():
         for dtype in (mx.float32, mx.bfloat16):
-            dense_case([100], 32, 8, 128, dtype)
-            dense_case([1000, 963, 100, 1], 32, 8, 128, dtype)
-            dense_case([4097, 4000, 2500, 17, 4097, 64, 65, 3000], 32, 8, 128, dtype)
-            dense_case([300, 250, 10], 9, 3, 64, dtype)  # SmolLM2: G = 3
-            dense_case([70, 5], 4, 2, 16, dtype)  # the fixture
-        dense_case([500, 20], 8, 8, 128, mx.float16)  # no GQA
-        dense_case([800, 300], 64, 8, 128, mx.bfloat16)  # G = 8
+            dense_case([100], 32, 8, 128, dtype, dv)
+            dense_case([1000, 963, 100, 1], 32, 8, 128, dtype, dv)
+            dense_case([4097, 4000, 2500, 17, 4097, 64, 65, 3000], 32, 8, 128, dtype, dv)
+            dense_case([300, 250, 10], 9, 3, 64, dtype, dv)  # SmolLM2: G = 3
+            dense_case([70, 5], 4, 2, 16, dtype, dv)  # the fixture
+        dense_case([500, 20], 8, 8, 128, mx.float16, dv)  # no GQA
+        dense_case([800, 300], 64, 8, 128, mx.bfloat16, dv)  # G = 8
+        if dv == "mma":  # what the MMA kernel maps beyond the above: f16, D 256, G 1, every unroll
+            dense_case([4097, 4000, 2500, 17, 4097, 64, 65, 3000], 32, 8, 128, mx.float16, dv)
+            dense_case([600, 31, 1], 16, 4, 256, mx.bfloat16, dv)
+            dense_case([513, 2], 8, 8, 128, mx.float16, dv)
+            for u in dense_mma.UNROLLS:
+                dense_mma.set_unroll(u)
+                dense_case([4097, 4000, 2500, 17, 4097, 64, 65, 3000], 32, 8, 128, mx.bfloat16, dv)
+                dense_case([300, 250, 10], 9, 3, 64, mx.bfloat16, dv)
+            dense_mma.set_unroll(dense_mma.U)
     for variant in variants if not args.only_long else ():
         # v2 defers codes to the step a row first sees them decoded: runs of steps that cross
         # group boundaries (20 steps at group 16, 70 at 64 for the long row).
@@ -276,13 +302,22 @@ def main() -> int:
     for i, dtype in enumerate(args.greedy_dtypes.split(",") if not args.only_long else ()):
         greedy_identity(args.steps, args.greedy_variants.split(",") if args.greedy_variants else variants,
                         dense=not args.skip_dense and i == 0, dtype=dtype)
+    if "mma" in dense_variants and not args.only_long:
+        # the wide model (head dim 128) in bf16: the MMA kernel takes its padded dense steps
+        decode_attention.set_dense_variant("mma")
+        launched = dense_mma.launches[0]
+        greedy_identity(args.steps, (), dense=True, dtype="bfloat16", model_name="wide")
+        record("greedy_mma_launched", dense_mma.launches[0] > launched, launches=dense_mma.launches[0] - launched)
+        decode_attention.set_dense_variant(decode_attention.DEFAULT_DENSE_VARIANT)
     for dtype in [d for d in args.greedy_wide.split(",") if d]:
         greedy_identity(args.steps, args.greedy_variants.split(",") if args.greedy_variants else variants,
                         dense=False, dtype=dtype, model_name="wide")
     if args.long:
         for n in (32768, 100000):
-            if not args.skip_dense:
-                dense_case([n, n - 5000, 77], 32, 8, 128, mx.bfloat16)
+            for dv in dense_variants:
+                dense_case([n, n - 5000, 77], 32, 8, 128, mx.bfloat16, dv)
+                # B = 8 left-padded rows at this context (bench_decode_mask's padded shape)
+                dense_case([n - 37 * i for i in range(8)], 32, 8, 128, mx.bfloat16, dv)
             for variant in variants:
                 tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, variant=variant)
             for unroll in unrolls:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine import decode_attention, skinny_gemm, tq_prebuild
+from engine import decode_attention, dense_prebuild, skinny_gemm, tq_prebuild
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
 from engine.disk_cache import CacheDirUnusable
 from engine.grammar import GrammarCompiler
@@ -126,6 +126,7 @@ class Engine:
         self._load_error: BaseException | None = None
         self.scheduler: Scheduler | None = None
         self.tq_kernel_build_s: dict[int, float] = {}  # TurboQuant kernels built at load: {chunk: s}
+        self.dense_kernel_build_s: dict[int, float] = {}  # dense decode kernels built at load (engine/dense_prebuild.py)
         self._thread = threading.Thread(target=self._main, name="prefixtrace-engine", daemon=True)
 
     # --- lifecycle (any thread) -------------------------------------------------
@@ -252,6 +253,8 @@ class Engine:
             )
             if self.tq is not None:  # CUDA: every decode kernel now, not inside a request (engine/tq_prebuild.py)
                 self.tq_kernel_build_s = tq_prebuild.prebuild(self.model, self.tq, self.max_batch)
+            # CUDA: the padded dense decode kernel per chunk size (dense layers of TurboQuant models too)
+            self.dense_kernel_build_s = dense_prebuild.prebuild(self.model, self.max_batch)
             mx.synchronize()
             log.info("model %s loaded from %s (context %d tokens)", self.name, self.model_dir, self.context_length)
         except BaseException as exc:  # reported through wait_ready()

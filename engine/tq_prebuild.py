@@ -39,23 +39,25 @@ log = logging.getLogger("prefixtrace.engine")
 ENABLED = os.environ.get("PREFIXTRACE_TQ_PREBUILD", "1") != "0"
 
 
-def chunk_plan(kv_heads: int, g: int, context: int, max_batch: int, window: int = 1) -> dict[int, tuple[int, int]]:
+def chunk_plan(kv_heads: int, g: int, context: int, max_batch: int, window: int = 1,
+               target: int = decode_attention._TARGET_BLOCKS) -> dict[int, tuple[int, int]]:
     """Every CHUNK `split_chunk` picks for a decode step of `rows` <= max_batch rows over
     `tokens` <= context columns, each with the smallest (rows x tokens) launch that picks it.
-    `window`: a row's dense columns (they must fit one block)."""
+    `window`: a row's dense columns (they must fit one block); `target`: split_chunk's target
+    blocks (the dense kernel's is `decode_attention.dense_shape`'s)."""
     plan: dict[int, tuple[int, int]] = {}
     for rows in range(1, max_batch + 1):
         # split_chunk doubles the chunk while ceil(tokens / chunk) x heads x rows passes the
         # target, i.e. while tokens > chunk x per (an integer ceiling against a real bound):
         # it changes only just past those lengths, so they and the ends are all it can pick.
-        per = decode_attention._TARGET_BLOCKS // (kv_heads * rows)
+        per = target // (kv_heads * rows)
         candidates = {1, context}
         chunk = decode_attention.MIN_CHUNK
         while chunk <= decode_attention.MAX_CHUNK:
             candidates.add(chunk * per + 1)
             chunk *= 2
         for tokens in sorted(t for t in candidates if 1 <= t <= context):
-            chunk = decode_attention.split_chunk(tokens, kv_heads, rows, g, at_least=window)
+            chunk = decode_attention.split_chunk(tokens, kv_heads, rows, g, at_least=window, target=target)
             if chunk is not None and (chunk not in plan or rows * tokens < plan[chunk][0] * plan[chunk][1]):
                 plan[chunk] = (rows, tokens)
     return dict(sorted(plan.items()))

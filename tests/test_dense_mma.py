@@ -357,3 +357,64 @@ def test_compiles_for_the_h200_without_spills(tmp_path):
     assert len(report) == len(shapes)
     assert report[f"mma_bfloat16_d128_g4_c1024_u{dense_mma.U}"][0] <= 128, report
     print("ptxas registers, smem:", report)
+
+
+@pytest.mark.parametrize("variant", ["v1", "mma"])
+def test_prebuild_at_load_builds_each_chunk_of_the_variant_in_use(monkeypatch, variant):
+    """engine/dense_prebuild.py builds through `dense_attend`, so it compiles the kernel this
+    process runs (v1's or the MMA one, at its unroll and launch shape), once per CHUNK a batched
+    decode step of up to max_batch rows can pick (64 .. 1,024 at the default target), and the
+    reduce; on the CPU, or at one row, nothing."""
+    from types import SimpleNamespace
+
+    from engine import dense_prebuild
+
+    args = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096)
+    model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
+    assert dense_prebuild.prebuild(model, max_batch=8) == {}  # the CPU: no CUDA, nothing built
+    built = {"v1": [], "mma": [], "reduce": []}
+
+    def record(kind):
+        def run(**kw):
+            built[kind].append(dict(kw["template"]))
+            return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+        return lambda: run
+
+    monkeypatch.setattr(decode_attention, "available", lambda: True)
+    monkeypatch.setattr(decode_attention, "_dense_kernel", record("v1"))
+    monkeypatch.setattr(dense_mma, "_kernel", record("mma"))
+    monkeypatch.setattr(decode_attention, "_reduce_kernel", record("reduce"))
+    assert dense_prebuild.prebuild(model, max_batch=1) == {}  # one row: never a padded batch
+    decode_attention.set_dense_variant(variant)
+    try:
+        out = dense_prebuild.prebuild(model, max_batch=8)
+    finally:
+        decode_attention.set_dense_variant(decode_attention.DEFAULT_DENSE_VARIANT)
+    assert sorted(out) == [64, 128, 256, 512, 1024]
+    other = "v1" if variant == "mma" else "mma"
+    assert sorted(t["CHUNK"] for t in built[variant]) == sorted(out) and not built[other]
+    assert all(t["G"] == 4 and t["D"] == 128 and t["T"] == mx.bfloat16 for t in built[variant])
+    if variant == "mma":
+        assert all(t["U"] == dense_mma.unroll() for t in built["mma"])
+    assert len(built["reduce"]) == len(out)
+
+
+def test_an_engine_asks_for_the_dense_builds_at_load(monkeypatch):
+    """The engine hands its batch size to the dense prebuild while it loads (dense and TurboQuant
+    caches alike: a TurboQuant model's dense layers take the dense kernel); on the CPU nothing."""
+    from pathlib import Path
+
+    from engine import dense_prebuild
+    from engine.engine import Engine
+
+    calls = []
+    real = dense_prebuild.prebuild
+    monkeypatch.setattr(dense_prebuild, "prebuild", lambda model, max_batch: calls.append(max_batch) or
+                        real(model, max_batch))
+    engine = Engine(model_dir=str(Path(__file__).resolve().parent.parent / "fixtures" / "tiny-llama"),
+                    max_batch=3, cache_bytes=0).start()
+    try:
+        assert engine.wait_ready(120)
+        assert calls == [3] and engine.dense_kernel_build_s == {}
+    finally:
+        engine.shutdown()
