@@ -1201,15 +1201,17 @@ def set_dense_shape(blocks: int, unroll: int) -> None:
 
 
 DENSE_VARIANTS = ("v1", "mma")
-DEFAULT_DENSE_VARIANT = "v1"  # until the H200 says otherwise (docs/PERFORMANCE.md, session 8)
+# mma: at the byte floor on the H200 (8 x 32k: 301 us per layer against v1's 529 and fused SDPA's 303; ncu
+# 4.1 TB/s, 85 % of DRAM peak; 8 x 4k: 86 against 100 / 97), every dense check passed (session 8).
+DEFAULT_DENSE_VARIANT = "mma"
 _dense_variant: str | None = None
 
 
 def dense_variant() -> str:
-    """How `dense_attend`'s first pass runs on CUDA: "v1" (session 4's kernel, `_DENSE_SOURCE`,
-    CUDA cores) or "mma" (engine/dense_mma.py: scores and values on the tensor cores; bf16 /
-    f16 caches at head sizes 64 / 128 / 256, else v1). Both hand the same partial outputs to
-    `_reduce`. From PREFIXTRACE_DENSE_DECODE, read once; `set_dense_variant` for benchmarks."""
+    """How `dense_attend`'s first pass runs on CUDA: "mma" (default; engine/dense_mma.py: scores
+    and values on the tensor cores; bf16 / f16 caches at head sizes 64 / 128 / 256, else v1) or
+    "v1" (session 4's kernel, `_DENSE_SOURCE`, CUDA cores). Both hand the same partial outputs
+    to `_reduce`. From PREFIXTRACE_DENSE_DECODE, read once; `set_dense_variant` for benchmarks."""
     global _dense_variant
     if _dense_variant is None:
         env = os.environ.get("PREFIXTRACE_DENSE_DECODE", DEFAULT_DENSE_VARIANT)

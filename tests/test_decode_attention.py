@@ -234,8 +234,10 @@ def emulated(monkeypatch):
     monkeypatch.setattr(decode_attention, "_tq3_kernel", lambda: emulated_tq3)
     monkeypatch.setattr(decode_attention, "_tq3_reduce_kernel", lambda: emulated_tq3_reduce)
     decode_attention.set_mode("on")
+    decode_attention.set_dense_variant("v1")  # these tests emulate v1; tests/test_dense_mma.py the MMA kernel
     yield
     decode_attention.set_mode("on")
+    decode_attention.set_dense_variant(decode_attention.DEFAULT_DENSE_VARIANT)
 
 
 def _plain(q, k, v, cache, scale, mask, sinks=None):

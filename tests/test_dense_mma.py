@@ -9,7 +9,9 @@ elements, P packed to the cache's dtype, the low half of a register as the small
 and the m16n8k16 MMA applied through the PTX fragment layout (tests/test_tq_mma.py's `_mma`).
 With P's rounding switched off the block outputs must equal v1's (`emulated_dense`) to float
 precision: that checks the permutations; with it on, the step must stay within the bf16 / f16
-tolerance of masked SDPA. The GPU run is bench/check_decode_kernels.py (`--dense-variants`)."""
+tolerance of masked SDPA. The GPU run is bench/check_decode_kernels.py (`--dense-variants`).
+The MMA kernel is the default dense variant (docs/PERFORMANCE.md, session 8); the `emulated`
+fixture of tests/test_decode_attention.py pins v1 for the tests of v1's arithmetic."""
 
 from __future__ import annotations
 
@@ -289,7 +291,7 @@ def test_the_source_indexes_as_the_emulation_does():
 
 
 def test_variant_settings_and_their_env_vars(monkeypatch):
-    assert decode_attention.DENSE_VARIANTS == ("v1", "mma") and decode_attention.dense_variant() == "v1"
+    assert decode_attention.DENSE_VARIANTS == ("v1", "mma") and decode_attention.dense_variant() == "mma"
     with pytest.raises(ValueError):
         decode_attention.set_dense_variant("v2")
     with pytest.raises(ValueError):
@@ -299,9 +301,12 @@ def test_variant_settings_and_their_env_vars(monkeypatch):
     monkeypatch.setattr(decode_attention, "_dense_variant", None)
     monkeypatch.setattr(dense_mma, "_unroll", None)
     assert decode_attention.dense_variant() == "mma" and dense_mma.unroll() == 4
-    monkeypatch.setenv("PREFIXTRACE_DENSE_DECODE", "bogus")
+    monkeypatch.setenv("PREFIXTRACE_DENSE_DECODE", "v1")
     monkeypatch.setattr(decode_attention, "_dense_variant", None)
     assert decode_attention.dense_variant() == "v1"
+    monkeypatch.setenv("PREFIXTRACE_DENSE_DECODE", "bogus")  # the default (measured on the H200, session 8)
+    monkeypatch.setattr(decode_attention, "_dense_variant", None)
+    assert decode_attention.dense_variant() == "mma"
     monkeypatch.setattr(decode_attention, "_dense_variant", None)
     monkeypatch.setattr(dense_mma, "_unroll", None)
 

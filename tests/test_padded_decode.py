@@ -189,7 +189,7 @@ def test_the_bench_runs_its_gpu_branches_through_the_emulated_kernel(emulated, m
                 "attn_padded_kernel_mma_vs_sdpa", "attn_equal_kernel_mma_us", "attn_equal_sdpa_again_us"):
         assert row[key] > 0, key
     assert row["padded_kernel_mma_check"]["argmax_agree"] == 1.0  # (head dim 16: the MMA variant runs v1)
-    assert decode_attention.dense_variant() == "v1"  # the bench restores the variant it found
+    assert decode_attention.dense_variant() == "v1"  # the bench restores the variant it found (the fixture's)
     # each variant's chunk instances built before any timing, as an engine builds them at load
     assert set(result["prebuild_s"]) == {"default", "_mma"} and "64" in result["prebuild_s"]["_mma"]
     assert not [k for k in row if k.startswith("warmup")]
