@@ -1219,6 +1219,13 @@ def dense_variant() -> str:
     return _dense_variant
 
 
+@lru_cache(maxsize=1)
+def _dense_mma():
+    from engine import dense_mma  # (imports this module: not at the top; looked up once, the hook runs per layer)
+
+    return dense_mma
+
+
 def set_dense_variant(new: str) -> None:
     if new not in DENSE_VARIANTS:
         raise ValueError(f"dense decode variant must be one of {DENSE_VARIANTS}, not {new!r}")
@@ -1350,10 +1357,8 @@ def dense_attend(queries: mx.array, keys: mx.array, values: mx.array, left_paddi
     splits = -(-T // chunk)
     lp = left_padding if left_padding.dtype == mx.int32 else left_padding.astype(mx.int32)
     parts = None
-    if dense_variant() == "mma":
-        from engine import dense_mma  # (imports this module: not at the top)
-
-        parts = dense_mma.attend(queries, keys, values, lp, scale, chunk, splits)  # None: float32, other sizes
+    if (_dense_variant or dense_variant()) == "mma":
+        parts = _dense_mma().attend(queries, keys, values, lp, scale, chunk, splits)  # None: float32, other sizes
     if parts is not None:
         return _reduce(parts[0], parts[1], _no_signs(dim), B, hq, dim, queries.dtype, False)
     o_part, ml_part = _dense_kernel()(

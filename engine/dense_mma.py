@@ -262,8 +262,12 @@ def set_unroll(new: int) -> None:
 def usable(queries: mx.array, keys: mx.array, g: int) -> bool:
     """Whether this kernel maps the step: bf16 / f16, D in `DIMS`, G <= 8 (the N = 8 query
     columns of an MMA; `decode_attention._gqa` has checked the rest)."""
-    return queries.dtype in (mx.bfloat16, mx.float16) and keys.dtype == queries.dtype and \
-        queries.shape[-1] in DIMS and 1 <= g <= 8
+    return _maps(queries.dtype, keys.dtype, queries.shape[-1], g)
+
+
+@lru_cache(maxsize=None)
+def _maps(qdtype, kdtype, dim: int, g: int) -> bool:  # (cached: the hook asks per layer per step)
+    return qdtype in (mx.bfloat16, mx.float16) and kdtype == qdtype and dim in DIMS and 1 <= g <= 8
 
 
 launches = [0]  # steps this kernel took in this process (bench/check_decode_kernels.py: that it, not v1, ran)
@@ -288,11 +292,12 @@ def attend(queries, keys, values, lp, scale: float, chunk: int, splits: int):
     B, hq, _, dim = queries.shape
     H = keys.shape[1]
     g = hq // H
-    if not usable(queries, keys, g):
+    dtype = keys.dtype
+    if not _maps(queries.dtype, dtype, dim, g):
         return None
     launches[0] += 1
     return _kernel()(
         inputs=[queries, keys, values, lp, da._scalar(scale)],
-        template=templates(keys.dtype, dim, g, chunk, unroll()),
+        template=templates(dtype, dim, g, chunk, _unroll or unroll()),
         grid=(splits * da.NW * 32, H, B), threadgroup=(da.NW * 32, 1, 1),
         output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
