@@ -423,3 +423,34 @@ def test_an_engine_asks_for_the_dense_builds_at_load(monkeypatch):
         assert calls == [3] and engine.dense_kernel_build_s == {}
     finally:
         engine.shutdown()
+
+
+def test_the_gpu_check_runs_its_dense_cases_through_the_emulated_kernels(emulated_mma, monkeypatch):
+    """bench/check_decode_kernels.py's dense branch on the CPU (a typo there costs device time):
+    real `dense_case`s through the emulated kernels record `mma_launches` (1 where the MMA kernel
+    maps the step, 0 where v1 takes it); `--only-dense --long` walks both variants over the short
+    cases, the unrolls, the wide-model greedy part and the padded long rows, and no TurboQuant case."""
+    import sys
+
+    from bench import check_decode_kernels as cdk
+
+    monkeypatch.setattr(cdk, "results", [])
+    cdk.dense_case([90, 3], 8, 2, 64, mx.bfloat16, "mma")
+    cdk.dense_case([40, 5], 4, 2, 16, mx.bfloat16, "mma")  # head dim 16: v1
+    cdk.dense_case([40, 5], 4, 2, 64, mx.float32, "v1")
+    assert [(r["ok"], r.get("mma_launches")) for r in cdk.results] == [(True, 1), (True, 0), (True, None)]
+    assert decode_attention.dense_variant() == decode_attention.DEFAULT_DENSE_VARIANT
+    seen = []
+    monkeypatch.setattr(cdk, "dense_case", lambda *a, **k: seen.append(("dense", a[-1], a[0][0])))
+    monkeypatch.setattr(cdk, "tq_case", lambda *a, **k: seen.append(("tq",)))
+    monkeypatch.setattr(cdk, "greedy_identity", lambda *a, **k: seen.append(("greedy", k.get("model_name"))))
+    monkeypatch.setattr(sys, "argv", ["check", "--only-dense", "--dense-variants", "v1,mma", "--long"])
+    cdk.main()
+    assert not [s for s in seen if s[0] == "tq"]
+    assert ("greedy", "wide") in seen and ("greedy", None) in seen
+    long_rows = [s for s in seen if s[0] == "dense" and s[2] >= 32768]
+    assert sorted({(s[1], s[2]) for s in long_rows}) == [(v, n) for v in ("mma", "v1") for n in (32768, 100000)]
+    assert len(long_rows) == 8  # B = 3 and B = 8 per context and variant
+    short = [s for s in seen if s[0] == "dense" and s[2] < 32768]
+    assert {s[1] for s in short} == {"v1", "mma"} and len([s for s in short if s[1] == "mma"]) > len(
+        [s for s in short if s[1] == "v1"])  # the MMA-only shapes and unrolls
