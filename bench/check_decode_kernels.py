@@ -230,8 +230,8 @@ def main() -> int:
                     help="also the greedy identity on `wide_model` (head dim 128: v4 maps it) at these dtypes")
     ap.add_argument("--only-long", action="store_true",
                     help="leave out the short cases and the fixture's greedy part (with --long / --greedy-wide)")
-    ap.add_argument("--dense-variants", default="v1",
-                    help="dense kernel variants to check (engine.decode_attention.DENSE_VARIANTS)")
+    ap.add_argument("--dense-variants", default="mma,v1",
+                    help="dense kernel variants to check (engine.decode_attention.DENSE_VARIANTS; mma the default)")
     ap.add_argument("--only-dense", action="store_true",
                     help="the dense cases alone (with --long: the padded long rows too) and the dense greedy part")
     ap.add_argument("--json", type=Path)
