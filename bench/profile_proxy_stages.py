@@ -149,6 +149,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--route", choices=sorted(ROUTES), default="chat")
     ap.add_argument("--baseline", metavar="TREE", default=None)
+    ap.add_argument("--upstream-tree", metavar="TREE", default=None, help="the upstream's checkout (default: this)")
     ap.add_argument("--json", metavar="PATH", default=None, help="write the per-stage medians there")
     args = ap.parse_args()
 
@@ -158,7 +159,8 @@ def main() -> None:
         procs = []
         try:
             upstream, up_url = _start(["--model", str(TINY_MODEL), "--db", str(tmp / "up.db")], tmp,
-                                      "up", stamped("up"), ROOT)
+                                      "up", stamped("up"),
+                                      Path(args.upstream_tree).resolve() if args.upstream_tree else ROOT)
             procs.append(upstream)
             proxies = {}
             for name, tree in (("this", ROOT), ("baseline", Path(args.baseline).resolve() if args.baseline else None)):
