@@ -239,34 +239,23 @@ class UpstreamMessages(Relayed):
         self.builder = builder
         self.reader = messages_wire.MessagesReader()
         self._usage: dict = {}
-        self._shown = False  # an event other than message_start or a ping has been passed on
 
     async def sse(self) -> AsyncIterator[bytes]:
         """The events as they came, one item per upstream read (`sse.joined`); message_stop by itself."""
-        held: list[bytes] = []  # message_start (and pings), waiting for the first content (`_hold`)
         try:
             with map_httpx_errors(self.url):
                 async for batch in self.event_batches():
                     for event in batch:
                         self._parse(sse.decode_data(event))
-                    batch = held + batch
-                    held = []
-                    if not self._shown and await self._hold(batch):
-                        held = batch
-                        continue
                     for out in sse.joined(batch, _is_stop):
                         yield out
-            for out in sse.joined(held, _is_stop):  # the stream ended after its opening
-                yield out
         finally:
             await self.response.aclose()
 
     def _parse(self, data: dict | None) -> None:
-        kind = data.get("type") if data else None
-        self._shown = self._shown or kind not in _OPENING
         if not data:
             return
-        turn = self.builder.turn
+        kind, turn = data.get("type"), self.builder.turn
         self.builder.on_sent()
         for event in self.reader.feed(data):
             self.builder.on_event(event)
@@ -373,9 +362,6 @@ class UpstreamCount(Relayed):
         elif self.status >= 400:
             self.builder.turn.error = data[:2000].decode(errors="replace")
         return data, self.content_type
-
-
-_OPENING = ("message_start", "ping")  # the events before the first content block: nothing in them shows
 
 
 def _is_stop(event: bytes) -> bool:

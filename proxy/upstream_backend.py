@@ -33,10 +33,6 @@ _HOP_HEADERS = {
 _DEFAULT_HEADERS = {"accept": b"*/*", "user-agent": f"python-httpx/{httpx.__version__}".encode()}
 _NOT_IN_A_HEADER = re.compile("[\r\n\0]")
 USAGE_OPTION = b'"stream_options":{"include_usage":true}'
-# How long the events that open a stream and show nothing (chat's role chunk, Messages'
-# message_start) wait for the first content to go out with it (`Relayed._hold`): far below what a
-# client notices, far above the gap between an upstream's writes (tens to hundreds of µs).
-OPENING_HOLD_S = 0.002
 
 
 class UpstreamBackend:
@@ -178,27 +174,6 @@ def _is_done_marker(event: bytes) -> bool:
     return event == sse.DONE  # what `_stream_and_record` commits before (proxy/app.py)
 
 
-def _is_role_chunk(chunk: dict) -> bool:
-    """A chat chunk that shows nothing: only the assistant's role, and empty content (the first
-    chunk OpenAI-compatible servers stream)."""
-    choices = chunk.get("choices")
-    if not choices or set(chunk).difference(_ROLE_CHUNK_KEYS) or chunk.get("usage"):
-        return False
-    for choice in choices:
-        if not isinstance(choice, dict) or set(choice).difference(_ROLE_CHOICE_KEYS) \
-                or choice.get("finish_reason") is not None or choice.get("logprobs") is not None:
-            return False
-        delta = choice.get("delta")
-        if not isinstance(delta, dict) or set(delta).difference(("role", "content")) or delta.get("content"):
-            return False
-    return True
-
-
-_ROLE_CHUNK_KEYS = frozenset(("id", "object", "created", "model", "choices", "system_fingerprint", "usage",
-                              "service_tier"))
-_ROLE_CHOICE_KEYS = frozenset(("index", "delta", "logprobs", "finish_reason"))
-
-
 def _plain_json_object(raw: bytes) -> bool:
     """Whether `raw` (a body that parsed as a JSON object) is UTF-8 with no byte-order mark: `{`
     first and `}` last, bar whitespace. UTF-16/32 put a NUL beside one of them, a BOM comes first."""
@@ -238,14 +213,6 @@ class Relayed:
     def cancel(self) -> None:
         pass  # closing the response (in `sse`'s finally) is what tells the upstream
 
-    async def _hold(self, events: list[bytes]) -> bool:
-        """Whether to keep `events` (the stream's opening: nothing in them shows) to go out with
-        what comes next, one write where there were two (issue 17, session 8): yes when more of
-        the body comes within `OPENING_HOLD_S`. Only the proxy's own upstream client can tell
-        without reading (proxy/upstream_http.py); on httpx's the events go out as they came."""
-        more_within = getattr(self.response, "more_within", None)
-        return bool(events) and more_within is not None and await more_within(OPENING_HOLD_S)
-
     def event_batches(self) -> AsyncIterator[list[bytes]]:
         """The response's SSE events as they arrive, split on the bytes (prefixtrace/wire/sse.py),
         those that one read of the upstream completed together in one list."""
@@ -276,23 +243,15 @@ class UpstreamChat(Relayed):
         # it sends [DONE]; starting ours here overlaps the two commits (issue 17).
         self.on_final: Callable[[], None] | None = None
         self._final = False
-        self._shown = False  # an event that is not a bare role chunk has been passed on
 
     async def sse(self) -> AsyncIterator[bytes]:
         """What the client is sent, one item per upstream read (`sse.joined`); [DONE] by itself."""
-        held: list[bytes] = []  # the role chunk, waiting for the first content (`_hold`)
         try:
             with map_httpx_errors(self.url):
                 async for batch in self.event_batches():
-                    passed = held + [out for out in map(self._pass, batch) if out]
-                    held = []
-                    if not self._shown and await self._hold(passed):
-                        held = passed
-                        continue
+                    passed = [out for out in map(self._pass, batch) if out]
                     for out in sse.joined(passed, _is_done_marker):
                         yield out
-            for out in sse.joined(held, _is_done_marker):  # the stream ended after its role chunk
-                yield out
         finally:
             await self.response.aclose()
         if not self._complete:
@@ -306,9 +265,7 @@ class UpstreamChat(Relayed):
         chunk = sse.decode_data(event)
         if chunk is None:
             self._complete = self._complete or sse.is_done(event)
-            self._shown = True
             return event
-        self._shown = self._shown or not _is_role_chunk(chunk)
         if self._final:
             # Data after the final usage chunk: the turn is already with the recorder, which
             # may be writing it right now; it is passed on, not recorded (a broken upstream).

@@ -265,20 +265,6 @@ class UpstreamResponse:
             else:
                 await self._wait()
 
-    async def more_within(self, seconds: float) -> bool:
-        """Whether more of the body (or its end, or a failure) is here or arrives within `seconds`;
-        reads nothing. For a reader deciding whether to wait for the next bytes before it writes."""
-        if not (self._chunks or self.done or self.error is not None):
-            loop = asyncio.get_running_loop()
-            self._waiter = waiter = loop.create_future()
-            timer = loop.call_later(seconds, _settle, waiter)
-            try:
-                await waiter
-            finally:
-                self._waiter = None
-                timer.cancel()
-        return bool(self._chunks) or self.done or self.error is not None
-
     def _decode(self, chunk: bytes) -> bytes:
         try:
             return self._decoder.decompress(chunk)
@@ -309,11 +295,6 @@ class _Undecodable:
 
     def flush(self) -> bytes:
         return b""
-
-
-def _settle(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 def _time_out(waiter: asyncio.Future) -> None:
