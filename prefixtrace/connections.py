@@ -22,14 +22,17 @@ line of a streamed turn comes when it ends, as nginx's does. Not after the first
 body bytes: a streamed turn's first body is often its role chunk, one read before
 the first content, so the line would still be written in front of it.
 
-And (issue 17, session 8): a response's head is written together with its first body bytes, not
-by itself. uvicorn writes the head the moment the app sends `http.response.start`; a streamed
-turn's first body follows within microseconds (the same step of the app's task) or after the
-next read of an upstream, so head and body went out as two writes, two segments and two
-wake-ups of the client, which on a 2-core machine shares the cores with the server. `_HeadHeld`
-keeps the head bytes until the cycle's next write (then one write carries both), the response's
-end, a close, or `HEAD_HOLD_S` at most: a response whose first body comes late still sends its
-head that soon. Nothing else changes: the same bytes in the same order.
+And (issue 17, session 8): a response's head is written together with the body bytes the app
+sends in the same step, not by itself. uvicorn writes the head the moment the app sends
+`http.response.start`; a streamed turn's first event (the role chunk, `message_start`, a whole
+JSON body) usually follows in the same step of the app's task, so head and body went out as two
+writes, two segments and two wake-ups of the client, which on a 2-core machine shares the cores
+with the server. `_HeadHeld` keeps the head bytes until the cycle's next write (then one write
+carries both), the response's end, a close, or the end of the step (the app's task waits for
+something: the head goes out then, by itself). It never waits for bytes that are not there yet:
+a client that has the head early reads it while the first content is still on its way (tried in
+this session: holding the head and the role chunk up to 2 ms for the first content made the
+added TTFT worse). Nothing else changes: the same bytes in the same order.
 """
 
 from __future__ import annotations
@@ -46,10 +49,6 @@ log = logging.getLogger("prefixtrace.serve")
 
 KEEP_ALIVE_S = 5  # uvicorn's own default, stated: idle kept-alive connections close after this
 HEAD_TIMEOUT_S = 15.0  # a client that connects sends its request head at once
-# The longest a response head waits for its first body bytes to go out with (`_HeadHeld`): far
-# below anything a client notices or times out on, far above the gap between an upstream's head
-# and its next read (tens to hundreds of microseconds).
-HEAD_HOLD_S = 0.002
 NOFILE_CAP = 65536  # open files asked for at most: room for tens of thousands of sockets
 
 
@@ -112,8 +111,8 @@ class _HeldAccessLine:
 
 class _HeadHeld:
     """Stands in for a request cycle's transport: the write that carries the response head
-    (`hold_next_write`) is kept and goes out with the next write, or by itself on `flush`
-    (the response's end, a close, `HEAD_HOLD_S` after it). Everything else is the transport's."""
+    (`holding`) is kept and goes out with the next write, or by itself on `flush` (the response's
+    end, a close, the end of the current step of the loop). Everything else is the transport's."""
 
     __slots__ = ("_transport", "_loop", "_held", "_timer", "holding")
 
@@ -121,14 +120,14 @@ class _HeadHeld:
         self._transport = transport
         self._loop = loop
         self._held: bytes | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
         self.holding = False  # the next write is the head: keep it
 
     def write(self, data: bytes) -> None:
         if self.holding:
             self.holding = False
             self._held = bytes(data)
-            self._timer = self._loop.call_later(HEAD_HOLD_S, self.flush)
+            self._timer = self._loop.call_soon(self.flush)  # once the app's task waits for something
             return
         if self._held is not None:
             data = self._take() + data

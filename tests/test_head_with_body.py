@@ -1,7 +1,7 @@
-"""A response's head goes out in one write with its first body bytes, not by itself
-(prefixtrace/connections.py `_HeadHeld`, issue 17 session 8), and is never lost or late: a body
-that comes later than `HEAD_HOLD_S` finds the head already sent; a response that ends without
-body bytes, or whose connection closes, still sends it. A real uvicorn on 127.0.0.1, h11 and
+"""A response's head goes out in one write with the body bytes sent in the same step, not by
+itself (prefixtrace/connections.py `_HeadHeld`, issue 17 session 8), and is never lost or late: a
+body that comes after the app waits for something finds the head already sent; a response that
+ends without body bytes, or whose connection closes, still sends it. A real uvicorn on 127.0.0.1, h11 and
 httptools, read from a raw socket."""
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def test_a_head_whose_body_is_late_goes_out_by_itself_within_the_hold(port):
     sock = _request(port, "/late")
     try:
         head = _read_until(sock, b"\r\n\r\n")
-        # The body comes 1 s after the head, far past HEAD_HOLD_S: the head did not wait for it.
+        # The body comes 1 s after the head, after the app waited: the head did not wait for it.
         assert b"first" not in head
         data = _read_until(sock, b"0\r\n\r\n", head)
         assert data.index(b"first") < data.index(b"last")
