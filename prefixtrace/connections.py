@@ -114,20 +114,20 @@ class _HeadHeld:
     (`holding`) is kept and goes out with the next write, or by itself on `flush` (the response's
     end, a close, the end of the current step of the loop). Everything else is the transport's."""
 
-    __slots__ = ("_transport", "_loop", "_held", "_timer", "holding")
+    __slots__ = ("_transport", "_loop", "_held", "_flush_soon", "holding")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
         self._transport = transport
         self._loop = loop
         self._held: bytes | None = None
-        self._timer: asyncio.Handle | None = None
+        self._flush_soon: asyncio.Handle | None = None
         self.holding = False  # the next write is the head: keep it
 
     def write(self, data: bytes) -> None:
         if self.holding:
             self.holding = False
             self._held = bytes(data)
-            self._timer = self._loop.call_soon(self.flush)  # once the app's task waits for something
+            self._flush_soon = self._loop.call_soon(self.flush)  # once the app's task waits for something
             return
         if self._held is not None:
             data = self._take() + data
@@ -135,9 +135,9 @@ class _HeadHeld:
 
     def _take(self) -> bytes:
         held, self._held = self._held, None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._flush_soon is not None:
+            self._flush_soon.cancel()
+            self._flush_soon = None
         return held
 
     def flush(self) -> None:
@@ -168,7 +168,8 @@ class _HeadHeld:
 
 class _AccessLineAtTheEnd:
     """Mixin for a uvicorn HTTP protocol: each request cycle's access line is written after the
-    response's last bytes (or when the connection ends before them), not before its head.
+    response's last bytes (or when the connection ends before them), not before its head; and
+    (`_hold_head`) the head goes out with the body bytes sent in the same step.
     `_hold_access_line` is called where the protocol has just made a cycle, before the cycle's
     task has run (it reads `cycle.send` when it starts)."""
 
