@@ -29,6 +29,7 @@ apart (`taskset -c 0,1 python bench/...` puts everything on two cores, as issue 
 one more local hop costs on this machine, the floor under any proxy's added latency.
 `--baseline TREE` adds a fourth: the same proxy run from another checkout (before a change),
 interleaved with this one, so before/after is measured side by side under the same load.
+`--upstream-tree TREE` runs the upstream from another checkout (its server code, not the proxy's).
 `--baseline-path DIR` adds DIR to the baseline proxy's import path only (`--baseline . --baseline-path DIR`
 with `pip install --target DIR uvloop httptools`: those measured without installing them for everything else).
 The run ends with a summary line per case. `--proxy-http` / `--proxy-loop` start the proxy with those uvicorn options (through
@@ -273,6 +274,10 @@ def main() -> None:
     ap.add_argument("--baseline-path", metavar="DIR", default=None,
                     help="an extra import path for the baseline proxy only, e.g. a `pip install --target DIR "
                          "uvloop httptools` (measures those without installing them for everything else)")
+    ap.add_argument("--upstream-tree", metavar="TREE", default=None,
+                    help="run the upstream engine from another checkout (default: this one): e.g. main's, to "
+                         "tell what a change to the server (prefixtrace/connections.py) does for the upstream "
+                         "from what it does for the proxy")
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     ap.add_argument("--server-cpus", metavar="0,1", default=None,
                     help="run the upstream, the proxies and the relay on these CPUs only (Linux)")
@@ -297,14 +302,16 @@ def main() -> None:
         (tmp / "up").mkdir()
         (tmp / "px").mkdir()
         upstream, up_url = start_serve(["--model", str(TINY_MODEL), "--db", str(tmp / "up" / "up.db")],
-                                       tmp / "up", tmp / "up.log")
+                                       tmp / "up", tmp / "up.log",
+                                       root=Path(args.upstream_tree).resolve() if args.upstream_tree else ROOT)
         try:
             proxy, px_url = start_serve(["--upstream", up_url, "--db", str(tmp / "px" / "px.db")],
                                         tmp / "px", tmp / "px.log", serve_with)
             try:
                 print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; servers on CPUs "
                       f"{sorted(SERVER_CPUS) if SERVER_CPUS else 'any'}, client on {sorted(os.sched_getaffinity(0))}")
-                print(f"upstream {up_url} (pid {upstream.pid}), proxy {px_url} (pid {proxy.pid}), "
+                print(f"upstream {up_url} (pid {upstream.pid}, from {args.upstream_tree or 'this tree'}), "
+                      f"proxy {px_url} (pid {proxy.pid}), "
                       f"proxy uvicorn http={serve_with[0] if serve_with else 'auto'} "
                       f"loop={serve_with[1] if serve_with else 'auto'}; n={args.n} each, max_tokens={args.max_tokens}")
                 clients = {"direct": httpx.Client(base_url=up_url, timeout=60),

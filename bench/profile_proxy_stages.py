@@ -4,8 +4,8 @@ Starts an upstream `prefixtrace serve --model fixtures/tiny-llama` and one proxy
 (`prefixtrace serve --upstream <it>`: this tree, and `--baseline TREE` if given), every server with
 stage stamps put in at start (no source change: the stamps wrap a few functions). Each stamp is
 `time.perf_counter_ns()` (CLOCK_MONOTONIC: one clock for every process here) and
-`time.thread_time_ns()` (the loop thread's own CPU). Then sends `--n` streamed chat requests to each
-proxy, alternating, each tagged with an `X-Stage-Id` header that the proxy forwards, so the upstream's
+`time.thread_time_ns()` (the loop thread's own CPU). Then sends `--n` streamed requests of one route
+(`--route chat|messages|responses`, as bench_proxy_overhead.py sends them) to each proxy, alternating, each tagged with an `X-Stage-Id` header that the proxy forwards, so the upstream's
 stamps pair with the proxy's. Stages, on the proxy's loop thread:
 
     app      the request handed to the app (ProxyApp.__call__)
@@ -21,6 +21,11 @@ and across processes: the client's send -> the proxy's `app`; the proxy's `sent`
 first content delta read.
 
     python bench/profile_proxy_stages.py --n 40 --baseline /tmp/main      # medians, ms
+    python bench/profile_proxy_stages.py --n 40 --route messages          # the same for /v1/messages
+
+The upstream's own `started` (its response head written) is stamped too: on /v1/responses the
+engine sends its head and `response.created` before prefill, on chat and messages only after it,
+so there the proxy's head work is on the path to the first content.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-NON_EMPTY_CONTENT = re.compile(rb'"content":"[^"]')  # a role chunk's `"content":""` is not content
+# The first content delta of each route as the servers write it (compact JSON): chat's `"content":"x`
+# (a role chunk's `"content":""` is not content), Messages' text_delta, Responses' output_text delta.
+NON_EMPTY_CONTENT = re.compile(rb'"content":"[^"]|"text_delta","text":"[^"]|"response\.output_text\.delta".*"delta":"[^"]')
 STAGES = ("app", "body", "sent", "head", "started", "content")
 
 
@@ -134,13 +141,15 @@ def run_stamped(out_path: str, argv: list[str]) -> None:
 
 def main() -> None:
     import httpx
-    from bench_proxy_overhead import TINY_MODEL, stop
+    from bench_proxy_overhead import ROUTES, TINY_MODEL, stop
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--route", choices=sorted(ROUTES), default="chat")
     ap.add_argument("--baseline", metavar="TREE", default=None)
+    ap.add_argument("--upstream-tree", metavar="TREE", default=None, help="the upstream's checkout (default: this)")
     ap.add_argument("--json", metavar="PATH", default=None, help="write the per-stage medians there")
     args = ap.parse_args()
 
@@ -150,7 +159,8 @@ def main() -> None:
         procs = []
         try:
             upstream, up_url = _start(["--model", str(TINY_MODEL), "--db", str(tmp / "up.db")], tmp,
-                                      "up", stamped("up"), ROOT)
+                                      "up", stamped("up"),
+                                      Path(args.upstream_tree).resolve() if args.upstream_tree else ROOT)
             procs.append(upstream)
             proxies = {}
             for name, tree in (("this", ROOT), ("baseline", Path(args.baseline).resolve() if args.baseline else None)):
@@ -160,21 +170,23 @@ def main() -> None:
                                    stamped(name), tree)
                 procs.append(proc)
                 proxies[name] = url
-            clients = {name: httpx.Client(base_url=url, timeout=60) for name, url in proxies.items()}
+            # "direct": the same requests straight to the upstream, for the client's side of the path
+            # (upstream content -> client reads it) without a proxy.
+            clients = {name: httpx.Client(base_url=url, timeout=60)
+                       for name, url in {**proxies, "direct": up_url}.items()}
             client_stamps = {}
-            body = {"model": "default", "stream": True, "max_tokens": args.max_tokens, "temperature": 0,
-                    "messages": [{"role": "user", "content": "Say something short."}]}
+            path, make_body, is_content = ROUTES[args.route]
+            body = make_body(True, args.max_tokens)
             names = list(clients)
             for i in range(args.warmup + args.n):
                 for name in names[i % len(names):] + names[:i % len(names)]:
                     tag = f"{name}-{i}"
                     t0 = time.perf_counter_ns()
                     first = None
-                    with clients[name].stream("POST", "/v1/chat/completions", json=body,
-                                              headers={"X-Stage-Id": tag}) as r:
+                    with clients[name].stream("POST", path, json=body, headers={"X-Stage-Id": tag}) as r:
                         for line in r.iter_lines():
-                            if first is None and line.startswith("data:") and '"content":"' in line \
-                                    and '"content":""' not in line:
+                            if first is None and line.startswith("data:") and line[5:].strip() != "[DONE]" \
+                                    and is_content(json.loads(line[5:])):
                                 first = time.perf_counter_ns()
                     if i >= args.warmup:
                         client_stamps[tag] = (t0, first)
@@ -187,14 +199,22 @@ def main() -> None:
         results = {}
         for name in proxies:
             results[name] = _stages(_rows(tmp / f"{name}.jsonl"), up, client_stamps)
+        direct = [(client_stamps[tag], up[tag]) for tag in client_stamps
+                  if tag.startswith("direct-") and tag in up and "content" in up[tag] and client_stamps[tag][1]]
+        for name in results:  # the direct requests' figures, beside each proxy's
+            results[name]["wall direct: upstream content -> client reads it"] = statistics.median(
+                (first - row["content"][0]) / 1e6 for (_, first), row in direct)
+            results[name]["wall direct: client sent -> client reads first content"] = statistics.median(
+                (first - sent) / 1e6 for (sent, first), _ in direct)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"median ms over n={args.n} streamed chat turns each; load average after {load}")
+    print(f"median ms over n={args.n} streamed {args.route} turns each; load average after {load}")
     keys = list(next(iter(results.values())))
     print(f"{'stage':48s} " + " ".join(f"{name:>10s}" for name in results))
     for key in keys:
         print(f"{key:48s} " + " ".join(f"{results[name][key]:10.3f}" for name in results))
     if args.json:
-        Path(args.json).write_text(json.dumps({"n": args.n, "load_after": load, "stages_ms": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"n": args.n, "route": args.route, "load_after": load,
+                                               "stages_ms": results}, indent=1))
 
 
 def _start(serve_args: list[str], tmp: Path, name: str, stamped: tuple[str, str], root: Path):
@@ -237,6 +257,8 @@ def _stages(rows: list[dict], upstream: dict, client: dict) -> dict:
         if up is not None and "app" in up and "content" in up:
             add("wall proxy sent -> upstream app", up["app"][0] - row["sent"][0])
             add("wall upstream app -> upstream content", up["content"][0] - up["app"][0])
+            if "started" in up:  # < 0: the upstream's head went out before its first content (prefill)
+                add("wall upstream content -> its head written", up["started"][0] - up["content"][0])
             add("wall upstream content -> proxy content", row["content"][0] - up["content"][0])
         if t_first is not None:
             add("wall proxy content -> client reads it", t_first - row["content"][0])

@@ -204,7 +204,10 @@ class Relayed:
         self.response = response
         self.url = url
         self.status = response.status_code
-        self.content_type = response.headers.get("content-type", "application/json")
+        # The proxy's own client read it off the raw head (proxy/upstream_http.py); httpx's has headers.
+        content_type = getattr(response, "content_type_header", None)
+        self.content_type = content_type if content_type is not None else \
+            response.headers.get("content-type", "application/json")
 
     @property
     def streams_events(self) -> bool:
