@@ -51,3 +51,61 @@ def test_queued_chain_feeds_each_layer_the_previous_output():
 
     t = b.queued_step_time(make, "dense", 3, 2, 1, 4, mx.float32, steps=4)
     assert t > 0 and len(made) == 3 and all(c.offset == 8 + 4 for c in made)
+
+
+_NCU_CSV = '''==PROF== Connected to process 4242 (/opt/torch/.venv/bin/python3.12)
+==PROF== Profiling "custom_kernel_prefixtrace_decode_tq4_bfloat16_128_4" - 0: 0%....50%....100% - 1 pass
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","4242","python3.12","127.0.0.1","void mlx::core::cu::copy_gg_nd<bf16>","1","7","(256, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","2,080"
+"1","4242","python3.12","127.0.0.1","kernel_sdpav_2pass_1","1","7","(128, 1, 1)","(8, 32, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","61.5"
+"2","4242","python3.12","127.0.0.1","void mlx::core::cu::copy_gg_nd<bf16>","1","7","(256, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","1,920"
+"3","4242","python3.12","127.0.0.1","kernel_sdpav_2pass_1","1","7","(128, 1, 1)","(8, 32, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","62.5"
+"4","4242","python3.12","127.0.0.1","mlx::core::cu::custom_kernel_prefixtrace_decode_tq4_bfloat16_128_4","1","9","(128, 1, 1)","(99, 8, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","40"
+"5","4242","python3.12","127.0.0.1","mlx::core::cu::custom_kernel_prefixtrace_decode_tq3_reduce_bfloat16_128_4","1","9","(128, 1, 1)","(32, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","4"
+"6","4242","python3.12","127.0.0.1","mlx::core::cu::custom_kernel_prefixtrace_decode_tq4_bfloat16_128_4","1","9","(128, 1, 1)","(99, 8, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","42"
+'''
+
+
+def test_ncu_csv_summed_per_case_and_step():
+    """The kernel-time mode's parse: ncu's messages skipped, units and thousands separators read,
+    kernels grouped per case by stream (in order of appearance) and divided by the case's steps."""
+    b = _bench()
+    kernels = b.parse_ncu_csv(_NCU_CSV)
+    assert [k["id"] for k in kernels] == list(range(7))
+    assert kernels[0]["us"] == 2.08 and kernels[1]["us"] == 61.5
+    cases = [{"case": "dense", "context": 32768, "rows": 1, "steps": 2},
+             {"case": "v4", "context": 32768, "rows": 1, "steps": 1}]
+    dense, v4 = b.kernel_summary(kernels, cases)
+    assert dense["case"] == "dense" and dense["launches_per_step"] == 2
+    assert dense["kernel_us_per_step"] == round((2.08 + 61.5 + 1.92 + 62.5) / 2, 2)
+    assert dense["copy_us"] == 2.0 and "tq_split_us" not in dense
+    assert v4["tq_split_us"] == 82.0 and v4["tq_reduce_us"] == 4.0 and v4["launches_per_step"] == 3
+    assert b.parse_ncu_csv("==PROF== nothing profiled\n") == []
+
+
+def test_sync_floor_grows_with_the_launches():
+    b = _bench()
+    floors = b.sync_floors(steps=3, top=2)
+    assert set(floors) == {"sync_floor_add_1_ms", "sync_floor_add_2_ms"}  # (no custom kernels on the CPU)
+    assert all(v > 0 for v in floors.values())
+
+
+def test_forced_chunk_sets_the_split_and_restores_it():
+    from engine import decode_attention
+
+    b = _bench()
+    saved = decode_attention.split_chunk
+    with b.forced_chunk(512):
+        assert decode_attention.split_chunk(100_000, 8, 1, 4) == 512
+        assert decode_attention.split_chunk(100_000, 8, 1, 4, at_least=600) == 1024  # the window's block
+    assert decode_attention.split_chunk is saved
+    with b.forced_chunk(None):
+        assert decode_attention.split_chunk is saved
+
+
+def test_kernel_cases_run_without_a_profiler():
+    """On the CPU the capture window is a no-op (`profiler` answers False) and the cases still run."""
+    b = _bench()
+    out = b.kernel_cases("smollm2-135m", 130, 4, mx.float32, 1, ("v4",), 2, (64,))
+    assert [c["case"] for c in out] == ["dense", "v4", "v4_chunk64"]
+    assert all(c["profiler"] is False and c["steps"] == 2 for c in out)
