@@ -328,3 +328,239 @@ def attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale,
                                    template=[("T", queries.dtype), ("D", dim), ("RW", da.TQ3_RW)],
                                    grid=(B * hq * da.TQ3_RW * 32, 1, 1), threadgroup=(da.TQ3_RW * 32, 1, 1),
                                    output_shapes=[(B, hq, 1, dim)], output_dtypes=[queries.dtype])[0]
+
+
+# --- v5: v4's kernel with the split chosen from the occupancy, and the reduce folded in ---------
+#
+# Why (docs/PERFORMANCE.md, session 8): at one row v4's split aims at 1,024 blocks, so one row of
+# 100k runs 784 code blocks of 1,024 columns on 132 SMs x 5 resident blocks (660): a second wave
+# with a fifth of the SMs busy, and latency-bound blocks take as long alone as together. v5 picks
+# the columns per block (any multiple of 64) that minimise (waves, rounded up) x (columns + a
+# block's fixed work), from the SM count and the blocks per SM that the kernel's registers and
+# shared memory allow. The chunk is a runtime parameter (params[2]) against a shared score array
+# sized for the largest chunk (template CHUNK = `chunk_capacity`), so one build serves every
+# context (v4 builds one kernel per CHUNK, engine/tq_prebuild.py). Where the grid is small (at
+# most `FOLD_WAVES` waves: one row, short batches) the last block of each (row, KV head) to
+# finish combines the splits (v2's `_LAST_BLOCK_REDUCE` counter) and writes the output: one
+# launch, and one custom-kernel call less on the host, per layer.
+
+# ptxas registers a thread, (D, G) -> registers (sm_90; tests/test_tq_mma.py checks them as bounds)
+V5_REGS = {(128, 4): 96, (128, 8): 128, (64, 3): 72, (256, 4): 168}
+FOLD_WAVES = 2  # fold the reduce into the split kernel up to this many waves of code blocks
+_SM_SMEM = 228 * 1024  # shared memory per SM on Hopper (a block also reserves 1 KB)
+_SM_REGS, _SM_THREADS, _SM_BLOCKS = 65536, 2048, 32
+_BLOCK_FIXED = 64  # a block's fixed work (query rotation, table, softmax, stores) in columns' worth
+
+
+def chunk_capacity(g: int) -> int:
+    """The largest chunk v5's score array holds: G x CHUNK floats in `decode_attention._SMEM_SCORES`."""
+    return min(da.MAX_CHUNK, da._SMEM_SCORES // g)
+
+
+@lru_cache(maxsize=1)
+def sm_count() -> int:
+    """Multiprocessors of device 0 (the CUDA driver's attribute 16), else an H200's 132."""
+    import ctypes
+
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+        dev, n = ctypes.c_int(), ctypes.c_int()
+        if cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0 \
+                and cu.cuDeviceGetAttribute(ctypes.byref(n), 16, dev) == 0 and n.value > 0:
+            return n.value
+    except (OSError, AttributeError):
+        pass
+    return 132
+
+
+def v5_shared_bytes(g: int, dim: int, bits: int = 4) -> int:
+    """v5's static shared memory: v3's arrays at `chunk_capacity`, the pair table, the fold's flag."""
+    cap = chunk_capacity(g)
+    return _v3_shared_bytes(g, dim, cap, bits) + 1024 * (table_copies(g, dim, cap, bits) or 0) + 16
+
+
+def v5_regs(g: int, dim: int) -> int:
+    """`V5_REGS`, else a bound by head size (more registers: fewer blocks, a safe guess)."""
+    return V5_REGS.get((dim, g), 128 if dim <= 128 else 168)
+
+
+def blocks_per_sm(shared: int, regs: int = 96, threads: int = da.NW * 32) -> int:
+    """Resident blocks per SM by registers (allocated per warp in 256s), shared memory and threads."""
+    warp_regs = -(-regs * 32 // 256) * 256
+    by_regs = (_SM_REGS // warp_regs) // (threads // 32)
+    by_smem = _SM_SMEM // (shared + 1024)
+    return max(1, min(by_regs, by_smem, _SM_THREADS // threads, _SM_BLOCKS))
+
+
+def split5(tokens: int, kv_heads: int, rows: int, g: int, dim: int, at_least: int = 0,
+           sms: int | None = None) -> tuple[int, bool] | None:
+    """(columns per code block, fold) for v5: the multiple of 64 in [max(64, at_least), capacity]
+    with the fewest (waves rounded up) x (columns + `_BLOCK_FIXED`), the larger chunk on a tie
+    (fewer partials to reduce); fold where the code blocks fill at most `FOLD_WAVES` waves. None
+    where the dense window does not fit a block."""
+    slots = (sms or sm_count()) * blocks_per_sm(v5_shared_bytes(g, dim), v5_regs(g, dim))
+    cap = chunk_capacity(g)
+    lo = max(64, -(-at_least // 64) * 64)
+    if lo > cap:
+        return None
+    best = None
+    for chunk in range(cap, lo - 1, -64):
+        blocks = -(-tokens // chunk) * kv_heads * rows
+        cost = -(-blocks // slots) * (chunk + _BLOCK_FIXED)
+        if best is None or cost < best[0]:
+            best = (cost, chunk, blocks)
+    _, chunk, blocks = best
+    return chunk, blocks <= FOLD_WAVES * slots
+
+
+_FOLD_START = "        return;\n    }\n    const int n = c1 - c0;\n"
+# The last block of each (row, KV head) to finish reduces its G query heads: warp w takes heads
+# w, w + NW, ...; per head the max and the sum over the S splits (lanes over splits), then the
+# weighted sum of the rotated partials (a lane holds E = D / 32 coordinates, one 16-byte load per
+# split at D = 128), the butterfly back, the dense slot (S - 1) added. Partials written by other
+# blocks are read through L2 (__ldcg) after the fence that the counter orders.
+_FOLD_REDUCE = """
+    __shared__ bool last5_;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        int* cnt5 = const_cast<int*>(cnt) + b * gridDim.y + h;
+        last5_ = atomicAdd(cnt5, 1) == S - 1;
+        if (last5_) atomicExch(cnt5, 0);
+    }
+    __syncthreads();
+    if (!last5_) return;
+    __threadfence();
+    for (int g = warp; g < G; g += NW) {
+        const size_t r = (size_t)(b * HQ + h * G + g);
+        const float* ml = ml_part + r * S * 2;
+        const float* op = o_part + r * S * D + lane * E;
+        float m = NEG_INF;
+        for (int s2 = lane; s2 < S; s2 += 32) m = fmaxf(m, __ldcg(ml + 2 * s2));
+        m = warp_max(m);
+        float l = 0.f;
+        for (int s2 = lane; s2 < S; s2 += 32) {
+            const float ms = __ldcg(ml + 2 * s2);
+            if (ms != NEG_INF) l += __expf(ms - m) * __ldcg(ml + 2 * s2 + 1);
+        }
+        l = warp_sum(l);
+        float x[E];
+        #pragma unroll
+        for (int e = 0; e < E; ++e) x[e] = 0.f;
+        #pragma unroll 8
+        for (int s2 = 0; s2 < S - 1; ++s2) {
+            const float ms = __ldcg(ml + 2 * s2);
+            const float w = ms == NEG_INF ? 0.f : __expf(ms - m);
+            #pragma unroll
+            for (int e = 0; e < E; e += 2) {
+                const float2 v = __ldcg(reinterpret_cast<const float2*>(op + (size_t)s2 * D + e));
+                x[e] = fmaf(w, v.x, x[e]);
+                x[e + 1] = fmaf(w, v.y, x[e + 1]);
+            }
+        }
+        warp_hadamard<D, E>(x, lane);
+        const float md = __ldcg(ml + 2 * (S - 1));
+        const float wd = md == NEG_INF ? 0.f : __expf(md - m);
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int d = lane * E + e;
+            const float v = x[e] * rsqrtf((float)D) * signs[d] + wd * __ldcg(op + (size_t)(S - 1) * D + e);
+            out[r * D + d] = static_cast<T>(l > 0.f ? v / l : 0.f);
+        }
+    }
+"""
+
+
+def _tq5_source(fold: bool) -> str:
+    """v4's body with the chunk read from params[2] (CHUNK: the score array's capacity); with
+    `fold`, the empty block's early return turned into a branch (every block must reach the
+    counter) and `_FOLD_REDUCE` after the stores."""
+    s = TQ4_SOURCE
+    for old, new in (("max(s * CHUNK, start)", "max(s * CH5, start)"), ("min((s + 1) * CHUNK, bound)", "min((s + 1) * CH5, bound)"),
+                     ("    const bool tail = s == S - 1;\n",
+                      "    const bool tail = s == S - 1;\n    const int CH5 = static_cast<int>(params[2]);  // columns per code block (<= CHUNK)\n")):
+        assert s.count(old) == 1, old
+        s = s.replace(old, new)
+    if fold:
+        assert s.count(_FOLD_START) == 1
+        s = s.replace(_FOLD_START, "    } else {\n    const int n = c1 - c0;\n") + "    }\n" + _FOLD_REDUCE
+    return s
+
+
+TQ5_SOURCE = _tq5_source(False)
+TQ5_FOLD_SOURCE = _tq5_source(True)
+launches5 = [0, 0]  # v5 steps launched in this process: [split + reduce, folded]
+
+_INPUTS = ["q", "kn", "kc", "vn", "vc", "tk", "tv", "lp", "signs", "cent", "params"]
+
+
+@lru_cache(maxsize=2)
+def _tq5_kernel(fold: bool):
+    return mx.fast.cuda_kernel(name="prefixtrace_decode_tq5" + ("f" if fold else ""),
+                               input_names=_INPUTS + (["cnt"] if fold else []),
+                               output_names=["o_part", "ml_part"] + (["out"] if fold else []),
+                               source=TQ5_FOLD_SOURCE if fold else TQ5_SOURCE,
+                               header=da._HEADER + da._TQ3_HEADER + TQ4_HEADER, ensure_row_contiguous=False)
+
+
+@lru_cache(maxsize=None)
+def templates5(dtype, dim: int, g: int, bits: int, group: int) -> list:
+    """v4's template values at the capacity chunk (the table copies follow from it)."""
+    return templates(dtype, dim, g, chunk_capacity(g), bits, group)
+
+
+@lru_cache(maxsize=4096)
+def _plan5(tokens: int, kv_heads: int, rows: int, g: int, dim: int, at_least: int):
+    return split5(tokens, kv_heads, rows, g, dim, at_least)
+
+
+def attend5(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group, counters, end):
+    """`decode_attention.tq_attend`'s step as v5, or None where v4's rules say it cannot map it
+    (the caller runs v4's route, and so v3). `counters`: the cache's int32 zeros (B x H), needed
+    to fold; None: never fold. Columns [0, end) of the norms and codes (whole buffers) are the cache's."""
+    B, hq, _, dim = queries.shape
+    H = k_codes.shape[1]
+    g = hq // H
+    cap = chunk_capacity(g)
+    if not usable(queries, codec.bits, g, dim, cap):
+        return None
+    plan = _plan5(end, H, B, g, dim, win_k.shape[2])
+    if plan is None:
+        return None
+    chunk, fold = plan
+    fold = fold and counters is not None
+    splits = -(-end // chunk) + 1  # + the dense block
+    assert end < 1 << 24
+    params = mx.array([scale, float(end), float(chunk)], mx.float32)  # (a list: ~4 us less host time than numpy)
+    inputs = [queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids, params]
+    grid, tg = (splits * da.NW * 32, H, B), (da.NW * 32, 1, 1)
+    template = templates5(win_k.dtype, dim, g, codec.bits, group)
+    parts = [(B * hq * splits * dim,), (B * hq, splits, 2)]
+    if fold:
+        assert counters.dtype == mx.int32 and counters.size >= B * H
+        launches5[1] += 1
+        return _tq5_kernel(True)(inputs=inputs + [counters], template=template, grid=grid, threadgroup=tg,
+                                 output_shapes=parts + [(B, hq, 1, dim)],
+                                 output_dtypes=[mx.float32, mx.float32, queries.dtype])[2]
+    launches5[0] += 1
+    o_part, ml_part = _tq5_kernel(False)(inputs=inputs, template=template, grid=grid, threadgroup=tg,
+                                         output_shapes=parts, output_dtypes=[mx.float32, mx.float32])
+    return da._tq3_reduce_kernel()(inputs=[o_part, ml_part, codec.signs],
+                                   template=[("T", queries.dtype), ("D", dim), ("RW", da.TQ3_RW)],
+                                   grid=(B * hq * da.TQ3_RW * 32, 1, 1), threadgroup=(da.TQ3_RW * 32, 1, 1),
+                                   output_shapes=[(B, hq, 1, dim)], output_dtypes=[queries.dtype])[0]
+
+
+def build_plan5(kv_heads: int, g: int, dim: int, max_batch: int) -> dict[int, tuple[int, int]]:
+    """engine/tq_prebuild.py's plan under v5: v5 builds one kernel per fold choice, not per chunk
+    (the chunk is a runtime parameter), so one launch that folds (one row, 4,096 columns) and one
+    that does not (`max_batch` rows, past `FOLD_WAVES` waves of 1,024-column blocks), each keyed by
+    the chunk it picks: {chunk: (rows, tokens)}."""
+    slots = sm_count() * blocks_per_sm(v5_shared_bytes(g, dim), v5_regs(g, dim))
+    tokens = chunk_capacity(g) * (FOLD_WAVES * slots // (kv_heads * max_batch) + 1)
+    plan = {}
+    for rows, cols in ((1, 4096), (max_batch, tokens)):
+        got = split5(cols, kv_heads, rows, g, dim, at_least=1)
+        if got is not None:
+            plan.setdefault(got[0], (rows, cols))
+    return plan
