@@ -210,6 +210,7 @@ def greedy_identity(steps: int, variants=("v2s",), dense: bool = True, dtype: st
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--long", action="store_true", help="also 32k / 100k contexts")
+    ap.add_argument("--long-variants", help="variants of the --long cases (default: --variants)")
     ap.add_argument("--steps", type=int, default=400, help="greedy tokens compared on the fixture")
     ap.add_argument("--variants", default="v3,v2s,v2,v1",
                     help="TurboQuant decode variants to check (engine.decode_attention.TQ_VARIANTS)")
@@ -289,18 +290,19 @@ def main() -> int:
     for dtype in [d for d in args.greedy_wide.split(",") if d]:
         greedy_identity(args.steps, args.greedy_variants.split(",") if args.greedy_variants else variants,
                         dense=False, dtype=dtype, model_name="wide")
+    long_variants = args.long_variants.split(",") if args.long_variants else variants
     if args.long:
         for n in (32768, 100000):
             if not args.skip_dense:
                 dense_case([n, n - 5000, 77], 32, 8, 128, mx.bfloat16)
-            for variant in variants:
+            for variant in long_variants:
                 tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, variant=variant)
             for unroll in unrolls:
                 tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, unroll=unroll)
             for load in loads:
                 tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, variant="v3", load=load)
             # four left-padded rows, the longest at this context
-            for variant in [v for v in variants if v in ("v2s", "v3", "v4", "v5")]:
+            for variant in [v for v in long_variants if v in ("v2s", "v3", "v4", "v5")]:
                 tq_case([[8192] * (m // 8192) + [m % 8192] for m in (n, n - 1000, n - 5037, 77)], 32, 8, 128, 4,
                         mx.bfloat16, variant=variant, steps=2)
             decode_attention.set_tq_unroll(4)
