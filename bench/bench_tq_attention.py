@@ -159,12 +159,14 @@ def _fill(cache, keys, values, chunk: int = 8192):
 
 def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 1, parts: bool = False,
             only_tq: bool = False, unrolls: tuple = (), variants: tuple | None = None, loads: tuple = (),
-            queued: int = 0, queued_gb: float = 40.0, only_queued: bool = False, chunks: tuple = ()) -> dict:
+            queued: int = 0, queued_gb: float = 40.0, only_queued: bool = False, chunks: tuple = (),
+            tq5_us: tuple = ()) -> dict:
     """One layer's decode step at `rows` rows of `context` tokens: dense (MLX's fused SDPA) and
     TurboQuant through MLX ops and through the kernel; with several rows, also left-padded
     rows (every row but the first 1,000 tokens shorter), dense (masked SDPA vs the kernel).
     `queued` > 0: also the queued per-layer figures (`queued_step_time`) over that many layers.
-    `chunks`: also v4 with its split forced to each of these chunks (`forced_chunk`)."""
+    `chunks`: also v4 with its split forced to each of these chunks (`forced_chunk`); `tq5_us`: also
+    v5 at each of these tiles in flight (`tq5_unroll`)."""
     from mlx_lm.models.cache import KVCache
 
     from engine import decode_attention
@@ -227,6 +229,10 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
                 with forced_chunk(c):
                     timed(f"tq_kernel_v4_chunk{c}_ms", tq, "hook", "on", variant="v4")
                 row[f"tq_kernel_v4_chunk{c}_vs_dense"] = round(row[f"tq_kernel_v4_chunk{c}_ms"] / row["dense_ms"], 3)
+            for u in tq5_us:
+                with tq5_unroll(u):
+                    timed(f"tq_kernel_v5_u{u}_ms", tq, "hook", "on", variant="v5")
+                row[f"tq_kernel_v5_u{u}_vs_dense"] = round(row[f"tq_kernel_v5_u{u}_ms"] / row["dense_ms"], 3)
             for spec in loads:  # v3 at other code-load widths ("8": 8 bytes; "8p": shift-and-mask code extraction)
                 load, nib = int(str(spec).rstrip("p")), not str(spec).endswith("p")
                 timed(f"tq_kernel_v3_l{spec}_ms", tq, "hook", "on", variant="v3", load=load, nib=nib)
@@ -264,6 +270,10 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
                 with forced_chunk(c):
                     qtimed(f"queued_tq_v4_chunk{c}_ms", tq, "hook", "on", variant="v4")
                 row[f"queued_tq_v4_chunk{c}_vs_dense"] = round(row[f"queued_tq_v4_chunk{c}_ms"] / row["queued_dense_ms"], 3)
+            for u in tq5_us:
+                with tq5_unroll(u):
+                    qtimed(f"queued_tq_v5_u{u}_ms", tq, "hook", "on", variant="v5")
+                row[f"queued_tq_v5_u{u}_vs_dense"] = round(row[f"queued_tq_v5_u{u}_ms"] / row["queued_dense_ms"], 3)
             qtimed("queued_dense_again_ms", dense, "dense", "off")
         else:
             qtimed("queued_tq_mlx_ops_ms", tq, "hook", "off")
@@ -381,9 +391,9 @@ def profiler(on: bool) -> bool:
 
 
 def kernel_cases(shape: str, context: int, bits: int, dtype, rows: int, variants: tuple, steps: int,
-                 chunks: tuple = ()) -> list[dict]:
+                 chunks: tuple = (), tq5_us: tuple = ()) -> list[dict]:
     """Each case (dense, then each TurboQuant variant, then v4 at each forced split chunk in
-    `chunks`): warm-up steps outside the capture window, then `steps` synced steps inside it, on
+    `chunks`, then v5 at each tiles-in-flight count of `tq5_us`): warm-up steps outside the capture window, then `steps` synced steps inside it, on
     a stream of the case's own (ncu's "Stream" column tells the cases apart)."""
     from mlx_lm.models.cache import KVCache
 
@@ -410,11 +420,12 @@ def kernel_cases(shape: str, context: int, bits: int, dtype, rows: int, variants
     plan = [("dense", dense, "dense", "off", saved_variant, None)]
     plan += [(v, tq, "hook", "on", v, None) for v in variants]
     plan += [(f"v4_chunk{c}", tq, "hook", "on", "v4", c) for c in chunks]
+    plan += [(f"v5_u{u}", tq, "hook", "on", "v5", -u) for u in tq5_us]  # (a negative "chunk": v5's U)
     for name, make, mode, kernel_mode, variant, chunk in plan:
         decode_attention.set_mode(kernel_mode)
         decode_attention.set_tq_variant(variant)
         try:
-            with forced_chunk(chunk):
+            with forced_chunk(chunk if chunk and chunk > 0 else None), tq5_unroll(-chunk if chunk and chunk < 0 else None):
                 cache = make()
                 step_time(cache, mode, q_heads, kv_heads, dim, dtype, 3, rows)  # builds the kernels
                 stream = mx.new_stream(mx.default_device())
@@ -427,7 +438,7 @@ def kernel_cases(shape: str, context: int, bits: int, dtype, rows: int, variants
             decode_attention.set_mode(saved_mode)
             decode_attention.set_tq_variant(saved_variant)
         out.append({"case": name, "shape": shape, "context": context, "rows": rows, "steps": steps,
-                    "stream": str(stream), "profiler": opened, **({"chunk": chunk} if chunk else {})})
+                    "stream": str(stream), "profiler": opened, **({"chunk": chunk} if chunk and chunk > 0 else {})})
         print(json.dumps(out[-1]), flush=True)
         del cache
         mx.clear_cache()
@@ -456,6 +467,26 @@ class forced_chunk:
         from engine import decode_attention
 
         decode_attention.split_chunk = self.saved
+
+
+class tq5_unroll:
+    """Within the block, v5 warps keep `u` tiles in flight (`tq_mma.set_tq5_unroll`). None: no change."""
+
+    def __init__(self, u: int | None):
+        self.u = u
+
+    def __enter__(self):
+        from engine import tq_mma
+
+        self.saved = tq_mma.tq5_unroll()
+        if self.u:
+            tq_mma.set_tq5_unroll(self.u)
+        return self
+
+    def __exit__(self, *exc):
+        from engine import tq_mma
+
+        tq_mma.set_tq5_unroll(self.saved)
 
 
 _NCU_UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
@@ -577,6 +608,7 @@ def main() -> None:
                     help="fewer --queued layers where that many dense caches would take more (GB)")
     ap.add_argument("--only-queued", action="store_true", help="with --queued: leave out the synced figures")
     ap.add_argument("--chunks", default="", help="also v4 with its split forced to these chunks, e.g. 512,768")
+    ap.add_argument("--tq5-u", default="", help="also v5 with these tiles in flight per warp, e.g. 4")
     ap.add_argument("--kernel-time", action="store_true",
                     help="run the cases inside ncu's capture window (run under ncu --profile-from-start off)")
     ap.add_argument("--kernel-steps", type=int, default=3, help="synced steps per case inside the window")
@@ -588,6 +620,7 @@ def main() -> None:
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
     chunks = tuple(int(c) for c in args.chunks.split(",") if c)
+    tq5_us = tuple(int(u) for u in args.tq5_u.split(",") if u)
     if args.ncu_csv:
         cases = [c for c in json.loads(args.kernel_cases.read_text()) if "case" in c]
         summary = kernel_summary(parse_ncu_csv(args.ncu_csv.read_text()), cases)
@@ -603,7 +636,7 @@ def main() -> None:
                 for context in args.context or (32768,):
                     out += kernel_cases(shape, context, args.bits, dtype, rows,
                                         tuple(v for v in args.kernel_variants.split(",") if v), args.kernel_steps,
-                                        chunks)
+                                        chunks, tq5_us)
                     if args.json:
                         args.json.write_text(json.dumps(out, indent=1))
         return
@@ -621,7 +654,7 @@ def main() -> None:
                 out.append(measure(shape, context, args.bits, dtype, args.steps, rows, args.parts, args.only_tq,
                                    tuple(args.unroll), tuple(args.variants.split(",")) if args.variants else None,
                                    tuple(args.tq3_load), args.layers if args.queued else 0, args.queued_gb,
-                                   args.only_queued, chunks))
+                                   args.only_queued, chunks, tq5_us))
                 print(json.dumps(out[-1]), flush=True)
                 if args.json:  # as it goes: a run stopped at its limit keeps what it measured
                     args.json.write_text(json.dumps(out, indent=1))

@@ -64,6 +64,7 @@ byte permute per register instead of one load and one extraction.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import mlx.core as mx
@@ -344,8 +345,9 @@ def attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale,
 # finish combines the splits (v2's `_LAST_BLOCK_REDUCE` counter) and writes the output: one
 # launch, and one custom-kernel call less on the host, per layer.
 
-# ptxas registers a thread, (D, G) -> registers (sm_90; tests/test_tq_mma.py checks them as bounds)
-V5_REGS = {(128, 4): 96, (128, 8): 128, (64, 3): 72, (256, 4): 168}
+# ptxas registers a thread, (D, G, U) -> registers (sm_90; tests/test_tq_mma.py checks them as bounds)
+V5_REGS = {(128, 4, 2): 96, (128, 4, 1): 80, (128, 4, 4): 127, (128, 8, 2): 128, (64, 3, 2): 72, (256, 4, 2): 168}
+U5S = (1, 2, 4)  # tiles in flight per warp (`tq5_unroll`)
 FOLD_WAVES = 2  # fold the reduce into the split kernel up to this many waves of code blocks
 _SM_SMEM = 228 * 1024  # shared memory per SM on Hopper (a block also reserves 1 KB)
 _SM_REGS, _SM_THREADS, _SM_BLOCKS = 65536, 2048, 32
@@ -379,9 +381,33 @@ def v5_shared_bytes(g: int, dim: int, bits: int = 4) -> int:
     return _v3_shared_bytes(g, dim, cap, bits) + 1024 * (table_copies(g, dim, cap, bits) or 0) + 16
 
 
-def v5_regs(g: int, dim: int) -> int:
-    """`V5_REGS`, else a bound by head size (more registers: fewer blocks, a safe guess)."""
-    return V5_REGS.get((dim, g), 128 if dim <= 128 else 168)
+def v5_regs(g: int, dim: int, u: int | None = None) -> int:
+    """`V5_REGS`, else a bound by head size and tiles in flight (more registers: fewer blocks, a safe guess)."""
+    u = u or tq5_unroll()
+    return V5_REGS.get((dim, g, u), 128 if dim <= 128 and u <= 2 else 168)
+
+
+_tq5_unroll: int | None = None
+
+
+def tq5_unroll() -> int:
+    """16-token tiles a v5 warp loads before it multiplies any (v4: `U4` = 2). 4: twice the bytes
+    in flight per warp at 127 registers (4 blocks per SM instead of 5): for large grids, where
+    the loads' latency, not the waves, may bind (docs/PERFORMANCE.md, session 8). From
+    PREFIXTRACE_TQ5_U, read once."""
+    global _tq5_unroll
+    if _tq5_unroll is None:
+        env = os.environ.get("PREFIXTRACE_TQ5_U", str(U4))
+        _tq5_unroll = int(env) if env in {str(u) for u in U5S} else U4
+    return _tq5_unroll
+
+
+def set_tq5_unroll(new: int) -> None:
+    if new not in U5S:
+        raise ValueError(f"v5 tiles in flight must be one of {U5S}, not {new!r}")
+    global _tq5_unroll
+    _tq5_unroll = new
+    _plan5.cache_clear()
 
 
 def blocks_per_sm(shared: int, regs: int = 96, threads: int = da.NW * 32) -> int:
@@ -393,12 +419,12 @@ def blocks_per_sm(shared: int, regs: int = 96, threads: int = da.NW * 32) -> int
 
 
 def split5(tokens: int, kv_heads: int, rows: int, g: int, dim: int, at_least: int = 0,
-           sms: int | None = None) -> tuple[int, bool] | None:
+           sms: int | None = None, u: int | None = None) -> tuple[int, bool] | None:
     """(columns per code block, fold) for v5: the multiple of 64 in [max(64, at_least), capacity]
     with the fewest (waves rounded up) x (columns + `_BLOCK_FIXED`), the larger chunk on a tie
     (fewer partials to reduce); fold where the code blocks fill at most `FOLD_WAVES` waves. None
     where the dense window does not fit a block."""
-    slots = (sms or sm_count()) * blocks_per_sm(v5_shared_bytes(g, dim), v5_regs(g, dim))
+    slots = (sms or sm_count()) * blocks_per_sm(v5_shared_bytes(g, dim), v5_regs(g, dim, u))
     cap = chunk_capacity(g)
     lo = max(64, -(-at_least // 64) * 64)
     if lo > cap:
@@ -504,9 +530,9 @@ def _tq5_kernel(fold: bool):
 
 
 @lru_cache(maxsize=None)
-def templates5(dtype, dim: int, g: int, bits: int, group: int) -> list:
-    """v4's template values at the capacity chunk (the table copies follow from it)."""
-    return templates(dtype, dim, g, chunk_capacity(g), bits, group)
+def templates5(dtype, dim: int, g: int, bits: int, group: int, u: int = U4) -> list:
+    """v4's template values at the capacity chunk (the table copies follow from it), U = `u`."""
+    return [(k, u if k == "U" else v) for k, v in templates(dtype, dim, g, chunk_capacity(g), bits, group)]
 
 
 @lru_cache(maxsize=4096)
@@ -534,7 +560,7 @@ def attend5(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale
     params = mx.array([scale, float(end), float(chunk)], mx.float32)  # (a list: ~4 us less host time than numpy)
     inputs = [queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids, params]
     grid, tg = (splits * da.NW * 32, H, B), (da.NW * 32, 1, 1)
-    template = templates5(win_k.dtype, dim, g, codec.bits, group)
+    template = templates5(win_k.dtype, dim, g, codec.bits, group, tq5_unroll())
     parts = [(B * hq * splits * dim,), (B * hq, splits, 2)]
     if fold:
         assert counters.dtype == mx.int32 and counters.size >= B * H

@@ -106,6 +106,17 @@ def test_forced_chunk_sets_the_split_and_restores_it():
 def test_kernel_cases_run_without_a_profiler():
     """On the CPU the capture window is a no-op (`profiler` answers False) and the cases still run."""
     b = _bench()
-    out = b.kernel_cases("smollm2-135m", 130, 4, mx.float32, 1, ("v4",), 2, (64,))
-    assert [c["case"] for c in out] == ["dense", "v4", "v4_chunk64"]
+    out = b.kernel_cases("smollm2-135m", 130, 4, mx.float32, 1, ("v4",), 2, (64,), (4,))
+    assert [c["case"] for c in out] == ["dense", "v4", "v4_chunk64", "v5_u4"]
     assert all(c["profiler"] is False and c["steps"] == 2 for c in out)
+
+
+def test_tq5_unroll_sets_v5s_tiles_in_flight_and_restores_them():
+    from engine import tq_mma
+
+    b = _bench()
+    before = tq_mma.tq5_unroll()
+    with b.tq5_unroll(4):
+        assert tq_mma.tq5_unroll() == 4
+        assert dict(tq_mma.templates5(mx.bfloat16, 128, 4, 4, 64, tq_mma.tq5_unroll()))["U"] == 4
+    assert tq_mma.tq5_unroll() == before

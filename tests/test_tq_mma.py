@@ -514,21 +514,21 @@ def test_v5_compiles_for_the_h200_within_its_occupancy_model(tmp_path):
 
     shapes = []
     for fold in (False, True):
-        for dtype, dim, g in (("bfloat16", 128, 4), ("float16", 128, 4), ("bfloat16", 128, 8), ("bfloat16", 64, 3),
-                              ("bfloat16", 256, 4)):
-            name = f"v5{'f' if fold else ''}_{dtype}_d{dim}_g{g}"
+        for dtype, dim, g, u in (("bfloat16", 128, 4, 2), ("float16", 128, 4, 2), ("bfloat16", 128, 8, 2),
+                                 ("bfloat16", 64, 3, 2), ("bfloat16", 256, 4, 2), ("bfloat16", 128, 4, 4)):
+            name = f"v5{'f' if fold else ''}_{dtype}_d{dim}_g{g}_u{u}"
             inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS] + ([("cnt", "int32", 1)] if fold else [])
             outputs = [("o_part", "float32"), ("ml_part", "float32")] + ([("out", dtype)] if fold else [])
             shapes.append((name, render(name, tq_mma.TQ5_FOLD_SOURCE if fold else tq_mma.TQ5_SOURCE, inputs, outputs,
-                                        tq_mma.templates5(dtype, dim, g, 4, 64))))
+                                        tq_mma.templates5(dtype, dim, g, 4, 64, u))))
     report = ptxas_report(tmp_path / "v5.cu", decode_attention._HEADER + decode_attention._TQ3_HEADER + tq_mma.TQ4_HEADER,
                           shapes, timeout=900)
     assert len(report) == len(shapes)
     for name, (regs, smem, frame, spills, block) in report.items():
         assert frame == 0 and spills == ("0", "0") and smem <= 48 * 1024, (name, block)
-        g, dim = int(name.split("_g")[1]), int(name.split("_d")[1].split("_")[0])
+        g, dim, u = int(name.split("_g")[1].split("_")[0]), int(name.split("_d")[1].split("_")[0]), int(name.split("_u")[1])
         assert tq_mma.v5_shared_bytes(g, dim) - 128 <= smem <= tq_mma.v5_shared_bytes(g, dim), (name, smem)
-        assert regs <= tq_mma.v5_regs(g, dim), (name, regs)
+        assert regs <= tq_mma.v5_regs(g, dim, u), (name, regs)
     print("ptxas registers, smem:", {n: r[:2] for n, r in report.items()})
 
 
