@@ -536,8 +536,10 @@ def templates5(dtype, dim: int, g: int, bits: int, group: int, u: int = U4) -> l
 
 
 @lru_cache(maxsize=4096)
-def _plan5(tokens: int, kv_heads: int, rows: int, g: int, dim: int, at_least: int):
-    return split5(tokens, kv_heads, rows, g, dim, at_least)
+def _plan5(tokens64: int, kv_heads: int, rows: int, g: int, dim: int, at_least64: int):
+    """`split5` for tokens and window rounded up to multiples of 64: a decode step's context grows
+    by one, so the plan is computed once per 64 steps (the search is ~10 us of Python)."""
+    return split5(64 * tokens64, kv_heads, rows, g, dim, 64 * at_least64)
 
 
 def attend5(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group, counters, end):
@@ -550,7 +552,7 @@ def attend5(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale
     cap = chunk_capacity(g)
     if not usable(queries, codec.bits, g, dim, cap):
         return None
-    plan = _plan5(end, H, B, g, dim, win_k.shape[2])
+    plan = _plan5(-(-end // 64), H, B, g, dim, -(-win_k.shape[2] // 64))
     if plan is None:
         return None
     chunk, fold = plan
