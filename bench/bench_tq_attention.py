@@ -546,6 +546,55 @@ def kernel_summary(kernels: list[dict], cases: list[dict]) -> list[dict]:
     return out
 
 
+# What binds a kernel, from ncu's raw page (`ncu -i R.ncu-rep --csv --page raw`): time, DRAM
+# throughput, occupancy, shared-memory bank conflicts and the warp stall reasons (cycles per issued
+# instruction; the largest say what a warp waits on).
+COUNTERS = {
+    "us": "gpu__time_duration.sum",
+    "dram_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram_bytes": "dram__bytes_read.sum",
+    "occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "regs": "launch__registers_per_thread",
+    "smem_ld_wavefronts": "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",
+    "smem_ld_conflicts": "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+    "issue_active_pct": "sm__inst_issued.avg.pct_of_peak_sustained_active",
+}
+_STALL = "smsp__average_warps_issue_stalled_"
+
+
+def ncu_counters(text: str) -> list[dict]:
+    """Per kernel of ncu's raw CSV page: `COUNTERS` and the warp stall reasons (`stall_*`, issue
+    cycles per instruction, the six largest)."""
+    import csv
+    import io
+
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith('"ID"')), None)
+    if start is None:
+        return []
+    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+    head, body = rows[0], [r for r in rows[1:] if r and r[0].isdigit()]
+    out = []
+    for r in body:
+        m = dict(zip(head, r))
+
+        def num(name):
+            try:
+                return float(m.get(name, "").replace(",", ""))
+            except ValueError:
+                return None
+        row = {"id": int(m["ID"]), "kernel": m.get("Kernel Name", "")[:80], "grid": m.get("Grid Size", "")}
+        row.update({k: num(v) for k, v in COUNTERS.items()})
+        if row["us"] is not None:
+            row["us"] /= 1e3  # (raw page: nanoseconds)
+        stalls = {k[len(_STALL):].replace("_per_issue_active.ratio", ""): num(k) for k in head
+                  if k.startswith(_STALL) and k.endswith("_per_issue_active.ratio") and "not_issued" not in k}
+        top = sorted(((v, k) for k, v in stalls.items() if v), reverse=True)[:6]
+        row.update({f"stall_{k}": round(v, 2) for v, k in top})
+        out.append(row)
+    return out
+
+
 def sync_floor(launches: int, steps: int, kind: str = "add") -> float:
     """Median seconds of one synced eval of a chain of `launches` trivial kernels on a 256-float
     array: "add" (MLX elementwise adds) or "custom" (a trivial `mx.fast.cuda_kernel`, the kind of
@@ -615,12 +664,17 @@ def main() -> None:
     ap.add_argument("--kernel-variants", default="v4", help="TurboQuant variants of --kernel-time")
     ap.add_argument("--ncu-csv", type=Path, help="summarise this ncu CSV per case (with --kernel-cases)")
     ap.add_argument("--kernel-cases", type=Path, help="the --kernel-time run's --json")
+    ap.add_argument("--ncu-raw", type=Path, help="print what binds each kernel of this ncu raw CSV page")
     ap.add_argument("--sync-floor", action="store_true", help="also the sync floor of 1..6 trivial launches")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
     chunks = tuple(int(c) for c in args.chunks.split(",") if c)
     tq5_us = tuple(int(u) for u in args.tq5_u.split(",") if u)
+    if args.ncu_raw:
+        for row in ncu_counters(args.ncu_raw.read_text()):
+            print(json.dumps(row))
+        return
     if args.ncu_csv:
         cases = [c for c in json.loads(args.kernel_cases.read_text()) if "case" in c]
         summary = kernel_summary(parse_ncu_csv(args.ncu_csv.read_text()), cases)

@@ -120,3 +120,18 @@ def test_tq5_unroll_sets_v5s_tiles_in_flight_and_restores_them():
         assert tq_mma.tq5_unroll() == 4
         assert dict(tq_mma.templates5(mx.bfloat16, 128, 4, 4, 64, tq_mma.tq5_unroll()))["U"] == 4
     assert tq_mma.tq5_unroll() == before
+
+
+def test_ncu_raw_page_gives_time_conflicts_and_the_largest_stalls():
+    b = _bench()
+    head = ['"ID"', '"Kernel Name"', '"Grid Size"', '"gpu__time_duration.sum"',
+            '"l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"',
+            '"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio"',
+            '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"',
+            '"smsp__average_warps_issue_stalled_not_issued_per_issue_active.ratio"']
+    units = ['""', '""', '""', '"nsecond"', '""', '"ratio"', '"ratio"', '"ratio"']
+    row = ['"0"', '"custom_kernel_prefixtrace_decode_tq4"', '"(99, 8, 8)"', '"812,000"', '"1,024"', '"7.5"', '"0.5"', '"9"']
+    text = "==PROF== done\n" + "\n".join(",".join(r) for r in (head, units, row))
+    (k,) = b.ncu_counters(text)
+    assert k["us"] == 812.0 and k["smem_ld_conflicts"] == 1024 and k["dram_pct"] is None
+    assert k["stall_long_scoreboard"] == 7.5 and k["stall_barrier"] == 0.5 and "stall_not_issued" not in k
