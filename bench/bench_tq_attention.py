@@ -60,13 +60,14 @@ SHAPES = {"smollm2-135m": (9, 3, 64), "qwen3-8b": (32, 8, 128)}  # query heads, 
 
 
 def step_time(cache, mode: str, q_heads: int, kv_heads: int, dim: int, dtype, steps: int, rows: int = 1,
-              part: str = "step", first: int = 2) -> float:
+              part: str = "step", first: int = 2, window: bool = False) -> float:
     """Median seconds of one decode step of one layer: `update_and_fetch` of a new token per
     row, then attention ("dense": MLX's SDPA over the returned K/V, with the padding mask
     when rows are padded; "hook": the attention hook's route, which takes
     engine.decode_attention's kernels where `decode_attention.mode()` says so; "decoded":
     SDPA over the cache's decoded K/V). part "update" times the update alone, "attend" the
-    attention alone (its update evaluated first). The median leaves out the `first` steps."""
+    attention alone (its update evaluated first). The median leaves out the `first` steps.
+    `window`: open ncu's capture window (`profiler`) around each step only, after its inputs exist."""
     from engine.tq_cache import _hooked
 
     hook = _hooked(lambda q, k, v, cache, scale, mask, sinks=None: mx.fast.scaled_dot_product_attention(
@@ -78,6 +79,8 @@ def step_time(cache, mode: str, q_heads: int, kv_heads: int, dim: int, dtype, st
         q = mx.random.normal((rows, q_heads, 1, dim)).astype(dtype)
         mask = cache.make_mask(1) if hasattr(cache, "left_padding") else None
         mx.eval(k, v, q, mask) if mask is not None else mx.eval(k, v, q)
+        if window:
+            profiler(True)
         t0 = time.perf_counter()
         keys, values = cache.update_and_fetch(k, v)
         if part == "update":
@@ -93,6 +96,8 @@ def step_time(cache, mode: str, q_heads: int, kv_heads: int, dim: int, dtype, st
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=dim ** -0.5, mask=mask)
         mx.eval(out, *_cache_arrays(cache))
         times.append(time.perf_counter() - t0)
+        if window:
+            profiler(False)
     return statistics.median(times[first:])
 
 
@@ -160,7 +165,7 @@ def _fill(cache, keys, values, chunk: int = 8192):
 def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 1, parts: bool = False,
             only_tq: bool = False, unrolls: tuple = (), variants: tuple | None = None, loads: tuple = (),
             queued: int = 0, queued_gb: float = 40.0, only_queued: bool = False, chunks: tuple = (),
-            tq5_us: tuple = ()) -> dict:
+            tq5_us: tuple = (), tq5_nofold: bool = False) -> dict:
     """One layer's decode step at `rows` rows of `context` tokens: dense (MLX's fused SDPA) and
     TurboQuant through MLX ops and through the kernel; with several rows, also left-padded
     rows (every row but the first 1,000 tokens shorter), dense (masked SDPA vs the kernel).
@@ -229,6 +234,10 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
                 with forced_chunk(c):
                     timed(f"tq_kernel_v4_chunk{c}_ms", tq, "hook", "on", variant="v4")
                 row[f"tq_kernel_v4_chunk{c}_vs_dense"] = round(row[f"tq_kernel_v4_chunk{c}_ms"] / row["dense_ms"], 3)
+            if tq5_nofold:
+                with tq5_fold(False):
+                    timed("tq_kernel_v5_nofold_ms", tq, "hook", "on", variant="v5")
+                row["tq_kernel_v5_nofold_vs_dense"] = round(row["tq_kernel_v5_nofold_ms"] / row["dense_ms"], 3)
             for u in tq5_us:
                 with tq5_unroll(u):
                     timed(f"tq_kernel_v5_u{u}_ms", tq, "hook", "on", variant="v5")
@@ -270,6 +279,10 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
                 with forced_chunk(c):
                     qtimed(f"queued_tq_v4_chunk{c}_ms", tq, "hook", "on", variant="v4")
                 row[f"queued_tq_v4_chunk{c}_vs_dense"] = round(row[f"queued_tq_v4_chunk{c}_ms"] / row["queued_dense_ms"], 3)
+            if tq5_nofold:
+                with tq5_fold(False):
+                    qtimed("queued_tq_v5_nofold_ms", tq, "hook", "on", variant="v5")
+                row["queued_tq_v5_nofold_vs_dense"] = round(row["queued_tq_v5_nofold_ms"] / row["queued_dense_ms"], 3)
             for u in tq5_us:
                 with tq5_unroll(u):
                     qtimed(f"queued_tq_v5_u{u}_ms", tq, "hook", "on", variant="v5")
@@ -391,10 +404,11 @@ def profiler(on: bool) -> bool:
 
 
 def kernel_cases(shape: str, context: int, bits: int, dtype, rows: int, variants: tuple, steps: int,
-                 chunks: tuple = (), tq5_us: tuple = ()) -> list[dict]:
+                 chunks: tuple = (), tq5_us: tuple = (), tq5_nofold: bool = False) -> list[dict]:
     """Each case (dense, then each TurboQuant variant, then v4 at each forced split chunk in
     `chunks`, then v5 at each tiles-in-flight count of `tq5_us`): warm-up steps outside the capture window, then `steps` synced steps inside it, on
-    a stream of the case's own (ncu's "Stream" column tells the cases apart)."""
+    a stream of the case's own; the capture window opens around each step only, after its inputs
+    are made (`step_time`'s `window`), so ncu sees the step's kernels alone."""
     from mlx_lm.models.cache import KVCache
 
     from engine import decode_attention
@@ -421,19 +435,21 @@ def kernel_cases(shape: str, context: int, bits: int, dtype, rows: int, variants
     plan += [(v, tq, "hook", "on", v, None) for v in variants]
     plan += [(f"v4_chunk{c}", tq, "hook", "on", "v4", c) for c in chunks]
     plan += [(f"v5_u{u}", tq, "hook", "on", "v5", -u) for u in tq5_us]  # (a negative "chunk": v5's U)
+    plan += [("v5_nofold", tq, "hook", "on", "v5", 0)] if tq5_nofold else []  # (chunk 0: v5 with the fold off)
     for name, make, mode, kernel_mode, variant, chunk in plan:
         decode_attention.set_mode(kernel_mode)
         decode_attention.set_tq_variant(variant)
         try:
-            with forced_chunk(chunk if chunk and chunk > 0 else None), tq5_unroll(-chunk if chunk and chunk < 0 else None):
+            with forced_chunk(chunk if chunk and chunk > 0 else None), tq5_unroll(-chunk if chunk and chunk < 0 else None), \
+                    tq5_fold(False if chunk == 0 else None):
                 cache = make()
                 step_time(cache, mode, q_heads, kv_heads, dim, dtype, 3, rows)  # builds the kernels
                 stream = mx.new_stream(mx.default_device())
                 with mx.stream(stream):
                     step_time(cache, mode, q_heads, kv_heads, dim, dtype, 3, rows)
                     opened = profiler(True)
-                    step_time(cache, mode, q_heads, kv_heads, dim, dtype, steps, rows, first=0)
                     profiler(False)
+                    step_time(cache, mode, q_heads, kv_heads, dim, dtype, steps, rows, first=0, window=True)
         finally:
             decode_attention.set_mode(saved_mode)
             decode_attention.set_tq_variant(saved_variant)
@@ -467,6 +483,26 @@ class forced_chunk:
         from engine import decode_attention
 
         decode_attention.split_chunk = self.saved
+
+
+class tq5_fold:
+    """Within the block, v5 folds its reduce (True) or never does (False). None: no change."""
+
+    def __init__(self, on: bool | None):
+        self.on = on
+
+    def __enter__(self):
+        from engine import tq_mma
+
+        self.saved = tq_mma.fold5()
+        if self.on is not None:
+            tq_mma.set_fold5(self.on)
+        return self
+
+    def __exit__(self, *exc):
+        from engine import tq_mma
+
+        tq_mma.set_fold5(self.saved)
 
 
 class tq5_unroll:
@@ -514,35 +550,55 @@ def parse_ncu_csv(text: str, metric: str = "gpu__time_duration.sum") -> list[dic
     return sorted(rows, key=lambda r: r["id"])
 
 
+# Kernels that only make a step's inputs (mx.random.normal, astype): a window opened before the
+# inputs existed (session 8's run) caught them; they are not the step's.
+_INPUT_KERNELS = ("rbitsc", "ErfInv", "binary_vs<mlx::Divide, float", "binary_vs<mlx::Minimum, float",
+                  "binary_ss<mlx::Subtract, float", "binary_sv<mlx::Multiply, float", "binary_vs<mlx::Add, float",
+                  "copy_v<unsigned int, float", "copy_v<float, __nv_bfloat16")
+
+
 def _kernel_kind(name: str) -> str:
-    for key, kind in (("tq4", "tq_split"), ("tq3_reduce", "tq_reduce"), ("decode_tq3", "tq_split"),
-                      ("encode", "tq_encode"), ("sdpa", "sdpa"), ("copy", "copy"), ("slice", "copy"),
-                      ("fill", "fill")):
+    if any(k in name for k in _INPUT_KERNELS):
+        return "input"
+    for key, kind in (("tq4", "tq_split"), ("tq5", "tq_split"), ("tq3_reduce", "tq_reduce"), ("decode_tq3", "tq_split"),
+                      ("encode", "tq_encode"), ("sdpa", "sdpa"), ("lean_reduction", "sdpa"), ("copy", "copy"),
+                      ("slice", "copy"), ("fill", "fill")):
         if key in name.lower():
             return kind
     return "other"
 
 
 def kernel_summary(kernels: list[dict], cases: list[dict]) -> list[dict]:
-    """Per case: the kernels ncu timed on its stream, per step (their sum, their count, and by
-    kind: split / reduce / encode / SDPA / copies). Cases are matched to ncu's streams in order of
-    first appearance (ncu numbers streams its own way), one stream per case."""
-    streams = []
+    """Per case: the kernels ncu timed in its steps, per step (their sum, their count, and by kind:
+    split / reduce / encode / SDPA / copies). A step starts where a cache-update copy follows a
+    kernel of the previous step's attention (every step starts with its K and V writes); steps go
+    to the cases in order, `steps` each. (Not by ncu's "Stream" column: MLX runs one stream's
+    kernels on several CUDA streams.) Input-making kernels are left out."""
+    steps: list[list[dict]] = []
+    prev = None
     for k in kernels:
-        if k["stream"] not in streams:
-            streams.append(k["stream"])
+        kind = _kernel_kind(k["kernel"])
+        if kind == "input":
+            continue
+        if not steps or (kind == "copy" and prev not in ("copy", "tq_encode", "fill")):
+            steps.append([])
+        steps[-1].append({**k, "kind": kind})
+        prev = kind
     out = []
-    for case, stream in zip(cases, streams):
-        mine = [k for k in kernels if k["stream"] == stream]
-        steps = max(1, case["steps"])
+    for case in cases:
+        n = max(1, case["steps"])
+        mine, steps = steps[:n], steps[n:]
+        flat = [k for st in mine for k in st]
         kinds: dict[str, float] = {}
-        for k in mine:
-            kinds[_kernel_kind(k["kernel"])] = kinds.get(_kernel_kind(k["kernel"]), 0.0) + k["us"] / steps
+        for k in flat:
+            kinds[k["kind"]] = kinds.get(k["kind"], 0.0) + k["us"] / n
+        per_step = sorted(sum(k["us"] for k in st) for st in mine)
         out.append({**{k: case[k] for k in ("case", "context", "rows") if k in case},
-                    "kernel_us_per_step": round(sum(k["us"] for k in mine) / steps, 2),
-                    "launches_per_step": round(len(mine) / steps, 2),
+                    "kernel_us_per_step": round(sum(per_step) / n, 2),
+                    "kernel_us_median_step": round(per_step[len(per_step) // 2], 2) if per_step else 0.0,
+                    "launches_per_step": round(len(flat) / n, 2),
                     **{f"{kind}_us": round(v, 2) for kind, v in sorted(kinds.items())},
-                    "kernels": sorted({k["kernel"][:80] for k in mine})})
+                    "kernels": sorted({k["kernel"][:80] for k in flat})})
     return out
 
 
@@ -658,6 +714,7 @@ def main() -> None:
     ap.add_argument("--only-queued", action="store_true", help="with --queued: leave out the synced figures")
     ap.add_argument("--chunks", default="", help="also v4 with its split forced to these chunks, e.g. 512,768")
     ap.add_argument("--tq5-u", default="", help="also v5 with these tiles in flight per warp, e.g. 4")
+    ap.add_argument("--tq5-nofold", action="store_true", help="also v5 with its reduce never folded")
     ap.add_argument("--kernel-time", action="store_true",
                     help="run the cases inside ncu's capture window (run under ncu --profile-from-start off)")
     ap.add_argument("--kernel-steps", type=int, default=3, help="synced steps per case inside the window")
@@ -690,7 +747,7 @@ def main() -> None:
                 for context in args.context or (32768,):
                     out += kernel_cases(shape, context, args.bits, dtype, rows,
                                         tuple(v for v in args.kernel_variants.split(",") if v), args.kernel_steps,
-                                        chunks, tq5_us)
+                                        chunks, tq5_us, args.tq5_nofold)
                     if args.json:
                         args.json.write_text(json.dumps(out, indent=1))
         return
@@ -708,7 +765,7 @@ def main() -> None:
                 out.append(measure(shape, context, args.bits, dtype, args.steps, rows, args.parts, args.only_tq,
                                    tuple(args.unroll), tuple(args.variants.split(",")) if args.variants else None,
                                    tuple(args.tq3_load), args.layers if args.queued else 0, args.queued_gb,
-                                   args.only_queued, chunks, tq5_us))
+                                   args.only_queued, chunks, tq5_us, args.tq5_nofold))
                 print(json.dumps(out[-1]), flush=True)
                 if args.json:  # as it goes: a run stopped at its limit keeps what it measured
                     args.json.write_text(json.dumps(out, indent=1))

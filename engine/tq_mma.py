@@ -68,6 +68,7 @@ import os
 from functools import lru_cache
 
 import mlx.core as mx
+import numpy as np
 
 from engine import decode_attention as da
 
@@ -338,7 +339,7 @@ def attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale,
 # with a fifth of the SMs busy, and latency-bound blocks take as long alone as together. v5 picks
 # the columns per block (any multiple of 64) that minimise (waves, rounded up) x (columns + a
 # block's fixed work), from the SM count and the blocks per SM that the kernel's registers and
-# shared memory allow. The chunk is a runtime parameter (params[2]) against a shared score array
+# shared memory allow. The chunk is a runtime parameter (params[1]) against a shared score array
 # sized for the largest chunk (template CHUNK = `chunk_capacity`), so one build serves every
 # context (v4 builds one kernel per CHUNK, engine/tq_prebuild.py). Where the grid is small (at
 # most `FOLD_WAVES` waves: one row, short batches) the last block of each (row, KV head) to
@@ -498,13 +499,16 @@ _FOLD_REDUCE = """
 
 
 def _tq5_source(fold: bool) -> str:
-    """v4's body with the chunk read from params[2] (CHUNK: the score array's capacity); with
-    `fold`, the empty block's early return turned into a branch (every block must reach the
-    counter) and `_FOLD_REDUCE` after the stores."""
+    """v4's body with the chunk read from params[1] (CHUNK: the score array's capacity) and the
+    cache's column count from the K norms' shape (`attend5` passes them as columns [0, end): no
+    array the host writes every step, see `params5`); with `fold`, the empty block's early return
+    turned into a branch (every block must reach the counter) and `_FOLD_REDUCE` after the stores."""
     s = TQ4_SOURCE
     for old, new in (("max(s * CHUNK, start)", "max(s * CH5, start)"), ("min((s + 1) * CHUNK, bound)", "min((s + 1) * CH5, bound)"),
+                     ("    const int end = static_cast<int>(params[1]);  // the cache's columns: kc may be its whole buffer\n",
+                      "    const int end = kn_shape[2];  // the cache's columns: kn is [0, end), kc may be its whole buffer\n"),
                      ("    const bool tail = s == S - 1;\n",
-                      "    const bool tail = s == S - 1;\n    const int CH5 = static_cast<int>(params[2]);  // columns per code block (<= CHUNK)\n")):
+                      "    const bool tail = s == S - 1;\n    const int CH5 = static_cast<int>(params[1]);  // columns per code block (<= CHUNK)\n")):
         assert s.count(old) == 1, old
         s = s.replace(old, new)
     if fold:
@@ -535,6 +539,36 @@ def templates5(dtype, dim: int, g: int, bits: int, group: int, u: int = U4) -> l
     return [(k, u if k == "U" else v) for k, v in templates(dtype, dim, g, chunk_capacity(g), bits, group)]
 
 
+@lru_cache(maxsize=None)
+def params5(scale: float, chunk: int) -> mx.array:
+    """v5's float params [scale, chunk], made once per value, not a fresh array every step as v3 /
+    v4 make for the column count. Why (suspected, not yet verified on the device): MLX's CUDA
+    buffers are managed memory (cudaMallocManaged), so an array the host writes every step is a
+    page the next kernel may read across a GPU page fault. In session 8's H200 run, v5 with a fresh
+    12-byte params array took 205-420 us a kernel in isolation (ncu) against v4's 48-54 at one row
+    of 32k, and +0.13-0.18 ms a synced step at every shape but within 5% queued (where a token's
+    36 arrays may share one page); v4's 8-byte array goes to MLX's small pool, advised read-mostly.
+    The column count comes from the K norms' shape instead (`_tq5_source`)."""
+    return mx.array(np.array([scale, chunk], np.float32))  # from numpy: no lazy array tied to one thread's stream
+
+
+_tq5_fold: bool | None = None
+
+
+def fold5() -> bool:
+    """Whether v5 folds the reduce into its last blocks on small grids (`split5`'s fold). From
+    PREFIXTRACE_TQ5_FOLD ("0": never), read once; bench/bench_tq_attention.py --tq5-nofold."""
+    global _tq5_fold
+    if _tq5_fold is None:
+        _tq5_fold = os.environ.get("PREFIXTRACE_TQ5_FOLD", "1") != "0"
+    return _tq5_fold
+
+
+def set_fold5(on: bool) -> None:
+    global _tq5_fold
+    _tq5_fold = bool(on)
+
+
 @lru_cache(maxsize=4096)
 def _plan5(tokens64: int, kv_heads: int, rows: int, g: int, dim: int, at_least64: int):
     """`split5` for tokens and window rounded up to multiples of 64: a decode step's context grows
@@ -556,11 +590,11 @@ def attend5(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale
     if plan is None:
         return None
     chunk, fold = plan
-    fold = fold and counters is not None
+    fold = fold and counters is not None and fold5()
     splits = -(-end // chunk) + 1  # + the dense block
-    assert end < 1 << 24
-    params = mx.array([scale, float(end), float(chunk)], mx.float32)  # (a list: ~4 us less host time than numpy)
-    inputs = [queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids, params]
+    kn = k_norms if k_norms.shape[2] == end else k_norms[:, :, :end]  # its shape carries `end` (one slice)
+    inputs = [queries, kn, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
+              params5(scale, chunk)]
     grid, tg = (splits * da.NW * 32, H, B), (da.NW * 32, 1, 1)
     template = templates5(win_k.dtype, dim, g, codec.bits, group, tq5_unroll())
     parts = [(B * hq * splits * dim,), (B * hq, splits, 2)]

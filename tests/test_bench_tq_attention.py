@@ -53,33 +53,44 @@ def test_queued_chain_feeds_each_layer_the_previous_output():
     assert t > 0 and len(made) == 3 and all(c.offset == 8 + 4 for c in made)
 
 
-_NCU_CSV = '''==PROF== Connected to process 4242 (/opt/torch/.venv/bin/python3.12)
+_NCU_HEAD = '''==PROF== Connected to process 4242 (/opt/torch/.venv/bin/python3.12)
 ==PROF== Profiling "custom_kernel_prefixtrace_decode_tq4_bfloat16_128_4" - 0: 0%....50%....100% - 1 pass
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
-"0","4242","python3.12","127.0.0.1","void mlx::core::cu::copy_gg_nd<bf16>","1","7","(256, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","2,080"
-"1","4242","python3.12","127.0.0.1","kernel_sdpav_2pass_1","1","7","(128, 1, 1)","(8, 32, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","61.5"
-"2","4242","python3.12","127.0.0.1","void mlx::core::cu::copy_gg_nd<bf16>","1","7","(256, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","1,920"
-"3","4242","python3.12","127.0.0.1","kernel_sdpav_2pass_1","1","7","(128, 1, 1)","(8, 32, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","62.5"
-"4","4242","python3.12","127.0.0.1","mlx::core::cu::custom_kernel_prefixtrace_decode_tq4_bfloat16_128_4","1","9","(128, 1, 1)","(99, 8, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","40"
-"5","4242","python3.12","127.0.0.1","mlx::core::cu::custom_kernel_prefixtrace_decode_tq3_reduce_bfloat16_128_4","1","9","(128, 1, 1)","(32, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","4"
-"6","4242","python3.12","127.0.0.1","mlx::core::cu::custom_kernel_prefixtrace_decode_tq4_bfloat16_128_4","1","9","(128, 1, 1)","(99, 8, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","42"
 '''
+# (id, stream, kernel, unit, value): dense two steps (K, V writes, SDPA), then v4 one step; an
+# input-making kernel (mx.random) between them, as a window opened too early caught them.
+_NCU_ROWS = [
+    (0, 7, "void mlx::copy_gg_nd<bf16>", "nsecond", "2,080"), (1, 8, "void mlx::copy_gg_nd<bf16>", "nsecond", "1,920"),
+    (2, 7, "cudnn_generated_fort_native_sdpa_sm80_flash_fprop", "usecond", "61.5"),
+    (3, 7, "mlx::rbitsc(const unsigned int *)", "usecond", "2.5"),
+    (4, 9, "void mlx::copy_gg_nd<bf16>", "nsecond", "2,000"), (5, 7, "void mlx::copy_gg_nd<bf16>", "nsecond", "2,000"),
+    (6, 7, "cudnn_generated_fort_native_sdpa_sm80_flash_fprop", "usecond", "62.5"),
+    (7, 7, "void cudnn::lean_reduction_kernel<0, 0, 0>", "usecond", "4"),
+    (8, 9, "void mlx::copy_gg_nd<bf16>", "nsecond", "2,000"), (9, 7, "void mlx::copy_gg_nd<bf16>", "nsecond", "2,000"),
+    (10, 7, "mlx::custom_kernel_prefixtrace_decode_tq4_bfloat16_128_4", "usecond", "40"),
+    (11, 7, "mlx::custom_kernel_prefixtrace_decode_tq3_reduce_bfloat16_128_4", "usecond", "4"),
+]
+_NCU_CSV = _NCU_HEAD + "".join(
+    f'"{i}","4242","python3.12","127.0.0.1","{k}","1","{st}","(128, 1, 1)","(99, 8, 1)","0","9.0",'
+    f'"Command line profiler metrics","gpu__time_duration.sum","{u}","{v}"\n' for i, st, k, u, v in _NCU_ROWS)
 
 
 def test_ncu_csv_summed_per_case_and_step():
-    """The kernel-time mode's parse: ncu's messages skipped, units and thousands separators read,
-    kernels grouped per case by stream (in order of appearance) and divided by the case's steps."""
+    """The kernel-time mode's parse: ncu's messages skipped, units and thousands separators read;
+    steps found where the cache-update copies start (not by ncu's streams: MLX spreads one
+    stream's kernels over several CUDA streams), input-making kernels left out, steps assigned
+    to the cases in order and the sums divided by each case's steps."""
     b = _bench()
     kernels = b.parse_ncu_csv(_NCU_CSV)
-    assert [k["id"] for k in kernels] == list(range(7))
-    assert kernels[0]["us"] == 2.08 and kernels[1]["us"] == 61.5
+    assert [k["id"] for k in kernels] == list(range(12))
+    assert kernels[0]["us"] == 2.08 and kernels[2]["us"] == 61.5
     cases = [{"case": "dense", "context": 32768, "rows": 1, "steps": 2},
              {"case": "v4", "context": 32768, "rows": 1, "steps": 1}]
     dense, v4 = b.kernel_summary(kernels, cases)
-    assert dense["case"] == "dense" and dense["launches_per_step"] == 2
-    assert dense["kernel_us_per_step"] == round((2.08 + 61.5 + 1.92 + 62.5) / 2, 2)
-    assert dense["copy_us"] == 2.0 and "tq_split_us" not in dense
-    assert v4["tq_split_us"] == 82.0 and v4["tq_reduce_us"] == 4.0 and v4["launches_per_step"] == 3
+    assert dense["case"] == "dense" and dense["launches_per_step"] == 3.5
+    assert dense["kernel_us_per_step"] == round((2.08 + 1.92 + 61.5 + 2 + 2 + 62.5 + 4) / 2, 2)
+    assert dense["copy_us"] == 4.0 and dense["sdpa_us"] == 64.0 and "input_us" not in dense
+    assert v4["tq_split_us"] == 40.0 and v4["tq_reduce_us"] == 4.0 and v4["launches_per_step"] == 4
     assert b.parse_ncu_csv("==PROF== nothing profiled\n") == []
 
 
@@ -106,8 +117,8 @@ def test_forced_chunk_sets_the_split_and_restores_it():
 def test_kernel_cases_run_without_a_profiler():
     """On the CPU the capture window is a no-op (`profiler` answers False) and the cases still run."""
     b = _bench()
-    out = b.kernel_cases("smollm2-135m", 130, 4, mx.float32, 1, ("v4",), 2, (64,), (4,))
-    assert [c["case"] for c in out] == ["dense", "v4", "v4_chunk64", "v5_u4"]
+    out = b.kernel_cases("smollm2-135m", 130, 4, mx.float32, 1, ("v4",), 2, (64,), (4,), True)
+    assert [c["case"] for c in out] == ["dense", "v4", "v4_chunk64", "v5_u4", "v5_nofold"]
     assert all(c["profiler"] is False and c["steps"] == 2 for c in out)
 
 

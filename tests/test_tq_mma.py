@@ -396,7 +396,11 @@ def emulated_tq5(fold: bool, seen: list | None = None):
     are zeros before the launch."""
     def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         t = dict(template)
-        chunk = int(np.array(inputs[10])[2])
+        scale, chunk = (float(x) for x in np.array(inputs[10]))
+        end = inputs[1].shape[2]  # (the K norms are passed as columns [0, end): their shape carries it)
+        inputs = list(inputs)
+        inputs[10] = mx.array(np.array([scale, end], np.float32))  # what v4's emulation reads
+        chunk = int(chunk)
         assert t["CHUNK"] == tq_mma.chunk_capacity(t["G"]) and t["TC"] == tq_mma.table_copies(t["G"], t["D"], t["CHUNK"])
         assert 64 <= chunk <= t["CHUNK"] and chunk % 64 == 0
         t4 = [(k, chunk if k == "CHUNK" else tq_mma.table_copies(t["G"], t["D"], chunk) if k == "TC" else v)
@@ -495,7 +499,8 @@ def test_v5_hands_what_it_cannot_map_to_v4s_route(emulated5, monkeypatch):
 
 def test_v5_sources_and_variant(monkeypatch):
     assert "v5" in decode_attention.TQ_VARIANTS
-    assert "params[2]" in tq_mma.TQ5_SOURCE and "s * CHUNK" not in tq_mma.TQ5_SOURCE
+    assert "CH5 = static_cast<int>(params[1])" in tq_mma.TQ5_SOURCE and "s * CHUNK" not in tq_mma.TQ5_SOURCE
+    assert "const int end = kn_shape[2];" in tq_mma.TQ5_SOURCE and "params[2]" not in tq_mma.TQ5_SOURCE
     # folded: the empty block is a branch, not a return, so every block reaches the counter
     assert tq_mma.TQ5_FOLD_SOURCE.count("return;") == 1 and "if (!last5_) return;" in tq_mma.TQ5_FOLD_SOURCE
     assert tq_mma.TQ5_SOURCE.count("return;") == 1 and "cnt" not in tq_mma.TQ5_SOURCE
@@ -561,3 +566,28 @@ def test_prebuild_under_v5_builds_one_kernel_per_fold_choice(monkeypatch):
     assert len([c for c in out if c]) == 2
     assert sorted(f for f, _ in built if f is not None) == [False, True]
     assert {c for f, c in built if f is not None} == {tq_mma.chunk_capacity(4)}
+
+
+def test_v5_writes_no_host_array_per_step(emulated5, monkeypatch):
+    """The params array is one object per (scale, chunk) across steps (a host-written array each
+    step may cost a GPU page fault: `params5`), and the column count reaches the kernel as the K
+    norms' shape, the cache's [0, end), while the codes stay whole buffers."""
+    seen = []
+
+    def spy(fold):
+        run = emulated_tq5(fold)
+
+        def f(**kw):
+            seen.append((id(kw["inputs"][10]), kw["inputs"][1].shape[2], kw["inputs"][2].shape[2]))
+            return run(**kw)
+        return f
+
+    monkeypatch.setattr(tq_mma, "_tq5_kernel", spy)
+    cache = _rows([[150, 9]], 2, 128, mx.bfloat16, seed=4)
+    cache.hooked = True
+    for _ in range(4):
+        cache.update_and_fetch(mx.random.normal((1, 2, 1, 128)).astype(mx.bfloat16),
+                               mx.random.normal((1, 2, 1, 128)).astype(mx.bfloat16))
+        cache.attend(mx.random.normal((1, 8, 1, 128)).astype(mx.bfloat16), 128 ** -0.5, None)
+    assert len({p for p, _, _ in seen}) == 1
+    assert [e for _, e, _ in seen] == [160, 161, 162, 163] and all(cap > e for _, e, cap in seen)
