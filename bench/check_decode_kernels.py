@@ -223,6 +223,8 @@ def main() -> int:
                     help="also the greedy identity on `wide_model` (head dim 128: v4 maps it) at these dtypes")
     ap.add_argument("--only-long", action="store_true",
                     help="leave out the short cases and the fixture's greedy part (with --long / --greedy-wide)")
+    ap.add_argument("--mapped-only", action="store_true",
+                    help="of the short cases, only the bf16 / f16 ones v4 / v5 map (not the generic loop's)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -241,7 +243,7 @@ def main() -> int:
             dense_case([70, 5], 4, 2, 16, dtype)  # the fixture
         dense_case([500, 20], 8, 8, 128, mx.float16)  # no GQA
         dense_case([800, 300], 64, 8, 128, mx.bfloat16)  # G = 8
-    for variant in variants if not args.only_long else ():
+    for variant in variants if not (args.only_long or args.mapped_only) else ():
         # v2 defers codes to the step a row first sees them decoded: runs of steps that cross
         # group boundaries (20 steps at group 16, 70 at 64 for the long row).
         for dtype in (mx.float32, mx.bfloat16):
