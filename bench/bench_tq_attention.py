@@ -630,6 +630,7 @@ def ncu_counters(text: str) -> list[dict]:
         return []
     rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
     head, body = rows[0], [r for r in rows[1:] if r and r[0].isdigit()]
+    units = dict(zip(head, rows[1])) if len(rows) > 1 and not (rows[1] and rows[1][0].isdigit()) else {}
     out = []
     for r in body:
         m = dict(zip(head, r))
@@ -641,8 +642,8 @@ def ncu_counters(text: str) -> list[dict]:
                 return None
         row = {"id": int(m["ID"]), "kernel": m.get("Kernel Name", "")[:80], "grid": m.get("Grid Size", "")}
         row.update({k: num(v) for k, v in COUNTERS.items()})
-        if row["us"] is not None:
-            row["us"] /= 1e3  # (raw page: nanoseconds)
+        if row["us"] is not None:  # (the raw page's second line holds the units)
+            row["us"] *= _NCU_UNITS.get(units.get(COUNTERS["us"], "nsecond").strip(), 1e-3)
         stalls = {k[len(_STALL):].replace("_per_issue_active.ratio", ""): num(k) for k in head
                   if k.startswith(_STALL) and k.endswith("_per_issue_active.ratio") and "not_issued" not in k}
         top = sorted(((v, k) for k, v in stalls.items() if v), reverse=True)[:6]

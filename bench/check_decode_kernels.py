@@ -15,7 +15,7 @@
   dense last layer takes the dense kernel), and a dense padded batch.
 * v4 (engine/tq_mma.py): its cases record `v4_launches`, the v4 steps launched in the case
   (0 where the step is one v4 hands to v3: float32, 2 / 8 bits); v5 the same (its v5 steps), and
-  its short cases again with the reduce unfolded (FOLD_WAVES 0), so both of its kernels run.
+  two short cases again with its fold switched (`tq_mma.fold5`), so both of its kernels run.
 
 Tolerances: float32 1e-4 absolute (the CPU tests' tolerance for the same comparison);
 bf16 / fp16 outputs are rounded to their dtype, so 2e-2 / 4e-3 of the output's scale.
@@ -264,13 +264,12 @@ def main() -> int:
             tq_case([[300], [7, 30, 1], [64], [1000, 3]], 16, 4, 256, 4, dtype, variant=v)  # D = 256
             tq_case([[150, 10], [70]], 9, 3, 64, 4, dtype, variant=v, steps=20)  # D = 64, G = 3
             tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, dtype, variant=v, steps=20)  # B = 8, G = 8
-        if v == "v5":  # both of v5's kernels on the same shapes: the split + reduce pair too (no fold)
-            saved, tq_mma.FOLD_WAVES = tq_mma.FOLD_WAVES, 0
-            tq_mma._plan5.cache_clear()
+        if v == "v5":  # both of v5's kernels on the same shapes: again with the fold switched (`fold5`)
+            saved = tq_mma.fold5()
+            tq_mma.set_fold5(not saved)
             tq_case([[4000, 33]], 32, 8, 128, 4, mx.bfloat16, variant=v, steps=70)
             tq_case([[300], [7, 30, 1], [64], [1000, 3]], 32, 8, 128, 4, mx.bfloat16, variant=v, steps=20)
-            tq_mma.FOLD_WAVES = saved
-            tq_mma._plan5.cache_clear()
+            tq_mma.set_fold5(saved)
     for load in loads:  # v3 with narrower code loads per lane (more blocks per SM)
         for dtype in (mx.float32, mx.bfloat16):
             tq_case([[4000, 33]], 32, 8, 128, 4, dtype, variant="v3", load=load, steps=70 if dtype == mx.float32 else 3)

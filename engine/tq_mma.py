@@ -556,11 +556,15 @@ _tq5_fold: bool | None = None
 
 
 def fold5() -> bool:
-    """Whether v5 folds the reduce into its last blocks on small grids (`split5`'s fold). From
-    PREFIXTRACE_TQ5_FOLD ("0": never), read once; bench/bench_tq_attention.py --tq5-nofold."""
+    """Whether v5 folds the reduce into its last blocks on small grids (`split5`'s fold). Off by
+    default: on the H200 (session 8, run 2) the folded kernel took 133 us at one row of 100k
+    against 98 + 14 for the split and v3's reduce apart (its last block walks 158 splits per head),
+    and 64 against 52 + 9 at 32k; its host saving (one custom-kernel call) did not show queued
+    (0.120 / 0.200 ms a layer against 0.124 / 0.179). From PREFIXTRACE_TQ5_FOLD ("1": fold),
+    read once; bench/bench_tq_attention.py --tq5-nofold times both."""
     global _tq5_fold
     if _tq5_fold is None:
-        _tq5_fold = os.environ.get("PREFIXTRACE_TQ5_FOLD", "1") != "0"
+        _tq5_fold = os.environ.get("PREFIXTRACE_TQ5_FOLD", "0") == "1"
     return _tq5_fold
 
 
@@ -615,13 +619,13 @@ def attend5(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale
 
 def build_plan5(kv_heads: int, g: int, dim: int, max_batch: int) -> dict[int, tuple[int, int]]:
     """engine/tq_prebuild.py's plan under v5: v5 builds one kernel per fold choice, not per chunk
-    (the chunk is a runtime parameter), so one launch that folds (one row, 4,096 columns) and one
-    that does not (`max_batch` rows, past `FOLD_WAVES` waves of 1,024-column blocks), each keyed by
-    the chunk it picks: {chunk: (rows, tokens)}."""
+    (the chunk is a runtime parameter): with the fold on (`fold5`), one launch that folds (one row,
+    4,096 columns) and one that does not (`max_batch` rows, past `FOLD_WAVES` waves of
+    1,024-column blocks); with it off, one launch. Keyed by the chunk each picks: {chunk: (rows, tokens)}."""
     slots = sm_count() * blocks_per_sm(v5_shared_bytes(g, dim), v5_regs(g, dim))
     tokens = chunk_capacity(g) * (FOLD_WAVES * slots // (kv_heads * max_batch) + 1)
     plan = {}
-    for rows, cols in ((1, 4096), (max_batch, tokens)):
+    for rows, cols in ((1, 4096), (max_batch, tokens)) if fold5() else ((1, 4096),):
         got = split5(cols, kv_heads, rows, g, dim, at_least=1)
         if got is not None:
             plan.setdefault(got[0], (rows, cols))

@@ -390,7 +390,7 @@ def test_prebuild_at_load_builds_the_v4_kernels_under_v4(monkeypatch):
 # --- v5: the split from the occupancy, the reduce folded into the last blocks ------------------
 
 def emulated_tq5(fold: bool, seen: list | None = None):
-    """`TQ5_SOURCE` / `TQ5_FOLD_SOURCE`: v4's blocks at the runtime chunk (params[2], within the
+    """`TQ5_SOURCE` / `TQ5_FOLD_SOURCE`: v4's blocks at the runtime chunk (params[1], within the
     score array's capacity, the template CHUNK); folded, the last block of each (row, KV head)
     reduces its G heads as one warp per head (the v3 reduce's sums with RW = 1) and the counters
     are zeros before the launch."""
@@ -431,11 +431,12 @@ def emulated5(emulated4, monkeypatch):
 
 @pytest.mark.parametrize("fold_waves", [2, 0])
 def test_v5_step_equals_v4_and_the_decoded_cache(emulated5, monkeypatch, fold_waves):
-    """Folded (one row, short batches: the default) and not (FOLD_WAVES 0): v5's steps, one row and
+    """Folded (`_tq5_fold` on: one row, short batches fold) and not (FOLD_WAVES 0): v5's steps, one row and
     left-padded rows across group boundaries, give v4's output up to the order of f32 sums and stay
     within the bf16 tolerance of SDPA over the decoded cache; its split is a multiple of 64, not
     v4's power of two, and every step launched v5 (none went to v4's kernel)."""
     monkeypatch.setattr(tq_mma, "FOLD_WAVES", fold_waves)
+    monkeypatch.setattr(tq_mma, "_tq5_fold", True)
     tq_mma._plan5.cache_clear()
     calls = _kernel_calls(monkeypatch)
     for rows in ([[150, 9]], [[300], [7, 30, 1], [16], [40, 3]]):
@@ -508,6 +509,13 @@ def test_v5_sources_and_variant(monkeypatch):
     monkeypatch.setattr(decode_attention, "_tq_variant", None)
     assert decode_attention.tq_variant() == "v5" and decode_attention.one_launch()
     monkeypatch.setattr(decode_attention, "_tq_variant", None)
+    monkeypatch.setattr(tq_mma, "_tq5_fold", None)
+    monkeypatch.delenv("PREFIXTRACE_TQ5_FOLD", raising=False)
+    assert not tq_mma.fold5()  # off by default (slower on the H200, session 8)
+    monkeypatch.setattr(tq_mma, "_tq5_fold", None)
+    monkeypatch.setenv("PREFIXTRACE_TQ5_FOLD", "1")
+    assert tq_mma.fold5()
+    monkeypatch.setattr(tq_mma, "_tq5_fold", None)
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="no nvcc on this machine (CI)")
@@ -560,12 +568,17 @@ def test_prebuild_under_v5_builds_one_kernel_per_fold_choice(monkeypatch):
     model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
     decode_attention.set_tq_variant("v5")
     try:
+        monkeypatch.setattr(tq_mma, "_tq5_fold", True)
         out = tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
+        assert len([c for c in out if c]) == 2
+        assert sorted(f for f, _ in built if f is not None) == [False, True]
+        assert {c for f, c in built if f is not None} == {tq_mma.chunk_capacity(4)}
+        built.clear()
+        monkeypatch.setattr(tq_mma, "_tq5_fold", False)  # the default: one kernel, never folded
+        out = tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
+        assert len([c for c in out if c]) == 1 and [f for f, _ in built if f is not None] == [False]
     finally:
         decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
-    assert len([c for c in out if c]) == 2
-    assert sorted(f for f, _ in built if f is not None) == [False, True]
-    assert {c for f, c in built if f is not None} == {tq_mma.chunk_capacity(4)}
 
 
 def test_v5_writes_no_host_array_per_step(emulated5, monkeypatch):
