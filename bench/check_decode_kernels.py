@@ -17,7 +17,8 @@
   MLX-ops path over a long generation, one row and a left-padded batch of three (whose
   dense last layer takes the dense kernel), and a dense padded batch.
 * v4 (engine/tq_mma.py): its cases record `v4_launches`, the v4 steps launched in the case
-  (0 where the step is one v4 hands to v3: float32, 2 / 8 bits).
+  (0 where the step is one v4 hands to v3: float32, 2 / 8 bits); v5 the same (its v5 steps), and
+  two short cases again with its fold switched (`tq_mma.fold5`), so both of its kernels run.
 
 Tolerances: float32 1e-4 absolute (the CPU tests' tolerance for the same comparison);
 bf16 / fp16 outputs are rounded to their dtype, so 2e-2 / 4e-3 of the output's scale.
@@ -108,7 +109,7 @@ def tq_case(chunks_per_row: list[list[int]], q_heads: int, kv_heads: int, dim: i
     cache = rows[0] if len(rows) == 1 else BatchTurboQuantKVCache.merge(rows)
     B = len(rows)
     mask = cache.make_mask(1) if B > 1 else None
-    launched = tq_mma.launches[0]
+    launched = tq_mma.launches[0] + sum(tq_mma.launches5)
     for step in range(steps):  # consecutive decode steps (the dense window shifts, deferred codes land)
         keys, values = cache.update_and_fetch(mx.random.normal((B, kv_heads, 1, dim)).astype(dtype),
                                               mx.random.normal((B, kv_heads, 1, dim)).astype(dtype))
@@ -119,13 +120,14 @@ def tq_case(chunks_per_row: list[list[int]], q_heads: int, kv_heads: int, dim: i
         ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
                                                    values.astype(mx.float32), scale=scale, mask=mask)
         e, s = err(got, ref)
-        # v4 must have run (not handed the step to v3) wherever it maps the shape
-        v4_ok = (variant != "v4" or dtype == mx.float32 or bits != 4 or dim not in tq_mma.DIMS4
-                 or tq_mma.launches[0] - launched == step + 1)
+        # v4 / v5 must have run (not handed the step to v3) wherever they map the shape
+        ran = tq_mma.launches[0] + sum(tq_mma.launches5) - launched
+        v4_ok = (variant not in ("v4", "v5") or dtype == mx.float32 or bits != 4 or dim not in tq_mma.DIMS4
+                 or ran == step + 1)
         record("turboquant", within(e, s, dtype) and v4_ok, variant=variant, unroll=unroll, load=load, rows=B,
                lengths=[sum(c) for c in chunks_per_row][:4], heads=[q_heads, kv_heads], dim=dim, bits=bits,
                dtype=str(dtype), step=step, max_err=e, scale=s,
-               **({"v4_launches": tq_mma.launches[0] - launched} if variant == "v4" else {}))
+               **({"v4_launches": ran} if variant in ("v4", "v5") else {}))
         if B > 1:
             mask = cache.make_mask(1)
 
@@ -218,6 +220,7 @@ def greedy_identity(steps: int, variants=("v2s",), dense: bool = True, dtype: st
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--long", action="store_true", help="also 32k / 100k contexts")
+    ap.add_argument("--long-variants", help="variants of the --long cases (default: --variants)")
     ap.add_argument("--steps", type=int, default=400, help="greedy tokens compared on the fixture")
     ap.add_argument("--variants", default="v3,v2s,v2,v1",
                     help="TurboQuant decode variants to check (engine.decode_attention.TQ_VARIANTS)")
@@ -234,6 +237,8 @@ def main() -> int:
                     help="dense kernel variants to check (engine.decode_attention.DENSE_VARIANTS; mma the default)")
     ap.add_argument("--only-dense", action="store_true",
                     help="the dense cases alone (with --long: the padded long rows too) and the dense greedy part")
+    ap.add_argument("--mapped-only", action="store_true",
+                    help="of the short cases, only the bf16 / f16 ones v4 / v5 map (not the generic loop's)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -264,7 +269,7 @@ def main() -> int:
                 dense_case([4097, 4000, 2500, 17, 4097, 64, 65, 3000], 32, 8, 128, mx.bfloat16, dv)
                 dense_case([300, 250, 10], 9, 3, 64, mx.bfloat16, dv)
             dense_mma.set_unroll(dense_mma.U)
-    for variant in variants if not args.only_long else ():
+    for variant in variants if not (args.only_long or args.mapped_only) else ():
         # v2 defers codes to the step a row first sees them decoded: runs of steps that cross
         # group boundaries (20 steps at group 16, 70 at 64 for the long row).
         for dtype in (mx.float32, mx.bfloat16):
@@ -277,13 +282,20 @@ def main() -> int:
             tq_case([[300], [7, 30, 1]], 32, 8, 128, bits, mx.float32, group=16, variant=variant, steps=20)
         tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, mx.bfloat16, variant=variant)  # B = 8, G = 8
         tq_case([[500, 3], [64]], 8, 8, 128, 4, mx.float32, variant=variant, steps=20)  # G = 1
-    if "v4" in variants and not args.only_long:  # what v4 maps, bf16 / f16 at 4 bits (the loop above: its float32 cases run v3)
+    for v in [v for v in ("v4", "v5") if v in variants and not args.only_long]:
+        # what v4 / v5 map, bf16 / f16 at 4 bits (the loop above: its float32 cases run v3)
         for dtype in (mx.bfloat16, mx.float16):
-            tq_case([[4000, 33]], 32, 8, 128, 4, dtype, variant="v4", steps=70)
-            tq_case([[500, 3], [64]], 8, 8, 128, 4, dtype, variant="v4", steps=20)  # G = 1
-            tq_case([[300], [7, 30, 1], [64], [1000, 3]], 16, 4, 256, 4, dtype, variant="v4")  # D = 256
-            tq_case([[150, 10], [70]], 9, 3, 64, 4, dtype, variant="v4", steps=20)  # D = 64, G = 3
-            tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, dtype, variant="v4", steps=20)  # B = 8, G = 8
+            tq_case([[4000, 33]], 32, 8, 128, 4, dtype, variant=v, steps=70)
+            tq_case([[500, 3], [64]], 8, 8, 128, 4, dtype, variant=v, steps=20)  # G = 1
+            tq_case([[300], [7, 30, 1], [64], [1000, 3]], 16, 4, 256, 4, dtype, variant=v)  # D = 256
+            tq_case([[150, 10], [70]], 9, 3, 64, 4, dtype, variant=v, steps=20)  # D = 64, G = 3
+            tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, dtype, variant=v, steps=20)  # B = 8, G = 8
+        if v == "v5":  # both of v5's kernels on the same shapes: again with the fold switched (`fold5`)
+            saved = tq_mma.fold5()
+            tq_mma.set_fold5(not saved)
+            tq_case([[4000, 33]], 32, 8, 128, 4, mx.bfloat16, variant=v, steps=70)
+            tq_case([[300], [7, 30, 1], [64], [1000, 3]], 32, 8, 128, 4, mx.bfloat16, variant=v, steps=20)
+            tq_mma.set_fold5(saved)
     for load in loads:  # v3 with narrower code loads per lane (more blocks per SM)
         for dtype in (mx.float32, mx.bfloat16):
             tq_case([[4000, 33]], 32, 8, 128, 4, dtype, variant="v3", load=load, steps=70 if dtype == mx.float32 else 3)
@@ -299,7 +311,7 @@ def main() -> int:
         tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, mx.bfloat16, unroll=unroll)
     decode_attention.set_tq_unroll(4)
     decode_attention.set_tq3_load(decode_attention.DEFAULT_TQ3_LOAD)
-    for i, dtype in enumerate(args.greedy_dtypes.split(",") if not args.only_long else ()):
+    for i, dtype in enumerate([d for d in args.greedy_dtypes.split(",") if d] if not args.only_long else ()):
         greedy_identity(args.steps, args.greedy_variants.split(",") if args.greedy_variants else variants,
                         dense=not args.skip_dense and i == 0, dtype=dtype)
     if "mma" in dense_variants and not args.only_long:
@@ -312,20 +324,21 @@ def main() -> int:
     for dtype in [d for d in args.greedy_wide.split(",") if d]:
         greedy_identity(args.steps, args.greedy_variants.split(",") if args.greedy_variants else variants,
                         dense=False, dtype=dtype, model_name="wide")
+    long_variants = args.long_variants.split(",") if args.long_variants else variants
     if args.long:
         for n in (32768, 100000):
             for dv in dense_variants:
                 dense_case([n, n - 5000, 77], 32, 8, 128, mx.bfloat16, dv)
                 # B = 8 left-padded rows at this context (bench_decode_mask's padded shape)
                 dense_case([n - 37 * i for i in range(8)], 32, 8, 128, mx.bfloat16, dv)
-            for variant in variants:
+            for variant in long_variants:
                 tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, variant=variant)
             for unroll in unrolls:
                 tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, unroll=unroll)
             for load in loads:
                 tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, variant="v3", load=load)
             # four left-padded rows, the longest at this context
-            for variant in [v for v in variants if v in ("v2s", "v3", "v4")]:
+            for variant in [v for v in long_variants if v in ("v2s", "v3", "v4", "v5")]:
                 tq_case([[8192] * (m // 8192) + [m % 8192] for m in (n, n - 1000, n - 5037, 77)], 32, 8, 128, 4,
                         mx.bfloat16, variant=variant, steps=2)
             decode_attention.set_tq_unroll(4)

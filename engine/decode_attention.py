@@ -1066,7 +1066,7 @@ def set_mode(new: str) -> None:
     _mode = new
 
 
-TQ_VARIANTS = ("v1", "v2", "v2s", "v3", "v4")
+TQ_VARIANTS = ("v1", "v2", "v2s", "v3", "v4", "v5")
 # v4: faster than v3 at every per-layer shape on the H200 (0.73-0.89x its synced step, session 7) and
 # through the engine at 100k (84.0 / 91.9 tok/s against v3's 58.2 / 63.2, two runs); its 474 checks passed.
 # Steps v4 cannot map (float32, 2 / 8 bits, other head sizes) run v3.
@@ -1088,7 +1088,10 @@ def tq_variant() -> str:
     one block per row and KV head; docs/PERFORMANCE.md, session 5). "v1": session 4's step
     (encode every token, concatenate the tail), kept to compare side by side and to fall
     back to. "v4": v3's step with the scores and values on the tensor cores (engine/tq_mma.py;
-    bf16 / f16 caches with 4-bit codes, else v3; docs/PERFORMANCE.md, session 7). From PREFIXTRACE_TQ_DECODE, read once."""
+    bf16 / f16 caches with 4-bit codes, else v3; docs/PERFORMANCE.md, session 7). "v5": v4's kernel
+    with the split chosen from the occupancy (waves) and, on small grids, the reduce folded into
+    its last blocks (engine/tq_mma.py, `attend5`; what it cannot map runs v4's route). From
+    PREFIXTRACE_TQ_DECODE, read once."""
     global _tq_variant
     if _tq_variant is None:
         env = os.environ.get("PREFIXTRACE_TQ_DECODE", DEFAULT_TQ_VARIANT)
@@ -1109,8 +1112,9 @@ def defer_encode() -> bool:
 
 
 def one_launch() -> bool:
-    """Whether TurboQuant attention reduces in its own launch's last blocks (variant v2)."""
-    return tq_variant() == "v2"
+    """Whether TurboQuant attention may reduce in its own launch's last blocks (variant v2; v5 on
+    small grids): the step then hands `tq_attend` the cache's counters."""
+    return tq_variant() in ("v2", "v5")
 
 
 @lru_cache(maxsize=1)
@@ -1385,13 +1389,21 @@ def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: 
     T = k_codes.shape[2] if end is None else end
     assert T <= min(k_norms.shape[2], k_codes.shape[2], v_norms.shape[2], v_codes.shape[2])
     g = hq // H
+    lp = _zeros(B) if left_padding is None else left_padding
+    lp = lp if lp.dtype == mx.int32 else lp.astype(mx.int32)
+    variant = tq_variant()
+    if variant == "v5":
+        from engine import tq_mma  # (imports this module: not at the top)
+
+        out = tq_mma.attend5(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group,
+                             counters, T)
+        if out is not None:
+            return out
+        variant, counters = "v4", None  # what v5 cannot map takes v4's route (and so v3's)
     chunk = split_chunk(T, H, B, g, at_least=tw)
     if chunk is None:
         return None
     splits = -(-T // chunk) + 1  # + the dense block
-    lp = _zeros(B) if left_padding is None else left_padding
-    lp = lp if lp.dtype == mx.int32 else lp.astype(mx.int32)
-    variant = tq_variant()
     unroll = 4 if variant == "v1" else tq_unroll()
     if k_codes.shape[2] != T and not (variant in ("v3", "v4") and counters is None):
         # the older kernels (and v2's one launch) take T from the codes' shape

@@ -64,9 +64,11 @@ byte permute per register instead of one load and one extraction.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import mlx.core as mx
+import numpy as np
 
 from engine import decode_attention as da
 
@@ -328,3 +330,303 @@ def attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale,
                                    template=[("T", queries.dtype), ("D", dim), ("RW", da.TQ3_RW)],
                                    grid=(B * hq * da.TQ3_RW * 32, 1, 1), threadgroup=(da.TQ3_RW * 32, 1, 1),
                                    output_shapes=[(B, hq, 1, dim)], output_dtypes=[queries.dtype])[0]
+
+
+# --- v5: v4's kernel with the split chosen from the occupancy, and the reduce folded in ---------
+#
+# Why (docs/PERFORMANCE.md, session 8): at one row v4's split aims at 1,024 blocks, so one row of
+# 100k runs 784 code blocks of 1,024 columns on 132 SMs x 5 resident blocks (660): a second wave
+# with a fifth of the SMs busy, and latency-bound blocks take as long alone as together. v5 picks
+# the columns per block (any multiple of 64) that minimise (waves, rounded up) x (columns + a
+# block's fixed work), from the SM count and the blocks per SM that the kernel's registers and
+# shared memory allow. The chunk is a runtime parameter (params[1]) against a shared score array
+# sized for the largest chunk (template CHUNK = `chunk_capacity`), so one build serves every
+# context (v4 builds one kernel per CHUNK, engine/tq_prebuild.py). Where the grid is small (at
+# most `FOLD_WAVES` waves: one row, short batches) the last block of each (row, KV head) to
+# finish combines the splits (v2's `_LAST_BLOCK_REDUCE` counter) and writes the output: one
+# launch, and one custom-kernel call less on the host, per layer.
+
+# ptxas registers a thread, (D, G, U) -> registers (sm_90; tests/test_tq_mma.py checks them as bounds)
+V5_REGS = {(128, 4, 2): 96, (128, 4, 1): 80, (128, 4, 4): 127, (128, 8, 2): 128, (64, 3, 2): 72, (256, 4, 2): 168}
+U5S = (1, 2, 4)  # tiles in flight per warp (`tq5_unroll`)
+FOLD_WAVES = 2  # fold the reduce into the split kernel up to this many waves of code blocks
+_SM_SMEM = 228 * 1024  # shared memory per SM on Hopper (a block also reserves 1 KB)
+_SM_REGS, _SM_THREADS, _SM_BLOCKS = 65536, 2048, 32
+_BLOCK_FIXED = 64  # a block's fixed work (query rotation, table, softmax, stores) in columns' worth
+
+
+def chunk_capacity(g: int) -> int:
+    """The largest chunk v5's score array holds: G x CHUNK floats in `decode_attention._SMEM_SCORES`."""
+    return min(da.MAX_CHUNK, da._SMEM_SCORES // g)
+
+
+@lru_cache(maxsize=1)
+def sm_count() -> int:
+    """Multiprocessors of device 0 (the CUDA driver's attribute 16), else an H200's 132."""
+    import ctypes
+
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+        dev, n = ctypes.c_int(), ctypes.c_int()
+        if cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0 \
+                and cu.cuDeviceGetAttribute(ctypes.byref(n), 16, dev) == 0 and n.value > 0:
+            return n.value
+    except (OSError, AttributeError):
+        pass
+    return 132
+
+
+def v5_shared_bytes(g: int, dim: int, bits: int = 4) -> int:
+    """v5's static shared memory: v3's arrays at `chunk_capacity`, the pair table, the fold's flag."""
+    cap = chunk_capacity(g)
+    return _v3_shared_bytes(g, dim, cap, bits) + 1024 * (table_copies(g, dim, cap, bits) or 0) + 16
+
+
+def v5_regs(g: int, dim: int, u: int | None = None) -> int:
+    """`V5_REGS`, else a bound by head size and tiles in flight (more registers: fewer blocks, a safe guess)."""
+    u = u or tq5_unroll()
+    return V5_REGS.get((dim, g, u), 128 if dim <= 128 and u <= 2 else 168)
+
+
+_tq5_unroll: int | None = None
+
+
+def tq5_unroll() -> int:
+    """16-token tiles a v5 warp loads before it multiplies any (v4: `U4` = 2). 4: twice the bytes
+    in flight per warp at 127 registers (4 blocks per SM instead of 5): for large grids, where
+    the loads' latency, not the waves, may bind (docs/PERFORMANCE.md, session 8). From
+    PREFIXTRACE_TQ5_U, read once."""
+    global _tq5_unroll
+    if _tq5_unroll is None:
+        env = os.environ.get("PREFIXTRACE_TQ5_U", str(U4))
+        _tq5_unroll = int(env) if env in {str(u) for u in U5S} else U4
+    return _tq5_unroll
+
+
+def set_tq5_unroll(new: int) -> None:
+    if new not in U5S:
+        raise ValueError(f"v5 tiles in flight must be one of {U5S}, not {new!r}")
+    global _tq5_unroll
+    _tq5_unroll = new
+    _plan5.cache_clear()
+
+
+def blocks_per_sm(shared: int, regs: int = 96, threads: int = da.NW * 32) -> int:
+    """Resident blocks per SM by registers (allocated per warp in 256s), shared memory and threads."""
+    warp_regs = -(-regs * 32 // 256) * 256
+    by_regs = (_SM_REGS // warp_regs) // (threads // 32)
+    by_smem = _SM_SMEM // (shared + 1024)
+    return max(1, min(by_regs, by_smem, _SM_THREADS // threads, _SM_BLOCKS))
+
+
+def split5(tokens: int, kv_heads: int, rows: int, g: int, dim: int, at_least: int = 0,
+           sms: int | None = None, u: int | None = None) -> tuple[int, bool] | None:
+    """(columns per code block, fold) for v5: the multiple of 64 in [max(64, at_least), capacity]
+    with the fewest (waves rounded up) x (columns + `_BLOCK_FIXED`), the larger chunk on a tie
+    (fewer partials to reduce); fold where the code blocks fill at most `FOLD_WAVES` waves. None
+    where the dense window does not fit a block."""
+    slots = (sms or sm_count()) * blocks_per_sm(v5_shared_bytes(g, dim), v5_regs(g, dim, u))
+    cap = chunk_capacity(g)
+    lo = max(64, -(-at_least // 64) * 64)
+    if lo > cap:
+        return None
+    best = None
+    for chunk in range(cap, lo - 1, -64):
+        blocks = -(-tokens // chunk) * kv_heads * rows
+        cost = -(-blocks // slots) * (chunk + _BLOCK_FIXED)
+        if best is None or cost < best[0]:
+            best = (cost, chunk, blocks)
+    _, chunk, blocks = best
+    return chunk, blocks <= FOLD_WAVES * slots
+
+
+_FOLD_START = "        return;\n    }\n    const int n = c1 - c0;\n"
+# The last block of each (row, KV head) to finish reduces its G query heads: warp w takes heads
+# w, w + NW, ...; per head the max and the sum over the S splits (lanes over splits), then the
+# weighted sum of the rotated partials (a lane holds E = D / 32 coordinates, one 16-byte load per
+# split at D = 128), the butterfly back, the dense slot (S - 1) added. Partials written by other
+# blocks are read through L2 (__ldcg) after the fence that the counter orders.
+_FOLD_REDUCE = """
+    __shared__ bool last5_;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        int* cnt5 = const_cast<int*>(cnt) + b * gridDim.y + h;
+        last5_ = atomicAdd(cnt5, 1) == S - 1;
+        if (last5_) atomicExch(cnt5, 0);
+    }
+    __syncthreads();
+    if (!last5_) return;
+    __threadfence();
+    for (int g = warp; g < G; g += NW) {
+        const size_t r = (size_t)(b * HQ + h * G + g);
+        const float* ml = ml_part + r * S * 2;
+        const float* op = o_part + r * S * D + lane * E;
+        float m = NEG_INF;
+        for (int s2 = lane; s2 < S; s2 += 32) m = fmaxf(m, __ldcg(ml + 2 * s2));
+        m = warp_max(m);
+        float l = 0.f;
+        for (int s2 = lane; s2 < S; s2 += 32) {
+            const float ms = __ldcg(ml + 2 * s2);
+            if (ms != NEG_INF) l += __expf(ms - m) * __ldcg(ml + 2 * s2 + 1);
+        }
+        l = warp_sum(l);
+        float x[E];
+        #pragma unroll
+        for (int e = 0; e < E; ++e) x[e] = 0.f;
+        #pragma unroll 8
+        for (int s2 = 0; s2 < S - 1; ++s2) {
+            const float ms = __ldcg(ml + 2 * s2);
+            const float w = ms == NEG_INF ? 0.f : __expf(ms - m);
+            #pragma unroll
+            for (int e = 0; e < E; e += 2) {
+                const float2 v = __ldcg(reinterpret_cast<const float2*>(op + (size_t)s2 * D + e));
+                x[e] = fmaf(w, v.x, x[e]);
+                x[e + 1] = fmaf(w, v.y, x[e + 1]);
+            }
+        }
+        warp_hadamard<D, E>(x, lane);
+        const float md = __ldcg(ml + 2 * (S - 1));
+        const float wd = md == NEG_INF ? 0.f : __expf(md - m);
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int d = lane * E + e;
+            const float v = x[e] * rsqrtf((float)D) * signs[d] + wd * __ldcg(op + (size_t)(S - 1) * D + e);
+            out[r * D + d] = static_cast<T>(l > 0.f ? v / l : 0.f);
+        }
+    }
+"""
+
+
+def _tq5_source(fold: bool) -> str:
+    """v4's body with the chunk read from params[1] (CHUNK: the score array's capacity) and the
+    cache's column count from the K norms' shape (`attend5` passes them as columns [0, end): no
+    array the host writes every step, see `params5`); with `fold`, the empty block's early return
+    turned into a branch (every block must reach the counter) and `_FOLD_REDUCE` after the stores."""
+    s = TQ4_SOURCE
+    for old, new in (("max(s * CHUNK, start)", "max(s * CH5, start)"), ("min((s + 1) * CHUNK, bound)", "min((s + 1) * CH5, bound)"),
+                     ("    const int end = static_cast<int>(params[1]);  // the cache's columns: kc may be its whole buffer\n",
+                      "    const int end = kn_shape[2];  // the cache's columns: kn is [0, end), kc may be its whole buffer\n"),
+                     ("    const bool tail = s == S - 1;\n",
+                      "    const bool tail = s == S - 1;\n    const int CH5 = static_cast<int>(params[1]);  // columns per code block (<= CHUNK)\n")):
+        assert s.count(old) == 1, old
+        s = s.replace(old, new)
+    if fold:
+        assert s.count(_FOLD_START) == 1
+        s = s.replace(_FOLD_START, "    } else {\n    const int n = c1 - c0;\n") + "    }\n" + _FOLD_REDUCE
+    return s
+
+
+TQ5_SOURCE = _tq5_source(False)
+TQ5_FOLD_SOURCE = _tq5_source(True)
+launches5 = [0, 0]  # v5 steps launched in this process: [split + reduce, folded]
+
+_INPUTS = ["q", "kn", "kc", "vn", "vc", "tk", "tv", "lp", "signs", "cent", "params"]
+
+
+@lru_cache(maxsize=2)
+def _tq5_kernel(fold: bool):
+    return mx.fast.cuda_kernel(name="prefixtrace_decode_tq5" + ("f" if fold else ""),
+                               input_names=_INPUTS + (["cnt"] if fold else []),
+                               output_names=["o_part", "ml_part"] + (["out"] if fold else []),
+                               source=TQ5_FOLD_SOURCE if fold else TQ5_SOURCE,
+                               header=da._HEADER + da._TQ3_HEADER + TQ4_HEADER, ensure_row_contiguous=False)
+
+
+@lru_cache(maxsize=None)
+def templates5(dtype, dim: int, g: int, bits: int, group: int, u: int = U4) -> list:
+    """v4's template values at the capacity chunk (the table copies follow from it), U = `u`."""
+    return [(k, u if k == "U" else v) for k, v in templates(dtype, dim, g, chunk_capacity(g), bits, group)]
+
+
+@lru_cache(maxsize=None)
+def params5(scale: float, chunk: int) -> mx.array:
+    """v5's float params [scale, chunk], made once per value, not a fresh array every step as v3 /
+    v4 make for the column count. Why (suspected, not yet verified on the device): MLX's CUDA
+    buffers are managed memory (cudaMallocManaged), so an array the host writes every step is a
+    page the next kernel may read across a GPU page fault. In session 8's H200 run, v5 with a fresh
+    12-byte params array took 205-420 us a kernel in isolation (ncu) against v4's 48-54 at one row
+    of 32k, and +0.13-0.18 ms a synced step at every shape but within 5% queued (where a token's
+    36 arrays may share one page); v4's 8-byte array goes to MLX's small pool, advised read-mostly.
+    The column count comes from the K norms' shape instead (`_tq5_source`)."""
+    return mx.array(np.array([scale, chunk], np.float32))  # from numpy: no lazy array tied to one thread's stream
+
+
+_tq5_fold: bool | None = None
+
+
+def fold5() -> bool:
+    """Whether v5 folds the reduce into its last blocks on small grids (`split5`'s fold). Off by
+    default: on the H200 (session 8, run 2) the folded kernel took 133 us at one row of 100k
+    against 98 + 14 for the split and v3's reduce apart (its last block walks 158 splits per head),
+    and 64 against 52 + 9 at 32k; its host saving (one custom-kernel call) did not show queued
+    (0.120 / 0.200 ms a layer against 0.124 / 0.179). From PREFIXTRACE_TQ5_FOLD ("1": fold),
+    read once; bench/bench_tq_attention.py --tq5-nofold times both."""
+    global _tq5_fold
+    if _tq5_fold is None:
+        _tq5_fold = os.environ.get("PREFIXTRACE_TQ5_FOLD", "0") == "1"
+    return _tq5_fold
+
+
+def set_fold5(on: bool) -> None:
+    global _tq5_fold
+    _tq5_fold = bool(on)
+
+
+@lru_cache(maxsize=4096)
+def _plan5(tokens64: int, kv_heads: int, rows: int, g: int, dim: int, at_least64: int):
+    """`split5` for tokens and window rounded up to multiples of 64: a decode step's context grows
+    by one, so the plan is computed once per 64 steps (the search is ~10 us of Python)."""
+    return split5(64 * tokens64, kv_heads, rows, g, dim, 64 * at_least64)
+
+
+def attend5(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group, counters, end):
+    """`decode_attention.tq_attend`'s step as v5, or None where v4's rules say it cannot map it
+    (the caller runs v4's route, and so v3). `counters`: the cache's int32 zeros (B x H), needed
+    to fold; None: never fold. Columns [0, end) of the norms and codes (whole buffers) are the cache's."""
+    B, hq, _, dim = queries.shape
+    H = k_codes.shape[1]
+    g = hq // H
+    cap = chunk_capacity(g)
+    if not usable(queries, codec.bits, g, dim, cap):
+        return None
+    plan = _plan5(-(-end // 64), H, B, g, dim, -(-win_k.shape[2] // 64))
+    if plan is None:
+        return None
+    chunk, fold = plan
+    fold = fold and counters is not None and fold5()
+    splits = -(-end // chunk) + 1  # + the dense block
+    kn = k_norms if k_norms.shape[2] == end else k_norms[:, :, :end]  # its shape carries `end` (one slice)
+    inputs = [queries, kn, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
+              params5(scale, chunk)]
+    grid, tg = (splits * da.NW * 32, H, B), (da.NW * 32, 1, 1)
+    template = templates5(win_k.dtype, dim, g, codec.bits, group, tq5_unroll())
+    parts = [(B * hq * splits * dim,), (B * hq, splits, 2)]
+    if fold:
+        assert counters.dtype == mx.int32 and counters.size >= B * H
+        launches5[1] += 1
+        return _tq5_kernel(True)(inputs=inputs + [counters], template=template, grid=grid, threadgroup=tg,
+                                 output_shapes=parts + [(B, hq, 1, dim)],
+                                 output_dtypes=[mx.float32, mx.float32, queries.dtype])[2]
+    launches5[0] += 1
+    o_part, ml_part = _tq5_kernel(False)(inputs=inputs, template=template, grid=grid, threadgroup=tg,
+                                         output_shapes=parts, output_dtypes=[mx.float32, mx.float32])
+    return da._tq3_reduce_kernel()(inputs=[o_part, ml_part, codec.signs],
+                                   template=[("T", queries.dtype), ("D", dim), ("RW", da.TQ3_RW)],
+                                   grid=(B * hq * da.TQ3_RW * 32, 1, 1), threadgroup=(da.TQ3_RW * 32, 1, 1),
+                                   output_shapes=[(B, hq, 1, dim)], output_dtypes=[queries.dtype])[0]
+
+
+def build_plan5(kv_heads: int, g: int, dim: int, max_batch: int) -> dict[int, tuple[int, int]]:
+    """engine/tq_prebuild.py's plan under v5: v5 builds one kernel per fold choice, not per chunk
+    (the chunk is a runtime parameter): with the fold on (`fold5`), one launch that folds (one row,
+    4,096 columns) and one that does not (`max_batch` rows, past `FOLD_WAVES` waves of
+    1,024-column blocks); with it off, one launch. Keyed by the chunk each picks: {chunk: (rows, tokens)}."""
+    slots = sm_count() * blocks_per_sm(v5_shared_bytes(g, dim), v5_regs(g, dim))
+    tokens = chunk_capacity(g) * (FOLD_WAVES * slots // (kv_heads * max_batch) + 1)
+    plan = {}
+    for rows, cols in ((1, 4096), (max_batch, tokens)) if fold5() else ((1, 4096),):
+        got = split5(cols, kv_heads, rows, g, dim, at_least=1)
+        if got is not None:
+            plan.setdefault(got[0], (rows, cols))
+    return plan

@@ -97,7 +97,12 @@ def launches(model, tq, max_batch: int):
         return None
     keys = mx.zeros((1, heads, tq.group, dim), dtype)
     out = [(0, (keys, keys, codec), {})]
-    for chunk, (rows, tokens) in chunk_plan(heads, hq // heads, PLAN_TOKENS, max_batch).items():
+    plan = chunk_plan(heads, hq // heads, PLAN_TOKENS, max_batch)
+    if decode_attention.tq_variant() == "v5":
+        from engine import tq_mma
+
+        plan = tq_mma.build_plan5(heads, hq // heads, dim, max_batch)
+    for chunk, (rows, tokens) in plan.items():
         norms = mx.zeros((rows, heads, tokens, 1), mx.float32)
         codes = mx.zeros((rows, heads, tokens, codec.words), mx.uint32)
         window = mx.zeros((rows, heads, 1, dim), dtype)

@@ -21,7 +21,7 @@ import pytest
 from engine import decode_attention, tq_mma
 from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache
 from tests.test_decode_attention import (  # noqa: F401
-    _blocks, _butterfly, _kernel_calls, _np, emulated, emulated_tq3, tq_split_blocks,
+    _blocks, _butterfly, _kernel_calls, _np, emulated, emulated_tq3, emulated_tq3_reduce, tq_split_blocks,
 )
 
 ROUND = {"on": True}
@@ -385,3 +385,222 @@ def test_prebuild_at_load_builds_the_v4_kernels_under_v4(monkeypatch):
     chunks = sorted(c for c in out if c)
     assert chunks and sorted(t["CHUNK"] for t in tq4) == chunks
     assert all(t["TC"] == tq_mma.table_copies(4, 128, t["CHUNK"]) for t in tq4)
+
+
+# --- v5: the split from the occupancy, the reduce folded into the last blocks ------------------
+
+def emulated_tq5(fold: bool, seen: list | None = None):
+    """`TQ5_SOURCE` / `TQ5_FOLD_SOURCE`: v4's blocks at the runtime chunk (params[1], within the
+    score array's capacity, the template CHUNK); folded, the last block of each (row, KV head)
+    reduces its G heads as one warp per head (the v3 reduce's sums with RW = 1) and the counters
+    are zeros before the launch."""
+    def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        t = dict(template)
+        scale, chunk = (float(x) for x in np.array(inputs[10]))
+        end = inputs[1].shape[2]  # (the K norms are passed as columns [0, end): their shape carries it)
+        inputs = list(inputs)
+        inputs[10] = mx.array(np.array([scale, end], np.float32))  # what v4's emulation reads
+        chunk = int(chunk)
+        assert t["CHUNK"] == tq_mma.chunk_capacity(t["G"]) and t["TC"] == tq_mma.table_copies(t["G"], t["D"], t["CHUNK"])
+        assert 64 <= chunk <= t["CHUNK"] and chunk % 64 == 0
+        t4 = [(k, chunk if k == "CHUNK" else tq_mma.table_copies(t["G"], t["D"], chunk) if k == "TC" else v)
+              for k, v in template]
+        if seen is not None:
+            seen.append((fold, chunk))
+        if not fold:
+            assert len(inputs) == 11 and len(output_shapes) == 2
+            return emulated_tq4(inputs, t4, grid, threadgroup, output_shapes, output_dtypes)
+        *inp, cnt = inputs
+        _, S, H, B = _blocks(template, grid, threadgroup)
+        assert len(inp) == 11 and cnt.dtype == mx.int32 and cnt.size >= B * H and not np.array(cnt).any()
+        o, ml = emulated_tq4(inp, t4, grid, threadgroup, output_shapes[:2], output_dtypes[:2])
+        out = emulated_tq3_reduce([o, ml, inp[8]], [("D", t["D"]), ("RW", 1)], (ml.shape[0] * 32, 1, 1), (32, 1, 1),
+                                  [output_shapes[2]], [output_dtypes[2]])[0]
+        return [o, ml, out]
+    return run
+
+
+@pytest.fixture
+def emulated5(emulated4, monkeypatch):
+    seen = []
+    monkeypatch.setattr(tq_mma, "_tq5_kernel", lambda fold: emulated_tq5(fold, seen))
+    decode_attention.set_tq_variant("v5")
+    yield seen
+    decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+
+
+@pytest.mark.parametrize("fold_waves", [2, 0])
+def test_v5_step_equals_v4_and_the_decoded_cache(emulated5, monkeypatch, fold_waves):
+    """Folded (`_tq5_fold` on: one row, short batches fold) and not (FOLD_WAVES 0): v5's steps, one row and
+    left-padded rows across group boundaries, give v4's output up to the order of f32 sums and stay
+    within the bf16 tolerance of SDPA over the decoded cache; its split is a multiple of 64, not
+    v4's power of two, and every step launched v5 (none went to v4's kernel)."""
+    monkeypatch.setattr(tq_mma, "FOLD_WAVES", fold_waves)
+    monkeypatch.setattr(tq_mma, "_tq5_fold", True)
+    tq_mma._plan5.cache_clear()
+    calls = _kernel_calls(monkeypatch)
+    for rows in ([[150, 9]], [[300], [7, 30, 1], [16], [40, 3]]):
+        caches = {}
+        for variant in ("v4", "v5"):
+            caches[variant] = _rows(rows, 2, 128, mx.bfloat16, seed=5 + len(rows))
+            caches[variant].hooked = True
+        B = len(rows)
+        mx.random.seed(21)
+        for step in range(18):
+            k, v = mx.random.normal((B, 2, 1, 128)).astype(mx.bfloat16), mx.random.normal((B, 2, 1, 128)).astype(mx.bfloat16)
+            q = mx.random.normal((B, 8, 1, 128)).astype(mx.bfloat16)
+            outs = {}
+            for variant, cache in caches.items():
+                decode_attention.set_tq_variant(variant)
+                mask = cache.make_mask(1) if B > 1 else None
+                cache.update_and_fetch(k, v)
+                outs[variant] = cache.attend(q, 128 ** -0.5, mask).astype(mx.float32)
+            decode_attention.set_tq_variant("v5")
+            keys, values = caches["v5"]._fetch(rotated=False)
+            ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
+                                                       values.astype(mx.float32), scale=128 ** -0.5, mask=mask)
+            scale = max(mx.abs(ref).max().item(), 1.0)
+            assert mx.abs(outs["v5"] - ref).max().item() <= 2e-2 * scale, (rows, step)
+            assert mx.abs(outs["v5"] - outs["v4"]).max().item() <= 2e-3 * scale, (rows, step)
+    seen = emulated5
+    assert len(seen) == 36 and all(f == (fold_waves > 0) for f, _ in seen)
+    # folded: no reduce launch of its own (v4's 36 steps took 36)
+    assert calls["tq3_reduce"] == 36 + (0 if fold_waves else 36) and calls["tq3"] == 0
+    tq_mma._plan5.cache_clear()
+
+
+def test_v5_split_follows_the_waves():
+    """split5 on an H200 (132 SMs, 5 resident blocks of v5's shape: 660 slots), Qwen3-8B's layer:
+    one row of 100k gets 640 columns (157 x 8 = 1,256 blocks: two full waves) where v4's 1,024
+    left a second wave a fifth full; one row of 32k one wave of 448 (592 blocks); B = 8 keeps
+    large chunks and does not fold; the chunk is at least the dense window's and a multiple of 64."""
+    assert tq_mma.blocks_per_sm(tq_mma.v5_shared_bytes(4, 128), tq_mma.v5_regs(4, 128)) == 5
+    assert tq_mma.split5(100_000, 8, 1, 4, 128, 65, sms=132) == (640, True)
+    assert tq_mma.split5(32768, 8, 1, 4, 128, 65, sms=132) == (448, True)
+    chunk, fold = tq_mma.split5(100_000, 8, 8, 4, 128, 65, sms=132)
+    assert chunk >= 768 and not fold
+    for tokens, rows, at_least in ((5000, 1, 65), (1000, 3, 200), (64, 1, 1), (2_000_000, 8, 65)):
+        chunk, _ = tq_mma.split5(tokens, 8, rows, 4, 128, at_least, sms=132)
+        assert chunk % 64 == 0 and at_least <= chunk <= tq_mma.chunk_capacity(4)
+    assert tq_mma.split5(100, 8, 1, 4, 128, tq_mma.chunk_capacity(4) + 1, sms=132) is None
+    assert tq_mma.chunk_capacity(8) == 512 and tq_mma.chunk_capacity(1) == 1024
+    # registers: 96 a thread is 3,072 a warp, 21 warps, 5 blocks of 4; shared memory alone would allow 5
+    assert tq_mma.blocks_per_sm(20_000, regs=64) == 8 and tq_mma.blocks_per_sm(60_000, regs=64) == 3
+
+
+def test_v5_hands_what_it_cannot_map_to_v4s_route(emulated5, monkeypatch):
+    calls = _kernel_calls(monkeypatch)
+    monkeypatch.setattr(tq_mma, "_tq5_kernel", lambda fold: pytest.fail("v5 launched a float32 step"))
+    cache = _rows([[150, 9]], 2, 128, mx.float32, seed=2)
+    cache.hooked = True
+    cache.update_and_fetch(mx.random.normal((1, 2, 1, 128)), mx.random.normal((1, 2, 1, 128)))
+    cache.attend(mx.random.normal((1, 8, 1, 128)), 128 ** -0.5, None)
+    assert calls["tq3"] == 1 and calls["tq3_reduce"] == 1
+
+
+def test_v5_sources_and_variant(monkeypatch):
+    assert "v5" in decode_attention.TQ_VARIANTS
+    assert "CH5 = static_cast<int>(params[1])" in tq_mma.TQ5_SOURCE and "s * CHUNK" not in tq_mma.TQ5_SOURCE
+    assert "const int end = kn_shape[2];" in tq_mma.TQ5_SOURCE and "params[2]" not in tq_mma.TQ5_SOURCE
+    # folded: the empty block is a branch, not a return, so every block reaches the counter
+    assert tq_mma.TQ5_FOLD_SOURCE.count("return;") == 1 and "if (!last5_) return;" in tq_mma.TQ5_FOLD_SOURCE
+    assert tq_mma.TQ5_SOURCE.count("return;") == 1 and "cnt" not in tq_mma.TQ5_SOURCE
+    monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v5")
+    monkeypatch.setattr(decode_attention, "_tq_variant", None)
+    assert decode_attention.tq_variant() == "v5" and decode_attention.one_launch()
+    monkeypatch.setattr(decode_attention, "_tq_variant", None)
+    monkeypatch.setattr(tq_mma, "_tq5_fold", None)
+    monkeypatch.delenv("PREFIXTRACE_TQ5_FOLD", raising=False)
+    assert not tq_mma.fold5()  # off by default (slower on the H200, session 8)
+    monkeypatch.setattr(tq_mma, "_tq5_fold", None)
+    monkeypatch.setenv("PREFIXTRACE_TQ5_FOLD", "1")
+    assert tq_mma.fold5()
+    monkeypatch.setattr(tq_mma, "_tq5_fold", None)
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="no nvcc on this machine (CI)")
+def test_v5_compiles_for_the_h200_within_its_occupancy_model(tmp_path):
+    """nvcc for sm_90, both v5 kernels (split + reduce, folded): no spills or stack frame, the static
+    shared memory `v5_shared_bytes` counts (at most, within 128 bytes), and at most `v5_regs`
+    registers (`V5_REGS`): the figures `split5`'s blocks per SM come from."""
+    from tests.test_decode_kernel_sources import _TQ_INPUTS, ptxas_report, render
+
+    shapes = []
+    for fold in (False, True):
+        for dtype, dim, g, u in (("bfloat16", 128, 4, 2), ("float16", 128, 4, 2), ("bfloat16", 128, 8, 2),
+                                 ("bfloat16", 64, 3, 2), ("bfloat16", 256, 4, 2), ("bfloat16", 128, 4, 4)):
+            name = f"v5{'f' if fold else ''}_{dtype}_d{dim}_g{g}_u{u}"
+            inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS] + ([("cnt", "int32", 1)] if fold else [])
+            outputs = [("o_part", "float32"), ("ml_part", "float32")] + ([("out", dtype)] if fold else [])
+            shapes.append((name, render(name, tq_mma.TQ5_FOLD_SOURCE if fold else tq_mma.TQ5_SOURCE, inputs, outputs,
+                                        tq_mma.templates5(dtype, dim, g, 4, 64, u))))
+    report = ptxas_report(tmp_path / "v5.cu", decode_attention._HEADER + decode_attention._TQ3_HEADER + tq_mma.TQ4_HEADER,
+                          shapes, timeout=900)
+    assert len(report) == len(shapes)
+    for name, (regs, smem, frame, spills, block) in report.items():
+        assert frame == 0 and spills == ("0", "0") and smem <= 48 * 1024, (name, block)
+        g, dim, u = int(name.split("_g")[1].split("_")[0]), int(name.split("_d")[1].split("_")[0]), int(name.split("_u")[1])
+        assert tq_mma.v5_shared_bytes(g, dim) - 128 <= smem <= tq_mma.v5_shared_bytes(g, dim), (name, smem)
+        assert regs <= tq_mma.v5_regs(g, dim, u), (name, regs)
+    print("ptxas registers, smem:", {n: r[:2] for n, r in report.items()})
+
+
+def test_prebuild_under_v5_builds_one_kernel_per_fold_choice(monkeypatch):
+    from types import SimpleNamespace
+
+    from engine import tq_prebuild
+    from engine.tq_cache import TQConfig
+
+    built = []
+
+    def record(fold):
+        def run(**kw):
+            built.append((fold, dict(kw["template"]).get("CHUNK")))
+            return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+        return run
+
+    monkeypatch.setattr(decode_attention, "available", lambda: True)
+    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: record(None))
+    monkeypatch.setattr(decode_attention, "_tq3_reduce_kernel", lambda: record(None))
+    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: pytest.fail("v4 built under v5"))
+    monkeypatch.setattr(tq_mma, "_tq5_kernel", record)
+    args = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096)
+    model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
+    decode_attention.set_tq_variant("v5")
+    try:
+        monkeypatch.setattr(tq_mma, "_tq5_fold", True)
+        out = tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
+        assert len([c for c in out if c]) == 2
+        assert sorted(f for f, _ in built if f is not None) == [False, True]
+        assert {c for f, c in built if f is not None} == {tq_mma.chunk_capacity(4)}
+        built.clear()
+        monkeypatch.setattr(tq_mma, "_tq5_fold", False)  # the default: one kernel, never folded
+        out = tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
+        assert len([c for c in out if c]) == 1 and [f for f, _ in built if f is not None] == [False]
+    finally:
+        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+
+
+def test_v5_writes_no_host_array_per_step(emulated5, monkeypatch):
+    """The params array is one object per (scale, chunk) across steps (a host-written array each
+    step may cost a GPU page fault: `params5`), and the column count reaches the kernel as the K
+    norms' shape, the cache's [0, end), while the codes stay whole buffers."""
+    seen = []
+
+    def spy(fold):
+        run = emulated_tq5(fold)
+
+        def f(**kw):
+            seen.append((id(kw["inputs"][10]), kw["inputs"][1].shape[2], kw["inputs"][2].shape[2]))
+            return run(**kw)
+        return f
+
+    monkeypatch.setattr(tq_mma, "_tq5_kernel", spy)
+    cache = _rows([[150, 9]], 2, 128, mx.bfloat16, seed=4)
+    cache.hooked = True
+    for _ in range(4):
+        cache.update_and_fetch(mx.random.normal((1, 2, 1, 128)).astype(mx.bfloat16),
+                               mx.random.normal((1, 2, 1, 128)).astype(mx.bfloat16))
+        cache.attend(mx.random.normal((1, 8, 1, 128)).astype(mx.bfloat16), 128 ** -0.5, None)
+    assert len({p for p, _, _ in seen}) == 1
+    assert [e for _, e, _ in seen] == [160, 161, 162, 163] and all(cap > e for _, e, cap in seen)
