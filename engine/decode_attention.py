@@ -52,6 +52,8 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
+from engine.env_choice import EnvChoice
+
 __all__ = ["available", "mode", "set_mode", "use_dense", "use_tq", "dense_attend", "tq_attend", "split_chunk",
            "tq_bounds", "MODES", "tq_variant", "set_tq_variant", "tq_unroll", "set_tq_unroll", "defer_encode", "one_launch", "counters", "kernel_sources",
            "TQ_VARIANTS", "tq3_load", "set_tq3_load", "tq3_cpl", "tq3_nibble", "set_tq3_nibble",
@@ -1071,7 +1073,7 @@ TQ_VARIANTS = ("v1", "v2", "v2s", "v3", "v4", "v5")
 # through the engine at 100k (84.0 / 91.9 tok/s against v3's 58.2 / 63.2, two runs); its 474 checks passed.
 # Steps v4 cannot map (float32, 2 / 8 bits, other head sizes) run v3.
 DEFAULT_TQ_VARIANT = "v4"
-_tq_variant: str | None = None
+_TQ_VARIANT = EnvChoice("PREFIXTRACE_TQ_DECODE", TQ_VARIANTS, DEFAULT_TQ_VARIANT, "TurboQuant decode variant")
 
 
 def tq_variant() -> str:
@@ -1092,18 +1094,10 @@ def tq_variant() -> str:
     with the split chosen from the occupancy (waves) and, on small grids, the reduce folded into
     its last blocks (engine/tq_mma.py, `attend5`; what it cannot map runs v4's route). From
     PREFIXTRACE_TQ_DECODE, read once."""
-    global _tq_variant
-    if _tq_variant is None:
-        env = os.environ.get("PREFIXTRACE_TQ_DECODE", DEFAULT_TQ_VARIANT)
-        _tq_variant = env if env in TQ_VARIANTS else DEFAULT_TQ_VARIANT
-    return _tq_variant
+    return _TQ_VARIANT.get()
 
 
-def set_tq_variant(new: str) -> None:
-    if new not in TQ_VARIANTS:
-        raise ValueError(f"TurboQuant decode variant must be one of {TQ_VARIANTS}, not {new!r}")
-    global _tq_variant
-    _tq_variant = new
+set_tq_variant = _TQ_VARIANT.set
 
 
 def defer_encode() -> bool:
@@ -1208,7 +1202,7 @@ DENSE_VARIANTS = ("v1", "mma")
 # mma: at the byte floor on the H200 (8 x 32k: 301 us per layer against v1's 529 and fused SDPA's 303; ncu
 # 4.1 TB/s, 85 % of DRAM peak; 8 x 4k: 86 against 100 / 97), every dense check passed (session 8).
 DEFAULT_DENSE_VARIANT = "mma"
-_dense_variant: str | None = None
+_DENSE_VARIANT = EnvChoice("PREFIXTRACE_DENSE_DECODE", DENSE_VARIANTS, DEFAULT_DENSE_VARIANT, "dense decode variant")
 
 
 def dense_variant() -> str:
@@ -1216,11 +1210,7 @@ def dense_variant() -> str:
     and values on the tensor cores; bf16 / f16 caches at head sizes 64 / 128 / 256, else v1) or
     "v1" (session 4's kernel, `_DENSE_SOURCE`, CUDA cores). Both hand the same partial outputs
     to `_reduce`. From PREFIXTRACE_DENSE_DECODE, read once; `set_dense_variant` for benchmarks."""
-    global _dense_variant
-    if _dense_variant is None:
-        env = os.environ.get("PREFIXTRACE_DENSE_DECODE", DEFAULT_DENSE_VARIANT)
-        _dense_variant = env if env in DENSE_VARIANTS else DEFAULT_DENSE_VARIANT
-    return _dense_variant
+    return _DENSE_VARIANT.get()
 
 
 @lru_cache(maxsize=1)
@@ -1230,11 +1220,7 @@ def _dense_mma():
     return dense_mma
 
 
-def set_dense_variant(new: str) -> None:
-    if new not in DENSE_VARIANTS:
-        raise ValueError(f"dense decode variant must be one of {DENSE_VARIANTS}, not {new!r}")
-    global _dense_variant
-    _dense_variant = new
+set_dense_variant = _DENSE_VARIANT.set
 
 
 @lru_cache(maxsize=None)
@@ -1316,7 +1302,7 @@ def _dense_templates(dtype, dim: int, g: int, chunk: int, unroll: int) -> list:
 
 
 UNROLLS = (4, 8, 16)
-_tq_unroll: int | None = None
+_TQ_UNROLL = EnvChoice("PREFIXTRACE_TQ_UNROLL", UNROLLS, 4, "TurboQuant unroll")
 
 
 def tq_unroll() -> int:
@@ -1324,18 +1310,10 @@ def tq_unroll() -> int:
     loads in flight per lane; a long context is latency-bound on them), for variants v2 /
     v2s (v1: 4, session 4's). Default 4: 8 and 16 were slower on the H200 except at one row
     of 100k (session 5). From PREFIXTRACE_TQ_UNROLL, read once."""
-    global _tq_unroll
-    if _tq_unroll is None:
-        env = os.environ.get("PREFIXTRACE_TQ_UNROLL", "4")
-        _tq_unroll = int(env) if env in {str(u) for u in UNROLLS} else 4
-    return _tq_unroll
+    return _TQ_UNROLL.get()
 
 
-def set_tq_unroll(new: int) -> None:
-    if new not in UNROLLS:
-        raise ValueError(f"TurboQuant unroll must be one of {UNROLLS}, not {new!r}")
-    global _tq_unroll
-    _tq_unroll = new
+set_tq_unroll = _TQ_UNROLL.set
 
 
 def _reduce(o_part: mx.array, ml_part: mx.array, signs: mx.array, rows: int, q_heads: int, dim: int, dtype,
@@ -1361,7 +1339,7 @@ def dense_attend(queries: mx.array, keys: mx.array, values: mx.array, left_paddi
     splits = -(-T // chunk)
     lp = left_padding if left_padding.dtype == mx.int32 else left_padding.astype(mx.int32)
     parts = None
-    if (_dense_variant or dense_variant()) == "mma":
+    if _DENSE_VARIANT.get() == "mma":
         parts = _dense_mma().attend(queries, keys, values, lp, scale, chunk, splits)  # None: float32, other sizes
     if parts is not None:
         return _reduce(parts[0], parts[1], _no_signs(dim), B, hq, dim, queries.dtype, False)
@@ -1450,25 +1428,17 @@ TQ3_LOADS = (16, 8, 4)
 # shuffle instructions per coordinate).
 DEFAULT_TQ3_LOAD = 8
 _TQ3_REGS = 128  # G x CPL query (and accumulator) registers a lane may hold: ptxas, no spills
-_tq3_load: int | None = None
+_TQ3_LOAD = EnvChoice("PREFIXTRACE_TQ3_LOAD", TQ3_LOADS, DEFAULT_TQ3_LOAD, "v3 load bytes")
 
 
 def tq3_load() -> int:
     """Bytes of codes a v3 lane loads per token, at most (16: 32 codes at 4 bits; 8 (default):
     16 codes, fewer query registers per lane, more blocks per SM; 4). From PREFIXTRACE_TQ3_LOAD,
     read once."""
-    global _tq3_load
-    if _tq3_load is None:
-        env = os.environ.get("PREFIXTRACE_TQ3_LOAD", str(DEFAULT_TQ3_LOAD))
-        _tq3_load = int(env) if env in {str(b) for b in TQ3_LOADS} else DEFAULT_TQ3_LOAD
-    return _tq3_load
+    return _TQ3_LOAD.get()
 
 
-def set_tq3_load(new: int) -> None:
-    if new not in TQ3_LOADS:
-        raise ValueError(f"v3 load bytes must be one of {TQ3_LOADS}, not {new!r}")
-    global _tq3_load
-    _tq3_load = new
+set_tq3_load = _TQ3_LOAD.set
 
 
 def tq3_cpl(g: int, dim: int, bits: int, load: int | None = None) -> int | None:

@@ -51,12 +51,12 @@ is new against v1 (whose arithmetic is f32 throughout). float32 caches keep v1.
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import mlx.core as mx
 
 from engine import decode_attention as da
+from engine.env_choice import EnvChoice
 
 __all__ = ["DIMS", "U", "UNROLLS", "SOURCE", "HEADER", "usable", "attend", "templates", "launches", "unroll",
            "set_unroll"]
@@ -237,7 +237,7 @@ SOURCE = """
 """
 
 UNROLLS = (1, 2, 4)
-_unroll: int | None = None
+_UNROLL = EnvChoice("PREFIXTRACE_DENSE_MMA_UNROLL", UNROLLS, U, "dense MMA unroll")
 
 
 def unroll() -> int:
@@ -245,18 +245,10 @@ def unroll() -> int:
     thread at D 128, G 4 (ptxas, sm_90: 4 blocks of 128 threads per SM, 16 loads of 16 bytes in
     flight per lane); 1: 90 registers (5 blocks); 4: 200 (2 blocks), and at D 256 it spills, so
     D 256 takes at most 2. From PREFIXTRACE_DENSE_MMA_UNROLL, read once; `set_unroll` for benches."""
-    global _unroll
-    if _unroll is None:
-        env = os.environ.get("PREFIXTRACE_DENSE_MMA_UNROLL", str(U))
-        _unroll = int(env) if env in {str(u) for u in UNROLLS} else U
-    return _unroll
+    return _UNROLL.get()
 
 
-def set_unroll(new: int) -> None:
-    if new not in UNROLLS:
-        raise ValueError(f"dense MMA unroll must be one of {UNROLLS}, not {new!r}")
-    global _unroll
-    _unroll = new
+set_unroll = _UNROLL.set
 
 
 def usable(queries: mx.array, keys: mx.array, g: int) -> bool:
@@ -298,6 +290,6 @@ def attend(queries, keys, values, lp, scale: float, chunk: int, splits: int):
     launches[0] += 1
     return _kernel()(
         inputs=[queries, keys, values, lp, da._scalar(scale)],
-        template=templates(dtype, dim, g, chunk, _unroll or unroll()),
+        template=templates(dtype, dim, g, chunk, _UNROLL.get()),
         grid=(splits * da.NW * 32, H, B), threadgroup=(da.NW * 32, 1, 1),
         output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])

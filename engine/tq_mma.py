@@ -71,6 +71,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine import decode_attention as da
+from engine.env_choice import EnvChoice
 
 __all__ = ["table_copies", "usable", "attend", "TQ4_SOURCE", "TQ4_HEADER", "U4", "launches"]
 
@@ -388,7 +389,7 @@ def v5_regs(g: int, dim: int, u: int | None = None) -> int:
     return V5_REGS.get((dim, g, u), 128 if dim <= 128 and u <= 2 else 168)
 
 
-_tq5_unroll: int | None = None
+_TQ5_UNROLL = EnvChoice("PREFIXTRACE_TQ5_U", U5S, U4, "v5 tiles in flight", on_set=lambda: _plan5.cache_clear())
 
 
 def tq5_unroll() -> int:
@@ -396,19 +397,10 @@ def tq5_unroll() -> int:
     in flight per warp at 127 registers (4 blocks per SM instead of 5): for large grids, where
     the loads' latency, not the waves, may bind (docs/PERFORMANCE.md, session 8). From
     PREFIXTRACE_TQ5_U, read once."""
-    global _tq5_unroll
-    if _tq5_unroll is None:
-        env = os.environ.get("PREFIXTRACE_TQ5_U", str(U4))
-        _tq5_unroll = int(env) if env in {str(u) for u in U5S} else U4
-    return _tq5_unroll
+    return _TQ5_UNROLL.get()
 
 
-def set_tq5_unroll(new: int) -> None:
-    if new not in U5S:
-        raise ValueError(f"v5 tiles in flight must be one of {U5S}, not {new!r}")
-    global _tq5_unroll
-    _tq5_unroll = new
-    _plan5.cache_clear()
+set_tq5_unroll = _TQ5_UNROLL.set  # (drops the cached split plans: they depend on the registers)
 
 
 def blocks_per_sm(shared: int, regs: int = 96, threads: int = da.NW * 32) -> int:

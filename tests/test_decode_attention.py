@@ -582,10 +582,10 @@ def test_variant_and_its_env_var(monkeypatch):
     assert decode_attention.tq_variant() in decode_attention.TQ_VARIANTS
     with pytest.raises(ValueError):
         decode_attention.set_tq_variant("v9")
-    monkeypatch.setattr(decode_attention, "_tq_variant", None)
+    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
     monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v1")
     assert decode_attention.tq_variant() == "v1"
-    monkeypatch.setattr(decode_attention, "_tq_variant", None)
+    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
     monkeypatch.delenv("PREFIXTRACE_TQ_DECODE")
     assert decode_attention.tq_variant() == "v4"  # the measured fastest (docs/PERFORMANCE.md, session 7)
     assert not decode_attention.defer_encode()  # the CPU: nothing deferred

@@ -298,17 +298,17 @@ def test_variant_settings_and_their_env_vars(monkeypatch):
         dense_mma.set_unroll(3)
     monkeypatch.setenv("PREFIXTRACE_DENSE_DECODE", "mma")
     monkeypatch.setenv("PREFIXTRACE_DENSE_MMA_UNROLL", "4")
-    monkeypatch.setattr(decode_attention, "_dense_variant", None)
-    monkeypatch.setattr(dense_mma, "_unroll", None)
+    monkeypatch.setattr(decode_attention._DENSE_VARIANT, "_value", None)
+    monkeypatch.setattr(dense_mma._UNROLL, "_value", None)
     assert decode_attention.dense_variant() == "mma" and dense_mma.unroll() == 4
     monkeypatch.setenv("PREFIXTRACE_DENSE_DECODE", "v1")
-    monkeypatch.setattr(decode_attention, "_dense_variant", None)
+    monkeypatch.setattr(decode_attention._DENSE_VARIANT, "_value", None)
     assert decode_attention.dense_variant() == "v1"
     monkeypatch.setenv("PREFIXTRACE_DENSE_DECODE", "bogus")  # the default (measured on the H200, session 8)
-    monkeypatch.setattr(decode_attention, "_dense_variant", None)
+    monkeypatch.setattr(decode_attention._DENSE_VARIANT, "_value", None)
     assert decode_attention.dense_variant() == "mma"
-    monkeypatch.setattr(decode_attention, "_dense_variant", None)
-    monkeypatch.setattr(dense_mma, "_unroll", None)
+    monkeypatch.setattr(decode_attention._DENSE_VARIANT, "_value", None)
+    monkeypatch.setattr(dense_mma._UNROLL, "_value", None)
 
 
 def test_on_the_cpu_nothing_takes_either_kernel(monkeypatch):

@@ -282,9 +282,9 @@ def test_v4_variant_and_table_rules(monkeypatch):
     assert "centroid<" not in tq_mma.TQ4_SOURCE and tq_mma.TQ4_SOURCE.count("mma_f16(") == 2
     assert "float qr[G][8];" in tq_mma.TQ4_SOURCE and "float acc[G][8];" in tq_mma.TQ4_SOURCE  # the dense tail
     monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v4")
-    monkeypatch.setattr(decode_attention, "_tq_variant", None)
+    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
     assert decode_attention.tq_variant() == "v4"
-    monkeypatch.setattr(decode_attention, "_tq_variant", None)
+    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
 
 
 def _v4_engine_shapes() -> list[tuple[str, str]]:
@@ -506,9 +506,9 @@ def test_v5_sources_and_variant(monkeypatch):
     assert tq_mma.TQ5_FOLD_SOURCE.count("return;") == 1 and "if (!last5_) return;" in tq_mma.TQ5_FOLD_SOURCE
     assert tq_mma.TQ5_SOURCE.count("return;") == 1 and "cnt" not in tq_mma.TQ5_SOURCE
     monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v5")
-    monkeypatch.setattr(decode_attention, "_tq_variant", None)
+    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
     assert decode_attention.tq_variant() == "v5" and decode_attention.one_launch()
-    monkeypatch.setattr(decode_attention, "_tq_variant", None)
+    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
     monkeypatch.setattr(tq_mma, "_tq5_fold", None)
     monkeypatch.delenv("PREFIXTRACE_TQ5_FOLD", raising=False)
     assert not tq_mma.fold5()  # off by default (slower on the H200, session 8)
