@@ -197,6 +197,25 @@ _EMPTY_BLOCK = """
     }
 """
 
+# The end of a split block (v3, v4, the dense MMA kernel): the warps' partial outputs summed into the
+# block's, then its softmax statistics; one text, so the kernels' partial layouts cannot drift apart.
+_STORE_PARTIALS = """\
+    __syncthreads();
+    for (int i = tid; i < G * D; i += NT) {
+        const int g = i / D, d = i % D;
+        float v = 0.f;
+        #pragma unroll
+        for (int w = 0; w < NW; ++w) v += red[w][g][d];
+        o_part[((size_t)(b * HQ + h * G + g) * S + s) * D + d] = v;
+    }
+    #pragma unroll
+    for (int g = 0; g < G; ++g)  // (not mx_[tid]: a register array indexed at run time goes to the stack)
+        if (tid == g) {
+            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2] = mx_[g];
+            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2 + 1] = l_[g];
+        }
+"""
+
 _PROLOGUE = """
     constexpr int LPT = D / 8;            // lanes per token: 8 coordinates each
     constexpr int TPW = 32 / LPT;         // tokens per warp step
@@ -924,21 +943,7 @@ _TQ3_SOURCE = """
                 for (int i = 0; i < 8; ++i) red[warp][g][sub * 8 + i] = acc[g][i];
         }
     }
-    __syncthreads();
-    for (int i = tid; i < G * D; i += NT) {
-        const int g = i / D, d = i % D;
-        float v = 0.f;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) v += red[w][g][d];
-        o_part[((size_t)(b * HQ + h * G + g) * S + s) * D + d] = v;
-    }
-    #pragma unroll
-    for (int g = 0; g < G; ++g)  // (not mx_[tid]: a register array indexed at run time goes to the stack)
-        if (tid == g) {
-            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2] = mx_[g];
-            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2 + 1] = l_[g];
-        }
-"""
+""" + _STORE_PARTIALS
 
 # One block of RW warps per (row, query head). Slots [0, S-1) are in the rotated basis, slot S-1
 # (the dense block) in the original one. The max and the sum over the splits are block
