@@ -214,6 +214,16 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
         c.hooked = True  # the hook route below, as make_tq_cache marks the engine's caches
         return c
 
+    def side_cases():
+        """(key, setting, variant) of the side cases the synced and the queued figures both time: v4 at
+        forced chunks, v5 unfolded, v5 at other tiles in flight (each setting a fresh context manager)."""
+        for c in chunks:
+            yield f"v4_chunk{c}", forced_chunk(c), "v4"
+        if tq5_nofold:
+            yield "v5_nofold", tq5_fold(False), "v5"
+        for u in tq5_us:
+            yield f"v5_u{u}", tq5_unroll(u), "v5"
+
     if not only_queued:
         timed("warmup_dense_ms", dense, "dense", "off")  # discarded: the first timing of a shape ran slow (session 6)
         del row["warmup_dense_ms"]
@@ -230,18 +240,10 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
             for variant in variants or decode_attention.TQ_VARIANTS:
                 timed(f"tq_kernel_{variant}_ms", tq, "hook", "on", variant=variant)
                 row[f"tq_kernel_{variant}_vs_dense"] = round(row[f"tq_kernel_{variant}_ms"] / row["dense_ms"], 3)
-            for c in chunks:
-                with forced_chunk(c):
-                    timed(f"tq_kernel_v4_chunk{c}_ms", tq, "hook", "on", variant="v4")
-                row[f"tq_kernel_v4_chunk{c}_vs_dense"] = round(row[f"tq_kernel_v4_chunk{c}_ms"] / row["dense_ms"], 3)
-            if tq5_nofold:
-                with tq5_fold(False):
-                    timed("tq_kernel_v5_nofold_ms", tq, "hook", "on", variant="v5")
-                row["tq_kernel_v5_nofold_vs_dense"] = round(row["tq_kernel_v5_nofold_ms"] / row["dense_ms"], 3)
-            for u in tq5_us:
-                with tq5_unroll(u):
-                    timed(f"tq_kernel_v5_u{u}_ms", tq, "hook", "on", variant="v5")
-                row[f"tq_kernel_v5_u{u}_vs_dense"] = round(row[f"tq_kernel_v5_u{u}_ms"] / row["dense_ms"], 3)
+            for key, setting, variant in side_cases():
+                with setting:
+                    timed(f"tq_kernel_{key}_ms", tq, "hook", "on", variant=variant)
+                row[f"tq_kernel_{key}_vs_dense"] = round(row[f"tq_kernel_{key}_ms"] / row["dense_ms"], 3)
             for spec in loads:  # v3 at other code-load widths ("8": 8 bytes; "8p": shift-and-mask code extraction)
                 load, nib = int(str(spec).rstrip("p")), not str(spec).endswith("p")
                 timed(f"tq_kernel_v3_l{spec}_ms", tq, "hook", "on", variant="v3", load=load, nib=nib)
@@ -275,18 +277,10 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
             for variant in variants or decode_attention.TQ_VARIANTS:
                 qtimed(f"queued_tq_{variant}_ms", tq, "hook", "on", variant=variant)
                 row[f"queued_tq_{variant}_vs_dense"] = round(row[f"queued_tq_{variant}_ms"] / row["queued_dense_ms"], 3)
-            for c in chunks:
-                with forced_chunk(c):
-                    qtimed(f"queued_tq_v4_chunk{c}_ms", tq, "hook", "on", variant="v4")
-                row[f"queued_tq_v4_chunk{c}_vs_dense"] = round(row[f"queued_tq_v4_chunk{c}_ms"] / row["queued_dense_ms"], 3)
-            if tq5_nofold:
-                with tq5_fold(False):
-                    qtimed("queued_tq_v5_nofold_ms", tq, "hook", "on", variant="v5")
-                row["queued_tq_v5_nofold_vs_dense"] = round(row["queued_tq_v5_nofold_ms"] / row["queued_dense_ms"], 3)
-            for u in tq5_us:
-                with tq5_unroll(u):
-                    qtimed(f"queued_tq_v5_u{u}_ms", tq, "hook", "on", variant="v5")
-                row[f"queued_tq_v5_u{u}_vs_dense"] = round(row[f"queued_tq_v5_u{u}_ms"] / row["queued_dense_ms"], 3)
+            for key, setting, variant in side_cases():
+                with setting:
+                    qtimed(f"queued_tq_{key}_ms", tq, "hook", "on", variant=variant)
+                row[f"queued_tq_{key}_vs_dense"] = round(row[f"queued_tq_{key}_ms"] / row["queued_dense_ms"], 3)
             qtimed("queued_dense_again_ms", dense, "dense", "off")
         else:
             qtimed("queued_tq_mlx_ops_ms", tq, "hook", "off")
