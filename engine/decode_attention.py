@@ -139,6 +139,19 @@ _SOFTMAX_STATS = """
         l_[g] = l;
     }
 """
+
+# The warps' partial outputs summed into the block's (every split kernel's end; `_STORE_PARTIALS` below).
+_SUM_PARTIALS = """\
+    __syncthreads();
+    for (int i = tid; i < G * D; i += NT) {
+        const int g = i / D, d = i % D;
+        float v = 0.f;
+        #pragma unroll
+        for (int w = 0; w < NW; ++w) v += red[w][g][d];
+        o_part[((size_t)(b * HQ + h * G + g) * S + s) * D + d] = v;
+    }
+"""
+
 _SOFTMAX_AND_STORE = _SOFTMAX_STATS + """    float acc[G][8];
     #pragma unroll
     for (int g = 0; g < G; ++g)
@@ -168,14 +181,7 @@ _SOFTMAX_AND_STORE = _SOFTMAX_STATS + """    float acc[G][8];
             #pragma unroll
             for (int i = 0; i < 8; ++i) red[warp][g][sub * 8 + i] = acc[g][i];
     }
-    __syncthreads();
-    for (int i = tid; i < G * D; i += NT) {
-        const int g = i / D, d = i % D;
-        float v = 0.f;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) v += red[w][g][d];
-        o_part[((size_t)(b * HQ + h * G + g) * S + s) * D + d] = v;
-    }
+""" + _SUM_PARTIALS + """\
     if (tid < G) {
         ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = mx_[tid];
         ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = l_[tid];
@@ -197,17 +203,9 @@ _EMPTY_BLOCK = """
     }
 """
 
-# The end of a split block (v3, v4, the dense MMA kernel): the warps' partial outputs summed into the
-# block's, then its softmax statistics; one text, so the kernels' partial layouts cannot drift apart.
-_STORE_PARTIALS = """\
-    __syncthreads();
-    for (int i = tid; i < G * D; i += NT) {
-        const int g = i / D, d = i % D;
-        float v = 0.f;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) v += red[w][g][d];
-        o_part[((size_t)(b * HQ + h * G + g) * S + s) * D + d] = v;
-    }
+# The end of a split block (v3, v4, the dense MMA kernel): the partial outputs summed, then the block's
+# softmax statistics; one text, so the kernels' partial layouts cannot drift apart.
+_STORE_PARTIALS = _SUM_PARTIALS + """\
     #pragma unroll
     for (int g = 0; g < G; ++g)  // (not mx_[tid]: a register array indexed at run time goes to the stack)
         if (tid == g) {
