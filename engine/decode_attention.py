@@ -1344,13 +1344,13 @@ def dense_attend(queries: mx.array, keys: mx.array, values: mx.array, left_paddi
     parts = None
     if _DENSE_VARIANT.get() == "mma":
         parts = _dense_mma().attend(queries, keys, values, lp, scale, chunk, splits)  # None: float32, other sizes
-    if parts is not None:
-        return _reduce(parts[0], parts[1], _no_signs(dim), B, hq, dim, queries.dtype, False)
-    o_part, ml_part = _dense_kernel()(
-        inputs=[queries, keys, values, lp, _scalar(scale)],
-        template=_dense_templates(keys.dtype, dim, g, chunk, unroll),
-        grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
-        output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
+    if parts is None:  # v1, and what the MMA kernel does not map
+        parts = _dense_kernel()(
+            inputs=[queries, keys, values, lp, _scalar(scale)],
+            template=_dense_templates(keys.dtype, dim, g, chunk, unroll),
+            grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
+            output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
+    o_part, ml_part = parts
     return _reduce(o_part, ml_part, _no_signs(dim), B, hq, dim, queries.dtype, False)
 
 

@@ -37,11 +37,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def running_server(app):
-    """Run `app` under a real uvicorn server on a random loopback port."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+def start_uvicorn(config: uvicorn.Config) -> tuple[uvicorn.Server, threading.Thread]:
+    """A real uvicorn server on a thread of its own, returned once it listens (30 s at most)."""
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -49,6 +47,23 @@ def running_server(app):
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
+    return server, thread
+
+
+def read_until(sock: socket.socket, marker: bytes, data: bytes = b"") -> bytes:
+    """What `sock` has sent, read until `marker` is in it (after `data`, already read)."""
+    while marker not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before {marker!r}; got {data!r}"
+        data += chunk
+    return data
+
+
+@contextmanager
+def running_server(app):
+    """Run `app` under a real uvicorn server on a random loopback port."""
+    port = free_port()
+    server, thread = start_uvicorn(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -19,7 +19,7 @@ from prefixtrace.connections import (
     with_head_timeout,
 )
 from prefixtrace.serve import QueryValuesMasked
-from tests.conftest import free_port
+from tests.conftest import free_port, read_until, start_uvicorn
 
 PROTOCOLS = {"h11": H11WithHeadTimeout}
 if _httptools_protocol() is not None:
@@ -87,13 +87,7 @@ def server(request):
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, http=PROTOCOLS[request.param], log_config=None,
                             lifespan="on", log_level="info", timeout_graceful_shutdown=1)
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
+    srv, thread = start_uvicorn(config)
     try:
         yield port, app, lines
     finally:
@@ -109,14 +103,6 @@ def _connect(port: int) -> socket.socket:
     return sock
 
 
-def _read_until(sock: socket.socket, marker: bytes, data: bytes = b"") -> bytes:
-    while marker not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed before {marker!r}; got {data!r}"
-        data += chunk
-    return data
-
-
 def _wait_for(lines: Lines, count: int, timeout: float = 10.0) -> list[str]:
     deadline = time.monotonic() + timeout
     while len(lines.records) < count and time.monotonic() < deadline:
@@ -129,21 +115,21 @@ def test_the_line_waits_for_the_last_bytes_and_says_what_uvicorn_said(server):
     sock = _connect(port)
     try:
         sock.sendall(b"GET /slow?key=sk-secret-1234&v=2 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        data = _read_until(sock, b"\r\n\r\n")  # the head is out ...
+        data = read_until(sock, b"\r\n\r\n")  # the head is out ...
         time.sleep(0.2)
         assert lines.messages() == []  # ... and the line is not: it used to be written before the head
         app.release.set()
-        data = _read_until(sock, b"first", data)  # the first body bytes (a stream's role chunk) ...
+        data = read_until(sock, b"first", data)  # the first body bytes (a stream's role chunk) ...
         time.sleep(0.2)
         assert lines.messages() == []  # ... not yet either
         app.release_last.set()
-        data = _read_until(sock, b"0\r\n\r\n", data)
+        data = read_until(sock, b"0\r\n\r\n", data)
         client_port = sock.getsockname()[1]
         messages = _wait_for(lines, 1)
         assert messages == [f'127.0.0.1:{client_port} - "GET /slow?key=***&v=*** HTTP/1.1" 200']
         # The same connection's next request gets its own line, once.
         sock.sendall(b"GET /quick HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        _read_until(sock, b"done")
+        read_until(sock, b"done")
         messages = _wait_for(lines, 2)
         time.sleep(0.1)
         assert lines.messages() == [messages[0], f'127.0.0.1:{client_port} - "GET /quick HTTP/1.1" 200']
@@ -158,14 +144,14 @@ def test_a_response_that_never_ends_is_still_logged_once(server):
     sock = _connect(port)
     try:
         sock.sendall(b"GET /fail HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        _read_until(sock, b"\r\n\r\n")
+        read_until(sock, b"\r\n\r\n")
         assert _wait_for(lines, 1)[-1].endswith('"GET /fail HTTP/1.1" 200')
     finally:
         sock.close()
     # The client hangs up mid-body: the line comes when the connection is lost.
     sock = _connect(port)
     sock.sendall(b"GET /hang HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-    _read_until(sock, b"first")
+    read_until(sock, b"first")
     time.sleep(0.1)
     assert len(lines.records) == 1
     sock.close()

@@ -3,29 +3,17 @@
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 from prefixtrace.serve import uvicorn_config
-from tests.conftest import TINY_MODEL, free_port
+from tests.conftest import TINY_MODEL, free_port, start_uvicorn
 from tests.test_cli_serve import serve_process
 
-
-def _serve(config: uvicorn.Config):
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    return server, thread
 
 
 def _closed_by_server(sock: socket.socket) -> bool:
@@ -40,7 +28,7 @@ def _closed_by_server(sock: socket.socket) -> bool:
 def test_idle_and_slow_loris_connections_are_closed_and_requests_still_answer(tiny_engine, recorder):
     port = free_port()
     app = create_app(EngineBackend(tiny_engine), recorder)
-    server, thread = _serve(uvicorn_config(app, "127.0.0.1", port, "warning", head_timeout_s=1.0))
+    server, thread = start_uvicorn(uvicorn_config(app, "127.0.0.1", port, "warning", head_timeout_s=1.0))
     idle, loris = [], []
     try:
         for _ in range(300):  # connect, send nothing

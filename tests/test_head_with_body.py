@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 
 import pytest
 import uvicorn
 
 from prefixtrace.connections import H11WithHeadTimeout, _httptools_protocol, with_head_timeout
-from tests.conftest import free_port
+from tests.conftest import free_port, read_until, start_uvicorn
 
 PROTOCOLS = {"h11": H11WithHeadTimeout}
 if _httptools_protocol() is not None:
@@ -62,13 +61,7 @@ def port(request):
     port = free_port()
     config = uvicorn.Config(App(), host="127.0.0.1", port=port, http=PROTOCOLS[request.param], log_config=None,
                             lifespan="on", access_log=False, timeout_graceful_shutdown=1)
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
+    srv, thread = start_uvicorn(config)
     try:
         yield port
     finally:
@@ -82,21 +75,13 @@ def _request(port: int, path: str, method: str = "GET") -> socket.socket:
     return sock
 
 
-def _read_until(sock: socket.socket, marker: bytes, data: bytes = b"") -> bytes:
-    while marker not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed before {marker!r}; got {data!r}"
-        data += chunk
-    return data
-
-
 def test_the_head_and_the_first_body_bytes_arrive_in_one_piece(port):
     sock = _request(port, "/together")
     try:
         first = sock.recv(65536)  # the first bytes the client gets: before, the head alone, BLOCK_S early
         assert first.startswith(b"HTTP/1.1 200 ") and b"\r\n\r\n" in first
         assert b"first" in first, first
-        data = _read_until(sock, b"0\r\n\r\n", first)
+        data = read_until(sock, b"0\r\n\r\n", first)
         assert data.index(b"first") < data.index(b"last")
     finally:
         sock.close()
@@ -105,10 +90,10 @@ def test_the_head_and_the_first_body_bytes_arrive_in_one_piece(port):
 def test_a_head_whose_body_is_late_goes_out_by_itself_within_the_hold(port):
     sock = _request(port, "/late")
     try:
-        head = _read_until(sock, b"\r\n\r\n")
+        head = read_until(sock, b"\r\n\r\n")
         # The body comes 1 s after the head, after the app waited: the head did not wait for it.
         assert b"first" not in head
-        data = _read_until(sock, b"0\r\n\r\n", head)
+        data = read_until(sock, b"0\r\n\r\n", head)
         assert data.index(b"first") < data.index(b"last")
     finally:
         sock.close()
@@ -118,11 +103,11 @@ def test_a_head_whose_body_is_late_goes_out_by_itself_within_the_hold(port):
 def test_a_response_without_body_bytes_still_sends_its_head_on_a_kept_connection(port, method):
     sock = _request(port, "/empty", method)
     try:
-        data = _read_until(sock, b"\r\n\r\n")
+        data = read_until(sock, b"\r\n\r\n")
         assert data.startswith(b"HTTP/1.1 200 ") and b"content-length: 0" in data.lower()
         # The connection is still good for the next request, whose head is not mixed up with it.
         sock.sendall(b"GET /together HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        rest = _read_until(sock, b"0\r\n\r\n", data.split(b"\r\n\r\n", 1)[1])
+        rest = read_until(sock, b"0\r\n\r\n", data.split(b"\r\n\r\n", 1)[1])
         assert rest.startswith(b"HTTP/1.1 200 ") and b"first" in rest
     finally:
         sock.close()
