@@ -554,7 +554,7 @@ _INPUT_KERNELS = ("rbitsc", "ErfInv", "binary_vs<mlx::Divide, float", "binary_vs
 def _kernel_kind(name: str) -> str:
     if any(k in name for k in _INPUT_KERNELS):
         return "input"
-    for key, kind in (("tq4", "tq_split"), ("tq5", "tq_split"), ("tq3_reduce", "tq_reduce"), ("decode_tq3", "tq_split"),
+    for key, kind in (("tq4", "tq_split"), ("tq5", "tq_split"), ("tq7", "tq_split"), ("tq3_reduce", "tq_reduce"), ("decode_tq3", "tq_split"),
                       ("encode", "tq_encode"), ("sdpa", "sdpa"), ("lean_reduction", "sdpa"), ("copy", "copy"),
                       ("slice", "copy"), ("fill", "fill")):
         if key in name.lower():
