@@ -541,7 +541,7 @@ def params5(scale: float, chunk: int) -> mx.array:
     of 32k, and +0.13-0.18 ms a synced step at every shape but within 5% queued (where a token's
     36 arrays may share one page); v4's 8-byte array goes to MLX's small pool, advised read-mostly.
     The column count comes from the K norms' shape instead (`_tq5_source`)."""
-    return mx.array(np.array([scale, chunk], np.float32))  # from numpy: no lazy array tied to one thread's stream
+    return da.own_page([scale, chunk], np.float32)  # a page of its own: `decode_attention.OWN_PAGE`
 
 
 _tq5_fold: bool | None = None
