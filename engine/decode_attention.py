@@ -1522,6 +1522,24 @@ def _tq3_reduce_kernel():
 
 
 TQ3_RW = 4  # warps per v3 reduce block
+# From TQ3_WIDE_SPLITS splits on, TQ3_RW_WIDE warps. Why: the reduce has one block per (row, query head),
+# so at one row there are only 32 blocks of 4 warps on 132 SMs, each warp walking S / 4 splits one
+# dependent round of loads after another: 8.7 us at one row of 32k (75 splits) and 13.7 us at 100k (158;
+# ncu, session 8) for 1.2-2.6 MB of partials. 16 warps walk a quarter of the splits each.
+TQ3_RW_WIDE, TQ3_WIDE_SPLITS = 16, 48
+
+
+def tq3_reduce_warps(splits: int) -> int:
+    return TQ3_RW_WIDE if splits >= TQ3_WIDE_SPLITS else TQ3_RW
+
+
+def tq3_reduce(o_part: mx.array, ml_part: mx.array, signs: mx.array, shape: tuple, dtype) -> mx.array:
+    """v3's reduce of a split kernel's partials (`ml_part`: (B x HQ, splits, 2)) into the output of
+    `shape` (B, HQ, 1, D), `tq3_reduce_warps` warps per (row, query head)."""
+    rw = tq3_reduce_warps(ml_part.shape[1])
+    return _tq3_reduce_kernel()(inputs=[o_part, ml_part, signs], template=[("T", dtype), ("D", shape[-1]), ("RW", rw)],
+                                grid=(ml_part.shape[0] * rw * 32, 1, 1), threadgroup=(rw * 32, 1, 1),
+                                output_shapes=[tuple(shape)], output_dtypes=[dtype])[0]
 
 
 _tq3_nibble: bool | None = None
@@ -1568,7 +1586,4 @@ def _tq3_attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, s
         template=_templates3(win_k.dtype, dim, hq // H, chunk, codec.bits, group, cpl, tq3_nibble()),
         grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
         output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
-    return _tq3_reduce_kernel()(inputs=[o_part, ml_part, codec.signs],
-                                template=[("T", queries.dtype), ("D", dim), ("RW", TQ3_RW)],
-                                grid=(B * hq * TQ3_RW * 32, 1, 1), threadgroup=(TQ3_RW * 32, 1, 1),
-                                output_shapes=[(B, hq, 1, dim)], output_dtypes=[queries.dtype])[0]
+    return tq3_reduce(o_part, ml_part, codec.signs, (B, hq, 1, dim), queries.dtype)
