@@ -430,7 +430,7 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
         engine = Engine(**model_kw, kv_quant=kv, max_batch=1, prefill_step_size=chunk, cache_bytes=0).start()
         try:
             engine.wait_ready(600)
-            built_s = {str(c or "encode"): round(s, 3) for c, s in engine.tq_kernel_build_s.items()}
+            built_s = {("reduces" if c < 0 else str(c or "encode")): round(s, 3) for c, s in engine.tq_kernel_build_s.items()}
             out["engines"].append({"kv": label, "load_s": round(time.perf_counter() - t0, 3), "kernel_build_s": built_s})
             print(json.dumps(out["engines"][-1]), flush=True)
             if warmup:
@@ -453,7 +453,7 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
             probe = tq_prebuild.prebuild(built[0], TQConfig(), 1)
         finally:
             tq_prebuild.ENABLED = on
-        out["probe_build_s"] = {str(c or "encode"): round(s, 3) for c, s in probe.items()}
+        out["probe_build_s"] = {("reduces" if c < 0 else str(c or "encode")): round(s, 3) for c, s in probe.items()}
         print(json.dumps({"probe_build_s": out["probe_build_s"]}), flush=True)
     by = {(r["kv"], r["context"], r["run"]): r for r in out["runs"]}
     runs_ = range(1, repeat + 1)

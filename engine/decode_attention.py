@@ -1227,14 +1227,60 @@ def _dense_mma():
 set_dense_variant = _DENSE_VARIANT.set
 
 
+# Why the kernels' constants (the scale, the start offsets) are padded to a page of their own: MLX's CUDA
+# allocator serves every allocation of <= 8 bytes from one 64 KB managed pool advised read-mostly
+# (mlx/backend/cuda/allocator.cpp, SmallSizePool), shared with every scalar the host makes (an op with a
+# Python number, a token id); a host write anywhere in that pool drops the GPU's copy of the page, and the
+# next kernel reading a constant there waits on a page fault. On the H200 that wait was ~1/5 of a one-row
+# TurboQuant split kernel's time (docs/PERFORMANCE.md, session 9). An array of OWN_PAGE bytes is its own
+# managed allocation (MLX rounds sizes >= 16 KB to its 16 KB page): it moves to the GPU on its first read
+# and stays there, since the host never writes it again.
+OWN_PAGE = 16384
+# PREFIXTRACE_KERNEL_CONSTANTS=small: the old unpadded constants, for an A/B on the device (read at import).
+_PAD_CONSTANTS = os.environ.get("PREFIXTRACE_KERNEL_CONSTANTS", "own-page") != "small"
+
+
+def own_page(values, dtype) -> mx.array:
+    """`values` (1-D) as the first elements of a zero-padded array of `OWN_PAGE` bytes: a kernel input
+    no other array shares a page with (see above). Kernels read only its first elements."""
+    v = np.asarray(values, dtype).reshape(-1)
+    if not _PAD_CONSTANTS:
+        return mx.array(v)
+    a = np.zeros(OWN_PAGE // np.dtype(dtype).itemsize, dtype)
+    assert v.size <= a.size
+    a[:v.size] = v
+    return mx.array(a)  # from numpy: no lazy array tied to one thread's stream
+
+
 @lru_cache(maxsize=None)
 def _scalar(value: float) -> mx.array:
-    return mx.array(np.array([value], np.float32))  # from numpy: no lazy array tied to one thread's stream
+    return own_page([value], np.float32)
 
 
 @lru_cache(maxsize=None)
 def _zeros(rows: int) -> mx.array:
-    return mx.array(np.zeros(rows, np.int32))
+    return own_page(np.zeros(rows), np.int32)
+
+
+_STARTS: dict[int, tuple[mx.array, mx.array]] = {}
+
+
+def kernel_starts(left_padding: mx.array) -> mx.array:
+    """A cache's row start offsets (int32) as a kernel input on a page of its own (see `OWN_PAGE`): a copy
+    made on the device once per left-padding array (the caches make a new one whenever their rows change),
+    then reused. Keyed by identity, holding the source so its id is not reused while the entry lives."""
+    hit = _STARTS.get(id(left_padding))
+    if hit is not None and hit[0] is left_padding:
+        return hit[1]
+    lp = left_padding if left_padding.dtype == mx.int32 else left_padding.astype(mx.int32)
+    if not _PAD_CONSTANTS:
+        return lp
+    pad = OWN_PAGE // 4 - lp.size
+    copy = mx.concatenate([lp.reshape(-1), _zeros(0)[:pad]]) if pad > 0 else lp
+    if len(_STARTS) >= 64:  # a few caches live at a time; old entries go first
+        _STARTS.pop(next(iter(_STARTS)))
+    _STARTS[id(left_padding)] = (left_padding, copy)
+    return copy
 
 
 def counters(owner, size: int) -> mx.array:
@@ -1242,7 +1288,7 @@ def counters(owner, size: int) -> mx.array:
     made once per size, from numpy: no lazy array tied to one thread's stream)."""
     c = getattr(owner, "_decode_counters", None)
     if c is None or c.size < size:
-        c = mx.array(np.zeros(size, np.int32))
+        c = own_page(np.zeros(size), np.int32) if 4 * size <= OWN_PAGE else mx.array(np.zeros(size, np.int32))
         owner._decode_counters = c
     return c
 
@@ -1341,7 +1387,7 @@ def dense_attend(queries: mx.array, keys: mx.array, values: mx.array, left_paddi
     if chunk is None:
         return None
     splits = -(-T // chunk)
-    lp = left_padding if left_padding.dtype == mx.int32 else left_padding.astype(mx.int32)
+    lp = kernel_starts(left_padding)
     parts = None
     if _DENSE_VARIANT.get() == "mma":
         parts = _dense_mma().attend(queries, keys, values, lp, scale, chunk, splits)  # None: float32, other sizes
@@ -1371,8 +1417,7 @@ def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: 
     T = k_codes.shape[2] if end is None else end
     assert T <= min(k_norms.shape[2], k_codes.shape[2], v_norms.shape[2], v_codes.shape[2])
     g = hq // H
-    lp = _zeros(B) if left_padding is None else left_padding
-    lp = lp if lp.dtype == mx.int32 else lp.astype(mx.int32)
+    lp = _zeros(B) if left_padding is None else kernel_starts(left_padding)
     variant = tq_variant()
     if variant == "v7":
         from engine import tq_fused  # (imports this module: not at the top)
@@ -1485,6 +1530,24 @@ def _tq3_reduce_kernel():
 
 
 TQ3_RW = 4  # warps per v3 reduce block
+# From TQ3_WIDE_SPLITS splits on, TQ3_RW_WIDE warps. Why: the reduce has one block per (row, query head),
+# so at one row there are only 32 blocks of 4 warps on 132 SMs, each warp walking S / 4 splits one
+# dependent round of loads after another: 8.7 us at one row of 32k (75 splits) and 13.7 us at 100k (158;
+# ncu, session 8) for 1.2-2.6 MB of partials. 16 warps walk a quarter of the splits each.
+TQ3_RW_WIDE, TQ3_WIDE_SPLITS = 16, 48
+
+
+def tq3_reduce_warps(splits: int) -> int:
+    return TQ3_RW_WIDE if splits >= TQ3_WIDE_SPLITS else TQ3_RW
+
+
+def tq3_reduce(o_part: mx.array, ml_part: mx.array, signs: mx.array, shape: tuple, dtype) -> mx.array:
+    """v3's reduce of a split kernel's partials (`ml_part`: (B x HQ, splits, 2)) into the output of
+    `shape` (B, HQ, 1, D), `tq3_reduce_warps` warps per (row, query head)."""
+    rw = tq3_reduce_warps(ml_part.shape[1])
+    return _tq3_reduce_kernel()(inputs=[o_part, ml_part, signs], template=[("T", dtype), ("D", shape[-1]), ("RW", rw)],
+                                grid=(ml_part.shape[0] * rw * 32, 1, 1), threadgroup=(rw * 32, 1, 1),
+                                output_shapes=[tuple(shape)], output_dtypes=[dtype])[0]
 
 
 _tq3_nibble: bool | None = None
@@ -1512,7 +1575,11 @@ def _templates3(dtype, dim: int, g: int, chunk: int, bits: int, group: int, cpl:
 
 
 def _params(scale: float, end: int) -> mx.array:
-    """v3 / v4's float parameters: the scale and the cache's column count (exact in float32 below 2^24)."""
+    """v3 / v4's float parameters: the scale and the cache's column count (exact in float32 below 2^24).
+    A fresh array every step, so it stays 8 bytes, in MLX's read-mostly small pool: padded to a page of
+    its own (`own_page`), every step's host write would move that page to the host and the kernel's
+    read back (v5's 12-byte params did that in session 8: 205-420 us a kernel). v5 takes `end` from
+    the K norms' shape instead and its params are made once."""
     assert end < 1 << 24
     return mx.array(np.array([scale, end], np.float32))  # from numpy: no lazy array tied to one thread's stream
 
@@ -1527,7 +1594,4 @@ def _tq3_attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, s
         template=_templates3(win_k.dtype, dim, hq // H, chunk, codec.bits, group, cpl, tq3_nibble()),
         grid=(splits * NW * 32, H, B), threadgroup=(NW * 32, 1, 1),
         output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
-    return _tq3_reduce_kernel()(inputs=[o_part, ml_part, codec.signs],
-                                template=[("T", queries.dtype), ("D", dim), ("RW", TQ3_RW)],
-                                grid=(B * hq * TQ3_RW * 32, 1, 1), threadgroup=(TQ3_RW * 32, 1, 1),
-                                output_shapes=[(B, hq, 1, dim)], output_dtypes=[queries.dtype])[0]
+    return tq3_reduce(o_part, ml_part, codec.signs, (B, hq, 1, dim), queries.dtype)

@@ -327,10 +327,7 @@ def attend(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale,
         template=templates(win_k.dtype, dim, g, chunk, codec.bits, group),
         grid=(splits * da.NW * 32, H, B), threadgroup=(da.NW * 32, 1, 1),
         output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
-    return da._tq3_reduce_kernel()(inputs=[o_part, ml_part, codec.signs],
-                                   template=[("T", queries.dtype), ("D", dim), ("RW", da.TQ3_RW)],
-                                   grid=(B * hq * da.TQ3_RW * 32, 1, 1), threadgroup=(da.TQ3_RW * 32, 1, 1),
-                                   output_shapes=[(B, hq, 1, dim)], output_dtypes=[queries.dtype])[0]
+    return da.tq3_reduce(o_part, ml_part, codec.signs, (B, hq, 1, dim), queries.dtype)
 
 
 # --- v5: v4's kernel with the split chosen from the occupancy, and the reduce folded in ---------
@@ -542,7 +539,7 @@ def params5(scale: float, chunk: int) -> mx.array:
     of 32k, and +0.13-0.18 ms a synced step at every shape but within 5% queued (where a token's
     36 arrays may share one page); v4's 8-byte array goes to MLX's small pool, advised read-mostly.
     The column count comes from the K norms' shape instead (`_tq5_source`)."""
-    return mx.array(np.array([scale, chunk], np.float32))  # from numpy: no lazy array tied to one thread's stream
+    return da.own_page([scale, chunk], np.float32)  # a page of its own: `decode_attention.OWN_PAGE`
 
 
 _tq5_fold: bool | None = None
@@ -604,10 +601,7 @@ def attend5(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale
     launches5[0] += 1
     o_part, ml_part = _tq5_kernel(False)(inputs=inputs, template=template, grid=grid, threadgroup=tg,
                                          output_shapes=parts, output_dtypes=[mx.float32, mx.float32])
-    return da._tq3_reduce_kernel()(inputs=[o_part, ml_part, codec.signs],
-                                   template=[("T", queries.dtype), ("D", dim), ("RW", da.TQ3_RW)],
-                                   grid=(B * hq * da.TQ3_RW * 32, 1, 1), threadgroup=(da.TQ3_RW * 32, 1, 1),
-                                   output_shapes=[(B, hq, 1, dim)], output_dtypes=[queries.dtype])[0]
+    return da.tq3_reduce(o_part, ml_part, codec.signs, (B, hq, 1, dim), queries.dtype)
 
 
 def build_plan5(kv_heads: int, g: int, dim: int, max_batch: int) -> dict[int, tuple[int, int]]:

@@ -116,10 +116,25 @@ def launches(model, tq, max_batch: int):
     return out
 
 
+def reduce_launches(model) -> list:
+    """One v3 reduce per width it launches at (`decode_attention.tq3_reduce_warps`: few splits and
+    `TQ3_WIDE_SPLITS`), on zero partials of one row of the model's shape: the widths depend on the
+    split count, which the attention plan's shapes do not all reach (v5's plan is one row of 4,096
+    columns). Lazy arrays."""
+    hq, _, dim = model_shape(model)
+    dtype = _activation_dtype(model)
+    out = []
+    for splits in (2, decode_attention.TQ3_WIDE_SPLITS):
+        o_part = mx.zeros((hq * splits * dim,), mx.float32)
+        ml_part = mx.zeros((hq, splits, 2), mx.float32)
+        out.append(decode_attention.tq3_reduce(o_part, ml_part, decode_attention._no_signs(dim), (1, hq, 1, dim), dtype))
+    return out
+
+
 def prebuild(model, tq, max_batch: int) -> dict[int, float]:
     """Run the TurboQuant decode attention once per CHUNK of `chunk_plan` (any context, up to
     `max_batch` rows) and the fused encode once, on zero inputs, so each kernel is compiled
-    now: {chunk: seconds} (0: the encode). Nothing (an empty dict) where a decode step would
+    now: {chunk: seconds} (0: the encode, -1: the reduces). Nothing (an empty dict) where a decode step would
     not use the kernels (`launches`) or with PREFIXTRACE_TQ_PREBUILD=0. A build that fails
     here is logged and left to the first request that needs it, as without this."""
     plan = launches(model, tq, max_batch) if ENABLED else None
@@ -137,10 +152,13 @@ def prebuild(model, tq, max_batch: int) -> dict[int, float]:
                 if result is not None:
                     mx.eval(result)
             out[chunk] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        mx.eval(*reduce_launches(model))
+        out[-1] = time.perf_counter() - t0
     except Exception as exc:  # the engine still serves: the kernel is built (or fails) on first use
         log.warning("TurboQuant decode kernels not built at load (%r); the first step that needs one builds it",
                     exc)
         return out
-    log.info("TurboQuant decode kernels built for chunks %s in %.1f s (%s)", sorted(c for c in out if c),
-             sum(out.values()), ", ".join(f"{c or 'encode'}: {s:.2f} s" for c, s in out.items()))
+    log.info("TurboQuant decode kernels built for chunks %s in %.1f s (%s)", sorted(c for c in out if c > 0),
+             sum(out.values()), ", ".join(f"{'reduces' if c < 0 else c or 'encode'}: {s:.2f} s" for c, s in out.items()))
     return out
