@@ -369,10 +369,7 @@ def attend7(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale
         template=_templates7(win_k.dtype, dim, g, group),
         grid=(splits * da.NW * 32, H, B), threadgroup=(da.NW * 32, 1, 1),
         output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
-    return da._tq3_reduce_kernel()(inputs=[o_part, ml_part, codec.signs],
-                                   template=[("T", queries.dtype), ("D", dim), ("RW", da.TQ3_RW)],
-                                   grid=(B * hq * da.TQ3_RW * 32, 1, 1), threadgroup=(da.TQ3_RW * 32, 1, 1),
-                                   output_shapes=[(B, hq, 1, dim)], output_dtypes=[queries.dtype])[0]
+    return da.tq3_reduce(o_part, ml_part, codec.signs, (B, hq, 1, dim), queries.dtype)
 
 
 def build_plan7(kv_heads: int, g: int, dim: int, max_batch: int) -> dict[int, tuple[int, int]]:

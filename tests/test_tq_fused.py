@@ -351,7 +351,7 @@ def test_prebuild_under_v7_builds_one_kernel(monkeypatch):
         out = tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
     finally:
         decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
-    assert len([c for c in out if c]) == 1 and sum("TW" in t for t in built) == 1
+    assert len([c for c in out if c > 0]) == 1 and sum("TW" in t for t in built) == 1  # (-1: the reduces)
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="no nvcc on this machine (CI)")
