@@ -52,14 +52,28 @@ import mlx.core as mx
 
 from engine import decode_attention as da
 from engine import tq_mma
+from engine.env_choice import EnvChoice
 
 __all__ = ["TQ7_SOURCE", "TQ7_HEADER", "usable7", "attend7", "launches7", "v7_shared_bytes", "split7",
-           "build_plan7", "DIMS7", "V7_REGS"]
+           "build_plan7", "DIMS7", "V7_REGS", "tq7_prefetch", "set_tq7_prefetch"]
 
 DIMS7 = (64, 128)  # D = 256: 64 output and 32 query registers a lane, past the register budget: v5's route
 TC7 = 32  # table copies: one per lane (conflict-free)
-# ptxas registers a thread, (D, G) -> registers (sm_90; tests/test_tq_fused.py checks them as bounds)
-V7_REGS = {(128, 4): 128, (128, 8): 128, (128, 1): 128, (64, 3): 96}
+# ptxas registers a thread, (D, G, PF) -> registers (sm_90; tests/test_tq_fused.py checks them as bounds)
+V7_REGS = {(128, 4, True): 128, (128, 8, True): 128, (128, 1, True): 128, (64, 3, True): 96,
+           (128, 4, False): 96, (128, 8, False): 128, (128, 1, False): 96, (64, 3, False): 64}
+PFS = (1, 0)
+_TQ7_PF = EnvChoice("PREFIXTRACE_TQ7_PF", PFS, 1, "v7 tile buffers", on_set=lambda: split7.cache_clear())
+
+
+def tq7_prefetch() -> bool:
+    """Whether a v7 warp keeps the next tile's loads in flight during a tile's math (two tile buffers,
+    128 registers, 4 blocks per SM at Qwen3-8B's shape) or loads each tile just before its math (96
+    registers, 5 blocks per SM). From PREFIXTRACE_TQ7_PF ("0": one buffer), read once."""
+    return bool(_TQ7_PF.get())
+
+
+set_tq7_prefetch = _TQ7_PF.set
 
 TQ7_HEADER = """
 // 2^x, one MUFU.EX2 (ex2.approx.ftz: -inf -> +0).
@@ -226,13 +240,20 @@ _FUSED = """ else {
         // folds into every LDS (a warp-dependent count makes it a per-lookup add). No barrier inside.
         const int nt = (n + 16 * NW - 1) / (16 * NW);
         Tile ta, tb2;
-        if (nt > 0) load(ta, 16 * warp);
-        for (int i = 0; i < nt; i += 2) {
-            if (i + 1 < nt) load(tb2, 16 * ((i + 1) * NW + warp));
-            math(ta, 16 * (i * NW + warp));
-            if (i + 1 >= nt) break;
-            if (i + 2 < nt) load(ta, 16 * ((i + 2) * NW + warp));
-            math(tb2, 16 * ((i + 1) * NW + warp));
+        if constexpr (PF) {  // two tile buffers: tile i + 1's loads in flight during tile i's math
+            if (nt > 0) load(ta, 16 * warp);
+            for (int i = 0; i < nt; i += 2) {
+                if (i + 1 < nt) load(tb2, 16 * ((i + 1) * NW + warp));
+                math(ta, 16 * (i * NW + warp));
+                if (i + 1 >= nt) break;
+                if (i + 2 < nt) load(ta, 16 * ((i + 2) * NW + warp));
+                math(tb2, 16 * ((i + 1) * NW + warp));
+            }
+        } else {  // one buffer (fewer registers, more blocks per SM): a tile's V loads overlap its K math only
+            for (int i = 0; i < nt; ++i) {
+                load(ta, 16 * (i * NW + warp));
+                math(ta, 16 * (i * NW + warp));
+            }
         }
         // The block's combine: the lane sums over the 8 token rows, then per column the block's max and
         // each warp's output rescaled to it (v3's red array, in the table's space: after the barrier).
@@ -319,8 +340,8 @@ def v7_shared_bytes(g: int, dim: int) -> int:
     return 4 * (256 * TC7 + g * dim + da.NW * g + 2 * da.NW * 8)
 
 
-def v7_regs(g: int, dim: int) -> int:
-    return V7_REGS.get((dim, g), 128)
+def v7_regs(g: int, dim: int, pf: bool | None = None) -> int:
+    return V7_REGS.get((dim, g, tq7_prefetch() if pf is None else pf), 128)
 
 
 def usable7(queries: mx.array, bits: int, g: int, dim: int, group: int) -> bool:
@@ -344,8 +365,10 @@ def split7(tokens64: int, kv_heads: int, rows: int, g: int, dim: int, at_least64
     return None if got is None else got[0]
 
 
-def _templates7(dtype, dim: int, g: int, group: int) -> list:
-    return [("T", dtype), ("D", dim), ("G", g), ("NW", da.NW), ("BITS", 4), ("GROUP", group), ("NQ", 1), ("TW", group)]
+@lru_cache(maxsize=None)
+def _templates7(dtype, dim: int, g: int, group: int, pf: bool = True) -> list:
+    return [("T", dtype), ("D", dim), ("G", g), ("NW", da.NW), ("GROUP", group), ("NQ", 1), ("TW", group),
+            ("PF", bool(pf))]
 
 
 def attend7(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group, end):
@@ -366,7 +389,7 @@ def attend7(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale
     o_part, ml_part = _tq7_kernel()(
         inputs=[queries, kn, k_codes, v_norms, v_codes, win_k, win_v, lp, codec.signs, codec.centroids,
                 tq_mma.params5(scale, chunk)],
-        template=_templates7(win_k.dtype, dim, g, group),
+        template=_templates7(win_k.dtype, dim, g, group, tq7_prefetch()),
         grid=(splits * da.NW * 32, H, B), threadgroup=(da.NW * 32, 1, 1),
         output_shapes=[(B * hq * splits * dim,), (B * hq, splits, 2)], output_dtypes=[mx.float32, mx.float32])
     return da.tq3_reduce(o_part, ml_part, codec.signs, (B, hq, 1, dim), queries.dtype)

@@ -128,7 +128,7 @@ def emulated_tq7(seen: list | None = None):
         q, kn, kc, vn, vc, tk, tv, lp, signs, cent, params = (_np(a) for a in inputs)
         t, S, H, B = _blocks(template, grid, threadgroup)
         D, G, GROUP, NQ, TW, NW = (t[k] for k in ("D", "G", "GROUP", "NQ", "TW", "NW"))
-        assert t["BITS"] == 4 and D in tq_fused.DIMS7 and G <= 8 and TW == GROUP
+        assert D in tq_fused.DIMS7 and G <= 8 and TW == GROUP and t["PF"] == tq_fused.tq7_prefetch()
         assert G * TW + NW * G * D <= 256 * 32
         scale, chunk = float(params[0]), int(params[1])
         end = kn.shape[2]  # (the K norms are passed as columns [0, end))
@@ -247,6 +247,23 @@ def test_v7_long_blocks_stream_several_tiles_per_warp(emulated7, monkeypatch, ch
     assert set(emulated7) == {chunk}
 
 
+def test_v7_with_one_tile_buffer_computes_the_same(emulated7, monkeypatch):
+    """PREFIXTRACE_TQ7_PF=0 (one tile buffer: the same tiles in the same order, no tile in flight
+    across the math): the kernel gets PF = false and the step still matches; the split plans with
+    its own (5) blocks per SM."""
+    assert tq_fused.tq7_prefetch() and tq_fused.slots7(4, 128) == tq_mma.sm_count() * 4
+    tq_fused.set_tq7_prefetch(0)  # (drops split7's cached plans, made for 4 blocks per SM)
+    try:
+        assert tq_fused.v7_regs(4, 128) == 96 and tq_fused.slots7(4, 128) == tq_mma.sm_count() * 5
+        with monkeypatch.context() as m:
+            _force_chunk(m, 576)
+            for v7, v4, ref in _lockstep([[1500, 9]], 8, 2, 128, mx.bfloat16, 2, seed=4):
+                scale = max(mx.abs(ref).max().item(), 1.0)
+                assert mx.abs(v7 - ref).max().item() <= 2e-2 * scale
+    finally:
+        tq_fused.set_tq7_prefetch(1)
+
+
 @pytest.mark.parametrize("plant", ["half", "src", "vtok", "rescale"])
 def test_a_planted_index_error_misses_the_reference(emulated7, monkeypatch, plant):
     """Each index of the emulation that the kernel's layout fixes (which f16 half, which score lane,
@@ -302,8 +319,8 @@ def test_v7_variant_rules_and_source(monkeypatch):
     s = tq_fused.TQ7_SOURCE
     # one pass: no score array per token (the tail's sc is GROUP wide), no barrier in the code path's loop
     assert "[CHUNK]" not in s and s.count("mma_f16(") == 2
-    loop = s[s.index("for (int i = 0; i < nt; i += 2)"):s.index("// The block's combine")]
-    assert "__syncthreads" not in loop and "math(ta" in loop and "load(tb2" in loop
+    loop = s[s.index("Tile ta, tb2;"):s.index("// The block's combine")]
+    assert "__syncthreads" not in loop and "math(ta" in loop and "load(tb2" in loop and "if constexpr (PF)" in loop
     # the layout the emulation assumes
     for text in ("src0 = 8 * tq + (gq >> 1), src1 = src0 + 4", "(gq & 1) ? 0x7632u : 0x5410u",
                  "(r & 1 ? tv1 : tv0) + 8 * (r >> 1)", "const int nt = (n + 16 * NW - 1) / (16 * NW);",
@@ -361,18 +378,22 @@ def test_v7_compiles_for_the_h200_within_its_register_budget(tmp_path):
     from tests.test_decode_kernel_sources import _TQ_INPUTS, ptxas_report, render
 
     shapes = []
-    for dtype, dim, g in (("bfloat16", 128, 4), ("float16", 128, 4), ("bfloat16", 128, 8), ("bfloat16", 64, 3),
-                          ("bfloat16", 128, 1)):
-        name = f"v7_{dtype}_d{dim}_g{g}"
-        inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS]
-        shapes.append((name, render(name, tq_fused.TQ7_SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
-                                    tq_fused._templates7(dtype, dim, g, 64))))
+    for pf in (True, False):
+        for dtype, dim, g in (("bfloat16", 128, 4), ("float16", 128, 4), ("bfloat16", 128, 8), ("bfloat16", 64, 3),
+                              ("bfloat16", 128, 1)):
+            name = f"v7_{dtype}_d{dim}_g{g}_pf{int(pf)}"
+            inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS]
+            shapes.append((name, render(name, tq_fused.TQ7_SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
+                                        tq_fused._templates7(dtype, dim, g, 64, pf))))
     report = ptxas_report(tmp_path / "v7.cu", decode_attention._HEADER + decode_attention._TQ3_HEADER
                           + tq_mma.TQ4_HEADER + tq_fused.TQ7_HEADER, shapes, timeout=900)
     assert len(report) == len(shapes)
     for name, (regs, smem, frame, spills, block) in report.items():
-        g, dim = int(name.split("_g")[1]), int(name.split("_d")[1].split("_")[0])
+        g, dim = int(name.split("_g")[1].split("_")[0]), int(name.split("_d")[1].split("_")[0])
+        pf = name.endswith("_pf1")
         assert frame == 0 and spills == ("0", "0"), (name, block)
         assert tq_fused.v7_shared_bytes(g, dim) - 128 <= smem <= tq_fused.v7_shared_bytes(g, dim), (name, smem)
-        assert regs <= tq_fused.v7_regs(g, dim), (name, regs)
+        assert regs <= tq_fused.v7_regs(g, dim, pf), (name, regs)
+        if (dim, g) == (128, 4):  # Qwen3-8B: the blocks per SM `split7` plans with: 4 with two tile buffers, 5 with one
+            assert tq_mma.blocks_per_sm(smem, regs) == (4 if pf else 5), (name, regs)
     print("ptxas registers, smem:", {n: r[:2] for n, r in report.items()})
