@@ -65,7 +65,7 @@ def _code_block(qr, kw, kn, vw, vn, cent, G, D, NW):
             tmax = np.maximum(sv[:, :2], sv[:, 2:])  # (32, 2): columns 2tq, 2tq + 1
             tmax = np.stack([tmax[_TQ == q].max(axis=0) for q in _TQ], 0)  # over the 8 lanes of one tq
             new = np.maximum(mr, tmax)
-            if (new > mr).any() and plant != "rescale":
+            if (new > mr + 3.0).any() and plant != "rescale":  # the kernel's lazy rescale (TH7 = 3, log2)
                 a = np.exp2(mr - new)
                 lr *= a
                 o *= np.stack([a[:, 0], a[:, 1], a[:, 0], a[:, 1]], -1)[None]
@@ -324,7 +324,7 @@ def test_v7_variant_rules_and_source(monkeypatch):
     # the layout the emulation assumes
     for text in ("src0 = 8 * tq + (gq >> 1), src1 = src0 + 4", "(gq & 1) ? 0x7632u : 0x5410u",
                  "(r & 1 ? tv1 : tv0) + 8 * (r >> 1)", "const int nt = (n + 16 * NW - 1) / (16 * NW);",
-                 "mx_[g] = mb * 0.6931471805599453f"):
+                 "mx_[g] = mb * 0.6931471805599453f", "constexpr float TH7 = 3.f;", "n0 > mr[0] + TH7 || n1 > mr[1] + TH7"):
         assert text in s, text
     assert "float qr[G][8];" in s and "float acc[G][8];" in s  # the dense tail: v3's
     monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v7")
