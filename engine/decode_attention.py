@@ -1072,15 +1072,18 @@ def set_mode(new: str) -> None:
 
 
 TQ_VARIANTS = ("v1", "v2", "v2s", "v3", "v4", "v5", "v7")
-# v4: faster than v3 at every per-layer shape on the H200 (0.73-0.89x its synced step, session 7) and
-# through the engine at 100k (84.0 / 91.9 tok/s against v3's 58.2 / 63.2, two runs); its 474 checks passed.
-# Steps v4 cannot map (float32, 2 / 8 bits, other head sizes) run v3.
-DEFAULT_TQ_VARIANT = "v4"
+# v7 (session 9): kernel time per layer step 0.59x / 0.54x / 0.33x / 0.42x dense at 1x32k / 1x100k / 8x32k /
+# 8x100k on the H200 (v5: 0.83x / 0.79x at one row; v4 1.06x / 1.02x), through the engine 1.54-1.58x dense's
+# tok/s at 32k and 2.73-3.37x at 100k (v4 1.54x / 2.36x in the same session); its checks passed
+# (docs/PERFORMANCE.md, "TurboQuant decode v7"). Steps v7 cannot map (D = 256, float32, 2 / 8 bits) run
+# v5's route, and so v4's and v3's. Before: v4 (session 7), faster than v3 at every per-layer shape.
+DEFAULT_TQ_VARIANT = "v7"
 _TQ_VARIANT = EnvChoice("PREFIXTRACE_TQ_DECODE", TQ_VARIANTS, DEFAULT_TQ_VARIANT, "TurboQuant decode variant")
 
 
 def tq_variant() -> str:
-    """How a TurboQuant decode step runs on CUDA. "v4" (default): v3's step with the scores and
+    """How a TurboQuant decode step runs on CUDA. "v7" (default): one pass over the codes per block
+    with an online softmax (below). "v4": v3's step with the scores and
     values on the tensor cores (below). "v3": v2s's step (below) with the
     attention kernel rebuilt from the bandwidth floor down (`_TQ3_SOURCE`: wide code loads, the
     dense tail on its own path, a reduce parallel over the splits; 0.66-0.90x v2s's step on the

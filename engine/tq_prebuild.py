@@ -102,10 +102,14 @@ def launches(model, tq, max_batch: int):
         from engine import tq_mma
 
         plan = tq_mma.build_plan5(heads, hq // heads, dim, max_batch)
-    if decode_attention.tq_variant() == "v7":
-        from engine import tq_fused
+    if decode_attention.tq_variant() == "v7":  # v7's one build; where it cannot map the shape, its fallback's
+        from engine import tq_fused, tq_mma
 
-        plan = tq_fused.build_plan7(heads, hq // heads, dim, max_batch)
+        g, q = hq // heads, mx.zeros((1, hq, 1, dim), dtype)
+        if tq_fused.usable7(q, tq.bits, g, dim, tq.group):
+            plan = tq_fused.build_plan7(heads, g, dim, max_batch)
+        elif tq_mma.usable(q, tq.bits, g, dim, tq_mma.chunk_capacity(g)):
+            plan = tq_mma.build_plan5(heads, g, dim, max_batch)  # (v5's route: D = 256)
     for chunk, (rows, tokens) in plan.items():
         norms = mx.zeros((rows, heads, tokens, 1), mx.float32)
         codes = mx.zeros((rows, heads, tokens, codec.words), mx.uint32)

@@ -587,7 +587,7 @@ def test_variant_and_its_env_var(monkeypatch):
     assert decode_attention.tq_variant() == "v1"
     monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
     monkeypatch.delenv("PREFIXTRACE_TQ_DECODE")
-    assert decode_attention.tq_variant() == "v4"  # the measured fastest (docs/PERFORMANCE.md, session 7)
+    assert decode_attention.tq_variant() == "v7"  # the measured fastest (docs/PERFORMANCE.md, session 9)
     assert not decode_attention.defer_encode()  # the CPU: nothing deferred
 
 

@@ -310,7 +310,7 @@ def tq_mma_rows(dtype, bits, dim):
 
 
 def test_v7_variant_rules_and_source(monkeypatch):
-    assert "v7" in decode_attention.TQ_VARIANTS and decode_attention.DEFAULT_TQ_VARIANT != "v7"
+    assert "v7" in decode_attention.TQ_VARIANTS and decode_attention.DEFAULT_TQ_VARIANT == "v7"  # (session 9)
     q = mx.zeros((1, 32, 1, 128), mx.bfloat16)
     assert tq_fused.usable7(q, 4, 4, 128, 64) and not tq_fused.usable7(q, 2, 4, 128, 64)
     assert not tq_fused.usable7(q.astype(mx.float32), 4, 4, 128, 64)
@@ -369,6 +369,33 @@ def test_prebuild_under_v7_builds_one_kernel(monkeypatch):
     finally:
         decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
     assert len([c for c in out if c > 0]) == 1 and sum("TW" in t for t in built) == 1  # (-1: the reduces)
+
+
+def test_prebuild_under_v7_builds_its_fallbacks_kernel_where_v7_cannot_map_the_model(monkeypatch):
+    """Head dim 256 (v5's route under v7): the load-time build compiles v5's kernel, not v7's."""
+    from types import SimpleNamespace
+
+    from engine import tq_prebuild
+    from engine.tq_cache import TQConfig
+
+    built = []
+
+    def record(**kw):
+        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+    monkeypatch.setattr(decode_attention, "available", lambda: True)
+    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: record)
+    monkeypatch.setattr(decode_attention, "_tq3_reduce_kernel", lambda: record)
+    monkeypatch.setattr(tq_fused, "_tq7_kernel", lambda: pytest.fail("v7 built for a head dim it cannot map"))
+    monkeypatch.setattr(tq_mma, "_tq5_kernel", lambda fold: built.append(fold) or record)
+    args = SimpleNamespace(num_attention_heads=16, num_key_value_heads=4, head_dim=256, hidden_size=4096)
+    model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
+    decode_attention.set_tq_variant("v7")
+    try:
+        out = tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
+    finally:
+        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+    assert len([c for c in out if c > 0]) == 1 and built == [False]
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="no nvcc on this machine (CI)")
