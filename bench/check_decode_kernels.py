@@ -246,6 +246,10 @@ def main() -> int:
                     help="the dense cases alone (with --long: the padded long rows too) and the dense greedy part")
     ap.add_argument("--mapped-only", action="store_true",
                     help="of the short cases, only the bf16 / f16 ones v4 / v5 map (not the generic loop's)")
+    ap.add_argument("--mapped-dtypes", default="bfloat16,float16", help="dtypes of the short cases v4 / v5 / v7 map")
+    ap.add_argument("--mapped-cases", default="row,g1,d256,d64,b8,pad",
+                    help="which of those cases: row (one row of 4,033 over 70 steps), g1, d256, d64 (G = 3), b8 (G = 8), "
+                    "pad (four left-padded rows, G = 4)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -291,12 +295,17 @@ def main() -> int:
         tq_case([[500, 3], [64]], 8, 8, 128, 4, mx.float32, variant=variant, steps=20)  # G = 1
     for v in [v for v in ("v4", "v5", "v7") if v in variants and not args.only_long]:
         # what v4 / v5 map, bf16 / f16 at 4 bits (the loop above: its float32 cases run v3)
-        for dtype in (mx.bfloat16, mx.float16):
-            tq_case([[4000, 33]], 32, 8, 128, 4, dtype, variant=v, steps=70)
-            tq_case([[500, 3], [64]], 8, 8, 128, 4, dtype, variant=v, steps=20)  # G = 1
-            tq_case([[300], [7, 30, 1], [64], [1000, 3]], 16, 4, 256, 4, dtype, variant=v)  # D = 256
-            tq_case([[150, 10], [70]], 9, 3, 64, 4, dtype, variant=v, steps=20)  # D = 64, G = 3
-            tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, dtype, variant=v, steps=20)  # B = 8, G = 8
+        for dtype in [getattr(mx, d) for d in args.mapped_dtypes.split(",") if d]:
+            cases = {"row": lambda: tq_case([[4000, 33]], 32, 8, 128, 4, dtype, variant=v, steps=70),
+                     "g1": lambda: tq_case([[500, 3], [64]], 8, 8, 128, 4, dtype, variant=v, steps=20),  # G = 1
+                     "d256": lambda: tq_case([[300], [7, 30, 1], [64], [1000, 3]], 16, 4, 256, 4, dtype, variant=v),
+                     "d64": lambda: tq_case([[150, 10], [70]], 9, 3, 64, 4, dtype, variant=v, steps=20),  # G = 3
+                     "b8": lambda: tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, dtype, variant=v, steps=20),  # G = 8
+                     # four left-padded rows at the Qwen3-8B shape, across group boundaries
+                     "pad": lambda: tq_case([[300], [7, 30, 1], [64], [1000, 3]], 32, 8, 128, 4, dtype, variant=v,
+                                            steps=20)}
+            for name in args.mapped_cases.split(","):
+                cases[name]()
         if v == "v5":  # both of v5's kernels on the same shapes: again with the fold switched (`fold5`)
             saved = tq_mma.fold5()
             tq_mma.set_fold5(not saved)
