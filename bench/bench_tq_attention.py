@@ -165,13 +165,13 @@ def _fill(cache, keys, values, chunk: int = 8192):
 def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 1, parts: bool = False,
             only_tq: bool = False, unrolls: tuple = (), variants: tuple | None = None, loads: tuple = (),
             queued: int = 0, queued_gb: float = 40.0, only_queued: bool = False, chunks: tuple = (),
-            tq5_us: tuple = (), tq5_nofold: bool = False) -> dict:
+            tq5_us: tuple = (), tq5_nofold: bool = False, tq7_pf0: bool = False) -> dict:
     """One layer's decode step at `rows` rows of `context` tokens: dense (MLX's fused SDPA) and
     TurboQuant through MLX ops and through the kernel; with several rows, also left-padded
     rows (every row but the first 1,000 tokens shorter), dense (masked SDPA vs the kernel).
     `queued` > 0: also the queued per-layer figures (`queued_step_time`) over that many layers.
     `chunks`: also v4 with its split forced to each of these chunks (`forced_chunk`); `tq5_us`: also
-    v5 at each of these tiles in flight (`tq5_unroll`)."""
+    v5 at each of these tiles in flight (`tq5_unroll`); `tq7_pf0`: also v7 with one tile buffer (`tq7_buffers`)."""
     from mlx_lm.models.cache import KVCache
 
     from engine import decode_attention
@@ -223,6 +223,8 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
             yield "v5_nofold", tq5_fold(False), "v5"
         for u in tq5_us:
             yield f"v5_u{u}", tq5_unroll(u), "v5"
+        if tq7_pf0:
+            yield "v7_pf0", tq7_buffers(False), "v7"
 
     if not only_queued:
         timed("warmup_dense_ms", dense, "dense", "off")  # discarded: the first timing of a shape ran slow (session 6)
@@ -398,7 +400,7 @@ def profiler(on: bool) -> bool:
 
 
 def kernel_cases(shape: str, context: int, bits: int, dtype, rows: int, variants: tuple, steps: int,
-                 chunks: tuple = (), tq5_us: tuple = (), tq5_nofold: bool = False) -> list[dict]:
+                 chunks: tuple = (), tq5_us: tuple = (), tq5_nofold: bool = False, tq7_pf0: bool = False) -> list[dict]:
     """Each case (dense, then each TurboQuant variant, then v4 at each forced split chunk in
     `chunks`, then v5 at each tiles-in-flight count of `tq5_us`): warm-up steps outside the capture window, then `steps` synced steps inside it, on
     a stream of the case's own; the capture window opens around each step only, after its inputs
@@ -430,12 +432,14 @@ def kernel_cases(shape: str, context: int, bits: int, dtype, rows: int, variants
     plan += [(f"v4_chunk{c}", tq, "hook", "on", "v4", c) for c in chunks]
     plan += [(f"v5_u{u}", tq, "hook", "on", "v5", -u) for u in tq5_us]  # (a negative "chunk": v5's U)
     plan += [("v5_nofold", tq, "hook", "on", "v5", 0)] if tq5_nofold else []  # (chunk 0: v5 with the fold off)
+    plan += [("v7_pf0", tq, "hook", "on", "v7", "pf0")] if tq7_pf0 else []  # ("pf0": v7 with one tile buffer)
     for name, make, mode, kernel_mode, variant, chunk in plan:
+        pf0, chunk = chunk == "pf0", None if chunk == "pf0" else chunk
         decode_attention.set_mode(kernel_mode)
         decode_attention.set_tq_variant(variant)
         try:
             with forced_chunk(chunk if chunk and chunk > 0 else None), tq5_unroll(-chunk if chunk and chunk < 0 else None), \
-                    tq5_fold(False if chunk == 0 else None):
+                    tq5_fold(False if chunk == 0 else None), tq7_buffers(False if pf0 else None):
                 cache = make()
                 step_time(cache, mode, q_heads, kv_heads, dim, dtype, 3, rows)  # builds the kernels
                 stream = mx.new_stream(mx.default_device())
@@ -499,6 +503,27 @@ class tq5_fold:
         tq_mma.set_fold5(self.saved)
 
 
+class tq7_buffers:
+    """Within the block, v7 warps keep the next tile in flight (True: two tile buffers) or not (False:
+    one; `tq_fused.set_tq7_prefetch`). None: no change."""
+
+    def __init__(self, on: bool | None):
+        self.on = on
+
+    def __enter__(self):
+        from engine import tq_fused
+
+        self.saved = tq_fused.tq7_prefetch()
+        if self.on is not None:
+            tq_fused.set_tq7_prefetch(int(self.on))
+        return self
+
+    def __exit__(self, *exc):
+        from engine import tq_fused
+
+        tq_fused.set_tq7_prefetch(int(self.saved))
+
+
 class tq5_unroll:
     """Within the block, v5 warps keep `u` tiles in flight (`tq_mma.set_tq5_unroll`). None: no change."""
 
@@ -554,7 +579,7 @@ _INPUT_KERNELS = ("rbitsc", "ErfInv", "binary_vs<mlx::Divide, float", "binary_vs
 def _kernel_kind(name: str) -> str:
     if any(k in name for k in _INPUT_KERNELS):
         return "input"
-    for key, kind in (("tq4", "tq_split"), ("tq5", "tq_split"), ("tq3_reduce", "tq_reduce"), ("decode_tq3", "tq_split"),
+    for key, kind in (("tq4", "tq_split"), ("tq5", "tq_split"), ("tq7", "tq_split"), ("tq3_reduce", "tq_reduce"), ("decode_tq3", "tq_split"),
                       ("encode", "tq_encode"), ("sdpa", "sdpa"), ("lean_reduction", "sdpa"), ("copy", "copy"),
                       ("slice", "copy"), ("fill", "fill")):
         if key in name.lower():
@@ -710,6 +735,7 @@ def main() -> None:
     ap.add_argument("--chunks", default="", help="also v4 with its split forced to these chunks, e.g. 512,768")
     ap.add_argument("--tq5-u", default="", help="also v5 with these tiles in flight per warp, e.g. 4")
     ap.add_argument("--tq5-nofold", action="store_true", help="also v5 with its reduce never folded")
+    ap.add_argument("--tq7-pf0", action="store_true", help="also v7 with one tile buffer (no tile in flight across its math)")
     ap.add_argument("--kernel-time", action="store_true",
                     help="run the cases inside ncu's capture window (run under ncu --profile-from-start off)")
     ap.add_argument("--kernel-steps", type=int, default=3, help="synced steps per case inside the window")
@@ -742,7 +768,7 @@ def main() -> None:
                 for context in args.context or (32768,):
                     out += kernel_cases(shape, context, args.bits, dtype, rows,
                                         tuple(v for v in args.kernel_variants.split(",") if v), args.kernel_steps,
-                                        chunks, tq5_us, args.tq5_nofold)
+                                        chunks, tq5_us, args.tq5_nofold, args.tq7_pf0)
                     if args.json:
                         args.json.write_text(json.dumps(out, indent=1))
         return
@@ -760,7 +786,7 @@ def main() -> None:
                 out.append(measure(shape, context, args.bits, dtype, args.steps, rows, args.parts, args.only_tq,
                                    tuple(args.unroll), tuple(args.variants.split(",")) if args.variants else None,
                                    tuple(args.tq3_load), args.layers if args.queued else 0, args.queued_gb,
-                                   args.only_queued, chunks, tq5_us, args.tq5_nofold))
+                                   args.only_queued, chunks, tq5_us, args.tq5_nofold, args.tq7_pf0))
                 print(json.dumps(out[-1]), flush=True)
                 if args.json:  # as it goes: a run stopped at its limit keeps what it measured
                     args.json.write_text(json.dumps(out, indent=1))

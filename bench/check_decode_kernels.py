@@ -18,7 +18,9 @@
   dense last layer takes the dense kernel), and a dense padded batch.
 * v4 (engine/tq_mma.py): its cases record `v4_launches`, the v4 steps launched in the case
   (0 where the step is one v4 hands to v3: float32, 2 / 8 bits); v5 the same (its v5 steps), and
-  two short cases again with its fold switched (`tq_mma.fold5`), so both of its kernels run.
+  two short cases again with its fold switched (`tq_mma.fold5`), so both of its kernels run; v7
+  (engine/tq_fused.py) the same, and `v7_launches`: its own kernel's steps (0 where it hands the
+  step to v5: D = 256, float32, 2 / 8 bits).
 
 Tolerances: float32 1e-4 absolute (the CPU tests' tolerance for the same comparison);
 bf16 / fp16 outputs are rounded to their dtype, so 2e-2 / 4e-3 of the output's scale.
@@ -39,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from engine import decode_attention, dense_mma, tq_mma  # noqa: E402
+from engine import decode_attention, dense_mma, tq_fused, tq_mma  # noqa: E402
 from engine.batch_cache import RowBatchKVCache  # noqa: E402
 from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache  # noqa: E402
 
@@ -110,6 +112,7 @@ def tq_case(chunks_per_row: list[list[int]], q_heads: int, kv_heads: int, dim: i
     B = len(rows)
     mask = cache.make_mask(1) if B > 1 else None
     launched = tq_mma.launches[0] + sum(tq_mma.launches5)
+    launched7 = tq_fused.launches7[0]
     for step in range(steps):  # consecutive decode steps (the dense window shifts, deferred codes land)
         keys, values = cache.update_and_fetch(mx.random.normal((B, kv_heads, 1, dim)).astype(dtype),
                                               mx.random.normal((B, kv_heads, 1, dim)).astype(dtype))
@@ -121,13 +124,17 @@ def tq_case(chunks_per_row: list[list[int]], q_heads: int, kv_heads: int, dim: i
                                                    values.astype(mx.float32), scale=scale, mask=mask)
         e, s = err(got, ref)
         # v4 / v5 must have run (not handed the step to v3) wherever they map the shape
-        ran = tq_mma.launches[0] + sum(tq_mma.launches5) - launched
-        v4_ok = (variant not in ("v4", "v5") or dtype == mx.float32 or bits != 4 or dim not in tq_mma.DIMS4
+        ran = tq_mma.launches[0] + sum(tq_mma.launches5) + tq_fused.launches7[0] - launched - launched7
+        v4_ok = (variant not in ("v4", "v5", "v7") or dtype == mx.float32 or bits != 4 or dim not in tq_mma.DIMS4
                  or ran == step + 1)
-        record("turboquant", within(e, s, dtype) and v4_ok, variant=variant, unroll=unroll, load=load, rows=B,
+        # v7 must have run its own kernel (not handed the step to v5) wherever it maps the shape
+        ran7 = tq_fused.launches7[0] - launched7
+        v7_ok = variant != "v7" or ran7 == (step + 1 if tq_fused.usable7(q, bits, q_heads // kv_heads, dim, group) else 0)
+        record("turboquant", within(e, s, dtype) and v4_ok and v7_ok, variant=variant, unroll=unroll, load=load, rows=B,
                lengths=[sum(c) for c in chunks_per_row][:4], heads=[q_heads, kv_heads], dim=dim, bits=bits,
                dtype=str(dtype), step=step, max_err=e, scale=s,
-               **({"v4_launches": ran} if variant in ("v4", "v5") else {}))
+               **({"v4_launches": ran} if variant in ("v4", "v5", "v7") else {}),
+               **({"v7_launches": ran7} if variant == "v7" else {}))
         if B > 1:
             mask = cache.make_mask(1)
 
@@ -282,7 +289,7 @@ def main() -> int:
             tq_case([[300], [7, 30, 1]], 32, 8, 128, bits, mx.float32, group=16, variant=variant, steps=20)
         tq_case([[64 * 7, 1]] * 8, 64, 8, 128, 4, mx.bfloat16, variant=variant)  # B = 8, G = 8
         tq_case([[500, 3], [64]], 8, 8, 128, 4, mx.float32, variant=variant, steps=20)  # G = 1
-    for v in [v for v in ("v4", "v5") if v in variants and not args.only_long]:
+    for v in [v for v in ("v4", "v5", "v7") if v in variants and not args.only_long]:
         # what v4 / v5 map, bf16 / f16 at 4 bits (the loop above: its float32 cases run v3)
         for dtype in (mx.bfloat16, mx.float16):
             tq_case([[4000, 33]], 32, 8, 128, 4, dtype, variant=v, steps=70)
@@ -338,7 +345,7 @@ def main() -> int:
             for load in loads:
                 tq_case([[8192] * (n // 8192) + [n % 8192]], 32, 8, 128, 4, mx.bfloat16, variant="v3", load=load)
             # four left-padded rows, the longest at this context
-            for variant in [v for v in long_variants if v in ("v2s", "v3", "v4", "v5")]:
+            for variant in [v for v in long_variants if v in ("v2s", "v3", "v4", "v5", "v7")]:
                 tq_case([[8192] * (m // 8192) + [m % 8192] for m in (n, n - 1000, n - 5037, 77)], 32, 8, 128, 4,
                         mx.bfloat16, variant=variant, steps=2)
             decode_attention.set_tq_unroll(4)

@@ -1071,7 +1071,7 @@ def set_mode(new: str) -> None:
     _mode = new
 
 
-TQ_VARIANTS = ("v1", "v2", "v2s", "v3", "v4", "v5")
+TQ_VARIANTS = ("v1", "v2", "v2s", "v3", "v4", "v5", "v7")
 # v4: faster than v3 at every per-layer shape on the H200 (0.73-0.89x its synced step, session 7) and
 # through the engine at 100k (84.0 / 91.9 tok/s against v3's 58.2 / 63.2, two runs); its 474 checks passed.
 # Steps v4 cannot map (float32, 2 / 8 bits, other head sizes) run v3.
@@ -1095,8 +1095,9 @@ def tq_variant() -> str:
     back to. "v4": v3's step with the scores and values on the tensor cores (engine/tq_mma.py;
     bf16 / f16 caches with 4-bit codes, else v3; docs/PERFORMANCE.md, session 7). "v5": v4's kernel
     with the split chosen from the occupancy (waves) and, on small grids, the reduce folded into
-    its last blocks (engine/tq_mma.py, `attend5`; what it cannot map runs v4's route). From
-    PREFIXTRACE_TQ_DECODE, read once."""
+    its last blocks (engine/tq_mma.py, `attend5`; what it cannot map runs v4's route). "v7": one
+    pass over the codes per block with an online softmax (engine/tq_fused.py, `attend7`; what it
+    cannot map runs v5's route). From PREFIXTRACE_TQ_DECODE, read once."""
     return _TQ_VARIANT.get()
 
 
@@ -1418,6 +1419,13 @@ def tq_attend(queries: mx.array, k_norms: mx.array, k_codes: mx.array, v_norms: 
     g = hq // H
     lp = _zeros(B) if left_padding is None else kernel_starts(left_padding)
     variant = tq_variant()
+    if variant == "v7":
+        from engine import tq_fused  # (imports this module: not at the top)
+
+        out = tq_fused.attend7(queries, k_norms, k_codes, v_norms, v_codes, win_k, win_v, lp, scale, codec, group, T)
+        if out is not None:
+            return out
+        variant, counters = "v5", None  # what v7 cannot map takes v5's route (unfolded, and so v4's, v3's)
     if variant == "v5":
         from engine import tq_mma  # (imports this module: not at the top)
 

@@ -409,12 +409,13 @@ def blocks_per_sm(shared: int, regs: int = 96, threads: int = da.NW * 32) -> int
 
 
 def split5(tokens: int, kv_heads: int, rows: int, g: int, dim: int, at_least: int = 0,
-           sms: int | None = None, u: int | None = None) -> tuple[int, bool] | None:
+           sms: int | None = None, u: int | None = None, slots: int | None = None) -> tuple[int, bool] | None:
     """(columns per code block, fold) for v5: the multiple of 64 in [max(64, at_least), capacity]
     with the fewest (waves rounded up) x (columns + `_BLOCK_FIXED`), the larger chunk on a tie
     (fewer partials to reduce); fold where the code blocks fill at most `FOLD_WAVES` waves. None
-    where the dense window does not fit a block."""
-    slots = (sms or sm_count()) * blocks_per_sm(v5_shared_bytes(g, dim), v5_regs(g, dim, u))
+    where the dense window does not fit a block. `slots`: resident blocks on the device (another
+    kernel's, engine/tq_fused.py), else v5's."""
+    slots = slots or (sms or sm_count()) * blocks_per_sm(v5_shared_bytes(g, dim), v5_regs(g, dim, u))
     cap = chunk_capacity(g)
     lo = max(64, -(-at_least // 64) * 64)
     if lo > cap:

@@ -102,6 +102,10 @@ def launches(model, tq, max_batch: int):
         from engine import tq_mma
 
         plan = tq_mma.build_plan5(heads, hq // heads, dim, max_batch)
+    if decode_attention.tq_variant() == "v7":
+        from engine import tq_fused
+
+        plan = tq_fused.build_plan7(heads, hq // heads, dim, max_batch)
     for chunk, (rows, tokens) in plan.items():
         norms = mx.zeros((rows, heads, tokens, 1), mx.float32)
         codes = mx.zeros((rows, heads, tokens, codec.words), mx.uint32)

@@ -1,0 +1,399 @@
+"""engine/tq_fused.py (TurboQuant decode v7: one pass, online softmax) on the CPU.
+
+The kernel cannot run here, so `emulated_tq7` replays its code blocks in numpy lane by lane, as
+tests/test_tq_mma.py does for v4: per warp its tiles in the kernel's order (tile i of warp w holds
+tokens (i NW + w) 16 ..; every warp runs the block's tile count, tiles past n masked), each lane's
+K / V fragment registers from the codes it loads (tokens clamped to the block's last, as the kernel
+loads them), the scores' MMA through the PTX fragment layout, the online softmax per lane (tile max
+over the 8 token rows, the rescale when a running max grows, exp2 in the log2 domain), the f16
+probabilities times the V norms packed per score lane and moved to the P^T B fragment by the
+kernel's shuffle sources and half selection, the values' MMA, then the block's combine (every
+warp's output rescaled to the block's max) into v3's partial layout. Rounding to f16 where the
+kernel packs. `PLANT` switches one index of the emulation to a wrong one: each planted error must
+make the step miss the reference (so these checks can fail). What runs on the GPU is checked by
+bench/check_decode_kernels.py (variant v7)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import decode_attention, tq_fused, tq_mma
+from tests.test_decode_attention import (  # noqa: F401
+    _blocks, _butterfly, _kernel_calls, _np, emulated, emulated_tq3_reduce, tq_split_blocks,
+)
+from tests.test_tq_mma import (  # noqa: F401
+    _GQ, _TQ, _byte, _f16, _mma, _pairs, _rows, emulated4, emulated_tq4,
+)
+
+LOG2E = 1.4426950408889634
+PLANT = {"which": None}  # None, "half" (the other f16 half), "src" (the other token pair), "vtok" (v4's V token order), "rescale" (no rescale)
+
+
+def _code_block(qr, kw, kn, vw, vn, cent, G, D, NW):
+    """One code block's (max in natural log, sum, unnormalised output) per query column, (G,), (G,), (G, D)."""
+    n = kw.shape[0]
+    KW, KM, VW, VM = D // 32, D // 16, D // 64, D // 16
+    plant = PLANT["which"]
+    qg = np.where(_GQ < G, _GQ, 0)
+    qb = []
+    for j in range(KM):
+        d = (D // 4) * _TQ + 4 * j
+        b = np.stack([np.stack([qr[qg, d], qr[qg, d + 1]], -1), np.stack([qr[qg, d + 2], qr[qg, d + 3]], -1)], -2)
+        qb.append(np.where((_GQ < G)[:, None, None], _f16(LOG2E * b), 0.0))
+    nt = -(-n // (16 * NW))
+    warps = []
+    for w in range(NW):
+        mr = np.full((32, 2), -1e30)
+        lr = np.zeros((32, 2))
+        o = np.zeros((VM, 32, 4))
+        for i in range(nt):
+            t0 = (i * NW + w) * 16
+            tok = [np.minimum(t0 + _GQ + 8 * r, n - 1) for r in range(2)]
+            ok = [t0 + _GQ + 8 * r < n for r in range(2)]
+            c = np.zeros((32, 4))
+            for j in range(KM):
+                word = _TQ * KW + (j >> 1)
+                by = 2 * (j & 1)
+                x0, x1 = kw[tok[0], word], kw[tok[1], word]
+                a = np.stack([_pairs(cent, _byte(x0, by)), _pairs(cent, _byte(x1, by)),
+                              _pairs(cent, _byte(x0, by + 1)), _pairs(cent, _byte(x1, by + 1))], -2)
+                c += _mma(a, qb[j])
+            sv = np.stack([np.where(ok[0], c[:, 0] * kn[tok[0]], -np.inf), np.where(ok[0], c[:, 1] * kn[tok[0]], -np.inf),
+                           np.where(ok[1], c[:, 2] * kn[tok[1]], -np.inf), np.where(ok[1], c[:, 3] * kn[tok[1]], -np.inf)], 1)
+            tmax = np.maximum(sv[:, :2], sv[:, 2:])  # (32, 2): columns 2tq, 2tq + 1
+            tmax = np.stack([tmax[_TQ == q].max(axis=0) for q in _TQ], 0)  # over the 8 lanes of one tq
+            new = np.maximum(mr, tmax)
+            if (new > mr + 3.0).any() and plant != "rescale":  # the kernel's lazy rescale (TH7 = 3, log2)
+                a = np.exp2(mr - new)
+                lr *= a
+                o *= np.stack([a[:, 0], a[:, 1], a[:, 0], a[:, 1]], -1)[None]
+                mr = new
+            elif plant == "rescale":
+                mr = new
+            p = np.exp2(sv - np.concatenate([mr, mr], 1))
+            lr += p[:, :2] + p[:, 2:]
+            w0 = _f16(np.stack([p[:, 0], p[:, 1]], 1) * vn[tok[0]][:, None])  # token gq: columns 2tq, 2tq + 1
+            w1 = _f16(np.stack([p[:, 2], p[:, 3]], 1) * vn[tok[1]][:, None])  # token gq + 8
+            src0 = 8 * _TQ + (_GQ >> 1)
+            src1 = src0 + 4
+            if plant == "src":
+                src0, src1 = src1, src0
+            half = (_GQ & 1) ^ (1 if plant == "half" else 0)
+            b0 = np.stack([w0[src0, half], w0[src1, half]], -1)  # P(tokens 2tq, 2tq + 1; column gq)
+            b1 = np.stack([w1[src0, half], w1[src1, half]], -1)  # P(tokens 2tq + 8, 2tq + 9)
+            b = np.stack([b0, b1], 1)
+            if plant == "vtok":
+                vt = [4 * _TQ + r for r in range(4)]
+            else:
+                vt = [2 * _TQ + (r & 1) + 8 * (r >> 1) for r in range(4)]
+            vt = [np.minimum(t0 + t, n - 1) for t in vt]
+            m4 = np.uint32(0x0F0F0F0F)
+            for j in range(VW):
+                ws = [vw[vt[r], _GQ * VW + j] for r in range(4)]
+                lo01 = (ws[0] & m4) | ((ws[1] << np.uint32(4)) & ~m4)
+                hi01 = ((ws[0] >> np.uint32(4)) & m4) | (ws[1] & ~m4)
+                lo23 = (ws[2] & m4) | ((ws[3] << np.uint32(4)) & ~m4)
+                hi23 = ((ws[2] >> np.uint32(4)) & m4) | (ws[3] & ~m4)
+                for k in range(4):
+                    a = np.stack([_pairs(cent, _byte(x, k)) for x in (lo01, hi01, lo23, hi23)], -2)
+                    o[4 * j + k] += _mma(a, b)
+        lsum = np.stack([lr[_TQ == q].sum(axis=0) for q in _TQ], 0)  # over the 8 lanes of one tq
+        warps.append((mr, lsum, o))
+    # the block's combine: columns 2tq + i of lane tq
+    M = np.full(8, -np.inf)
+    for mr, _, _ in warps:
+        for i in range(2):
+            M[2 * _TQ + i] = np.maximum(M[2 * _TQ + i], mr[:, i])
+    out = np.zeros((G, D))
+    L = np.zeros(8)
+    for mr, lsum, o in warps:
+        for i in range(2):
+            col = 2 * _TQ + i
+            f = np.exp2(mr[:, i] - M[col])
+            L[col[_GQ == 0]] += (lsum[:, i] * f)[_GQ == 0]
+            for m in range(VM):
+                d = (D // 8) * _GQ + 2 * m
+                keep = col < G
+                out[col[keep], d[keep]] += (o[m, :, i] * f)[keep]
+                out[col[keep], d[keep] + 1] += (o[m, :, 2 + i] * f)[keep]
+    return M[:G] * np.log(2.0), L[:G], out
+
+
+def emulated_tq7(seen: list | None = None):
+    """`TQ7_SOURCE`: v5's blocks (the runtime chunk params[1], `end` the K norms' columns), the
+    dense tail's block as v3, the code blocks as `_code_block`."""
+    def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        q, kn, kc, vn, vc, tk, tv, lp, signs, cent, params = (_np(a) for a in inputs)
+        t, S, H, B = _blocks(template, grid, threadgroup)
+        D, G, GROUP, NQ, TW, NW = (t[k] for k in ("D", "G", "GROUP", "NQ", "TW", "NW"))
+        assert D in tq_fused.DIMS7 and G <= 8 and TW == GROUP and t["PF"] == tq_fused.tq7_prefetch()
+        assert G * TW + NW * G * D <= 256 * 32
+        scale, chunk = float(params[0]), int(params[1])
+        end = kn.shape[2]  # (the K norms are passed as columns [0, end))
+        assert end <= min(kc.shape[2], vn.shape[2], vc.shape[2]) and chunk % 64 == 0
+        if seen is not None:
+            seen.append(chunk)
+        HQ, ws, prev = H * G, end - tk.shape[2], end - NQ
+        o = np.zeros((B * HQ, S, D), np.float32)
+        ml = np.zeros((B * HQ, S, 2), np.float32)
+        for b, h, s, r, tail, c0, c1 in tq_split_blocks(lp, B, H, G, S, chunk, GROUP, end, prev, ml):
+            qs = scale * q[b, h * G : h * G + G, 0]
+            if tail:
+                assert c1 - c0 <= TW
+                sc = qs @ tk[b, h, c0 - ws : c1 - ws].T
+                m = sc.max(axis=1)
+                p = np.exp(sc - m[:, None])
+                ml[r, s, 0], ml[r, s, 1], o[r, s] = m, p.sum(axis=1), p @ tv[b, h, c0 - ws : c1 - ws]
+            else:
+                qr = _butterfly(qs * signs) / np.sqrt(D)
+                m, lsum, acc = _code_block(qr, kc[b, h, c0:c1], kn[b, h, c0:c1, 0], vc[b, h, c0:c1],
+                                           vn[b, h, c0:c1, 0], cent, G, D, NW)
+                ml[r, s, 0], ml[r, s, 1], o[r, s] = m, lsum, acc
+        assert (o.size,) == output_shapes[0] and ml.shape == output_shapes[1]
+        return [mx.array(o.reshape(-1)), mx.array(ml)]
+    return run
+
+
+@pytest.fixture
+def emulated7(emulated4, monkeypatch):
+    seen = []
+    monkeypatch.setattr(tq_fused, "_tq7_kernel", lambda: emulated_tq7(seen))
+    tq_fused.split7.cache_clear()
+    decode_attention.set_tq_variant("v7")
+    PLANT["which"] = None
+    yield seen
+    PLANT["which"] = None
+    decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+
+
+def _lockstep(rows, q_heads, kv_heads, dim, dtype, steps, seed=5):
+    """v4 and v7 on twin caches, step by step: [(v7 output, v4 output, SDPA over the decoded cache)]."""
+    caches = {}
+    for variant in ("v4", "v7"):
+        caches[variant] = _rows(rows, kv_heads, dim, dtype, seed=seed + len(rows))
+        caches[variant].hooked = True
+    B = len(rows)
+    mx.random.seed(21)
+    out = []
+    for _ in range(steps):
+        k = mx.random.normal((B, kv_heads, 1, dim)).astype(dtype)
+        v = mx.random.normal((B, kv_heads, 1, dim)).astype(dtype)
+        q = mx.random.normal((B, q_heads, 1, dim)).astype(dtype)
+        got = {}
+        for variant, cache in caches.items():
+            decode_attention.set_tq_variant(variant)
+            mask = cache.make_mask(1) if B > 1 else None
+            cache.update_and_fetch(k, v)
+            got[variant] = cache.attend(q, dim ** -0.5, mask).astype(mx.float32)
+        decode_attention.set_tq_variant("v7")
+        keys, values = caches["v7"]._fetch(rotated=False)
+        ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
+                                                   values.astype(mx.float32), scale=dim ** -0.5, mask=mask)
+        out.append((got["v7"], got["v4"], ref))
+    return out
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,dim,dtype", [
+    (8, 2, 128, mx.bfloat16),  # G = 4, the Qwen3-8B shape
+    (8, 2, 128, mx.float16),
+    (16, 2, 128, mx.bfloat16),  # G = 8: every query column of the MMA
+    (6, 2, 64, mx.bfloat16),  # G = 3, D = 64: one V word, two K words a token and lane
+    (2, 2, 128, mx.float16),  # G = 1
+])
+def test_v7_step_equals_v4_and_the_decoded_cache(emulated7, monkeypatch, q_heads, kv_heads, dim, dtype):
+    """One row and left-padded rows across group boundaries: v7's output stays within the bf16 / f16
+    tolerance of SDPA over the decoded cache and within f16 rounding of v4's, and every step launched
+    v7's kernel (split + v3's reduce), none v4's or v3's."""
+    calls = _kernel_calls(monkeypatch)
+    n4 = {"n": 0}
+
+    def counted(**kw):
+        n4["n"] += 1
+        return emulated_tq4(**kw)
+
+    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: counted)
+    tol = 2e-2 if dtype == mx.bfloat16 else 4e-3
+    steps = 0
+    for rows in ([[150, 9]], [[300], [7, 30, 1], [16], [40, 3]]):
+        for i, (v7, v4, ref) in enumerate(_lockstep(rows, q_heads, kv_heads, dim, dtype, 10)):
+            scale = max(mx.abs(ref).max().item(), 1.0)
+            e_ref, e_v4 = mx.abs(v7 - ref).max().item(), mx.abs(v7 - v4).max().item()
+            assert e_ref <= tol * scale, (rows, i, e_ref)
+            assert e_v4 <= tol / 2 * scale, (rows, i, e_v4)  # (outputs rounded to bf16 / f16: an ulp or two apart)
+            steps += 1
+    seen = emulated7
+    assert len(seen) == steps and n4["n"] == steps and calls["tq3"] == 0
+    assert calls["tq3_reduce"] == 2 * steps  # v7's and v4's
+
+
+def _force_chunk(monkeypatch, chunk):
+    """v7's blocks at `chunk` columns (small test caches would get 64: one tile per warp)."""
+    monkeypatch.setattr(tq_fused, "split7", lambda *a: chunk)
+
+
+@pytest.mark.parametrize("chunk", [192, 576, 1024])
+def test_v7_long_blocks_stream_several_tiles_per_warp(emulated7, monkeypatch, chunk):
+    """Blocks of 192 / 576 / 1,024 columns: 3 / 9 / 16 tiles per warp (both tile buffers, an odd
+    count, the running max growing inside a warp's stream), one row and left-padded rows, against
+    the decoded cache and v4."""
+    _force_chunk(monkeypatch, chunk)
+    for rows in ([[1024, 1024, 52]], [[1500], [7, 300, 1], [700, 3]]):
+        for v7, v4, ref in _lockstep(rows, 8, 2, 128, mx.bfloat16, 3, seed=9):
+            scale = max(mx.abs(ref).max().item(), 1.0)
+            assert mx.abs(v7 - ref).max().item() <= 2e-2 * scale
+            assert mx.abs(v7 - v4).max().item() <= 1e-2 * scale
+    assert set(emulated7) == {chunk}
+
+
+def test_v7_with_one_tile_buffer_computes_the_same(emulated7, monkeypatch):
+    """PREFIXTRACE_TQ7_PF=0 (one tile buffer: the same tiles in the same order, no tile in flight
+    across the math): the kernel gets PF = false and the step still matches; the split plans with
+    its own (5) blocks per SM."""
+    assert tq_fused.tq7_prefetch() and tq_fused.slots7(4, 128) == tq_mma.sm_count() * 4
+    tq_fused.set_tq7_prefetch(0)  # (drops split7's cached plans, made for 4 blocks per SM)
+    try:
+        assert tq_fused.v7_regs(4, 128) == 96 and tq_fused.slots7(4, 128) == tq_mma.sm_count() * 5
+        with monkeypatch.context() as m:
+            _force_chunk(m, 576)
+            for v7, v4, ref in _lockstep([[1500, 9]], 8, 2, 128, mx.bfloat16, 2, seed=4):
+                scale = max(mx.abs(ref).max().item(), 1.0)
+                assert mx.abs(v7 - ref).max().item() <= 2e-2 * scale
+    finally:
+        tq_fused.set_tq7_prefetch(1)
+
+
+@pytest.mark.parametrize("plant", ["half", "src", "vtok", "rescale"])
+def test_a_planted_index_error_misses_the_reference(emulated7, monkeypatch, plant):
+    """Each index of the emulation that the kernel's layout fixes (which f16 half, which score lane,
+    the V tokens' order, the rescale when a max grows) switched to a wrong one: the step leaves the
+    tolerance, so the checks above can fail."""
+    PLANT["which"] = plant
+    _force_chunk(monkeypatch, 1024)
+    worst = 0.0
+    for v7, _, ref in _lockstep([[1100, 9]], 8, 2, 128, mx.bfloat16, 2, seed=3):
+        worst = max(worst, mx.abs(v7 - ref).max().item() / max(mx.abs(ref).max().item(), 1.0))
+    assert worst > 2e-2, (plant, worst)
+
+
+def test_v7_hands_what_it_cannot_map_to_v5s_route(emulated7, monkeypatch):
+    """D = 256 (registers), float32 and 2-bit caches under PREFIXTRACE_TQ_DECODE=v7 run v5's route
+    (and so v4's / v3's), never v7's kernel."""
+    from tests.test_tq_mma import emulated_tq5
+
+    monkeypatch.setattr(tq_fused, "_tq7_kernel", lambda: pytest.fail("v7 launched a step it cannot map"))
+    v5 = []
+    monkeypatch.setattr(tq_mma, "_tq5_kernel", lambda fold: emulated_tq5(fold, v5))
+    calls = _kernel_calls(monkeypatch)
+    for dtype, bits, dim in ((mx.bfloat16, 4, 256), (mx.float32, 4, 128), (mx.bfloat16, 2, 128)):
+        mx.random.seed(bits + dim)
+        cache = tq_mma_rows(dtype, bits, dim)
+        q = mx.random.normal((1, 4, 1, dim)).astype(dtype)
+        keys, values = cache._fetch(rotated=False)
+        ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
+                                                   values.astype(mx.float32), scale=dim ** -0.5)
+        got = cache.attend(q, dim ** -0.5, None)
+        tol = 1e-4 if dtype == mx.float32 else 2e-2 * max(mx.abs(ref).max().item(), 1.0)
+        assert mx.abs(got.astype(mx.float32) - ref).max().item() <= tol, (dtype, bits, dim)
+    assert len(v5) == 1 and calls["tq3"] == 2  # D = 256 by v5; float32 and 2 bits by v3 (v4's rule)
+
+
+def tq_mma_rows(dtype, bits, dim):
+    from engine.tq_cache import TurboQuantKVCache
+
+    cache = TurboQuantKVCache(kv_bits=bits, group=16)
+    cache.update_and_fetch(mx.random.normal((1, 2, 40, dim)).astype(dtype), mx.random.normal((1, 2, 40, dim)).astype(dtype))
+    cache.hooked = True
+    cache.update_and_fetch(mx.random.normal((1, 2, 1, dim)).astype(dtype), mx.random.normal((1, 2, 1, dim)).astype(dtype))
+    return cache
+
+
+def test_v7_variant_rules_and_source(monkeypatch):
+    assert "v7" in decode_attention.TQ_VARIANTS and decode_attention.DEFAULT_TQ_VARIANT != "v7"
+    q = mx.zeros((1, 32, 1, 128), mx.bfloat16)
+    assert tq_fused.usable7(q, 4, 4, 128, 64) and not tq_fused.usable7(q, 2, 4, 128, 64)
+    assert not tq_fused.usable7(q.astype(mx.float32), 4, 4, 128, 64)
+    assert not tq_fused.usable7(mx.zeros((1, 32, 1, 256), mx.bfloat16), 4, 4, 256, 64)
+    assert not tq_fused.usable7(q, 4, 8, 128, 2048)  # the tail's scores + red past the table's space
+    s = tq_fused.TQ7_SOURCE
+    # one pass: no score array per token (the tail's sc is GROUP wide), no barrier in the code path's loop
+    assert "[CHUNK]" not in s and s.count("mma_f16(") == 2
+    loop = s[s.index("Tile ta, tb2;"):s.index("// The block's combine")]
+    assert "__syncthreads" not in loop and "math(ta" in loop and "load(tb2" in loop and "if constexpr (PF)" in loop
+    # the layout the emulation assumes
+    for text in ("src0 = 8 * tq + (gq >> 1), src1 = src0 + 4", "(gq & 1) ? 0x7632u : 0x5410u",
+                 "(r & 1 ? tv1 : tv0) + 8 * (r >> 1)", "const int nt = (n + 16 * NW - 1) / (16 * NW);",
+                 "mx_[g] = mb * 0.6931471805599453f", "constexpr float TH7 = 3.f;", "n0 > mr[0] + TH7 || n1 > mr[1] + TH7"):
+        assert text in s, text
+    assert "float qr[G][8];" in s and "float acc[G][8];" in s  # the dense tail: v3's
+    monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v7")
+    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
+    assert decode_attention.tq_variant() == "v7" and not decode_attention.one_launch()
+    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
+
+
+def test_v7_split_uses_its_own_occupancy():
+    """split7 is v5's cost model at v7's resident blocks (registers: 4 blocks of 4 warps per SM at
+    128), the chunk a multiple of 64 of at least the window's."""
+    slots = tq_fused.slots7(4, 128)
+    assert slots == tq_mma.sm_count() * 4
+    for tokens, rows in ((100_000, 1), (32768, 1), (100_000, 8), (700, 3)):
+        chunk = tq_fused.split7(-(-tokens // 64), 8, rows, 4, 128, 2)
+        assert chunk % 64 == 0 and 128 <= chunk <= tq_mma.chunk_capacity(4)
+        assert chunk == tq_mma.split5(64 * -(-tokens // 64), 8, rows, 4, 128, 128, slots=slots)[0]
+
+
+def test_prebuild_under_v7_builds_one_kernel(monkeypatch):
+    from types import SimpleNamespace
+
+    from engine import tq_prebuild
+    from engine.tq_cache import TQConfig
+
+    built = []
+
+    def record(**kw):
+        built.append(dict(kw["template"]))
+        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+    monkeypatch.setattr(decode_attention, "available", lambda: True)
+    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: record)
+    monkeypatch.setattr(decode_attention, "_tq3_reduce_kernel", lambda: record)
+    monkeypatch.setattr(tq_mma, "_tq5_kernel", lambda fold: pytest.fail("v5 built under v7"))
+    monkeypatch.setattr(tq_fused, "_tq7_kernel", lambda: record)
+    args = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096)
+    model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
+    decode_attention.set_tq_variant("v7")
+    try:
+        out = tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
+    finally:
+        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+    assert len([c for c in out if c > 0]) == 1 and sum("TW" in t for t in built) == 1  # (-1: the reduces)
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="no nvcc on this machine (CI)")
+def test_v7_compiles_for_the_h200_within_its_register_budget(tmp_path):
+    """nvcc for sm_90 at every shape v7 maps: no spills or stack frame, at most `V7_REGS` registers
+    (4 blocks of 4 warps per SM at 128) and `v7_shared_bytes` of static shared memory."""
+    from tests.test_decode_kernel_sources import _TQ_INPUTS, ptxas_report, render
+
+    shapes = []
+    for pf in (True, False):
+        for dtype, dim, g in (("bfloat16", 128, 4), ("float16", 128, 4), ("bfloat16", 128, 8), ("bfloat16", 64, 3),
+                              ("bfloat16", 128, 1)):
+            name = f"v7_{dtype}_d{dim}_g{g}_pf{int(pf)}"
+            inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS]
+            shapes.append((name, render(name, tq_fused.TQ7_SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
+                                        tq_fused._templates7(dtype, dim, g, 64, pf))))
+    report = ptxas_report(tmp_path / "v7.cu", decode_attention._HEADER + decode_attention._TQ3_HEADER
+                          + tq_mma.TQ4_HEADER + tq_fused.TQ7_HEADER, shapes, timeout=900)
+    assert len(report) == len(shapes)
+    for name, (regs, smem, frame, spills, block) in report.items():
+        g, dim = int(name.split("_g")[1].split("_")[0]), int(name.split("_d")[1].split("_")[0])
+        pf = name.endswith("_pf1")
+        assert frame == 0 and spills == ("0", "0"), (name, block)
+        assert tq_fused.v7_shared_bytes(g, dim) - 128 <= smem <= tq_fused.v7_shared_bytes(g, dim), (name, smem)
+        assert regs <= tq_fused.v7_regs(g, dim, pf), (name, regs)
+        if (dim, g) == (128, 4):  # Qwen3-8B: the blocks per SM `split7` plans with: 4 with two tile buffers, 5 with one
+            assert tq_mma.blocks_per_sm(smem, regs) == (4 if pf else 5), (name, regs)
+    print("ptxas registers, smem:", {n: r[:2] for n, r in report.items()})
