@@ -13,6 +13,8 @@ step, side by side in one process, the constant being:
 * own page, host writes: a 16 KB zero-padded array (`decode_attention.own_page`) with the same writes.
 
 If the hypothesis holds, the second is slower than the other two by the fault's service time.
+Measured on the H200 (session 9): both small-pool cases were slower, by ~33-43 us a step, with or
+without the host write: reading the pool is slow every launch, not only after a write.
 
     python bench/bench_small_pool.py [--steps 300] [--json out.json]
 """

@@ -1233,9 +1233,9 @@ set_dense_variant = _DENSE_VARIANT.set
 # Why the kernels' constants (the scale, the start offsets) are padded to a page of their own: MLX's CUDA
 # allocator serves every allocation of <= 8 bytes from one 64 KB managed pool advised read-mostly
 # (mlx/backend/cuda/allocator.cpp, SmallSizePool), shared with every scalar the host makes (an op with a
-# Python number, a token id); a host write anywhere in that pool drops the GPU's copy of the page, and the
-# next kernel reading a constant there waits on a page fault. On the H200 that wait was ~1/5 of a one-row
-# TurboQuant split kernel's time (docs/PERFORMANCE.md, session 9). An array of OWN_PAGE bytes is its own
+# Python number, a token id), and on the H200 a kernel reading a constant there waited ~33-43 us a launch
+# (bench/bench_small_pool.py, with or without a host write in between): v5's one-row split kernel took
+# 71.4 us at 32k with its constants there, 34.9 on their own pages (docs/PERFORMANCE.md, session 9). An array of OWN_PAGE bytes is its own
 # managed allocation (MLX rounds sizes >= 16 KB to its 16 KB page): it moves to the GPU on its first read
 # and stays there, since the host never writes it again.
 OWN_PAGE = 16384
