@@ -24,7 +24,7 @@ from tests.test_decode_attention import (  # noqa: F401
     _blocks, _butterfly, _kernel_calls, _np, emulated, emulated_tq3_reduce, tq_split_blocks,
 )
 from tests.test_tq_mma import (  # noqa: F401
-    _GQ, _TQ, _byte, _f16, _mma, _pairs, _rows, emulated4, emulated_tq4,
+    _GQ, _TQ, _byte, _f16, _mma, _pairs, _rows, counted_tq4, emulated4, emulated_tq4,
 )
 
 LOG2E = 1.4426950408889634
@@ -207,13 +207,7 @@ def test_v7_step_equals_v4_and_the_decoded_cache(emulated7, monkeypatch, q_heads
     tolerance of SDPA over the decoded cache and within f16 rounding of v4's, and every step launched
     v7's kernel (split + v3's reduce), none v4's or v3's."""
     calls = _kernel_calls(monkeypatch)
-    n4 = {"n": 0}
-
-    def counted(**kw):
-        n4["n"] += 1
-        return emulated_tq4(**kw)
-
-    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: counted)
+    n4 = counted_tq4(monkeypatch)
     tol = 2e-2 if dtype == mx.bfloat16 else 4e-3
     steps = 0
     for rows in ([[150, 9]], [[300], [7, 30, 1], [16], [40, 3]]):
@@ -344,57 +338,56 @@ def test_v7_split_uses_its_own_occupancy():
         assert chunk == tq_mma.split5(64 * -(-tokens // 64), 8, rows, 4, 128, 128, slots=slots)[0]
 
 
-def test_prebuild_under_v7_builds_one_kernel(monkeypatch):
+def _prebuild_under_v7(monkeypatch, heads: tuple[int, int, int], attention: dict) -> dict:
+    """tq_prebuild.prebuild under v7 for a model of (query heads, KV heads, head dim), bf16, with the
+    encode and reduce kernels recorded as zeros and `attention` ({kernel getter name on its module:
+    replacement}) set; returns the build's {chunk: s}."""
     from types import SimpleNamespace
 
     from engine import tq_prebuild
     from engine.tq_cache import TQConfig
 
+    def zeros(**kw):
+        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+    monkeypatch.setattr(decode_attention, "available", lambda: True)
+    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: zeros)
+    monkeypatch.setattr(decode_attention, "_tq3_reduce_kernel", lambda: zeros)
+    for (module, name), getter in attention.items():
+        monkeypatch.setattr(module, name, getter)
+    hq, kv, dim = heads
+    args = SimpleNamespace(num_attention_heads=hq, num_key_value_heads=kv, head_dim=dim, hidden_size=4096)
+    model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
+    decode_attention.set_tq_variant("v7")
+    try:
+        return tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
+    finally:
+        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+
+
+def test_prebuild_under_v7_builds_one_kernel(monkeypatch):
     built = []
 
     def record(**kw):
         built.append(dict(kw["template"]))
         return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
 
-    monkeypatch.setattr(decode_attention, "available", lambda: True)
-    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: record)
-    monkeypatch.setattr(decode_attention, "_tq3_reduce_kernel", lambda: record)
-    monkeypatch.setattr(tq_mma, "_tq5_kernel", lambda fold: pytest.fail("v5 built under v7"))
-    monkeypatch.setattr(tq_fused, "_tq7_kernel", lambda: record)
-    args = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096)
-    model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
-    decode_attention.set_tq_variant("v7")
-    try:
-        out = tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
-    finally:
-        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+    out = _prebuild_under_v7(monkeypatch, (32, 8, 128), {
+        (tq_mma, "_tq5_kernel"): lambda fold: pytest.fail("v5 built under v7"),
+        (tq_fused, "_tq7_kernel"): lambda: record})
     assert len([c for c in out if c > 0]) == 1 and sum("TW" in t for t in built) == 1  # (-1: the reduces)
 
 
 def test_prebuild_under_v7_builds_its_fallbacks_kernel_where_v7_cannot_map_the_model(monkeypatch):
     """Head dim 256 (v5's route under v7): the load-time build compiles v5's kernel, not v7's."""
-    from types import SimpleNamespace
-
-    from engine import tq_prebuild
-    from engine.tq_cache import TQConfig
-
     built = []
 
     def record(**kw):
         return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
 
-    monkeypatch.setattr(decode_attention, "available", lambda: True)
-    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: record)
-    monkeypatch.setattr(decode_attention, "_tq3_reduce_kernel", lambda: record)
-    monkeypatch.setattr(tq_fused, "_tq7_kernel", lambda: pytest.fail("v7 built for a head dim it cannot map"))
-    monkeypatch.setattr(tq_mma, "_tq5_kernel", lambda fold: built.append(fold) or record)
-    args = SimpleNamespace(num_attention_heads=16, num_key_value_heads=4, head_dim=256, hidden_size=4096)
-    model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
-    decode_attention.set_tq_variant("v7")
-    try:
-        out = tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
-    finally:
-        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+    out = _prebuild_under_v7(monkeypatch, (16, 4, 256), {
+        (tq_fused, "_tq7_kernel"): lambda: pytest.fail("v7 built for a head dim it cannot map"),
+        (tq_mma, "_tq5_kernel"): lambda fold: built.append(fold) or record})
     assert len([c for c in out if c > 0]) == 1 and built == [False]
 
 

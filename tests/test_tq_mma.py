@@ -126,6 +126,18 @@ def _values(p, vw, vn, cent, G, D):
     return out
 
 
+def counted_tq4(monkeypatch) -> dict:
+    """v4's kernel as `emulated_tq4`, its launches counted in the returned {"n": count}."""
+    n = {"n": 0}
+
+    def counted(**kw):
+        n["n"] += 1
+        return emulated_tq4(**kw)
+
+    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: counted)
+    return n
+
+
 def emulated_tq4(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
     """`TQ4_SOURCE`: v3's blocks (columns, boundaries, the dense tail's block) with the code
     blocks' scores and values through `_scores` / `_values`."""
@@ -220,13 +232,7 @@ def test_v4_step_within_the_bf16_tolerance_of_attention_over_the_decoded_cache(e
     """With the f16 rounding the kernel does, one row and left-padded rows, steps across group
     boundaries: within bench/check_decode_kernels.py's tolerance of SDPA over the decoded cache."""
     calls = _kernel_calls(monkeypatch)
-    n4 = {"tq4": 0}
-
-    def counted(**kw):
-        n4["tq4"] += 1
-        return emulated_tq4(**kw)
-
-    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: counted)
+    n4 = counted_tq4(monkeypatch)
     tol = 2e-2 if dtype == mx.bfloat16 else 4e-3
     for rows in ([[150, 9]], [[300], [7, 30, 1], [16], [40, 3]]):
         cache = _rows(rows, 2, 128, dtype, seed=7 + len(rows))
@@ -243,7 +249,7 @@ def test_v4_step_within_the_bf16_tolerance_of_attention_over_the_decoded_cache(e
                                                        values.astype(mx.float32), scale=128 ** -0.5, mask=mask)
             e = mx.abs(got.astype(mx.float32) - ref).max().item()
             assert got.dtype == dtype and e <= tol * max(mx.abs(ref).max().item(), 1.0), (rows, step, e)
-    assert n4["tq4"] == 40 and calls["tq3_reduce"] == 40 and calls["tq3"] == 0
+    assert n4["n"] == 40 and calls["tq3_reduce"] == 40 and calls["tq3"] == 0
 
 
 def test_v4_falls_back_to_v3_where_it_cannot_map_the_step(emulated4, monkeypatch):
