@@ -24,7 +24,8 @@ from tests.test_decode_attention import (  # noqa: F401
     _blocks, _butterfly, _kernel_calls, _np, emulated, emulated_tq3_reduce, tq_split_blocks,
 )
 from tests.test_tq_mma import (  # noqa: F401
-    _GQ, _TQ, _byte, _f16, _mma, _pairs, _rows, counted_tq4, emulated4, emulated_tq4,
+    _GQ, _TQ, _byte, _f16, _mma, _pairs, _rows, assert_attends_as_the_decoded_cache, counted_tq4, emulated4, emulated_tq4,
+    v_word_mmas,
 )
 
 LOG2E = 1.4426950408889634
@@ -89,16 +90,8 @@ def _code_block(qr, kw, kn, vw, vn, cent, G, D, NW):
             else:
                 vt = [2 * _TQ + (r & 1) + 8 * (r >> 1) for r in range(4)]
             vt = [np.minimum(t0 + t, n - 1) for t in vt]
-            m4 = np.uint32(0x0F0F0F0F)
             for j in range(VW):
-                ws = [vw[vt[r], _GQ * VW + j] for r in range(4)]
-                lo01 = (ws[0] & m4) | ((ws[1] << np.uint32(4)) & ~m4)
-                hi01 = ((ws[0] >> np.uint32(4)) & m4) | (ws[1] & ~m4)
-                lo23 = (ws[2] & m4) | ((ws[3] << np.uint32(4)) & ~m4)
-                hi23 = ((ws[2] >> np.uint32(4)) & m4) | (ws[3] & ~m4)
-                for k in range(4):
-                    a = np.stack([_pairs(cent, _byte(x, k)) for x in (lo01, hi01, lo23, hi23)], -2)
-                    o[4 * j + k] += _mma(a, b)
+                v_word_mmas(o, 4 * j, [vw[vt[r], _GQ * VW + j] for r in range(4)], cent, b)
         lsum = np.stack([lr[_TQ == q].sum(axis=0) for q in _TQ], 0)  # over the 8 lanes of one tq
         warps.append((mr, lsum, o))
     # the block's combine: columns 2tq + i of lane tq
@@ -284,12 +277,7 @@ def test_v7_hands_what_it_cannot_map_to_v5s_route(emulated7, monkeypatch):
         mx.random.seed(bits + dim)
         cache = tq_mma_rows(dtype, bits, dim)
         q = mx.random.normal((1, 4, 1, dim)).astype(dtype)
-        keys, values = cache._fetch(rotated=False)
-        ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
-                                                   values.astype(mx.float32), scale=dim ** -0.5)
-        got = cache.attend(q, dim ** -0.5, None)
-        tol = 1e-4 if dtype == mx.float32 else 2e-2 * max(mx.abs(ref).max().item(), 1.0)
-        assert mx.abs(got.astype(mx.float32) - ref).max().item() <= tol, (dtype, bits, dim)
+        assert_attends_as_the_decoded_cache(cache, q, (dtype, bits, dim))
     assert len(v5) == 1 and calls["tq3"] == 2  # D = 256 by v5; float32 and 2 bits by v3 (v4's rule)
 
 

@@ -107,16 +107,8 @@ def _values(p, vw, vn, cent, G, D):
         tok = tile * 16 + 4 * _TQ[:, None] + np.arange(4)  # (32, 4): tokens 4tq .. 4tq+3
         pr = np.where((_GQ < G)[:, None], pp[qg[:, None], tok], 0.0)
         b = _f16(pr.reshape(32, 2, 2))  # b0 = (tok 0, tok 1), b1 = (tok 2, tok 3)
-        m4 = np.uint32(0x0F0F0F0F)
         for j in range(VW):
-            ws = [w[tok[:, r], _GQ * VW + j] for r in range(4)]
-            lo01 = (ws[0] & m4) | ((ws[1] << np.uint32(4)) & ~m4)
-            hi01 = ((ws[0] >> np.uint32(4)) & m4) | (ws[1] & ~m4)
-            lo23 = (ws[2] & m4) | ((ws[3] << np.uint32(4)) & ~m4)
-            hi23 = ((ws[2] >> np.uint32(4)) & m4) | (ws[3] & ~m4)
-            for k in range(4):
-                a = np.stack([_pairs(cent, _byte(x, k)) for x in (lo01, hi01, lo23, hi23)], -2)
-                o[4 * j + k] += _mma(a, b)
+            v_word_mmas(o, 4 * j, [w[tok[:, r], _GQ * VW + j] for r in range(4)], cent, b)
     out = np.zeros((G, D))
     for m in range(VM):
         d = (D // 8) * _GQ + 2 * m
@@ -124,6 +116,32 @@ def _values(p, vw, vn, cent, G, D):
             keep = q < G
             out[q[keep], dd[keep]] = o[m, keep, i]
     return out
+
+
+def v_word_mmas(o, m0: int, ws: list, cent, b) -> None:
+    """One code word of four tokens' V codes (`ws`, per lane) into the O^T accumulators o[m0 .. m0 + 3]:
+    the two-token nibble merge (byte k of lo01 = token 0's low nibble | token 1's << 4, ...), the pair
+    table, and one MMA per byte against P's B fragment `b` (v4's and v7's values path)."""
+    m4 = np.uint32(0x0F0F0F0F)
+    lo01 = (ws[0] & m4) | ((ws[1] << np.uint32(4)) & ~m4)
+    hi01 = ((ws[0] >> np.uint32(4)) & m4) | (ws[1] & ~m4)
+    lo23 = (ws[2] & m4) | ((ws[3] << np.uint32(4)) & ~m4)
+    hi23 = ((ws[2] >> np.uint32(4)) & m4) | (ws[3] & ~m4)
+    for k in range(4):
+        a = np.stack([_pairs(cent, _byte(x, k)) for x in (lo01, hi01, lo23, hi23)], -2)
+        o[m0 + k] += _mma(a, b)
+
+
+def assert_attends_as_the_decoded_cache(cache, q, label) -> None:
+    """`cache.attend` of one query step within the checks' tolerance (float32 1e-4; else 2e-2 of the
+    output's scale) of SDPA over the cache's decoded K / V."""
+    dim = q.shape[-1]
+    keys, values = cache._fetch(rotated=False)
+    ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
+                                               values.astype(mx.float32), scale=dim ** -0.5)
+    got = cache.attend(q, dim ** -0.5, None)
+    tol = 1e-4 if q.dtype == mx.float32 else 2e-2 * max(mx.abs(ref).max().item(), 1.0)
+    assert mx.abs(got.astype(mx.float32) - ref).max().item() <= tol, label
 
 
 def counted_tq4(monkeypatch) -> dict:
@@ -267,12 +285,7 @@ def test_v4_falls_back_to_v3_where_it_cannot_map_the_step(emulated4, monkeypatch
         cache.update_and_fetch(mx.random.normal((1, 2, 1, dim)).astype(dtype),
                                mx.random.normal((1, 2, 1, dim)).astype(dtype))
         q = mx.random.normal((1, 4, 1, dim)).astype(dtype)
-        keys, values = cache._fetch(rotated=False)
-        ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
-                                                   values.astype(mx.float32), scale=dim ** -0.5)
-        got = cache.attend(q, dim ** -0.5, None)
-        tol = 1e-4 if dtype == mx.float32 else 2e-2 * max(mx.abs(ref).max().item(), 1.0)
-        assert mx.abs(got.astype(mx.float32) - ref).max().item() <= tol, (dtype, bits, dim)
+        assert_attends_as_the_decoded_cache(cache, q, (dtype, bits, dim))
     assert calls["tq3"] == len(cases) and calls["tq3_reduce"] == len(cases)
 
 
