@@ -162,6 +162,24 @@ def _fill(cache, keys, values, chunk: int = 8192):
     return cache
 
 
+def _cache_makers(keys, values, bits: int):
+    """(dense, tq): makers of fresh one-layer caches holding `keys` / `values`, a `KVCache` and a
+    TurboQuant cache marked for the hook route (as make_tq_cache marks the engine's caches)."""
+    from mlx_lm.models.cache import KVCache
+
+    def dense():
+        c = KVCache()
+        c.update_and_fetch(keys, values)
+        return c
+
+    def tq():
+        c = _fill(TurboQuantKVCache(kv_bits=bits), keys, values)
+        c.hooked = True
+        return c
+
+    return dense, tq
+
+
 def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 1, parts: bool = False,
             only_tq: bool = False, unrolls: tuple = (), variants: tuple | None = None, loads: tuple = (),
             queued: int = 0, queued_gb: float = 40.0, only_queued: bool = False, chunks: tuple = (),
@@ -204,15 +222,7 @@ def measure(shape: str, context: int, bits: int, dtype, steps: int, rows: int = 
             decode_attention.set_tq3_load(saved_load)
             decode_attention.set_tq3_nibble(saved_nib)
 
-    def dense():
-        c = KVCache()
-        c.update_and_fetch(keys, values)
-        return c
-
-    def tq():
-        c = _fill(TurboQuantKVCache(kv_bits=bits), keys, values)
-        c.hooked = True  # the hook route below, as make_tq_cache marks the engine's caches
-        return c
+    dense, tq = _cache_makers(keys, values, bits)
 
     def side_cases():
         """(key, setting, variant) of the side cases the synced and the queued figures both time: v4 at
@@ -405,8 +415,6 @@ def kernel_cases(shape: str, context: int, bits: int, dtype, rows: int, variants
     `chunks`, then v5 at each tiles-in-flight count of `tq5_us`): warm-up steps outside the capture window, then `steps` synced steps inside it, on
     a stream of the case's own; the capture window opens around each step only, after its inputs
     are made (`step_time`'s `window`), so ncu sees the step's kernels alone."""
-    from mlx_lm.models.cache import KVCache
-
     from engine import decode_attention
 
     q_heads, kv_heads, dim = SHAPES[shape]
@@ -417,15 +425,7 @@ def kernel_cases(shape: str, context: int, bits: int, dtype, rows: int, variants
     saved_mode, saved_variant = decode_attention.mode(), decode_attention.tq_variant()
     out = []
 
-    def dense():
-        c = KVCache()
-        c.update_and_fetch(keys, values)
-        return c
-
-    def tq():
-        c = _fill(TurboQuantKVCache(kv_bits=bits), keys, values)
-        c.hooked = True
-        return c
+    dense, tq = _cache_makers(keys, values, bits)
 
     plan = [("dense", dense, "dense", "off", saved_variant, None)]
     plan += [(v, tq, "hook", "on", v, None) for v in variants]

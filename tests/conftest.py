@@ -50,6 +50,15 @@ def start_uvicorn(config: uvicorn.Config) -> tuple[uvicorn.Server, threading.Thr
     return server, thread
 
 
+async def answer_lifespan(receive, send) -> None:
+    """A raw ASGI app's lifespan scope: complete each startup / shutdown message until shutdown."""
+    while True:
+        message = await receive()
+        await send({"type": message["type"] + ".complete"})
+        if message["type"] == "lifespan.shutdown":
+            return
+
+
 def read_until(sock: socket.socket, marker: bytes, data: bytes = b"") -> bytes:
     """What `sock` has sent, read until `marker` is in it (after `data`, already read)."""
     while marker not in data:

@@ -19,7 +19,7 @@ from prefixtrace.connections import (
     with_head_timeout,
 )
 from prefixtrace.serve import QueryValuesMasked
-from tests.conftest import free_port, read_until, start_uvicorn
+from tests.conftest import answer_lifespan, free_port, read_until, start_uvicorn
 
 PROTOCOLS = {"h11": H11WithHeadTimeout}
 if _httptools_protocol() is not None:
@@ -50,11 +50,7 @@ class App:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                await send({"type": message["type"] + ".complete"})
-                if message["type"] == "lifespan.shutdown":
-                    return
+            return await answer_lifespan(receive, send)
         start = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
         if scope["path"] == "/quick":
             await send(start)

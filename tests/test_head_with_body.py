@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 
 from prefixtrace.connections import H11WithHeadTimeout, _httptools_protocol, with_head_timeout
-from tests.conftest import free_port, read_until, start_uvicorn
+from tests.conftest import answer_lifespan, free_port, read_until, start_uvicorn
 
 PROTOCOLS = {"h11": H11WithHeadTimeout}
 if _httptools_protocol() is not None:
@@ -31,11 +31,7 @@ class App:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                await send({"type": message["type"] + ".complete"})
-                if message["type"] == "lifespan.shutdown":
-                    return
+            return await answer_lifespan(receive, send)
         path = scope["path"]
         headers = [(b"content-type", b"text/plain")]
         if path == "/empty":
