@@ -190,7 +190,8 @@ def _summary(v: dict[str, Any]) -> str:
                          f'<td>{c["lost_tokens"]:,}</td></tr>')
         parts.append("</tbody></table>")
     if v["top"]:
-        parts.append(f'<h3 style="margin-top:14px">Top {len(v["top"])} breaks by cost</h3><ol class="top" id="top-breaks">')
+        top = f"Top {len(v['top'])} breaks" if len(v["top"]) > 1 else "The break"
+        parts.append(f'<h3 style="margin-top:14px">{top} by cost</h3><ol class="top" id="top-breaks">')
         for b in v["top"]:
             s = v["sessions"][b["session_index"]]
             parts.append(f'<li><span class="cost">{esc(cost_text(b["lost_seconds"], b["lost_tokens"]))}</span> '
@@ -244,8 +245,9 @@ def _table(v: dict[str, Any]) -> str:
             f'<select id="session-filter"><option value="">all sessions</option>{sess}</select>'
             '<span class="pager"><button id="prev-page">‹ prev</button><button id="next-page">next ›</button></span>'
             '<span id="turn-count" class="meta"></span></div>'
-            '<table class="data" id="turn-table"><thead><tr id="turn-head"></tr></thead><tbody id="turn-rows">'
-            "</tbody></table><p class=\"meta\">Click a column to sort; “lost” is the break's cost in seconds.</p>"
+            '<div class="scroll"><table class="data" id="turn-table"><thead><tr id="turn-head"></tr></thead>'
+            '<tbody id="turn-rows"></tbody></table></div>'
+            '<p class="meta">Click a column to sort; “lost” is the break\'s cost in seconds.</p>'
             "</section>")
 
 

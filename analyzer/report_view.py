@@ -10,7 +10,9 @@ as dicts. Fields the analysis may not carry yet are derived, and the derivation 
 - a break's one cost in tokens, `lost_tokens`: else the break's `saves_tokens` (the previous prompt's
   tokens past the common prefix, which a cache would have served had the prompt only grown); the
   turn's `reprefill_tokens` also counts the new tokens appended, which no cache could have served;
-- `lost_seconds`: else `lost_tokens / prefill_rate` when a prefill rate is known;
+- `lost_seconds`: else `lost_tokens / prefill_rate` when a prefill rate is known, else `lost_tokens`
+  over the prefill rate the session's own appends show (their new tokens over their TTFT, when at
+  least two appends recorded one);
 - the differing span of a diff: the break's `diff` spans, else the common prefix and suffix of the
   before/after windows.
 """
@@ -134,6 +136,7 @@ def build(d: dict[str, Any], top_n: int = 10) -> dict[str, Any]:
     for si, s in enumerate(d.get("sessions") or []):
         turns = s.get("turns") or []
         srows = []
+        first_break = len(breaks)
         for i, t in enumerate(turns):
             number = t.get("number") or (t.get("index", i) + 1)
             prompt = _num(t.get("prompt_tokens"))
@@ -163,6 +166,7 @@ def build(d: dict[str, Any], top_n: int = 10) -> dict[str, Any]:
                 })
             elif re:
                 append_total += int(re)
+        _seconds_from_appends(srows, breaks[first_break:])
         rows.extend(srows)
         sessions.append({"index": si, "id": s.get("id"), "client": s.get("client"), "title": s.get("title"),
                          "kind": s.get("kind"), "parent": s.get("parent"), "side_reason": s.get("side_reason"),
@@ -199,6 +203,22 @@ def build(d: dict[str, Any], top_n: int = 10) -> dict[str, Any]:
                      "appended_tokens": append_total, "turns": len(rows), "sessions": len(sessions)},
         "prefill_rate": rate,
     }
+
+
+def _seconds_from_appends(rows: list[dict], breaks: list[dict]) -> None:
+    """Prices the session's breaks that carry no seconds at the prefill rate its appends show."""
+    if not any(b["lost_seconds"] is None and b["lost_tokens"] for b in breaks):
+        return
+    timed = [r for r in rows if not r["id"] and r["ttft"] and r["re"] and r["note"] != "first"]
+    if len(timed) < 2:
+        return
+    rate = sum(r["re"] for r in timed) / sum(r["ttft"] for r in timed)
+    basis = f"this session's appends: {rate:,.0f} tok/s from their TTFT"
+    by_id = {r["id"]: r for r in rows if r["id"]}
+    for b in breaks:
+        if b["lost_seconds"] is None and b["lost_tokens"] is not None:
+            b["lost_seconds"], b["basis"] = round(b["lost_tokens"] / rate, 2), basis
+            by_id[b["id"]]["sec"] = b["lost_seconds"]
 
 
 def cost_key(item: dict) -> tuple:

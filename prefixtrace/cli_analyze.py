@@ -41,7 +41,8 @@ def _kwargs(template, model, tokenizer_spec, block_size, prefill_rate) -> dict:
 @click.command()
 @SRC
 @_render_options
-@click.option("--format", "fmt", type=click.Choice(["text", "json", "html"]), default="text", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "html", "markdown"]), default="text",
+              show_default=True, help="markdown: for pasting into an issue (docs/ANALYZER.md).")
 @JSON_FORMAT
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), callback=output_path,
               help="Write the report here instead of stdout.")
@@ -66,12 +67,13 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
     """
     from analyzer import analyze as run_analyze, format_text, to_json
     from analyzer.html import to_html
+    from analyzer.markdown import to_markdown
 
     with progress(f"analyzing {src.name}"):
         report = run_analyze(src, what_if=what_if, kv_budget=kv_budget,
                              **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
     too_much = report.too_much_unread(max_unreadable)
-    text = {"text": format_text, "json": to_json, "html": to_html}["json" if as_json else fmt](report)
+    text = {"text": format_text, "json": to_json, "html": to_html, "markdown": to_markdown}["json" if as_json else fmt](report)
     write_or_echo(text, out)
     if too_much:  # never a silent zero: the report above says what was not analysed, and so does the exit code
         click.echo("; ".join(report.warnings()) or "part of the input could not be analysed", err=True)

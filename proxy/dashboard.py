@@ -1,4 +1,5 @@
-"""Observability routes: `GET /ui` (live dashboard), `GET /ui/api/sessions` (its JSON), `GET /metrics`.
+"""Observability routes: `GET /ui` (live dashboard), `GET /ui/api/sessions` (its JSON, a page of
+sessions at a time), `GET /ui/report/<session>` (one session's full HTML report), `GET /metrics`.
 
 `observe(app, backend, recorder)` wires them in: it wraps the recorder so
 every recorded turn also reaches the live analysis (`proxy/live.py`) and the
@@ -15,10 +16,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse, Response
 
-from analyzer.html import CACHED, COLOURS
+from analyzer.report_html import render as render_report
+from analyzer.report_view import APPEND, CACHED, COLOURS, LABELS
 from prefixtrace.errors import PrefixtraceError
 from proxy.live import LiveSessions
 from proxy.metrics import CONTENT_TYPE, Metrics, engine_state
@@ -26,6 +28,8 @@ from recorder.turn import Turn
 
 log = logging.getLogger("prefixtrace.dashboard")
 PAGE = Path(__file__).with_name("static") / "dashboard.html"
+MAX_PAGE = 100  # sessions per poll at most: 2,000 sessions in one answer took 1.4 MB and 2 s
+MAX_TURNS = 500  # turns per session per poll at most (the session's report has them all)
 
 
 class ObservedSink:
@@ -79,16 +83,30 @@ def observe(app: FastAPI, backend, recorder):
         return HTMLResponse(PAGE.read_text(encoding="utf-8"), headers={"Cache-Control": "no-cache"})
 
     @app.get("/ui/api/sessions")
-    async def ui_sessions(since: float = 0.0):
+    async def ui_sessions(since: float = 0.0, offset: int = Query(0, ge=0), limit: int = Query(25, ge=1, le=MAX_PAGE),
+                          turns: int = Query(200, ge=1, le=MAX_TURNS)):
         if live.pending:
             await asyncio.to_thread(live.refresh)
         return {
-            **live.snapshot(since),
+            **live.page(offset, limit, turns, since),
             **backend_state(),
-            "proxy": {"cache_hit_ratio": metrics.cache_hit_ratio,
-                      "requests": sum(metrics.requests.values())},
-            "colours": {**COLOURS, "cached": CACHED},
+            "proxy": {"cache_hit_ratio": metrics.cache_hit_ratio, "requests": sum(metrics.requests.values()),
+                      "reported_prompt_tokens": metrics.reported_prompt_tokens},
+            "colours": {**COLOURS, "cached": CACHED, "appended": APPEND},
+            "labels": LABELS,
         }
+
+    @app.get("/ui/report/{session_id:path}", response_class=HTMLResponse, include_in_schema=False)
+    async def ui_report(session_id: str):
+        if live.pending:
+            await asyncio.to_thread(live.refresh)
+        session = live.find(session_id)
+        if session is None:
+            return HTMLResponse("<!doctype html><title>no such session</title><p>No session with this id is kept: the "
+                                "dashboard keeps the most recent 2,000 turns. Run <code>prefixtrace analyze</code> on "
+                                "the database for the history.</p>", status_code=404)
+        page = await asyncio.to_thread(render_report, _report_dict(session, live), f"prefixtrace: {session['id']}")
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus():
@@ -99,3 +117,20 @@ def observe(app: FastAPI, backend, recorder):
         return Response(text, media_type=CONTENT_TYPE)
 
     return ObservedSink(recorder, (metrics.observe, live.observe))
+
+
+def _report_dict(session: dict[str, Any], live: LiveSessions) -> dict[str, Any]:
+    """A live session in the analysis's dict form (docs/ANALYZER.md), with the served facts the
+    analysis does not carry (TTFT, the server's cached count) put where the report reads them."""
+    turns = []
+    for t in session["turns"]:
+        a = dict(t["analysis"])
+        a.setdefault("ttft_s", t.get("ttft_s"))
+        if a.get("reported_cached_tokens") is None:
+            a["reported_cached_tokens"] = t.get("cached_tokens")
+        a["index"] = t["index"]
+        turns.append(a)
+    return {"renderer": live.analyzer.renderer.name, "tokenizer": live.analyzer.tokenizer.name,
+            "prefill_rate": None, "warnings": [],
+            "sessions": [{"id": session["id"], "client": session.get("client"), "title": session.get("title"),
+                          "turns": turns}]}

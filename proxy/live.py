@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from analyzer.analysis import Analyzer, TurnResult
 from analyzer.canon import Payload
+from analyzer.clients import KNOWN, client_of, title_of
 from analyzer.divergence import SegmentCounter
 from analyzer.load import Request
 from analyzer.sessions import SessionGrouper
@@ -62,10 +63,17 @@ class LiveSession:
     turns: list[LiveTurn] = field(default_factory=list)
     last: tuple[Request, Payload] | None = None
     updated_at: float = 0.0
+    client: str | None = None  # the harness, from its User-Agent (analyzer/clients.py)
+    title: str | None = None  # its first user message, trimmed and redacted
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "inferred": self.inferred, "updated_at": self.updated_at,
-                "turns": [t.to_dict() for t in self.turns]}
+    def to_dict(self, max_turns: int | None = None) -> dict[str, Any]:
+        turns = self.turns if max_turns is None else self.turns[-max_turns:]
+        return {"id": self.id, "inferred": self.inferred, "updated_at": self.updated_at, "client": self.client,
+                "title": self.title, "turn_count": len(self.turns), "turns": [t.to_dict() for t in turns]}
+
+
+def _header(headers: dict[str, str] | None, name: str) -> str | None:
+    return next((v for k, v in (headers or {}).items() if k.lower() == name), None)
 
 
 class LiveSessions:
@@ -129,6 +137,22 @@ class LiveSessions:
                 "sessions": [s.to_dict() for s in sessions if s.updated_at > since],
             }
 
+    def page(self, offset: int = 0, limit: int = 25, max_turns: int = 200, since: float = 0.0) -> dict[str, Any]:
+        """One page of sessions (most recently updated first), each with its last `max_turns` turns:
+        what a poll costs stays bounded however many sessions the proxy has seen."""
+        with self._lock:
+            sessions = sorted((s for s in self.sessions.values() if s.updated_at > since), key=lambda s: -s.updated_at)
+            return {"version": self.version, "renderer": self.analyzer.renderer.name,
+                    "tokenizer": self.analyzer.tokenizer.name, "total_sessions": len(sessions),
+                    "offset": offset, "limit": limit,
+                    "sessions": [s.to_dict(max_turns) for s in sessions[offset:offset + limit]]}
+
+    def find(self, session_id: str) -> dict[str, Any] | None:
+        """One session, all its kept turns (the dashboard's per-session report)."""
+        with self._lock:
+            session = next((s for s in self.sessions.values() if s.id == session_id), None)
+            return session.to_dict() if session else None
+
     # --- analysis (under self._lock) ---------------------------------------------
 
     def _add(self, turn: Turn) -> None:
@@ -142,6 +166,11 @@ class LiveSessions:
         session = self.sessions.get(grouped.id)
         if session is None:
             session = self.sessions[grouped.id] = LiveSession(self.redactor.text(grouped.id), grouped.inferred)
+        if session.client not in KNOWN:  # a side request's SDK name gives way to the harness's
+            session.client = client_of(_header(turn.request_headers, "user-agent"), body) or session.client
+        if session.title is None and body is not None:
+            title = title_of(body)
+            session.title = self.redactor.text(title) if title else None
         request = Request(turn.request_id, turn.started_at, body, turn.session_id, None,
                           turn.prompt_tokens, turn.cached_tokens)
         result = self._compare(session, request, payload)

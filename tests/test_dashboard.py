@@ -59,7 +59,10 @@ def test_dashboard_shows_turns_and_breaks_live(engine_server, browser):
     # Both bars carry a re-prefilled segment; the second one has a cached part too (engine-reported).
     assert "re-prefilled" in page.get_attribute('.bar[data-turn="1"]', "title")
     assert page.text_content("#proxy-requests") == "2"
-    assert "mid_system=inline" in page.text_content(".policy")  # render policies per turn (issue 9)
+    # Render policies per turn (issue 9), in words, in the clicked turn's detail (issue 26: no jargon).
+    page.click('.session[data-session="agent-1"] .bar[data-turn="1"]')
+    assert "earlier reasoning" in page.text_content('.turn-detail[data-turn="1"] .policy')
+    assert "mid_system=" not in page.inner_text("body")
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
 

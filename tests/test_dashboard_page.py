@@ -1,0 +1,179 @@
+"""The dashboard as a person uses it (issue 26, items 5 and 8): a real proxy on 127.0.0.1 in front
+of a scripted upstream on loopback (it reports prompt and cached tokens and takes its time on the
+turn whose cache broke, as a server does), driven in headless Chromium: sessions named by their
+client and first message, the fix text, readable TTFT, no internal jargon, one explained hit ratio,
+the session's full report one click away, and a bounded poll with 2,000 sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from proxy.app import create_app
+from recorder.turn import Turn
+from tests.conftest import running_server
+from tests.test_dashboard import ARTIFACTS, browser  # noqa: F401  (the Chromium fixture)
+
+SCREENS = ARTIFACTS
+PI_SYSTEM = ("You are an expert coding assistant operating inside pi, a coding agent harness. "
+             "Todo: {n} of 5 done. Help the user.")
+PI_HEADERS = {"User-Agent": "OpenAI/JS 6.26.0", "X-Session-Id": "pi-1"}
+
+
+def _upstream():
+    """An OpenAI-compatible upstream that counts prompt tokens (4 chars each), says it served the
+    previous prompt's shared prefix from cache, and is slow in proportion to what it re-prefilled."""
+    app = FastAPI()
+    last: dict[str, str] = {}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        text = json.dumps(body["messages"])
+        prev = last.get("p", "")
+        common = next((i for i, (a, b) in enumerate(zip(prev, text)) if a != b), min(len(prev), len(text)))
+        last["p"] = text
+        prompt, cached = len(text) // 4, common // 4
+        usage = {"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+
+        async def events():  # streamed, as harnesses ask: the first token after the prefill
+            await asyncio.sleep(min(0.6, (prompt - cached) / 400))
+            for chunk in ({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "done"}}]},
+                          {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                          {"choices": [], "usage": usage}):
+                yield f"data: {json.dumps({'id': 'c', 'object': 'chat.completion.chunk', 'model': 'm', **chunk})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def _pi_session(url: str) -> None:
+    """Five turns of a pi session; the third rewrites the todo counter in the system prompt."""
+    messages = [{"role": "user", "content": "Fix the flaky login test please"}]
+    for turn in range(5):
+        n = 1 if turn < 2 else 2
+        body = {"model": "m", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "system", "content": PI_SYSTEM.format(n=n)}, *messages]}
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers=PI_HEADERS, timeout=30)
+        assert r.status_code == 200, r.text
+        messages += [{"role": "assistant", "content": f"step {turn} " + "x" * 400},
+                     {"role": "user", "content": f"continue {turn}"}]
+
+
+@pytest.fixture
+def proxy(recorder):
+    from proxy.upstream_backend import UpstreamBackend
+
+    with running_server(_upstream()) as upstream:
+        app = create_app(UpstreamBackend(upstream + "/v1"), recorder)
+        with running_server(app) as url:
+            yield url, app
+
+
+def test_a_session_reads_as_a_person_expects(proxy, browser):  # noqa: F811
+    url, _ = proxy
+    _pi_session(url)
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page.goto(url + "/ui")
+    session = page.wait_for_selector('.session[data-session="pi-1"]', timeout=15_000)
+    page.wait_for_selector('.session[data-session="pi-1"] .bar[data-turn="4"]', timeout=15_000)
+    # Named by client and first user message, not by an id alone.
+    assert page.text_content('.session[data-session="pi-1"] .client') == "pi"
+    assert "Fix the flaky login test please" in page.text_content('.session[data-session="pi-1"] .title')
+    # The break: its plain name, the turn counted from 1, the fix, the differing characters.
+    brk = page.wait_for_selector('.break[data-turn="2"]')
+    text = brk.text_content()
+    assert "system prompt rewritten" in text and "at turn 3" in text
+    assert "Fix:" in page.text_content('.break[data-turn="2"] .fix')
+    assert page.text_content('.break[data-turn="2"] del') == "1"
+    assert page.text_content('.break[data-turn="2"] ins') == "2"
+    # TTFT readable in full ("0.31 s"), never cut to a few pixels of digits.
+    meta = session.query_selector(".meta").text_content()
+    assert "TTFT median" in meta and "slowest" in meta and "(turn 3)" in meta
+    # No internal jargon anywhere on the page.
+    body = page.inner_text("body")  # what a person sees
+    for jargon in ("mid_system=", "notices=", "thinking_retention", "inferred-"):
+        assert jargon not in body
+    # One hit ratio, with what it is over.
+    assert page.query_selector("#hit-ratio") is None
+    assert "prompt tokens, as the server reported them" in page.text_content("#hit-ratio-note")
+    # Click a bar: that turn's detail, with its TTFT in seconds.
+    page.click('.session[data-session="pi-1"] .bar[data-turn="0"]')
+    detail = page.wait_for_selector('.turn-detail[data-turn="0"]')
+    assert detail.text_content().startswith("turn 1 · TTFT ") and " s · " in detail.text_content()
+    page.screenshot(path=str(_shot("dashboard_session.png")), full_page=True)
+    # The session's full report, one click away, served by the proxy itself.
+    with page.expect_popup() as popup:
+        page.click('.session[data-session="pi-1"] a.report-link')
+    report = popup.value
+    report.wait_for_function("document.body.dataset.rendered === '1'")
+    assert "system prompt rewritten" in report.text_content("#summary")
+    assert report.text_content("#top-breaks a").startswith("turn 3 of pi")
+    report.screenshot(path=str(_shot("dashboard_report.png")), full_page=True)
+
+
+def _turn(i: int, session: str) -> Turn:
+    body = {"model": "m", "messages": [{"role": "system", "content": "You are terse."},
+                                       {"role": "user", "content": f"question {session} " + "y" * 200}]}
+    return Turn(f"r{i}", 1_700_000_000 + i, "/v1/chat/completions", "http://up", body,
+                {"user-agent": "claude-cli/2.1.197 (external, sdk-cli)"}, session_id=session, status=200,
+                prompt_tokens=60, cached_tokens=0, ttft_s=0.2, total_s=0.3)
+
+
+def test_two_thousand_sessions_stay_fast(proxy, browser):  # noqa: F811
+    """2,000 sessions: the poll answers a page of them, and the page renders at once. The turns go
+    straight into the live analysis (2,000 requests through the proxy would take minutes here);
+    the API and the page are driven over the real socket."""
+    url, app = proxy
+    for i in range(2000):
+        app.state.live.observe(_turn(i, f"s{i}"))
+    t = time.perf_counter()
+    first = httpx.get(url + "/ui/api/sessions", timeout=120)  # analyses the 2,000 queued turns
+    analyse = time.perf_counter() - t
+    t = time.perf_counter()
+    poll = httpx.get(url + "/ui/api/sessions", timeout=60)
+    poll_s = time.perf_counter() - t
+    data = poll.json()
+    assert first.status_code == poll.status_code == 200
+    assert data["total_sessions"] == 2000 and len(data["sessions"]) == 25
+    assert len(poll.content) < 150_000, len(poll.content)  # was 1.4 MB for all 2,000
+    older = httpx.get(url + "/ui/api/sessions?offset=1975&limit=25").json()
+    assert [s["id"] for s in older["sessions"]][-1] == "s0"
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    t = time.perf_counter()
+    page.goto(url + "/ui")
+    page.wait_for_selector('.session[data-session="s1999"]', timeout=20_000)
+    render_s = time.perf_counter() - t
+    assert page.locator(".session").count() == 25
+    assert page.text_content("#page-info") == "sessions 1–25 of 2,000"
+    page.click("#next")
+    page.wait_for_selector('.session[data-session="s1974"]', timeout=10_000)
+    assert page.text_content("#page-info") == "sessions 26–50 of 2,000"
+    assert page.text_content('.session[data-session="s1974"] .client') == "claude-code"
+    print(f"2,000 sessions: first poll (analysis) {analyse:.2f} s, poll {poll_s:.3f} s, {len(poll.content):,} bytes, "
+          f"page shown in {render_s:.2f} s")
+
+
+def test_report_of_an_unknown_session_is_a_404_that_says_why(proxy):
+    url, _ = proxy
+    r = httpx.get(url + "/ui/report/nope")
+    assert r.status_code == 404 and "prefixtrace analyze" in r.text
+
+
+def _shot(name: str) -> Path:
+    SCREENS.mkdir(exist_ok=True)
+    return SCREENS / name
