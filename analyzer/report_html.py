@@ -208,7 +208,7 @@ def _groups(v: dict[str, Any]) -> str:
            "every turn it hit is listed, the costliest first.</p>"]
     for gi, g in enumerate(v["groups"]):
         bs = g["breaks"]
-        links = "".join(f'<a href="#{b["id"]}">{b["number"]:,}</a>' for b in bs)
+        links = " ".join(f'<a href="#{b["id"]}">{b["number"]:,}</a>' for b in bs)
         sessions = sorted({b["session_index"] for b in bs})
         where = f" in {len(sessions)} sessions" if len(sessions) > 1 else ""
         fix = f'<p class="fix"><b>Fix:</b> {esc(g["fix"])}</p>' if g["fix"] else ""

@@ -66,8 +66,10 @@ def where(brk: dict) -> str:
     """Where the prompt broke, in the message the client sent (not the rendering) when known."""
     if brk.get("where"):
         return str(brk["where"])
-    if brk.get("tool_index") is not None or brk["cause"] == "tools_change":
-        return f"tools[{brk.get('tool_index')}] ({brk.get('tool_name')})"
+    if brk.get("tool_index") is not None:
+        return f"tools[{brk['tool_index']}] ({brk.get('tool_name')})"
+    if brk["cause"] == "tools_change":
+        return "the tool list"
     index, role = brk.get("message_index"), brk.get("role")
     if index is None and role == "system":
         text = "the system prompt"
