@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
 
@@ -98,6 +99,7 @@ def test_a_session_reads_as_a_person_expects(proxy, browser):  # noqa: F811
     brk = page.wait_for_selector('.break[data-turn="2"]')
     text = brk.text_content()
     assert "system prompt rewritten" in text and "at turn 3" in text
+    assert re.search(r"at turn 3: [\d.]+ s and \d+ tokens re-prefilled", text)  # seconds first
     assert "Fix:" in page.text_content('.break[data-turn="2"] .fix')
     assert page.text_content('.break[data-turn="2"] del') == "1"
     assert page.text_content('.break[data-turn="2"] ins') == "2"
