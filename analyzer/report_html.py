@@ -23,7 +23,7 @@ from prefixtrace.escaping import script_json
 
 esc = html.escape
 W, H = 960, 210  # the timeline's viewBox; it scales to the page width
-ML, MR, MT, MB = 62, 12, 16, 34
+ML, MR, MT, MB = 62, 26, 16, 34
 BARS_UP_TO = 600  # turns per session drawn as bars; beyond, as areas (a bar would be under a pixel)
 
 
@@ -122,16 +122,19 @@ def timeline(s: dict[str, Any]) -> str:
 
         out.append(f'<path d="{area([r["prompt"] for r in rows])}" fill="{rv.APPEND}"/>'
                    f'<path d="{area([min(r["cached"] or 0, r["prompt"] or 0) for r in rows])}" fill="{rv.CACHED}"/>')
+    marked = sum(1 for r in rows if r["id"])
+    hw = max(1.5, min(5.0, pw / max(1, marked) / 2))  # 200 breaks in a session: marks that do not overlap
     for i, r in enumerate(rows):
         if not r["id"]:
             continue
         c = rv.colour(r["cause"].split("/")[0])
         cx = x(i + 0.5)
         tip = f"turn {r['n']}: {r['cause']}, lost {cost_text(r['sec'], r['lost'])} (click for the diff)"
-        out.append(f'<a href="#{r["id"]}" class="break-mark" data-turn="{r["n"]}"><title>{esc(tip)}</title>'
-                   f'<line x1="{cx:.1f}" x2="{cx:.1f}" y1="{MT}" y2="{MT + ph}" stroke="{c}" stroke-opacity=".35" '
-                   f'stroke-dasharray="3 2"/><path class="marker" d="M{cx - 5:.1f},{MT - 9} L{cx + 5:.1f},{MT - 9} '
-                   f'L{cx:.1f},{MT - 1} Z" fill="{c}"/></a>')
+        guide = (f'<line x1="{cx:.1f}" x2="{cx:.1f}" y1="{MT}" y2="{MT + ph}" stroke="{c}" stroke-opacity=".35" '
+                 f'stroke-dasharray="3 2"/>') if marked <= 60 else ""
+        out.append(f'<a href="#{r["id"]}" class="break-mark" data-turn="{r["n"]}"><title>{esc(tip)}</title>{guide}'
+                   f'<path class="marker" d="M{cx - hw:.1f},{MT - 9} L{cx + hw:.1f},{MT - 9} L{cx:.1f},{MT - 1} Z" '
+                   f'fill="{c}"/></a>')
     out.append("</svg>")
     return "".join(out)
 
