@@ -68,8 +68,21 @@ def client_of(user_agent: str | None, body: Any = None) -> str | None:
     return name if name and version[:1].isdigit() else product
 
 
+_SIDE = re.compile(r"title generator|generate a (?:short |brief )?title|messages above are a conversation to summari"
+                   r"|summari[sz]e (?:this|the) conversation", re.I)
+
+
+def is_side_request(body: Any) -> bool:
+    """A harness's side request (a title generator, a summariser), which must not name the session."""
+    if not isinstance(body, dict):
+        return False
+    return bool(_SIDE.search(_system(body)) or _SIDE.search(title_of(body, 400) or ""))
+
+
 def title_of(body: Any, limit: int = TITLE_CHARS) -> str | None:
-    """The conversation's first user message, on one line, trimmed to `limit` chars."""
+    """What the person asked, on one line, trimmed to `limit` chars: the last user message of the
+    request (of a conversation's first request, the question; the user messages before it are the
+    harness's preamble: Qwen Code's context, aider's worked examples)."""
     if not isinstance(body, dict):
         return None
     messages = body.get("messages")
@@ -77,10 +90,10 @@ def title_of(body: Any, limit: int = TITLE_CHARS) -> str | None:
         messages = body["input"]
     elif messages is None and isinstance(body.get("input"), str):
         messages = [{"role": "user", "content": body["input"]}]
-    for m in messages or []:
+    for m in reversed(messages or []):
         if isinstance(m, dict) and m.get("role") == "user":
             # Claude Code opens with <system-reminder> parts that no person typed.
-            text = " ".join(_text(m.get("content"), skip_reminders=True).split())
+            text = " ".join(_text(m.get("content"), skip_reminders=True).split()).strip("\"“”")
             if not text:
                 continue
             return text if len(text) <= limit else text[:limit - 1].rstrip() + "…"

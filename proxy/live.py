@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from analyzer.analysis import Analyzer, TurnResult
 from analyzer.canon import Payload
-from analyzer.clients import KNOWN, client_of, title_of
+from analyzer.clients import KNOWN, client_of, is_side_request, title_of
 from analyzer.divergence import SegmentCounter
 from analyzer.load import Request
 from analyzer.sessions import SessionGrouper
@@ -65,6 +65,7 @@ class LiveSession:
     updated_at: float = 0.0
     client: str | None = None  # the harness, from its User-Agent (analyzer/clients.py)
     title: str | None = None  # its first user message, trimmed and redacted
+    title_from_side: bool = False  # the title came from a side request: the main chain's replaces it
 
     def to_dict(self, max_turns: int | None = None) -> dict[str, Any]:
         turns = self.turns if max_turns is None else self.turns[-max_turns:]
@@ -168,9 +169,13 @@ class LiveSessions:
             session = self.sessions[grouped.id] = LiveSession(self.redactor.text(grouped.id), grouped.inferred)
         if session.client not in KNOWN:  # a side request's SDK name gives way to the harness's
             session.client = client_of(_header(turn.request_headers, "user-agent"), body) or session.client
-        if session.title is None and body is not None:
+        # The first request names the session, unless it was a side request (a title generator that
+        # opencode sends first): then the main chain's first request does.
+        if body is not None and (session.title is None or session.title_from_side) and not (
+                session.title is not None and is_side_request(body)):
             title = title_of(body)
-            session.title = self.redactor.text(title) if title else None
+            if title:
+                session.title, session.title_from_side = self.redactor.text(title), is_side_request(body)
         request = Request(turn.request_id, turn.started_at, body, turn.session_id, None,
                           turn.prompt_tokens, turn.cached_tokens)
         result = self._compare(session, request, payload)

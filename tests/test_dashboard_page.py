@@ -179,3 +179,33 @@ def test_report_of_an_unknown_session_is_a_404_that_says_why(proxy):
 def _shot(name: str) -> Path:
     SCREENS.mkdir(exist_ok=True)
     return SCREENS / name
+
+
+TRAFFIC = Path(__file__).resolve().parents[1].parent / "shared" / "traffic"
+if not TRAFFIC.is_dir():
+    TRAFFIC = Path("/work/shared/traffic")
+
+
+@pytest.mark.parametrize("name, client", [
+    ("pi_tiny", "pi"), ("claude_tiny", "claude-code"), ("opencode_tiny", "opencode"), ("qwen_tiny", "qwen-code"),
+    ("aider_tiny", "aider"), ("llm_tiny", "OpenAI/Python"),  # llm sends the OpenAI SDK's User-Agent and no prompt
+])
+def test_real_harness_sessions_are_named_by_client_and_question(name, client):
+    """The recorded harness traffic (../shared/traffic) through the live analysis: each session named by
+    its client and what the person asked, not by a harness's preamble or its title-generator request."""
+    from proxy.live import LiveSessions
+
+    path = TRAFFIC / f"{name}.jsonl"
+    if not path.is_file():
+        pytest.skip("no recorded harness traffic here")
+    live = LiveSessions()
+    for i, line in enumerate(path.read_text().splitlines()):
+        r = json.loads(line)
+        live.observe(Turn(r["id"], r["ts"], r["endpoint"], "up", r["request"], r.get("request_headers") or {},
+                          session_id=r.get("session"), status=200))
+    live.refresh()
+    sessions = live.page(limit=100)["sessions"]
+    main = max(sessions, key=lambda s: s["turn_count"])
+    assert main["client"] == client
+    if name != "llm_tiny":
+        assert main["title"].startswith("Read README.md and then list the files"), main["title"]
