@@ -158,6 +158,10 @@ def _break_detail(b: dict[str, Any], sessions: list[dict], open_: bool) -> str:
         facts.append(f"cache stopped at token {_n(b['token_offset'])}")
     if b["path"]:
         facts.append(f"payload {b['path']}")
+    if b.get("server_miss_reason"):
+        facts.append(f"the server's reason: {b['server_miss_reason']}")
+    if b.get("served_by"):
+        facts.append(f"served by {b['served_by']}")
     vol = b.get("volatile")
     if isinstance(vol, dict) and vol.get("kind"):
         facts.append(f"volatile {vol['kind']}: {vol.get('before', '')!s} → {vol.get('after', '')!s}")

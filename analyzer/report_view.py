@@ -110,6 +110,10 @@ def _num(value) -> float | None:
     return value if value == value and value not in (float("inf"), float("-inf")) else None
 
 
+def _first_num(d: dict, *keys: str) -> float | None:
+    return next((v for v in (_num(d.get(k)) for k in keys) if v is not None), None)
+
+
 def turn_costs(turn: dict, prefill_rate: float | None) -> tuple[int | None, float | None, str | None]:
     """(lost_tokens, lost_seconds, basis) of a turn's break; (None, None, None) when it has none."""
     brk = turn.get("break")
@@ -150,7 +154,8 @@ def build(d: dict[str, Any], top_n: int = 10) -> dict[str, Any]:
             lost, seconds, basis = turn_costs(t, rate)
             bid = f"b{si}-{number}" if brk else None
             row = {"s": si, "n": number, "ts": _num(t.get("ts")), "prompt": prompt, "cached": cached, "re": re,
-                   "rcached": _num(t.get("reported_cached_tokens")), "ttft": _num(t.get("ttft_s")),
+                   "rcached": _first_num(t, "reported_cached_tokens", "reported_cache_read_tokens"),
+                   "ttft": _num(t.get("ttft_s")),
                    "cause": kind(brk) if brk else None, "lost": lost, "sec": seconds, "note": t.get("note") or "",
                    "id": bid}
             srows.append(row)
@@ -164,7 +169,8 @@ def build(d: dict[str, Any], top_n: int = 10) -> dict[str, Any]:
                     "fix": brk.get("suggestion") or "", "lost_tokens": lost, "lost_seconds": seconds,
                     "basis": basis, "reprefill_tokens": re, "token_offset": brk.get("token_offset"),
                     "diff": (b, a, start, bend, aend), "volatile": brk.get("volatile"), "ttft": row["ttft"],
-                    "path": brk.get("path"),
+                    "path": brk.get("path"), "served_by": t.get("served_by"),
+                    "server_miss_reason": t.get("server_miss_reason"),
                 })
             elif re:
                 append_total += int(re)

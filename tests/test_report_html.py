@@ -203,3 +203,28 @@ def test_ten_thousand_turns_stay_usable(browser, tmp_path):  # noqa: F811
           f"load ratio {big[1] / small[1]:.1f}x")
     assert big[3] < 8_000_000
     assert big[1] < 20 * small[1] + 5  # loose: a shared, loaded machine
+
+
+def test_fields_of_the_shared_interface_are_shown_when_present(browser, tmp_path):  # noqa: F811
+    """The analysis's agreed fields (1-based `number`, the one cost `lost_tokens`/`lost_seconds` and its
+    basis, the char offset inside the message, the `diff` span, the volatile value, client and title,
+    the renderer note) are what the page shows when the analysis carries them."""
+    d = _synthetic(60, every=50)
+    turn = d["sessions"][0]["turns"][50]
+    turn.update(number=51, lost_tokens=1030, lost_seconds=42.5, lost_seconds_basis="ttft vs this session's cache hits")
+    turn["break"].update(cause="system_rewrite", subtype="volatile", message_char_offset=53, volatile={"kind": "counter", "before": "0", "after": "50"},
+                         diff={"before": "Todo: 0 done.", "after": "Todo: 50 done.", "start": 6, "before_end": 7,
+                               "after_end": 8})
+    d["sessions"][0].update(client="pi", title="fix the flaky test")
+    d["renderer_note"] = "recorded: the served model's chat template"
+    path = tmp_path / "r.html"
+    path.write_text(render(d))
+    page = _open(browser, path)
+    assert "42.5 s" in page.text_content("#headline") and "1,030" in page.text_content("#headline")
+    top = page.text_content("#top-breaks li")
+    assert "turn 51 of pi · “fix the flaky test”" in top and "message 0 (system), char 53" in top
+    detail = page.locator("details.break").first
+    assert detail.locator("del").text_content() == "0" and detail.locator("ins").text_content() == "50"
+    assert "seconds from ttft vs this session's cache hits" in detail.text_content()
+    assert "volatile counter: 0 → 50" in detail.text_content()
+    assert "recorded: the served model's chat template" in page.text_content("header")
