@@ -162,10 +162,11 @@ class Report:
         elif c["not_analysed"]:
             out.append(f"{c['not_analysed']} of {c['input']} request(s) not analysed: {c['skipped_lines']} line(s) "
                        f"could not be read, {c['unrenderable_turns']} turn(s) could not be rendered")
-            first = next((f"line {d.get('line')}: {d['error']}" for d in self.skipped), None) or next(
-                (f"session {s.id} turn {t.index} (line {t.line}): {t.note}" for s in self.sessions for t in s.turns
-                 if t.note.startswith("unrenderable")), "")
-            out.append(f"first: {first}")
+            # Skipped lines are listed one by one by every format; an unrenderable turn only in its table row.
+            if not self.skipped:
+                first = next((f"session {s.id} turn {t.index + 1} (line {t.line}): {t.note}" for s in self.sessions
+                              for t in s.turns if t.note.startswith("unrenderable")), "")
+                out.append(f"first: {first}")
         elif c["analysed"] == 0:
             out.append(f"all {c['failed_requests']} request(s) failed (status >= 400): no prompt to analyse")
         return out

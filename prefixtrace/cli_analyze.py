@@ -74,7 +74,8 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
     text = {"text": format_text, "json": to_json, "html": to_html}["json" if as_json else fmt](report)
     write_or_echo(text, out)
     if too_much:  # never a silent zero: the report above says what was not analysed, and so does the exit code
-        click.echo("; ".join(report.warnings()) or "part of the input could not be analysed", err=True)
+        if out is not None or as_json or fmt != "text":  # else the text on the terminal already says it, once
+            click.echo("; ".join(report.warnings()) or "part of the input could not be analysed", err=True)
         raise SystemExit(1)
 
 
