@@ -83,6 +83,7 @@ class TurnResult:
     payload_change: str | None = None  # what the payload diff saw, even when the render did not break
     note: str = ""  # "first", "unrenderable: …"
     model: str | None = None  # the request's `model` (what-if pricing reads per-model rules)
+    lost_dollars: float | None = None  # with --price-model: the break's lost tokens at input minus cache-read rates
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "brk"}
@@ -139,6 +140,7 @@ class Report:
     skipped: list[dict]
     failed: list[dict] = field(default_factory=list)  # requests the server refused (status >= 400): not chained
     what_if: list[dict] = field(default_factory=list)  # analyzer/whatif.py: the traffic priced under other caches
+    pricing: dict | None = None  # analyzer/pricing.py: the rates dollars were computed with (--price-model)
 
     @property
     def breaks(self) -> list[tuple[SessionResult, TurnResult]]:
@@ -162,10 +164,11 @@ class Report:
         elif c["not_analysed"]:
             out.append(f"{c['not_analysed']} of {c['input']} request(s) not analysed: {c['skipped_lines']} line(s) "
                        f"could not be read, {c['unrenderable_turns']} turn(s) could not be rendered")
-            first = next((f"line {d.get('line')}: {d['error']}" for d in self.skipped), None) or next(
-                (f"session {s.id} turn {t.index} (line {t.line}): {t.note}" for s in self.sessions for t in s.turns
-                 if t.note.startswith("unrenderable")), "")
-            out.append(f"first: {first}")
+            # Skipped lines are listed one by one by every format; an unrenderable turn only in its table row.
+            if not self.skipped:
+                first = next((f"session {s.id} turn {t.index + 1} (line {t.line}): {t.note}" for s in self.sessions
+                              for t in s.turns if t.note.startswith("unrenderable")), "")
+                out.append(f"first: {first}")
         elif c["analysed"] == 0:
             out.append(f"all {c['failed_requests']} request(s) failed (status >= 400): no prompt to analyse")
         return out
@@ -193,6 +196,7 @@ class Report:
             "sessions": [s.to_dict(self.prefill_rate) for s in self.sessions],
             "totals": _totals((t for s in self.sessions for t in s.turns), self.prefill_rate),
             **({"what_if": self.what_if} if self.what_if else {}),
+            **({"pricing": self.pricing} if self.pricing else {}),
         }
 
 
@@ -433,7 +437,8 @@ def _walk_job_local(analyzer: Analyzer, requests, payloads, job) -> list[TurnRes
 def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None = None, model: str | Path | None = None,
             tokenizer: Tokenizer | str | None = None, block_size: int | None = None,
             prefill_rate: float | None = None, renderer=None, workers: int | None = None,
-            what_if: list[str] | str | None = None, kv_budget: int | None = None) -> Report:
+            what_if: list[str] | str | None = None, kv_budget: int | None = None,
+            price_model: str | None = None, price_provider: str | None = None) -> Report:
     """Analyses a recorder database, a JSONL file, or an iterable of request
     bodies / Requests / recorder Turns.
 
@@ -448,6 +453,9 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
         workers: processes for the per-session work (default: up to 2).
         what_if: also price the traffic under these caches ("vllm", "sglang", "anthropic", "openai";
             analyzer/whatif.py), with `block_size` as their block/page size and `kv_budget` tokens of KV.
+        price_model: price in dollars as this model ("claude-sonnet-4-5", "gpt-5"; genai-prices'
+            data, analyzer/pricing.py): each break's lost tokens and each what-if policy.
+        price_provider: the provider whose price of `price_model` to use (default: genai-prices' match).
     """
     renderer = renderer or make_renderer(template, model)
     if tokenizer is None and model is not None and (Path(model) / "tokenizer.json").is_file():
@@ -457,9 +465,28 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
     policies = parse_policies(what_if) if isinstance(what_if, str) or what_if is None else parse_policies(",".join(what_if))
     if kv_budget is not None and kv_budget <= 0:
         raise InvalidRequest("--kv-budget must be positive")
+    sheet = None
+    if price_model:
+        from analyzer.pricing import price_sheet
+
+        sheet = price_sheet(price_model, price_provider)
     loaded = load(source)
     report = Analyzer(renderer, tokenizer, block_size=block_size, prefill_rate=prefill_rate, workers=workers).run(
         loaded.requests, loaded.skipped)
     if policies:
-        report.what_if = price_all(report, policies, block_size=block_size, kv_budget=kv_budget)
+        report.what_if = price_all(report, policies, block_size=block_size, kv_budget=kv_budget, sheet=sheet)
+    if sheet is not None:
+        report.pricing = sheet.to_dict()
+        price_breaks(report, sheet)
     return report
+
+
+def price_breaks(report: Report, sheet) -> None:
+    """Each break's lost tokens in dollars (analyzer/pricing.py `lost_dollars`)."""
+    for s in report.sessions:
+        for t in s.turns:
+            lost = getattr(t, "lost_tokens", None)
+            if lost is None and t.brk is not None:
+                lost = t.reprefill_tokens
+            if t.brk is not None and lost:
+                t.lost_dollars = round(sheet.lost_dollars(lost, t.prompt_tokens), 6)

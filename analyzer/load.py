@@ -286,32 +286,31 @@ def _common_prefix(a: str, b: str, chunk: int = 65536) -> int:
 
 
 def read_jsonl(path: Path) -> Loaded:
-    """Requests of a JSONL file in file order; bad lines go to `skipped`."""
+    """Requests of a JSONL file in file order; bad lines go to `skipped`.
+
+    Read as bytes and decoded line by line, so a line that is not UTF-8 (or a
+    file that is not text at all, like a damaged database) is reported with its
+    number and the rest still read."""
     out = Loaded()
     parser = IncrementalParser()
     try:
-        fh = open(path, encoding="utf-8", errors="strict")
+        fh = open(path, "rb")
     except OSError as exc:
         raise InvalidRequest(f"cannot read {path}: {exc}") from exc
     with fh:
-        lineno = 0
-        while True:
-            lineno += 1
+        for lineno, raw in enumerate(fh, start=1):
             try:
-                line = fh.readline()
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as exc:
-                out.skipped.append({"line": lineno, "error": f"not UTF-8: {exc.reason}"})
-                fh.readline()  # cannot resync a text stream reliably; the next line is lost too
+                out.skipped.append({"line": lineno, "error": f"not UTF-8: {exc.reason} at byte {exc.start + 1}"})
                 continue
-            if not line:
-                break
             if not line.strip():
                 continue
             try:
                 obj = parser.loads(line)
                 out.requests.append(request_from_record(obj, lineno, path.name))
             except json.JSONDecodeError as exc:
-                out.skipped.append({"line": lineno, "error": f"not valid JSON: {exc.msg}"})
+                out.skipped.append({"line": lineno, "error": f"not valid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}"})
             except InvalidRequest as exc:
                 out.skipped.append({"line": lineno, "error": exc.message})
     return out
@@ -374,9 +373,13 @@ def load(source: str | Path | Iterable[Any]) -> Loaded:
         path = Path(source)
         try:
             with open(path, "rb") as fh:
-                magic = fh.read(len(SQLITE_MAGIC))
+                head = fh.read(4096)
         except OSError as exc:
             raise InvalidRequest(f"cannot read {path}: {exc}") from exc
+        magic = head[:len(SQLITE_MAGIC)]
+        if magic != SQLITE_MAGIC and b"\x00" in head:  # no JSONL or HAR file holds a NUL byte
+            raise InvalidRequest(f"{path} is neither a recorder database nor a JSONL or HAR file: it holds binary "
+                                 "data (a database whose header is damaged?)")
         if magic == SQLITE_MAGIC:
             from recorder.reader import iter_turns  # the recorder is only needed for databases
 

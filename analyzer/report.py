@@ -22,6 +22,10 @@ def _minutes(seconds: float | None) -> str:
     return f" ≈ {seconds / 60:.1f} min" if seconds >= 60 else f" ≈ {seconds:.0f} s"
 
 
+def _usd(value: float) -> str:
+    return f"${value:,.2f}" if value >= 1 else f"${value:.4f}"
+
+
 def format_text(report: Report, width: int = 140) -> str:
     """A table per session (rich), a window under each break, totals per cause."""
     from rich.console import Console
@@ -84,5 +88,17 @@ def format_text(report: Report, width: int = 140) -> str:
                       f"prompt tokens cached ({(w['hit_rate'] or 0) * 100:.1f} %), {w['reprefill_tokens']:,} re-prefilled; "
                       f"exact-prefix ideal {w['ideal_cached_tokens']:,}"
                       + "".join(f"; lost to {k} {v:,}" for k, v in w["lost_to"].items()))
+        if "dollars" in w:
+            d = w["dollars"]
+            console.print(f"  in dollars: {_usd(d['this_cache'])} with this cache, {_usd(d['no_cache'])} with none, "
+                          f"{_usd(d['exact_prefix'])} if every shared prefix were served")
+    if report.pricing:
+        console.print(f"priced as {report.pricing['model']} ({report.pricing['provider']}): "
+                      f"${report.pricing['input_per_mtok']:g}/M input, ${report.pricing['cache_read_per_mtok']:g}/M "
+                      "cache read" + (f", ${report.pricing['cache_write_per_mtok']:g}/M cache write"
+                                      if report.pricing.get("cache_write_per_mtok") is not None else "")
+                      + " (genai-prices)")
+        lost = sum(t.lost_dollars or 0 for s in report.sessions for t in s.turns)
+        console.print(f"breaks cost {_usd(lost)} over reading those tokens from the cache")
     console.print("('!' = the server's reported cached tokens disagree with the prediction by more than 10 points)")
     return buf.getvalue()

@@ -29,6 +29,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from analyzer.pricing import PriceSheet
+
 POLICIES = ("vllm", "sglang", "anthropic", "openai")
 VLLM_BLOCK = 16
 ANTHROPIC_TTL_S = 300.0
@@ -98,8 +100,10 @@ def _turns(report) -> list[_Turn]:
 
 
 def price(report, policy: str, *, block_size: int | None = None, kv_budget: int | None = None,
-          min_cacheable: int | None = None) -> dict[str, Any]:
-    """Cached and re-prefilled tokens of `report`'s traffic under `policy`, and where the misses came from."""
+          min_cacheable: int | None = None, sheet: PriceSheet | None = None) -> dict[str, Any]:
+    """Cached and re-prefilled tokens of `report`'s traffic under `policy`, and where the misses came from;
+    with a price sheet (analyzer/pricing.py), also the prompt side in dollars under this cache, with no
+    cache, and with a cache that served every shared prefix."""
     if policy not in POLICIES:
         raise ValueError(f"unknown --what-if policy {policy!r}; known: {', '.join(POLICIES)}")
     turns = _turns(report)
@@ -112,6 +116,7 @@ def price(report, policy: str, *, block_size: int | None = None, kv_budget: int 
     ideal = 0
     by_cause: dict[str, int] = {}
     total = cached_total = 0
+    dollars = {"this_cache": 0.0, "no_cache": 0.0, "exact_prefix": 0.0}
     for t in turns:
         total += t.prompt
         shared = t.common  # what the previous prompt of the session could give at best
@@ -160,6 +165,12 @@ def price(report, policy: str, *, block_size: int | None = None, kv_budget: int 
         if t.session in last_ts or t.ts is not None:
             last_ts[t.session] = t.ts if t.ts is not None else last_ts.get(t.session, 0.0)
         cached_total += cached
+        if sheet is not None:
+            # Only Anthropic-style caches write (and charge for) the new tail at each request's breakpoint.
+            writes = policy == "anthropic" and t.prompt >= (min_cacheable or anthropic_min(t.model))
+            dollars["this_cache"] += sheet.prompt_dollars(t.prompt, cached, t.prompt - cached if writes else 0)
+            dollars["no_cache"] += sheet.prompt_dollars(t.prompt)
+            dollars["exact_prefix"] += sheet.prompt_dollars(t.prompt, shared, t.prompt - shared if writes else 0)
         if t.cause:
             by_cause[t.cause] = by_cause.get(t.cause, 0) + (t.prompt - cached)
     return {
@@ -172,6 +183,8 @@ def price(report, policy: str, *, block_size: int | None = None, kv_budget: int 
         "hit_rate": round(cached_total / total, 4) if total else None,
         "lost_to": {k: v for k, v in lost.items() if v},
         "break_turns_reprefill_by_cause": dict(sorted(by_cause.items(), key=lambda kv: -kv[1])),
+        **({"dollars": {k: round(v, 4) for k, v in dollars.items()}, "priced_as": sheet.describe()}
+           if sheet is not None else {}),
     }
 
 

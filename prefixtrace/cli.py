@@ -183,6 +183,12 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                                "server instead: give one of them, not both.")
     if upstreams:
         _warn_engine_only(click.get_current_context())
+    # Before MLX is imported or the process re-executes itself: a busy port or an
+    # unwritable --db is refused at once (serve claims the port again to keep it).
+    from prefixtrace.preflight import check_database_writable, claim_port
+
+    claim_port(host, port).close()
+    check_database_writable(db)
     from prefixtrace.serve import ServeConfig, serve as run_serve
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

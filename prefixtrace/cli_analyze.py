@@ -52,9 +52,14 @@ def _kwargs(template, model, tokenizer_spec, block_size, prefill_rate) -> dict:
                    "vllm, sglang, anthropic, openai (docs/ANALYZER.md 'What if').")
 @click.option("--kv-budget", type=click.IntRange(min=1), metavar="TOKENS",
               help="With --what-if vllm/sglang: the server's KV cache size in tokens (LRU eviction beyond it).")
+@click.option("--price-model", metavar="MODEL",
+              help="Also price in dollars as this hosted model (e.g. claude-sonnet-4-5, gpt-5): each break's lost "
+                   "tokens and, with --what-if, each cache; rates from the genai-prices package (docs/ANALYZER.md).")
+@click.option("--price-provider", metavar="PROVIDER",
+              help="With --price-model: whose price of that model (e.g. anthropic, openai, aws, google).")
 @library_errors
 def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt, as_json, out, max_unreadable,
-            what_if, kv_budget):
+            what_if, kv_budget, price_model, price_provider):
     """Per session and turn: did the prompt extend the previous one; if not, where
     it broke (message, char and token offset), why (a fixed cause name) and what
     it cost in re-prefilled tokens.
@@ -70,13 +75,15 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
     from analyzer.markdown import to_markdown
 
     with progress(f"analyzing {src.name}"):
-        report = run_analyze(src, what_if=what_if, kv_budget=kv_budget,
+        report = run_analyze(src, what_if=what_if, kv_budget=kv_budget, price_model=price_model,
+                             price_provider=price_provider,
                              **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
     too_much = report.too_much_unread(max_unreadable)
     text = {"text": format_text, "json": to_json, "html": to_html, "markdown": to_markdown}["json" if as_json else fmt](report)
     write_or_echo(text, out)
     if too_much:  # never a silent zero: the report above says what was not analysed, and so does the exit code
-        click.echo("; ".join(report.warnings()) or "part of the input could not be analysed", err=True)
+        if out is not None or as_json or fmt != "text":  # else the text on the terminal already says it, once
+            click.echo("; ".join(report.warnings()) or "part of the input could not be analysed", err=True)
         raise SystemExit(1)
 
 

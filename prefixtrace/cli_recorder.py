@@ -17,7 +17,8 @@ DB = click.argument("db", type=click.Path(exists=True, dir_okay=False, path_type
 @click.command()
 @DB
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "har"]), default="jsonl", show_default=True)
-@click.option("--session", help="Only this session.")
+@click.option("--session", help="Only this session: a recorded session id, or an inferred name as `analyze` prints "
+                                 "it (inferred-2).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), callback=output_path,
               help="Output file (default: stdout).")
 @click.option("--json", "as_json", is_flag=True,
@@ -33,12 +34,36 @@ def export(db, fmt, session, out, as_json):
     """
     from recorder.sources import export as run_export
 
-    count = run_export(db, out if out else sys.stdout, fmt, session=session)
+    request_ids = None if session is None else _inferred_session_requests(db, session)
+    count = run_export(db, out if out else sys.stdout, fmt, session=None if request_ids is not None else session,
+                       request_ids=request_ids)
     if as_json:
         summary = {"exported": count, "db": str(db), "format": fmt, "session": session, "out": str(out) if out else None}
         click.echo(json.dumps(summary), err=out is None)
     else:
         click.echo(f"exported {count} turn(s)", err=True)
+
+
+def _inferred_session_requests(db: Path, session: str) -> list[str] | None:
+    """None when `session` is a stored id; else the request ids of the session the analyzer
+    names so (`inferred-2`: turns recorded without an id, grouped by shared prefixes).
+    A name that is neither is an error listing what there is, not an empty export."""
+    from recorder.reader import session_ids
+
+    stored = session_ids(db)
+    if session in stored:
+        return None
+    from analyzer.analysis import analyze
+
+    # Grouping reads payloads only; a cheap tokenizer keeps this from rendering with the real one.
+    report = analyze(db, tokenizer="regex")
+    for found in report.sessions:
+        if found.inferred and found.id == session:
+            return [t.request_id for t in found.turns]
+    inferred = [s.id for s in report.sessions if s.inferred]
+    names = ", ".join([*stored[:10], *inferred[:10]]) or "none"
+    raise click.ClickException(f"no session {session!r} in {db}; sessions there: {names}"
+                               f"{' …' if len(stored) > 10 or len(inferred) > 10 else ''}")
 
 
 @click.command(name="import")

@@ -13,7 +13,8 @@
     │   └── UpstreamTimeout      504
     ├── EngineError              500  the embedded engine failed
     │   └── EngineNotReady       503  the model is still loading
-    └── RecorderError            500  the recorder database failed
+    ├── RecorderError            500  the recorder database failed
+    └── ServeRefused                  `serve` cannot start as configured (busy port, unwritable --db): CLI only
 
 Library code raises these; only `proxy` turns them into HTTP responses (via
 `http_status` and `to_openai_error`) and only `prefixtrace.cli` turns them into
@@ -84,6 +85,12 @@ class EngineNotReady(EngineError):
 
 class RecorderError(PrefixtraceError):
     code = "recorder_error"
+
+
+class ServeRefused(PrefixtraceError):
+    """`serve` cannot start as configured; the message names the fix (prefixtrace/preflight.py)."""
+
+    code = "serve_refused"
 
 
 # Most specific class first: `http_status` walks the MRO, so a subclass missing

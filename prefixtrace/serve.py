@@ -7,6 +7,7 @@ import re
 import resource
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from proxy.guard import LOOPBACK_HOSTS
 from proxy.upstream_backend import UpstreamBackend
 from proxy.upstream_pool import UpstreamPool
 from prefixtrace.errors import EngineError
+from prefixtrace.preflight import check_database_writable, claim_port, ready_banner
 from prefixtrace.urls import display_url
 from recorder.store import Recorder
 
@@ -178,7 +180,47 @@ def _stop_if_the_model_fails_to_load(engine: Engine, server: uvicorn.Server, fai
     return thread
 
 
+def _announce_when_ready(server: uvicorn.Server, engine: Engine | None, base_url: str, db: Path) -> threading.Thread:
+    """Print where to point a client once the server answers and the model is loaded
+    (not before: a harness started on the first line would meet 503s)."""
+
+    def watch():
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if engine is not None:
+            try:
+                engine.wait_ready()
+            except EngineError:
+                return
+        if server.started and not server.should_exit:
+            for line in ready_banner(base_url, db):
+                print(line, file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=watch, name="prefixtrace-ready-banner", daemon=True)
+    thread.start()
+    return thread
+
+
+def _base_url(listener, host: str) -> str:
+    port = listener.getsockname()[1]
+    shown = "127.0.0.1" if host in ("", "0.0.0.0") else ("[::1]" if host == "::" else host)
+    if ":" in shown and not shown.startswith("["):
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}/v1"
+
+
 def serve(config: ServeConfig) -> None:
+    # Claimed before the model loads: a busy port or an unwritable database is
+    # refused in one line within a second, and leaves nothing behind.
+    listener = claim_port(config.host, config.port)
+    try:
+        check_database_writable(config.db)
+        _serve_on(listener, config)
+    finally:
+        listener.close()
+
+
+def _serve_on(listener, config: ServeConfig) -> None:
     backend = build_backend(config)
     engine = backend.engine if isinstance(backend, EngineBackend) else None
     try:
@@ -187,18 +229,19 @@ def serve(config: ServeConfig) -> None:
             log.info("recording to %s", config.db.resolve())
             app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config), max_request_mb=config.max_request_mb)
             raise_open_file_limit(_NOFILE_BEFORE_MLX)
-            server = uvicorn.Server(uvicorn_config(app, config.host, config.port, config.log_level))
+            server = uvicorn.Server(uvicorn_config(app, config.host, listener.getsockname()[1], config.log_level))
             logging.getLogger("uvicorn.access").addFilter(QueryValuesMasked())
             failures: list[EngineError] = []
             if engine is not None:
                 _stop_if_the_model_fails_to_load(engine, server, failures)
+            _announce_when_ready(server, engine, _base_url(listener, config.host), config.db.resolve())
             try:
-                server.run()
+                server.run(sockets=[listener])
             except KeyboardInterrupt:
                 pass
             if failures:
                 raise failures[0]
-            if not server.started:  # e.g. the port is in use; uvicorn has logged why
+            if not server.started:
                 sys.exit(STARTUP_FAILURE)
         finally:
             recorder.close(timeout=RECORDER_CLOSE_S)  # bounded: a stuck writer must not keep the process up

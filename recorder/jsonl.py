@@ -132,7 +132,10 @@ def read_jsonl(path: str | Path, *, base_ts: float | None = None) -> list[Turn]:
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8-sig")  # a leading BOM (Windows editors) is not part of line 1
-    except (OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"cannot read {p}: not UTF-8 text (byte {exc.start + 1}): neither a JSONL file nor a "
+                             "readable database (one whose header is damaged?)") from exc
+    except OSError as exc:
         raise InvalidRequest(f"cannot read {p}: {exc}") from exc
     base = time.time() if base_ts is None else base_ts
     turns = []
@@ -144,7 +147,7 @@ def read_jsonl(path: str | Path, *, base_ts: float | None = None) -> list[Turn]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"{p}:{lineno}: not valid JSON: {exc.msg}", line=lineno) from exc
+            raise InvalidRequest(f"{p}:{lineno}: not valid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}", line=lineno) from exc
         try:
             turn = record_to_turn(obj, lineno=lineno, base_ts=base, source=p.name)
         except InvalidRequest as exc:

@@ -7,6 +7,7 @@ is writing.
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -40,11 +41,36 @@ def _iter_rows(db, session: str | None, path: Path) -> Iterator[Turn]:
                     return
                 turn = row_to_turn(row, bodies)
             except sqlite3.DatabaseError as exc:
-                raise RecorderError(f"{path} cannot be read: {exc} (the file is damaged?)") from exc
+                raise RecorderError(damaged(path, exc)) from exc
             except (ValueError, TypeError, KeyError) as exc:  # a stored JSON text that no longer parses
                 raise RecorderError(f"{path}: turn {row.get('request_id')!r} cannot be read: "
                                     f"{type(exc).__name__}: {exc} (the file is damaged?)") from exc
             yield turn
+    finally:
+        db.close()
+
+
+_UNDECODABLE = re.compile(r"Could not decode to UTF-8 column '([^']*)'")
+
+
+def damaged(path: Path, exc: sqlite3.Error) -> str:
+    """One line for a database SQLite can open but not read through; never the damaged bytes
+    themselves (sqlite3 quotes the whole undecodable text, control characters and all)."""
+    undecodable = _UNDECODABLE.search(str(exc))
+    what = f"a stored {undecodable.group(1)!r} text is not valid UTF-8" if undecodable else str(exc)[:200]
+    return (f"{path} cannot be read: {what}; the file is damaged: move it aside, or try "
+            f"`sqlite3 {path} .recover`")
+
+
+def session_ids(db_path: str | Path) -> list[str]:
+    """The session ids stored in a database (inferred sessions are not stored: the analyzer names them)."""
+    p = Path(db_path)
+    db = open_db(p, create=False)
+    try:
+        return [row[0] for row in db.execute("select distinct session_id from turn_log where session_id is not null"
+                                             " order by session_id")]
+    except sqlite3.DatabaseError as exc:
+        raise RecorderError(damaged(p, exc)) from exc
     finally:
         db.close()
 
@@ -70,7 +96,7 @@ def db_info(db_path: str | Path) -> dict[str, Any]:
     try:
         return _db_info(db, p)
     except sqlite3.DatabaseError as exc:
-        raise RecorderError(f"{p} cannot be read: {exc} (the file is damaged?)") from exc
+        raise RecorderError(damaged(p, exc)) from exc
     finally:
         db.close()
 

@@ -8,6 +8,7 @@ database, all or nothing.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import IO
 
@@ -50,14 +51,19 @@ def load_turns(source: str | Path, session: str | None = None) -> list[Turn]:
     return sorted(turns, key=lambda t: (t.started_at, t.request_id))
 
 
-def export(db_path: str | Path, out: str | Path | IO[str], fmt: str = "jsonl", session: str | None = None) -> int:
+def export(db_path: str | Path, out: str | Path | IO[str], fmt: str = "jsonl", session: str | None = None,
+           request_ids: Collection[str] | None = None) -> int:
     """Writes the turns of a database as `fmt` ("jsonl" or "har") to a path
-    or an open text file; returns how many. A path is written only once the
-    whole export succeeded (temporary file, then rename)."""
+    or an open text file; returns how many. `request_ids` keeps only those
+    turns (an inferred session is a set of requests, not a stored id). A path
+    is written only once the whole export succeeded (temporary file, then rename)."""
     if fmt not in FORMATS:
         raise InvalidRequest(f"unknown export format {fmt!r}; expected one of {', '.join(FORMATS)}")
     writer = write_har if fmt == "har" else write_jsonl_lines
     turns = iter_turns(db_path, session=session)
+    if request_ids is not None:
+        wanted = set(request_ids)
+        turns = (t for t in turns if t.request_id in wanted)
     if hasattr(out, "write"):
         return writer(turns, out)
     target = Path(out)

