@@ -58,8 +58,9 @@ def render(d: dict[str, Any], top_n: int = 5) -> str:
     out += [f"> **warning:** {_cell(w)}" for w in d.get("warnings") or []]
     if h["breaks"]:
         secs = f"**{rv.seconds_text(h['lost_seconds'])}** and " if h["lost_seconds"] is not None else ""
+        usd = f" ({rv.dollars_text(h['lost_dollars'])})" if h.get("lost_dollars") is not None else ""
         out.append(f"**{h['breaks']:,} cache break{'s' * (h['breaks'] != 1)}** cost {secs}"
-                   f"**{h['lost_tokens']:,} re-prefilled tokens**.")
+                   f"**{h['lost_tokens']:,} re-prefilled tokens**{usd}.")
     else:
         out.append("**No cache break**: every turn only appended to the previous prompt.")
     out += ["", f"Besides, {h['appended_tokens']:,} new tokens were appended (no cache could have served them). "

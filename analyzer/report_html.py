@@ -150,6 +150,8 @@ def _legend(causes: list[str]) -> str:
 def _break_detail(b: dict[str, Any], sessions: list[dict], open_: bool) -> str:
     s = sessions[b["session_index"]]
     facts = [f"re-prefilled {cost_text(b['lost_seconds'], b['lost_tokens'])}"]
+    if b.get("lost_dollars") is not None:
+        facts.append(f"{rv.dollars_text(b['lost_dollars'])} at the priced model's rates")
     if b["basis"]:
         facts.append(f"seconds from {b['basis']}")
     if b["ttft"] is not None:
@@ -175,8 +177,9 @@ def _summary(v: dict[str, Any]) -> str:
     h = v["headline"]
     if h["breaks"]:
         secs = (f"<b>{rv.seconds_text(h['lost_seconds'])}</b> and " if h["lost_seconds"] is not None else "")
+        usd = f" (<b>{rv.dollars_text(h['lost_dollars'])}</b>)" if h.get("lost_dollars") is not None else ""
         head = (f'<p class="headline" id="headline">{h["breaks"]:,} cache break{"s" * (h["breaks"] != 1)} cost '
-                f'{secs}<b>{h["lost_tokens"]:,}</b> re-prefilled tokens</p>')
+                f'{secs}<b>{h["lost_tokens"]:,}</b> re-prefilled tokens{usd}</p>')
     else:
         head = '<p class="headline" id="headline">No cache break: every turn only appended to the previous prompt.</p>'
     reuse = h["cached_tokens"] / h["prompt_tokens"] if h["prompt_tokens"] else 0
@@ -263,12 +266,15 @@ def _extras(d: dict[str, Any]) -> str:
     if d.get("what_if"):
         out.append('<section class="panel" id="what-if"><h2>What if another cache served this</h2>'
                    '<table class="data what-if"><tr><th class="l">cache</th><th class="l">rules</th><th>cached</th>'
-                   "<th>re-prefilled</th><th class=\"l\">lost to</th></tr>")
+                   "<th>re-prefilled</th><th class=\"l\">lost to</th><th>dollars (this cache / none)</th></tr>")
         for w in d["what_if"]:
             lost = ", ".join(f"{k} {v:,}" for k, v in w["lost_to"].items())
+            usd = w.get("dollars") or {}
+            usd_text = (f"{rv.dollars_text(usd.get('this_cache'))} / {rv.dollars_text(usd.get('no_cache'))}"
+                        if usd else "–")
             out.append(f'<tr><td class="l">{esc(w["policy"])}</td><td class="l wrap">{esc(w["rules"])}</td>'
                        f'<td>{w["cached_tokens"]:,}</td><td>{w["reprefill_tokens"]:,}</td>'
-                       f'<td class="l">{esc(lost)}</td></tr>')
+                       f'<td class="l">{esc(lost)}</td><td>{usd_text}</td></tr>')
         out.append("</table></section>")
     skipped, failed = d.get("skipped_lines") or [], d.get("failed_requests") or []
     if skipped or failed:
@@ -294,6 +300,10 @@ def render(d: dict[str, Any], title: str = "prefixtrace analysis") -> str:
     """The page for `Report.to_dict()` (or a dict of the same shape)."""
     v = rv.build(d)
     note = d.get("renderer_note")
+    pricing = d.get("pricing") or {}
+    if pricing.get("model"):
+        note = "; ".join(x for x in (note, f"dollars as {pricing['model']} ({pricing.get('provider')}), genai-prices")
+                         if x)
     meta = (f"renderer <code>{esc(str(d.get('renderer')))}</code> · tokenizer <code>{esc(str(d.get('tokenizer')))}"
             "</code>" + (f" · {esc(str(note))}" if note else "")
             + (f" · prefill rate {d['prefill_rate']:g} tok/s" if d.get("prefill_rate") else ""))

@@ -169,7 +169,7 @@ def build(d: dict[str, Any], top_n: int = 10) -> dict[str, Any]:
                     "fix": brk.get("suggestion") or "", "lost_tokens": lost, "lost_seconds": seconds,
                     "basis": basis, "reprefill_tokens": re, "token_offset": brk.get("token_offset"),
                     "diff": (b, a, start, bend, aend), "volatile": brk.get("volatile"), "ttft": row["ttft"],
-                    "path": brk.get("path"), "served_by": t.get("served_by"),
+                    "path": brk.get("path"), "served_by": t.get("served_by"), "lost_dollars": _num(t.get("lost_dollars")),
                     "server_miss_reason": t.get("server_miss_reason"),
                 })
             elif re:
@@ -185,6 +185,8 @@ def build(d: dict[str, Any], top_n: int = 10) -> dict[str, Any]:
                                              "breaks": 0, "lost_tokens": 0, "lost_seconds": None})
         c["breaks"] += 1
         c["lost_tokens"] += b["lost_tokens"] or 0
+        if b["lost_dollars"] is not None:
+            c["lost_dollars"] = (c.get("lost_dollars") or 0) + b["lost_dollars"]
         if b["lost_seconds"] is not None:
             c["lost_seconds"] = round((c["lost_seconds"] or 0) + b["lost_seconds"], 2)
     groups: dict[tuple, dict[str, Any]] = {}
@@ -202,12 +204,13 @@ def build(d: dict[str, Any], top_n: int = 10) -> dict[str, Any]:
         g["breaks"].sort(key=cost_key)
     lost_tokens = sum(b["lost_tokens"] or 0 for b in breaks)
     secs = [b["lost_seconds"] for b in breaks if b["lost_seconds"] is not None]
+    dollars = [b["lost_dollars"] for b in breaks if b["lost_dollars"] is not None]
     return {
         "sessions": sessions, "rows": rows, "breaks": breaks, "top": ordered[:top_n], "groups": group_list,
         "by_cause": sorted(by_cause.values(), key=cost_key),
         "headline": {"breaks": len(breaks), "lost_tokens": lost_tokens,
                      "lost_seconds": round(sum(secs), 2) if secs else None,
-                     "seconds_known": len(secs), "prompt_tokens": prompt_total, "cached_tokens": cached_total,
+                     "seconds_known": len(secs), "lost_dollars": sum(dollars) if dollars else None, "prompt_tokens": prompt_total, "cached_tokens": cached_total,
                      "appended_tokens": append_total, "turns": len(rows), "sessions": len(sessions)},
         "prefill_rate": rate,
     }
@@ -243,6 +246,12 @@ def seconds_text(seconds: float | None) -> str:
     if seconds < 1:
         return f"{seconds:.2f} s"
     return f"{seconds:.1f} s" if seconds < 100 else f"{seconds:.0f} s"
+
+
+def dollars_text(value: float | None) -> str:
+    if value is None:
+        return ""
+    return f"${value:,.2f}" if value >= 1 else f"${value:.4f}".rstrip("0").rstrip(".") if value else "$0"
 
 
 def session_name(s: dict) -> str:
