@@ -84,11 +84,14 @@ def observe(app: FastAPI, backend, recorder):
 
     @app.get("/ui/api/sessions")
     async def ui_sessions(since: float = 0.0, offset: int = Query(0, ge=0), limit: int = Query(25, ge=1, le=MAX_PAGE),
-                          turns: int = Query(200, ge=1, le=MAX_TURNS)):
+                          turns: int = Query(200, ge=1, le=MAX_TURNS), version: int | None = None):
         if live.pending:
             await asyncio.to_thread(live.refresh)
+        # The page sends the version it shows: while nothing new was analysed, a poll is the live gauges only.
+        sessions = {"version": live.version, "unchanged": True} if version == live.version else \
+            live.page(offset, limit, turns, since)
         return {
-            **live.page(offset, limit, turns, since),
+            **sessions,
             **backend_state(),
             "proxy": {"cache_hit_ratio": metrics.cache_hit_ratio, "requests": sum(metrics.requests.values()),
                       "reported_prompt_tokens": metrics.reported_prompt_tokens},

@@ -117,6 +117,10 @@ def test_a_session_reads_as_a_person_expects(proxy, browser):  # noqa: F811
     page.click('.session[data-session="pi-1"] .bar[data-turn="0"]')
     detail = page.wait_for_selector('.turn-detail[data-turn="0"]')
     assert detail.text_content().startswith("turn 1 · TTFT ") and " s · " in detail.text_content()
+    # Polls that bring nothing new leave the page alone: a reader's selection and scroll stay put.
+    page.evaluate("document.querySelector('.session').dataset.mark = 'still here'")
+    page.wait_for_timeout(2500)
+    assert page.get_attribute(".session", "data-mark") == "still here"
     page.screenshot(path=str(_shot("dashboard_session.png")), full_page=True)
     # The session's full report, one click away, served by the proxy itself.
     with page.expect_popup() as popup:
@@ -153,6 +157,8 @@ def test_two_thousand_sessions_stay_fast(proxy, browser):  # noqa: F811
     assert first.status_code == poll.status_code == 200
     assert data["total_sessions"] == 2000 and len(data["sessions"]) == 25
     assert len(poll.content) < 150_000, len(poll.content)  # was 1.4 MB for all 2,000
+    idle = httpx.get(url + f"/ui/api/sessions?version={data['version']}")  # nothing new: the gauges only
+    assert idle.json()["unchanged"] is True and "sessions" not in idle.json() and len(idle.content) < 2_000
     older = httpx.get(url + "/ui/api/sessions?offset=1975&limit=25").json()
     assert [s["id"] for s in older["sessions"]][-1] == "s0"
     page = browser.new_page(viewport={"width": 1280, "height": 1000})
