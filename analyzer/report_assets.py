@@ -30,6 +30,7 @@ table{border-collapse:collapse}
 table.data td,table.data th{padding:4px 10px;border-bottom:1px solid var(--line);text-align:right;white-space:nowrap}
 table.data th{font-weight:600;color:var(--muted);font-size:12px;text-transform:none}
 table.data td.l,table.data th.l{text-align:left}
+#by-cause td.l{white-space:normal}
 table.data td.wrap{white-space:normal;max-width:420px;text-align:left}
 .swatch{display:inline-block;width:.8em;height:.8em;border-radius:2px;margin-right:6px;vertical-align:-1px}
 ol.top{margin:0;padding-left:1.6em}
@@ -150,6 +151,8 @@ JS = r"""
   const head = $("turn-head");
   COLS.forEach(([name, i, align]) => {
     const th = el("th", {"data-col": i, ...(align ? {class: align} : {})}, name);
+    th.tabIndex = 0;  // sortable from the keyboard too
+    th.addEventListener("keydown", (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); th.click(); } });
     th.addEventListener("click", () => {
       state.dir = state.sort === i ? -state.dir : (i >= 2 && i !== 8 && i !== 11 ? -1 : 1);
       state.sort = i;
