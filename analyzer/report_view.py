@@ -93,14 +93,30 @@ def diff_spans(brk: dict) -> tuple[str, str, int, int, int]:
         except (KeyError, TypeError, ValueError):
             pass
     b, a = brk.get("before") or "", brk.get("after") or ""
-    start = 0
-    limit = min(len(b), len(a))
+    return (b, a, *resync(b, a))
+
+
+RESYNC_REACH, RESYNC_MATCH = 64, 6
+
+
+def resync(b: str, a: str) -> tuple[int, int, int]:
+    """(start, before_end, after_end): the first differing span of two windows, where they agree again
+    (the nearest point, within 64 chars, from which 6 chars match): "Mon|day." against "Tues|day."
+    marks "Mon" and "Tues". The windows are cut at fixed lengths, so a common suffix would mean nothing.
+    proxy/static/dashboard.html does the same in its script."""
+    start, limit = 0, min(len(b), len(a))
     while start < limit and b[start] == a[start]:
         start += 1
-    end = 0
-    while end < limit - start and b[len(b) - 1 - end] == a[len(a) - 1 - end]:
-        end += 1
-    return b, a, start, len(b) - end, len(a) - end
+    if start == limit:
+        return start, len(b), len(a)
+    for total in range(1, 2 * RESYNC_REACH + 1):
+        for db in range(max(0, total - RESYNC_REACH), min(total, RESYNC_REACH) + 1):
+            da = total - db
+            x, y = b[start + db:start + db + RESYNC_MATCH], a[start + da:start + da + RESYNC_MATCH]
+            at_ends = start + db + len(x) == len(b) and start + da + len(y) == len(a)
+            if x and x == y and (len(x) == RESYNC_MATCH or at_ends):
+                return start, start + db, start + da
+    return start, len(b), len(a)
 
 
 def _num(value) -> float | None:

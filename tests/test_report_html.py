@@ -228,3 +228,17 @@ def test_fields_of_the_shared_interface_are_shown_when_present(browser, tmp_path
     assert "seconds from ttft vs this session's cache hits" in detail.text_content()
     assert "volatile counter: 0 → 50" in detail.text_content()
     assert "recorded: the served model's chat template" in page.text_content("header")
+
+
+def test_without_diff_spans_the_differing_characters_are_found_where_the_windows_agree_again(browser, tmp_path):  # noqa: F811
+    """Before the analysis gives `diff` spans: the windows are cut at fixed lengths, so the span is
+    where they agree again ("Mon|day" / "Tues|day"), not their common suffix, which means nothing."""
+    d = _synthetic(60, every=50)
+    brk = d["sessions"][0]["turns"][50]["break"]
+    brk["before"] = "Today is Monday.<|im_end|>\n<|im_start|>user\nName a colour.<|im_end|>"
+    brk["after"] = "Today is Tuesday.<|im_end|>\n<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\nr."
+    path = tmp_path / "r.html"
+    path.write_text(render(d))
+    page = _open(browser, path)
+    detail = page.locator("details.break[open]").first
+    assert (detail.locator("del").text_content(), detail.locator("ins").text_content()) == ("Mon", "Tues")
