@@ -180,6 +180,28 @@ def test_report_of_an_unknown_session_is_a_404_that_says_why(proxy):
     url, _ = proxy
     r = httpx.get(url + "/ui/report/nope")
     assert r.status_code == 404 and "prefixtrace analyze" in r.text
+    r = httpx.get(url + "/ui/report/nope", headers={"host": "evil.example"})  # prompts: loopback only
+    assert r.status_code == 403
+
+
+def test_session_report_shows_client_text_as_text(proxy, browser):  # noqa: F811
+    """The per-session report carries client text (the session id, the prompts in the diff): it is
+    text on the page, whatever it spells."""
+    from urllib.parse import quote
+
+    url, _ = proxy
+    evil = "s\"><script>window.pwnedSession=1</script>&amp;"
+    for day in ("<script>window.pwned=1</script>Monday", "<script>window.pwned=1</script>Tuesday"):
+        body = {"model": "m", "max_tokens": 2, "stream": True,
+                "messages": [{"role": "system", "content": f"Today is {day}."}, {"role": "user", "content": "hi"}]}
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Session-Id": evil}, timeout=30)
+        assert r.status_code == 200, r.text
+    page = browser.new_page()
+    page.goto(url + "/ui/report/" + quote(evil, safe=""))
+    page.wait_for_function("document.body.dataset.rendered === '1'")
+    assert page.evaluate("[window.pwned, window.pwnedSession]") == [None, None]
+    assert page.get_attribute("section.session", "data-session") == evil
+    assert "<script>window.pwned=1</script>" in page.text_content("details.break .diff")
 
 
 def _shot(name: str) -> Path:
