@@ -233,13 +233,15 @@ def _groups(v: dict[str, Any]) -> str:
 
 
 def _sessions(v: dict[str, Any]) -> str:
-    out = ['<section class="panel" id="sessions"><h2>Sessions</h2>']
-    for s in v["sessions"]:
+    out = ['<section class="panel" id="sessions"><h2>Sessions</h2><p class="sub">The costliest first.</p>']
+    for s in sorted(v["sessions"], key=rv.cost_key):
         causes = sorted({r["cause"].split("/")[0] for r in s["rows"] if r["cause"]})
         side = f", side request of {s['parent']}: {s['side_reason']}" if s.get("parent") else ""
         out.append(f'<section class="session" data-session="{esc(str(s["id"]))}" id="s{s["index"]}">'
                    f'<h3>{esc(rv.session_name(s))}</h3><p class="meta">{len(s["rows"]):,} turns, '
-                   f'{s["breaks"]:,} break(s){esc(side)}</p>{timeline(s)}{_legend(causes)}</section>')
+                   f'{s["breaks"]:,} break(s)'
+                   + (f' costing {esc(cost_text(s["lost_seconds"], s["lost_tokens"]))}' if s["breaks"] else "")
+                   + f'{esc(side)}</p>{timeline(s)}{_legend(causes)}</section>')
     out.append("</section>")
     return "".join(out)
 
