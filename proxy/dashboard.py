@@ -113,7 +113,8 @@ def observe(app: FastAPI, backend, recorder):
         if live.pending:
             await asyncio.to_thread(live.refresh)
         upstreams = backend.stats() if hasattr(backend, "stats") else None
-        text = metrics.render(engine=engine, upstreams=upstreams)
+        spool = getattr(recorder, "spool_state", None)
+        text = metrics.render(engine=engine, upstreams=upstreams, recorder=spool() if spool is not None else None)
         return Response(text, media_type=CONTENT_TYPE)
 
     return ObservedSink(recorder, (metrics.observe, live.observe), on_unusable=metrics.on_unusable_usage)

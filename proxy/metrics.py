@@ -89,7 +89,8 @@ class Metrics:
         cached = sum(v for (kind, _), v in self.tokens.items() if kind == "cached")
         return cached / self.reported_prompt_tokens if self.reported_prompt_tokens else 0.0
 
-    def render(self, *, engine=None, upstreams: list[dict] | None = None) -> str:
+    def render(self, *, engine=None, upstreams: list[dict] | None = None, recorder: dict | None = None) -> str:
+        """`recorder`: the recorder's `spool_state()` (whether the database takes writes, spooled and dropped turns)."""
         out: list[str] = []
 
         def family(name: str, kind: str, help_: str, samples: Iterable[str]) -> None:
@@ -123,6 +124,15 @@ class Metrics:
         family("prefixtrace_request_duration_seconds", "histogram", "Whole request latency.",
                (s for e, h in sorted(self.latency.items())
                 for s in h.samples("prefixtrace_request_duration_seconds", {"endpoint": e})))
+        if recorder is not None:
+            family("prefixtrace_recorder_writable", "gauge", "1 when the recorder's database takes writes.",
+                   [_sample("prefixtrace_recorder_writable", {}, int(bool(recorder["writable"])))])
+            family("prefixtrace_recorder_spooled_turns", "gauge",
+                   "Finished turns waiting in the recorder's spool for the database to take writes.",
+                   [_sample("prefixtrace_recorder_spooled_turns", {}, recorder["spooled"])])
+            family("prefixtrace_recorder_dropped_turns_total", "counter",
+                   "Finished turns lost because the database could not be written and the spool was full.",
+                   [_sample("prefixtrace_recorder_dropped_turns_total", {}, recorder["dropped"])])
         if engine is not None and engine.ready:
             out.extend(_engine_families(engine))
         if upstreams:

@@ -281,8 +281,12 @@ def write_turns(
 ) -> None:
     """Writes `turns` in one transaction (all or nothing). A request_id that is
     already stored is replaced, so re-importing a file is idempotent."""
+    write_rows(db, [redacted_row(t, redactor) for t in turns], bodies)  # the CPU work, outside the transaction
+
+
+def write_rows(db: sqlite_utils.Database, prepared: list[dict[str, Any]], bodies: BodyStore | None = None) -> None:
+    """Writes `redacted_row`s in one transaction (all or nothing), replacing rows of the same request id."""
     bodies = bodies or BodyStore(db)
-    prepared = [redacted_row(t, redactor) for t in turns]  # the CPU work, outside the transaction
     try:
         with db.atomic():
             rows = [store_row(r, bodies) for r in prepared]
