@@ -151,8 +151,8 @@ class Recorder:
 
     def record(self, turn: Turn) -> Future:
         """Enqueues `turn` and returns a Future that resolves (to None) once the
-        turn is committed, or with the `RecorderError` that lost it. Blocks
-        only while the queue is full."""
+        turn is committed (or spooled, while the database cannot be written), or
+        with the `RecorderError` that lost it. Blocks only while the queue is full."""
         return self._put(turn, block=True)
 
     async def record_async(self, turn: Turn) -> None:
@@ -289,7 +289,7 @@ class Recorder:
                 if batch and batch[-1] is _STOP:
                     batch.pop()
                     stop = True
-                if len(self._spool) and (stop or time.monotonic() >= self._next_retry):
+                if (len(self._spool) or self._db is None) and (stop or time.monotonic() >= self._next_retry):
                     self._drain()
                 if batch:
                     self._busy_since = time.monotonic()
@@ -313,7 +313,7 @@ class Recorder:
         """Up to `_MAX_BATCH` queued turns (and `_STOP`); waits for the first, or, while turns
         are spooled, only until the next attempt at the database is due ([] then)."""
         try:
-            if len(self._spool):
+            if len(self._spool) or self._db is None:
                 first = self._queue.get(timeout=max(0.0, self._next_retry - time.monotonic()))
             else:
                 first = self._queue.get()
@@ -400,19 +400,15 @@ class Recorder:
         self._busy_since = time.monotonic()
         try:
             for rows in self._spool.memory_batches(_MAX_BATCH):
-                write_rows(self._db, rows, self._bodies)
+                written += self._write_spooled(rows)
                 self._spool.written(len(rows))
-                written += len(rows)
             for rows in self._spool.file_batches(_MAX_BATCH):
-                write_rows(self._db, rows, self._bodies)
-                written += len(rows)
+                written += self._write_spooled(rows)
             self._spool.clear_file()
         except Exception as exc:
-            if not self._unwritable_now(exc):
-                # Not the disk: a row the database refuses (it was checked when spooled, so this is
-                # rare). Try again later rather than drop it; the reason is shown meanwhile.
+            if not self._unwritable_now(exc):  # the disk's errors, or something unforeseen: try again later
                 log.exception("writing %d spooled turn(s) failed", len(self._spool))
-                self._unwritable = f"writing spooled turns failed: {exc}"
+                self._unwritable = f"writing spooled turns failed: {type(exc).__name__}: {exc}"
                 self._next_retry = time.monotonic() + self.retry_s
             return
         finally:
@@ -423,6 +419,29 @@ class Recorder:
         self._unwritable = None
         with self._cond:
             self._cond.notify_all()
+
+    def _write_spooled(self, rows: list[dict]) -> int:
+        """Writes spooled rows; raises only when the database cannot be written. A row the
+        database refuses for itself (rare: it was prepared before it was spooled) is dropped,
+        counted and logged, so one row cannot hold the spool back for ever. Returns how many
+        were written."""
+        try:
+            write_rows(self._db, rows, self._bodies)
+            return len(rows)
+        except Exception as exc:
+            if unwritable_reason(exc) is not None:
+                raise
+        written = 0
+        for row in rows:
+            try:
+                write_rows(self._db, [row], self._bodies)
+                written += 1
+            except Exception as exc:
+                if unwritable_reason(exc) is not None:
+                    raise
+                self._spool.dropped += 1
+                log.error("spooled turn %s could not be written and is lost: %s", row.get("request_id"), exc)
+        return written
 
     def _settle(self, batch: list[tuple[Turn, Future]], results: list[Exception | None]) -> None:
         with self._cond:

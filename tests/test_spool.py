@@ -293,3 +293,24 @@ def test_turns_spooled_at_shutdown_are_written_at_the_next_start(tmp_path):
         assert again.flush(30)
     assert not (tmp_path / "traffic.db.spool").exists()
     assert stored_turns(db) == {f"turn-{i:03d}": 1 for i in range(4)}
+
+
+def test_with_no_room_anywhere_the_recorder_still_notices_the_disk_coming_back(tmp_path):
+    """No memory spool and a full disk: every turn is dropped (and counted), yet the writer keeps
+    trying the database, and records again as soon as space returns."""
+    with tmpfs(tmp_path / "disk") as disk, running_server(usage_upstream) as up, \
+            Recorder(disk / "traffic.db", retry_s=0.3, spool_memory_bytes=0) as rec, \
+            running_server(create_app(UpstreamBackend(up), rec)) as url:
+        send(url, 0)
+        assert rec.flush(30)
+        filler = fill(disk)
+        sent = send_until_unwritable(url, 1)
+        r = health(url)
+        assert r.json()["recorder"]["spooled"] == 0 and r.json()["recorder"]["dropped"] >= 1
+        filler.unlink()
+        wait_healthy(url)
+        with pytest.raises(Exception, match="spool is full"):
+            rec.flush(30)
+        send(url, sent)
+        assert rec.flush(30)
+        assert stored_turns(disk / "traffic.db")[f"turn-{sent:03d}"] == 1
