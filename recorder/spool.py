@@ -164,7 +164,8 @@ class Spool:
         self.memory.clear()
         self.memory_bytes = 0
         if why is None:
-            log.warning("%d spooled turn(s) kept in %s; the next start writes them to the database", len(rows), self.path)
+            log.warning("%d spooled turn(s) kept in %s; the next start writes them to the database",
+                        len(rows), self.path)
             return 0
         self.dropped += len(rows)
         log.error("%d spooled turn(s) lost at shutdown: the database and %s cannot be written (%s)",
