@@ -144,7 +144,7 @@ def send_until_unwritable(url: str, start: int, limit: int = 80) -> int:
 
 def test_a_full_disk_spools_every_turn_and_writes_each_once_when_space_returns(tmp_path):
     with tmpfs(tmp_path / "disk") as disk, running_server(usage_upstream) as up, \
-            Recorder(disk / "traffic.db", retry_s=0.3) as rec, \
+            Recorder(disk / "traffic.db") as rec, \
             running_server(create_app(UpstreamBackend(up), rec)) as url:
         for i in range(2):
             send(url, i)
@@ -204,7 +204,7 @@ def test_a_filesystem_turned_read_only_spools_until_it_is_writable_again(tmp_pat
     """ext4 with errors=remount-ro after an error (triggered through its sysfs knob): SQLite's
     writes fail; the turns wait; after fsck and a fresh mount the database takes them, once each."""
     with ext4_loop(tmp_path) as (disk, image, loop), running_server(usage_upstream) as up, \
-            Recorder(disk / "traffic.db", retry_s=0.3) as rec, \
+            Recorder(disk / "traffic.db") as rec, \
             running_server(create_app(UpstreamBackend(up), rec)) as url:
         send(url, 0, kb=4)
         assert rec.flush(30)
