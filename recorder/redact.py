@@ -140,8 +140,12 @@ DEFAULT_FOLDED_PATTERNS: tuple[str, ...] = (
     # netrc: `machine h login u password p` (one line, or login and password on lines of their own).
     r"login(?<!\wlogin)[ \t]+[^\s\\]+(?:[ \t\r\n]|\\[nrt])+password(?:[ \t]|\\t)+(?P<secret_netrc>[^\s\\\"']+)",
 )
-# A dict key ending in one of those names: its scalar value is redacted whole.
-_SECRET_KEY = re.compile("(?:" + "|".join(SECRET_KEY_NAMES) + ")$")
+# A dict key ending in one of those names: its scalar value is redacted whole. So is the value of
+# a key naming a credential header or Docker's `auth` inside structured JSON (a tool's input:
+# `{"headers": {"Authorization": "Basic ..."}}`), where the text patterns, which need the key
+# and the value side by side, do not see them together.
+_SECRET_KEY = re.compile("(?:" + "|".join(SECRET_KEY_NAMES) + ")$"
+                         r"|(?:^|[-_ ])(?:authorization|credentials?)$|^(?:x-)?auth$")
 
 
 def _compile(patterns: Iterable[str | re.Pattern[str]], flags: int = 0) -> list[re.Pattern[str]]:

@@ -113,6 +113,22 @@ def test_a_credential_header_is_dropped_everywhere(tmp_path):
         assert b"XCredHeaderS3cret7" not in data
 
 
+def test_credentials_inside_structured_json_are_redacted(tmp_path):
+    """An Anthropic tool_use input is a JSON object, not text: a credential header or Docker's
+    `auth` in it has its key and value apart, where no text pattern sees them together."""
+    body = {"model": "m", "messages": [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "http", "input": {
+            "headers": {"Authorization": "Basic U3RydWN0VXNlcjpTdHJ1Y3RQdzc3", "X-Credential": "StructCredS3cret77"},
+            "docker": {"auths": {"r.example.com": {"auth": "RG9ja2VyU3RydWN0UHc3Nw=="}}}}}]},
+        {"role": "user", "content": "ok"}]}
+    turn = Turn(request_id="r", started_at=1.0, endpoint="/v1/messages", upstream="u", request_body=body,
+                request_raw=json.dumps(body))
+    db, jsonl, har = _record_and_export(tmp_path, [turn])
+    for data in (db, jsonl, har):
+        for secret in (b"U3RydWN0VXNlcjpTdHJ1Y3RQdzc3", b"StructCredS3cret77", b"RG9ja2VyU3RydWN0UHc3Nw"):
+            assert secret not in data
+
+
 @pytest.mark.parametrize("text", NEGATIVES)
 def test_ordinary_code_and_prose_is_left_alone(text):
     assert Redactor().text(text) == text
