@@ -158,4 +158,7 @@ def to_junit(result: CheckResult, path: str | Path) -> None:
                        failures=str(len({p.session_id for p in result.problems})))
     for s in result.report.sessions:
         suite.append(_session_case(s, [p for p in result.problems if p.session_id == s.id]))
-    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+    from recorder.files import open_private  # 0600: the report names sessions
+
+    with open_private(path, "wb") as fh:
+        ET.ElementTree(suite).write(fh, encoding="utf-8", xml_declaration=True)

@@ -70,6 +70,10 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
             return stalled
         if await backend.ready():
             body = {"status": "ok", "backend": backend.label}
+            spool = getattr(app.state.recorder, "spool_state", None)
+            spool = spool() if spool is not None else None
+            if spool is not None and spool["dropped"]:  # turns lost to a full spool stay reported
+                body["recorder"] = spool
             if hasattr(backend, "engine"):
                 body["engine"] = await backend.capacity()
             return body
@@ -159,9 +163,16 @@ def recorder_trouble(recorder) -> JSONResponse | None:
     ok, reason = health()
     if ok:
         return None
-    status = "recorder_stuck" if "stuck" in (reason or "") else "recorder_down"
-    return JSONResponse({"status": status, "reason": reason, "pending": getattr(recorder, "pending", None)},
-                        status_code=503)
+    spool = getattr(recorder, "spool_state", None)
+    spool = spool() if spool is not None else None
+    if spool is not None and not spool["writable"]:
+        status = "recorder_unwritable"  # turns are kept in the recorder's spool until the database takes writes
+    else:
+        status = "recorder_stuck" if "stuck" in (reason or "") else "recorder_down"
+    body = {"status": status, "reason": reason, "pending": getattr(recorder, "pending", None)}
+    if spool is not None:
+        body["recorder"] = spool
+    return JSONResponse(body, status_code=503)
 
 
 async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):

@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import HTMLResponse, Response
 
 from analyzer.html import CACHED, COLOURS
 from prefixtrace.errors import PrefixtraceError
 from proxy.live import LiveSessions
 from proxy.metrics import CONTENT_TYPE, Metrics, engine_state
+from recorder import numbers
 from recorder.turn import Turn
 
 log = logging.getLogger("prefixtrace.dashboard")
@@ -29,18 +31,31 @@ PAGE = Path(__file__).with_name("static") / "dashboard.html"
 
 
 class ObservedSink:
-    """A recorder that also hands every turn to observers (cheap callables, run on the event loop)."""
+    """A recorder that also hands every turn to observers (cheap callables, run on the event loop).
 
-    def __init__(self, sink, observers):
+    Observers see the turn's counts as numbers they can add up: a usage count a backend
+    reported as NaN, Infinity or 1e29 reaches them as None (unknown), and `on_unusable` hears
+    of it (the recorder stores the same: NULL counts, the usage as sent; recorder/numbers.py)."""
+
+    def __init__(self, sink, observers, on_unusable=None):
         self.sink = sink
         self.observers = list(observers)
+        self.on_unusable = on_unusable
         if hasattr(sink, "record_async"):
             self.record_async = self._record_async
 
     def _observe(self, turn: Turn) -> None:
+        seen = numbers.usable(turn)
+        if seen is not turn:
+            bad = numbers.unusable_counts(turn)
+            if bad:
+                log.warning("turn %s: the backend reported %s, no token count; recorded as unknown, the usage as sent",
+                            turn.request_id, ", ".join(f"{name}={getattr(turn, name)!r:.40}" for name in bad))
+                if self.on_unusable is not None:
+                    self.on_unusable(turn, bad)
         for observer in self.observers:
             try:
-                observer(turn)
+                observer(seen)
             except Exception:  # observability must never cost a response or a recorded turn
                 log.exception("observer %r failed on turn %s", observer, turn.request_id)
 
@@ -82,20 +97,24 @@ def observe(app: FastAPI, backend, recorder):
     async def ui_sessions(since: float = 0.0):
         if live.pending:
             await asyncio.to_thread(live.refresh)
-        return {
+        body = {
             **live.snapshot(since),
             **backend_state(),
             "proxy": {"cache_hit_ratio": metrics.cache_hit_ratio,
                       "requests": sum(metrics.requests.values())},
             "colours": {**COLOURS, "cached": CACHED},
         }
+        # Strict JSON whatever a backend reported: a NaN anywhere once made every poll a 500.
+        return Response(numbers.dumps(jsonable_encoder(body), ensure_ascii=False, separators=(",", ":")),
+                        media_type="application/json")
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus():
         if live.pending:
             await asyncio.to_thread(live.refresh)
         upstreams = backend.stats() if hasattr(backend, "stats") else None
-        text = metrics.render(engine=engine, upstreams=upstreams)
+        spool = getattr(recorder, "spool_state", None)
+        text = metrics.render(engine=engine, upstreams=upstreams, recorder=spool() if spool is not None else None)
         return Response(text, media_type=CONTENT_TYPE)
 
-    return ObservedSink(recorder, (metrics.observe, live.observe))
+    return ObservedSink(recorder, (metrics.observe, live.observe), on_unusable=metrics.on_unusable_usage)
