@@ -14,6 +14,15 @@ Fallback: agents that rewrite their system prompt every turn (the very
 problem this tool exists to show) share nothing past message 0, so when no
 session qualifies we compare again with the leading system messages set
 aside and require the first conversation message to match.
+
+A new conversation is not a break of an old one: a request that is only the
+opening of a conversation (no assistant or tool message past the system
+head) never continues a session that already got a reply (a conversation
+cannot go back to its opening; the same opening again is the harness started
+afresh, e.g. pi run twice with the same prompt), nor a session whose tools
+differ (the same opening with another tool list is another client); and it
+is not taken for a compaction of one unless it says it is a summary
+(`_says_summary`), since a compaction replaces the history with one.
 """
 
 from __future__ import annotations
@@ -48,6 +57,30 @@ def _head(roles: list[str]) -> int:
     while n < len(roles) and roles[n] in HEAD_ROLES:
         n += 1
     return n
+
+
+_REPLY_ROLES = ("assistant", "tool", "function")
+_SUMMARY_WORDS = ("summary", "summari", "compact", "continued from a previous conversation", "context was reset")
+
+
+def _opening(roles: list[str]) -> bool:
+    """Only the opening of a conversation: no reply (assistant or tool message) past the system head."""
+    return not any(r in _REPLY_ROLES for r in roles[_head(roles):])
+
+
+def _restarts(s: Session, keys: list[str], roles: list[str], tools_key: str | None) -> bool:
+    """Whether this request starts a new conversation rather than continuing `s`: it is an opening,
+    and `s` already got a reply or used other tools."""
+    if not _opening(roles):
+        return False
+    return not _opening(s.latest_roles) or tools_key != s.latest_tools
+
+
+def _says_summary(keys: list[str], roles: list[str]) -> bool:
+    """Whether the conversation part names itself a summary (pi: "…compacted into the following summary",
+    Claude Code: "This session is being continued from a previous conversation…")."""
+    text = " ".join(keys[_head(roles):]).lower()
+    return any(w in text for w in _SUMMARY_WORDS)
 
 
 def _score(s: Session, keys: list[str], roles: list[str]) -> tuple[int, int] | None:
@@ -133,6 +166,8 @@ class SessionGrouper:
         best, best_score = None, None
         fork_of = None
         for s in self._inferred:
+            if _restarts(s, keys, roles, tools_key):
+                continue  # a new conversation, not a turn (nor a side request) of this one
             score = _score(s, keys, roles)
             if score is not None and score[0] == 0 and self.split_forks and not _related_head(s, keys, roles, tools_key):
                 fork_of = s  # shares the conversation, replaces the system prompt or tools: a side request
@@ -181,6 +216,8 @@ class SessionGrouper:
     @staticmethod
     def _compaction_of(s: Session, keys, roles, tools_key, chars) -> bool:
         head, prev_head = _head(roles), _head(s.latest_roles)
+        if _opening(roles) and not _says_summary(keys, roles):
+            return False  # a new conversation with this agent's system prompt and tools, not a summary
         return (head > 0 and s.latest_tools == tools_key and s.latest_keys[:prev_head] == keys[:head]
                 and is_compaction(s.latest_keys, keys, prev_head, head))
 
