@@ -94,18 +94,19 @@ class TurnResult:
     payload_change: str | None = None  # what the payload diff saw, even when the render did not break
     note: str = ""  # "first", "unrenderable: …"
     model: str | None = None  # the request's `model` (what-if pricing reads per-model rules)
-    number: int = 0  # 1-based: "turn 3" is the session's third request, everywhere a person reads it
     lost_tokens: int | None = None  # THE cost of this turn's break in tokens (docs/ANALYZER.md "Cost")
     lost_seconds: float | None = None  # the same cost in seconds, from the recorded timings by default
     lost_seconds_basis: str | None = None  # how `lost_seconds` was found (or why it could not be)
     ttft_s: float | None = None  # the turn's recorded time to first token
 
-    def __post_init__(self) -> None:
-        if not self.number:
-            self.number = self.index + 1
+    @property
+    def number(self) -> int:
+        """1-based: "turn 3" is the session's third request, everywhere a person reads it (`index` is 0-based)."""
+        return self.index + 1
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "brk"}
+        d["number"] = self.number
         d["break"] = self.brk.to_dict() if self.brk else None
         return d
 
