@@ -16,11 +16,12 @@ _ADVICE = {
     ("thinking_strip", "template"): "the template drops earlier reasoning at a new user-role message: send harness "
                                     "notices (todo updates, subagent results) as tool results rather than user "
                                     "messages, or render with chat_template_kwargs preserve_thinking",
-    ("thinking_strip", "template_empty"): "the chat template renders an empty <think></think> block in the newest "
-                                          "assistant turn and drops it once another message follows, so that turn "
-                                          "renders differently in the next request: nothing the client sends avoids "
-                                          "it; serve with a template that renders past assistant turns the way it "
-                                          "rendered the newest one (keep or never emit the empty block)",
+    ("thinking_strip", "template_empty"): "the chat template renders an empty <think></think> block in assistant "
+                                          "turns after the last user message and drops it once a newer user message "
+                                          "follows: send no reasoning rather than an empty or whitespace-only one "
+                                          "(reasoning_content, thinking blocks), or serve with a template that renders "
+                                          "past assistant turns as it rendered the newest (e.g. chat_template_kwargs "
+                                          "preserve_thinking where the template has it)",
     ("thinking_strip", "client"): "the client stopped sending an earlier turn's reasoning: keep sending past "
                                   "reasoning_content unchanged (or never send it)",
     ("tools_change", None): "the tool list changed and tools render at the head of the prompt: keep one fixed tool "

@@ -375,7 +375,12 @@ def render_cause(prev_r, next_r, next: Payload, message_index: int | None) -> Ca
     if lost:
         return Cause("thinking_strip", "template", min(i for i, _ in lost))
     if dropped_empty_think(prev_r.text, next_r.text):
-        return Cause("thinking_strip", "template_empty", message_index)
+        # The block is the assistant turn's (its template text may be located with the next message).
+        i = message_index if message_index is not None and 0 <= message_index < len(next.messages) else None
+        while i is not None and i > 0 and not (isinstance(next.messages[i], dict) and
+                                               next.messages[i].get("role") == "assistant"):
+            i -= 1
+        return Cause("thinking_strip", "template_empty", i if i else message_index)
     return Cause("serialization", "template", message_index)
 
 
@@ -389,8 +394,8 @@ def dropped_empty_think(prev_text: str, next_text: str) -> bool:
     from analyzer.divergence import common_prefix_len
 
     c = common_prefix_len(prev_text, next_text)
-    start = prev_text.rfind("<think>", max(0, c - len("<think>")), c + 1)
-    start = c if start < 0 else start
+    start = prev_text.rfind("<think>", max(0, c - len("<think>")), c + len("<think>"))
+    start = c if start < 0 or start > c else start
     m = _EMPTY_THINK.match(prev_text, start)
     if m is None:
         return False
