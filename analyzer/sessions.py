@@ -172,6 +172,8 @@ class SessionGrouper:
             if score is not None and score[0] == 0 and self.split_forks and not _related_head(s, keys, roles, tools_key):
                 fork_of = s  # shares the conversation, replaces the system prompt or tools: a side request
                 continue
+            if score is not None:  # on equal shares, the session with the same tools (one client) wins
+                score = (*score, int(tools_key == s.latest_tools))
             # `>=` so that on a tie the most recently active session wins.
             if score is not None and (best_score is None or score >= best_score):
                 best, best_score = s, score
