@@ -94,9 +94,9 @@ class TurnResult:
     payload_change: str | None = None  # what the payload diff saw, even when the render did not break
     note: str = ""  # "first", "unrenderable: …"
     model: str | None = None  # the request's `model` (what-if pricing reads per-model rules)
-    lost_tokens: int | None = None  # THE cost of this turn's break in tokens (docs/ANALYZER.md "Cost")
-    lost_seconds: float | None = None  # the same cost in seconds, from the recorded timings by default
+    lost_seconds: float | None = None  # THE cost of this turn's break in seconds, from the recorded timings by default
     lost_seconds_basis: str | None = None  # how `lost_seconds` was found (or why it could not be)
+    lost_tokens: int | None = None  # the same cost in tokens (docs/ANALYZER.md "Cost")
     ttft_s: float | None = None  # the turn's recorded time to first token
 
     @property
