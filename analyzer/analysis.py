@@ -67,7 +67,7 @@ class Break:
 
     def location(self) -> str:
         """`where()` with the char offset inside that message: "message 0 (system), char 53"."""
-        if self.message_char_offset is not None and self.message_index is not None:
+        if self.message_char_offset is not None and (self.message_index is not None or self.role == "system"):
             return f"{self.where()}, char {self.message_char_offset:,}"
         return self.where()
 
