@@ -32,7 +32,10 @@ def seconds_text(seconds: float | None) -> str:
 
 
 def cost_text(seconds: float | None, tokens: int | None) -> str:
-    """The one cost of a break (or a sum of them), seconds first: "1.63 s, 700 tokens"."""
+    """The one cost of a break (or a sum of them), seconds first: "1.63 s, 700 tokens"; "700 tokens (no
+    timings)" when it could not be priced in seconds."""
+    if seconds is None:
+        return f"{_q(tokens)} tokens (no timings)"
     return f"{seconds_text(seconds)}, {_q(tokens)} tokens"
 
 
@@ -126,7 +129,8 @@ def format_text(report: Report, width: int = 140) -> str:
     if totals["breaks"]:
         unpriced = totals["breaks"] - totals["priced"]
         console.print(f"overall: {totals['breaks']} break(s) cost {cost_text(totals['lost_seconds'], totals['lost_tokens'])}"
-                      + (f" ({unpriced} not priced in seconds: no timings recorded)" if unpriced else ""))
+                      + (f" ({unpriced} not priced in seconds: no timings recorded; give --prefill-rate)"
+                         if unpriced else ""))
         for cause, c in totals["by_cause"].items():
             console.print(f"  {cause} cost {cost_text(c['lost_seconds'], c['lost_tokens'])} over {c['breaks']} break(s)")
         top = report.top_breaks(5)
