@@ -105,8 +105,10 @@ def format_text(report: Report, width: int = 140) -> str:
         kind = f"side request of {s.parent}, {s.side_reason}; " if s.parent else ""
         st = d["totals"]
         cost = f", costing {cost_text(st['lost_seconds'], st['lost_tokens'])}" if breaks else ""
-        table = Table(title=f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
-                            f"{len(breaks)} break(s){cost}", title_justify="left")
+        # The title on its own line: as a table title, rich wraps it to the table's width.
+        console.print(f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
+                      f"{len(breaks)} break(s){cost}")
+        table = Table()
         for col in ("turn", "prompt", "cached", "server cached", "TTFT", "lost", "what happened"):
             table.add_column(col, justify="left" if col == "what happened" else "right")
         for t in s.turns:
