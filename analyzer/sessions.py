@@ -177,9 +177,13 @@ class SessionGrouper:
             # `>=` so that on a tie the most recently active session wins.
             if score is not None and (best_score is None or score >= best_score):
                 best, best_score = s, score
-        if best is None and self.split_forks:  # the most recently active chain this compacts, if any
-            best = next((s for s in reversed(self._inferred)
-                         if self._compaction_of(s, keys, roles, tools_key, chars)), None)
+        if best is None and self.split_forks:  # the chain this compacts, if any
+            compacts = [s for s in reversed(self._inferred) if self._compaction_of(s, keys, roles, tools_key, chars)]
+            # The one whose recent messages the compaction kept (pi keeps the last ~20k tokens after its
+            # summary), else the most recently active (`max` keeps the first of equals).
+            kept = set(keys[_head(roles):])
+            best = max(compacts, key=lambda s: len(kept.intersection(s.latest_keys[_head(s.latest_roles):])),
+                       default=None)
         if best is None:
             if fork_of is not None:
                 family = fork_of.family or fork_of.id

@@ -136,3 +136,35 @@ def test_a_compaction_still_continues_its_session_but_a_fresh_task_does_not():
     assert [len(s.turns) for s in new.sessions] == [3, 1] and new.breaks == []
     assert check([Request(f"r{i}", float(i), b, None) for i, b in enumerate([*bodies, fresh])],
                  template=QWEN3).ok
+
+
+def test_interleaved_compaction_goes_to_the_conversation_whose_tail_it_kept():
+    # Two conversations of one agent (same system prompt and tools), alternating; A compacts right after
+    # B's request, keeping its last exchange after the summary as pi does. It was taken for a compaction
+    # of whichever conversation was most recently active: B.
+    body = _records("pi_tiny.jsonl")[2]["request"]
+    system, tools = body["messages"][0], body["tools"]
+
+    def conv(tag: str, n: int) -> list[dict]:
+        msgs = [system, {"role": "user", "content": f"task {tag} " * 30}]
+        for i in range(n):
+            msgs += [{"role": "assistant", "content": f"{tag} step {i} " * 20}, {"role": "user", "content": f"go {tag}{i}"}]
+        return msgs
+
+    from analyzer.load import Request
+
+    bodies = []
+    for i in range(1, 4):
+        bodies += [("A", conv("A", i)), ("B", conv("B", i))]
+    summary = {"role": "user", "content": "The conversation history before this point was compacted into the "
+                                          "following summary: task A, three steps done."}
+    bodies.append(("A", [system, summary, *conv("A", 3)[-2:]]))
+    bodies.append(("B", conv("B", 4)))
+    records = [{"id": f"r{i}", "session": tag, "ts": 1_800_000_000 + i, "request": {"messages": m, "tools": tools}}
+               for i, (tag, m) in enumerate(bodies)]
+    with_ids = _shape(records)
+    assert _shape(_stripped(records)) == with_ids
+    assert [c for _, cs in with_ids for c in cs if c] == [("compaction", None)]
+    reqs = [Request(r["id"], float(i), r["request"], None) for i, r in enumerate(records)]
+    by_first = {s.turns[0].request_id: s for s in analyze(reqs, template=QWEN3).sessions}
+    assert [t.request_id for t in by_first["r0"].turns] == ["r0", "r2", "r4", "r6"]
