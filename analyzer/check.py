@@ -149,7 +149,12 @@ def _session_case(s: SessionResult, problems: list[Problem]) -> ET.Element:
     for p in problems:
         cause = p.turn.brk.cause if p.turn.brk else (
             "side_request" if p.turn.note.startswith("side request") else "unrenderable")
-        failure = ET.SubElement(case, "failure", message=f"turn {p.turn.number}: {cause}", type=cause)
+        cost = ""
+        if p.turn.brk:
+            from analyzer.report import cost_text
+
+            cost = f", lost {cost_text(p.turn.lost_seconds, p.turn.lost_tokens)}"
+        failure = ET.SubElement(case, "failure", message=f"turn {p.turn.number}: {cause}{cost}", type=cause)
         failure.text = xml_text(str(p))
     return case
 

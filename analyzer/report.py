@@ -109,7 +109,7 @@ def format_text(report: Report, width: int = 140) -> str:
         console.print(f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
                       f"{len(breaks)} break(s){cost}")
         table = Table()
-        for col in ("turn", "prompt", "cached", "server cached", "TTFT", "lost", "what happened"):
+        for col in ("turn", "prompt", "predicted cached", "server cached", "TTFT", "lost", "what happened"):
             table.add_column(col, justify="left" if col == "what happened" else "right")
         for t in s.turns:
             if t.brk:
@@ -162,7 +162,7 @@ def break_lines(t, indent: str = "  ") -> list[str]:
     b = t.brk
     name = f"{b.cause}{'/' + b.subtype if b.subtype else ''}"
     lines = [f"{indent}turn {t.number}: {name} at {b.location()}: lost {cost_text(t.lost_seconds, t.lost_tokens)}"]
-    if t.lost_seconds_basis:
+    if t.lost_seconds_basis and t.lost_seconds is not None:  # unpriced: "(no timings)" above says it
         lines.append(f"{indent}  seconds: {t.lost_seconds_basis}")
     where = [f"prompt token {b.token_offset:,}", f"char {b.char_offset:,} of the rendered prompt"]
     if b.path:
