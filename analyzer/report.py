@@ -106,8 +106,8 @@ def format_text(report: Report, width: int = 140) -> str:
         st = d["totals"]
         cost = f", costing {cost_text(st['lost_seconds'], st['lost_tokens'])}" if breaks else ""
         # The title on its own line: as a table title, rich wraps it to the table's width.
-        console.print(f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
-                      f"{len(breaks)} break(s){cost}")
+        buf.write(f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
+                  f"{len(breaks)} break(s){cost}\n")
         table = Table()
         for col in ("turn", "prompt", "predicted cached", "server cached", "TTFT", "lost", "what happened"):
             table.add_column(col, justify="left" if col == "what happened" else "right")
@@ -117,11 +117,16 @@ def format_text(report: Report, width: int = 140) -> str:
                 lost = cost_text(t.lost_seconds, t.lost_tokens)
             else:
                 what, lost = t.note or "append-only", ""
+                if what.startswith("side request of"):
+                    what = what.split(" because ")[0].split(": ", 1)[-1] + " (side request: see below)"
             flag = " !" if t.cached_disagrees else ""
             table.add_row(str(t.number), _q(t.prompt_tokens), _q(t.predicted_cached_tokens),
                           f"{_q(t.reported_cached_tokens)}{flag}",
                           "" if t.ttft_s is None else seconds_text(t.ttft_s), lost, what)
         console.print(table)
+        for t in s.turns:
+            if t.brk is None and t.note.startswith("side request of"):
+                buf.write(f"  turn {t.number}: {t.note}\n")
         for t in breaks:
             _print_break(buf, console, t)
         for cause, c in st["by_cause"].items():
