@@ -29,13 +29,13 @@ class Problem:
         head = f"session {self.session_id} turn {self.turn.number} ({self.turn.request_id})"
         if b is None:  # a side request, or unrenderable: the server could not have built this prompt either
             return f"{head}: {self.turn.note}"
-        from analyzer.report import break_lines, cost_text
+        from analyzer.report import _plain, break_lines, cost_text
 
         lines = break_lines(self.turn, indent="")
         # The first line names the session; the cost comes first after the cause, seconds before tokens.
         first = (f"{head}: {b.cause}{'/' + b.subtype if b.subtype else ''} at {b.location()}: "
                  f"lost {cost_text(self.turn.lost_seconds, self.turn.lost_tokens)}")
-        return "\n".join([first, *lines[1:]])
+        return "\n".join([_plain(first), *lines[1:]])
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 from analyzer.analysis import Report
 
@@ -53,6 +54,15 @@ def _escape(text: str) -> str:
         else:
             out.append(ch)
     return "".join(out)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _plain(line: str) -> str:
+    """A line of client text (ids, roles, tool names, notes) written past rich: control characters shown
+    escaped, so a hostile id cannot move the cursor or colour the terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", line)
 
 
 def _clip(text: str, limit: int, left: bool) -> str:
@@ -106,8 +116,8 @@ def format_text(report: Report, width: int = 140) -> str:
         st = d["totals"]
         cost = f", costing {cost_text(st['lost_seconds'], st['lost_tokens'])}" if breaks else ""
         # The title on its own line: as a table title, rich wraps it to the table's width.
-        buf.write(f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
-                  f"{len(breaks)} break(s){cost}\n")
+        buf.write(_plain(f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
+                         f"{len(breaks)} break(s){cost}") + "\n")
         table = Table()
         for col in ("turn", "prompt", "predicted cached", "server cached", "TTFT", "lost", "what happened"):
             table.add_column(col, justify="left" if col == "what happened" else "right")
@@ -126,7 +136,7 @@ def format_text(report: Report, width: int = 140) -> str:
         console.print(table)
         for t in s.turns:
             if t.brk is None and t.note.startswith("side request of"):
-                buf.write(f"  turn {t.number}: {t.note}\n")
+                buf.write(_plain(f"  turn {t.number}: {t.note}") + "\n")
         for t in breaks:
             _print_break(buf, console, t)
         for cause, c in st["by_cause"].items():
@@ -181,7 +191,7 @@ def break_lines(t, indent: str = "  ") -> list[str]:
         lines += [f"{indent}  - {b.before!r}", f"{indent}  + {b.after!r}"]
     if b.suggestion:
         lines.append(f"{indent}  fix: {b.suggestion}")
-    return lines
+    return [_plain(line) for line in lines]
 
 
 def _print_break(buf, console, t) -> None:
