@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 
 from analyzer.analysis import Report
 
@@ -56,13 +55,13 @@ def _escape(text: str) -> str:
     return "".join(out)
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
 def _plain(line: str) -> str:
-    """A line of client text (ids, roles, tool names, notes) written past rich: control characters shown
-    escaped, so a hostile id cannot move the cursor or colour the terminal."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", line)
+    """A line of client text (ids, roles, tool names, notes) written past rich: what a terminal would act
+    on shown as `\\uXXXX` (prefixtrace/escaping.py, as the CLI's own output), so a hostile id cannot move
+    the cursor or colour the terminal."""
+    from prefixtrace.escaping import visible
+
+    return visible(line)
 
 
 def _clip(text: str, limit: int, left: bool) -> str:
