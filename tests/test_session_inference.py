@@ -93,6 +93,20 @@ def test_the_same_opening_again_in_one_api_is_a_new_session_too():
     assert [len(s.turns) for s in report.sessions] == [3, 3] and report.breaks == []
 
 
+def test_one_task_run_twice_at_once_is_two_sessions():
+    # Two runs of one pi task in parallel (an eval harness): the same opening twice, then replies that
+    # differ. The repeated opening joined the first run as a retry; when the second run's first reply
+    # differs, it is another conversation and takes its opening with it.
+    chat = _by_api("pi_tiny.jsonl")[0]
+    second = [{**r, "id": r["id"] + "-b", "session": "pi-chat-b", "request": {**r["request"], "messages": [
+        {**m, "content": f"{m['content']} (run b)"} if m.get("role") == "assistant" else m
+        for m in r["request"]["messages"]]}} for r in chat]
+    records = _interleave(chat, second)
+    assert records[0]["request"] == records[1]["request"]  # byte-identical openings
+    assert _shape(_stripped(records)) == _shape(records)
+    assert [len(turns) for turns, _ in _shape(_stripped(records))] == [3, 3]
+
+
 def test_interleaved_pi_conversations_without_ids_match_with_ids():
     records = _interleave(*_by_api("pi_tiny.jsonl"))
     assert [r["session"] for r in records[:4]] == ["pi-chat", "pi-messages", "pi-chat", "pi-messages"]
