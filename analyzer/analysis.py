@@ -105,8 +105,8 @@ class TurnResult:
         return self.index + 1
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "brk"}
-        d["number"] = self.number
+        d = {"index": self.index, "number": self.number}
+        d.update((k, v) for k, v in self.__dict__.items() if k != "brk")
         d["break"] = self.brk.to_dict() if self.brk else None
         return d
 
