@@ -80,7 +80,7 @@ _WEEKDAY = r"(?:Mon|Tue|Tues|Wed|Thu|Thur|Thurs|Fri|Sat|Sun)(?:day|sday|nesday|r
 # Values that change between requests without the text meaning anything else, in priority order at one
 # position (a UUID before the hex runs inside it, a date before the numbers inside it).
 VOLATILE_KINDS = {
-    "email": r"[\w.+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+",
+    "email": r"(?<![\w.+-])[\w.+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63})+",
     "url_query": r"(?<=\?)[^\s\"'<>#?]*=[^\s\"'<>#]*",
     "uuid": r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b",
     "timestamp": r"\b\d{4}-\d{2}-\d{2}(?:[T ]\d{1,2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?"
@@ -94,6 +94,7 @@ VOLATILE_KINDS = {
     "high_entropy": r"(?<![\w+/=-])(?=[\w+/=-]*\d)(?=[\w+/=-]*[A-Za-z])[\w+/=-]{16,}(?![\w+/=-])",
     "counter": r"\b\d+(?:[.,]\d+)*%?",
 }
+VOLATILE_REGION_MAX = 4096  # chars: the changed region (with its context) a volatile change fits in
 _VOLATILE_RE = re.compile("|".join(f"(?P<{k}>{v})" for k, v in VOLATILE_KINDS.items()))
 _TIME_WORDS = re.compile(r"T|Z|UTC|am|pm|AM|PM|" + _MONTH + "|" + _WEEKDAY)
 
@@ -128,6 +129,8 @@ def volatile_change(a: str, b: str) -> dict | None:
     if a == b:
         return None
     ra, rb = _changed_region(a, b, pad=64)
+    if max(len(ra), len(rb)) > VOLATILE_REGION_MAX:
+        return None  # a change this long is an edit, not a ticking value (and the scan stays linear)
     ma, va = _masked(ra)
     mb, vb = _masked(rb)
     if ma == mb:

@@ -108,3 +108,12 @@ def test_check_names_the_volatile_value(tmp_path):
                            for i, m in enumerate([first, second])))
     out = CliRunner().invoke(cli, ["check", str(src)]).output
     assert "history_edit/volatile:hex_id at message 1 (user), char 18" in out and "carries a hex id" in out
+
+
+def test_a_long_change_is_an_edit_not_a_volatile_value():
+    # A rewritten tool output of many kB is an edit, even when it is all digits and ids: volatile values
+    # are short (and the scan over the changed region stays linear on long runs without spaces).
+    base = "log:\n" + "0123456789abcdef" * 2000
+    assert volatile_change(base, base.replace("0123", "4567")) is None
+    blob = "data:" + "A" * 200_000
+    assert volatile_change(blob + "@x.com", blob + "@y.com") is None
