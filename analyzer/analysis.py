@@ -523,6 +523,11 @@ def price_breaks(sessions: list[SessionResult], prefill_rate: float | None) -> N
 
     by_model: dict[str | None, float | None] = {}
     for s in sessions:
+        for t in s.turns:
+            if t.brk is not None and t.lost_tokens is None:
+                # A break named after the cost pass (a server-side miss): its tokens are what the server
+                # lost, `saves_tokens`, the same definition.
+                t.lost_tokens = t.brk.saves_tokens
         breaks = [t for t in s.turns if t.brk is not None and t.lost_tokens is not None]
         if not breaks:
             continue
