@@ -213,6 +213,8 @@ class Relayed:
     def streams_events(self) -> bool:
         return self.status < 400 and self.content_type.startswith("text/event-stream")
 
+    stage = "upstream_body"  # a client that leaves now is recorded as abandoned while the body came
+
     def cancel(self) -> None:
         pass  # closing the response (in `sse`'s finally) is what tells the upstream
 
