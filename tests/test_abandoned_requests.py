@@ -253,3 +253,45 @@ def test_a_hang_up_while_waiting_for_the_upstream_is_recorded_and_closes_the_ups
                            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
             assert len(rows(rec)) == 2
+
+
+# --- the server as `prefixtrace serve` runs it: many abandoned requests, then SIGTERM ---------------
+
+def test_many_abandoned_requests_leave_the_engine_free_and_sigterm_prompt(tmp_path):
+    """The probe's wedge: requests queued behind a busy slot, given up by their clients, used to stay
+    in the engine (each then generated to its max_tokens) and unrecorded; a normal request waited
+    behind them, and SIGTERM waited for it. Now each leaves the engine at once and is recorded."""
+    import signal
+    import sqlite3
+    import subprocess
+
+    from tests.test_cli_serve import serve_process
+
+    db = tmp_path / "traffic.db"
+    with serve_process(["--model", str(TINY_MODEL), "--db", str(db), "--max-batch", "1"], cwd=tmp_path,
+                       env={"PREFIXTRACE_NO_OPENBLAS": "1"}) as (url, proc):
+        blocker = post(url, "/v1/chat/completions", FOREVER)
+        read_until(blocker, b"data: {")
+        many = {**FOREVER, "messages": [{"role": "user", "content": "me too, forever"}]}
+        socks = [post(url, "/v1/chat/completions", {**many, "stream": i % 2 == 0}) for i in range(24)]
+        wait_for(lambda: capacity(url)["waiting"] == len(socks), 60, "the requests never queued")
+        for sock in [*socks, blocker]:
+            sock.close()
+        wait_for(lambda: in_engine(url) == 0, 5, "abandoned requests stayed in the engine")
+        t0 = time.monotonic()
+        answers(url)
+        assert time.monotonic() - t0 < 10
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            pytest.fail("serve did not stop promptly on SIGTERM")
+        stopped_s = time.monotonic() - t0
+    con = sqlite3.connect(db)
+    found = con.execute("select status, error from turns").fetchall()
+    con.close()
+    assert len(found) == len(socks) + 2, found
+    assert sorted(found).count((499, "client disconnected (queued)")) == len(socks)
+    assert (499, "client disconnected (decoding)") in found and (200, None) in found
+    assert stopped_s < 15
