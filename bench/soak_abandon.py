@@ -197,14 +197,17 @@ def soak(args) -> dict:
             asyncio.run(load())
             load_s = time.monotonic() - t0
             ended = time.monotonic()
-            drained_s = None
-            while time.monotonic() - ended < max(args.settle_s, 60):
-                if drained_s is None and not any(in_engine(url).values()):
-                    drained_s = time.monotonic() - ended
-                if drained_s is not None and time.monotonic() - ended >= args.settle_s:
+            drained_s = after_settle = None
+            while True:  # the counts at --settle-s, and when the engine first had nothing in flight
+                since = time.monotonic() - ended
+                counts = in_engine(url)
+                if after_settle is None and since >= args.settle_s:
+                    after_settle = counts
+                if drained_s is None and not any(counts.values()):
+                    drained_s = since
+                if after_settle is not None and (drained_s is not None or since > args.drain_limit_s):
                     break
                 time.sleep(0.2)
-            after_settle = in_engine(url)
             after_status, after_s = timed_normal_request(url, normal)
         finally:
             t2 = time.monotonic()
@@ -266,6 +269,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-words", type=int, default=600, help="longest user message (words)")
     ap.add_argument("--settle-s", type=float, default=3.0, help="when the engine's counts are read after the load")
+    ap.add_argument("--drain-limit-s", type=float, default=300, help="how long to wait for the engine to empty")
     ap.add_argument("--model", default=None, help="a model directory (default: the bundled default model)")
     ap.add_argument("--serve-arg", action="append", default=[], help="an extra `serve` argument (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
