@@ -107,7 +107,8 @@ async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder
             turn.request_body = raw.decode("utf-8", errors="replace")
             turn.session_id = session_id(endpoint, turn.request_body, turn.request_headers)
         turn.finish_reason = "cancelled"
-        on_engine = getattr(getattr(request.app.state, "backend", None), "engine", None) is not None
+        backend = getattr(getattr(request.scope.get("app"), "state", None), "backend", None)
+        on_engine = getattr(backend, "engine", None) is not None
         recorder.record(builder.finish(499, hang_up_error(QUEUED if on_engine else UPSTREAM_HEADERS)))
         raise
     except Exception as exc:
