@@ -232,9 +232,14 @@ def _run_until_cancelled(loop, main):
 
 @pytest.mark.parametrize("hold, stream", [("hold-head", False), ("hold-head", True),
                                           ("hold-body", False), ("hold-body", True)])
-def test_a_hang_up_while_waiting_for_the_upstream_is_recorded_and_closes_the_upstream_request(tmp_path, hold, stream):
+@pytest.mark.parametrize("client", ["direct", "httpx"])
+def test_a_hang_up_while_waiting_for_the_upstream_is_recorded_and_closes_the_upstream_request(tmp_path, hold, stream,
+                                                                                             client):
+    # "httpx": a transport of its own takes the turn's POST off the proxy's direct client
+    # (proxy/upstream_http.py) onto httpx's, the path https upstreams take.
+    transport = httpx.AsyncHTTPTransport() if client == "httpx" else None
     with holding_upstream() as (up, state), Recorder(tmp_path / "a.db") as rec:
-        with running_server(create_app(UpstreamBackend(up), rec)) as url:
+        with running_server(create_app(UpstreamBackend(up, transport=transport), rec)) as url:
             sock = post(url, "/v1/chat/completions", {"model": "m", "stream": stream,
                                                       "messages": [{"role": "user", "content": hold}]})
             wait_for(lambda: state["requests"] == 1, 10, "the upstream never got the request")
