@@ -24,8 +24,9 @@ log = logging.getLogger("prefixtrace.proxy")
 
 
 # Where an abandoned request had got to, recorded in its turn's error ("client disconnected (queued)"):
-# the engine's stages (`Sequence.stage`) and, for an upstream, what the proxy was waiting for.
-QUEUED, PREFILLING, DECODING = "queued", "prefilling", "decoding"
+# the engine's stages (`Sequence.stage`: queued, prefilling, decoding) and, for an upstream, what the
+# proxy was waiting for.
+QUEUED = "queued"
 UPSTREAM_HEADERS, UPSTREAM_BODY = "upstream_headers", "upstream_body"
 
 
@@ -76,7 +77,8 @@ async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder
     """One proxied request, whatever its API: a `Turn` for it, the body parsed into a
     request (`parse(body, headers)`), the backend's reply opened (`open_reply(req, builder,
     headers)`), then `respond` with `stream(chat, builder, recorder)` as the SSE generator.
-    A bad body or a refusing backend is answered in the API's error shape and recorded."""
+    A bad body or a refusing backend is answered in the API's error shape and recorded; a request
+    whose client hangs up is recorded as 499 with the stage it reached (`abandoned`)."""
     turn = Turn(
         request_id=uuid.uuid4().hex,
         started_at=time.time(),
