@@ -24,7 +24,7 @@ from proxy.completions import COMPLETIONS_PATH, add_completions_route
 from proxy.fallback import add_fallback_routes
 from proxy.chat_request import parse_chat_request
 from proxy.guard import RequestGuard, refusal_recorder
-from proxy.relay import TurnSink, record_durably, serve_turn
+from proxy.relay import TurnSink, abandoned, record_durably, serve_turn
 from proxy.dashboard import observe
 from proxy.disconnect import CancelOnDisconnect
 from proxy.request_limits import DEFAULT_MAX_REQUEST_MB
@@ -190,11 +190,11 @@ async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):
     if hasattr(chat, "on_final"):
         chat.on_final = commit_now
 
-    def record(error: str | None = None) -> None:
+    def record() -> None:
         nonlocal recorded
         if not recorded:
             recorded = True
-            recorder.record(builder.finish(chat.status, error))
+            recorder.record(builder.finish(chat.status))
 
     async def record_committed(error: str | None = None) -> None:
         nonlocal recorded
@@ -215,9 +215,11 @@ async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):
         await record_committed(exc.message)
         yield sse.encode(to_openai_error(exc))
         yield sse.DONE
-    except (asyncio.CancelledError, GeneratorExit):
+    except (asyncio.CancelledError, GeneratorExit):  # the client hung up: 499, with the stage reached
         chat.cancel()
-        record("client disconnected")
+        if not recorded:
+            recorded = True
+            recorder.record(abandoned(chat, builder))
         raise
     finally:
         record()
