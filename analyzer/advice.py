@@ -1,11 +1,12 @@
 """What a harness author can do about each cause: one concrete suggestion per break (what to move
-where), shown beside the tokens fixing it would save (`break.saves_tokens`: the previous prompt's
-tokens past the common prefix, which a cache would have served had the prompt only grown)."""
+where), shown beside what the break cost (`lost_seconds`, `lost_tokens`: docs/ANALYZER.md "Cost").
+The text follows the real difference: a volatile value is named with its kind and both values, a
+template effect never gets a client-side fix."""
 
 from __future__ import annotations
 
 _ADVICE = {
-    ("system_rewrite", "volatile"): "the system prompt carries a ticking value (counter, time, date, percentage): "
+    ("system_rewrite", "volatile"): "the system prompt carries a ticking value (counter, time, date, id): "
                                     "move it out of the system prompt into a short note appended at the end of the "
                                     "conversation, or leave it out; the system prompt must be byte-identical every turn",
     ("system_rewrite", None): "the system prompt was rewritten: keep it fixed for the session and append changed "
@@ -15,6 +16,12 @@ _ADVICE = {
     ("thinking_strip", "template"): "the template drops earlier reasoning at a new user-role message: send harness "
                                     "notices (todo updates, subagent results) as tool results rather than user "
                                     "messages, or render with chat_template_kwargs preserve_thinking",
+    ("thinking_strip", "template_empty"): "the chat template renders an empty <think></think> block in assistant "
+                                          "turns after the last user message and drops it once a newer user message "
+                                          "follows: send no reasoning rather than an empty or whitespace-only one "
+                                          "(reasoning_content, thinking blocks), or serve with a template that renders "
+                                          "past assistant turns as it rendered the newest (e.g. chat_template_kwargs "
+                                          "preserve_thinking where the template has it)",
     ("thinking_strip", "client"): "the client stopped sending an earlier turn's reasoning: keep sending past "
                                   "reasoning_content unchanged (or never send it)",
     ("tools_change", None): "the tool list changed and tools render at the head of the prompt: keep one fixed tool "
@@ -33,12 +40,44 @@ _ADVICE = {
                             "reasoning): keep it fixed within a session; another model never shares a cache",
     ("serialization", "tools"): "the same tools were sent in other bytes (key order, strict: false): send tool "
                                 "definitions byte-identically every request, whichever API carries them",
+    ("serialization", "template"): "only the rendering changed: the chat template renders the same messages "
+                                   "differently from one request to the next (nothing the client sent differs before "
+                                   "this point); compare the two sides below and serve with a template that renders "
+                                   "earlier turns the same way every time",
     ("serialization", None): "same content, other bytes (key order, whitespace): resend earlier messages exactly as "
                              "first sent (keep the JSON text, do not re-serialise)",
 }
 
 
-def suggestion(cause: str, subtype: str | None) -> str:
+VOLATILE_NAMES = {
+    "counter": "a counter", "timestamp": "a timestamp", "uuid": "a UUID", "hex_id": "a hex id",
+    "email": "an e-mail address", "url_query": "a URL query string",
+    "high_entropy": "a random-looking token (nonce, request id, signature)",
+}
+
+
+def _short(value: str, limit: int = 40) -> str:
+    return repr(value if len(value) <= limit else value[: limit - 1] + "…")
+
+
+def volatile_advice(cause: str, volatile: dict, where: str | None = None) -> str:
+    """The fix for a break whose only change is a volatile value: what it is, where, and where it goes."""
+    what = (f"{VOLATILE_NAMES.get(volatile.get('kind'), 'a volatile value')} that changes between requests "
+            f"({_short(str(volatile.get('before')))} → {_short(str(volatile.get('after')))})")
+    if cause == "system_rewrite":
+        return (f"the system prompt carries {what}: move it out of the system prompt into a short note appended "
+                f"at the end of the conversation, or leave it out; the system prompt must be byte-identical every turn")
+    if cause == "tools_change":
+        return (f"the tool definition {where or ''} carries {what}: keep tool definitions byte-identical for the "
+                f"whole session and send the changing value in a message at the end instead").replace("  ", " ")
+    return (f"{where or 'an earlier message'} carries {what}, rewritten after it was first sent: resend earlier "
+            f"messages exactly as first sent; generate such a value once and keep it, or put it only in the "
+            f"newest message")
+
+
+def suggestion(cause: str, subtype: str | None, volatile: dict | None = None, where: str | None = None) -> str:
+    if volatile:
+        return volatile_advice(cause, volatile, where)
     return _ADVICE.get((cause, subtype)) or _ADVICE.get((cause, None), "")
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from analyzer.advice import SIDE_REQUEST, suggestion
-from analyzer.canon import Canonicalizer, Payload, first_changed
+from analyzer.canon import Canonicalizer, Payload, first_changed, flatten_content
 from analyzer.causes import Cause, classify, payload_cause
-from analyzer.divergence import SegmentCounter, compare
+from analyzer.divergence import SegmentCounter, common_prefix_len, compare, diff_window
 from analyzer.load import Request, load, share_prefix
 from analyzer.render import GenericRenderer, Rendered, make_renderer
 from analyzer.sessions import SessionGrouper
@@ -29,9 +29,11 @@ from analyzer.tokens import Tokenizer, as_tokenizer
 from prefixtrace.errors import InvalidRequest
 from prefixtrace.wire.normalize import ChatNormalizer, UnreadableBody
 
-DISAGREE_FRACTION = 0.10
+DISAGREE_FRACTION = 0.10  # reported vs predicted cached share of the prompt
 _MAX_UNRENDERED = 32  # unrendered message changes put back per break before giving up (one render each)
-PARALLEL_MIN_REQUESTS = 200  # below this, forking costs more than it saves  # reported vs predicted cached share of the prompt
+PARALLEL_MIN_REQUESTS = 200  # below this, forking costs more than it saves
+HIT_SHARE = 0.5  # a turn served at least this share of its prompt from cache is a cache hit (seconds, "Cost")
+MIN_PREFILL = 64  # uncached tokens a turn must prefill to measure a prefill rate from its TTFT
 
 
 @dataclass
@@ -48,7 +50,10 @@ class Break:
     tool_index: int | None = None  # tools: the first tool that differs, and its name
     tool_name: str | None = None
     suggestion: str = ""  # what the harness author can do (analyzer/advice.py)
-    saves_tokens: int = 0  # tokens a cache would have served had the prompt only grown
+    saves_tokens: int = 0  # detail: the turn's `lost_tokens` before any block rounding
+    message_char_offset: int | None = None  # char offset inside the message's own content (not the rendering)
+    diff: dict | None = None  # {"before", "after", "start", "before_end", "after_end", "offset"}: divergence.diff_window
+    volatile: dict | None = None  # {"kind", "before", "after"} when only a volatile value changed (causes.volatile_change)
 
     def where(self) -> str:
         """"message 2 (user)", "tools[0] (read)", "the request parameters"."""
@@ -59,6 +64,12 @@ class Break:
         if self.message_index is None:
             return "the request parameters" if self.cause == "param_change" else "the rendered head"
         return f"message {self.message_index} ({self.role})"
+
+    def location(self) -> str:
+        """`where()` with the char offset inside that message: "message 0 (system), char 53"."""
+        if self.message_char_offset is not None and (self.message_index is not None or self.role == "system"):
+            return f"{self.where()}, char {self.message_char_offset:,}"
+        return self.where()
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -84,32 +95,58 @@ class TurnResult:
     note: str = ""  # "first", "unrenderable: …"
     model: str | None = None  # the request's `model` (what-if pricing reads per-model rules)
     lost_dollars: float | None = None  # with --price-model: the break's lost tokens at input minus cache-read rates
+    lost_seconds: float | None = None  # THE cost of this turn's break in seconds, from the recorded timings by default
+    lost_seconds_basis: str | None = None  # how `lost_seconds` was found (or why it could not be)
+    lost_tokens: int | None = None  # the same cost in tokens (docs/ANALYZER.md "Cost")
+    ttft_s: float | None = None  # the turn's recorded time to first token
+
+    @property
+    def number(self) -> int:
+        """1-based: "turn 3" is the session's third request, everywhere a person reads it (`index` is 0-based)."""
+        return self.index + 1
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "brk"}
+        d = {"index": self.index, "number": self.number}
+        d.update((k, v) for k, v in self.__dict__.items() if k != "brk")
         d["break"] = self.brk.to_dict() if self.brk else None
         return d
 
 
 def _totals(turns: Iterable[TurnResult], rate: float | None) -> dict[str, Any]:
-    """Sums per cause. Seconds follow the turns' own figure (block-aligned when
-    a block size was given), so they add up to the turns' `reprefill_seconds`."""
+    """Sums per cause. The cost of the breaks is `lost_tokens` / `lost_seconds` (the one cost, summed;
+    seconds over the breaks that could be priced, `priced` of them). `reprefill_tokens` (appends
+    included) and, with --prefill-rate, `seconds` / `reprefill_seconds` are details."""
     by_cause: dict[str, dict[str, Any]] = {}
-    total = reprefill = 0
-    seconds = 0.0
+    total = reprefill = lost = breaks = priced = 0
+    seconds = lost_s = 0.0
     for t in turns:
         total += t.prompt_tokens or 0
         reprefill += t.reprefill_tokens or 0
         seconds += t.reprefill_seconds or 0.0
         if t.brk:
-            c = by_cause.setdefault(t.brk.cause, {"breaks": 0, "reprefill_tokens": 0})
+            c = by_cause.setdefault(t.brk.cause, {"breaks": 0, "lost_seconds": None, "lost_tokens": 0,
+                                                  "priced": 0, "reprefill_tokens": 0})
             c["breaks"] += 1
+            breaks += 1
+            c["lost_tokens"] += t.lost_tokens or 0
+            lost += t.lost_tokens or 0
+            if t.lost_seconds is not None:
+                c["lost_seconds"] = round((c["lost_seconds"] or 0.0) + t.lost_seconds, 2)
+                c["priced"] += 1
+                lost_s += t.lost_seconds
+                priced += 1
             c["reprefill_tokens"] += t.reprefill_tokens or 0
             if rate:
                 c["seconds"] = round(c.get("seconds", 0.0) + (t.reprefill_seconds or 0.0), 1)
-    return {"prompt_tokens": total, "reprefill_tokens": reprefill,
-            "reprefill_seconds": round(seconds, 1) if rate else None,
-            "by_cause": dict(sorted(by_cause.items(), key=lambda kv: -kv[1]["reprefill_tokens"]))}
+    order = sorted(by_cause.items(), key=lambda kv: (-(kv[1]["lost_seconds"] or 0.0), -kv[1]["lost_tokens"]))
+    return {"breaks": breaks, "lost_seconds": round(lost_s, 2) if priced else None, "lost_tokens": lost,
+            "priced": priced, "prompt_tokens": total, "reprefill_tokens": reprefill,
+            "reprefill_seconds": round(seconds, 1) if rate else None, "by_cause": dict(order)}
+
+
+def break_order(t: TurnResult) -> tuple[float, int]:
+    """Biggest first: by seconds lost, then tokens lost."""
+    return (-(t.lost_seconds or 0.0), -(t.lost_tokens or 0))
 
 
 @dataclass
@@ -146,6 +183,10 @@ class Report:
     def breaks(self) -> list[tuple[SessionResult, TurnResult]]:
         return [(s, t) for s in self.sessions for t in s.turns if t.brk]
 
+    def top_breaks(self, n: int = 10) -> list[tuple[SessionResult, TurnResult]]:
+        """The `n` costliest breaks: by seconds lost, then tokens lost."""
+        return sorted(self.breaks, key=lambda st: break_order(st[1]))[:n]
+
     def coverage(self) -> dict[str, Any]:
         """How much of the input was analysed: never a silent zero (docs/ANALYZER.md)."""
         turns = [t for s in self.sessions for t in s.turns]
@@ -166,7 +207,7 @@ class Report:
                        f"could not be read, {c['unrenderable_turns']} turn(s) could not be rendered")
             # Skipped lines are listed one by one by every format; an unrenderable turn only in its table row.
             if not self.skipped:
-                first = next((f"session {s.id} turn {t.index + 1} (line {t.line}): {t.note}" for s in self.sessions
+                first = next((f"session {s.id} turn {t.number} (line {t.line}): {t.note}" for s in self.sessions
                               for t in s.turns if t.note.startswith("unrenderable")), "")
                 out.append(f"first: {first}")
         elif c["analysed"] == 0:
@@ -195,6 +236,9 @@ class Report:
             "failed_requests": self.failed,
             "sessions": [s.to_dict(self.prefill_rate) for s in self.sessions],
             "totals": _totals((t for s in self.sessions for t in s.turns), self.prefill_rate),
+            "top_breaks": [{"session": s.id, "turn": t.number, "cause": t.brk.cause, "subtype": t.brk.subtype,
+                            "where": t.brk.location(), "lost_seconds": t.lost_seconds, "lost_tokens": t.lost_tokens,
+                            "lost_seconds_basis": t.lost_seconds_basis} for s, t in self.top_breaks()],
             **({"what_if": self.what_if} if self.what_if else {}),
             **({"pricing": self.pricing} if self.pricing else {}),
         }
@@ -290,6 +334,7 @@ class Analyzer:
                 first.note = (f"side request of {s.parent}: re-prefilled {first.reprefill_tokens or 0:,} tokens "
                               f"because it {s.side_reason}; {SIDE_REQUEST}") if first.note == "first" else first.note
         skipped.sort(key=lambda d: (d.get("line") is None, d.get("line") or 0))
+        price_breaks(sessions, self.prefill_rate)
         return Report(self.tokenizer.name, self.renderer.name, self.block_size, self.prefill_rate, sessions,
                       skipped, failed)
 
@@ -300,6 +345,7 @@ class Analyzer:
         for req, payload in zip(requests, payloads):
             turn = TurnResult(len(turns), req.id, req.ts if req.ts_given else None, req.line, None, None, None,
                               req.reported_prompt_tokens, req.reported_cached_tokens)
+            turn.ttft_s = req.ttft_s
             turns.append(turn)
             try:
                 if payload is None:
@@ -337,6 +383,7 @@ class Analyzer:
             turn.common_prefix_tokens = 0
             offset = 0
             before, after = f"model: {prev.payload.params.get('model')}", f"model: {payload.params.get('model')}"
+            cmp.diff = diff_window(before, after, len("model: "))
         else:
             effective = payload
             if isinstance(body, dict) and cmp.message_index is not None and pc is not None and \
@@ -353,6 +400,8 @@ class Analyzer:
             cause.cause != "dropped_message" else prev.payload  # a dropped message is in prev only
         msgs = holder.messages
         role = msgs[index].get("role") if index is not None and 0 <= index < len(msgs) and isinstance(msgs[index], dict) else None
+        char_in_message = None if index is None else _message_offset(
+            prev.payload, payload, index, cause.cause, rendered, prev.rendered, offset)
         path = cause.path
         if index is not None and holder.source_index is not None and index < len(holder.source_index):
             # A translated body (Messages, Responses): name the client's own message index.
@@ -362,8 +411,10 @@ class Analyzer:
                 path = root + path[len(f"$.messages[{index}]"):]
             index = source
         turn.brk = Break(cause.cause, cause.subtype, index, role, offset, turn.common_prefix_tokens, before, after,
-                         path, cause.tool_index, cause.tool_name, suggestion(cause.cause, cause.subtype),
-                         max(0, min(prev.tokens, turn.prompt_tokens or 0) - turn.common_prefix_tokens))
+                         path, cause.tool_index, cause.tool_name, "",
+                         max(0, min(prev.tokens, turn.prompt_tokens or 0) - turn.common_prefix_tokens),
+                         char_in_message, cmp.diff, cause.volatile)
+        turn.brk.suggestion = suggestion(cause.cause, cause.subtype, cause.volatile, turn.brk.location())
 
     def _rendered_changes(self, prev: Payload, payload: Payload, body: dict, text: str, break_index: int) -> Payload:
         """`payload` with the changed messages before the rendered break that the renderer does not render
@@ -392,6 +443,13 @@ class Analyzer:
             predicted = predicted // self.block_size * self.block_size
             turn.block_reprefill_tokens = turn.prompt_tokens - predicted
         turn.predicted_cached_tokens = predicted
+        if turn.brk is not None:
+            # The one cost (docs/ANALYZER.md "Cost"): what a cache would have served had this request only
+            # extended the previous one (the previous prompt, at most this one's length), less what it served.
+            ideal = turn.brk.saves_tokens + turn.common_prefix_tokens
+            if self.block_size:
+                ideal = ideal // self.block_size * self.block_size
+            turn.lost_tokens = max(0, ideal - predicted)
         if self.prefill_rate:
             turn.reprefill_seconds = round((turn.block_reprefill_tokens or turn.reprefill_tokens) / self.prefill_rate, 2)
         if turn.reported_cached_tokens is not None:
@@ -400,6 +458,111 @@ class Analyzer:
             share_r = turn.reported_cached_tokens / max(1, reported_total)
             share_p = predicted / max(1, turn.prompt_tokens)
             turn.cached_disagrees = abs(share_r - share_p) > DISAGREE_FRACTION
+
+
+def _text(msg: Any) -> str | None:
+    if not isinstance(msg, dict):
+        return None
+    content = flatten_content(msg.get("content"))
+    return content if isinstance(content, str) else None
+
+
+def _message_offset(prev: Payload, payload: Payload, index: int, cause: str, rendered: Rendered,
+                    prev_rendered: Rendered, offset: int) -> int | None:
+    """The char offset of the first difference inside message `index`'s own content (not the rendering):
+    from the two payloads when the content itself changed, else from the rendering when the difference
+    falls inside that message's content there; None when it is outside any content (role markers,
+    tool calls, the template's own text)."""
+    if cause == "dropped_message":
+        return 0  # the whole message is gone
+    a = _text(prev.messages[index]) if index < len(prev.messages) else None
+    b = _text(payload.messages[index]) if index < len(payload.messages) else None
+    if a is not None and b is not None and a != b:
+        return common_prefix_len(a, b)
+    for r in (rendered, prev_rendered):
+        pos = 0
+        for seg, owner, kind in zip(r.segments, r.owners, r.kinds):
+            if pos <= offset < pos + len(seg):
+                if owner == index and kind == "content":
+                    content = b if r is rendered else a
+                    lead = content.find(seg) if content else -1
+                    return offset - pos + max(0, lead)
+                break
+            pos += len(seg)
+    return None
+
+
+def price_breaks(sessions: list[SessionResult], prefill_rate: float | None) -> None:
+    """Sets every break's `lost_seconds` and `lost_seconds_basis`, in this order of preference:
+
+    1. `--prefill-rate`: lost_tokens / that rate;
+    2. the turn's recorded TTFT against the median TTFT of (up to 3 of) this session's cache hits
+       nearest in prompt size (append-only turns served mostly from cache): the extra wait;
+    3. a prefill rate measured from this session's own turns (median of uncached tokens / TTFT over
+       turns that prefilled at least MIN_PREFILL tokens): lost_tokens / that rate;
+    4. the same rate measured from every session of the same model in the input;
+    else None, with a basis that says how to give a rate."""
+    def uncached(t: TurnResult) -> int | None:
+        if t.prompt_tokens is None:
+            return None
+        if t.reported_cached_tokens is not None and t.reported_prompt_tokens:
+            share = max(0, t.reported_prompt_tokens - t.reported_cached_tokens) / t.reported_prompt_tokens
+            return round(share * t.prompt_tokens)
+        return t.block_reprefill_tokens if t.block_reprefill_tokens is not None else t.reprefill_tokens
+
+    def rate_of(turns: list[TurnResult]) -> float | None:
+        rates = sorted(u / t.ttft_s for t in turns if t.ttft_s and t.ttft_s > 0
+                       and (u := uncached(t)) is not None and u >= MIN_PREFILL)
+        if not rates:
+            return None
+        mid = len(rates) // 2
+        return rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
+
+    def is_hit(t: TurnResult) -> bool:
+        if t.brk is not None or t.ttft_s is None or not t.prompt_tokens or t.note:
+            return False
+        if t.reported_cached_tokens is not None and t.reported_prompt_tokens:
+            return t.reported_cached_tokens >= HIT_SHARE * t.reported_prompt_tokens
+        return (t.predicted_cached_tokens or 0) >= HIT_SHARE * t.prompt_tokens
+
+    by_model: dict[str | None, float | None] = {}
+    for s in sessions:
+        for t in s.turns:
+            if t.brk is not None and t.lost_tokens is None:
+                # A break named after the cost pass (a server-side miss): its tokens are what the server
+                # lost, `saves_tokens`, the same definition.
+                t.lost_tokens = t.brk.saves_tokens
+        breaks = [t for t in s.turns if t.brk is not None and t.lost_tokens is not None]
+        if not breaks:
+            continue
+        hits = [t for t in s.turns if is_hit(t)]
+        session_rate = rate_of(s.turns)
+        for t in breaks:
+            if prefill_rate:
+                t.lost_seconds = round(t.lost_tokens / prefill_rate, 2)
+                t.lost_seconds_basis = f"--prefill-rate {prefill_rate:,.0f} tok/s"
+                continue
+            if t.ttft_s is not None and hits:
+                near = sorted(hits, key=lambda h: abs(h.prompt_tokens - (t.prompt_tokens or 0)))[:3]
+                base = sorted(h.ttft_s for h in near)[len(near) // 2] if len(near) % 2 else \
+                    sum(sorted(h.ttft_s for h in near)[len(near) // 2 - 1 : len(near) // 2 + 1]) / 2
+                t.lost_seconds = round(max(0.0, t.ttft_s - base), 2)
+                hits_text = "cache hit" if len(near) == 1 else f"{len(near)} cache hits"
+                t.lost_seconds_basis = (f"TTFT {t.ttft_s:.2f} s against {base:.2f} s, the median TTFT of this "
+                                        f"session's {hits_text} nearest in size")
+                continue
+            if session_rate:
+                t.lost_seconds = round(t.lost_tokens / session_rate, 2)
+                t.lost_seconds_basis = f"prefill rate {session_rate:,.0f} tok/s measured from this session's turns"
+                continue
+            if t.model not in by_model:
+                by_model[t.model] = rate_of([u for x in sessions for u in x.turns if u.model == t.model])
+            rate = by_model[t.model]
+            if rate:
+                t.lost_seconds = round(t.lost_tokens / rate, 2)
+                t.lost_seconds_basis = f"prefill rate {rate:,.0f} tok/s measured from all recorded turns of this model"
+            else:
+                t.lost_seconds_basis = "no timings recorded: give --prefill-rate TOK_PER_S to price it in seconds"
 
 
 _FORKED: tuple | None = None  # (analyzer, requests, payloads, jobs), inherited by forked workers
@@ -477,11 +640,11 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
         report.what_if = price_all(report, policies, block_size=block_size, kv_budget=kv_budget, sheet=sheet)
     if sheet is not None:
         report.pricing = sheet.to_dict()
-        price_breaks(report, sheet)
+        dollars_of_breaks(report, sheet)
     return report
 
 
-def price_breaks(report: Report, sheet) -> None:
+def dollars_of_breaks(report: Report, sheet) -> None:
     """Each break's lost tokens in dollars (analyzer/pricing.py `lost_dollars`)."""
     for s in report.sessions:
         for t in s.turns:

@@ -1,14 +1,16 @@
 """Naming the cause of a prefix break. The names are fixed (docs/ANALYZER.md):
 
     append_only         no break
-    system_rewrite      the system/developer head changed (subtype `volatile`:
-                        only a counter, timestamp, date, duration or percentage)
+    system_rewrite      the system/developer head changed (subtype `volatile:KIND`
+                        when only volatile values changed, see `volatile_change`)
     system_fold         payload append-only, but a later system/developer
                         message lands in the rendered head
     thinking_strip      an earlier assistant turn's reasoning was rendered
-                        before and is gone now (subtype `template` or `client`)
+                        before and is gone now (subtype `template`, `template_empty`
+                        for an empty <think></think> block, or `client`)
     tools_change        tools added / removed / reordered / edited
-    history_edit        an earlier message's content changed (e.g. truncated)
+    history_edit        an earlier message's content changed (e.g. truncated;
+                        `volatile:KIND` when only volatile values changed)
     compaction          history replaced by a summary / shrink
     dropped_message     an earlier message disappeared
     request_local_tail  the previous request's trailing one-shot message is gone
@@ -56,6 +58,7 @@ class Cause:
     path: str | None = None  # payload-level JSON path of the first change (deepdiff)
     tool_index: int | None = None  # tools_change / serialization of tools: the first tool that differs
     tool_name: str | None = None
+    volatile: dict | None = None  # {"kind", "before", "after"}: the volatile value that changed (`volatile_change`)
 
 
 def is_volatile(a: str, b: str) -> bool:
@@ -70,6 +73,110 @@ def is_volatile(a: str, b: str) -> bool:
         if not all(_VOLATILE_TOKEN.fullmatch(w) for w in aw[i1:i2] + bw[j1:j2]):
             return False
     return changed
+
+
+_MONTH = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)[a-z]*\.?"
+_WEEKDAY = r"(?:Mon|Tue|Tues|Wed|Thu|Thur|Thurs|Fri|Sat|Sun)(?:day|sday|nesday|rsday|urday)?"
+# Values that change between requests without the text meaning anything else, in priority order at one
+# position (a UUID before the hex runs inside it, a date before the numbers inside it).
+VOLATILE_KINDS = {
+    "email": r"(?<![\w.+-])[\w.+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63})+",
+    "url_query": r"(?<=\?)[^\s\"'<>#?]*=[^\s\"'<>#]*",
+    "uuid": r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b",
+    "timestamp": r"\b\d{4}-\d{2}-\d{2}(?:[T ]\d{1,2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?"
+                 r"|\b\d{1,2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:\s?[AaPp][Mm])?(?:\s?(?:UTC|GMT|Z))?"
+                 r"|\b\d{1,4}/\d{1,2}/\d{1,4}\b"
+                 rf"|\b{_WEEKDAY},?\s+(?:{_MONTH}\s+\d{{1,2}}|\d{{1,2}}\s+{_MONTH})(?:,?\s+\d{{4}})?"
+                 rf"|\b{_MONTH}\s+\d{{1,2}}(?:st|nd|rd|th)?(?:,?\s+\d{{4}})?\b|\b\d{{1,2}}\s+{_MONTH}(?:\s+\d{{4}})?\b"
+                 rf"|\b{_WEEKDAY}\b|\b1[5-9]\d{{8}}(?:\d{{3}})?(?:\.\d+)?\b",
+    "hex_id": r"\b0x[0-9a-fA-F]+\b|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,}\b"
+              r"|\b(?=[0-9A-F]*\d)(?=[0-9A-F]*[A-F])[0-9A-F]{7,}\b",
+    "high_entropy": r"(?<![\w+/=-])(?=[\w+/=-]*\d)(?=[\w+/=-]*[A-Za-z])[\w+/=-]{16,}(?![\w+/=-])",
+    "counter": r"\b\d+(?:[.,]\d+)*%?",
+}
+VOLATILE_REGION_MAX = 4096  # chars: the changed region (with its context) a volatile change fits in
+_VOLATILE_RE = re.compile("|".join(f"(?P<{k}>{v})" for k, v in VOLATILE_KINDS.items()))
+_TIME_WORDS = re.compile(r"T|Z|UTC|am|pm|AM|PM|" + _MONTH + "|" + _WEEKDAY)
+
+
+def _entropy(s: str) -> float:
+    import math
+    from collections import Counter
+
+    n = len(s)
+    return -sum(c / n * math.log2(c / n) for c in Counter(s).values())
+
+
+def _masked(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """`text` with every volatile value replaced by a placeholder naming its kind, and the values."""
+    values: list[tuple[str, str]] = []
+
+    def sub(m: re.Match) -> str:
+        kind = m.lastgroup or "counter"
+        if kind == "high_entropy" and _entropy(m.group()) < 3.5:
+            return m.group()  # a long identifier (snake_case_name_2), not a random token
+        values.append((kind, m.group()))
+        return f"\x00{kind}\x00"
+
+    return _VOLATILE_RE.sub(sub, text), values
+
+
+def volatile_change(a: str, b: str) -> dict | None:
+    """{"kind", "before", "after"} when the only change from `a` to `b` is volatile values: e-mail
+    addresses, URL query strings, UUIDs, timestamps (dates, times, weekdays, epoch seconds), hex ids,
+    high-entropy tokens (nonces, request ids, signatures) or counters (numbers, percentages, durations);
+    `kind` names the first value that changed. None when anything else changed (or nothing did)."""
+    if a == b:
+        return None
+    ra, rb = _changed_region(a, b, pad=64)
+    if max(len(ra), len(rb)) > VOLATILE_REGION_MAX:
+        return None  # a change this long is an edit, not a ticking value (and the scan stays linear)
+    ma, va = _masked(ra)
+    mb, vb = _masked(rb)
+    if ma == mb:
+        for (kind, x), (_, y) in zip(va, vb):
+            if x != y:
+                return {"kind": kind, "before": x, "after": y}
+        return None
+    if is_volatile(ra, rb):  # durations, "(stale: 3 turns)", month and day names
+        aw, bw = _WORDS.findall(ra), _WORDS.findall(rb)
+        sm = difflib.SequenceMatcher(None, aw, bw, autojunk=False)
+        op = next(o for o in sm.get_opcodes() if o[0] != "equal")
+        x, y = " ".join(aw[op[1]:op[2]]), " ".join(bw[op[3]:op[4]])
+        words = aw[op[1]:op[2]] + bw[op[3]:op[4]]
+        kind = "timestamp" if any(_TIME_WORDS.fullmatch(w) for w in words) else "counter"
+        return {"kind": kind, "before": x, "after": y}
+    return None
+
+
+def _leaves(value: Any, path: str = "") -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in _leaves(v, f"{path}.{k}")]
+    if isinstance(value, list):
+        return [leaf for i, v in enumerate(value) for leaf in _leaves(v, f"{path}[{i}]")]
+    return [(path, value)]
+
+
+def volatile_between(a: Any, b: Any) -> dict | None:
+    """`volatile_change` for two JSON values (messages, tool definitions): the same structure, and every
+    leaf that differs differs only by volatile values (compared as text, so JSON escaping never hides a
+    word boundary)."""
+    la, lb = _leaves(a), _leaves(b)
+    if len(la) != len(lb) or any(pa != pb for (pa, _), (pb, _) in zip(la, lb)):
+        return None
+    first = None
+    for (_, x), (_, y) in zip(la, lb):
+        if x == y and type(x) is type(y):
+            continue
+        v = volatile_change(str(x), str(y)) if not isinstance(x, bool) and not isinstance(y, bool) else None
+        if v is None:
+            return None
+        first = first or v
+    return first
+
+
+def _volatile_subtype(v: dict | None, otherwise: str | None) -> str | None:
+    return f"volatile:{v['kind']}" if v else otherwise
 
 
 def _changed_region(a: str, b: str, pad: int = 40) -> tuple[str, str]:
@@ -213,7 +320,10 @@ def payload_cause(prev: Payload, next: Payload) -> Cause | None:
                 index, name = meant, json.loads(_tool_name(next.tools[meant]))
                 path = first_path(_tool_meaning(prev.tools[meant]), _tool_meaning(next.tools[meant]),
                                   f"$.tools[{meant}]")
-        return Cause("tools_change", tools_subtype(prev.tools, next.tools), None, path, index, name)
+        subtype, v = tools_subtype(prev.tools, next.tools), None
+        if subtype == "edited" and index is not None and index < min(len(prev.tools), len(next.tools)):
+            v = volatile_between(prev.tools[index], next.tools[index])
+        return Cause("tools_change", _volatile_subtype(v, subtype), None, path, index, name, volatile=v)
     k = first_changed(prev.keys, next.keys)
     if k == len(prev.keys):
         return None
@@ -224,8 +334,8 @@ def payload_cause(prev: Payload, next: Payload) -> Cause | None:
     if k < head or (k == head and isinstance(nm, dict) and nm.get("role") in HEAD_ROLES):
         a = str(pm.get("content", "")) if isinstance(pm, dict) else ""
         b = str(nm.get("content", "")) if isinstance(nm, dict) else ""
-        ra, rb = _changed_region(a, b)
-        return Cause("system_rewrite", "volatile" if is_volatile(ra, rb) else "content", k, path)
+        v = volatile_change(a, b) if a != b else (volatile_between(pm, nm) if nm is not None else None)
+        return Cause("system_rewrite", _volatile_subtype(v, "content"), k, path, volatile=v)
     if is_compaction(prev.keys, next.keys, head, _leading_head(next.messages)):
         return Cause("compaction", None, k, path)
     rest = prev.keys[k + 1 :]
@@ -245,11 +355,12 @@ def payload_cause(prev: Payload, next: Payload) -> Cause | None:
         if not same_slot:
             return Cause("request_local_tail", _role(pm), k, path)
     subtype = None
+    v = volatile_between(pm, nm) if nm is not None else None
     if isinstance(pm, dict) and isinstance(nm, dict):
         a, b = pm.get("content"), nm.get("content")
         if isinstance(a, str) and isinstance(b, str) and len(b) < len(a):
             subtype = "truncated"
-    return Cause("history_edit", subtype, k, path)
+    return Cause("history_edit", _volatile_subtype(v, subtype), k, path, volatile=v)
 
 
 def render_cause(prev_r, next_r, next: Payload, message_index: int | None) -> Cause:
@@ -266,7 +377,33 @@ def render_cause(prev_r, next_r, next: Payload, message_index: int | None) -> Ca
     lost = prev_r.reasoning() - next_r.reasoning()
     if lost:
         return Cause("thinking_strip", "template", min(i for i, _ in lost))
+    if dropped_empty_think(prev_r.text, next_r.text):
+        # The block is the assistant turn's (its template text may be located with the next message).
+        i = message_index if message_index is not None and 0 <= message_index < len(next.messages) else None
+        while i is not None and i > 0 and not (isinstance(next.messages[i], dict) and
+                                               next.messages[i].get("role") == "assistant"):
+            i -= 1
+        return Cause("thinking_strip", "template_empty", i if i else message_index)
     return Cause("serialization", "template", message_index)
+
+
+_EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
+
+
+def dropped_empty_think(prev_text: str, next_text: str) -> bool:
+    """Whether the first difference is the template dropping an empty <think></think> block that it
+    rendered in the previous prompt (Qwen3-style templates render one in the newest assistant turn
+    only): with the block cut out, the previous prompt goes on as this one does."""
+    from analyzer.divergence import common_prefix_len
+
+    c = common_prefix_len(prev_text, next_text)
+    start = prev_text.rfind("<think>", max(0, c - len("<think>")), c + len("<think>"))
+    start = c if start < 0 or start > c else start
+    m = _EMPTY_THINK.match(prev_text, start)
+    if m is None:
+        return False
+    rest = prev_text[m.end() : m.end() + 64]
+    return bool(rest) and next_text[start:].startswith(rest) or (not rest and len(next_text) >= start)
 
 
 def classify(prev: Payload, next: Payload, prev_r, next_r, render_break_index: int | None) -> Cause:

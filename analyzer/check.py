@@ -26,15 +26,16 @@ class Problem:
 
     def __str__(self) -> str:
         b = self.turn.brk
-        if b is None and self.turn.note.startswith("side request"):
-            return f"session {self.session_id} turn {self.turn.index} ({self.turn.request_id}): {self.turn.note}"
-        if b is None:  # unrenderable: the server could not have built this prompt either
-            return f"session {self.session_id} turn {self.turn.index} ({self.turn.request_id}): {self.turn.note}"
-        return (f"session {self.session_id} turn {self.turn.index} ({self.turn.request_id}): {b.cause}"
-                f"{'/' + b.subtype if b.subtype else ''} at {b.where()}, "
-                f"char {b.char_offset}, token {b.token_offset}"
-                + (f", payload {b.path}" if b.path else "")
-                + f"\n  - {b.before!r}\n  + {b.after!r}")
+        head = f"session {self.session_id} turn {self.turn.number} ({self.turn.request_id})"
+        if b is None:  # a side request, or unrenderable: the server could not have built this prompt either
+            return f"{head}: {self.turn.note}"
+        from analyzer.report import _plain, break_lines, cost_text
+
+        lines = break_lines(self.turn, indent="")
+        # The first line names the session; the cost comes first after the cause, seconds before tokens.
+        first = (f"{head}: {b.cause}{'/' + b.subtype if b.subtype else ''} at {b.location()}: "
+                 f"lost {cost_text(self.turn.lost_seconds, self.turn.lost_tokens)}")
+        return "\n".join([_plain(first), *lines[1:]])
 
 
 @dataclass
@@ -148,7 +149,12 @@ def _session_case(s: SessionResult, problems: list[Problem]) -> ET.Element:
     for p in problems:
         cause = p.turn.brk.cause if p.turn.brk else (
             "side_request" if p.turn.note.startswith("side request") else "unrenderable")
-        failure = ET.SubElement(case, "failure", message=f"turn {p.turn.index}: {cause}", type=cause)
+        cost = ""
+        if p.turn.brk:
+            from analyzer.report import cost_text
+
+            cost = f", lost {cost_text(p.turn.lost_seconds, p.turn.lost_tokens)}"
+        failure = ET.SubElement(case, "failure", message=f"turn {p.turn.number}: {cause}{cost}", type=cause)
         failure.text = xml_text(str(p))
     return case
 
@@ -158,4 +164,7 @@ def to_junit(result: CheckResult, path: str | Path) -> None:
                        failures=str(len({p.session_id for p in result.problems})))
     for s in result.report.sessions:
         suite.append(_session_case(s, [p for p in result.problems if p.session_id == s.id]))
-    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+    from recorder.files import open_private  # 0600: the report names sessions
+
+    with open_private(path, "wb") as fh:
+        ET.ElementTree(suite).write(fh, encoding="utf-8", xml_declaration=True)

@@ -19,6 +19,9 @@ from analyzer.render import Rendered
 from analyzer.tokens import Tokenizer
 
 WINDOW = 160  # chars of context on each side of a break, in reports
+SPAN_MAX = 600  # chars past the first difference searched for where the two prompts agree again
+_RESYNC = 8  # chars that must agree again for the differing span to end there
+_AFTER = 80  # chars of context after the differing span, in `diff`
 _TAIL = 64  # chars past the divergence tokenized to settle the last common token
 
 
@@ -96,6 +99,32 @@ class Comparison:
     before: str = ""  # prev around the break
     after: str = ""  # next around the break
     window_start: int = 0  # char offset where `before`/`after` start
+    diff: dict | None = None  # windows around the differing characters and their spans (`diff_window`)
+
+
+def differing_span(a: str, b: str, limit: int = SPAN_MAX) -> tuple[int, int]:
+    """Where two texts that differ from their first character agree again: (end in a, end in b), the
+    ends of the differing characters. The first run of `_RESYNC` equal characters (or an equal run that
+    reaches the end of either text) after the start ends the span; none within `limit` chars: the span
+    runs to `limit` (or the end of the text)."""
+    import difflib
+
+    a, b = a[:limit], b[:limit]
+    for block in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
+        if block.size >= _RESYNC or (block.size and (block.a + block.size == len(a) or block.b + block.size == len(b))):
+            return block.a, block.b
+    return len(a), len(b)
+
+
+def diff_window(prev_text: str, next_text: str, c: int) -> dict:
+    """The two sides of a break for display: `before` (previous prompt) and `after` (this prompt), each
+    from WINDOW chars before the first difference `c` to _AFTER chars past the differing span, and that
+    span inside each window: [start, before_end) in `before`, [start, after_end) in `after` (a caret
+    line in the CLI, highlighting in HTML). `offset` is where the windows start in the renderings."""
+    a_end, b_end = differing_span(prev_text[c:], next_text[c:])
+    lo = max(0, c - WINDOW)
+    return {"before": prev_text[lo : c + a_end + _AFTER], "after": next_text[lo : c + b_end + _AFTER],
+            "start": c - lo, "before_end": c - lo + a_end, "after_end": c - lo + b_end, "offset": lo}
 
 
 def compare(prev: Rendered, next: Rendered, counter: SegmentCounter) -> Comparison:
@@ -122,10 +151,13 @@ def compare(prev: Rendered, next: Rendered, counter: SegmentCounter) -> Comparis
     offset = chars + c
     where = next if offset < next_chars else prev
     start = max(0, c - WINDOW)
+    diff = diff_window(prev_rest, next_rest, c)
+    diff["offset"] += chars
     return Comparison(
         False, offset, toks + common_toks, prev_chars, next_chars,
         message_index=where.locate(offset),
         before=prev_rest[start : c + WINDOW],
         after=next_rest[start : c + WINDOW],
         window_start=chars + start,
+        diff=diff,
     )

@@ -50,6 +50,7 @@ class Request:
     error: str | None = None
     ts_given: bool = True  # False: the record had no time; `ts` only keeps it in file order
     unreadable: str | None = None  # why the body could not be read as a request of any API
+    ttft_s: float | None = None  # recorded time to first token: what the turn cost in seconds
 
 
 @dataclass
@@ -159,7 +160,11 @@ def request_from_record(obj: Any, lineno: int, source: str) -> Request:
     response = obj.get("response") if isinstance(obj.get("response"), dict) else {}
     status = _int_or_none(response.get("status")) or _int_or_none(obj.get("status"))
     error = response.get("error") if isinstance(response.get("error"), str) else None
-    return Request(
+    timing = obj.get("timing") if isinstance(obj.get("timing"), dict) else {}
+    ttft = timing.get("ttft_s")
+    ttft = float(ttft) if isinstance(ttft, (int, float)) and not isinstance(ttft, bool) and math.isfinite(ttft) \
+        and ttft >= 0 else None
+    req = Request(
         str(obj.get("id") or f"{source}:{lineno}"),
         ts if ts is not None else float(lineno),
         body,
@@ -172,6 +177,8 @@ def request_from_record(obj: Any, lineno: int, source: str) -> Request:
         error,
         ts is not None,
     )
+    req.ttft_s = ttft
+    return req
 
 
 @dataclass
@@ -321,7 +328,8 @@ def _from_turns(turns: Iterable[Any]) -> Loaded:
     for t in turns:
         out.requests.append(Request(t.request_id, t.started_at, t.request_body, session_of(t.session_id), None,
                                     t.prompt_tokens, t.cached_tokens, getattr(t, "endpoint", None),
-                                    getattr(t, "status", None) or None, getattr(t, "error", None)))
+                                    getattr(t, "status", None) or None, getattr(t, "error", None),
+                                    ttft_s=getattr(t, "ttft_s", None)))
     return out
 
 

@@ -26,8 +26,72 @@ def _usd(value: float) -> str:
     return f"${value:,.2f}" if value >= 1 else f"${value:.4f}"
 
 
+def seconds_text(seconds: float | None) -> str:
+    """"49.3 s", "2.1 min", "?" (not priced)."""
+    if seconds is None:
+        return "? s"
+    if seconds >= 120:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def cost_text(seconds: float | None, tokens: int | None) -> str:
+    """The one cost of a break (or a sum of them), seconds first: "1.63 s, 700 tokens"; "700 tokens (no
+    timings)" when it could not be priced in seconds."""
+    if seconds is None:
+        return f"{_q(tokens)} tokens (no timings)"
+    return f"{seconds_text(seconds)}, {_q(tokens)} tokens"
+
+
+def _escape(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\\":
+            out.append("\\\\")
+        elif ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _plain(line: str) -> str:
+    """A line of client text (ids, roles, tool names, notes) written past rich: what a terminal would act
+    on shown as `\\uXXXX` (prefixtrace/escaping.py, as the CLI's own output), so a hostile id cannot move
+    the cursor or colour the terminal."""
+    from prefixtrace.escaping import visible
+
+    return visible(line)
+
+
+def _clip(text: str, limit: int, left: bool) -> str:
+    if len(text) <= limit:
+        return text
+    return "…" + text[len(text) - limit + 1:] if left else text[: limit - 1] + "…"
+
+
+def caret_lines(diff: dict, indent: str = "    ", left: int = 50, middle: int = 120, right: int = 40) -> list[str]:
+    """The two sides of a break, escaped on one line each, with a caret line under the characters that
+    differ (an empty span, an insertion on the other side, gets one caret where it goes)."""
+    lines = []
+    for sign, text, end in (("-", diff["before"], diff["before_end"]), ("+", diff["after"], diff["after_end"])):
+        start = diff["start"]
+        head = _clip(_escape(text[:start]), left, left=True)
+        mid = _clip(_escape(text[start:end]), middle, left=False)
+        tail = _clip(_escape(text[end:]), right, left=False)
+        lines.append(f"{indent}{sign} {head}{mid}{tail}")
+        lines.append(f"{indent}  {' ' * len(head)}{'^' * max(1, len(mid))}")
+    return lines
+
+
 def format_text(report: Report, width: int = 140) -> str:
-    """A table per session (rich), a window under each break, totals per cause."""
+    """Seconds first: a table per session, each break with its cost, where it is (message, char inside
+    the message, a caret line under the characters that differ) and its fix, then totals per cause and
+    the costliest breaks."""
     from rich.console import Console
     from rich.table import Table
 
@@ -52,37 +116,53 @@ def format_text(report: Report, width: int = 140) -> str:
         d = s.to_dict(report.prefill_rate)
         breaks = [t for t in s.turns if t.brk]
         kind = f"side request of {s.parent}, {s.side_reason}; " if s.parent else ""
-        table = Table(title=f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
-                            f"{len(breaks)} break(s)", title_justify="left")
-        for col in ("#", "prompt", "common", "reprefill", "cached (reported)", "break"):
-            table.add_column(col, justify="right" if col != "break" else "left")
+        st = d["totals"]
+        cost = f", costing {cost_text(st['lost_seconds'], st['lost_tokens'])}" if breaks else ""
+        # The title on its own line: as a table title, rich wraps it to the table's width.
+        buf.write(_plain(f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
+                         f"{len(breaks)} break(s){cost}") + "\n")
+        table = Table()
+        for col in ("turn", "prompt", "predicted cached", "server cached", "TTFT", "lost", "what happened"):
+            table.add_column(col, justify="left" if col == "what happened" else "right")
         for t in s.turns:
             if t.brk:
-                where = f"{t.brk.cause}{'/' + t.brk.subtype if t.brk.subtype else ''} @ {t.brk.where()}" \
-                        f", char {t.brk.char_offset:,}, token {t.brk.token_offset:,}"
+                what = f"{t.brk.cause}{'/' + t.brk.subtype if t.brk.subtype else ''} at {t.brk.location()}"
+                lost = cost_text(t.lost_seconds, t.lost_tokens)
             else:
-                where = t.note or "append-only"
+                what, lost = t.note or "append-only", ""
+                if what.startswith("side request of"):
+                    what = what.split(" because ")[0].split(": ", 1)[-1] + " (side request: see below)"
             flag = " !" if t.cached_disagrees else ""
-            table.add_row(str(t.index), _q(t.prompt_tokens), _q(t.common_prefix_tokens), _q(t.reprefill_tokens),
-                          f"{_q(t.reported_cached_tokens)}{flag}", where)
+            table.add_row(str(t.number), _q(t.prompt_tokens), _q(t.predicted_cached_tokens),
+                          f"{_q(t.reported_cached_tokens)}{flag}",
+                          "" if t.ttft_s is None else seconds_text(t.ttft_s), lost, what)
         console.print(table)
+        for t in s.turns:
+            if t.brk is None and t.note.startswith("side request of"):
+                buf.write(_plain(f"  turn {t.number}: {t.note}") + "\n")
         for t in breaks:
-            console.print(f"  turn {t.index} {t.brk.cause}: first difference at char {t.brk.char_offset:,}"
-                          + (f", payload {t.brk.path}" if t.brk.path else ""))
-            console.print(f"    - {t.brk.before!r}")
-            console.print(f"    + {t.brk.after!r}")
-            if t.brk.suggestion:
-                console.print(f"    fix (saves {t.brk.saves_tokens:,} tokens): {t.brk.suggestion}")
-        for cause, c in d["totals"]["by_cause"].items():
-            console.print(f"  {cause}: {c['breaks']} break(s), {c['reprefill_tokens']:,} tokens re-prefilled"
-                          + _minutes(c.get("seconds")))
+            _print_break(buf, console, t)
+        for cause, c in st["by_cause"].items():
+            console.print(f"  {cause}: {c['breaks']} break(s) cost {cost_text(c['lost_seconds'], c['lost_tokens'])}")
         console.print("")
     totals = report.to_dict()["totals"]
-    console.print(f"overall: {totals['reprefill_tokens']:,} of {totals['prompt_tokens']:,} prompt tokens re-prefilled"
-                  + _minutes(totals["reprefill_seconds"]))
-    for cause, c in totals["by_cause"].items():
-        console.print(f"  {cause} cost {c['reprefill_tokens']:,} tokens{_minutes(c.get('seconds'))} "
-                      f"over {c['breaks']} break(s)")
+    if totals["breaks"]:
+        unpriced = totals["breaks"] - totals["priced"]
+        console.print(f"overall: {totals['breaks']} break(s) cost {cost_text(totals['lost_seconds'], totals['lost_tokens'])}"
+                      + (f" ({unpriced} not priced in seconds: no timings recorded; give --prefill-rate)"
+                         if unpriced else ""))
+        for cause, c in totals["by_cause"].items():
+            console.print(f"  {cause} cost {cost_text(c['lost_seconds'], c['lost_tokens'])} over {c['breaks']} break(s)")
+        top = report.top_breaks(5)
+        if len(report.breaks) > 1:
+            console.print("costliest breaks:")
+            for s, t in top:
+                console.print(f"  {cost_text(t.lost_seconds, t.lost_tokens)}: session {s.id} turn {t.number}, "
+                              f"{t.brk.cause}{'/' + t.brk.subtype if t.brk.subtype else ''} at {t.brk.location()}")
+    else:
+        console.print("overall: no break: every turn extended its session's previous prompt")
+    console.print(f"prompt tokens: {totals['prompt_tokens']:,}, of which {totals['reprefill_tokens']:,} not served by "
+                  f"the prefix cache (new turns' own tokens included)" + _minutes(totals["reprefill_seconds"]))
     for w in report.what_if:
         console.print(f"what if {w['policy']} ({w['rules']}): {w['cached_tokens']:,} of {w['prompt_tokens']:,} "
                       f"prompt tokens cached ({(w['hit_rate'] or 0) * 100:.1f} %), {w['reprefill_tokens']:,} re-prefilled; "
@@ -100,5 +180,37 @@ def format_text(report: Report, width: int = 140) -> str:
                       + " (genai-prices)")
         lost = sum(t.lost_dollars or 0 for s in report.sessions for t in s.turns)
         console.print(f"breaks cost {_usd(lost)} over reading those tokens from the cache")
-    console.print("('!' = the server's reported cached tokens disagree with the prediction by more than 10 points)")
+    console.print("(lost = what a cache would have served had the request only extended the previous one, in seconds "
+                  "from the recorded timings, then tokens: docs/ANALYZER.md \"Cost\"; "
+                  "'!' = the server's cached tokens disagree with the prediction by more than 10 points)")
     return buf.getvalue()
+
+
+def break_lines(t, indent: str = "  ") -> list[str]:
+    """One break as a person reads it: cost (seconds first) and how it was priced, where (message, char
+    inside it, token of the prompt), the two sides with a caret line, the fix."""
+    b = t.brk
+    name = f"{b.cause}{'/' + b.subtype if b.subtype else ''}"
+    dollars = f", {_usd(t.lost_dollars)}" if getattr(t, "lost_dollars", None) else ""
+    lines = [f"{indent}turn {t.number}: {name} at {b.location()}: lost {cost_text(t.lost_seconds, t.lost_tokens)}{dollars}"]
+    if t.lost_seconds_basis and t.lost_seconds is not None:  # unpriced: "(no timings)" above says it
+        lines.append(f"{indent}  seconds: {t.lost_seconds_basis}")
+    where = [f"prompt token {b.token_offset:,}", f"char {b.char_offset:,} of the rendered prompt"]
+    if b.path:
+        where.append(f"payload {b.path}")
+    lines.append(f"{indent}  where: " + ", ".join(where))
+    if b.volatile:
+        lines.append(f"{indent}  volatile {b.volatile['kind']}: {b.volatile['before']!r} → {b.volatile['after']!r}")
+    if b.diff:
+        lines.extend(caret_lines(b.diff, indent + "  "))
+    else:
+        lines += [f"{indent}  - {b.before!r}", f"{indent}  + {b.after!r}"]
+    if b.suggestion:
+        lines.append(f"{indent}  fix: {b.suggestion}")
+    return [_plain(line) for line in lines]
+
+
+def _print_break(buf, console, t) -> None:
+    console.file.flush() if hasattr(console.file, "flush") else None
+    for line in break_lines(t):
+        buf.write(line + "\n")  # not through rich: its wrapping would misalign the caret line

@@ -14,10 +14,24 @@ Fallback: agents that rewrite their system prompt every turn (the very
 problem this tool exists to show) share nothing past message 0, so when no
 session qualifies we compare again with the leading system messages set
 aside and require the first conversation message to match.
+
+A new conversation is not a break of an old one: a request that is only the
+opening of a conversation (no assistant or tool message past the system
+head) never continues a session that already got a reply (a conversation
+cannot go back to its opening; the same opening again is the harness started
+afresh, e.g. pi run twice with the same prompt), nor a session whose tools
+differ (the same opening with another tool list is another client), nor one
+with another system prompt; and it is not taken for a compaction of one
+unless it says it is a summary (`_says_summary`), since a compaction
+replaces the history with one. Two conversations that opened alike (the same
+task run twice at once) part at their first reply: a request whose first
+reply differs from a session's (beyond reasoning or serialisation) is not
+that session's.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from analyzer.canon import first_changed
@@ -41,6 +55,7 @@ class Session:
     family: str | None = None  # chains of one conversation (a session id, or a fork's origin)
     parent: str | None = None  # set on side requests when grouping ends: the main chain's id
     side_reason: str | None = None  # "replaces the system prompt", …
+    spare_openings: list[int] = field(default_factory=list)  # requests that repeated its opening (see `add`)
 
 
 def _head(roles: list[str]) -> int:
@@ -48,6 +63,51 @@ def _head(roles: list[str]) -> int:
     while n < len(roles) and roles[n] in HEAD_ROLES:
         n += 1
     return n
+
+
+_REPLY_ROLES = ("assistant", "tool", "function")
+_SUMMARY_WORDS = ("summary", "summari", "compact", "continued from a previous conversation", "context was reset")
+
+
+def _opening(roles: list[str]) -> bool:
+    """Only the opening of a conversation: no reply (assistant or tool message) past the system head."""
+    return not any(r in _REPLY_ROLES for r in roles[_head(roles):])
+
+
+def _restarts(s: Session, keys: list[str], roles: list[str], tools_key: str | None) -> bool:
+    """Whether this request starts a new conversation rather than continuing `s`: it is an opening,
+    and `s` already got a reply or used other tools."""
+    if not _opening(roles):
+        return False
+    return not _opening(s.latest_roles) or tools_key != s.latest_tools
+
+
+def _first_reply(roles: list[str]) -> int | None:
+    return next((i for i in range(_head(roles), len(roles)) if roles[i] in _REPLY_ROLES), None)
+
+
+def _other_first_reply(s: Session, keys: list[str], roles: list[str]) -> bool:
+    """Whether this request and `s` open alike but got different first replies: two conversations that
+    started with the same prompt (a task run twice at once), not an edit of one. A reply that differs
+    only by its reasoning or its serialisation (a client stripping past thinking) is the same reply."""
+    k = first_changed(s.latest_keys, keys)
+    r, rs = _first_reply(roles), _first_reply(s.latest_roles)
+    if r is None or r != rs or k != r or k < max(_head(roles), 1):
+        return False
+    from analyzer.causes import _without_reasoning, normalize
+
+    try:
+        a, b = json.loads(s.latest_keys[k]), json.loads(keys[k])
+    except ValueError:
+        return True
+    return normalize(_without_reasoning(a)) != normalize(_without_reasoning(b))
+
+
+def _says_summary(keys: list[str], roles: list[str]) -> bool:
+    """Whether the conversation part names itself a summary (pi: "…compacted into the following summary",
+    Claude Code: "This session is being continued from a previous conversation…")."""
+    text = " ".join(keys[_head(roles):]).lower()
+    return any(w in text for w in _SUMMARY_WORDS)
 
 
 def _score(s: Session, keys: list[str], roles: list[str]) -> tuple[int, int] | None:
@@ -132,17 +192,31 @@ class SessionGrouper:
             return self._joined(best, index, keys, roles, tools_key, chars)
         best, best_score = None, None
         fork_of = None
+        parted: list[Session] = []  # sessions that opened as this request did but got another first reply
         for s in self._inferred:
+            if _other_first_reply(s, keys, roles):
+                parted.append(s)
+                continue
+            if _restarts(s, keys, roles, tools_key):
+                continue  # a new conversation, not a turn (nor a side request) of this one
             score = _score(s, keys, roles)
+            if score is not None and score[0] == 0 and _opening(roles):
+                continue  # an opening has no conversation yet that another system prompt could continue
             if score is not None and score[0] == 0 and self.split_forks and not _related_head(s, keys, roles, tools_key):
                 fork_of = s  # shares the conversation, replaces the system prompt or tools: a side request
                 continue
+            if score is not None:  # on equal shares, the session with the same tools (one client) wins
+                score = (*score, int(tools_key == s.latest_tools))
             # `>=` so that on a tie the most recently active session wins.
             if score is not None and (best_score is None or score >= best_score):
                 best, best_score = s, score
-        if best is None and self.split_forks:  # the most recently active chain this compacts, if any
-            best = next((s for s in reversed(self._inferred)
-                         if self._compaction_of(s, keys, roles, tools_key, chars)), None)
+        if best is None and self.split_forks:  # the chain this compacts, if any
+            compacts = [s for s in reversed(self._inferred) if self._compaction_of(s, keys, roles, tools_key, chars)]
+            # The one whose recent messages the compaction kept (pi keeps the last ~20k tokens after its
+            # summary), else the most recently active (`max` keeps the first of equals).
+            kept = set(keys[_head(roles):])
+            best = max(compacts, key=lambda s: len(kept.intersection(s.latest_keys[_head(s.latest_roles):])),
+                       default=None)
         if best is None:
             if fork_of is not None:
                 family = fork_of.family or fork_of.id
@@ -152,10 +226,28 @@ class SessionGrouper:
                 best = Session(f"inferred-{sum(1 for s in self.sessions if s.inferred and s.family is None) + 1}",
                                inferred=True)
             self.sessions.append(best)
+            if self.split_forks:
+                self._claim_opening(best, parted, keys)
         else:
             self._inferred.remove(best)
+            if self.split_forks and _opening(roles) and keys == best.latest_keys and _opening(best.latest_roles):
+                best.spare_openings.append(index)  # the same opening again: a retry, or a parallel run's
         self._inferred.append(best)
         return self._joined(best, index, keys, roles, tools_key, chars)
+
+    @staticmethod
+    def _claim_opening(new: Session, parted: list[Session], keys: list[str]) -> None:
+        """Two runs of one task at once send the same opening twice; the second joined the first as a
+        retry. When a conversation that opened that way parts at its first reply, the repeated opening
+        was its own: it moves to the new session, so the two get one opening each."""
+        donor = next((d for d in reversed(parted) if d.spare_openings and d.first_keys is not None
+                      and keys[:len(d.first_keys)] == d.first_keys), None)
+        if donor is None:
+            return
+        moved = donor.spare_openings.pop(0)
+        donor.indices.remove(moved)
+        new.indices.append(moved)
+        new.first_keys, new.first_tools = donor.first_keys, donor.first_tools
 
     def _joined(self, s: Session, index: int, keys, roles, tools_key, chars) -> Session:
         s.indices.append(index)
@@ -181,6 +273,8 @@ class SessionGrouper:
     @staticmethod
     def _compaction_of(s: Session, keys, roles, tools_key, chars) -> bool:
         head, prev_head = _head(roles), _head(s.latest_roles)
+        if _opening(roles) and not _says_summary(keys, roles):
+            return False  # a new conversation with this agent's system prompt and tools, not a summary
         return (head > 0 and s.latest_tools == tools_key and s.latest_keys[:prev_head] == keys[:head]
                 and is_compaction(s.latest_keys, keys, prev_head, head))
 

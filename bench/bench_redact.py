@@ -81,6 +81,18 @@ ADVERSARIAL_UNITS = {
     "ghp_near_misses": "ghp_" + "a" * 35 + " ",
     "unicode_text": "日本語のテキスト sk-é ",
     "json_escaped_key": '\\"password\\": \\"',
+    # issue 25's formats
+    "url_userinfo_no_at": "://user:" + "p" * 30,
+    "url_colon_chain": "://a:",
+    "sig_near_misses": "sig=" + "A" * 15 + " ",
+    "sendgrid_one_dot": "SG." + "a" * 40 + " ",
+    "discord_dots": "M" + "a" * 23 + ".",
+    "digit_colons": "12345678:",
+    "telegram_near_misses": "12345678:" + "A" * 34 + " ",
+    "docker_auth_runs": '"auth": "',
+    "basic_after_header": "authorization: basic ",
+    "netrc_login_runs": "login bob\n",
+    "bearer_lower_spaces": "bearer " + " " * 40,
 }
 
 

@@ -254,6 +254,7 @@ class Scheduler:
             seq = self.waiting.popleft()  # cancelled ones were reaped at the start of this step
             hit = self.prefix_cache.lookup(seq.prompt_ids, room=seq.num_prompt_tokens + KV_ROOM_STEP)
             seq.num_cached_tokens = hit.num_cached
+            seq.stage = "prefilling"
             self.prefill = _Prefill(seq, self.adapt_cache(hit.cache), hit.num_cached)
             self._dense_suffix(self.prefill)
 
@@ -357,6 +358,7 @@ class Scheduler:
                 skipped.append(seq)  # its lookup is repeated when it is admitted on its own
                 continue
             seq.num_cached_tokens = hit.num_cached
+            seq.stage = "prefilling"
             if self.memory is not None:
                 need += self._prompt_need(seq)
             wave.append(_Prefill(seq, cache, hit.num_cached))
@@ -382,6 +384,8 @@ class Scheduler:
         """Rows join the decode batch: one sequence on its own cache (`layers` None), or a
         wave on the batched cache it was prefilled on."""
         seqs = [j.seq for j in jobs]
+        for seq in seqs:
+            seq.stage = "decoding"
         self._join(seqs, [seq.prompt_ids[-1] for seq in seqs],
                    layers if layers is not None else [_batch_of_one(layer) for layer in jobs[0].cache],
                    [list(seq.prompt_ids[:-1]) for seq in seqs], [seq.params.make_sampler() for seq in seqs],

@@ -60,6 +60,10 @@ class Sequence:
     token_logprobs: list[float] = field(default_factory=list)
     top2_margins: list[float] = field(default_factory=list)
     num_pauses: int = 0
+    # How far the engine has taken it: "queued" (waiting for a slot), "prefilling", "decoding"
+    # (its prompt is in; a paused row stays "decoding"). Set by the engine thread only; read by the
+    # HTTP side to record where a request its client abandoned had got to.
+    stage: str = "queued"
     # mlx-lm logits processors for this row (engine/grammar.py: a grammar-constrained reply); none keeps
     # the batch on GenerationBatch's unprocessed path.
     logits_processors: list = field(default_factory=list)

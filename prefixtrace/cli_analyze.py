@@ -21,7 +21,9 @@ def _render_options(fn):
         click.option("--tokenizer", "tokenizer_spec", metavar="SPEC",
                      help="'regex', 'tiktoken:NAME' or a tokenizer.json path (default: the model's, else tiktoken o200k_base)."),
         click.option("--block-size", type=int, help="Also report block-aligned figures for a paged cache of N-token blocks."),
-        click.option("--prefill-rate", type=FiniteFloatRange(), metavar="TOK_PER_S", help="Price re-prefilled tokens in seconds."),
+        click.option("--prefill-rate", type=FiniteFloatRange(), metavar="TOK_PER_S",
+                     help="Price lost tokens at this rate instead of the recorded timings (TTFT against the "
+                          "session's cache hits, else a prefill rate measured from its turns)."),
     ]):
         fn = option(fn)
     return fn
@@ -60,9 +62,10 @@ def _kwargs(template, model, tokenizer_spec, block_size, prefill_rate) -> dict:
 @library_errors
 def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt, as_json, out, max_unreadable,
             what_if, kv_budget, price_model, price_provider):
-    """Per session and turn: did the prompt extend the previous one; if not, where
-    it broke (message, char and token offset), why (a fixed cause name) and what
-    it cost in re-prefilled tokens.
+    """Per session and turn: did the prompt extend the previous one; if not, what
+    it cost (seconds from the recorded timings, then tokens; dollars with --price-model),
+    where it broke (message, char inside it, token offset, the differing characters
+    marked) and why (a fixed cause name), with the fix.
 
     SRC is a recorder database or a JSONL file (wrapped records or bare request
     bodies, see docs/FORMATS.md); sessions without ids are inferred. Malformed
@@ -101,7 +104,8 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
 def check(src, allow, fail_on, template, model, tokenizer_spec, block_size, prefill_rate, junit, fmt, as_json,
           max_unreadable):
     """Exit 0 when every transition of every session is append-only or of an
-    allowed cause, else 1, naming the first offending turn, its cause and diff.
+    allowed cause, else 1, naming the first offending turn, its cause, what it
+    cost (seconds, tokens), where and its diff.
 
     Meant for CI: record (or script) a harness session, then assert that its
     prompts only ever grow at the end, so the server's prefix cache keeps working.
@@ -117,7 +121,9 @@ def check(src, allow, fail_on, template, model, tokenizer_spec, block_size, pref
     if fmt == "json" or as_json:
         click.echo(json.dumps({"ok": result.ok, "allow": sorted(result.allow),
                                "warnings": result.report.warnings(), "coverage": result.report.coverage(), "problems": [
-            {"session": p.session_id, "turn": p.turn.to_dict()} for p in result.problems]}, indent=2))
+            {"session": p.session_id, "turn_number": p.turn.number, "lost_seconds": p.turn.lost_seconds,
+             "lost_tokens": p.turn.lost_tokens, "lost_seconds_basis": p.turn.lost_seconds_basis,
+             "turn": p.turn.to_dict()} for p in result.problems]}, indent=2))
     else:
         echo(result.summary())
         for problem in result.problems[1:]:

@@ -61,7 +61,9 @@ def write_or_echo(text: str, out: Path | None) -> None:
     if out is None:
         click.echo(text)
     else:
-        out.write_text(text if text.endswith("\n") else text + "\n")
+        from recorder.files import write_private_text  # 0600: a report holds client data
+
+        write_private_text(out, text if text.endswith("\n") else text + "\n")
         click.echo(f"wrote {out}", err=True)
 
 

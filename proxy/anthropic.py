@@ -34,7 +34,7 @@ from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, Too
 from prefixtrace.wire.messages import record_usage, to_anthropic_error  # noqa: F401 (the route's error shape)
 from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest, parse_chat_request
-from proxy.relay import record_durably, serve_turn
+from proxy.relay import abandoned, record_durably, serve_turn
 from prefixtrace.wire.turn_builder import TurnBuilder
 from proxy.upstream_backend import Relayed, map_httpx_errors
 
@@ -382,11 +382,11 @@ async def _stream(chat, builder: TurnBuilder, recorder):
             recorded = True
             await record_durably(recorder, builder.finish(chat.status, exc.message))
         yield _event("error", {"error": to_anthropic_error(exc)["error"]})
-    except (asyncio.CancelledError, GeneratorExit):
+    except (asyncio.CancelledError, GeneratorExit):  # the client hung up: 499, with the stage reached
         chat.cancel()
         if not recorded:
             recorded = True
-            recorder.record(builder.finish(chat.status, "client disconnected"))
+            recorder.record(abandoned(chat, builder))
         raise
     finally:
         if not recorded:

@@ -24,7 +24,7 @@ from proxy.completions import COMPLETIONS_PATH, add_completions_route
 from proxy.fallback import add_fallback_routes
 from proxy.chat_request import parse_chat_request
 from proxy.guard import RequestGuard, refusal_recorder
-from proxy.relay import TurnSink, record_durably, serve_turn
+from proxy.relay import TurnSink, abandoned, record_durably, serve_turn
 from proxy.dashboard import observe
 from proxy.disconnect import CancelOnDisconnect
 from proxy.request_limits import DEFAULT_MAX_REQUEST_MB
@@ -70,6 +70,10 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
             return stalled
         if await backend.ready():
             body = {"status": "ok", "backend": backend.label}
+            spool = getattr(app.state.recorder, "spool_state", None)
+            spool = spool() if spool is not None else None
+            if spool is not None and spool["dropped"]:  # turns lost to a full spool stay reported
+                body["recorder"] = spool
             if hasattr(backend, "engine"):
                 body["engine"] = await backend.capacity()
             return body
@@ -159,9 +163,16 @@ def recorder_trouble(recorder) -> JSONResponse | None:
     ok, reason = health()
     if ok:
         return None
-    status = "recorder_stuck" if "stuck" in (reason or "") else "recorder_down"
-    return JSONResponse({"status": status, "reason": reason, "pending": getattr(recorder, "pending", None)},
-                        status_code=503)
+    spool = getattr(recorder, "spool_state", None)
+    spool = spool() if spool is not None else None
+    if spool is not None and not spool["writable"]:
+        status = "recorder_unwritable"  # turns are kept in the recorder's spool until the database takes writes
+    else:
+        status = "recorder_stuck" if "stuck" in (reason or "") else "recorder_down"
+    body = {"status": status, "reason": reason, "pending": getattr(recorder, "pending", None)}
+    if spool is not None:
+        body["recorder"] = spool
+    return JSONResponse(body, status_code=503)
 
 
 async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):
@@ -179,11 +190,11 @@ async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):
     if hasattr(chat, "on_final"):
         chat.on_final = commit_now
 
-    def record(error: str | None = None) -> None:
+    def record() -> None:
         nonlocal recorded
         if not recorded:
             recorded = True
-            recorder.record(builder.finish(chat.status, error))
+            recorder.record(builder.finish(chat.status))
 
     async def record_committed(error: str | None = None) -> None:
         nonlocal recorded
@@ -204,9 +215,11 @@ async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):
         await record_committed(exc.message)
         yield sse.encode(to_openai_error(exc))
         yield sse.DONE
-    except (asyncio.CancelledError, GeneratorExit):
+    except (asyncio.CancelledError, GeneratorExit):  # the client hung up: 499, with the stage reached
         chat.cancel()
-        record("client disconnected")
+        if not recorded:
+            recorded = True
+            recorder.record(abandoned(chat, builder))
         raise
     finally:
         record()

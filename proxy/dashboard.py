@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Query
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import HTMLResponse, Response
 
 from analyzer.report_html import render as render_report
@@ -24,6 +25,7 @@ from analyzer.report_view import APPEND, CACHED, COLOURS, LABELS
 from prefixtrace.errors import PrefixtraceError
 from proxy.live import LiveSessions
 from proxy.metrics import CONTENT_TYPE, Metrics, engine_state
+from recorder import numbers
 from recorder.turn import Turn
 
 log = logging.getLogger("prefixtrace.dashboard")
@@ -33,18 +35,31 @@ MAX_TURNS = 500  # turns per session per poll at most (the session's report has 
 
 
 class ObservedSink:
-    """A recorder that also hands every turn to observers (cheap callables, run on the event loop)."""
+    """A recorder that also hands every turn to observers (cheap callables, run on the event loop).
 
-    def __init__(self, sink, observers):
+    Observers see the turn's counts as numbers they can add up: a usage count a backend
+    reported as NaN, Infinity or 1e29 reaches them as None (unknown), and `on_unusable` hears
+    of it (the recorder stores the same: NULL counts, the usage as sent; recorder/numbers.py)."""
+
+    def __init__(self, sink, observers, on_unusable=None):
         self.sink = sink
         self.observers = list(observers)
+        self.on_unusable = on_unusable
         if hasattr(sink, "record_async"):
             self.record_async = self._record_async
 
     def _observe(self, turn: Turn) -> None:
+        seen = numbers.usable(turn)
+        if seen is not turn:
+            bad = numbers.unusable_counts(turn)
+            if bad:
+                log.warning("turn %s: the backend reported %s, no token count; recorded as unknown, the usage as sent",
+                            turn.request_id, ", ".join(f"{name}={getattr(turn, name)!r:.40}" for name in bad))
+                if self.on_unusable is not None:
+                    self.on_unusable(turn, bad)
         for observer in self.observers:
             try:
-                observer(turn)
+                observer(seen)
             except Exception:  # observability must never cost a response or a recorded turn
                 log.exception("observer %r failed on turn %s", observer, turn.request_id)
 
@@ -90,7 +105,7 @@ def observe(app: FastAPI, backend, recorder):
         # The page sends the version it shows: while nothing new was analysed, a poll is the live gauges only.
         sessions = {"version": live.version, "unchanged": True} if version == live.version else \
             live.page(offset, limit, turns, since)
-        return {
+        body = {
             **sessions,
             **backend_state(),
             "proxy": {"cache_hit_ratio": metrics.cache_hit_ratio, "requests": sum(metrics.requests.values()),
@@ -98,6 +113,9 @@ def observe(app: FastAPI, backend, recorder):
             "colours": {**COLOURS, "cached": CACHED, "appended": APPEND},
             "labels": LABELS,
         }
+        # Strict JSON whatever a backend reported: a NaN anywhere once made every poll a 500.
+        return Response(numbers.dumps(jsonable_encoder(body), ensure_ascii=False, separators=(",", ":")),
+                        media_type="application/json")
 
     @app.get("/ui/report/{session_id:path}", response_class=HTMLResponse, include_in_schema=False)
     async def ui_report(session_id: str):
@@ -116,10 +134,11 @@ def observe(app: FastAPI, backend, recorder):
         if live.pending:
             await asyncio.to_thread(live.refresh)
         upstreams = backend.stats() if hasattr(backend, "stats") else None
-        text = metrics.render(engine=engine, upstreams=upstreams)
+        spool = getattr(recorder, "spool_state", None)
+        text = metrics.render(engine=engine, upstreams=upstreams, recorder=spool() if spool is not None else None)
         return Response(text, media_type=CONTENT_TYPE)
 
-    return ObservedSink(recorder, (metrics.observe, live.observe))
+    return ObservedSink(recorder, (metrics.observe, live.observe), on_unusable=metrics.on_unusable_usage)
 
 
 def _report_dict(session: dict[str, Any], live: LiveSessions) -> dict[str, Any]:
@@ -128,7 +147,8 @@ def _report_dict(session: dict[str, Any], live: LiveSessions) -> dict[str, Any]:
     turns = []
     for t in session["turns"]:
         a = dict(t["analysis"])
-        a.setdefault("ttft_s", t.get("ttft_s"))
+        if a.get("ttft_s") is None:
+            a["ttft_s"] = t.get("ttft_s")
         if a.get("reported_cached_tokens") is None:
             a["reported_cached_tokens"] = t.get("cached_tokens")
         a["index"] = t["index"]

@@ -13,7 +13,8 @@ The turn endpoints' accepted POSTs get the same watch from `TurnRoutes.serve`
 request body it keeps one task waiting on the ASGI receive channel. When that
 returns `http.disconnect` before the response has started, it cancels the
 app's task; the route's `except asyncio.CancelledError` then cancels the engine
-sequence (or closes the upstream request) and records the turn as cancelled.
+sequence (or closes the upstream request) and records the turn as cancelled: 499,
+with the stage it had reached (proxy/relay.py, `abandoned`).
 Later `receive()` calls from the app (Starlette's own disconnect listener while
 streaming) get the same message, so there is only ever one reader of the channel.
 """

@@ -27,6 +27,7 @@ from prefixtrace.errors import ContextExceedsCapacity, EngineError, EngineNotRea
 from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
 from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
+from proxy.relay import QUEUED, hang_up_error
 from prefixtrace.wire.turn_builder import TurnBuilder
 
 DEFAULT_ALIAS = "default"
@@ -155,7 +156,15 @@ class EngineBackend:
         chat.seq = seq
         self.engine.submit(seq)
         if wait_first:
-            await chat.first_event()
+            try:
+                await chat.first_event()
+            except asyncio.CancelledError:
+                # The client hung up while the request was queued or prefilling: the engine drops it
+                # at its next step (a prefill keeps the blocks it computed), and the turn, which
+                # `serve_turn` records, says how far it got.
+                chat.cancel()
+                builder.turn.error = hang_up_error(chat.stage)
+                raise
         return chat
 
 
@@ -251,6 +260,11 @@ class EngineChat:
     def cancel(self) -> None:
         if self.seq is not None:
             self.seq.cancel()
+
+    @property
+    def stage(self) -> str:
+        """How far the engine has taken the request (`Sequence.stage`): queued, prefilling, decoding."""
+        return self.seq.stage if self.seq is not None else QUEUED
 
     # --- streamed ---------------------------------------------------------------
 

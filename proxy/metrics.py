@@ -14,6 +14,7 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable
 
+from recorder.numbers import count, seconds
 from recorder.turn import Turn
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -53,22 +54,30 @@ class Metrics:
         self.breaks: dict[str, int] = defaultdict(int)
         self.ttft: dict[str, Histogram] = {}
         self.latency: dict[str, Histogram] = {}
+        self.usage_unusable = 0  # turns whose backend reported a usage count that is none (NaN, 1e29)
 
     def observe(self, turn: Turn) -> None:
-        """Count one finished turn (called with every recorded turn)."""
+        """Count one finished turn (called with every recorded turn). A reported count that is
+        no count (NaN, Infinity, 1e29: recorder/numbers.py) is left out, never summed."""
         self.requests[(turn.endpoint, turn.upstream, str(turn.status))] += 1
-        if turn.prompt_tokens:
-            self.tokens[("prompt", turn.upstream)] += turn.prompt_tokens
-        if turn.completion_tokens:
-            self.tokens[("generated", turn.upstream)] += turn.completion_tokens
-        if turn.cached_tokens is not None and turn.prompt_tokens:
-            self.tokens[("cached", turn.upstream)] += turn.cached_tokens
-            self.reported_prompt_tokens += turn.prompt_tokens
+        prompt, generated, cached = count(turn.prompt_tokens), count(turn.completion_tokens), count(turn.cached_tokens)
+        if prompt:
+            self.tokens[("prompt", turn.upstream)] += prompt
+        if generated:
+            self.tokens[("generated", turn.upstream)] += generated
+        if cached is not None and prompt:
+            self.tokens[("cached", turn.upstream)] += cached
+            self.reported_prompt_tokens += prompt
         if turn.status < 400:
-            if turn.ttft_s is not None:
-                self.ttft.setdefault(turn.endpoint, Histogram(TTFT_BUCKETS)).observe(turn.ttft_s)
-            if turn.total_s is not None:
-                self.latency.setdefault(turn.endpoint, Histogram(LATENCY_BUCKETS)).observe(turn.total_s)
+            ttft, total = seconds(turn.ttft_s), seconds(turn.total_s)
+            if ttft is not None:
+                self.ttft.setdefault(turn.endpoint, Histogram(TTFT_BUCKETS)).observe(ttft)
+            if total is not None:
+                self.latency.setdefault(turn.endpoint, Histogram(LATENCY_BUCKETS)).observe(total)
+
+    def on_unusable_usage(self, turn: Turn, fields: list[str]) -> None:
+        """One turn whose backend reported `fields` as numbers no token count can be."""
+        self.usage_unusable += 1
 
     def on_break(self, cause: str, reprefill_tokens: int) -> None:
         """One prefix break found by the live analysis (`LiveSessions(on_break=...)`)."""
@@ -80,7 +89,8 @@ class Metrics:
         cached = sum(v for (kind, _), v in self.tokens.items() if kind == "cached")
         return cached / self.reported_prompt_tokens if self.reported_prompt_tokens else 0.0
 
-    def render(self, *, engine=None, upstreams: list[dict] | None = None) -> str:
+    def render(self, *, engine=None, upstreams: list[dict] | None = None, recorder: dict | None = None) -> str:
+        """`recorder`: the recorder's `spool_state()` (whether the database takes writes, spooled and dropped turns)."""
         out: list[str] = []
 
         def family(name: str, kind: str, help_: str, samples: Iterable[str]) -> None:
@@ -100,6 +110,10 @@ class Metrics:
         family("prefixtrace_cache_hit_ratio", "gauge",
                "Cached over prompt tokens, over the turns whose backend reported a cached count.",
                [_sample("prefixtrace_cache_hit_ratio", {}, round(self.cache_hit_ratio, 6))])
+        family("prefixtrace_usage_unusable_total", "counter",
+               "Turns whose backend reported a usage count that is no count (NaN, Infinity, negative, past 2**63);"
+               " recorded as unknown, the usage kept as sent.",
+               [_sample("prefixtrace_usage_unusable_total", {}, self.usage_unusable)])
         family("prefixtrace_reprefill_tokens_total", "counter",
                "Tokens re-prefilled after a prefix break, by the analyzer's cause (analysis tokenizer).",
                (_sample("prefixtrace_reprefill_tokens_total", {"cause": c}, n) for c, n in sorted(self.reprefill.items())))
@@ -110,6 +124,15 @@ class Metrics:
         family("prefixtrace_request_duration_seconds", "histogram", "Whole request latency.",
                (s for e, h in sorted(self.latency.items())
                 for s in h.samples("prefixtrace_request_duration_seconds", {"endpoint": e})))
+        if recorder is not None:
+            family("prefixtrace_recorder_writable", "gauge", "1 when the recorder's database takes writes.",
+                   [_sample("prefixtrace_recorder_writable", {}, int(bool(recorder["writable"])))])
+            family("prefixtrace_recorder_spooled_turns", "gauge",
+                   "Finished turns waiting in the recorder's spool for the database to take writes.",
+                   [_sample("prefixtrace_recorder_spooled_turns", {}, recorder["spooled"])])
+            family("prefixtrace_recorder_dropped_turns_total", "counter",
+                   "Finished turns lost because the database could not be written and the spool was full.",
+                   [_sample("prefixtrace_recorder_dropped_turns_total", {}, recorder["dropped"])])
         if engine is not None and engine.ready:
             out.extend(_engine_families(engine))
         if upstreams:

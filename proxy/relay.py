@@ -23,6 +23,39 @@ from recorder.turn import Turn
 log = logging.getLogger("prefixtrace.proxy")
 
 
+# Where an abandoned request had got to, recorded in its turn's error ("client disconnected (queued)"):
+# the engine's stages (`Sequence.stage`: queued, prefilling, decoding) and, for an upstream, what the
+# proxy was waiting for.
+QUEUED = "queued"
+UPSTREAM_HEADERS, UPSTREAM_BODY = "upstream_headers", "upstream_body"
+
+
+def hang_up_error(stage: str | None) -> str:
+    """The error recorded for a request abandoned at `stage` (None: not known)."""
+    return "client disconnected" if stage is None else f"client disconnected ({stage})"
+
+
+def stage_of(chat) -> str | None:
+    """The stage an opened reply has reached: its own `stage`, or that of the chat it wraps
+    (the Messages, Responses and completions adapters wrap the engine's `EngineChat`)."""
+    while chat is not None:
+        stage = getattr(chat, "stage", None)
+        if stage is not None:
+            return stage
+        chat = getattr(chat, "chat", None)
+    return None
+
+
+def abandoned(chat, builder: TurnBuilder) -> Turn:
+    """The turn of a request whose client hung up (or that the server cancelled) once its reply was
+    open: the backend is told to stop (an engine sequence leaves at its next step, an upstream
+    response is closed by its reader) and the turn ends as 499 with the stage it had reached."""
+    chat.cancel()
+    if builder.turn.finish_reason is None:
+        builder.turn.finish_reason = "cancelled"
+    return builder.finish(499, hang_up_error(stage_of(chat)))
+
+
 class TurnSink(Protocol):
     def record(self, turn: Turn) -> None: ...
 
@@ -44,7 +77,8 @@ async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder
     """One proxied request, whatever its API: a `Turn` for it, the body parsed into a
     request (`parse(body, headers)`), the backend's reply opened (`open_reply(req, builder,
     headers)`), then `respond` with `stream(chat, builder, recorder)` as the SSE generator.
-    A bad body or a refusing backend is answered in the API's error shape and recorded."""
+    A bad body or a refusing backend is answered in the API's error shape and recorded; a request
+    whose client hangs up is recorded as 499 with the stage it reached (`abandoned`)."""
     turn = Turn(
         request_id=uuid.uuid4().hex,
         started_at=time.time(),
@@ -65,6 +99,20 @@ async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder
             req.raw = raw
         turn.session_id, turn.stream = req.session_id, req.stream
         chat = await open_reply(req, builder, turn.request_headers)
+    except asyncio.CancelledError:
+        # The client hung up (proxy/turn_routes.py, proxy/disconnect.py) or the server is stopping
+        # while the reply was being opened: queued or prefilling in the engine (which cancelled its
+        # sequence and named the stage in the turn's error), or waiting for the upstream's headers
+        # (the upstream request is closed as the cancel unwinds it). Recorded now, without waiting:
+        # nothing more can be sent, and this task must end.
+        if turn.request_body is None:  # stopped while the body was read (a server shutting down)
+            turn.request_body = raw.decode("utf-8", errors="replace")
+            turn.session_id = session_id(endpoint, turn.request_body, turn.request_headers)
+        turn.finish_reason = "cancelled"
+        backend = getattr(getattr(request.scope.get("app"), "state", None), "backend", None)
+        on_engine = getattr(backend, "engine", None) is not None
+        recorder.record(builder.finish(499, hang_up_error(QUEUED if on_engine else UPSTREAM_HEADERS)))
+        raise
     except Exception as exc:
         if not isinstance(exc, PrefixtraceError):
             # A bug, not a refusal: still answered in the API's shape and recorded,
@@ -94,9 +142,7 @@ async def respond(chat, builder: TurnBuilder, recorder: TurnSink, stream, error_
         await record_durably(recorder, builder.finish(status, exc.message))
         return JSONResponse(error_body(exc), status_code=status)
     except asyncio.CancelledError:  # the client hung up (proxy/disconnect.py) or the server is stopping
-        chat.cancel()
-        builder.turn.finish_reason = "cancelled"
-        recorder.record(builder.finish(499, "client disconnected"))
+        recorder.record(abandoned(chat, builder))
         raise
     await record_durably(recorder, builder.finish(chat.status))
     return Response(data, status_code=chat.status, media_type=content_type)

@@ -37,7 +37,7 @@ from prefixtrace.wire.events import ReplyDone
 from prefixtrace.wire.responses_stream import TERMINAL, ResponsesReader, ResponsesWriter, encode
 from prefixtrace.wire.turn_builder import TurnBuilder
 from proxy.chat_request import ChatRequest, parse_chat_request, passthrough_request
-from proxy.relay import record_durably, serve_turn
+from proxy.relay import abandoned, record_durably, serve_turn
 from proxy.upstream_backend import Relayed, map_httpx_errors
 
 RESPONSES_PATH = wire.PATH
@@ -264,10 +264,11 @@ async def _stream(chat, builder: TurnBuilder, recorder):
         if not recorded:
             await record_durably(recorder, finish(exc.message))
         yield encode({"type": "error", "sequence_number": 0, "code": exc.code, "message": exc.message, "param": None})
-    except (asyncio.CancelledError, GeneratorExit):
+    except (asyncio.CancelledError, GeneratorExit):  # the client hung up: 499, with the stage reached
         chat.cancel()
         if not recorded:
-            recorder.record(finish("client disconnected"))
+            recorded = True
+            recorder.record(abandoned(chat, builder))
         raise
     finally:
         if not recorded:

@@ -18,6 +18,7 @@ from prefixtrace.urls import credentials, display_url, without_credentials
 from prefixtrace.wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
 from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
+from proxy.relay import UPSTREAM_BODY
 from proxy.upstream_http import UpstreamConnections
 from prefixtrace.wire.turn_builder import TurnBuilder
 
@@ -212,6 +213,8 @@ class Relayed:
     @property
     def streams_events(self) -> bool:
         return self.status < 400 and self.content_type.startswith("text/event-stream")
+
+    stage = UPSTREAM_BODY  # a client that leaves now is recorded as abandoned while the body came
 
     def cancel(self) -> None:
         pass  # closing the response (in `sse`'s finally) is what tells the upstream

@@ -34,6 +34,7 @@ from prefixtrace.wire import messages as messages_wire
 from prefixtrace.wire.request import protocol_of, session_id
 from prefixtrace.wire.responses_stream import TERMINAL, ResponsesReader
 from recorder.jsonl import DEFAULT_ENDPOINT, record_to_turn, turn_to_record
+from recorder import numbers
 from recorder.turn import Turn
 
 CREATOR = {"name": "prefixtrace", "version": "1"}
@@ -56,13 +57,13 @@ def _response_content(turn: Turn) -> tuple[str, str]:
     if turn.tool_calls:
         message["tool_calls"] = turn.tool_calls
     if turn.status >= 400 or turn.status == 0:
-        return "application/json", json.dumps({"error": {"message": turn.error}}, ensure_ascii=False)
+        return "application/json", numbers.dumps({"error": {"message": turn.error}}, ensure_ascii=False)
     if not turn.stream:
         body = {"object": "chat.completion", "choices": [{"index": 0, "message": message,
                                                           "finish_reason": turn.finish_reason}]}
         if turn.usage is not None:
             body["usage"] = turn.usage
-        return "application/json", json.dumps(body, ensure_ascii=False)
+        return "application/json", numbers.dumps(body, ensure_ascii=False)
     delta = {k: v for k, v in message.items() if k != "tool_calls"}
     if turn.tool_calls:
         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(turn.tool_calls)]
@@ -70,14 +71,15 @@ def _response_content(turn: Turn) -> tuple[str, str]:
                                                                "finish_reason": turn.finish_reason}]}]
     if turn.usage is not None:
         chunks.append({"object": "chat.completion.chunk", "choices": [], "usage": turn.usage})
-    text = "".join(f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    text = "".join(f"data: {numbers.dumps(c, ensure_ascii=False)}\n\n" for c in chunks) + "data: [DONE]\n\n"
     return "text/event-stream", text
 
 
 def turn_to_entry(turn: Turn) -> dict[str, Any]:
     """One HAR entry; `_prefixtrace` carries everything HAR cannot."""
     is_json = not isinstance(turn.request_body, str)
-    body = turn.request_body if not is_json else (turn.request_raw or json.dumps(turn.request_body, ensure_ascii=False))
+    raw = turn.request_raw if turn.request_raw is not None and numbers.is_strict_json(turn.request_raw) else None
+    body = turn.request_body if not is_json else (raw or numbers.dumps(turn.request_body, ensure_ascii=False))
     base = turn.upstream.rstrip("/") if turn.upstream.startswith(("http://", "https://")) else _NO_HOST
     mime, content = _response_content(turn)
     extra = turn_to_record(turn)
@@ -108,11 +110,11 @@ def turn_to_entry(turn: Turn) -> dict[str, Any]:
 
 def write_har(turns: Iterator[Turn], fh: IO[str]) -> int:
     """Streams a HAR document (entries one by one: a database can be large)."""
-    fh.write(json.dumps({"log": {"version": "1.2", "creator": CREATOR}}, ensure_ascii=False)[:-2])
+    fh.write(numbers.dumps({"log": {"version": "1.2", "creator": CREATOR}}, ensure_ascii=False)[:-2])
     fh.write(', "entries": [')
     n = 0
     for turn in turns:
-        fh.write(("\n" if n == 0 else ",\n") + json.dumps(turn_to_entry(turn), ensure_ascii=False))
+        fh.write(("\n" if n == 0 else ",\n") + numbers.dumps(turn_to_entry(turn), ensure_ascii=False))
         n += 1
     fh.write("\n]}}\n")
     return n

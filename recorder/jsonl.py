@@ -20,8 +20,10 @@ from prefixtrace.errors import InvalidRequest
 from recorder.reader import iter_turns
 from recorder.redact import Redactor
 from recorder.bodies import scan_object
+from recorder.files import open_private
 from recorder.rows import write_turns
 from recorder.schema import open_db
+from recorder import numbers
 from recorder.turn import Turn
 
 DEFAULT_ENDPOINT = "/v1/chat/completions"
@@ -71,15 +73,17 @@ def record_line(turn: Turn) -> str:
     text rides along in an extra `request_raw` key."""
     record = turn_to_record(turn)
     raw = turn.request_raw if not isinstance(turn.request_body, str) else None
+    if raw is not None and not numbers.is_strict_json(raw):
+        raw = None  # a body stored before bodies were kept strict: written as parsed, strictly
     if raw is None:
-        return json.dumps(record, ensure_ascii=False)
+        return numbers.dumps(record, ensure_ascii=False)
     if "\n" in raw or "\r" in raw:
         record["request_raw"] = raw
-        return json.dumps(record, ensure_ascii=False)
+        return numbers.dumps(record, ensure_ascii=False)
     keys = list(record)
     cut = keys.index("request")
-    before = json.dumps({k: record[k] for k in keys[:cut]}, ensure_ascii=False)
-    after = json.dumps({k: record[k] for k in keys[cut + 1 :]}, ensure_ascii=False)
+    before = numbers.dumps({k: record[k] for k in keys[:cut]}, ensure_ascii=False)
+    after = numbers.dumps({k: record[k] for k in keys[cut + 1 :]}, ensure_ascii=False)
     return f"{before[:-1]}, \"request\": {raw}, {after[1:]}"
 
 
@@ -89,7 +93,7 @@ def export_jsonl(db_path: str | Path, out: str | Path | IO[str], session: str | 
     turns = iter_turns(db_path, session=session)
     if hasattr(out, "write"):
         return _write(turns, out)
-    with open(out, "w", encoding="utf-8") as fh:
+    with open_private(out) as fh:
         return _write(turns, fh)
 
 

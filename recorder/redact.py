@@ -51,7 +51,7 @@ DROPPED_HEADERS = frozenset(
 )
 # Any other header whose name says it carries a credential is dropped too: a
 # dropped header cannot leak through a value regex that missed its format.
-CREDENTIAL_HEADER_NAME = re.compile(r"token|secret|passw|api-?key|auth|cookie|session-key|subscription-key")
+CREDENTIAL_HEADER_NAME = re.compile(r"token|secret|passw|api-?key|auth|cookie|session-key|subscription-key|credential")
 # Header names matched above that carry no secret and are worth keeping.
 KEPT_HEADERS = frozenset({"x-session-id"})
 
@@ -62,9 +62,6 @@ DEFAULT_PATTERNS: tuple[str, ...] = (
     # Stripe secret and restricted keys.
     r"sk_(?:live|test)_(?<!\wsk_live_)(?<!\wsk_test_)[A-Za-z0-9]{16,}",
     r"rk_(?:live|test)_(?<!\wrk_live_)(?<!\wrk_test_)[A-Za-z0-9]{16,}",
-    # Bearer tokens pasted into prompts or custom headers; same length floor so
-    # the phrase "Bearer tokens" survives.
-    r"Bearer(?<!\wBearer)\s+[A-Za-z0-9._~+/\-]{16,}=*",
     # AWS access key ids (long-term AKIA, temporary ASIA).
     r"AKIA(?<!\wAKIA)[0-9A-Z]{16}\b",
     r"ASIA(?<!\wASIA)[0-9A-Z]{16}\b",
@@ -81,6 +78,28 @@ DEFAULT_PATTERNS: tuple[str, ...] = (
     r"AIza(?<!\wAIza)[0-9A-Za-z_\-]{35}",
     # JWTs: header.payload.signature, both JSON parts base64url of `{"`.
     r"eyJ(?<![\w\-]eyJ)[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}",
+    # Issue 25: credentials in URLs (postgres://, mysql://, mongodb+srv://, redis://:pw@, https://u:pw@):
+    # the password between the user's `:` and the `@`. A port (`host:5432/db`) is followed by `/`, not `@`.
+    r"://[^\s/:@\"'<>]*:(?P<secret_url>[^\s/@\"'<>]+)@",
+    # Google OAuth access tokens.
+    r"ya29\.(?<!\wya29\.)[0-9A-Za-z_\-]{20,}",
+    # Azure SAS signatures (`...&sig=AbC%2B...`): the value only.
+    r"sig=(?<!\wsig=)(?P<secret_sig>[A-Za-z0-9%+/]{16,}=*)",
+    # Slack incoming webhooks and workflow triggers: the path is the credential.
+    r"hooks\.slack\.com/(?:services|workflows|triggers)/(?P<secret_slack_hook>[A-Za-z0-9_/\-]{16,})",
+    # SendGrid (SG.<id>.<secret>), Twilio API key SIDs (SK + 32 hex), PyPI upload tokens, Vault tokens.
+    r"SG\.(?<!\wSG\.)[A-Za-z0-9_\-]{16,}\.[A-Za-z0-9_\-]{16,}",
+    r"SK(?<!\wSK)[0-9a-f]{32}(?![0-9A-Za-z])",
+    r"pypi-(?<!\wpypi-)[A-Za-z0-9_\-]{50,}",
+    r"hv[sbr]\.(?<!\whv[sbr]\.)[A-Za-z0-9_\-]{24,}",
+    # Discord bot tokens, <base64 user id>.<6>.<27+>: from the first dot on (the id part is no secret).
+    # The dot is the only literal, so the fixed-width look-behinds (one per id length) do the choosing.
+    r"\.(?:(?<=[MNO][A-Za-z0-9]{23}\.)|(?<=[MNO][A-Za-z0-9]{24}\.)|(?<=[MNO][A-Za-z0-9]{25}\.))"
+    r"[A-Za-z0-9_\-]{6}\.[A-Za-z0-9_\-]{27,}",
+    # Telegram bot tokens, <bot id>:<35 characters>: the part after the colon.
+    r":(?<=[0-9]{8}:)(?P<secret_telegram>[A-Za-z0-9_\-]{35})(?![A-Za-z0-9_\-])",
+    # Docker's config.json, `"auth": "<base64 of user:password>"` (also inside a JSON string, escaped).
+    r'auth(?<="auth)\\?"[ \t]*:[ \t]*\\?"(?P<secret_docker_auth>[A-Za-z0-9+/]{8,}={0,2})\\?"',
     # PEM private keys: the header, the base64 body (with Proc-Type/DEK-Info lines and
     # JSON's `\n` escapes) and the footer when there is one. A key cut off before its
     # footer (`head id_rsa`) is still a key. Issue 14: the old lazy `[\s\S]*?` to the
@@ -100,6 +119,9 @@ SECRET_KEY_NAMES: tuple[str, ...] = (
     r"auth[_-]?token",
     r"refresh[_-]?token",
     r"private[_-]?token",
+    r"identity[_-]?token",  # Docker's config.json
+    r"account[_-]?key",  # Azure storage connection strings: AccountKey=...
+    r"shared[_-]?access[_-]?key",  # Azure Service Bus / Event Hubs: SharedAccessKey=...
 )
 # After the name: its closing quote (JSON escapes it inside a string), `:` or `=`,
 # then a quoted value up to its quote, or a bare one up to white space or punctuation.
@@ -107,9 +129,23 @@ SECRET_KEY_NAMES: tuple[str, ...] = (
 _KEY_VALUE = (r"\\?[\"']?[ \t]*[:=][ \t]*(?:\\?[\"'](?P<secret_quoted>[^\"'\\\r\n]+)"
               r"|(?!(?:str|int|bool|bytes|none|optional|any|string|number)\b)"
               r"(?P<secret_bare>[^\s\"'\\,;{}()\[\]<>]+))")
-DEFAULT_FOLDED_PATTERNS: tuple[str, ...] = tuple(name + _KEY_VALUE for name in SECRET_KEY_NAMES)
-# A dict key ending in one of those names: its scalar value is redacted whole.
-_SECRET_KEY = re.compile("(?:" + "|".join(SECRET_KEY_NAMES) + ")$")
+DEFAULT_FOLDED_PATTERNS: tuple[str, ...] = (
+    *(name + _KEY_VALUE for name in SECRET_KEY_NAMES),
+    # Bearer tokens in any case (`bearer`, `BEARER`) pasted into prompts or custom headers; the
+    # length floor keeps the phrase "Bearer tokens" readable.
+    r"bearer(?<!\wbearer)\s+[a-z0-9._~+/\-]{16,}=*",
+    # HTTP Basic credentials after an Authorization header name (`curl -H "Authorization: Basic ..."`,
+    # `{"Authorization": "Basic ..."}`); "basic" alone is a word, so the header name is required.
+    r"authorization(?<!\wauthorization)[\\\"' \t]*[:=][\\\"' \t]*basic[ \t]+(?P<secret_basic>[a-z0-9+/]{6,}={0,2})",
+    # netrc: `machine h login u password p` (one line, or login and password on lines of their own).
+    r"login(?<!\wlogin)[ \t]+[^\s\\]+(?:[ \t\r\n]|\\[nrt])+password(?:[ \t]|\\t)+(?P<secret_netrc>[^\s\\\"']+)",
+)
+# A dict key ending in one of those names: its scalar value is redacted whole. So is the value of
+# a key naming a credential header or Docker's `auth` inside structured JSON (a tool's input:
+# `{"headers": {"Authorization": "Basic ..."}}`), where the text patterns, which need the key
+# and the value side by side, do not see them together.
+_SECRET_KEY = re.compile("(?:" + "|".join(SECRET_KEY_NAMES) + ")$"
+                         r"|(?:^|[-_ ])(?:authorization|credentials?)$|^(?:x-)?auth$")
 
 
 def _compile(patterns: Iterable[str | re.Pattern[str]], flags: int = 0) -> list[re.Pattern[str]]:

@@ -18,6 +18,7 @@ docs/FORMATS.md; `recorder.replay_report` summarises and renders it.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -51,6 +52,7 @@ class ReplayedTurn:
     total_ms: float
     recorded_cached_tokens: int | None
     error: str | None = None
+    skipped: str | None = None  # why the request was not sent (it cannot be re-sent as recorded)
 
     @property
     def output_tokens(self) -> int | None:
@@ -100,11 +102,16 @@ async def replay_turn(client: httpx.AsyncClient, turn: Turn, index: int, model: 
     if model is not None:
         body["model"] = model
     read = {"messages": _read_messages_stream, "responses": _read_responses_stream}.get(protocol, _read_chat_stream)
+    content, why = encode_body(body)
+    if content is None:
+        return ReplayedTurn(turn.session_id, index, turn.request_id, 0, None, None, None, None, 0.0,
+                            turn.cached_tokens, None, skipped=why)
     usage, cached, ttft, status, error = None, None, None, 0, None
     t0 = time.perf_counter()
     try:
         with map_httpx_errors(str(client.base_url)):
-            async with client.stream("POST", ENDPOINTS[protocol], json=body) as response:
+            async with client.stream("POST", ENDPOINTS[protocol], content=content,
+                                     headers={"content-type": "application/json"}) as response:
                 status = response.status_code
                 if status >= 400:
                     error = (await response.aread()).decode(errors="replace")[:500]
@@ -126,6 +133,25 @@ async def replay_turn(client: httpx.AsyncClient, turn: Turn, index: int, model: 
         recorded_cached_tokens=turn.cached_tokens,
         error=error,
     )
+
+
+def encode_body(body: dict) -> tuple[bytes | None, str | None]:
+    """`(bytes, None)` for a body as it is sent (UTF-8 JSON, as httpx's `json=` writes it), or
+    `(None, why)` for one that cannot be: a lone UTF-16 surrogate (a client's `\\ud800`
+    escape, recorded from a request that was answered 400) has no UTF-8 spelling, and
+    NaN or Infinity is no JSON. Replay skips such a request and says why, instead of aborting."""
+    try:
+        text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError as exc:
+        return None, f"the request body holds a number JSON cannot carry (NaN or Infinity): {exc}"
+    except (TypeError, RecursionError) as exc:
+        return None, f"the request body cannot be serialised as JSON: {type(exc).__name__}: {exc}"
+    try:
+        return text.encode("utf-8"), None
+    except UnicodeEncodeError as exc:
+        char = text[exc.start]
+        return None, (f"the request body holds a lone UTF-16 surrogate (U+{ord(char):04X}) at character {exc.start},"
+                      " which has no UTF-8 spelling (the recorded request was refused for it)")
 
 
 async def _read_responses_stream(response: httpx.Response, t0: float):
@@ -293,7 +319,9 @@ def _target_entry(url: str, results: list[ReplayedTurn], sessions: list[list[Tur
     order = {t.request_id: (k, i) for k, s in enumerate(sessions) for i, t in enumerate(s)}
     results.sort(key=lambda r: order[r.request_id])
     turns = [r.to_dict() for r in results]
-    return {"url": url, "error": error, "turns": turns, "summary": summarise(turns)}
+    skipped = [{"session": r.session, "index": r.index, "request_id": r.request_id, "reason": r.skipped}
+               for r in results if r.skipped]
+    return {"url": url, "error": error, "turns": turns, "skipped": skipped, "summary": summarise(turns)}
 
 
 def replay(

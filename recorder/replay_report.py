@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixtrace.escaping import script_json
+from recorder.files import write_private_text
 
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b")
 
@@ -28,11 +29,15 @@ def _median(values: list[float | int | None]) -> float | None:
 
 
 def summarise(turns: list[dict]) -> dict[str, Any]:
-    ok = [t for t in turns if 200 <= t["status"] < 300 and not t.get("error")]
+    """Medians over the turns answered 2xx without an error; a skipped turn (never sent) is
+    counted apart, neither ok nor an error of the target."""
+    skipped = sum(1 for t in turns if t.get("skipped"))
+    ok = [t for t in turns if 200 <= t["status"] < 300 and not t.get("error") and not t.get("skipped")]
     return {
         "turns": len(turns),
         "ok_turns": len(ok),
-        "error_turns": len(turns) - len(ok),
+        "error_turns": len(turns) - len(ok) - skipped,
+        "skipped_turns": skipped,
         "median_ttft_ms": _median([t["ttft_ms"] for t in ok]),
         "median_total_ms": _median([t["total_ms"] for t in ok]),
         "median_cached_tokens": _median([t["cached_tokens"] for t in ok]),
@@ -93,6 +98,9 @@ def format_replay(report: dict) -> str:
             if t is None:
                 cells += f" | [{k}] {'-':>6} {'':>7} {'':>7} {'':>7} {'':>9} {'':>9}"
                 continue
+            if t.get("skipped"):
+                cells += f" | [{k}] {'skip':>6} {'':>7} {'':>7} {'':>7} {'':>9} {'':>9}"
+                continue
             cells += (f" | [{k}] {t['status']:>6} {_q(t['prompt_tokens']):>7} {_q(t['cached_tokens']):>7} "
                       f"{_q(t['recorded_cached_tokens']):>7} {_q(t['ttft_ms']):>9} {t['total_ms']:>9}")
             if t.get("error") and not targets[k].get("error"):
@@ -100,11 +108,16 @@ def format_replay(report: dict) -> str:
         lines.append(cells)
     if errors:
         lines += ["", "errors:", *errors]
+    skipped = [f"  [{k}] {s['session'] or '-'} #{s['index']} ({s['request_id']}): {s['reason']}"
+               for k, target in enumerate(targets) for s in target.get("skipped") or []]
+    if skipped:
+        lines += ["", "skipped (not sent):", *skipped]
     lines.append("")
     comparison = report.get("comparison") or {}
     for k, (target, ratios) in enumerate(zip(targets, comparison.get("targets", []))):
         s = target["summary"]
-        lines.append(f"[{k}] ok {s['ok_turns']}/{s['turns']}  median ttft {_q(s['median_ttft_ms'])} ms"
+        skipped_note = f" ({s['skipped_turns']} skipped)" if s.get("skipped_turns") else ""
+        lines.append(f"[{k}] ok {s['ok_turns']}/{s['turns']}{skipped_note}  median ttft {_q(s['median_ttft_ms'])} ms"
                      f"  total {_q(s['median_total_ms'])} ms  cached {_q(s['median_cached_tokens'])}"
                      + ("" if k == 0 else f"  ratios vs [0]: ttft {_q(ratios['ttft_ratio'])}"
                                           f" total {_q(ratios['total_ratio'])} cached {_q(ratios['cached_tokens_ratio'])}"))
@@ -168,7 +181,8 @@ def render_html(report: dict) -> str:
             t = turns.get(key) or {}
             cells += "".join(f"<td>{html.escape(_q(t.get(c)))}</td>" for c in
                              ("status", "prompt_tokens", "cached_tokens", "ttft_ms", "total_ms"))
-            cells += f"<td>{html.escape((t.get('error') or '')[:200])}</td>"
+            note = f"skipped: {t['skipped']}" if t.get("skipped") else (t.get("error") or "")
+            cells += f"<td>{html.escape(note[:200])}</td>"
         body.append(f"<tr>{cells}</tr>")
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>prefixtrace replay</title>
@@ -189,9 +203,9 @@ td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}ul{{list-style:no
 
 
 def write_report(report: dict, path: str | Path) -> None:
-    """JSON, or the HTML page when `path` ends in .html / .htm."""
+    """JSON, or the HTML page when `path` ends in .html / .htm; the file 0600 (it holds session ids)."""
     p = Path(path)
     if p.suffix.lower() in (".html", ".htm"):
-        p.write_text(render_html(report), encoding="utf-8")
+        write_private_text(p, render_html(report))
     else:
-        p.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_private_text(p, json.dumps(report, indent=2) + "\n")

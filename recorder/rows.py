@@ -21,6 +21,7 @@ from typing import Any
 import sqlite_utils
 
 from prefixtrace.errors import RecorderError
+from recorder import numbers
 from recorder.bodies import message_hash, split_body
 from recorder.redact import DEFAULT_REDACTOR, Redactor
 from recorder.turn import Turn
@@ -44,7 +45,10 @@ def _utf8(text: str) -> str:
 
 
 def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+    # Strict JSON: an upstream's NaN or Infinity (Python's json reads them) is stored as the
+    # string it is spelled with, so every reader of the column can parse it (recorder/numbers.py).
+    return numbers.dumps(value, ensure_ascii=False)
+
 
 
 def body_text(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> tuple[str, bool]:
@@ -61,8 +65,8 @@ def body_text(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> tuple[str, b
     redacted = redactor.value(body)
     if turn.request_raw is not None:
         candidate = redactor.text(turn.request_raw)
-        try:
-            if json.loads(candidate) == redacted:
+        try:  # strictly: raw text spelling `Infinity` would store non-strict JSON
+            if numbers.loads_strict(candidate) == redacted:
                 return candidate, True
         except ValueError:
             pass
@@ -220,12 +224,13 @@ def redacted_row(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> dict[str,
         "reasoning_text": redactor.text(turn.reasoning_text or ""),
         "tool_calls": None if turn.tool_calls is None else _dumps(redactor.value(turn.tool_calls)),
         "finish_reason": turn.finish_reason,
-        "prompt_tokens": turn.prompt_tokens,
-        "completion_tokens": turn.completion_tokens,
-        "cached_tokens": turn.cached_tokens,
+        # A count that is none (NaN, 1e29, a 30-digit integer) is unknown: NULL; `usage` keeps what was sent.
+        "prompt_tokens": numbers.count(turn.prompt_tokens),
+        "completion_tokens": numbers.count(turn.completion_tokens),
+        "cached_tokens": numbers.count(turn.cached_tokens),
         "usage": None if turn.usage is None else _dumps(turn.usage),
-        "ttft_s": turn.ttft_s,
-        "total_s": turn.total_s,
+        "ttft_s": numbers.seconds(turn.ttft_s),
+        "total_s": numbers.seconds(turn.total_s),
         "chunk_times": _dumps(list(turn.chunk_times or [])),
         "render": None if turn.render is None else _dumps(turn.render),
     }
@@ -256,6 +261,10 @@ def row_to_turn(row: dict[str, Any], bodies: BodyStore) -> Turn:
     else:
         data["request_body"] = text
     data["stream"] = bool(data.get("stream"))
+    for col in numbers.COUNT_FIELDS:  # a database written before counts were checked may hold anything
+        data[col] = numbers.count(data.get(col))
+    for col in numbers.SECONDS_FIELDS:
+        data[col] = numbers.seconds(data.get(col))
     data["request_headers"] = data.get("request_headers") or {}
     data["chunk_times"] = data.get("chunk_times") or []
     data["response_text"] = data.get("response_text") or ""
@@ -272,8 +281,12 @@ def write_turns(
 ) -> None:
     """Writes `turns` in one transaction (all or nothing). A request_id that is
     already stored is replaced, so re-importing a file is idempotent."""
+    write_rows(db, [redacted_row(t, redactor) for t in turns], bodies)  # the CPU work, outside the transaction
+
+
+def write_rows(db: sqlite_utils.Database, prepared: list[dict[str, Any]], bodies: BodyStore | None = None) -> None:
+    """Writes `redacted_row`s in one transaction (all or nothing), replacing rows of the same request id."""
     bodies = bodies or BodyStore(db)
-    prepared = [redacted_row(t, redactor) for t in turns]  # the CPU work, outside the transaction
     try:
         with db.atomic():
             rows = [store_row(r, bodies) for r in prepared]

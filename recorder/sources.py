@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO
 
 from prefixtrace.errors import InvalidRequest
+from recorder.files import open_private
 from recorder.har import read_har, write_har
 from recorder.jsonl import _write as write_jsonl_lines
 from recorder.jsonl import read_jsonl, store_turns
@@ -69,7 +70,7 @@ def export(db_path: str | Path, out: str | Path | IO[str], fmt: str = "jsonl", s
     target = Path(out)
     tmp = target.with_name(f".{target.name}.partial")
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
+        with open_private(tmp) as fh:  # 0600, like the database it comes from
             count = writer(turns, fh)
         tmp.replace(target)
     finally:

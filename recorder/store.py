@@ -22,10 +22,19 @@ mutate it (it is serialised later, on the writer thread).
 
 The writer cannot be stopped by what it writes or by who waits: a failing
 batch fails only its own turns, a waiter that gave up (a client that hung up
-while its turn committed cancels its future) is skipped, and a database
-another process has locked is retried, not given up on. `health()` says when
+while its turn committed cancels its future) is skipped. `health()` says when
 the writer is stuck (one write running longer than `stuck_after_s`) or gone,
 which `/health` reports; `close(timeout)` always returns.
+
+A database that cannot be written (disk full, filesystem read-only, an I/O
+error, a lock held past SQLite's busy timeout) loses no turn: the failed
+turns' rows, and every turn after them, wait in a bounded spool (memory, then
+a file beside the database: recorder/spool.py), and the writer retries every
+`retry_s`, reopening the database, until it accepts writes; then the spool is
+written and recording goes on. A spooled turn's future resolves (its response
+need not wait for the disk); `health()` is not ok from the first failed write
+until the spool is written, naming the reason; a turn that fits no spool is
+counted (`spool_state()["dropped"]`), logged, and fails its future.
 """
 
 from __future__ import annotations
@@ -42,16 +51,34 @@ from pathlib import Path
 
 from prefixtrace.errors import RecorderError
 from recorder.redact import Redactor
-from recorder.rows import BodyStore, write_turns
+from recorder.rows import BodyStore, redacted_row, write_rows
 from recorder.schema import open_db
+from recorder.spool import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_MEMORY_BYTES, Spool, spool_path
 from recorder.turn import Turn
 
 log = logging.getLogger("prefixtrace.recorder")
 _STOP = object()
 # Turns committed in one transaction at most; bounds the latency one commit adds.
 _MAX_BATCH = 64
-# Pause between attempts at a batch while another connection holds the write lock.
-_BUSY_RETRY_S = 0.25
+# SQLite result codes (and their extended forms, `SQLITE_IOERR_WRITE`) that say the database
+# cannot be written now, not that a turn is bad: its turns are spooled and the write retried.
+_UNWRITABLE = ("SQLITE_FULL", "SQLITE_READONLY", "SQLITE_IOERR", "SQLITE_CANTOPEN", "SQLITE_BUSY",
+               "SQLITE_LOCKED", "SQLITE_PROTOCOL")
+
+
+def unwritable_reason(exc: BaseException) -> str | None:
+    """Why the database cannot be written, when `exc` (or its cause) says so; None for
+    an error of the turn itself."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if isinstance(exc, sqlite3.DatabaseError):
+            name = getattr(exc, "sqlite_errorname", "") or ""
+            if any(name == code or name.startswith(code + "_") for code in _UNWRITABLE):
+                return f"{exc} ({name})"
+        elif isinstance(exc, OSError):
+            return f"{exc.strerror or exc}"
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 class Recorder:
@@ -65,6 +92,9 @@ class Recorder:
         stuck_after_s: a write running longer than this makes `health()` not ok;
             `record_async` also stops holding its response back after this long
             (the turn stays queued and is written when the writer gets going).
+        spool_memory_bytes, spool_file_bytes: bounds of the spool that keeps turns
+            while the database cannot be written (memory first, then `<db>.spool`).
+        retry_s: seconds between attempts at an unwritable database.
 
     Example::
 
@@ -80,6 +110,9 @@ class Recorder:
         redact_patterns: Iterable[str] | None = None,
         tracer: Callable | None = None,
         stuck_after_s: float = 30.0,
+        spool_memory_bytes: int = DEFAULT_MAX_MEMORY_BYTES,
+        spool_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        retry_s: float = 1.0,
     ):
         if max_queue < 1:
             raise RecorderError(f"max_queue must be >= 1, got {max_queue}")
@@ -98,10 +131,14 @@ class Recorder:
         self._done = 0
         self._errors: list[BaseException] = []
         self._closed = False
-        self._stopping = False  # close() gave up waiting: stop retrying a locked database
         self._busy_since: float | None = None  # time.monotonic() the write in progress began
         self._ready = threading.Event()
         self._open_error: BaseException | None = None
+        self.retry_s = float(retry_s)
+        self._spool = Spool(spool_path(self.path), max_memory_bytes=spool_memory_bytes,
+                            max_file_bytes=spool_file_bytes)
+        self._unwritable: str | None = None  # why the last write failed, until the spool is written
+        self._next_retry = 0.0  # time.monotonic() of the next attempt at an unwritable database
         self._thread = threading.Thread(target=self._run, name="prefixtrace-recorder", daemon=True)
         self._thread.start()
         # Open (and migrate) synchronously so a bad path fails here, at start-up,
@@ -114,8 +151,8 @@ class Recorder:
 
     def record(self, turn: Turn) -> Future:
         """Enqueues `turn` and returns a Future that resolves (to None) once the
-        turn is committed, or with the `RecorderError` that lost it. Blocks
-        only while the queue is full."""
+        turn is committed (or spooled, while the database cannot be written), or
+        with the `RecorderError` that lost it. Blocks only while the queue is full."""
         return self._put(turn, block=True)
 
     async def record_async(self, turn: Turn) -> None:
@@ -155,14 +192,16 @@ class Recorder:
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every turn recorded so far is written.
 
-        Returns False if `timeout` expired first. Raises `RecorderError` if any
-        write failed since the last flush (the failed turns are lost; the
-        writer keeps going with the rest).
+        Returns False if `timeout` expired first (spooled turns are not written until
+        the database accepts writes again). Raises `RecorderError` if any write
+        failed since the last flush (the failed turns are lost; the writer keeps
+        going with the rest).
         """
         with self._cond:
             target = self._enqueued
-            self._cond.wait_for(lambda: self._done >= target or not self._thread.is_alive(), timeout)
-            flushed = self._done >= target
+            self._cond.wait_for(lambda: (self._done >= target and not len(self._spool))
+                                or not self._thread.is_alive(), timeout)
+            flushed = self._done >= target and not len(self._spool)
             errors, self._errors = self._errors, []
         if errors:
             raise RecorderError(
@@ -185,7 +224,6 @@ class Recorder:
             pass
         self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
-            self._stopping = True
             log.error("recorder writer did not finish within %.0f s; %d turn(s) not written", timeout, self.pending)
         with self._cond:
             errors, self._errors = self._errors, []
@@ -196,13 +234,20 @@ class Recorder:
 
     def health(self) -> tuple[bool, str | None]:
         """`(True, None)`, or `(False, reason)` when the writer is closed, gone,
-        or has been inside one write for longer than `stuck_after_s`."""
+        has been inside one write for longer than `stuck_after_s`, or the database
+        cannot be written (turns are spooled until it can)."""
         with self._cond:
             pending = self._enqueued - self._done
             if self._closed:
                 return False, "recorder is closed"
         if not self._thread.is_alive():
             return False, f"recorder writer thread is not running; {pending} turn(s) waiting"
+        unwritable = self._unwritable
+        if unwritable is not None:
+            spool = self._spool
+            return False, (f"database cannot be written: {unwritable}; {len(spool)} turn(s) spooled"
+                           f" ({len(spool.memory)} in memory, {spool.file_rows} in {spool.path.name}),"
+                           f" {spool.dropped} dropped; retrying every {self.retry_s:g} s")
         busy = self._busy_since
         if busy is not None and time.monotonic() - busy > self.stuck_after_s:
             return False, (f"recorder writer stuck: one write has taken {time.monotonic() - busy:.0f} s;"
@@ -211,9 +256,13 @@ class Recorder:
 
     @property
     def pending(self) -> int:
-        """Turns recorded but not yet written."""
+        """Turns recorded but not yet written (queued or spooled)."""
         with self._cond:
-            return self._enqueued - self._done
+            return self._enqueued - self._done + len(self._spool)
+
+    def spool_state(self) -> dict:
+        """Whether the database takes writes, why not, and the spool's counts (`/health`, `/metrics`)."""
+        return {"writable": self._unwritable is None, "reason": self._unwritable, **self._spool.state()}
 
     def __enter__(self) -> Recorder:
         return self
@@ -231,66 +280,168 @@ class Recorder:
             self._ready.set()
             return
         self._ready.set()
-        bodies = BodyStore(db)
+        self._db = db  # None while the database cannot be written (reopened for each attempt)
+        self._bodies = BodyStore(db)
         try:
             stop = False
             while not stop:
-                batch = [self._queue.get()]
-                while len(batch) < _MAX_BATCH and batch[-1] is not _STOP:
-                    try:
-                        batch.append(self._queue.get_nowait())
-                    except queue.Empty:
-                        break
-                if batch[-1] is _STOP:
+                batch = self._next_batch()
+                if batch and batch[-1] is _STOP:
                     batch.pop()
                     stop = True
+                if (len(self._spool) or self._db is None) and (stop or time.monotonic() >= self._next_retry):
+                    self._drain()
                 if batch:
                     self._busy_since = time.monotonic()
                     try:
-                        results = self._write(db, bodies, batch)
+                        results = self._write(batch)
                     except BaseException as exc:  # nothing a batch does may end the writer
                         log.exception("recorder batch of %d turn(s) failed", len(batch))
-                        bodies.reset()
+                        self._bodies.reset()
                         results = [RecorderError(f"writing turns failed: {type(exc).__name__}: {exc}")] * len(batch)
                     finally:
                         self._busy_since = None
                     self._settle(batch, results)
         finally:
-            db.close()
+            self._spool.persist()  # what the database never took waits in the spool file for the next start
+            if self._db is not None:
+                self._db.close()
             with self._cond:
                 self._cond.notify_all()
 
-    def _write(self, db, bodies: BodyStore, batch: list[tuple[Turn, Future]]) -> list[Exception | None]:
-        """Each turn's outcome: None (committed) or the error that lost it."""
+    def _next_batch(self) -> list:
+        """Up to `_MAX_BATCH` queued turns (and `_STOP`); waits for the first, or, while turns
+        are spooled, only until the next attempt at the database is due ([] then)."""
         try:
-            self._write_retrying(db, bodies, [turn for turn, _ in batch])
-            return [None] * len(batch)
-        except Exception:
-            # One bad turn must not take the others with it: retry one by one.
-            results: list[Exception | None] = []
-            for turn, _ in batch:
-                try:
-                    self._write_retrying(db, bodies, [turn])
-                    results.append(None)
-                except Exception as exc:
-                    results.append(exc if isinstance(exc, RecorderError) else RecorderError(str(exc)))
-            return results
-
-    def _write_retrying(self, db, bodies: BodyStore, turns: list[Turn]) -> None:
-        """`write_turns`, waiting out another connection's write lock (an analyzer
-        or `sqlite3` shell holding a transaction) instead of losing the turns;
-        `health()` reports the wait once it passes `stuck_after_s`."""
-        while True:
+            if len(self._spool) or self._db is None:
+                first = self._queue.get(timeout=max(0.0, self._next_retry - time.monotonic()))
+            else:
+                first = self._queue.get()
+        except queue.Empty:
+            return []
+        batch = [first]
+        while len(batch) < _MAX_BATCH and batch[-1] is not _STOP:
             try:
-                write_turns(db, turns, self.redactor, bodies)
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _write(self, batch: list[tuple[Turn, Future]]) -> list[Exception | None]:
+        """Each turn's outcome: None (committed, or spooled) or the error that lost it."""
+        results: list[Exception | None] = [None] * len(batch)
+        rows: list[tuple[int, dict]] = []
+        for i, (turn, _) in enumerate(batch):
+            try:  # the CPU work (redaction, serialising), outside the transaction; a bad turn fails alone
+                rows.append((i, redacted_row(turn, self.redactor)))
+            except Exception as exc:
+                results[i] = exc if isinstance(exc, RecorderError) else RecorderError(
+                    f"writing turns failed: {type(exc).__name__}: {exc}")
+        if len(self._spool) or self._db is None:  # turns wait behind the spooled ones
+            self._spool_rows(rows, results)
+            return results
+        try:
+            write_rows(self._db, [row for _, row in rows], self._bodies)
+            return results
+        except Exception as exc:
+            if self._unwritable_now(exc):
+                self._spool_rows(rows, results)
+                return results
+        # One bad turn must not take the others with it: retry one by one.
+        for k, (i, row) in enumerate(rows):
+            try:
+                write_rows(self._db, [row], self._bodies)
+            except Exception as exc:
+                if self._unwritable_now(exc):
+                    self._spool_rows(rows[k:], results)
+                    break
+                results[i] = exc if isinstance(exc, RecorderError) else RecorderError(str(exc))
+        return results
+
+    def _unwritable_now(self, exc: BaseException) -> bool:
+        """When `exc` says the database cannot be written: `health()` says so from now on,
+        the connection is closed (a read-only or failing disk may need a fresh one; no file
+        stays open on it) and the next attempt is scheduled. False for a turn's own error."""
+        reason = unwritable_reason(exc)
+        if reason is None:
+            return False
+        if self._unwritable is None:
+            log.error("recorder database %s cannot be written: %s; spooling turns until it can", self.path, reason)
+        self._unwritable = reason
+        self._next_retry = time.monotonic() + self.retry_s
+        if self._db is not None:
+            try:
+                self._db.close()
+            except Exception:  # closing a connection on a failed disk may fail too; it is dropped either way
+                pass
+            self._db = None
+        return True
+
+    def _spool_rows(self, rows: list[tuple[int, dict]], results: list[Exception | None]) -> None:
+        for i, row in rows:
+            if not self._spool.add(row):
+                results[i] = RecorderError("the database cannot be written and the recorder spool is full: "
+                                           f"turn dropped ({self._unwritable})")
+
+    def _drain(self) -> None:
+        """One attempt at writing the spool: reopen the database if needed, write the rows
+        oldest first, and on success say the database is writable again."""
+        if self._db is None:
+            try:
+                # create=False: a database gone from its path (a volume unmounted under it) is not
+                # replaced by an empty one that would hide where the turns went.
+                self._db = open_db(self.path, tracer=self._tracer, create=False)
+                self._bodies = BodyStore(self._db)
+            except Exception as exc:
+                self._unwritable = unwritable_reason(exc) or str(exc)
+                self._next_retry = time.monotonic() + self.retry_s
                 return
-            except RecorderError as exc:
-                cause = exc.__cause__
-                busy = isinstance(cause, sqlite3.OperationalError) and getattr(
-                    cause, "sqlite_errorname", "") in ("SQLITE_BUSY", "SQLITE_LOCKED")
-                if not busy or self._stopping:
+        written = 0
+        self._busy_since = time.monotonic()
+        try:
+            for rows in self._spool.memory_batches(_MAX_BATCH):
+                written += self._write_spooled(rows)
+                self._spool.written(len(rows))
+            for rows in self._spool.file_batches(_MAX_BATCH):
+                written += self._write_spooled(rows)
+            self._spool.clear_file()
+        except Exception as exc:
+            if not self._unwritable_now(exc):  # the disk's errors, or something unforeseen: try again later
+                log.exception("writing %d spooled turn(s) failed", len(self._spool))
+                self._unwritable = f"writing spooled turns failed: {type(exc).__name__}: {exc}"
+                self._next_retry = time.monotonic() + self.retry_s
+            return
+        finally:
+            self._busy_since = None
+            with self._cond:
+                self._cond.notify_all()
+        log.warning("recorder database %s accepts writes again: %d spooled turn(s) written", self.path, written)
+        self._unwritable = None
+        with self._cond:
+            self._cond.notify_all()
+
+    def _write_spooled(self, rows: list[dict]) -> int:
+        """Writes spooled rows; raises only when the database cannot be written. A row the
+        database refuses for itself (rare: it was prepared before it was spooled) is dropped,
+        counted and logged, so one row cannot hold the spool back for ever. Returns how many
+        were written."""
+        try:
+            write_rows(self._db, rows, self._bodies)
+            return len(rows)
+        except Exception as exc:
+            if unwritable_reason(exc) is not None:
+                raise
+        written = 0
+        for row in rows:
+            try:
+                write_rows(self._db, [row], self._bodies)
+                written += 1
+            except Exception as exc:
+                if unwritable_reason(exc) is not None:
                     raise
-                time.sleep(_BUSY_RETRY_S)
+                self._spool.dropped += 1
+                log.error("spooled turn %s could not be written and is lost: %s", row.get("request_id"), exc)
+        return written
 
     def _settle(self, batch: list[tuple[Turn, Future]], results: list[Exception | None]) -> None:
         with self._cond:

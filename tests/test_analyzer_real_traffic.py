@@ -110,17 +110,20 @@ def test_claude_resume_dropping_synthetic_user_messages_is_dropped_message_at_2(
     assert result.exit_code == 1 and "dropped_message/user at message 2 (user)" in result.output
 
 
-def test_pi_chat_then_messages_is_not_a_false_tools_change_of_every_tool():
+def test_pi_chat_then_messages_is_not_a_false_tools_change_of_every_tool(tmp_path):
     # The same four tools, OpenAI-shaped over chat and Anthropic-shaped over Messages: compared without
     # normalising they were `tools_change/edited` at `$.tools[0]` (`message None (None)`). Normalised,
     # read/bash/write only differ in key order and `strict: false`; what really changed is that the
-    # Messages client dropped `additionalProperties: false` from the edit tool's schema.
-    report = analyze(TRAFFIC / "pi_tiny.jsonl", template=QWEN3)
+    # Messages client dropped `additionalProperties: false` from the edit tool's schema. (Without ids the
+    # second conversation is a session of its own: tests/test_session_inference.py; one id chains them.)
+    src = tmp_path / "pi_one_session.jsonl"
+    src.write_text("".join(json.dumps({**r, "session": "pi"}) + "\n" for r in _records("pi_tiny.jsonl")))
+    report = analyze(src, template=QWEN3)
     brk = report.sessions[0].turns[3].brk
     assert (brk.cause, brk.subtype, brk.tool_index, brk.tool_name) == ("tools_change", "edited", 2, "edit")
     assert brk.path == "$.tools[2]['function']['parameters']['additionalProperties']"
     assert brk.where() == "tools[2] (edit)"
-    result = CliRunner().invoke(cli, ["check", str(TRAFFIC / "pi_tiny.jsonl"), "--template", QWEN3])
+    result = CliRunner().invoke(cli, ["check", str(src), "--template", QWEN3])
     assert "tools_change/edited at tools[2] (edit)" in result.output and "None (None)" not in result.output
 
 

@@ -226,7 +226,7 @@ def test_client_disconnect_from_an_upstream_stream_is_recorded_and_closes_the_up
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         row = rows(rec)[0]
-        assert row["error"] == "client disconnected" and row["response_text"].startswith("w0 w1 w2")
+        assert row["error"] == "client disconnected (upstream_body)" and row["response_text"].startswith("w0 w1 w2")
 
 
 # --- secrets ---------------------------------------------------------------------------------

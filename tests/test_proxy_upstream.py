@@ -139,7 +139,7 @@ def test_client_disconnect_mid_stream_stops_generation_and_records_the_partial_t
         assert time.monotonic() < deadline
         time.sleep(0.05)
     row = rows(recorder)[0]
-    assert row["error"] == "client disconnected"
+    assert (row["status"], row["error"]) == (499, "client disconnected (decoding)")
     assert row["response_text"]  # what the client had received so far
 
 

@@ -41,7 +41,7 @@ def test_a_hung_up_non_streamed_request_stops_generating_and_is_recorded_as_canc
         time.sleep(0.1)
     assert rec.flush(30)
     (turn,) = iter_turns(rec.path)
-    assert (turn.status, turn.error, turn.finish_reason) == (499, "client disconnected", "cancelled")
+    assert (turn.status, turn.error, turn.finish_reason) == (499, "client disconnected (decoding)", "cancelled")
     # and the server goes on answering
     r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
         "model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})

@@ -103,16 +103,22 @@ def test_what_if_on_real_traffic_in_json_and_text(tmp_path):
     assert "what if openai (automatic from 1,024 tokens, 128-token increments" in text
 
 
-def test_every_break_carries_a_suggestion_and_its_saving():
+def test_every_break_carries_a_suggestion_and_its_saving(tmp_path):
     report = analyze(TRAFFIC / "claude_smol.jsonl", template=QWEN3)
     brk = report.sessions[0].turns[4].brk
     assert brk.cause == "dropped_message" and "keep them in the history" in brk.suggestion
     prev, this = report.sessions[0].turns[3], report.sessions[0].turns[4]
     assert brk.saves_tokens == min(prev.prompt_tokens, this.prompt_tokens) - brk.token_offset > 0
-    pi = analyze(TRAFFIC / "pi_tiny.jsonl", template=QWEN3).sessions[0].turns[3].brk
+    # pi's two conversations under one id (without ids they are two sessions: tests/test_session_inference.py)
+    src = tmp_path / "pi.jsonl"
+    src.write_text("".join(json.dumps({**json.loads(line), "session": "pi"}) + "\n"
+                           for line in (TRAFFIC / "pi_tiny.jsonl").read_text().splitlines()))
+    turn = analyze(src, template=QWEN3).sessions[0].turns[3]
+    pi = turn.brk
     assert pi.cause == "tools_change" and "fixed tool list" in pi.suggestion
-    text = CliRunner().invoke(cli, ["analyze", str(TRAFFIC / "pi_tiny.jsonl"), "--template", QWEN3]).output
-    assert f"fix (saves {pi.saves_tokens:,} tokens): the tool list changed" in text
+    text = CliRunner().invoke(cli, ["analyze", str(src), "--template", QWEN3]).output
+    assert f"lost {turn.lost_seconds:.2f} s, {turn.lost_tokens:,} tokens" in text
+    assert "fix: the tool list changed" in text
     side = analyze(TRAFFIC / "opencode_tiny.jsonl", template=QWEN3).sessions[1].turns[0]
     assert "with the main chain's system prompt and tools" in side.note
     assert isinstance(Break("x", None, None, None, 0, 0, "", "").suggestion, str)
