@@ -81,6 +81,9 @@ def render(d: dict[str, Any], top_n: int = 5) -> str:
                        f"{_cost(g['lost_seconds'], g['lost_tokens'])}; turns {turns}")
             if g["fix"]:
                 out.append(f"  - fix: {_cell(g['fix'])}")
+            if g["values"]:
+                more = " …" if len(g["breaks"]) > len(g["values"]) else ""
+                out.append(f"  - values seen: {_cell(', '.join(g['values']))}{more}")
         out.append("")
     if v["top"]:
         out += [f"### Top {len(v['top'])} breaks by cost", ""]

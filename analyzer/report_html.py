@@ -226,7 +226,9 @@ def _groups(v: dict[str, Any]) -> str:
                    f'{rv.colour(g["cause"])}"><span class="cost">{esc(cost_text(g["lost_seconds"], g["lost_tokens"]))}'
                    f'</span><h3>{esc(g["label"])} <span class="code">{esc(g["kind"])}</span></h3>'
                    f'<p class="meta">{len(bs):,} break{"s" * (len(bs) != 1)}{where}</p>{fix}'
-                   f'<p class="turnlinks">turns: {links}</p>'
+                   + (f'<p class="meta values">values seen: {esc(", ".join(g["values"]))}'
+                      f'{" …" if len(bs) > len(g["values"]) else ""}</p>' if g["values"] else "")
+                   + f'<p class="turnlinks">turns: {links}</p>'
                    + "".join(_break_detail(b, v["sessions"], open_=(j == 0)) for j, b in enumerate(bs)) + "</div>")
     out.append("</section>")
     return "".join(out)

@@ -19,6 +19,7 @@ as dicts. Fields the analysis may not carry yet are derived, and the derivation 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from analyzer.causes import CAUSES
@@ -126,6 +127,15 @@ def _num(value) -> float | None:
     return value if value == value and value not in (float("inf"), float("-inf")) else None
 
 
+# "('2' → '3')": the values a volatile break's fix names (analyzer/advice.py). Left out of the group's
+# fix, so one counter ticking at 35 turns is one card listing them, not 35 cards.
+_VALUES = re.compile(r""" \((?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*") → (?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")\)""")
+
+
+def generic_fix(fix: str) -> str:
+    return _VALUES.sub("", fix)
+
+
 def _first_num(d: dict, *keys: str) -> float | None:
     return next((v for v in (_num(d.get(k)) for k in keys) if v is not None), None)
 
@@ -210,10 +220,14 @@ def build(d: dict[str, Any], top_n: int = 10) -> dict[str, Any]:
             c["lost_seconds"] = round((c["lost_seconds"] or 0) + b["lost_seconds"], 2)
     groups: dict[tuple, dict[str, Any]] = {}
     for b in breaks:
-        g = groups.setdefault((b["kind"], b["fix"]), {"kind": b["kind"], "cause": b["cause"], "label": b["label"],
-                                                     "fix": b["fix"], "breaks": [], "lost_tokens": 0,
-                                                     "lost_seconds": None})
+        fix = generic_fix(b["fix"])
+        g = groups.setdefault((b["kind"], fix), {"kind": b["kind"], "cause": b["cause"], "label": b["label"],
+                                                 "fix": fix, "breaks": [], "lost_tokens": 0, "lost_seconds": None,
+                                                 "values": []})
         g["breaks"].append(b)
+        vol = b.get("volatile")
+        if isinstance(vol, dict) and "before" in vol and len(g["values"]) < 12:
+            g["values"].append(f"{vol.get('before')} → {vol.get('after')}")
         g["lost_tokens"] += b["lost_tokens"] or 0
         if b["lost_seconds"] is not None:
             g["lost_seconds"] = round((g["lost_seconds"] or 0) + b["lost_seconds"], 2)

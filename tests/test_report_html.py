@@ -82,6 +82,8 @@ def test_report_opens_on_the_cost_and_groups_one_fix_into_one_card(report, brows
     assert volatile.locator(".turnlinks a").all_text_contents() == ["4", "7", "10"] or \
         sorted(volatile.locator(".turnlinks a").all_text_contents(), key=int) == ["4", "7", "10"]
     assert "Fix:" in volatile.locator("p.fix").text_content()
+    assert "'" not in volatile.locator("p.fix").text_content()  # the card's fix is the same for all three…
+    assert volatile.locator(".values").text_content() == "values seen: 0 → 1, 1 → 2, 2 → 3"  # …which differ here, in turn order
     # The differing characters are marked: the counter, not the whole window.
     first = volatile.locator("details.break").first
     assert first.locator("del").text_content() in ("0", "1", "2") and first.locator("ins").text_content() in ("1", "2", "3")
