@@ -65,7 +65,7 @@ svg.timeline a:hover .marker{stroke:#1f2933;stroke-width:1.5}
 .controls input[type=search]{width:260px;padding:4px 6px}
 .controls select{padding:3px}
 .scroll{overflow-x:auto}
-#turn-table td:first-child{max-width:280px;overflow:hidden;text-overflow:ellipsis}
+#turn-table td:first-child{max-width:220px;overflow:hidden;text-overflow:ellipsis}
 #turn-table th{cursor:pointer;user-select:none}
 #turn-table th[aria-sort=ascending]::after{content:" ▲"}
 #turn-table th[aria-sort=descending]::after{content:" ▼"}
