@@ -1,9 +1,9 @@
 """TurboQuant KV caches: one row (`TurboQuantKVCache`) and left-padded rows
-(`BatchTurboQuantKVCache`), plus `make_tq_cache` / `to_turboquant`.
+(`BatchTurboQuantKVCache`); engine/tq_config.py builds them for a model.
 
 Every token's K and V are encoded on arrival (norm + packed codes, see
 `engine.turboquant`); on CUDA a decode step defers that to the step that first
-reads the codes (`decode_attention.defer_encode`: same codes, from the same dense
+reads the codes (the kernels' `defer_encode`: same codes, from the same dense
 values, in one launch per group), and the public `k` / `v` attributes encode
 anything pending before they are read. A position p of a row holding n tokens is *represented*
 by its decoded value once p < floor(n / group) * group, and by its dense value
@@ -15,7 +15,7 @@ batch it sits in, so a row decodes to the same K/V alone or batched.
 Attention follows the paper: the query is rotated once and attends over
 codebook values x norms in the rotated basis, and the output is rotated back
 once; no cached vector is inverse-rotated. That needs a hook into mlx-lm's
-attention call (`install_attention_hook`, installed by `make_tq_cache`);
+attention call (engine/attention_hook.py, installed by `make_tq_cache`);
 without it `update_and_fetch`'s return value, decoded unrotated K/V in the
 keys' dtype, gives the same attention more slowly. The class has no `bits`
 attribute on purpose: mlx-lm's `scaled_dot_product_attention` dispatches on
@@ -28,18 +28,15 @@ left padding, per-row `offset`) and masks each row to its own columns.
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from engine import decode_attention
+from engine.kernels import selector
 from engine.turboquant import get_codec
 
-__all__ = ["TurboQuantKVCache", "BatchTurboQuantKVCache", "TQConfig", "make_tq_cache", "to_turboquant",
-           "install_attention_hook", "dense_copy", "dense_copy_bytes", "append_suffix"]
+__all__ = ["TurboQuantKVCache", "BatchTurboQuantKVCache", "DEFAULT_GROUP"]
 
 DEFAULT_GROUP = 64
 
@@ -126,9 +123,10 @@ def _view(w: _Window | None) -> mx.array | None:
 
 def _encode_into(k: _Codes, v: _Codes, used: int, keys: mx.array, values: mx.array, ck, cv) -> None:
     """Encode new keys/values and write them at column `used`: on CUDA one fused launch
-    for both (engine.decode_attention.encode_kv) instead of some twenty MLX ops."""
-    if ck is cv and decode_attention.use_encode(keys, values, ck):
-        kn, kc, vn, vc = decode_attention.encode_kv(keys, values, ck)
+    for both (the kernels' `encode`) instead of some twenty MLX ops."""
+    coded = selector.select().encode(keys, values, ck) if ck is cv else None
+    if coded is not None:
+        kn, kc, vn, vc = coded
         k.write(used, kn, kc)
         v.write(used, vn, vc)
         return
@@ -186,7 +184,7 @@ class TurboQuantKVCache(_BaseCache):
         cut = b - _floor(prev, self.group)
         keep = _floor(n, self.group) - b
         if keys.shape[2] == 1 and self._tail_k is not None and self._k.codes is not None \
-                and decode_attention.defer_encode():
+                and selector.select().defer_encode:
             # A decode step: append to the tail in place; encode only when a position
             # without codes is about to be seen decoded or to leave the tail.
             self.offset = n  # (`_flushed` counts the pending positions back from it)
@@ -232,7 +230,7 @@ class TurboQuantKVCache(_BaseCache):
         return out[0], out[1]
 
     def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
-        """Attention of `queries` over this step's K/V (see `install_attention_hook`)."""
+        """Attention of `queries` over this step's K/V (see engine/attention_hook.py)."""
         return _attend_rotated(self, queries, scale, mask)
 
     @classmethod
@@ -384,7 +382,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         self._idx = new_idx
         self.offset = self.offset + N
         new_ws = self._window_start()
-        if N == 1 and self._win_k is not None and self._k.codes is not None and decode_attention.defer_encode():
+        if N == 1 and self._win_k is not None and self._k.codes is not None and selector.select().defer_encode:
             # A decode step: append to the window in place; encode the columns without
             # codes only when one is about to be seen decoded by some row or to leave the window.
             self._win_k.append(keys)
@@ -590,9 +588,8 @@ def _returns_unused(cache, keys: mx.array) -> bool:
     reads them when the model's attention goes through the hook (`cache.hooked`, set by
     `make_tq_cache` and `TQConfig.adapt`, whose models have it installed), which attends
     from `_step` instead. Building that graph costs more Python time than the whole dense
-    step (~0.1 ms per layer). CUDA with decode variant v2 / v2s / v3 only, so the CPU keeps
-    returning what it always has."""
-    return cache.hooked and decode_attention.tq_variant() != "v1" and decode_attention.available()
+    step (~0.1 ms per layer). CUDA only, so the CPU keeps returning what it always has."""
+    return cache.hooked and selector.select().cuda
 
 
 # --- attention in the rotated basis ------------------------------------------------
@@ -615,17 +612,15 @@ def _attend_rotated(cache, queries: mx.array, scale: float, mask) -> mx.array:
 
 
 def _fused_decode(cache, queries: mx.array, scale: float) -> mx.array | None:
-    """One decode token per row on CUDA: engine.decode_attention's kernel over this
-    step's codes (positions below each row's boundary) and dense columns, the same
-    positions `_fetch` decodes; None where it does not apply (CPU, prefill chunks,
-    head sizes or bits it has no variant for)."""
-    if cache._step is None or queries.shape[2] != 1:
+    """One decode token per row on CUDA: the kernels' TurboQuant attention over this step's codes
+    (positions below each row's boundary) and dense columns, the same positions `_fetch` decodes;
+    None where it does not apply (CPU, prefill chunks, head sizes or bits it has no kernel for)."""
+    kernels = selector.select()
+    if not kernels.cuda or cache._step is None or queries.shape[2] != 1:
         return None
     dense_k, dense_v = cache._step[-2:]
     dim = queries.shape[-1]
     if dense_k.shape[-1] != dim or dense_v.shape[-1] != dim:
-        return None
-    if not decode_attention.use_tq(queries, dense_k.shape[1], cache.kv_bits, dim):
         return None
     codec = get_codec(dim, cache.kv_bits, cache.seed)
     if not codec.hadamard:
@@ -635,200 +630,7 @@ def _fused_decode(cache, queries: mx.array, scale: float) -> mx.array | None:
     else:
         end, lp = cache.offset, None
     k, v = cache._k, cache._v  # not `cache.k`: that would encode what this step deferred
-    one = decode_attention.one_launch()
-    cnt = decode_attention.counters(cache, queries.shape[0] * dense_k.shape[1]) if one else None
-    # The whole buffers (capacity >= end: `reserve`) and `end`: the kernels that take it read
-    # columns [0, end) only, and four slices were ~28 us of host time per layer (tq_attend).
-    return decode_attention.tq_attend(queries, k.norms, k.codes, v.norms, v.codes, dense_k, dense_v, lp, scale,
-                                      codec, cache.group, counters=cnt, end=end)
-
-
-def _hooked(original):
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):
-            if sinks is None:
-                # `keys`/`values` (the cache's unrotated K/V) go unused and, MLX being
-                # lazy, are never computed.
-                return cache.attend(queries, scale, mask)
-            if _returns_unused(cache, keys):
-                # The step returned only its dense columns (`_returns_unused`); attention
-                # sinks need the original function, so build the decoded K/V after all.
-                keys, values = cache._fetch(rotated=False)
-        if sinks is None and decode_attention.use_dense(cache, queries, keys, mask):
-            # Left-padded dense rows on CUDA: each row's start offset instead of the mask.
-            out = decode_attention.dense_attend(queries, keys, values, cache.left_padding, scale)
-            if out is not None:
-                return out
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-    scaled_dot_product_attention.prefixtrace_tq_hook = True
-    return scaled_dot_product_attention
-
-
-def install_attention_hook(model) -> int:
-    """Route attention over TurboQuant caches through `_attend_rotated`, and a dense
-    batched decode step over left-padded rows on CUDA through
-    `engine.decode_attention.dense_attend` (each row's start offset, no mask).
-
-    mlx-lm's attention modules call the `scaled_dot_product_attention` their own
-    module imported from `mlx_lm.models.base`; there is no per-cache dispatch
-    other than its affine-quantised branch. This rebinds that name, in each model
-    module `model` is built from, to a wrapper that hands TurboQuant caches to
-    their own `attend` and everything else to the original unchanged. Without the
-    hook a TurboQuant cache still gives the same attention (its `update_and_fetch`
-    returns decoded, unrotated K/V), only slower. Idempotent; returns the number of
-    modules rebound."""
-    done = 0
-    for name in {type(m).__module__ for _, m in model.named_modules()}:
-        module = sys.modules.get(name)
-        f = getattr(module, "scaled_dot_product_attention", None)
-        if f is None or getattr(f, "prefixtrace_tq_hook", False):
-            continue
-        module.scaled_dot_product_attention = _hooked(f)
-        done += 1
-    return done
-
-
-# --- building caches for a model -------------------------------------------------
-
-
-def _dense_set(num_layers: int, dense_layers) -> set[int]:
-    return {i % num_layers for i in dense_layers}
-
-
-def make_tq_cache(model, bits: int = 4, seed: int = 0, dense_layers=(-1,), group: int = DEFAULT_GROUP) -> list:
-    """One cache per layer: `TurboQuantKVCache`, or a dense `KVCache` for `dense_layers`."""
-    install_attention_hook(model)
-    dense = _dense_set(len(model.layers), dense_layers)
-    caches = [KVCache() if i in dense else TurboQuantKVCache(bits, seed, group) for i in range(len(model.layers))]
-    for c in caches:
-        c.hooked = not isinstance(c, KVCache)
-    return caches
-
-
-def to_turboquant(cache_list: list, bits: int = 4, seed: int = 0, dense_layers=(-1,), group: int = DEFAULT_GROUP):
-    """Per-layer caches with every dense `KVCache` outside `dense_layers` turned
-    into a `TurboQuantKVCache` (its tokens quantised). TurboQuant caches and
-    other cache types pass through unchanged."""
-    dense = _dense_set(len(cache_list), dense_layers)
-    out = []
-    for i, c in enumerate(cache_list):
-        if i not in dense and type(c) is KVCache:
-            c = TurboQuantKVCache.from_dense(c, kv_bits=bits, seed=seed, group=group)
-        out.append(c)
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class TQConfig:
-    """An engine's TurboQuant settings: what its caches are made of and what the
-    prefix cache keys and stores (docs/CACHE.md, "TurboQuant blocks")."""
-
-    bits: int = 4
-    seed: int = 0
-    group: int = DEFAULT_GROUP
-    dense_layers: tuple[int, ...] = (-1,)
-
-    @property
-    def block_format(self) -> str:
-        # Which layers are dense is part of the format: blocks of another layout must miss.
-        # The default layout keeps the name blocks were first written under.
-        dense = "" if self.dense_layers == (-1,) else "/dense" + ",".join(map(str, self.dense_layers))
-        return f"turboquant/{self.bits}/{self.seed}/{self.group}{dense}"
-
-    def dense_set(self, num_layers: int) -> set[int]:
-        return _dense_set(num_layers, self.dense_layers)
-
-    def make_cache(self, model) -> list:
-        return make_tq_cache(model, self.bits, self.seed, self.dense_layers, self.group)
-
-    def adapt(self, cache_list: list) -> list:
-        """`to_turboquant` with these settings: dense layers of a hit are quantised,
-        TurboQuant layers (a TurboQuant hit) pass through untouched. The engine's model
-        has the attention hook (it made its caches with `make_cache`), so they are marked
-        `hooked`."""
-        out = to_turboquant(cache_list, self.bits, self.seed, self.dense_layers, self.group)
-        for c in out:
-            if type(c) is TurboQuantKVCache:
-                c.hooked = True
-        return out
-
-    def matches(self, layer) -> bool:
-        return (type(layer) is TurboQuantKVCache and layer.kv_bits == self.bits and layer.seed == self.seed
-                and layer.group == self.group)
-
-
-# --- restored-prefix prefill: a dense copy for the suffix, then quantise only the suffix ---
-
-
-def dense_copy(cache_list: list, suffix: int) -> list:
-    """Dense `KVCache`s for a prefill of `suffix` more tokens after `cache_list`.
-
-    A TurboQuant layer of P tokens becomes a `KVCache` holding what a single
-    `update_and_fetch` of the whole suffix would see of it: positions below
-    min(P, floor(P + suffix)) decoded, the rest of its dense tail as is. Dense
-    layers are passed through (the same object). The TurboQuant caches are left
-    untouched; `append_suffix` adds the suffix to them afterwards."""
-    out = []
-    for c in cache_list:
-        if type(c) is not TurboQuantKVCache or not c.offset:
-            out.append(c)
-            continue
-        prev = c.offset
-        b = min(prev, _floor(prev + suffix, c.group))
-        cut = b - _floor(prev, c.group)
-        # Room for the whole suffix up front: a KVCache that is exactly full copies all it
-        # holds into a bigger buffer on every chunk (mlx-lm grows it `step` tokens at a time).
-        room = -(-(prev + suffix) // KVCache.step) * KVCache.step
-        dense = KVCache()
-        bufs = []
-        for codes, tail in ((c.k, c.tail_k), (c.v, c.tail_v)):
-            decoded = c.codec(tail.shape[-1]).decode(codes.norms[:, :, :b], codes.codes[:, :, :b], tail.dtype)
-            buf = mx.zeros((*tail.shape[:2], room, tail.shape[3]), tail.dtype)
-            buf[:, :, :prev] = mx.concatenate([decoded, tail[:, :, cut:]], axis=2)
-            bufs.append(buf)
-        dense.keys, dense.values, dense.offset = bufs[0], bufs[1], prev
-        out.append(dense)
-    mx.eval([c.state for c in out if c.offset])
-    return out
-
-
-def dense_copy_bytes(cache_list: list, total: int) -> int:
-    """Bytes the dense copies of `cache_list`'s TurboQuant layers take at `total` tokens."""
-    n = 0
-    for c in cache_list:
-        if type(c) is TurboQuantKVCache and c.offset:
-            n += (c.tail_k.shape[1] * c.tail_k.shape[3] + c.tail_v.shape[1] * c.tail_v.shape[3]) \
-                * c.tail_k.dtype.size * total
-    return n
-
-
-def append_suffix(quantised: list, dense: list) -> list:
-    """`quantised` with the positions `dense` holds past each TurboQuant layer's offset
-    encoded and appended; the prefix's norms and codes are not touched (bit for bit).
-    The dense tail becomes `dense`'s values from the last multiple of `group` on.
-    Dense layers are taken from `dense` (they are the same objects).
-
-    With empty `quantised` caches (a cold prefill run dense) the result is exactly
-    `TurboQuantKVCache.from_dense` of each layer. The suffix is encoded as new tokens
-    are (`_encode_into`: one fused launch on CUDA). `dense` is consumed: each entry is
-    replaced by its quantised layer as soon as that is evaluated, so its dense K/V can
-    be freed and the peak stays near the dense KV alone, not dense plus all codes."""
-    out = []
-    for i, (q, d) in enumerate(zip(quantised, dense)):
-        if type(q) is not TurboQuantKVCache or q is d:
-            out.append(d)
-            continue
-        prev, n = q.offset, d.offset
-        keys, values = d.keys[:, :, :n], d.values[:, :, :n]
-        if n > prev:
-            _encode_into(q.k, q.v, prev, keys[:, :, prev:], values[:, :, prev:],
-                         q.codec(keys.shape[-1]), q.codec(values.shape[-1]))
-        keep = _floor(n, q.group)
-        q.tail_k, q.tail_v = mx.contiguous(keys[:, :, keep:]), mx.contiguous(values[:, :, keep:])
-        q.offset = n
-        if n:
-            mx.eval(q.state)
-        dense[i] = q
-        out.append(q)
-    return out
+    # The whole buffers (capacity >= end: `reserve`) and `end`: the kernels read columns [0, end)
+    # only, and four slices were ~28 us of host time per layer.
+    return kernels.tq_attend(queries, k.norms, k.codes, v.norms, v.codes, dense_k, dense_v, lp, scale, codec,
+                             cache.group, end)
