@@ -56,7 +56,7 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 from bench.bench_scheduler import QWEN3_8B, random_loader, steady_batch_decode  # noqa: E402
 from engine import decode_attention, dense_mma, dense_prebuild  # noqa: E402
 from engine.batch_cache import RowBatchKVCache  # noqa: E402
-from engine.tq_cache import install_attention_hook  # noqa: E402
+from engine.attention_hook import install_attention_hook  # noqa: E402
 
 
 def step_ms(model, cache, tokens, repeats: int) -> tuple[float, float]:

@@ -68,7 +68,7 @@ def step_time(cache, mode: str, q_heads: int, kv_heads: int, dim: int, dtype, st
     SDPA over the cache's decoded K/V). part "update" times the update alone, "attend" the
     attention alone (its update evaluated first). The median leaves out the `first` steps.
     `window`: open ncu's capture window (`profiler`) around each step only, after its inputs exist."""
-    from engine.tq_cache import _hooked
+    from engine.attention_hook import _hooked
 
     hook = _hooked(lambda q, k, v, cache, scale, mask, sinks=None: mx.fast.scaled_dot_product_attention(
         q, k, v, scale=scale, mask=mask))
@@ -110,7 +110,7 @@ def queued_step_time(make, mode: str, layers: int, q_heads: int, kv_heads: int, 
     layers, so launches and their Python overlap the GPU's work as in a decode step. `host_out`
     gets the median seconds per layer spent building the graph before the eval (Python and
     MLX's graph, no GPU wait: where it is close to the total, the step waits on the host)."""
-    from engine.tq_cache import _hooked
+    from engine.attention_hook import _hooked
 
     hook = _hooked(lambda q, k, v, cache, scale, mask, sinks=None: mx.fast.scaled_dot_product_attention(
         q, k, v, scale=scale, mask=mask))
@@ -346,7 +346,7 @@ def model_decode(model_dir: Path, context: int, tokens: int, bits: int) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
     from engine.cpu_runtime import load_model
-    from engine.tq_cache import make_tq_cache
+    from engine.tq_config import make_tq_cache
 
     model, _ = load_model(model_dir, None)
     prompt = mx.random.randint(10, 1000, (1, context))

@@ -35,7 +35,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache, make_tq_cache, to_turboquant  # noqa: E402
+from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache  # noqa: E402
+from engine.tq_config import make_tq_cache, to_turboquant  # noqa: E402
 from engine.turboquant import get_codec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -381,7 +382,7 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
 
     from bench.bench_scheduler import QWEN3_8B, random_loader
     from engine import decode_attention, scheduler, tq_prebuild
-    from engine.tq_cache import TQConfig
+    from engine.tq_config import TQConfig
     from engine.engine import Engine
     from engine.sampling import SamplingParams
     from engine.sequence import Failed, Finished, Sequence

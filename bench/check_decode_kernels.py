@@ -191,7 +191,8 @@ def greedy_identity(steps: int, variants=("v2s",), dense: bool = True, dtype: st
     from mlx_lm.models.cache import make_prompt_cache
 
     from engine.model_files import load_model_dir
-    from engine.tq_cache import install_attention_hook, make_tq_cache
+    from engine.tq_config import make_tq_cache
+    from engine.attention_hook import install_attention_hook
 
     if model_name == "wide":
         model = wide_model(dtype)

@@ -36,12 +36,12 @@ from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 from engine.kernels import selector
 from engine.turboquant import get_codec
 
-__all__ = ["TurboQuantKVCache", "BatchTurboQuantKVCache", "DEFAULT_GROUP"]
+__all__ = ["TurboQuantKVCache", "BatchTurboQuantKVCache", "DEFAULT_GROUP", "encode_into", "floor_group"]
 
 DEFAULT_GROUP = 64
 
 
-def _floor(n: int, group: int) -> int:
+def floor_group(n: int, group: int) -> int:
     return n - n % group
 
 
@@ -121,7 +121,7 @@ def _view(w: _Window | None) -> mx.array | None:
     return None if w is None else w.view()
 
 
-def _encode_into(k: _Codes, v: _Codes, used: int, keys: mx.array, values: mx.array, ck, cv) -> None:
+def encode_into(k: _Codes, v: _Codes, used: int, keys: mx.array, values: mx.array, ck, cv) -> None:
     """Encode new keys/values and write them at column `used`: on CUDA one fused launch
     for both (the kernels' `encode`) instead of some twenty MLX ops."""
     coded = selector.select().encode(keys, values, ck) if ck is cv else None
@@ -172,7 +172,7 @@ class TurboQuantKVCache(_BaseCache):
             n = self._pending
             self._pending = 0
             tk, tv = self._tail_k.view(), self._tail_v.view()
-            _encode_into(self._k, self._v, self.offset - n, tk[:, :, -n:], tv[:, :, -n:],
+            encode_into(self._k, self._v, self.offset - n, tk[:, :, -n:], tv[:, :, -n:],
                          self.codec(tk.shape[-1]), self.codec(tv.shape[-1]))
         return self
 
@@ -180,9 +180,9 @@ class TurboQuantKVCache(_BaseCache):
         self._step = None  # its views of the tail would keep MLX from writing the buffer in place
         prev, n = self.offset, self.offset + keys.shape[2]
         ck, cv = self.codec(keys.shape[-1]), self.codec(values.shape[-1])
-        b = min(prev, _floor(n, self.group))  # positions < b are seen decoded
-        cut = b - _floor(prev, self.group)
-        keep = _floor(n, self.group) - b
+        b = min(prev, floor_group(n, self.group))  # positions < b are seen decoded
+        cut = b - floor_group(prev, self.group)
+        keep = floor_group(n, self.group) - b
         if keys.shape[2] == 1 and self._tail_k is not None and self._k.codes is not None \
                 and selector.select().defer_encode:
             # A decode step: append to the tail in place; encode only when a position
@@ -192,7 +192,7 @@ class TurboQuantKVCache(_BaseCache):
             self._tail_v.append(values)
             self._pending += 1
             first = n - self._pending
-            if b > first or _floor(n, self.group) > first:
+            if b > first or floor_group(n, self.group) > first:
                 self._flushed()
             self._k.reserve(n)
             self._v.reserve(n)
@@ -201,7 +201,7 @@ class TurboQuantKVCache(_BaseCache):
             self._tail_v.drop(cut + keep)
         else:
             self._flushed()
-            _encode_into(self._k, self._v, prev, keys, values, ck, cv)
+            encode_into(self._k, self._v, prev, keys, values, ck, cv)
             # Positions [b, n), seen dense. The new tail is cut from these alone, so it
             # never depends on (and never forces) a decode of the whole cache.
             tail_k, tail_v = _view(self._tail_k), _view(self._tail_v)
@@ -245,7 +245,7 @@ class TurboQuantKVCache(_BaseCache):
         """The K/V this cache represents, as a dense `KVCache`."""
         dense = KVCache()
         if self.offset:
-            b = _floor(self.offset, self.group)
+            b = floor_group(self.offset, self.group)
             parts = []
             for codes, tail in ((self.k, self.tail_k), (self.v, self.tail_v)):
                 codec = self.codec(tail.shape[-1])
@@ -280,7 +280,7 @@ class TurboQuantKVCache(_BaseCache):
             return 0
         self._flushed()
         new = self.offset - n
-        old_floor, new_floor = _floor(self.offset, self.group), _floor(new, self.group)
+        old_floor, new_floor = floor_group(self.offset, self.group), floor_group(new, self.group)
         if new_floor >= old_floor:
             self.tail_k, self.tail_v = self.tail_k[:, :, : new - old_floor], self.tail_v[:, :, : new - old_floor]
         else:
@@ -360,7 +360,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             n = self._pending
             self._pending = 0
             wk, wv = self._win_k.view(), self._win_v.view()
-            _encode_into(self._k, self._v, self._idx - n, wk[:, :, -n:], wv[:, :, -n:],
+            encode_into(self._k, self._v, self._idx - n, wk[:, :, -n:], wv[:, :, -n:],
                          get_codec(wk.shape[-1], self.kv_bits, self.seed),
                          get_codec(wv.shape[-1], self.kv_bits, self.seed))
         return self
@@ -369,7 +369,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         return [self._idx - p for p in self._pads]
 
     def _window_start(self) -> int:
-        return min(p + _floor(self._idx - p, self.group) for p in self._pads)
+        return min(p + floor_group(self._idx - p, self.group) for p in self._pads)
 
     def update_and_fetch(self, keys, values):
         self._step = None  # its views of the window would keep MLX from writing the buffer in place
@@ -378,7 +378,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         ck, cv = get_codec(keys.shape[-1], self.kv_bits, self.seed), get_codec(values.shape[-1], self.kv_bits, self.seed)
         ws = self._ws if self._win_k is not None else prev
         # Per row, columns >= its boundary are seen dense.
-        bounds = [p + min(prev - p, _floor(new_idx - p, self.group)) for p in self._pads]
+        bounds = [p + min(prev - p, floor_group(new_idx - p, self.group)) for p in self._pads]
         self._idx = new_idx
         self.offset = self.offset + N
         new_ws = self._window_start()
@@ -400,7 +400,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             self._idx = prev
             self._flushed()
             self._idx = new_idx
-            _encode_into(self._k, self._v, prev, keys, values, ck, cv)
+            encode_into(self._k, self._v, prev, keys, values, ck, cv)
             win_k, win_v = _view(self._win_k), _view(self._win_v)
             dense_k = keys if win_k is None else mx.concatenate([win_k, keys], axis=2)  # columns [ws, new_idx)
             dense_v = values if win_v is None else mx.concatenate([win_v, values], axis=2)
@@ -464,7 +464,7 @@ class BatchTurboQuantKVCache(_BaseCache):
                 src = getattr(c, name)
                 norms[i : i + 1, :, p:] = src.norms[:, :, : c.offset]
                 codes[i : i + 1, :, p:] = src.codes[:, :, : c.offset]
-                start = p + _floor(c.offset, c.group) - batch._ws
+                start = p + floor_group(c.offset, c.group) - batch._ws
                 win[i : i + 1, :, start:] = getattr(c, "tail_" + name)
             codes_obj = getattr(batch, name)
             codes_obj.norms, codes_obj.codes = norms, codes
@@ -484,7 +484,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             dst.norms = mx.contiguous(src.norms[idx : idx + 1, :, p : self._idx])
             dst.codes = mx.contiguous(src.codes[idx : idx + 1, :, p : self._idx])
             win = getattr(self, "win_" + name)
-            setattr(cache, "tail_" + name, mx.contiguous(win[idx : idx + 1, :, p + _floor(n, self.group) - self._ws :]))
+            setattr(cache, "tail_" + name, mx.contiguous(win[idx : idx + 1, :, p + floor_group(n, self.group) - self._ws :]))
         return cache
 
     def filter(self, batch_indices):

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from engine.attention_hook import install_attention_hook
-from engine.tq_cache import DEFAULT_GROUP, TurboQuantKVCache
+from engine.tq_cache import DEFAULT_GROUP, TurboQuantKVCache, encode_into, floor_group
 
 __all__ = ["TQConfig", "make_tq_cache", "to_turboquant", "dense_copy", "dense_copy_bytes", "append_suffix"]
 
@@ -97,8 +98,8 @@ def dense_copy(cache_list: list, suffix: int) -> list:
             out.append(c)
             continue
         prev = c.offset
-        b = min(prev, _floor(prev + suffix, c.group))
-        cut = b - _floor(prev, c.group)
+        b = min(prev, floor_group(prev + suffix, c.group))
+        cut = b - floor_group(prev, c.group)
         # Room for the whole suffix up front: a KVCache that is exactly full copies all it
         # holds into a bigger buffer on every chunk (mlx-lm grows it `step` tokens at a time).
         room = -(-(prev + suffix) // KVCache.step) * KVCache.step
@@ -133,7 +134,7 @@ def append_suffix(quantised: list, dense: list) -> list:
 
     With empty `quantised` caches (a cold prefill run dense) the result is exactly
     `TurboQuantKVCache.from_dense` of each layer. The suffix is encoded as new tokens
-    are (`_encode_into`: one fused launch on CUDA). `dense` is consumed: each entry is
+    are (`encode_into`: one fused launch on CUDA). `dense` is consumed: each entry is
     replaced by its quantised layer as soon as that is evaluated, so its dense K/V can
     be freed and the peak stays near the dense KV alone, not dense plus all codes."""
     out = []
@@ -144,9 +145,9 @@ def append_suffix(quantised: list, dense: list) -> list:
         prev, n = q.offset, d.offset
         keys, values = d.keys[:, :, :n], d.values[:, :, :n]
         if n > prev:
-            _encode_into(q.k, q.v, prev, keys[:, :, prev:], values[:, :, prev:],
+            encode_into(q.k, q.v, prev, keys[:, :, prev:], values[:, :, prev:],
                          q.codec(keys.shape[-1]), q.codec(values.shape[-1]))
-        keep = _floor(n, q.group)
+        keep = floor_group(n, q.group)
         q.tail_k, q.tail_v = mx.contiguous(keys[:, :, keep:]), mx.contiguous(values[:, :, keep:])
         q.offset = n
         if n:

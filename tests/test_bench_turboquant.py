@@ -15,7 +15,8 @@ from bench.bench_turboquant import (
     load_tiny,
     used_nbytes,
 )
-from engine.tq_cache import TurboQuantKVCache, make_tq_cache
+from engine.tq_cache import TurboQuantKVCache
+from engine.tq_config import make_tq_cache
 
 TOKENS = [(i * 37 + 11) % 500 for i in range(64 + 128 + 1)]  # prompt 64, continuation 128, one target past it
 

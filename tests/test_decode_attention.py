@@ -15,7 +15,8 @@ from mlx_lm.models.cache import KVCache
 
 from engine import decode_attention
 from engine.batch_cache import RowBatchKVCache
-from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache, _hooked
+from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache
+from engine.attention_hook import _hooked
 
 
 def _np(a: mx.array) -> np.ndarray:
@@ -357,7 +358,7 @@ def test_greedy_tokens_through_the_kernel_arithmetic_equal_the_mlx_ops_path(emul
     """The fixture model (head dim 16) over 160 greedy tokens, one TurboQuant row: the
     emulated kernel path gives the same tokens as today's MLX-ops path."""
     from engine.model_files import load_model_dir
-    from engine.tq_cache import make_tq_cache
+    from engine.tq_config import make_tq_cache
     from tests.conftest import TINY_MODEL
 
     model, _, _ = load_model_dir(TINY_MODEL, "float32")
@@ -677,7 +678,7 @@ def test_greedy_tokens_through_the_v3_arithmetic_equal_the_mlx_ops_path(emulated
     """The fixture model (head dim 16, G = 2), a single row and a left-padded batch of three, 120
     greedy tokens: the emulated v3 kernels give today's MLX-ops tokens."""
     from engine.model_files import load_model_dir
-    from engine.tq_cache import make_tq_cache
+    from engine.tq_config import make_tq_cache
     from tests.conftest import TINY_MODEL
 
     model, _, _ = load_model_dir(TINY_MODEL, "float32")

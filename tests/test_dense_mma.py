@@ -24,7 +24,7 @@ from mlx_lm.models.cache import KVCache
 
 from engine import decode_attention, dense_mma
 from engine.batch_cache import RowBatchKVCache
-from engine.tq_cache import _hooked
+from engine.attention_hook import _hooked
 from tests.test_decode_attention import _blocks, _plain, emulated, emulated_dense  # noqa: F401
 from tests.test_tq_mma import _GQ, _TQ, _mma
 

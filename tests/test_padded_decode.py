@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache
 from bench.bench_decode_mask import _copy_attention, attention_replaced, batch_cache
 from engine import decode_attention
 from engine.batch_cache import RowBatchKVCache
-from engine.tq_cache import install_attention_hook
+from engine.attention_hook import install_attention_hook
 from tests.test_decode_attention import emulated  # noqa: F401  (fixture)
 
 

@@ -333,7 +333,7 @@ def _prebuild_under_v7(monkeypatch, heads: tuple[int, int, int], attention: dict
     from types import SimpleNamespace
 
     from engine import tq_prebuild
-    from engine.tq_cache import TQConfig
+    from engine.tq_config import TQConfig
 
     def zeros(**kw):
         return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]

@@ -380,7 +380,7 @@ def test_prebuild_at_load_builds_the_v4_kernels_under_v4(monkeypatch):
     from types import SimpleNamespace
 
     from engine import tq_prebuild
-    from engine.tq_cache import TQConfig
+    from engine.tq_config import TQConfig
 
     built = []
 
@@ -569,7 +569,7 @@ def test_prebuild_under_v5_builds_one_kernel_per_fold_choice(monkeypatch):
     from types import SimpleNamespace
 
     from engine import tq_prebuild
-    from engine.tq_cache import TQConfig
+    from engine.tq_config import TQConfig
 
     built = []
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine import decode_attention as da
 from engine import tq_prebuild
-from engine.tq_cache import TQConfig
+from engine.tq_config import TQConfig
 from engine.turboquant import get_codec
 
 ROOT = Path(__file__).resolve().parent.parent

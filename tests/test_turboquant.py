@@ -15,7 +15,8 @@ from bench.bench_turboquant import (
     load_tiny,
     next_token_agreement,
 )
-from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache, make_tq_cache, to_turboquant
+from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache
+from engine.tq_config import make_tq_cache, to_turboquant
 from engine.turboquant import TurboQuantCodec, get_codec, lloyd_max_codebook
 
 H, D, Q_HEADS = 2, 16, 4  # fixtures/tiny-llama's attention shapes
