@@ -1,4 +1,4 @@
-"""engine/decode_attention.py's CUDA sources, rendered as MLX's `mx.fast.cuda_kernel` renders
+"""engine/kernels/'s CUDA sources, rendered as MLX's `mx.fast.cuda_kernel` renders
 them (mlx/backend/cuda/custom_kernel.cpp, `build_kernel`: `const T* name` per input, with
 `name_shape` / `name_strides` where the body names them, `T* name` per output, the template
 arguments as constexprs / type aliases, then the body) and compiled for the H200 (sm_90)
@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from engine import decode_attention as da
+from engine.kernels import common, dense, prebuild, selector, tq_decode, tq_encode, tq_fused, tq_mma, tq_split  # noqa: F401
 
 # What MLX's default header brings that the bodies use: the dtypes and the Shape / Strides
 # arrays (cuda::std::array of int32 / int64 in MLX; an indexable struct here).
@@ -63,7 +63,7 @@ def _variants(dtypes=("bfloat16", "float32", "float16")) -> list[str]:
     i = 0
     for dtype in dtypes:
         for dim, g, chunk, bits in ((128, 4, 256, 4), (64, 3, 1024, 2), (16, 2, 64, 8), (256, 4, 1024, 1)):  # G x D <= 1024 (`_gqa`)
-            base = [("T", dtype), ("D", dim), ("G", g), ("CHUNK", chunk), ("NW", da.NW)]
+            base = [("T", dtype), ("D", dim), ("G", g), ("CHUNK", chunk), ("NW", common.NW)]
             tq = base + [("BITS", bits), ("GROUP", 64), ("NQ", 1), ("U", da.UNROLLS[i % len(da.UNROLLS)])]
             inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS]
             out.append(render(f"tq_{i}", da._TQ_SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
@@ -84,14 +84,14 @@ def _variants(dtypes=("bfloat16", "float32", "float16")) -> list[str]:
                                   [("kn", "float32"), ("kc", "uint32"), ("vn", "float32"), ("vc", "uint32")],
                                   [("T", dtype), ("D", dim), ("BITS", bits)]))
             for load in da.TQ3_LOADS:
-                cpl = da.tq3_cpl(g, dim, bits, load)
+                cpl = tq_split.cpl(g, dim, bits, load)
                 if cpl is not None:
-                    out.append(render(f"tq3_{i}_{load}", da._TQ3_SOURCE, inputs,
+                    out.append(render(f"tq3_{i}_{load}", tq_split.SOURCE, inputs,
                                       [("o_part", "float32"), ("ml_part", "float32")],
-                                      da._templates3(dtype, dim, g, chunk, bits, 64, cpl)))
-            out.append(render(f"tq3_reduce_{i}", da._TQ3_REDUCE_SOURCE,
+                                      tq_split.templates(dtype, dim, g, chunk, bits, 64, cpl)))
+            out.append(render(f"tq3_reduce_{i}", tq_split.REDUCE_SOURCE,
                               [("o_part", "float32", 1), ("ml_part", "float32", 3), ("signs", "float32", 1)],
-                              [("out", dtype)], [("T", dtype), ("D", dim), ("RW", da.TQ3_RW)]))
+                              [("out", dtype)], [("T", dtype), ("D", dim), ("RW", tq_split.RW)]))
             i += 1
     return out
 
@@ -103,12 +103,12 @@ def _v3_engine_shapes(dtype="bfloat16") -> list[tuple[str, str]]:
     for dim, g, chunk, bits in ((128, 4, 1024, 4), (128, 4, 256, 4), (128, 8, 512, 4), (64, 3, 1024, 4)):
         for load in da.TQ3_LOADS:
             for nib in (True, False):
-                cpl = da.tq3_cpl(g, dim, bits, load)
+                cpl = tq_split.cpl(g, dim, bits, load)
                 name = f"v3_d{dim}_g{g}_c{chunk}_b{bits}_l{load}" + ("" if nib else "_plain")
                 inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS]
-                out.append((name, render(name, da._TQ3_SOURCE, inputs,
+                out.append((name, render(name, tq_split.SOURCE, inputs,
                                          [("o_part", "float32"), ("ml_part", "float32")],
-                                         da._templates3(dtype, dim, g, chunk, bits, 64, cpl, nib))))
+                                         tq_split.templates(dtype, dim, g, chunk, bits, 64, cpl, nib))))
     return out
 
 
@@ -136,7 +136,7 @@ def ptxas_report(src, headers: str, shapes: list[tuple[str, str]], timeout: int)
 def test_every_kernel_renders_with_the_names_its_body_uses():
     sources = _variants()
     # per dtype and shape: tq, tq1, dense, 2 reduces, v3 per load width that fits, the v3 reduce; encode if D >= 32
-    v3 = sum(da.tq3_cpl(g, d, b, load) is not None for d, g, b in ((128, 4, 4), (64, 3, 2), (16, 2, 8), (256, 4, 1))
+    v3 = sum(tq_split.cpl(g, d, b, load) is not None for d, g, b in ((128, 4, 4), (64, 3, 2), (16, 2, 8), (256, 4, 1))
              for load in da.TQ3_LOADS)
     assert len(sources) == 3 * (4 * 6 + v3) + 3 * 3
     one = da._TQ1_SOURCE
@@ -150,7 +150,7 @@ def test_every_kernel_renders_with_the_names_its_body_uses():
 def test_every_kernel_compiles_for_the_h200(tmp_path):
     src = tmp_path / "kernels.cu"
     # bf16 (what the engine decodes in) and float32 (the GPU check's exact comparisons).
-    src.write_text(_PRELUDE + da._HEADER + da._TQ3_HEADER + "\n".join(_variants(("bfloat16", "float32"))))
+    src.write_text(_PRELUDE + common.HEADER + tq_split.SPLIT_HEADER + "\n".join(_variants(("bfloat16", "float32"))))
     run = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "k.o")],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -164,7 +164,7 @@ def test_v3_keeps_its_registers_without_spills(tmp_path):
     shapes = _v3_engine_shapes()
     report = {}
     for name, (regs, _smem, frame, spills, block) in ptxas_report(
-            tmp_path / "v3.cu", da._HEADER + da._TQ3_HEADER, shapes, timeout=600).items():
+            tmp_path / "v3.cu", common.HEADER + tq_split.SPLIT_HEADER, shapes, timeout=600).items():
         report[name] = regs
         assert frame == 0 and spills == ("0", "0"), (name, block)
     assert len(report) == len(shapes)

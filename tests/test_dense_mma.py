@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from engine import decode_attention, dense_mma
+from engine.kernels import common, dense, prebuild, selector, tq_decode, tq_encode, tq_fused, tq_mma, tq_split  # noqa: F401
 from engine.batch_cache import RowBatchKVCache
 from engine.attention_hook import _hooked
 from tests.test_decode_attention import _blocks, _plain, emulated, emulated_dense  # noqa: F401
@@ -131,15 +131,15 @@ def _values(p, vbits, G, D, dtype):
 
 
 def emulated_dense_mma(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-    """`dense_mma.SOURCE`: v1's blocks (columns [max(s CHUNK, lp[b]), min((s+1) CHUNK, T))) with
+    """`dense.MMA_SOURCE`: v1's blocks (columns [max(s CHUNK, lp[b]), min((s+1) CHUNK, T))) with
     the scores and values through the fragments above."""
     q, k, v, lp, params = inputs
     t, S, H, B = _blocks(template, grid, threadgroup)
     D, G, CHUNK, U, PAD = (t[n] for n in ("D", "G", "CHUNK", "U", "PAD"))
     dtype = t["T"]
     assert dtype in (mx.bfloat16, mx.float16) and q.dtype == k.dtype == v.dtype == dtype
-    assert D in dense_mma.DIMS and 1 <= G <= 8 and U in dense_mma.UNROLLS and PAD == dense_mma.SCORE_PAD
-    assert G * CHUNK <= decode_attention._SMEM_SCORES and not (D == 256 and U > 2)
+    assert D in dense.MMA_DIMS and 1 <= G <= 8 and U in dense_mma.UNROLLS and PAD == dense.SCORE_PAD
+    assert G * CHUNK <= common.SMEM_SCORES and not (D == 256 and U > 2)
     qb, kb, vb = _bits(q), _bits(k), _bits(v)
     lp, scale = np.array(lp), float(np.array(params)[0])
     HQ, end = H * G, k.shape[2]
@@ -275,7 +275,7 @@ def test_the_source_indexes_as_the_emulation_does():
     """The index expressions the emulation replays, as they stand in the kernel's source (so the
     two cannot drift apart unnoticed): K loads at 32 i + 8 tq, V loads at 64 i + 8 gq, the query
     pairs and output coordinates, the two byte-permute selectors, P's tokens 4 tq + r."""
-    src = " ".join(dense_mma.SOURCE.split())
+    src = " ".join(dense.MMA_SOURCE.split())
     for piece in ("+ h * k_strides[1] + 8 * tq;", "(size_t)(c0 + t) * k_strides[2] + 32 * i))",
                   "const int d = 32 * (j >> 1) + 8 * tq + 4 * (j & 1);", "&qs[gr][d + 2]",
                   "const int i = j >> 1, e = 2 * (j & 1);", "word_of(w[u][0][i], e), word_of(w[u][1][i], e), "
@@ -314,7 +314,7 @@ def test_variant_settings_and_their_env_vars(monkeypatch):
 def test_on_the_cpu_nothing_takes_either_kernel(monkeypatch):
     """CI's case: without CUDA the hook keeps MLX's masked SDPA under either variant, and the MMA
     kernel is never built (its `mx.fast.cuda_kernel` would fail here)."""
-    assert not decode_attention.available()
+    assert not common.available()
     monkeypatch.setattr(dense_mma, "_kernel", lambda: pytest.fail("the MMA kernel built on the CPU"))
     monkeypatch.setattr(decode_attention, "_dense_kernel", lambda: pytest.fail("v1 built on the CPU"))
     decode_attention.set_dense_variant("mma")
@@ -340,8 +340,8 @@ def _engine_shapes() -> list[tuple[str, str]]:
                 name = f"mma_{dtype}_d{dim}_g{g}_c{chunk}_u{unroll}"
                 inputs = [("q", dtype, 4), ("k", dtype, 4), ("v", dtype, 4), ("lp", "int32", 1),
                           ("params", "float32", 1)]
-                t = [(n, dtype if n == "T" else x) for n, x in dense_mma.templates(dtype, dim, g, chunk, unroll)]
-                out.append((name, render(name, dense_mma.SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
+                t = [(n, dtype if n == "T" else x) for n, x in dense.mma_templates(dtype, dim, g, chunk, unroll)]
+                out.append((name, render(name, dense.MMA_SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
                                          t)))
     return out
 
@@ -356,7 +356,7 @@ def test_compiles_for_the_h200_without_spills(tmp_path):
     shapes = _engine_shapes()
     report = {}
     for name, (regs, smem, frame, spills, block) in ptxas_report(
-            tmp_path / "mma.cu", decode_attention._HEADER + dense_mma.HEADER, shapes, timeout=900).items():
+            tmp_path / "mma.cu", common.HEADER + dense.MMA_HEADER, shapes, timeout=900).items():
         report[name] = (regs, smem)
         assert frame == 0 and spills == ("0", "0") and smem <= 48 * 1024, (name, block)
     assert len(report) == len(shapes)
@@ -372,11 +372,11 @@ def test_prebuild_at_load_builds_each_chunk_of_the_variant_in_use(monkeypatch, v
     reduce; on the CPU, or at one row, nothing."""
     from types import SimpleNamespace
 
-    from engine import dense_prebuild
+    from engine.kernels import prebuild
 
     args = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096)
     model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
-    assert dense_prebuild.prebuild(model, max_batch=8) == {}  # the CPU: no CUDA, nothing built
+    assert prebuild.prebuild_dense(model, max_batch=8) == {}  # the CPU: no CUDA, nothing built
     built = {"v1": [], "mma": [], "reduce": []}
 
     def record(kind):
@@ -389,10 +389,10 @@ def test_prebuild_at_load_builds_each_chunk_of_the_variant_in_use(monkeypatch, v
     monkeypatch.setattr(decode_attention, "_dense_kernel", record("v1"))
     monkeypatch.setattr(dense_mma, "_kernel", record("mma"))
     monkeypatch.setattr(decode_attention, "_reduce_kernel", record("reduce"))
-    assert dense_prebuild.prebuild(model, max_batch=1) == {}  # one row: never a padded batch
+    assert prebuild.prebuild_dense(model, max_batch=1) == {}  # one row: never a padded batch
     decode_attention.set_dense_variant(variant)
     try:
-        out = dense_prebuild.prebuild(model, max_batch=8)
+        out = prebuild.prebuild_dense(model, max_batch=8)
     finally:
         decode_attention.set_dense_variant(decode_attention.DEFAULT_DENSE_VARIANT)
     assert sorted(out) == [64, 128, 256, 512, 1024]
@@ -409,11 +409,11 @@ def test_an_engine_asks_for_the_dense_builds_at_load(monkeypatch):
     caches alike: a TurboQuant model's dense layers take the dense kernel); on the CPU nothing."""
     from pathlib import Path
 
-    from engine import dense_prebuild
+    from engine.kernels import prebuild
     from engine.engine import Engine
 
     calls = []
-    real = dense_prebuild.prebuild
+    real = prebuild.prebuild_dense
     monkeypatch.setattr(dense_prebuild, "prebuild", lambda model, max_batch: calls.append(max_batch) or
                         real(model, max_batch))
     engine = Engine(model_dir=str(Path(__file__).resolve().parent.parent / "fixtures" / "tiny-llama"),

@@ -17,7 +17,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from bench.bench_decode_mask import _copy_attention, attention_replaced, batch_cache
-from engine import decode_attention
+from engine.kernels import common, dense, prebuild, selector, tq_decode, tq_encode, tq_fused, tq_mma, tq_split  # noqa: F401
 from engine.batch_cache import RowBatchKVCache
 from engine.attention_hook import install_attention_hook
 from tests.test_decode_attention import emulated  # noqa: F401  (fixture)
@@ -96,9 +96,9 @@ def test_dense_shape_setting_and_its_env_vars(monkeypatch):
     finally:
         decode_attention.set_dense_shape(*saved)
     # 8 rows x 4k x 8 KV heads: chunk 256 at 1,024 target blocks, 64 at 4,096 (4,096 blocks).
-    assert decode_attention.split_chunk(4096, 8, 8, 4) == 256
-    assert decode_attention.split_chunk(4096, 8, 8, 4, target=2048) == 128
-    assert decode_attention.split_chunk(4096, 8, 8, 4, target=4096) == 64
+    assert common.split_chunk(4096, 8, 8, 4) == 256
+    assert common.split_chunk(4096, 8, 8, 4, target=2048) == 128
+    assert common.split_chunk(4096, 8, 8, 4, target=4096) == 64
 
 
 def _launches(monkeypatch) -> list:

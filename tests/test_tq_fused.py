@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import decode_attention, tq_fused, tq_mma
+from engine.kernels import common, dense, prebuild, selector, tq_decode, tq_encode, tq_fused, tq_mma, tq_split  # noqa: F401
 from tests.test_decode_attention import (  # noqa: F401
     _blocks, _butterfly, _kernel_calls, _np, emulated, emulated_tq3_reduce, tq_split_blocks,
 )
@@ -238,10 +238,10 @@ def test_v7_with_one_tile_buffer_computes_the_same(emulated7, monkeypatch):
     """PREFIXTRACE_TQ7_PF=0 (one tile buffer: the same tiles in the same order, no tile in flight
     across the math): the kernel gets PF = false and the step still matches; the split plans with
     its own (5) blocks per SM."""
-    assert tq_fused.tq7_prefetch() and tq_fused.slots7(4, 128) == tq_mma.sm_count() * 4
+    assert tq_fused.tq7_prefetch() and tq_fused.slots7(4, 128) == common.sm_count() * 4
     tq_fused.set_tq7_prefetch(0)  # (drops split7's cached plans, made for 4 blocks per SM)
     try:
-        assert tq_fused.v7_regs(4, 128) == 96 and tq_fused.slots7(4, 128) == tq_mma.sm_count() * 5
+        assert tq_fused.v7_regs(4, 128) == 96 and tq_fused.slots7(4, 128) == common.sm_count() * 5
         with monkeypatch.context() as m:
             _force_chunk(m, 576)
             for v7, v4, ref in _lockstep([[1500, 9]], 8, 2, 128, mx.bfloat16, 2, seed=4):
@@ -298,7 +298,7 @@ def test_v7_variant_rules_and_source(monkeypatch):
     assert not tq_fused.usable7(q.astype(mx.float32), 4, 4, 128, 64)
     assert not tq_fused.usable7(mx.zeros((1, 32, 1, 256), mx.bfloat16), 4, 4, 256, 64)
     assert not tq_fused.usable7(q, 4, 8, 128, 2048)  # the tail's scores + red past the table's space
-    s = tq_fused.TQ7_SOURCE
+    s = tq_fused.SOURCE
     # one pass: no score array per token (the tail's sc is GROUP wide), no barrier in the code path's loop
     assert "[CHUNK]" not in s and s.count("mma_f16(") == 2
     loop = s[s.index("Tile ta, tb2;"):s.index("// The block's combine")]
@@ -319,7 +319,7 @@ def test_v7_split_uses_its_own_occupancy():
     """split7 is v5's cost model at v7's resident blocks (registers: 4 blocks of 4 warps per SM at
     128), the chunk a multiple of 64 of at least the window's."""
     slots = tq_fused.slots7(4, 128)
-    assert slots == tq_mma.sm_count() * 4
+    assert slots == common.sm_count() * 4
     for tokens, rows in ((100_000, 1), (32768, 1), (100_000, 8), (700, 3)):
         chunk = tq_fused.split7(-(-tokens // 64), 8, rows, 4, 128, 2)
         assert chunk % 64 == 0 and 128 <= chunk <= tq_mma.chunk_capacity(4)
@@ -327,12 +327,12 @@ def test_v7_split_uses_its_own_occupancy():
 
 
 def _prebuild_under_v7(monkeypatch, heads: tuple[int, int, int], attention: dict) -> dict:
-    """tq_prebuild.prebuild under v7 for a model of (query heads, KV heads, head dim), bf16, with the
+    """prebuild.prebuild_tq under v7 for a model of (query heads, KV heads, head dim), bf16, with the
     encode and reduce kernels recorded as zeros and `attention` ({kernel getter name on its module:
     replacement}) set; returns the build's {chunk: s}."""
     from types import SimpleNamespace
 
-    from engine import tq_prebuild
+    from engine.kernels import prebuild
     from engine.tq_config import TQConfig
 
     def zeros(**kw):
@@ -348,7 +348,7 @@ def _prebuild_under_v7(monkeypatch, heads: tuple[int, int, int], attention: dict
     model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
     decode_attention.set_tq_variant("v7")
     try:
-        return tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
+        return prebuild.prebuild_tq(model, TQConfig(), max_batch=8)
     finally:
         decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
 
@@ -391,10 +391,10 @@ def test_v7_compiles_for_the_h200_within_its_register_budget(tmp_path):
                               ("bfloat16", 128, 1)):
             name = f"v7_{dtype}_d{dim}_g{g}_pf{int(pf)}"
             inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS]
-            shapes.append((name, render(name, tq_fused.TQ7_SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
-                                        tq_fused._templates7(dtype, dim, g, 64, pf))))
-    report = ptxas_report(tmp_path / "v7.cu", decode_attention._HEADER + decode_attention._TQ3_HEADER
-                          + tq_mma.TQ4_HEADER + tq_fused.TQ7_HEADER, shapes, timeout=900)
+            shapes.append((name, render(name, tq_fused.SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
+                                        tq_fused.templates7(dtype, dim, g, 64, pf))))
+    report = ptxas_report(tmp_path / "v7.cu", common.HEADER + tq_split.SPLIT_HEADER
+                          + tq_mma.MMA_HEADER + tq_fused.FUSED_HEADER, shapes, timeout=900)
     assert len(report) == len(shapes)
     for name, (regs, smem, frame, spills, block) in report.items():
         g, dim = int(name.split("_g")[1].split("_")[0]), int(name.split("_d")[1].split("_")[0])
@@ -403,5 +403,5 @@ def test_v7_compiles_for_the_h200_within_its_register_budget(tmp_path):
         assert tq_fused.v7_shared_bytes(g, dim) - 128 <= smem <= tq_fused.v7_shared_bytes(g, dim), (name, smem)
         assert regs <= tq_fused.v7_regs(g, dim, pf), (name, regs)
         if (dim, g) == (128, 4):  # Qwen3-8B: the blocks per SM `split7` plans with: 4 with two tile buffers, 5 with one
-            assert tq_mma.blocks_per_sm(smem, regs) == (4 if pf else 5), (name, regs)
+            assert common.blocks_per_sm(smem, regs) == (4 if pf else 5), (name, regs)
     print("ptxas registers, smem:", {n: r[:2] for n, r in report.items()})

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import decode_attention, tq_mma
+from engine.kernels import common, dense, prebuild, selector, tq_decode, tq_encode, tq_fused, tq_mma, tq_split  # noqa: F401
 from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache
 from tests.test_decode_attention import (  # noqa: F401
     _blocks, _butterfly, _kernel_calls, _np, emulated, emulated_tq3, emulated_tq3_reduce, tq_split_blocks,
@@ -163,7 +163,7 @@ def emulated_tq4(inputs, template, grid, threadgroup, output_shapes, output_dtyp
     t, S, H, B = _blocks(template, grid, threadgroup)
     D, G, CHUNK, BITS, GROUP, NQ, TC = (t[k] for k in ("D", "G", "CHUNK", "BITS", "GROUP", "NQ", "TC"))
     assert BITS == 4 and D in tq_mma.DIMS4 and G <= 8 and TC == tq_mma.table_copies(G, D, CHUNK)
-    assert G * CHUNK <= decode_attention._SMEM_SCORES
+    assert G * CHUNK <= common.SMEM_SCORES
     HQ, end = H * G, int(params[1])  # (kc: the cache's whole buffer, columns [0, end) its own)
     assert end <= min(kn.shape[2], kc.shape[2], vn.shape[2], vc.shape[2])
     ws, prev = end - tk.shape[2], end - NQ
@@ -330,7 +330,7 @@ def test_v4_compiles_for_the_h200_without_spills(tmp_path):
     shapes = _v4_engine_shapes()
     report = {}
     for name, (regs, smem, frame, spills, block) in ptxas_report(
-            tmp_path / "v4.cu", decode_attention._HEADER + decode_attention._TQ3_HEADER + tq_mma.TQ4_HEADER, shapes,
+            tmp_path / "v4.cu", common.HEADER + tq_split.SPLIT_HEADER + tq_mma.MMA_HEADER, shapes,
             timeout=900).items():
         report[name] = (regs, smem)
         assert frame == 0 and spills == ("0", "0") and smem <= 48 * 1024, (name, block)
@@ -375,11 +375,11 @@ def test_v3_and_v4_take_the_whole_code_buffers_and_the_cache_end(emulated, monke
 
 
 def test_prebuild_at_load_builds_the_v4_kernels_under_v4(monkeypatch):
-    """engine/tq_prebuild.py builds through `tq_attend`, so under v4 it compiles v4's kernel, once
+    """engine/kernels/prebuild.py builds through `tq_attend`, so under v4 it compiles v4's kernel, once
     per CHUNK (and TC: the table copies follow the chunk) a decode step can pick, not v3's."""
     from types import SimpleNamespace
 
-    from engine import tq_prebuild
+    from engine.kernels import prebuild
     from engine.tq_config import TQConfig
 
     built = []
@@ -397,7 +397,7 @@ def test_prebuild_at_load_builds_the_v4_kernels_under_v4(monkeypatch):
     model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
     decode_attention.set_tq_variant("v4")
     try:
-        out = tq_prebuild.prebuild(model, TQConfig(), max_batch=2)
+        out = prebuild.prebuild_tq(model, TQConfig(), max_batch=2)
     finally:
         decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
     tq4 = [t for t in built if "TC" in t]
@@ -494,7 +494,7 @@ def test_v5_split_follows_the_waves():
     one row of 100k gets 640 columns (157 x 8 = 1,256 blocks: two full waves) where v4's 1,024
     left a second wave a fifth full; one row of 32k one wave of 448 (592 blocks); B = 8 keeps
     large chunks and does not fold; the chunk is at least the dense window's and a multiple of 64."""
-    assert tq_mma.blocks_per_sm(tq_mma.v5_shared_bytes(4, 128), tq_mma.v5_regs(4, 128)) == 5
+    assert common.blocks_per_sm(tq_mma.v5_shared_bytes(4, 128), tq_mma.v5_regs(4, 128)) == 5
     assert tq_mma.split5(100_000, 8, 1, 4, 128, 65, sms=132) == (640, True)
     assert tq_mma.split5(32768, 8, 1, 4, 128, 65, sms=132) == (448, True)
     chunk, fold = tq_mma.split5(100_000, 8, 8, 4, 128, 65, sms=132)
@@ -505,7 +505,7 @@ def test_v5_split_follows_the_waves():
     assert tq_mma.split5(100, 8, 1, 4, 128, tq_mma.chunk_capacity(4) + 1, sms=132) is None
     assert tq_mma.chunk_capacity(8) == 512 and tq_mma.chunk_capacity(1) == 1024
     # registers: 96 a thread is 3,072 a warp, 21 warps, 5 blocks of 4; shared memory alone would allow 5
-    assert tq_mma.blocks_per_sm(20_000, regs=64) == 8 and tq_mma.blocks_per_sm(60_000, regs=64) == 3
+    assert common.blocks_per_sm(20_000, regs=64) == 8 and common.blocks_per_sm(60_000, regs=64) == 3
 
 
 def test_v5_hands_what_it_cannot_map_to_v4s_route(emulated5, monkeypatch):
@@ -520,11 +520,11 @@ def test_v5_hands_what_it_cannot_map_to_v4s_route(emulated5, monkeypatch):
 
 def test_v5_sources_and_variant(monkeypatch):
     assert "v5" in decode_attention.TQ_VARIANTS
-    assert "CH5 = static_cast<int>(params[1])" in tq_mma.TQ5_SOURCE and "s * CHUNK" not in tq_mma.TQ5_SOURCE
-    assert "const int end = kn_shape[2];" in tq_mma.TQ5_SOURCE and "params[2]" not in tq_mma.TQ5_SOURCE
+    assert "CH5 = static_cast<int>(params[1])" in tq_mma.SOURCE and "s * CHUNK" not in tq_mma.SOURCE
+    assert "const int end = kn_shape[2];" in tq_mma.SOURCE and "params[2]" not in tq_mma.SOURCE
     # folded: the empty block is a branch, not a return, so every block reaches the counter
     assert tq_mma.TQ5_FOLD_SOURCE.count("return;") == 1 and "if (!last5_) return;" in tq_mma.TQ5_FOLD_SOURCE
-    assert tq_mma.TQ5_SOURCE.count("return;") == 1 and "cnt" not in tq_mma.TQ5_SOURCE
+    assert tq_mma.SOURCE.count("return;") == 1 and "cnt" not in tq_mma.SOURCE
     monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v5")
     monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
     assert decode_attention.tq_variant() == "v5" and decode_attention.one_launch()
@@ -552,9 +552,9 @@ def test_v5_compiles_for_the_h200_within_its_occupancy_model(tmp_path):
             name = f"v5{'f' if fold else ''}_{dtype}_d{dim}_g{g}_u{u}"
             inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS] + ([("cnt", "int32", 1)] if fold else [])
             outputs = [("o_part", "float32"), ("ml_part", "float32")] + ([("out", dtype)] if fold else [])
-            shapes.append((name, render(name, tq_mma.TQ5_FOLD_SOURCE if fold else tq_mma.TQ5_SOURCE, inputs, outputs,
+            shapes.append((name, render(name, tq_mma.TQ5_FOLD_SOURCE if fold else tq_mma.SOURCE, inputs, outputs,
                                         tq_mma.templates5(dtype, dim, g, 4, 64, u))))
-    report = ptxas_report(tmp_path / "v5.cu", decode_attention._HEADER + decode_attention._TQ3_HEADER + tq_mma.TQ4_HEADER,
+    report = ptxas_report(tmp_path / "v5.cu", common.HEADER + tq_split.SPLIT_HEADER + tq_mma.MMA_HEADER,
                           shapes, timeout=900)
     assert len(report) == len(shapes)
     for name, (regs, smem, frame, spills, block) in report.items():
@@ -568,7 +568,7 @@ def test_v5_compiles_for_the_h200_within_its_occupancy_model(tmp_path):
 def test_prebuild_under_v5_builds_one_kernel_per_fold_choice(monkeypatch):
     from types import SimpleNamespace
 
-    from engine import tq_prebuild
+    from engine.kernels import prebuild
     from engine.tq_config import TQConfig
 
     built = []
@@ -589,13 +589,13 @@ def test_prebuild_under_v5_builds_one_kernel_per_fold_choice(monkeypatch):
     decode_attention.set_tq_variant("v5")
     try:
         monkeypatch.setattr(tq_mma, "_tq5_fold", True)
-        out = tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
+        out = prebuild.prebuild_tq(model, TQConfig(), max_batch=8)
         assert len([c for c in out if c > 0]) == 2
         assert sorted(f for f, _ in built if f is not None) == [False, True]
         assert {c for f, c in built if f is not None} == {tq_mma.chunk_capacity(4)}
         built.clear()
         monkeypatch.setattr(tq_mma, "_tq5_fold", False)  # the default: one kernel, never folded
-        out = tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
+        out = prebuild.prebuild_tq(model, TQConfig(), max_batch=8)
         assert len([c for c in out if c > 0]) == 1 and [f for f, _ in built if f is not None] == [False]
     finally:
         decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)

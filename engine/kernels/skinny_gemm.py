@@ -263,16 +263,18 @@ def stack_projections(model: nn.Module) -> int:
     return made
 
 
-def install(model: nn.Module) -> int:
+def install(model: nn.Module, stack: bool = True) -> int:
     """Swap every eligible `nn.Linear` of `model` for a `SkinnyLinear`; how many were
-    swapped (0 where the kernel cannot run, leaving the model as it was)."""
+    swapped (0 where the kernel cannot run, leaving the model as it was). `stack`: also
+    stack q/k/v and gate/up (`stack_projections`; off only to compare, each layer keeping
+    its own weight array)."""
     if not available() or not enabled():
         return 0
     swaps = [(name, SkinnyLinear.from_linear(m)) for name, m in model.named_modules()
              if type(m) is nn.Linear and _fits(m.weight)]
     if swaps:
         model.update_modules(tree_unflatten(swaps))
-        stacks = stack_projections(model)
+        stacks = stack_projections(model) if stack else 0
         log.info("decode projections of 2-%d rows use the skinny GEMM kernels (%s; %d layers, %d stacked groups)",
                  MAX_ROWS, "tensor cores for bf16", len(swaps), stacks)
     return len(swaps)
