@@ -4,7 +4,7 @@
     python bench/bench_turboquant.py --quick    # fewer samples
     python bench/bench_turboquant.py --smollm2 --quick  # the bundled trained model, one sample (~3 min)
     python bench/bench_turboquant.py --smollm2  # both samples, 1024 + 256 tokens (~10 min on 2 busy cores)
-    python bench/bench_turboquant.py --engine-decode 32768 --engine-decode 100000 --engine-variants v2s,v3  # GPU: engine
+    python bench/bench_turboquant.py --engine-decode 32768 --engine-decode 100000  # GPU: engine, dense vs TurboQuant
     python bench/bench_turboquant.py --engine-decode 8192 --engine-shape tiny --engine-chunk 512 \
         --engine-warmup 512 --engine-tokens 4 --engine-chunked-too  # CPU: cold prefill, dense KV vs chunked on TQ
 
@@ -360,28 +360,27 @@ SMALL_QWEN3 = dict(
 )
 
 
-def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: int = 4096, shape: str = "qwen3-8b",
+def engine_decode(contexts, tokens: int, chunk: int, warmup: int = 4096, shape: str = "qwen3-8b",
                   chunked_too: bool = False, repeat: int = 1, dense: bool = True, probe_build: bool = False) -> dict:
     """Whole-model figures through the engine, dense and `--kv-quant turboquant` side by side
     on one random Qwen3-8B-shaped model (bf16; GPU): per context, the cold prefill time and
-    the decode tokens/s of one row (the engine's own `Finished` timings). `variants`: the
-    TurboQuant decode variants to run (engine.decode_attention.TQ_VARIANTS; None: the default),
-    one engine each. `warmup`: each engine first serves one request of this many prompt tokens
+    the decode tokens/s of one row (the engine's own `Finished` timings). `warmup`: each engine first serves one request of this many prompt tokens
     (not recorded), so the kernels' first-shape compilations (prefill chunks, decode) stay out
     of the figures. `shape`: "qwen3-8b" (bf16) or "small" (`SMALL_QWEN3`, float32, for the
-    CPU). `chunked_too`: each TurboQuant variant also runs with its cold prefill chunked on
-    the TurboQuant caches (engine.scheduler.COLD_DENSE_PREFILL off: the path before
-    session 6), labelled `..._chunked`, for a before/after in one run. `repeat`: each engine
+    CPU). `chunked_too`: the TurboQuant engine also runs with its cold prefill chunked on
+    the TurboQuant caches (engine.scheduler.COLD_DENSE_PREFILL off: the path before the
+    dense cold prefill), labelled `..._chunked`, for a before/after in one run. `repeat`: each engine
     serves each context this many times (other tokens each time, `run` 1, 2, ...): the first
     run pays what is built per shape (kernels, cuDNN graphs), the next ones not. `dense`:
     False skips the dense engine. `probe_build`: after the engines, time
-    `engine.tq_prebuild.prebuild` (every decode-kernel chunk; a chunk no engine built costs
+    `engine.kernels.prebuild.prebuild_tq` (every decode-kernel build; one no engine built costs
     its compile, one already built ~nothing). Each engine's load time and the kernels it built
     at load (`Engine.tq_kernel_build_s`, PREFIXTRACE_TQ_PREBUILD) are in `engines`."""
     import queue
 
     from bench.bench_scheduler import QWEN3_8B, random_loader
-    from engine import decode_attention, scheduler, tq_prebuild
+    from engine import scheduler
+    from engine.kernels import prebuild
     from engine.tq_config import TQConfig
     from engine.engine import Engine
     from engine.sampling import SamplingParams
@@ -394,7 +393,7 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
         built = random_loader(SMALL_QWEN3 if small else QWEN3_8B, mx.float32 if small else mx.bfloat16)()  # one for all
         vocab = (SMALL_QWEN3 if small else QWEN3_8B)["vocab_size"]
     out = {"device": str(mx.default_device()), "shape": shape, "tokens": tokens, "prefill_chunk": chunk,
-           "warmup": warmup, "repeat": repeat, "tq_prebuild": tq_prebuild.ENABLED,
+           "warmup": warmup, "repeat": repeat, "tq_prebuild": os.environ.get("PREFIXTRACE_TQ_PREBUILD", "1") != "0",
            "mlx_ptx_cache_dir": os.environ.get("MLX_PTX_CACHE_DIR"),
            "load_average_start": round(os.getloadavg()[0], 2), "runs": [], "engines": []}
 
@@ -410,20 +409,17 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
             raise ev.error
         return ev
 
-    default = decode_attention.tq_variant()
     labels = []
-    runs = [("none", None, False)] * dense + [("turboquant", v, False) for v in variants]
+    runs = [("none", False)] * dense + [("turboquant", False)]
     if chunked_too:
         # Then each TurboQuant engine again: the first one of a process pays first-shape
         # compilations at the long context that the warm-up did not reach (a new decode
         # context, the encoder's and the codec's shapes), and the second round is free of them.
-        runs += [("turboquant", v, True) for v in variants]
-        runs += [("turboquant", v, c) for c in (False, True) for v in variants]
-    for kv, variant, chunked in runs:
-        label = kv if kv == "none" else f"turboquant_{variant or default}" + ("_chunked" if chunked else "")
+        runs += [("turboquant", True), ("turboquant", False), ("turboquant", True)]
+    for kv, chunked in runs:
+        label = kv + ("_chunked" if chunked else "")
         label += "_again" if label in labels else ""
         labels.append(label)
-        decode_attention.set_tq_variant(variant or default)
         scheduler.COLD_DENSE_PREFILL = not chunked
         model_kw = dict(model_dir=str(ROOT / "fixtures/tiny-llama"), dtype="float32") if tiny else \
             dict(model_dir="random-qwen3-8b", loader=lambda: built)
@@ -445,15 +441,10 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
                     print(json.dumps(row), flush=True)
         finally:
             engine.shutdown()
-            decode_attention.set_tq_variant(default)
             scheduler.COLD_DENSE_PREFILL = True
             mx.clear_cache()
     if probe_build and not tiny:
-        on, tq_prebuild.ENABLED = tq_prebuild.ENABLED, True
-        try:
-            probe = tq_prebuild.prebuild(built[0], TQConfig(), 1)
-        finally:
-            tq_prebuild.ENABLED = on
+        probe = prebuild.prebuild_tq(built[0], TQConfig(), 1)
         out["probe_build_s"] = {("reduces" if c < 0 else str(c or "encode")): round(s, 3) for c, s in probe.items()}
         print(json.dumps({"probe_build_s": out["probe_build_s"]}), flush=True)
     by = {(r["kv"], r["context"], r["run"]): r for r in out["runs"]}
@@ -468,13 +459,11 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
             for label in labels:
                 out["ratios"][str(c)][f"{label}_prefill_first_minus_second_s"] = round(
                     by[label, c, 1]["prefill_s"] - by[label, c, 2]["prefill_s"], 3)
-    if chunked_too:  # after / before, the same variant and context
+    if chunked_too:  # after / before, the same context
         for c in contexts:
-            for v in variants:
-                for again in ("", "_again"):
-                    label = f"turboquant_{v or default}"
-                    out["ratios"][str(c)][f"{label}{again}_prefill_vs_chunked"] = round(
-                        by[label + again, c, 1]["prefill_s"] / by[label + "_chunked" + again, c, 1]["prefill_s"], 3)
+            for again in ("", "_again"):
+                out["ratios"][str(c)][f"turboquant{again}_prefill_vs_chunked"] = round(
+                    by["turboquant" + again, c, 1]["prefill_s"] / by["turboquant_chunked" + again, c, 1]["prefill_s"], 3)
     out["load_average_end"] = round(os.getloadavg()[0], 2)
     return out
 
@@ -487,8 +476,6 @@ def main() -> None:
                         "random Qwen3-8B shape, at this context (repeatable)")
     parser.add_argument("--engine-tokens", type=int, default=32)
     parser.add_argument("--engine-chunk", type=int, default=2048)
-    parser.add_argument("--engine-variants", default="",
-                        help="TurboQuant decode variants through the engine, one engine each (e.g. v2s,v3; default: the default)")
     parser.add_argument("--engine-warmup", type=int, default=4096,
                         help="prompt tokens of one unrecorded request per engine first (0: none)")
     parser.add_argument("--engine-shape", choices=("qwen3-8b", "small", "tiny"), default="qwen3-8b",
@@ -500,7 +487,7 @@ def main() -> None:
                         help="--engine-decode: serve each context this many times per engine (first vs second run)")
     parser.add_argument("--engine-no-dense", action="store_true", help="--engine-decode: TurboQuant engines only")
     parser.add_argument("--engine-probe-build", action="store_true",
-                        help="--engine-decode: then time building every TurboQuant decode-kernel chunk (tq_prebuild)")
+                        help="--engine-decode: then time building every TurboQuant decode kernel (engine/kernels/prebuild.py)")
     parser.add_argument("--json", type=Path, help="--engine-decode: also write the figures here")
     parser.add_argument("--skip-tiny-timing", action="store_true")
     parser.add_argument("--smollm2", action="store_true", help="quality on the bundled trained model instead")
@@ -514,8 +501,7 @@ def main() -> None:
     parser.add_argument("--timing", action="store_true", help="--smollm2: also decode step times")
     args = parser.parse_args()
     if args.engine_decode:
-        variants = tuple(args.engine_variants.split(",")) if args.engine_variants else (None,)
-        out = engine_decode(args.engine_decode, args.engine_tokens, args.engine_chunk, variants, args.engine_warmup,
+        out = engine_decode(args.engine_decode, args.engine_tokens, args.engine_chunk, args.engine_warmup,
                             args.engine_shape, args.engine_chunked_too, args.engine_repeat, not args.engine_no_dense,
                             args.engine_probe_build)
         print(json.dumps(out, indent=1))
