@@ -3,7 +3,7 @@ arithmetic is emulated in numpy block by block, from the very launch parameters 
 inputs the Python side hands `mx.fast.cuda_kernel` (grid, template, views), following
 the kernels' index rules (a block's columns, each row's code/dense boundary, the bit
 position of each code, the in-place butterfly, the split reduce). The real kernels are
-checked on the GPU by bench/kernels/check_decode_kernels.py; here: the launch code and index
+checked on the GPU by bench/check_decode_kernels.py; here: the launch code and index
 arithmetic, the routing, and that nothing changes where CUDA is absent."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ them (mlx/backend/cuda/custom_kernel.cpp, `build_kernel`: `const T* name` per in
 arguments as constexprs / type aliases, then the body) and compiled for the H200 (sm_90)
 with nvcc where this machine has it. A GPU run costs device time that a typo would waste;
 this catches the typos on the CPU. The arithmetic is tested by tests/test_decode_attention.py's
-emulation; what runs on the GPU by bench/kernels/check_decode_kernels.py."""
+emulation; what runs on the GPU by bench/check_decode_kernels.py."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ elements, P packed to the cache's dtype, the low half of a register as the small
 and the m16n8k16 MMA applied through the PTX fragment layout (tests/test_tq_mma.py's `_mma`).
 With P's rounding switched off the block outputs must equal the CUDA-core kernel's
 (`emulated_dense`) to float precision: that checks the permutations; with it on, the step must stay
-within the bf16 / f16 tolerance of masked SDPA. The GPU run is bench/kernels/check_decode_kernels.py.
+within the bf16 / f16 tolerance of masked SDPA. The GPU run is bench/check_decode_kernels.py.
 The `emulated` fixture of tests/test_decode_attention.py keeps the CUDA-core kernel for the tests of
 its arithmetic; `emulated_mma` here gives bf16 / f16 steps back to the tensor-core one, as in
 production."""

@@ -11,7 +11,7 @@ kernel's shuffle sources and half selection, the values' MMA, then the block's c
 warp's output rescaled to the block's max) into the split kernels' partial layout. Rounding to f16 where the
 kernel packs. `PLANT` switches one index of the emulation to a wrong one: each planted error must
 make the step miss the reference (so these checks can fail). What runs on the GPU is checked by
-bench/kernels/check_decode_kernels.py."""
+bench/check_decode_kernels.py."""
 
 from __future__ import annotations
 

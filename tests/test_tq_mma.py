@@ -9,7 +9,7 @@ fragment layout (A, B scattered into 16x16 / 16x8 matrices by lane, C gathered b
 rounding switched off the emulation must equal the CUDA-core split kernel's arithmetic
 (`emulated_tq3`) on the same inputs to float precision: that checks the permutations; with it on,
 the step must stay within the bf16 tolerance of attention over the decoded cache. What runs on the
-GPU is checked by bench/kernels/check_decode_kernels.py; the sources compile here where nvcc is."""
+GPU is checked by bench/check_decode_kernels.py; the sources compile here where nvcc is."""
 
 from __future__ import annotations
 
@@ -266,7 +266,7 @@ def test_mma_fragments_equal_the_split_arithmetic_without_rounding(emulated_mma,
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_mma_step_within_the_bf16_tolerance_of_attention_over_the_decoded_cache(emulated_mma, monkeypatch, dtype):
     """With the f16 rounding the kernel does, one row and left-padded rows, steps across group
-    boundaries: within bench/kernels/check_decode_kernels.py's tolerance of SDPA over the decoded
+    boundaries: within bench/check_decode_kernels.py's tolerance of SDPA over the decoded
     cache; every step ran the MMA split kernel, at a chunk that is a multiple of 64."""
     calls = _kernel_calls(monkeypatch)
     tol = 2e-2 if dtype == mx.bfloat16 else 4e-3

@@ -17,6 +17,6 @@ The modules, each importable alone (no cycle among them):
 
 Kernel bodies are files under cuda/ (MLX `mx.fast.cuda_kernel` bodies; `.cuh` files are headers),
 package data loaded with importlib.resources. The CPU tests replay them lane by lane in numpy
-(tests/test_decode_attention.py and the tests named after each module); bench/kernels/check_decode_kernels.py
+(tests/test_decode_attention.py and the tests named after each module); bench/check_decode_kernels.py
 checks them on a GPU against MLX's attention.
 """

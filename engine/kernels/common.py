@@ -46,7 +46,7 @@ DIMS = (16, 32, 64, 128, 256)  # D / 8 lanes per token must divide a warp
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 # Steps each kernel took in this process, by kernel ("tq_fused", "tq_mma", "tq_split", "tq_generic",
-# "dense_mma", "dense_split"): bench/kernels/check_decode_kernels.py checks that the route it expects ran.
+# "dense_mma", "dense_split"): bench/check_decode_kernels.py checks that the route it expects ran.
 launches: Counter = Counter()
 
 
@@ -85,7 +85,7 @@ def gqa(queries: mx.array, kv_heads: int) -> int | None:
 # allocator serves every allocation of <= 8 bytes from one 64 KB managed pool advised read-mostly
 # (mlx/backend/cuda/allocator.cpp, SmallSizePool), shared with every scalar the host makes (an op with a
 # Python number, a token id), and on the H200 a kernel reading a constant there waited ~33-43 us a launch
-# (bench/kernels/bench_small_pool.py, with or without a host write in between): the TurboQuant MMA split
+# (bench/bench_small_pool.py, with or without a host write in between): the TurboQuant MMA split
 # kernel took 71.4 us at one row of 32k with its constants there, 34.9 on their own pages
 # (docs/PERFORMANCE.md). An array of OWN_PAGE bytes is its own managed allocation (MLX rounds sizes
 # >= 16 KB to its 16 KB page): it moves to the GPU on its first read and stays there, since the host
