@@ -1,4 +1,4 @@
-"""The skinny GEMM hook (engine/skinny_gemm.py). The kernel itself needs CUDA and is
+"""The skinny GEMM hook (engine/kernels/skinny_gemm.py). The kernel itself needs CUDA and is
 checked against MLX's matmul by bench/bench_skinny_gemm.py on the GPU; here: the swap
 is complete, shares the weights, and changes nothing where the kernel cannot run."""
 

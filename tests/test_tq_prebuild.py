@@ -1,6 +1,6 @@
 """engine/kernels/prebuild.py: which TurboQuant decode kernels a CUDA engine builds at load, and
 that the CPU builds none. The builds themselves run on the H200 (bench_turboquant.py
---engine-decode, docs/PERFORMANCE.md, session 7)."""
+--engine-decode; docs/PERFORMANCE.md, "no kernel build inside a request")."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_the_plan_holds_every_chunk_a_decode_step_can_pick(kv_heads, g, context,
 
 
 def test_qwen3_8b_at_one_row_needs_a_new_chunk_at_each_doubling_past_8k():
-    # The session-6 one-off: a 4k warm-up built chunk 64 only; 32,768 tokens pick 256 and
+    # The first-engine one-off the builds at load removed: a 4k warm-up built chunk 64 only; 32,768 tokens pick 256 and
     # the step queued after the first token (32,769) picks 512.
     pick = lambda t: common.split_chunk(t, 8, 1, 4, at_least=1)  # noqa: E731
     assert [pick(t) for t in (4096, 4097, 8193, 32768, 32769, 100000)] == [64, 64, 128, 256, 512, 1024]

@@ -1,6 +1,6 @@
-"""v3's reduce (every TurboQuant split kernel's second launch) runs 16 warps per (row, query head)
-from `TQ3_WIDE_SPLITS` splits on: at one row there are only 32 blocks, so 4 warps each walked a
-quarter of 75-158 splits one round of loads after another (8.7-13.7 us on the H200, session 8)."""
+"""The parallel reduce (every TurboQuant split kernel's second launch, engine/kernels/tq_split.py) runs 16
+warps per (row, query head) from `WIDE_SPLITS` splits on: at one row there are only 32 blocks, so 4 warps
+each walked a quarter of 75-158 splits one round of loads after another (8.7-13.7 us on the H200)."""
 
 from pathlib import Path
 

@@ -9,7 +9,7 @@ template <> __device__ inline uint32_t pack2<__half>(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// D = A B + D, m16n8k16, bf16 / f16 operands (T), f32 accumulators (layout: engine/dense_mma.py).
+// D = A B + D, m16n8k16, bf16 / f16 operands (T), f32 accumulators (layout: engine/kernels/dense.py).
 template <typename T> __device__ inline void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                                       uint32_t b0, uint32_t b1);
 template <> __device__ inline void mma16816<__nv_bfloat16>(float* c, uint32_t a0, uint32_t a1, uint32_t a2,

@@ -298,7 +298,7 @@
             }
         }
         // The block's combine: the lane sums over the 8 token rows, then per column the block's max and
-        // each warp's output rescaled to it (v3's red array, in the table's space: after the barrier).
+        // each warp's output rescaled to it (the split kernel's red array, in the table's space: after the barrier).
         #pragma unroll
         for (int off = 4; off < 32; off <<= 1) {
             lr[0] += __shfl_xor_sync(0xffffffff, lr[0], off);
@@ -337,7 +337,7 @@
             float lb = 0.f;
             #pragma unroll
             for (int w = 0; w < NW; ++w) lb += st7[1][w][g] * ex2_7(st7[0][w][g] - mb);
-            mx_[g] = mb * 0.6931471805599453f;  // (v3's partials: natural log)
+            mx_[g] = mb * 0.6931471805599453f;  // (the split kernels' partials: natural log)
             l_[g] = lb;
         }
     }

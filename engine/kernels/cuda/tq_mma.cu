@@ -67,7 +67,7 @@
     }
     __syncthreads();
     if (!tail) {
-        // Scores on the tensor cores (layout: engine/tq_mma.py). Lane (gq, tq).
+        // Scores on the tensor cores (layout: engine/kernels/tq_mma.py). Lane (gq, tq).
         constexpr int KW = D / 32;        // code words of a token a lane loads: D / 4 coordinates
         constexpr int KM = D / 16;        // k-steps (MMAs) per 16-token tile
         const int gq = lane >> 2, tq = lane & 3;
@@ -191,7 +191,7 @@
         l_[g] = l;
     }
     if (!tail) {
-        // Values on the tensor cores: O^T = V^T P^T (layout: engine/tq_mma.py). Lane (gq, tq).
+        // Values on the tensor cores: O^T = V^T P^T (layout: engine/kernels/tq_mma.py). Lane (gq, tq).
         constexpr int VW = D / 64;        // code words of a token a lane loads: D / 8 coordinates
         constexpr int VM = D / 16;        // M-tiles of 16 coordinates (two per lane group each)
         const int gq = lane >> 2, tq = lane & 3;

@@ -4,7 +4,7 @@ __device__ inline uint32_t pack_half2(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// D = A B + D, m16n8k16, f16 operands, f32 accumulators (layout: engine/tq_mma.py).
+// D = A B + D, m16n8k16, f16 operands, f32 accumulators (layout: engine/kernels/tq_mma.py).
 __device__ inline void mma_f16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
