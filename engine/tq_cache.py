@@ -34,104 +34,10 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from engine.kernels import selector
+from engine.tq_buffers import DEFAULT_GROUP, Codes, Window, encode_into, floor_group, view, window
 from engine.turboquant import get_codec
 
 __all__ = ["TurboQuantKVCache", "BatchTurboQuantKVCache", "DEFAULT_GROUP", "encode_into", "floor_group"]
-
-DEFAULT_GROUP = 64
-
-
-def floor_group(n: int, group: int) -> int:
-    return n - n % group
-
-
-def _grow(buf: mx.array | None, used: int, new: mx.array, step: int = 256) -> mx.array:
-    """Write `new` at columns [used, used + n) of `buf` (axis 2), growing it in steps."""
-    n = new.shape[2]
-    if buf is None or used + n > buf.shape[2]:
-        shape = list(new.shape)
-        shape[2] = ((used + n + step - 1) // step) * step
-        grown = mx.zeros(shape, new.dtype)
-        if buf is not None and used:
-            grown[:, :, :used] = buf[:, :, :used]
-        buf = grown
-    buf[:, :, used : used + n] = new
-    return buf
-
-
-class _Codes:
-    """Norms and packed codes of K or V for columns [0, used) of a (B, H, cap, .) buffer."""
-
-    def __init__(self):
-        self.norms: mx.array | None = None
-        self.codes: mx.array | None = None
-
-    def write(self, used: int, norms: mx.array, codes: mx.array) -> None:
-        self.norms = _grow(self.norms, used, norms)
-        self.codes = _grow(self.codes, used, codes)
-
-    def reserve(self, columns: int) -> None:
-        """Room for `columns` columns (a deferred step's views must span the whole context)."""
-        if self.codes is not None and self.codes.shape[2] < columns:
-            used = self.codes.shape[2]
-            self.norms = _grow(self.norms, used, mx.zeros((*self.norms.shape[:2], columns - used, 1), self.norms.dtype))
-            self.codes = _grow(self.codes, used, mx.zeros((*self.codes.shape[:2], columns - used, self.codes.shape[3]),
-                                                          self.codes.dtype))
-
-
-class _Window:
-    """Dense K or V of consecutive columns, kept in a buffer with room after them, so that a
-    decode step appends its token with one in-place slice write (as mlx-lm's `KVCache`
-    does; MLX reuses the buffer when nothing else holds it) instead of concatenating the
-    whole tail every step. `view()` is the columns held; `drop(n)` forgets the first n."""
-
-    STEP = 256
-
-    def __init__(self, arr: mx.array):
-        self.buf, self.lo, self.hi = arr, 0, arr.shape[2]
-
-    def view(self, skip: int = 0) -> mx.array:
-        """Columns held, less the first `skip` (one slice, not two: a slice costs ~7 us of host time,
-        and a decode step takes its views once per layer)."""
-        lo = self.lo + skip
-        return self.buf if lo == 0 and self.hi == self.buf.shape[2] else self.buf[:, :, lo : self.hi]
-
-    def append(self, new: mx.array) -> None:
-        n = new.shape[2]
-        if self.hi + n > self.buf.shape[2]:  # full: move the held columns to the front of a new buffer
-            held = self.hi - self.lo
-            shape = list(self.buf.shape)
-            shape[2] = -(-(held + n + self.STEP) // self.STEP) * self.STEP
-            grown = mx.zeros(shape, self.buf.dtype)
-            if held:
-                grown[:, :, :held] = self.buf[:, :, self.lo : self.hi]
-            self.buf, self.lo, self.hi = grown, 0, held
-        self.buf[:, :, self.hi : self.hi + n] = new
-        self.hi += n
-
-    def drop(self, n: int) -> None:
-        self.lo += n
-
-
-def _window(arr: mx.array | None) -> _Window | None:
-    return None if arr is None else _Window(arr)
-
-
-def _view(w: _Window | None) -> mx.array | None:
-    return None if w is None else w.view()
-
-
-def encode_into(k: _Codes, v: _Codes, used: int, keys: mx.array, values: mx.array, ck, cv) -> None:
-    """Encode new keys/values and write them at column `used`: on CUDA one fused launch
-    for both (the kernels' `encode`) instead of some twenty MLX ops."""
-    coded = selector.select().encode(keys, values, ck) if ck is cv else None
-    if coded is not None:
-        kn, kc, vn, vc = coded
-        k.write(used, kn, kc)
-        v.write(used, vn, vc)
-        return
-    k.write(used, *ck.encode(keys))
-    v.write(used, *cv.encode(values))
 
 
 class TurboQuantKVCache(_BaseCache):
@@ -146,10 +52,10 @@ class TurboQuantKVCache(_BaseCache):
     def __init__(self, kv_bits: int = 4, seed: int = 0, group: int = DEFAULT_GROUP):
         self.kv_bits, self.seed, self.group = kv_bits, seed, group
         self.offset = 0
-        self._k = _Codes()
-        self._v = _Codes()
-        self._tail_k: _Window | None = None  # dense values of positions [floor(offset), offset)
-        self._tail_v: _Window | None = None
+        self._k = Codes()
+        self._v = Codes()
+        self._tail_k: Window | None = None  # dense values of positions [floor(offset), offset)
+        self._tail_v: Window | None = None
         self._pending = 0  # the last _pending positions have no codes yet (`_flush`)
         self._step = None  # what the latest update_and_fetch's attention sees, for `attend`
         self.hooked = False  # the model's attention calls `attend` (see `_returns_unused`)
@@ -160,8 +66,8 @@ class TurboQuantKVCache(_BaseCache):
     # Everything outside the decode step reads complete codes: the public names flush.
     k = property(lambda self: self._flushed()._k, lambda self, c: setattr(self, "_k", c))
     v = property(lambda self: self._flushed()._v, lambda self, c: setattr(self, "_v", c))
-    tail_k = property(lambda self: _view(self._tail_k), lambda self, a: setattr(self, "_tail_k", _window(a)))
-    tail_v = property(lambda self: _view(self._tail_v), lambda self, a: setattr(self, "_tail_v", _window(a)))
+    tail_k = property(lambda self: view(self._tail_k), lambda self, a: setattr(self, "_tail_k", window(a)))
+    tail_v = property(lambda self: view(self._tail_v), lambda self, a: setattr(self, "_tail_v", window(a)))
 
     def codec(self, dim: int):
         return get_codec(dim, self.kv_bits, self.seed)
@@ -204,7 +110,7 @@ class TurboQuantKVCache(_BaseCache):
             encode_into(self._k, self._v, prev, keys, values, ck, cv)
             # Positions [b, n), seen dense. The new tail is cut from these alone, so it
             # never depends on (and never forces) a decode of the whole cache.
-            tail_k, tail_v = _view(self._tail_k), _view(self._tail_v)
+            tail_k, tail_v = view(self._tail_k), view(self._tail_v)
             dense_k = keys if tail_k is None else mx.concatenate([tail_k[:, :, cut:], keys], axis=2)
             dense_v = values if tail_v is None else mx.concatenate([tail_v[:, :, cut:], values], axis=2)
             self.tail_k, self.tail_v = dense_k[:, :, keep:], dense_v[:, :, keep:]
@@ -300,7 +206,7 @@ class TurboQuantKVCache(_BaseCache):
 
     @state.setter
     def state(self, v):
-        self.k, self.v = _Codes(), _Codes()
+        self.k, self.v = Codes(), Codes()
         self.tail_k = self.tail_v = None
         self._pending, self._step = 0, None
         if v:
@@ -341,18 +247,18 @@ class BatchTurboQuantKVCache(_BaseCache):
         self.offset = mx.array([-p for p in self._pads])
         self._idx = 0
         self._ws = 0
-        self._k = _Codes()
-        self._v = _Codes()
-        self._win_k: _Window | None = None
-        self._win_v: _Window | None = None
+        self._k = Codes()
+        self._v = Codes()
+        self._win_k: Window | None = None
+        self._win_v: Window | None = None
         self._pending = 0  # columns [_idx - _pending, _idx) have no codes yet (`_flushed`)
         self._step = None
         self.hooked = False
 
     k = property(lambda self: self._flushed()._k, lambda self, c: setattr(self, "_k", c))
     v = property(lambda self: self._flushed()._v, lambda self, c: setattr(self, "_v", c))
-    win_k = property(lambda self: _view(self._win_k), lambda self, a: setattr(self, "_win_k", _window(a)))
-    win_v = property(lambda self: _view(self._win_v), lambda self, a: setattr(self, "_win_v", _window(a)))
+    win_k = property(lambda self: view(self._win_k), lambda self, a: setattr(self, "_win_k", window(a)))
+    win_v = property(lambda self: view(self._win_v), lambda self, a: setattr(self, "_win_v", window(a)))
 
     def _flushed(self):
         """Encode the columns deferred decode steps left without codes (from the window)."""
@@ -401,7 +307,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             self._flushed()
             self._idx = new_idx
             encode_into(self._k, self._v, prev, keys, values, ck, cv)
-            win_k, win_v = _view(self._win_k), _view(self._win_v)
+            win_k, win_v = view(self._win_k), view(self._win_v)
             dense_k = keys if win_k is None else mx.concatenate([win_k, keys], axis=2)  # columns [ws, new_idx)
             dense_v = values if win_v is None else mx.concatenate([win_v, values], axis=2)
             self.win_k, self.win_v = dense_k[:, :, new_ws - ws :], dense_v[:, :, new_ws - ws :]

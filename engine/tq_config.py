@@ -10,7 +10,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from engine.attention_hook import install_attention_hook
-from engine.tq_cache import DEFAULT_GROUP, TurboQuantKVCache, encode_into, floor_group
+from engine.tq_buffers import DEFAULT_GROUP, encode_into, floor_group
+from engine.tq_cache import TurboQuantKVCache
 
 __all__ = ["TQConfig", "make_tq_cache", "to_turboquant", "dense_copy", "dense_copy_bytes", "append_suffix"]
 
