@@ -1,6 +1,7 @@
 # The H200 check after a change to engine/kernels/: the kernel checks (production dispatch and each
-# fall-back, 32k / 100k rows included) and the engine speed figures (TurboQuant vs dense decode through the
-# engine at 32k / 100k; the engine's own decode section), in one command of at most ~8 minutes.
+# fall-back, 32k / 100k rows included), one layer's step dense vs TurboQuant, and the engine speed figures
+# (TurboQuant vs dense decode through the engine at 32k / 100k; the engine's own decode section), in one
+# command of at most ~9 minutes (each step's timeout: 270 + 130 + 90 + 100 s).
 #
 # How to run it (two `run` calls, as MLX's CUDA build is carried in two parts; see bench/README.md):
 #   1. carry [".gpu1"]:  mkdir -p /tmp/p && cp .gpu1/part_aa /tmp/p/
@@ -22,19 +23,25 @@ cat $O/r/gpu.txt $O/r/mlx.txt | tee -a $O/r/log
 
 # 1. kernel checks: dense and TurboQuant against SDPA, each case's kernel route, greedy-token identity,
 #    one row / four left-padded rows at 32k and 100k (~4-5 min: the split kernels compile once per chunk)
-timeout 300 python3 bench/check_decode_kernels.py --long --steps $STEPS --json $O/r/check.json > $O/r/check.log 2>&1
+timeout 270 python3 bench/check_decode_kernels.py --long --steps $STEPS --json $O/r/check.json > $O/r/check.log 2>&1
 stamp "check rc=$?"
 grep -c '"ok": true' $O/r/check.log | sed 's/^/checks ok: /' | tee -a $O/r/log
 grep '"ok": false' $O/r/check.log | cut -c1-300 | head -20 | tee -a $O/r/log
 tail -1 $O/r/check.log | cut -c1-400 | tee -a $O/r/log
 
 # 2. engine decode, dense vs TurboQuant (Qwen3-8B shape, random bf16 weights, one row), 32k and 100k
-timeout 150 python3 bench/bench_turboquant.py --engine-decode $C32 --engine-decode $C100 ${DRY:+--engine-shape tiny --engine-tokens 8 --engine-warmup 0} \
+timeout 130 python3 bench/bench_turboquant.py --engine-decode $C32 --engine-decode $C100 ${DRY:+--engine-shape tiny --engine-tokens 8 --engine-warmup 0} \
   --json $O/r/engine-decode.json > $O/r/engine-decode.log 2>&1
 stamp "engine-decode rc=$?"
 grep -A4 '"ratios"' $O/r/engine-decode.json 2>/dev/null | tee -a $O/r/log
 
-# 3. the engine speed bench's decode section (batched decode through the engine's kernels)
+# 3. one layer's decode step, dense vs TurboQuant through the production kernels (synced), 1 and 8 rows
+timeout 90 python3 bench/bench_decode_kernels.py --context $C32 --context $C100 --rows 1 --rows 8 ${DRY:+--shape smollm2-135m --dtype float32 --steps 4} \
+  --json $O/r/decode-kernels.json > $O/r/decode-kernels.log 2>&1
+stamp "decode-kernels rc=$?"
+cut -c1-300 $O/r/decode-kernels.log | grep context | tee -a $O/r/log
+
+# 4. the engine speed bench's decode section (batched decode through the engine's kernels)
 timeout 100 python3 bench/bench_engine_speed.py $SPEED --only decode --out $O/r/engine-speed.json > $O/r/engine-speed.log 2>&1
 stamp "engine-speed rc=$?"
 tail -5 $O/r/engine-speed.log | cut -c1-300 | tee -a $O/r/log
