@@ -1,6 +1,6 @@
 """A kernel body as MLX's `mx.fast.cuda_kernel` renders it, and nvcc's report on it: a CPU-side check of
-the CUDA sources for machines with nvcc but no GPU (the kernel tests, bench/time_kernel_builds.py). A GPU run costs device time that a typo would waste; this catches
-the typos on the CPU.
+the CUDA sources for machines with nvcc but no GPU (the kernel tests, bench/time_kernel_builds.py). A GPU
+run costs device time that a typo would waste; this catches the typos on the CPU.
 
 MLX's rendering (mlx/backend/cuda/custom_kernel.cpp, `build_kernel`): `const T* name` per input, with
 `name_shape` / `name_strides` where the body names them, `T* name` per output, the template arguments as

@@ -40,7 +40,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from engine.kernels.common import HEADER, NW, launches, own_page, reduce, scalar, source
+from engine.kernels.common import HEADER, NW, launches, reduce, scalar, source
 
 __all__ = ["attend", "attend_generic", "reduce_split", "reduce_warps", "cpl", "unroll", "bounds", "params",
            "templates", "SOURCE", "REDUCE_SOURCE", "GENERIC_SOURCE", "SPLIT_HEADER", "LOADS", "RW", "RW_WIDE",
