@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine import decode_attention, dense_prebuild, skinny_gemm, tq_prebuild
+from engine.kernels import selector
 from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
 from engine.disk_cache import CacheDirUnusable
 from engine.grammar import GrammarCompiler
@@ -25,7 +25,8 @@ from engine.reply_parser import ReplyFormat
 from engine.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_DISK_BYTES, PrefixCache
 from engine.render_policy import DEFAULT_GUARD_TOKENS, BoundPolicy, NoticeRule, RenderPolicy, TemplateTraits
 from engine.scheduler import Scheduler
-from engine.tq_cache import TQConfig, install_attention_hook
+from engine.attention_hook import install_attention_hook
+from engine.tq_config import TQConfig
 from engine.sequence import Failed, Sequence
 from prefixtrace.errors import EngineError, EngineNotReady, PrefixtraceError
 
@@ -126,7 +127,7 @@ class Engine:
         self._load_error: BaseException | None = None
         self.scheduler: Scheduler | None = None
         self.tq_kernel_build_s: dict[int, float] = {}  # TurboQuant kernels built at load: {chunk: s}
-        self.dense_kernel_build_s: dict[int, float] = {}  # dense decode kernels built at load (engine/dense_prebuild.py)
+        self.dense_kernel_build_s: dict[int, float] = {}  # dense decode kernels built at load (engine/kernels/prebuild.py)
         self._thread = threading.Thread(target=self._main, name="prefixtrace-engine", daemon=True)
 
     # --- lifecycle (any thread) -------------------------------------------------
@@ -207,8 +208,9 @@ class Engine:
     def _serve(self) -> None:
         try:
             self.model, self.tokenizer, config = self._loader()
-            skinny_gemm.install(self.model)  # CUDA only: batched decode reads each weight once
-            if self.tq is not None or decode_attention.available():
+            kernels = selector.select()  # the decode kernels of this process (none on the CPU)
+            kernels.install_projections(self.model)  # CUDA only: batched decode reads each weight once
+            if self.tq is not None or kernels.cuda:
                 # attention in TurboQuant's rotated basis; on CUDA also padded dense decode (no mask)
                 install_attention_hook(self.model)
             self.context_length = int(config.get("max_position_embeddings") or 4096)
@@ -251,10 +253,10 @@ class Engine:
                 memory=self.memory,
                 adapt_cache=self.tq.adapt if self.tq is not None else None,  # a TurboQuant hit passes through
             )
-            if self.tq is not None:  # CUDA: every decode kernel now, not inside a request (engine/tq_prebuild.py)
-                self.tq_kernel_build_s = tq_prebuild.prebuild(self.model, self.tq, self.max_batch)
+            if self.tq is not None:  # CUDA: every decode kernel now, not inside a request (engine/kernels/prebuild.py)
+                self.tq_kernel_build_s = kernels.prebuild_tq(self.model, self.tq, self.max_batch)
             # CUDA: the padded dense decode kernel per chunk size (dense layers of TurboQuant models too)
-            self.dense_kernel_build_s = dense_prebuild.prebuild(self.model, self.max_batch)
+            self.dense_kernel_build_s = kernels.prebuild_dense(self.model, self.max_batch)
             mx.synchronize()
             log.info("model %s loaded from %s (context %d tokens)", self.name, self.model_dir, self.context_length)
         except BaseException as exc:  # reported through wait_ready()
