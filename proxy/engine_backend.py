@@ -123,7 +123,7 @@ class EngineBackend:
         if not self.engine.ready:
             raise EngineNotReady("the model is still loading")
         try:
-            token_ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
+            token_ids = await asyncio.to_thread(self.engine.encode_prompt, prompt)  # bounded: a huge prompt is refused early
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"the prompt could not be tokenized: {type(exc).__name__}: {exc}",
                                  param="prompt") from exc
