@@ -49,6 +49,11 @@ log = logging.getLogger("prefixtrace.serve")
 
 KEEP_ALIVE_S = 5  # uvicorn's own default, stated: idle kept-alive connections close after this
 HEAD_TIMEOUT_S = 15.0  # a client that connects sends its request head at once
+MAX_HEAD_KB = 64  # request line + headers; uvicorn's h11 stops at 16 KB, nginx at 4 x 8 KB, Node at 16 KB
+LINGER_S = 2.0  # after a 431, the rest of the head is read and dropped this long, so the client reads its answer
+# The header the protocol adds (and no client can: one it sends is dropped) to a request whose head it
+# stopped reading; proxy/guard.py answers it 431 and records it.
+HEAD_REFUSED = "x-prefixtrace-head-refused"
 NOFILE_CAP = 65536  # open files asked for at most: room for tens of thousands of sockets
 
 
@@ -235,28 +240,117 @@ class H11WithHeadTimeout(_AccessLineAtTheEnd, _HeadDeadline, H11Protocol):
         self._hold_access_line()  # a request already buffered gets its cycle in there
 
 
+class _Lingering:
+    """Stands in for a refused request's transport: its `close` sends what is buffered, shuts the
+    write side and closes `LINGER_S` later (or when the client does), so a client still sending the
+    head it was refused for gets to read the answer rather than a reset."""
+
+    def __init__(self, transport, loop: asyncio.AbstractEventLoop):
+        self._transport, self._loop = transport, loop
+
+    def close(self) -> None:
+        transport = self._transport
+        if transport.is_closing():
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._loop.call_later(LINGER_S, transport.close)
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
 def _httptools_protocol():
     """uvicorn's "auto" picks httptools when it is installed (a dependency since issue 17; h11 where it is
-    missing): the same deadline on it."""
+    missing): the same deadline on it, and the limits below, which h11 has of its own (a head over 16 KB
+    is h11's 400) or does not need (it ignores trailers and closes a connection whose body was not read).
+
+    Issue 25: httptools reads a head of any size (a 30 MB header was answered 200 and stored, findings
+    3) and passes chunked trailers on as headers, which uvicorn appends to the request's headers (finding
+    14). Here a head over `max_head_bytes` is read no further: the request goes to the app with the
+    headers complete so far and `HEAD_REFUSED`, to be answered 431 and recorded (proxy/guard.py), and the
+    connection closes after it; trailers are dropped. A response sent before its request's body was all
+    read (413, 408, 501) closes the connection too, which would otherwise go on reading that body."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
         return None
 
     class HttpToolsWithHeadTimeout(_AccessLineAtTheEnd, _HeadDeadline, HttpToolsProtocol):
+        max_head_bytes = MAX_HEAD_KB * 1024
+        _in_head = False  # between a message's start and its head's end
+        _head_bytes = 0
+        _head_cut = False  # the head was refused: what follows is dropped
+
+        def data_received(self, data: bytes) -> None:
+            if self._head_cut:
+                return
+            was_in_head = self._in_head
+            super().data_received(data)
+            if self._in_head and was_in_head:  # a head that began in this chunk is counted from the next
+                self._head_bytes += len(data)
+                if self._head_bytes > self.max_head_bytes and self.parser is not None:
+                    self._refuse_head()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head, self._head_bytes = True, 0
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if not self._in_head or name.lower() == _HEAD_REFUSED_BYTES:
+                return  # a trailer (after a chunked body), or a header only this protocol may set
+            super().on_header(name, value)
+
         def on_headers_complete(self) -> None:
+            self._in_head = False
             self._head_received()
             super().on_headers_complete()
             self._hold_access_line()
 
+        def on_response_complete(self) -> None:
+            cycle = self.cycle
+            if cycle is not None and cycle.more_body and not self.transport.is_closing():
+                self.transport.close()  # the rest of the body would be read for nothing, at the client's pace
+            super().on_response_complete()
+
+        def _refuse_head(self) -> None:
+            self._head_cut, self._in_head = True, False
+            self._head_received()
+            limit = self.max_head_bytes // 1024
+            if self.parser.get_http_version() not in ("1.0", "1.1") or not self.url:
+                # Still in the request line: no method and path to answer in an API's shape.
+                self.send_431_response(f"request line over {limit} KB")
+                return
+            kept = sum(len(n) + len(v) + 4 for n, v in self.headers)
+            self.headers.append((_HEAD_REFUSED_BYTES, (
+                f"the request head is over this server's limit of {limit} KB (its request line and "
+                f"{len(self.headers)} whole headers are {kept + len(self.url)} bytes; the header after them "
+                f"was not read to its end, nor anything after it)").encode()))
+            self.on_headers_complete()  # uvicorn's: the app runs on what was read
+            if self.cycle is not None:
+                self.cycle.keep_alive = False
+                self.cycle.transport = _Lingering(self.cycle.transport, self.loop)
+                self.on_message_complete()  # no body
+
+        def send_431_response(self, msg: str) -> None:
+            body = msg.encode()
+            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; "
+                                 b"charset=utf-8\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                                 % (len(body), body))
+            _Lingering(self.transport, self.loop).close()
+
     return HttpToolsWithHeadTimeout
 
 
-def with_head_timeout(seconds: float) -> type:
+_HEAD_REFUSED_BYTES = HEAD_REFUSED.encode()
+
+
+def with_head_timeout(seconds: float, max_head_kb: int = MAX_HEAD_KB) -> type:
     """The protocol uvicorn's "auto" would use (httptools, else h11), with a request-head deadline
-    and the access line after the response's last bytes."""
+    and the access line after the response's last bytes; on httptools also a limit on the head
+    (`max_head_kb`, 431 past it) and no trailers taken for headers."""
     base = _httptools_protocol() or H11WithHeadTimeout
-    return type(base.__name__, (base,), {"head_timeout_s": seconds})
+    return type(base.__name__, (base,), {"head_timeout_s": seconds, "max_head_bytes": int(max_head_kb * 1024)})
 
 
 @contextlib.contextmanager

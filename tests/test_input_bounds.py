@@ -1,0 +1,284 @@
+"""Bounded memory and time for any input (issue 25, findings 2, 3, 7, 9, 14), driven from outside:
+a real uvicorn on 127.0.0.1 as `serve` configures it, raw sockets, the recorder's SQLite."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import select
+import socket
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prefixtrace.serve import uvicorn_config
+from proxy.app import create_app
+from proxy.engine_backend import EngineBackend
+from recorder import iter_turns
+from tests.conftest import free_port, start_uvicorn
+
+BODY_TIMEOUT_S = 1.5
+CHAT = b"/v1/chat/completions"
+
+
+def _chat(content: str = "hi", **extra) -> bytes:
+    return json.dumps({"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": content}],
+                       **extra}).encode()
+
+
+@pytest.fixture
+def server(tiny_engine, recorder):
+    """The proxy on the tiny model under `serve`'s uvicorn config: a 1 MB body limit, a 1.5 s body
+    deadline, the default head limit. Yields (port, recorder)."""
+    app = create_app(EngineBackend(tiny_engine), recorder, max_request_mb=1)
+    app.state.request_body_timeout_s = BODY_TIMEOUT_S
+    port = free_port()
+    uv, thread = start_uvicorn(uvicorn_config(app, "127.0.0.1", port, "warning"))
+    try:
+        yield port, recorder
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+
+
+def _connect(port: int, timeout: float = 30) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=timeout)
+
+
+def _head(headers: list[bytes], path: bytes = CHAT) -> bytes:
+    base = [b"POST " + path + b" HTTP/1.1", b"Host: 127.0.0.1", b"Content-Type: application/json"]
+    return b"\r\n".join(base + headers) + b"\r\n\r\n"
+
+
+def _response(sock: socket.socket, deadline_s: float = 30) -> tuple[int, dict, bytes]:
+    """Status, headers and body of one response (Content-Length framed), read from `sock`."""
+    sock.settimeout(deadline_s)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before a response head: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict((k.strip().lower(), v.strip()) for k, v in (line.split(":", 1) for line in lines[1:]))
+    length = int(headers.get("content-length", "0"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "closed inside the response body"
+        body += chunk
+    return int(lines[0].split()[1]), headers, body[:length]
+
+
+def _closed_by_peer(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closes `sock` within `within_s` (what it still sends is read and dropped)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            if sock.recv(65536) == b"":
+                return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except TimeoutError:
+            return False
+    return False
+
+
+def _turns(rec, n: int, timeout: float = 30):
+    deadline = time.monotonic() + timeout
+    while True:
+        assert rec.flush(30)
+        turns = list(iter_turns(rec.path))
+        if len(turns) >= n or time.monotonic() > deadline:
+            return turns
+        time.sleep(0.05)
+
+
+def _normal_request(port: int) -> int:
+    return httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", content=_chat(), timeout=60,
+                      headers={"Content-Type": "application/json"}).status_code
+
+
+# --- finding 3: a request head has a limit --------------------------------------------------------
+
+def test_a_30_mb_header_is_a_431_recorded_without_it_and_the_connection_closed(server):
+    port, rec = server
+    db_before = os.path.getsize(rec.path)
+    body = _chat()
+    sock = _connect(port)
+    sock.sendall(_head([b"Content-Length: %d" % len(body), b"X-Session-Id: big-head"])[:-2])  # the head goes on
+
+    def send_giant_header():
+        try:
+            sock.sendall(b"X-Giant: " + b"g" * (30 << 20) + b"\r\n\r\n" + body)
+        except OSError:
+            pass  # the server stopped reading it: that is the point
+
+    sender = threading.Thread(target=send_giant_header, daemon=True)
+    sender.start()
+    status, headers, answer = _response(sock)
+    sender.join(30)
+    sock.close()
+    assert status == 431, answer
+    error = json.loads(answer)["error"]
+    assert error["code"] == "request_header_fields_too_large" and "64 KB" in error["message"]
+    assert headers.get("connection") == "close"
+    (turn,) = _turns(rec, 1)
+    assert turn.status == 431 and turn.endpoint == "/v1/chat/completions"
+    assert "x-giant" not in turn.request_headers and "x-prefixtrace-head-refused" not in turn.request_headers
+    assert turn.request_headers.get("x-session-id") == "big-head"  # the headers before it are kept
+    assert "g" * 1000 not in json.dumps(turn.request_headers) + str(turn.request_body)
+    assert os.path.getsize(rec.path) - db_before < 1 << 20
+    assert _normal_request(port) == 200
+
+
+def test_headers_under_the_limit_are_served_and_a_client_cannot_forge_the_refusal_marker(server):
+    port, rec = server
+    body = _chat()
+    with _connect(port) as sock:
+        sock.sendall(_head([b"Content-Length: %d" % len(body), b"X-Prefixtrace-Head-Refused: forged",
+                            b"X-Padding: " + b"p" * (40 << 10)]) + body)
+        status, _, answer = _response(sock)
+    assert status == 200, answer
+    (turn,) = _turns(rec, 1)
+    assert "x-prefixtrace-head-refused" not in turn.request_headers and len(turn.request_headers["x-padding"]) == 40 << 10
+
+
+# --- finding 7: compressed and huge bodies ----------------------------------------------------------
+
+def test_a_gzip_body_is_decoded_and_recorded_as_json(server):
+    port, rec = server
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", content=gzip.compress(_chat("zipped hello")),
+                   headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}, timeout=60)
+    assert r.status_code == 200, r.text
+    (turn,) = _turns(rec, 1)
+    assert turn.status == 200 and turn.request_body["messages"][0]["content"] == "zipped hello"
+
+
+def test_a_gzip_bomb_is_a_413_at_the_decoded_limit(server):
+    port, rec = server
+    bomb = _chat("x")[:-3] + b' "pad": "'  # valid JSON up to a string that never ends within the limit
+    packer = zlib.compressobj(9, zlib.DEFLATED, zlib.MAX_WBITS | 16)
+    payload = packer.compress(bomb) + b"".join(packer.compress(b"0" * (1 << 20)) for _ in range(1024)) + packer.flush()
+    assert len(payload) < 2 << 20  # ~1 MB on the wire, 1 GB decoded
+    started = time.monotonic()
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", content=payload, timeout=60,
+                   headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    elapsed = time.monotonic() - started
+    assert r.status_code == 413, r.text
+    assert "gzip-decoded" in r.json()["error"]["message"]
+    (turn,) = _turns(rec, 1)
+    assert turn.status == 413 and turn.request_body.startswith("[request body not stored:")
+    assert elapsed < 20, elapsed  # decoded only to the limit (unbounded, it was 25 s and 4.3 GB)
+    assert _normal_request(port) == 200
+
+
+def test_an_unread_content_encoding_is_a_415(server):
+    port, rec = server
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", content=b"\x0b\x02\x80{}\x03", timeout=60,
+                   headers={"Content-Type": "application/json", "Content-Encoding": "br"})
+    assert r.status_code == 415 and "'br'" in r.json()["error"]["message"]
+    (turn,) = _turns(rec, 1)
+    assert turn.status == 415
+
+
+def test_a_declared_5_gb_body_is_refused_unread_and_its_connection_closed(server):
+    port, rec = server
+    with _connect(port) as sock:
+        sock.sendall(_head([b"Content-Length: %d" % (5 << 30)]) + b'{"messages": [')
+        status, headers, answer = _response(sock)
+        assert status == 413 and b"5120.0 MB" in answer
+        stop = time.monotonic() + 10  # a client that goes on sending is cut off, not read at its pace
+        closed = False
+        while time.monotonic() < stop and not closed:
+            try:
+                sock.sendall(b"a" * 65536)
+            except OSError:
+                closed = True
+                break
+            if select.select([sock], [], [], 0.05)[0]:
+                closed = _closed_by_peer(sock, 0.1)
+        assert closed, "the server went on reading a 5 GB body it had refused"
+    (turn,) = _turns(rec, 1)
+    assert turn.status == 413
+
+
+# --- finding 9: hang-ups and trickles ----------------------------------------------------------------
+
+def test_a_hang_up_mid_body_is_recorded_as_499_without_a_traceback(server, caplog):
+    port, rec = server
+    caplog.set_level(logging.INFO)
+    with _connect(port) as sock:
+        sock.sendall(_head([b"Content-Length: 10000"]) + b'{"model": "default", "messages": [')
+        time.sleep(0.3)
+    (turn,) = _turns(rec, 1)
+    assert turn.status == 499, (turn.status, turn.error)
+    assert "client disconnected while sending the request body" in turn.error
+    assert "Traceback" not in caplog.text and "ClientDisconnect" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_trickled_bodies_get_a_408_at_the_deadline_and_cannot_pile_up(server):
+    port, rec = server
+    socks = []
+    for _ in range(60):
+        s = _connect(port)
+        s.sendall(_head([b"Content-Length: 5000"]) + b'{"model": ')
+        socks.append(s)
+    answered: dict[int, int] = {}
+    started = time.monotonic()
+    while len(answered) < len(socks) and time.monotonic() - started < BODY_TIMEOUT_S + 20:
+        for i, s in enumerate(socks):
+            if i in answered:
+                continue
+            if select.select([s], [], [], 0)[0]:
+                answered[i] = _response(s)[0]
+            else:
+                try:
+                    s.sendall(b" ")  # one byte at a time: never the whole body
+                except OSError:
+                    answered[i] = -1
+        time.sleep(0.1)
+    assert _normal_request(port) == 200  # served beside them
+    assert sorted(set(answered.values())) == [408], answered
+    assert sum(_closed_by_peer(s, 5) for s in socks) == len(socks)  # and their connections closed
+    for s in socks:
+        s.close()
+    turns = _turns(rec, len(socks) + 1)
+    assert sorted(t.status for t in turns) == [200] + [408] * len(socks)
+    assert all(t.request_body.startswith("[request body not stored:") for t in turns if t.status == 408)
+
+
+# --- finding 14: transfer-codings and trailers -------------------------------------------------------
+
+def _chunked(body: bytes, trailers: bytes = b"") -> bytes:
+    return b"%x\r\n%s\r\n0\r\n%s\r\n" % (len(body), body, trailers)
+
+
+def test_a_transfer_coding_other_than_chunked_is_a_501(server):
+    port, rec = server
+    with _connect(port) as sock:
+        sock.sendall(_head([b"Transfer-Encoding: gzip, chunked"]) + _chunked(_chat()))
+        status, headers, answer = _response(sock)
+    assert status == 501, answer
+    assert json.loads(answer)["error"]["code"] == "unsupported_transfer_coding"
+    (turn,) = _turns(rec, 1)
+    assert turn.status == 501 and turn.request_body.startswith("[request body not read:")
+
+
+def test_chunked_trailers_are_not_recorded_as_headers(server):
+    port, rec = server
+    with _connect(port) as sock:
+        sock.sendall(_head([b"Transfer-Encoding: chunked"])
+                     + _chunked(_chat(), b"X-Trailer-Note: trailer-value\r\n"))
+        status, _, answer = _response(sock)
+    assert status == 200, answer
+    (turn,) = _turns(rec, 1)
+    assert "x-trailer-note" not in turn.request_headers
+    assert "trailer-value" not in json.dumps(turn.request_headers)
