@@ -282,3 +282,60 @@ def test_chunked_trailers_are_not_recorded_as_headers(server):
     (turn,) = _turns(rec, 1)
     assert "x-trailer-note" not in turn.request_headers
     assert "trailer-value" not in json.dumps(turn.request_headers)
+
+
+# --- finding 2: a prompt that cannot fit (the real SmolLM2 tokenizer) ---------------------------------
+
+def _memory_mb(pid: int) -> dict[str, int]:
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            fields[name] = int(value.split()[0]) // 1024
+    return fields
+
+
+def _timed_post(url: str, pid: int, body: bytes) -> tuple[httpx.Response, float, int]:
+    """The response, its time, and the server's peak RSS growth over it (MB; the peak is reset first)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = _memory_mb(pid)["VmRSS"]
+    started = time.monotonic()
+    r = httpx.post(url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"},
+                   timeout=300)
+    return r, time.monotonic() - started, _memory_mb(pid)["VmHWM"] - before
+
+
+@pytest.mark.slow
+def test_a_30_mb_prompt_is_refused_without_tokenizing_it_and_its_memory_returned(tmp_path):
+    """Side by side on one server: a 30 MB prompt costs what any 30 MB body costs (read, parse, record),
+    not its tokenization (95 s and +4 GB before)."""
+    from tests.test_cli_serve import serve_process
+
+    text = "The quick brown fox jumps over the lazy dog.\n" * (30_000_000 // 45)
+    prompt = json.dumps({"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": text}]})
+    in_metadata = json.dumps({"model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                              "metadata": {"note": text}})
+    with serve_process([], cwd=tmp_path, ready_timeout=300) as (url, proc):  # the bundled SmolLM2
+        assert httpx.post(url + "/v1/chat/completions", content=_chat(), timeout=120,
+                          headers={"Content-Type": "application/json"}).status_code == 200
+        time.sleep(1)
+        start_rss = _memory_mb(proc.pid)["VmRSS"]
+        plain, plain_s, plain_peak = _timed_post(url, proc.pid, in_metadata.encode())
+        time.sleep(1)
+        refused, refused_s, refused_peak = _timed_post(url, proc.pid, prompt.encode())
+        time.sleep(1)
+        after_one = _memory_mb(proc.pid)["VmRSS"]
+        again, again_s, again_peak = _timed_post(url, proc.pid, prompt.encode())
+        time.sleep(1)
+        after_two = _memory_mb(proc.pid)["VmRSS"]
+    print(f"30 MB body in metadata: {plain_s:.2f} s, peak +{plain_peak} MB; 30 MB prompt: {refused_s:.2f} s, "
+          f"peak +{refused_peak} MB; again {again_s:.2f} s, +{again_peak} MB; RSS {start_rss} -> {after_one} -> "
+          f"{after_two} MB")
+    assert plain.status_code == 200, plain.text[:300]
+    assert refused.status_code == 400 and again.status_code == 400
+    error = refused.json()["error"]
+    assert error["code"] == "context_exceeds_capacity" and error["max_context_tokens"] <= 8192
+    assert error["prompt_tokens_at_least"] > 8192 and "can never fit" in error["message"]
+    assert refused_s < 2 * plain_s + 2, (refused_s, plain_s)  # no tokenization on top of the body's own cost
+    assert refused_peak < plain_peak + 100, (refused_peak, plain_peak)  # one rendered copy more, no tokens
+    assert after_two - after_one < 50, (after_one, after_two)  # what one took is given back, not piled up
