@@ -333,9 +333,86 @@ def test_a_30_mb_prompt_is_refused_without_tokenizing_it_and_its_memory_returned
           f"{after_two} MB")
     assert plain.status_code == 200, plain.text[:300]
     assert refused.status_code == 400 and again.status_code == 400
-    error = refused.json()["error"]
-    assert error["code"] == "context_exceeds_capacity" and error["max_context_tokens"] <= 8192
-    assert error["prompt_tokens_at_least"] > 8192 and "can never fit" in error["message"]
+    # Before: 209.5 s, peak +4,750 MB, RSS 816 -> 3,382 -> 3,442 MB (the 30 MB body alone: 11.0 s, +204 MB).
     assert refused_s < 2 * plain_s + 2, (refused_s, plain_s)  # no tokenization on top of the body's own cost
     assert refused_peak < plain_peak + 100, (refused_peak, plain_peak)  # one rendered copy more, no tokens
     assert after_two - after_one < 50, (after_one, after_two)  # what one took is given back, not piled up
+    error = refused.json()["error"]
+    assert error["code"] == "context_exceeds_capacity" and error["max_context_tokens"] <= 8192
+    assert error["prompt_tokens_at_least"] > 8192 and "can never fit" in error["message"]
+
+
+# --- the bound that refuses a prompt untokenized never refuses one that fits ---------------------------
+
+def _adversarial_texts() -> list[str]:
+    import random
+
+    rng = random.Random(25)
+    shared = Path(__file__).resolve().parent.parent.parent / "shared" / "traffic"
+    real = [p.read_text(errors="replace")[:200_000] for p in sorted(shared.glob("*"))[:3] if p.is_file()]
+    return [
+        "#" * 50_000, " " * 50_000, "\n" + " " * 80 * 600, "=" * 40_000, "<|im_start|>" * 3000, "<|endoftext|>" * 3000,
+        "héllo wörld ", "🙂" * 10_000, "\u200b" * 10_000, "0123456789" * 5000,
+        "".join(rng.choice("ab #=\n\t-") for _ in range(60_000)),
+        "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(30_000)),
+        *real,
+    ]
+
+
+def _check_bound(tokenizer) -> None:
+    from engine.chat_render import encode_within, token_bound
+
+    bound = token_bound(tokenizer)
+    assert bound is not None and bound.unit == "bytes"  # byte-level BPE: every token is at most max_units bytes
+    for text in _adversarial_texts():
+        tokens = len(tokenizer.encode(text, add_special_tokens=False))
+        assert tokens >= bound.at_least(text), (text[:30], tokens, bound)
+        # just fits: neither the bound nor the chunked count refuses it, and the ids are the tokenizer's own
+        assert encode_within(tokenizer, text, tokens + 1, bound, add_special_tokens=False) == \
+            list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_the_token_bound_holds_on_adversarial_text_for_the_tiny_tokenizer():
+    from transformers import AutoTokenizer
+
+    from tests.conftest import TINY_MODEL
+
+    _check_bound(AutoTokenizer.from_pretrained(str(TINY_MODEL)))
+
+
+@pytest.mark.slow
+def test_the_token_bound_holds_on_adversarial_text_for_smollm2():
+    from transformers import AutoTokenizer
+
+    from engine.default_model import default_model_dir
+
+    _check_bound(AutoTokenizer.from_pretrained(str(default_model_dir())))
+
+
+def test_chunked_counting_refuses_early_and_tokenizers_without_a_proof_get_no_bound():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from engine.chat_render import PromptOverLimit, encode_within, token_bound
+    from tests.conftest import TINY_MODEL
+
+    tiny = AutoTokenizer.from_pretrained(str(TINY_MODEL))
+    calls = []
+    real_encode = tiny.encode
+
+    def counting(text, **kw):
+        calls.append(len(text))
+        return real_encode(text, **kw)
+
+    tiny.encode = counting
+    text = "The quick brown fox jumps over the lazy dog.\n" * 200_000  # 9 MB
+    with pytest.raises(PromptOverLimit) as over:
+        encode_within(tiny, text, 2048, None, add_special_tokens=False)  # no bound: counted in chunks
+    assert over.value.counted and over.value.at_least >= 2048
+    assert sum(calls) < 300_000, "counting went on past the limit"
+    # A tokenizer that drops text (whitespace split) or fuses unknowns is not given a bound.
+    dropping = Tokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[], unk_token=None))
+    dropping.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    assert token_bound(PreTrainedTokenizerFast(tokenizer_object=dropping)) is None
+    fused = Tokenizer(models.BPE(vocab={"a": 0, "<unk>": 1}, merges=[], unk_token="<unk>", fuse_unk=True))
+    assert token_bound(PreTrainedTokenizerFast(tokenizer_object=fused)) is None
