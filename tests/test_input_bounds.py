@@ -161,6 +161,16 @@ def test_a_gzip_body_is_decoded_and_recorded_as_json(server):
     assert turn.status == 200 and turn.request_body["messages"][0]["content"] == "zipped hello"
 
 
+def test_a_gzip_body_is_forwarded_upstream_decoded(chain):
+    url_a, rec_a, rec_b = chain
+    r = httpx.post(url_a + "/v1/chat/completions", content=gzip.compress(_chat("through two proxies")),
+                   headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}, timeout=60)
+    assert r.status_code == 200, r.text
+    (turn_b,) = _turns(rec_b, 1)
+    assert turn_b.request_body["messages"][0]["content"] == "through two proxies"
+    assert "content-encoding" not in turn_b.request_headers  # the body it got is the decoded one
+
+
 def test_a_gzip_bomb_is_a_413_at_the_decoded_limit(server):
     port, rec = server
     bomb = _chat("x")[:-3] + b' "pad": "'  # valid JSON up to a string that never ends within the limit
