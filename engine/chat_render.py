@@ -143,7 +143,8 @@ def _render_with_client_template(tokenizer, template, messages, tools, kwargs, t
 # --- a prompt that cannot fit, found before it is tokenized in full (issue 25, finding 2) -------------
 #
 # A 30 MB prompt took 95 s and 4 GB to tokenize before the context check refused it. Two checks
-# come first now, each cheaper than the last is expensive:
+# come first now for a text over `EXACT_BELOW_CHARS` (one under it is counted exactly, so a refusal
+# names its exact size), each cheaper than the last is expensive:
 #
 # 1. A bound proven from the tokenizer's own definition (`TokenBound`): every token stands for at
 #    most `max_units` units of the text (UTF-8 bytes under a byte-level pre-tokenizer, characters
@@ -160,6 +161,7 @@ def _render_with_client_template(tokenizer, template, messages, tools, kwargs, t
 #    as it always was: the engine's prompt is exactly the tokenizer's encoding of the text.
 
 CHUNK_CHARS = 1 << 16
+EXACT_BELOW_CHARS = 1 << 18  # up to 256 K characters (~0.1 s) a prompt is counted exactly, fitting or not
 LIKELY_CHARS_PER_TOKEN = 8  # English ~4, code ~3, base64 ~2.5: 8 is twice what a fitting text needs
 CUT_SLACK_TOKENS = 8
 
@@ -253,7 +255,7 @@ def encode_within(tokenizer, text: str, limit: int | None, bound: TokenBound | N
     """`tokenizer.encode(text, **encode_kwargs)`, or `PromptOverLimit` for a text of `limit` tokens
     or more, found by the proven bound or by counting in chunks before most of a huge text is
     tokenized (see above)."""
-    if limit is None:
+    if limit is None or len(text) <= EXACT_BELOW_CHARS:
         return list(tokenizer.encode(text, **encode_kwargs))
     if bound is not None:
         at_least = bound.at_least(text)

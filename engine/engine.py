@@ -156,8 +156,10 @@ class Engine:
 
     # --- requests (any thread) --------------------------------------------------
 
-    def render(self, messages, *, tools=None, chat_template_kwargs=None) -> RenderedPrompt:
-        """Render a chat request with the model's template. Thread-safe; no MLX work."""
+    def render(self, messages, *, tools=None, chat_template_kwargs=None, count_up_to: int | None = None) -> RenderedPrompt:
+        """Render a chat request with the model's template. Thread-safe; no MLX work. A prompt that cannot fit
+        the context is the context error, found without tokenizing all of a huge one; `count_up_to` (a
+        token count only, nothing runs) counts exactly up to that many tokens instead."""
         if not self.ready:
             raise EngineNotReady("the model is still loading")
         applied = self._bound_policy.apply(normalize_messages(messages), chat_template_kwargs)
@@ -165,7 +167,7 @@ class Engine:
             rendered = render_prompt(self.tokenizer, applied.messages, tools=tools,
                                      chat_template_kwargs=applied.template_kwargs,
                                      allow_client_template=self.allow_client_templates,
-                                     token_limit=self.memory.max_context_tokens, bound=self._token_bound)
+                                     token_limit=count_up_to or self.memory.max_context_tokens, bound=self._token_bound)
         except PromptOverLimit as over:
             raise self._cannot_fit(over) from None
         rendered.policy = applied.record
@@ -182,13 +184,18 @@ class Engine:
             raise self._cannot_fit(over) from None
 
     def _cannot_fit(self, over: PromptOverLimit) -> ContextExceedsCapacity:
+        if over.limit > self.memory.max_context_tokens:  # a count asked for: past what is counted
+            return ContextExceedsCapacity(
+                f"the prompt is at least {over.at_least} tokens, more than this server counts ({over.limit}; "
+                f"at most {self.memory.max_context_tokens} tokens fit the model)", prompt_tokens=over.at_least,
+                prompt_tokens_at_least=over.at_least, retryable=False, **self.memory.numbers())
         how = (f"counted in part ({over.at_least} tokens past the cuts' slack)" if over.counted
                else f"{over.chars} characters, and no token of this tokenizer spans more than "
                     f"{self._token_bound.max_units} {self._token_bound.unit}")
         return ContextExceedsCapacity(
             f"the prompt (at least {over.at_least} tokens: {how}) can never fit: at most "
             f"{self.memory.max_context_tokens} tokens fit, the prompt and at least one output token",
-            prompt_tokens=None, prompt_tokens_at_least=over.at_least, max_tokens=None, retryable=False,
+            prompt_tokens=over.at_least, prompt_tokens_at_least=over.at_least, max_tokens=None, retryable=False,
             **self.memory.numbers())
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:

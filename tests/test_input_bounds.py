@@ -369,8 +369,11 @@ def _adversarial_texts() -> list[str]:
     ]
 
 
-def _check_bound(tokenizer) -> None:
+def _check_bound(tokenizer, monkeypatch) -> None:
+    from engine import chat_render
     from engine.chat_render import encode_within, token_bound
+
+    monkeypatch.setattr(chat_render, "EXACT_BELOW_CHARS", 1000)  # the bound and the chunked count are what run
 
     bound = token_bound(tokenizer)
     assert bound is not None and bound.unit == "bytes"  # byte-level BPE: every token is at most max_units bytes
@@ -382,21 +385,21 @@ def _check_bound(tokenizer) -> None:
             list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def test_the_token_bound_holds_on_adversarial_text_for_the_tiny_tokenizer():
+def test_the_token_bound_holds_on_adversarial_text_for_the_tiny_tokenizer(monkeypatch):
     from transformers import AutoTokenizer
 
     from tests.conftest import TINY_MODEL
 
-    _check_bound(AutoTokenizer.from_pretrained(str(TINY_MODEL)))
+    _check_bound(AutoTokenizer.from_pretrained(str(TINY_MODEL)), monkeypatch)
 
 
 @pytest.mark.slow
-def test_the_token_bound_holds_on_adversarial_text_for_smollm2():
+def test_the_token_bound_holds_on_adversarial_text_for_smollm2(monkeypatch):
     from transformers import AutoTokenizer
 
     from engine.default_model import default_model_dir
 
-    _check_bound(AutoTokenizer.from_pretrained(str(default_model_dir())))
+    _check_bound(AutoTokenizer.from_pretrained(str(default_model_dir())), monkeypatch)
 
 
 def test_chunked_counting_refuses_early_and_tokenizers_without_a_proof_get_no_bound():
@@ -426,3 +429,19 @@ def test_chunked_counting_refuses_early_and_tokenizers_without_a_proof_get_no_bo
     assert token_bound(PreTrainedTokenizerFast(tokenizer_object=dropping)) is None
     fused = Tokenizer(models.BPE(vocab={"a": 0, "<unk>": 1}, merges=[], unk_token="<unk>", fuse_unk=True))
     assert token_bound(PreTrainedTokenizerFast(tokenizer_object=fused)) is None
+
+
+def test_count_tokens_counts_past_the_context_and_refuses_a_huge_prompt_early(engine_server):
+    url, rec = engine_server  # the default 32 MB body limit
+    context = httpx.get(url + "/v1/capacity", timeout=30).json()["max_context_tokens"]
+
+    def count(text: str) -> httpx.Response:
+        return httpx.post(url + "/v1/messages/count_tokens", timeout=60, json={
+            "model": "default", "messages": [{"role": "user", "content": text}]})
+
+    over = count("word " * int(1.5 * context))  # cannot run, still counted exactly
+    assert over.status_code == 200 and over.json()["input_tokens"] > context, over.text
+    huge = count("word " * (50 * context))  # ~8 MB
+    assert huge.status_code == 400, huge.text
+    error = huge.json()["error"]
+    assert error["code"] == "context_exceeds_capacity" and error["prompt_tokens_at_least"] > 4 * context
