@@ -318,7 +318,8 @@ def _httptools_protocol():
         max_head_bytes = MAX_HEAD_KB * 1024
         _in_head = False  # between a message's start and its head's end
         _head_bytes = 0
-        _head_cut = False  # the head was refused: what follows is dropped
+        _head_cut = False  # the head was cut off: what follows is dropped
+        _head_refused = False  # this request's head is over the limit: the app answers it 431
         _body_bytes = 0  # of the request being answered (a pipelined one's would add: a trim sooner, no harm)
 
         def data_received(self, data: bytes) -> None:
@@ -333,7 +334,7 @@ def _httptools_protocol():
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._in_head, self._head_bytes = True, 0
+            self._in_head, self._head_bytes, self._head_refused = True, 0, False
 
         def on_header(self, name: bytes, value: bytes) -> None:
             if not self._in_head or name.lower() == _HEAD_REFUSED_BYTES:
@@ -343,7 +344,11 @@ def _httptools_protocol():
         def on_headers_complete(self) -> None:
             self._in_head = False
             self._head_received()
+            self._keep_head_within_limit()
             super().on_headers_complete()
+            if self._head_refused and self.cycle is not None:
+                self.cycle.keep_alive = False
+                self.cycle.transport = _Lingering(self.cycle.transport, self.loop)
             self._hold_access_line()
 
         def on_body(self, body: bytes) -> None:
@@ -353,29 +358,46 @@ def _httptools_protocol():
         def on_response_complete(self) -> None:
             cycle = self.cycle
             if cycle is not None and cycle.more_body and not self.transport.is_closing():
-                self.transport.close()  # the rest of the body would be read for nothing, at the client's pace
+                # The rest of the body would be read for nothing, at the client's pace: dropped, and the
+                # connection closed once the client had a moment to read the answer.
+                self._head_cut = True
+                _Lingering(self.transport, self.loop).close()
             if self._body_bytes > TRIM_AFTER_BODY_BYTES:
                 give_memory_back(self.loop)
             self._body_bytes = 0
             super().on_response_complete()
 
+        def _keep_head_within_limit(self) -> None:
+            """A head that was cut (`_head_cut`) or is over the limit keeps the headers that fit within it, and
+            gets the `HEAD_REFUSED` marker."""
+            size = len(self.url)
+            kept = len(self.headers)
+            for i, (name, value) in enumerate(self.headers):
+                size += len(name) + len(value) + 4  # ": " and CRLF
+                if size > self.max_head_bytes:
+                    kept = i
+                    break
+            else:
+                if not self._head_cut:
+                    return
+            size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers[:kept])
+            del self.headers[kept:]
+            self.headers.append((_HEAD_REFUSED_BYTES, (
+                f"the request head is over this server's limit of {self.max_head_bytes // 1024} KB (prefixtrace serve "
+                f"--max-header-kb): the request line and the {kept} headers within it ({size} bytes) were kept, the "
+                "rest of the head was not").encode()))
+            self._head_refused = True
+
         def _refuse_head(self) -> None:
             self._head_cut, self._in_head = True, False
             self._head_received()
-            limit = self.max_head_bytes // 1024
-            if self.parser.get_http_version() not in ("1.0", "1.1") or not self.url:
-                # Still in the request line: no method and path to answer in an API's shape.
-                self.send_431_response(f"request line over {limit} KB")
+            if self.parser.get_http_version() not in ("1.0", "1.1") or not self.url \
+                    or len(self.url) > self.max_head_bytes:
+                # Still in the request line, or a request line over the limit: no path to answer in an API's shape.
+                self.send_431_response(f"request line over {self.max_head_bytes // 1024} KB")
                 return
-            kept = sum(len(n) + len(v) + 4 for n, v in self.headers)
-            self.headers.append((_HEAD_REFUSED_BYTES, (
-                f"the request head is over this server's limit of {limit} KB (its request line and "
-                f"{len(self.headers)} whole headers are {kept + len(self.url)} bytes; the header after them "
-                f"was not read to its end, nor anything after it)").encode()))
-            self.on_headers_complete()  # uvicorn's: the app runs on what was read
+            self.on_headers_complete()  # uvicorn's: the app runs on what was read, marked
             if self.cycle is not None:
-                self.cycle.keep_alive = False
-                self.cycle.transport = _Lingering(self.cycle.transport, self.loop)
                 self.on_message_complete()  # no body
 
         def send_431_response(self, msg: str) -> None:

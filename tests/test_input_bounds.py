@@ -138,6 +138,19 @@ def test_a_30_mb_header_is_a_431_recorded_without_it_and_the_connection_closed(s
     assert _normal_request(port) == 200
 
 
+def test_a_head_over_the_limit_in_one_write_is_a_431_too(server):
+    port, rec = server
+    body = _chat()
+    with _connect(port) as sock:  # head and body in one write, likely one read: the head is whole, and too big
+        sock.sendall(_head([b"Content-Length: %d" % len(body), b"X-Small: kept", b"X-Big: " + b"b" * (100 << 10)])
+                     + body)
+        status, headers, answer = _response(sock)
+        assert _closed_by_peer(sock, 5)
+    assert status == 431, answer
+    (turn,) = _turns(rec, 1)
+    assert turn.status == 431 and turn.request_headers.get("x-small") == "kept" and "x-big" not in turn.request_headers
+
+
 def test_headers_under_the_limit_are_served_and_a_client_cannot_forge_the_refusal_marker(server):
     port, rec = server
     body = _chat()
