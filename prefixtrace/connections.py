@@ -346,10 +346,26 @@ def _httptools_protocol():
             self._head_received()
             self._keep_head_within_limit()
             super().on_headers_complete()
-            if self._head_refused and self.cycle is not None:
-                self.cycle.keep_alive = False
-                self.cycle.transport = _Lingering(self.cycle.transport, self.loop)
+            cycle = self.cycle
+            if cycle is not None:
+                if self._head_refused:
+                    cycle.keep_alive = False
+                    cycle.transport = _Lingering(cycle.transport, self.loop)
+                self._close_if_answered_early(cycle)
             self._hold_access_line()
+
+        def _close_if_answered_early(self, cycle) -> None:
+            """A response that starts before its request's body is all in says `connection: close` (uvicorn
+            adds it when the cycle is not kept alive), and the connection closes after it, lingering."""
+            send = cycle.send
+
+            async def send_closing_early(message) -> None:
+                if message["type"] == "http.response.start" and cycle.more_body and cycle.keep_alive:
+                    cycle.keep_alive = False
+                    cycle.transport = _Lingering(cycle.transport, self.loop)
+                await send(message)
+
+            cycle.send = send_closing_early
 
         def on_body(self, body: bytes) -> None:
             self._body_bytes += len(body)

@@ -217,6 +217,7 @@ def test_a_declared_5_gb_body_is_refused_unread_and_its_connection_closed(server
         sock.sendall(_head([b"Content-Length: %d" % (5 << 30)]) + b'{"messages": [')
         status, headers, answer = _response(sock)
         assert status == 413 and b"5120.0 MB" in answer
+        assert headers.get("connection") == "close"  # said, so no client sends its next request here
         stop = time.monotonic() + 10  # a client that goes on sending is cut off, not read at its pace
         closed = False
         while time.monotonic() < stop and not closed:
