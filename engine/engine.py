@@ -183,6 +183,16 @@ class Engine:
         except PromptOverLimit as over:
             raise self._cannot_fit(over) from None
 
+    def _count_reasoning(self, text: str) -> int:
+        """Tokens of a reasoning string, for the retention guard: exact up to the guard, and past it a
+        lower bound that is still past it (the guard only asks whether the reasoning kept passes it), so
+        a huge reasoning string is not tokenized in full."""
+        try:
+            return len(encode_within(self.tokenizer, text, self.render_policy.guard_tokens + 1, self._token_bound,
+                                     add_special_tokens=False))
+        except PromptOverLimit as over:
+            return over.at_least
+
     def _cannot_fit(self, over: PromptOverLimit) -> ContextExceedsCapacity:
         if over.limit > self.memory.max_context_tokens:  # a count asked for: past what is counted
             return ContextExceedsCapacity(
@@ -254,8 +264,7 @@ class Engine:
             self._token_bound = token_bound(self.tokenizer)  # engine/chat_render.py: huge prompts refused early
             log.info("prompt size bound: %s", f"a token spans at most {self._token_bound.max_units} "
                      f"{self._token_bound.unit}" if self._token_bound else "none (counted in chunks)")
-            self._bound_policy = BoundPolicy(
-                self.render_policy, traits, lambda s: len(self.tokenizer.encode(s, add_special_tokens=False)))
+            self._bound_policy = BoundPolicy(self.render_policy, traits, self._count_reasoning)
             log.info("render policies: %s; template renders later system messages in place: %s, honours "
                      "preserve_thinking: %s", self.render_policy.describe(), traits.inline_system,
                      traits.preserve_thinking)
