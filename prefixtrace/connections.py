@@ -211,6 +211,7 @@ class _AccessLineAtTheEnd:
         async def send_head_with_body(message) -> None:
             kind = message["type"]
             if kind == "http.response.start":
+                self._response_starts(cycle)
                 held.holding = True  # uvicorn writes the head inside this send: that write is kept
                 try:
                     await send(message)
@@ -222,6 +223,9 @@ class _AccessLineAtTheEnd:
                     held.flush()  # a response with no body bytes to carry it (HEAD, 204, an empty body)
 
         cycle.send = send_head_with_body
+
+    def _response_starts(self, cycle) -> None:
+        """Called as a cycle's response head is sent (before uvicorn writes it)."""
 
     def connection_lost(self, exc: Exception | None) -> None:
         unsent = self.__dict__.get("_unsent_access_lines")
@@ -351,21 +355,14 @@ def _httptools_protocol():
                 if self._head_refused:
                     cycle.keep_alive = False
                     cycle.transport = _Lingering(cycle.transport, self.loop)
-                self._close_if_answered_early(cycle)
             self._hold_access_line()
 
-        def _close_if_answered_early(self, cycle) -> None:
+        def _response_starts(self, cycle) -> None:
             """A response that starts before its request's body is all in says `connection: close` (uvicorn
             adds it when the cycle is not kept alive), and the connection closes after it, lingering."""
-            send = cycle.send
-
-            async def send_closing_early(message) -> None:
-                if message["type"] == "http.response.start" and cycle.more_body and cycle.keep_alive:
-                    cycle.keep_alive = False
-                    cycle.transport = _Lingering(cycle.transport, self.loop)
-                await send(message)
-
-            cycle.send = send_closing_early
+            if cycle.more_body and cycle.keep_alive:
+                cycle.keep_alive = False
+                cycle.transport = _Lingering(cycle.transport, self.loop)
 
         def on_body(self, body: bytes) -> None:
             self._body_bytes += len(body)
