@@ -459,3 +459,20 @@ def test_count_tokens_counts_past_the_context_and_refuses_a_huge_prompt_early(en
     assert huge.status_code == 400, huge.text
     error = huge.json()["error"]
     assert error["code"] == "context_exceeds_capacity" and error["prompt_tokens_at_least"] > 4 * context
+
+
+def test_serve_takes_the_body_deadline_and_the_head_limit_from_its_options(tmp_path):
+    from tests.conftest import TINY_MODEL
+    from tests.test_cli_serve import serve_process
+
+    args = ["--model", str(TINY_MODEL), "--request-body-timeout-s", "1", "--max-header-kb", "2"]
+    with serve_process(args, cwd=tmp_path, env={"PREFIXTRACE_NO_OPENBLAS": "1"}) as (url, proc):
+        port = int(url.rsplit(":", 1)[1])
+        with _connect(port) as sock:
+            sock.sendall(_head([b"Content-Length: 100"]) + b"{")
+            started = time.monotonic()
+            status, _, _ = _response(sock)
+            assert status == 408 and time.monotonic() - started < 10
+        with _connect(port) as sock:
+            sock.sendall(_head([b"Content-Length: 2", b"X-Pad: " + b"p" * 3000]) + b"{}")
+            assert _response(sock)[0] == 431
