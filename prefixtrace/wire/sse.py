@@ -66,26 +66,43 @@ def joined(events: list[bytes], alone: Callable[[bytes], bool]) -> Iterator[byte
 
 
 async def iter_event_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
-    """`iter_events_bytes`, with the events each chunk completed yielded together, as one list."""
-    buf = b""
+    """`iter_events_bytes`, with the events each chunk completed yielded together, as one list.
+
+    Linear in the bytes (issue 25: a 20 MB reply took minutes, 4 MB of 10-byte events 31 s, all of
+    it on the event loop): each chunk's line ends are made LF on the chunk alone, each byte is
+    scanned for an event's end once (the search resumes where the last one stopped, not at the
+    start of an event still arriving), and consumed bytes leave the front of a bytearray, which
+    costs nothing per event (CPython moves its start)."""
+    buf = bytearray()
+    scan = 0  # where the search for the next event end resumes
+    held_cr = False  # the last chunk ended in a CR: maybe the first half of a CRLF
     async for chunk in chunks:
+        if held_cr:
+            chunk = b"\r" + chunk
+            held_cr = False
+        if b"\r" in chunk:
+            held_cr = chunk.endswith(b"\r")
+            if held_cr:
+                chunk = chunk[:-1]
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         buf += chunk
-        if b"\r" in buf:
-            # A CR at the very end may be the first half of a CRLF: keep it for the next chunk.
-            keep = buf.endswith(b"\r")
-            body = buf[:-1] if keep else buf
-            buf = body.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + (b"\r" if keep else b"")
         batch = []
+        start = 0
         while True:
-            end = buf.find(b"\n\n")
+            end = buf.find(b"\n\n", scan)
             if end < 0:
                 break
-            event, buf = buf[:end + 1], buf[end + 2:]
-            event = event.lstrip(b"\n")  # blank lines between events (several in a row) end nothing
+            event = bytes(buf[start:end + 1]).lstrip(b"\n")  # blank lines between events end nothing
             if event:
                 batch.append(event + b"\n")
+            start = scan = end + 2
+        if start:
+            del buf[:start]
+            scan -= start
+        # The next chunk may start with the second LF of an event's end.
+        scan = max(scan, len(buf) - 1, 0)
         if batch:
             yield batch
-    event = buf.rstrip(b"\r\n").lstrip(b"\n")  # a last event the stream did not end with a blank line
+    event = bytes(buf).rstrip(b"\r\n").lstrip(b"\n")  # a last event the stream did not end with a blank line
     if event:
         yield [event + b"\n\n"]
