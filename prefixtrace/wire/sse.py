@@ -30,6 +30,13 @@ def decode_data(event: bytes) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
+def unreadable(event: bytes) -> bool:
+    """Whether one SSE event carries data that is neither [DONE] nor a JSON object (a comment, an
+    `event:` line alone or a blank keep-alive carry none: those are fine)."""
+    payload = _payload(event)
+    return payload is not None and payload.strip() != b"[DONE]" and decode_data(event) is None
+
+
 def is_done(event: bytes) -> bool:
     """Whether one SSE event is the stream's `data: [DONE]`."""
     payload = _payload(event)
