@@ -390,8 +390,13 @@ class UpstreamChat(Relayed):
             # may be writing it right now; it is passed on, not recorded (a broken upstream).
             return event
         choices = chunk.get("choices") or ()
-        if "error" in chunk or any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
+        if "error" in chunk:
             self._complete = True
+        elif choices and not self._complete:
+            for choice in choices:
+                if isinstance(choice, dict) and choice.get("finish_reason"):
+                    self._complete = True
+                    break
         try:
             self.builder.on_chunk(chunk)
         except UNREADABLE as exc:

@@ -45,7 +45,7 @@ class TurnBuilder:
 
     def on_chunk(self, chunk: dict[str, Any]) -> None:
         turn = self.turn
-        turn.chunk_times.append(round(self.elapsed(), 6))
+        turn.chunk_times.append(round(time.perf_counter() - self._t0, 6))
         usage = chunk.get("usage")
         for choice in _listed(chunk.get("choices"), "choices"):
             if not isinstance(choice, dict):
