@@ -150,7 +150,15 @@ class UpstreamBackend:
                 return await self.connections.request(self._head(path, forward, len(content)), content), self.base_url
             request = self.client.build_request("POST", path, content=content, headers=forward)
             started = asyncio.get_running_loop().time()
-            return _Paced(await self._send(request), self.timeouts, started), self.base_url
+            try:
+                response = await self._send(request)
+            except httpx.ConnectTimeout as exc:  # say which limit, as the lean client does
+                raise httpx.ConnectTimeout(f"could not connect to the upstream within {self.timeouts.connect_s:g} s "
+                                           "(connect timeout)") from exc
+            except httpx.ReadTimeout as exc:
+                raise httpx.ReadTimeout(f"no reply from the upstream within {self.timeouts.first_byte_s:g} s "
+                                        "(first-byte timeout)") from exc
+            return _Paced(response, self.timeouts, started), self.base_url
 
     def _head(self, path: str, headers: dict[str, str], length: int) -> bytes:
         """The request line and headers for `_direct_connections`: what httpx would have sent (its
