@@ -65,8 +65,10 @@ class UpstreamBackend:
             base_url=without_credentials(url),
             auth=auth,
             transport=transport,
-            # A read's limit is the first byte's here; `_Paced` bounds the body's silences by the idle one.
-            timeout=httpx.Timeout(timeouts.first_byte_s, connect=timeouts.connect_s, write=timeouts.idle_s),
+            # The turn's POST keeps the first-byte limit around its head (`post`) and the idle one
+            # between body reads (`_Paced`); httpx's own read limit is only the larger of the two.
+            timeout=httpx.Timeout(_larger(timeouts.first_byte_s, timeouts.idle_s), connect=timeouts.connect_s,
+                                  write=timeouts.idle_s),
         )
         # The turn's POST skips the client's send stack (see `_send`); it sends the same headers.
         self._auth_header = None if auth is None else \
@@ -151,11 +153,12 @@ class UpstreamBackend:
             request = self.client.build_request("POST", path, content=content, headers=forward)
             started = asyncio.get_running_loop().time()
             try:
-                response = await self._send(request)
+                async with asyncio.timeout(self.timeouts.first_byte_s):
+                    response = await self._send(request)
             except httpx.ConnectTimeout as exc:  # say which limit, as the lean client does
                 raise httpx.ConnectTimeout(f"could not connect to the upstream within {self.timeouts.connect_s:g} s "
                                            "(connect timeout)") from exc
-            except httpx.ReadTimeout as exc:
+            except (httpx.ReadTimeout, TimeoutError) as exc:
                 raise httpx.ReadTimeout(f"no reply from the upstream within {self.timeouts.first_byte_s:g} s "
                                         "(first-byte timeout)") from exc
             return _Paced(response, self.timeouts, started), self.base_url
@@ -267,6 +270,10 @@ class _Paced:
 
     async def aclose(self) -> None:
         await self._response.aclose()
+
+
+def _larger(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else max(a, b)
 
 
 def _excerpt(data: bytes | str, limit: int = 200) -> str:

@@ -311,3 +311,29 @@ def test_health_answers_while_a_long_fast_stream_passes_through():
         recorded = rows(rec)
     assert max(latencies) < 5.0, latencies  # ~1 s on a loaded 2-core machine
     assert len(recorded[0]["response_text"]) == 20 * (count // 500 * 500)
+
+
+@pytest.mark.parametrize("client", list(CLIENTS))
+def test_an_upstream_that_does_not_take_the_connection_is_a_504_after_the_connect_timeout(client, tmp_path):
+    """A listening socket whose backlog is full: the SYN is never answered (a host that is down)."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    filler = socket.create_connection(listener.getsockname())  # fills the backlog; nothing is accepted
+    up = "http://127.0.0.1:%d" % listener.getsockname()[1]
+    timeouts = UpstreamTimeouts(connect_s=0.5, first_byte_s=30, idle_s=30)
+    try:
+        with Recorder(tmp_path / "a.db") as rec:
+            with running_server(create_app(UpstreamBackend(up, timeouts=timeouts, **CLIENTS[client]), rec)) as url:
+                t0 = time.monotonic()
+                r = httpx.post(url + "/v1/chat/completions", json={"messages": USER}, timeout=30)
+                waited = time.monotonic() - t0
+            recorded = rows(rec)
+    finally:
+        filler.close()
+        listener.close()
+    assert r.status_code == 504 and "connect timeout" in r.json()["error"]["message"], r.text
+    assert waited < 10  # it was a fixed 10 s
+    assert recorded[0]["status"] == 504 and "connect timeout" in recorded[0]["error"]
