@@ -4,8 +4,10 @@ A scripted upstream on 127.0.0.1 (a process of its own: this file with `--upstre
 answers every chat-completions POST with one prebuilt SSE stream, as fast as the socket
 takes it; a real `prefixtrace serve --upstream` process (recorder on) sits in front of it.
 Each case is read whole by a plain socket client, alternately straight from the upstream and
-through the proxy (`--repeat` of each), and the medians are printed side by side with their
-ratio:
+through the proxy (`--repeat` of each; with `--baseline TREE` also through a second proxy run from
+another checkout, interleaved), and the medians are printed side by side with their ratio and the
+proxy process's CPU time per request (all its threads, the recorder's commit included), which the
+machine's load does not blur:
 
     big    a reply of `--mb` MB of content (20) in `--piece`-character deltas (1000)
     tiny   `--tiny-mb` MB (4) of 10-byte events (`data: {}` and a blank line), then the reply's end
@@ -16,6 +18,7 @@ Goal: each under 2 s through the proxy. Before the change it was quadratic on th
 
     python bench/bench_upstream_stream.py
     python bench/bench_upstream_stream.py --mb 5 --piece 100 --repeat 3
+    git archive <before> | tar -x -C /tmp/before && python bench/bench_upstream_stream.py --baseline /tmp/before
 """
 
 from __future__ import annotations
@@ -171,6 +174,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs of each case, direct and proxied")
     parser.add_argument("--proxy-tree", type=Path, default=ROOT,
                         help="run the proxy from this checkout (another tree: the code before a change)")
+    parser.add_argument("--baseline", type=Path, metavar="TREE",
+                        help="a second proxy from this checkout (before a change), read interleaved with the first")
     parser.add_argument("--cases", default="big,tiny", help="comma-separated: big, tiny")
     parser.add_argument("--proxy-prefix", default="", help=argparse.SUPPRESS)  # e.g. "-m cProfile -o FILE"
     parser.add_argument("--upstream-only", type=int, metavar="PORT", help=argparse.SUPPRESS)
@@ -181,49 +186,62 @@ def main() -> None:
         return
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proxy_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(args.proxy_tree.resolve()),
-                                                                         os.environ.get("PYTHONPATH")]))}
+    trees = {"proxy": args.proxy_tree}
+    if args.baseline is not None:
+        trees["baseline"] = args.baseline
     with tempfile.TemporaryDirectory() as tmp:
-        up_port, proxy_port = free_port(), free_port()
-        upstream_url, proxy_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{proxy_port}"
-        up_log, proxy_log = Path(tmp) / "upstream.log", Path(tmp) / "proxy.log"
+        up_port = free_port()
+        upstream_url = f"http://127.0.0.1:{up_port}"
+        up_log = Path(tmp) / "upstream.log"
         argv = [sys.executable, __file__, "--mb", str(args.mb), "--piece", str(args.piece),
                 "--tiny-mb", str(args.tiny_mb), "--upstream-only", str(up_port)]
         upstream = subprocess.Popen(argv, env=env, stdout=up_log.open("w"), stderr=subprocess.STDOUT)
-        proxy = subprocess.Popen([sys.executable, *args.proxy_prefix.split(), "-m", "prefixtrace.cli", "serve",
-                                  "--port", str(proxy_port),
-                                  "--upstream", upstream_url, "--db", str(Path(tmp) / "bench.db"),
-                                  "--log-level", "warning"],
-                                 cwd=tmp, env=proxy_env, stdout=proxy_log.open("w"), stderr=subprocess.STDOUT)
+        proxies = {}  # name -> (proc, url, log)
         try:
+            for name, tree in trees.items():
+                port = free_port()
+                log = Path(tmp) / f"{name}.log"
+                tree_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree.resolve()),
+                                                                                      os.environ.get("PYTHONPATH")]))}
+                proc = subprocess.Popen([sys.executable, *args.proxy_prefix.split(), "-m", "prefixtrace.cli", "serve",
+                                         "--port", str(port), "--upstream", upstream_url,
+                                         "--db", str(Path(tmp) / f"{name}.db"), "--log-level", "warning"],
+                                        cwd=tmp, env=tree_env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+                proxies[name] = (proc, f"http://127.0.0.1:{port}", log)
             wait_listening(upstream_url, upstream, up_log)
-            wait_listening(proxy_url, proxy, proxy_log)
+            for proc, url, log in proxies.values():
+                wait_listening(url, proc, log)
             results = {}
             for case in args.cases.split(","):
-                times: dict[str, list[float]] = {"direct": [], "proxy": []}
-                proxy_cpu = []
-                for _ in range(args.repeat):
-                    for target, url in (("direct", upstream_url), ("proxy", proxy_url)):
-                        before = cpu_s(proxy.pid)
-                        elapsed, _ = read_one(url, case)
-                        times[target].append(elapsed)
-                        if target == "proxy":
-                            time.sleep(0.5)  # the turn's commit (the recorder's thread) is the proxy's work too
-                            proxy_cpu.append(cpu_s(proxy.pid) - before)
-                direct, proxied = statistics.median(times["direct"]), statistics.median(times["proxy"])
-                results[case] = {"stream_bytes": len(streams[case]), "events": streams[case].count(b"\n\n"),
-                                 "direct_s": round(direct, 3), "proxy_s": round(proxied, 3),
-                                 "ratio": round(proxied / direct, 1), "proxy_runs_s": [round(t, 3) for t in times["proxy"]],
-                                 "proxy_cpu_s": round(statistics.median(proxy_cpu), 2), "goal_met": proxied < GOAL_S}
-                print(f"{case:5s} {len(streams[case]) / 1e6:6.1f} MB of SSE, {results[case]['events']} events: "
-                      f"direct {direct:.3f} s, through the proxy {proxied:.3f} s (x{proxied / direct:.1f}; the proxy's "
-                      f"CPU {results[case]['proxy_cpu_s']:.2f} s); "
-                      f"goal < {GOAL_S:g} s: {'met' if proxied < GOAL_S else 'NOT met'}", flush=True)
-            print(json.dumps({"proxy_tree": str(args.proxy_tree), "load_average": os.getloadavg(),
-                              "cpus": os.cpu_count(), "mb": args.mb, "piece": args.piece, "tiny_mb": args.tiny_mb, "repeat": args.repeat,
-                              "results": results}))
+                times: dict[str, list[float]] = {"direct": [], **{name: [] for name in proxies}}
+                cpu: dict[str, list[float]] = {name: [] for name in proxies}
+                for _ in range(args.repeat):  # interleaved: the same load for each target
+                    times["direct"].append(read_one(upstream_url, case)[0])
+                    for name, (proc, url, _) in proxies.items():
+                        before = cpu_s(proc.pid)
+                        times[name].append(read_one(url, case)[0])
+                        time.sleep(0.5)  # the turn's commit (the recorder's thread) is the proxy's work too
+                        cpu[name].append(cpu_s(proc.pid) - before)
+                direct = statistics.median(times["direct"])
+                row = {"stream_bytes": len(streams[case]), "events": streams[case].count(b"\n\n"),
+                       "direct_s": round(direct, 3)}
+                line = [f"{case:5s} {len(streams[case]) / 1e6:6.1f} MB of SSE, {row['events']} events: "
+                        f"direct {direct:.3f} s"]
+                for name in proxies:
+                    proxied = statistics.median(times[name])
+                    row[name] = {"s": round(proxied, 3), "ratio": round(proxied / direct, 1),
+                                 "runs_s": [round(t, 3) for t in times[name]],
+                                 "cpu_s": round(statistics.median(cpu[name]), 2), "goal_met": proxied < GOAL_S}
+                    line.append(f"{name} {proxied:.3f} s (x{proxied / direct:.1f}; its CPU "
+                                f"{row[name]['cpu_s']:.2f} s; goal < {GOAL_S:g} s {'met' if proxied < GOAL_S else 'NOT met'})")
+                results[case] = row
+                print(", ".join(line), flush=True)
+            print(json.dumps({"trees": {k: str(v) for k, v in trees.items()}, "load_average": os.getloadavg(),
+                              "cpus": os.cpu_count(), "mb": args.mb, "piece": args.piece, "tiny_mb": args.tiny_mb,
+                              "repeat": args.repeat, "results": results}))
         finally:
-            stop(proxy)
+            for proc, _, _ in proxies.values():
+                stop(proc)
             upstream.kill()
             upstream.wait()
 
