@@ -300,10 +300,15 @@ class Relayed:
     def cancel(self) -> None:
         pass  # closing the response (in `sse`'s finally) is what tells the upstream
 
-    def event_batches(self) -> AsyncIterator[list[bytes]]:
+    async def event_batches(self) -> AsyncIterator[list[bytes]]:
         """The response's SSE events as they arrive, split on the bytes (prefixtrace/wire/sse.py),
-        those that one read of the upstream completed together in one list."""
-        return sse.iter_event_batches(self.response.aiter_bytes())
+        those that one read of the upstream completed together in one list. An event that grows
+        without end is the upstream's fault (`UpstreamError`), not a buffer without bound."""
+        try:
+            async for batch in sse.iter_event_batches(self.response.aiter_bytes()):
+                yield batch
+        except sse.EventTooLarge as exc:
+            raise UpstreamError(f"upstream {self.url} {exc}", upstream=self.url) from exc
 
     async def read(self) -> tuple[bytes, dict | None]:
         """The whole body, and its JSON object when it is one. A success (status < 400) whose body

@@ -337,3 +337,27 @@ def test_an_upstream_that_does_not_take_the_connection_is_a_504_after_the_connec
     assert r.status_code == 504 and "connect timeout" in r.json()["error"]["message"], r.text
     assert waited < 10  # it was a fixed 10 s
     assert recorded[0]["status"] == 504 and "connect timeout" in recorded[0]["error"]
+
+
+def test_an_event_that_never_ends_is_an_error_event_not_a_buffer_without_bound(monkeypatch):
+    """An upstream that streams one event forever (no blank line ever comes): the proxy buffered
+    it all, the client got nothing and memory grew until the upstream stopped."""
+    from prefixtrace.wire import sse
+
+    monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 1 << 20)  # the proxy runs in this process
+
+    async def endless_event(writer):
+        writer.write(SSE_HEAD + chunked(chunk("par")) + chunked(b'data: {"choices": "'))
+        for _ in range(400):  # 400 × 64 KB: the limit is crossed after a sixth of it
+            writer.write(chunked(b"x" * 65536))
+            await writer.drain()
+
+    with proxied(endless_event, FAST) as (url, up, rec):
+        with httpx.stream("POST", url + "/v1/chat/completions", json={"messages": USER, "stream": True},
+                          timeout=30) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data:")]
+        recorded = rows(rec)
+    error = json.loads(lines[-2][5:])["error"]
+    assert "without its end" in error["message"] and up in error["message"]
+    assert lines[-1] == "data: [DONE]"
+    assert recorded[0]["response_text"] == "par" and "without its end" in recorded[0]["error"]

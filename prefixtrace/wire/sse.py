@@ -7,6 +7,14 @@ import json.scanner
 from typing import AsyncIterator, Callable, Iterator
 
 DONE = b"data: [DONE]\n\n"
+# The most one event may hold before its end arrives: a stream that never ends its event would
+# otherwise be buffered until memory runs out (a Responses `response.completed` event carries the
+# whole reply, so this is far above any real one).
+MAX_EVENT_BYTES = 64 << 20
+
+
+class EventTooLarge(ValueError):
+    """An event grew past `MAX_EVENT_BYTES` without its end."""
 
 
 def encode(obj) -> bytes:
@@ -132,6 +140,8 @@ async def iter_event_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list
             scan -= start
         # The next chunk may start with the second LF of an event's end.
         scan = max(scan, len(buf) - 1, 0)
+        if len(buf) > MAX_EVENT_BYTES:
+            raise EventTooLarge(f"sent an SSE event of over {MAX_EVENT_BYTES >> 20} MB without its end")
         if batch:
             yield batch
     event = bytes(buf).rstrip(b"\r\n").lstrip(b"\n")  # a last event the stream did not end with a blank line
