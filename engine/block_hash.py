@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
 from array import array
 from pathlib import Path
 
+log = logging.getLogger("prefixtrace.cache")
 KEY_BYTES = 16  # 128-bit keys: collisions are out of reach for any cache size
 _SCHEME = b"prefixtrace-block-v1"
 
@@ -83,6 +86,7 @@ def model_fingerprint(model_dir: str | Path, sidecar: str | Path | None = None) 
     files += sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
     known = _read_sidecar(sidecar)
     changed = False
+    t0, hashed_bytes = time.perf_counter(), 0
     h = hashlib.blake2b(_IDENTITY_SCHEME, digest_size=KEY_BYTES)
     for path in files:
         st = path.stat()
@@ -93,12 +97,16 @@ def model_fingerprint(model_dir: str | Path, sidecar: str | Path | None = None) 
             digest = entry["blake2b"]
         else:
             digest = file_digest(path)
+            hashed_bytes += st.st_size
             known.pop(where, None)
             known[where] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "blake2b": digest}
             changed = True
         h.update(json.dumps([path.name, digest]).encode())
     if changed and sidecar is not None:
         _write_sidecar(Path(sidecar), known)
+    if hashed_bytes > 1 << 20:
+        log.info("model identity: hashed %.0f MB of %s in %.1f s (once: kept in %s)", hashed_bytes / 1e6, model_dir,
+                 time.perf_counter() - t0, sidecar or "no sidecar")
     return h.hexdigest()
 
 
