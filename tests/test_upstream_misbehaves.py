@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -35,11 +37,14 @@ def answer(status: int, body: bytes, content_type: bytes = b"application/json") 
             + body)
 
 
-def script_for(reply):
-    """A `raw_upstream` script: GET (the proxy's health check) gets a model list, a POST `reply`
-    (bytes to send, or an async function of the writer)."""
-    async def script(writer, reader, state):
-        head = state["requests"][-1][0]  # this connection's: appended just before the script runs
+@contextmanager
+def scripted(reply):
+    """`raw_upstream` answering GETs (the proxy's health check) with a model list and POSTs with
+    `reply`: bytes to send, or an async function of the writer. Yields its URL."""
+    holder = {}
+
+    async def script(writer, reader):
+        head = holder["state"]["requests"][-1][0]  # this connection's: appended just before the script runs
         if head.startswith(b"GET"):
             writer.write(answer(200, MODELS))
         elif callable(reply):
@@ -47,27 +52,10 @@ def script_for(reply):
         else:
             writer.write(reply)
         await writer.drain()
-    return script
 
-
-class Upstream:
-    def __init__(self, reply):
-        self._ctx = None
-        self._reply = reply
-
-    def __enter__(self):
-        holder = {}
-
-        async def script(writer, reader):
-            await script_for(self._reply)(writer, reader, holder["state"])
-
-        self._ctx = raw_upstream(script)
-        url, state = self._ctx.__enter__()
+    with raw_upstream(script) as (url, state):
         holder["state"] = state
-        return url
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
+        yield url
 
 
 def error_of(api: str, body: dict) -> dict:
@@ -77,24 +65,12 @@ def error_of(api: str, body: dict) -> dict:
     return body["error"]
 
 
+@contextmanager
 def proxied(reply, timeouts: UpstreamTimeouts | None = None, **backend):
-    """(client → real uvicorn proxy → scripted upstream) as a context: yields (proxy url, upstream url, recorder)."""
-    class Chain:
-        def __enter__(self):
-            import tempfile
-            self.tmp = tempfile.TemporaryDirectory()
-            self.up = Upstream(reply)
-            up = self.up.__enter__()
-            self.rec = Recorder(f"{self.tmp.name}/a.db")
-            self.server = running_server(create_app(UpstreamBackend(up, timeouts=timeouts, **backend), self.rec))
-            return self.server.__enter__(), up, self.rec
-
-        def __exit__(self, *exc):
-            self.server.__exit__(*exc)
-            self.rec.close()
-            self.up.__exit__(*exc)
-            self.tmp.cleanup()
-    return Chain()
+    """client → a real uvicorn proxy → a scripted upstream; yields (proxy url, upstream url, recorder)."""
+    with tempfile.TemporaryDirectory() as tmp, scripted(reply) as up, Recorder(f"{tmp}/a.db") as rec:
+        with running_server(create_app(UpstreamBackend(up, timeouts=timeouts, **backend), rec)) as url:
+            yield url, up, rec
 
 
 # --- finding 5: bodies and events the proxy cannot read --------------------------------------
