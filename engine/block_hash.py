@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import time
 from array import array
 from pathlib import Path
 
+log = logging.getLogger("prefixtrace.cache")
 KEY_BYTES = 16  # 128-bit keys: collisions are out of reach for any cache size
 _SCHEME = b"prefixtrace-block-v1"
 
@@ -54,24 +58,88 @@ def block_hashes(token_ids, block_size: int, *, model_fingerprint: str, cache_fo
     return keys
 
 
-def model_fingerprint(model_dir: str | Path) -> str:
-    """A short id of the model whose KV a cache holds.
+# The files whose content is the model as the cache sees it: its shape (config), how text becomes
+# token ids (tokenizer) and its weights. Not the chat template or generation defaults: they change
+# which tokens a prompt has, never what a token prefix's KV is.
+_IDENTITY_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+                   "tokenizer.model", "special_tokens_map.json")
+_IDENTITY_SCHEME = b"prefixtrace-model-content-v1"
+IDENTITY_SIDECAR = "model-identity.json"  # in the disk cache's directory (engine/prefix_cache.py)
+SIDECAR_ENTRIES = 256  # files remembered by one sidecar (several models may share a cache directory)
 
-    Content of config.json and of the safetensors index (if any), plus each
-    weight file's name, size and modification time. Reading every weight byte
-    would cost seconds per start on large models; size + mtime changes whenever
-    a file is rewritten (re-conversion, re-download), which is what makes a
-    stale cache wrong. Copying a model directory elsewhere keeps names and
-    sizes but usually not mtimes, so a copy starts with a cold disk cache: a
-    miss, never a wrong hit.
+
+def model_fingerprint(model_dir: str | Path, sidecar: str | Path | None = None) -> str:
+    """A short id of the model whose KV a cache holds: its content.
+
+    A hash over the content hashes of config.json, the tokenizer files, the safetensors index and
+    every weight file, by name. A copy of the directory, a second install or a re-conversion that
+    writes the same bytes is the same model, so its disk cache stays warm (issue 25: the id used
+    to include the files' mtimes, and every install or re-conversion started cold).
+
+    Hashing every weight byte takes seconds on a large model, so each file's hash is kept in the
+    JSON `sidecar` (the disk cache directory's `model-identity.json`) with the file's size and
+    mtime, and read again only when they change: a file rewritten in place with the same size
+    and mtime keeps its old hash (as the id did before). Without a sidecar every file is hashed.
     """
     model_dir = Path(model_dir)
-    h = hashlib.blake2b(digest_size=KEY_BYTES)
-    for name in ("config.json", "model.safetensors.index.json"):
-        path = model_dir / name
-        if path.exists():
-            h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-    for path in sorted(model_dir.glob("*.safetensors")):
+    files = [model_dir / name for name in _IDENTITY_FILES if (model_dir / name).is_file()]
+    files += sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
+    known = _read_sidecar(sidecar)
+    changed = False
+    t0, hashed_bytes = time.perf_counter(), 0
+    h = hashlib.blake2b(_IDENTITY_SCHEME, digest_size=KEY_BYTES)
+    for path in files:
         st = path.stat()
-        h.update(json.dumps([path.name, st.st_size, st.st_mtime_ns]).encode())
+        where = str(path.resolve())
+        entry = known.get(where)
+        if entry is not None and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns \
+                and isinstance(entry.get("blake2b"), str):
+            digest = entry["blake2b"]
+        else:
+            digest = file_digest(path)
+            hashed_bytes += st.st_size
+            known.pop(where, None)
+            known[where] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "blake2b": digest}
+            changed = True
+        h.update(json.dumps([path.name, digest]).encode())
+    if changed and sidecar is not None:
+        _write_sidecar(Path(sidecar), known)
+    if hashed_bytes > 1 << 20:
+        log.info("model identity: hashed %.0f MB of %s in %.1f s (once: kept in %s)", hashed_bytes / 1e6, model_dir,
+                 time.perf_counter() - t0, sidecar or "no sidecar")
     return h.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    """The blake2b (128-bit) of a file's bytes, read in blocks."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=KEY_BYTES)).hexdigest()
+
+
+def _read_sidecar(sidecar: str | Path | None) -> dict:
+    if sidecar is None:
+        return {}
+    try:
+        data = json.loads(Path(sidecar).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # none yet, or damaged: the hashes are computed again
+    return data if isinstance(data, dict) and all(isinstance(v, dict) for v in data.values()) else {}
+
+
+def _write_sidecar(sidecar: Path, known: dict) -> None:
+    """Replace the sidecar whole (temp file + rename: a concurrent reader sees the old or the new
+    one); the most recently hashed files are kept. A sidecar that cannot be written costs only a
+    re-hash at the next start."""
+    keep = dict(list(known.items())[-SIDECAR_ENTRIES:])
+    tmp = sidecar.with_name(f".{sidecar.name}.{os.getpid()}.tmp")
+    try:
+        sidecar.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(keep, f)
+        os.replace(tmp, sidecar)
+    except OSError:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass

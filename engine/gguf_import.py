@@ -29,6 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from engine.block_hash import file_digest
 from prefixtrace.errors import EngineError
 
 # Bump when the output format changes: default_model reconverts stale caches.
@@ -95,13 +96,17 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
 
 
 def source_fingerprint(gguf_path: Path) -> dict:
-    """What a converted directory records about its source, to detect staleness."""
+    """What a converted directory records about its source, to detect staleness: the converter's
+    version and the source's content hash (issue 25: its mtime, which every install of the wheel
+    changes, made each install convert again). `seen` lists the (size, mtime) stamps of files
+    known to hold that content, so a start that finds one of them need not hash the file again."""
     st = gguf_path.stat()
     return {
         "converter_version": CONVERTER_VERSION,
         "source_name": gguf_path.name,
         "source_size": st.st_size,
-        "source_mtime_ns": st.st_mtime_ns,
+        "source_blake2b": file_digest(gguf_path),
+        "seen": [[st.st_size, st.st_mtime_ns]],
     }
 
 
@@ -267,6 +272,16 @@ def _meta_list(value) -> list:
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def replace_json(path: Path, obj: dict) -> None:
+    """`_write_json` into a file others may be reading: a temp file renamed over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        _write_json(tmp, obj)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _swap_into_place(tmp: Path, out_dir: Path) -> None:

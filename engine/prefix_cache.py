@@ -35,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from engine.block_hash import chain_hash, model_fingerprint, root_hash
+from engine.block_hash import IDENTITY_SIDECAR, chain_hash, model_fingerprint, root_hash
 from engine.cache_blocks import (DENSE, Block, TQLayer, block_arrays, cut, cut_shared, flat_staging, from_numpy,
                                  is_dense, join, named_arrays, stage, staged_arrays)
 from engine.disk_cache import DiskCache
@@ -101,7 +101,10 @@ class PrefixCache:
         if cache_dir is not None and (model_dir is None or not (Path(model_dir) / "config.json").exists()):
             raise EngineError("a disk prefix cache needs the model's directory (with config.json) to key its blocks")
         # A memory-only cache lives and dies with this model object: any unique id will do.
-        fingerprint = model_fingerprint(model_dir) if model_dir is not None else f"process-{os.getpid()}-{id(model)}"
+        # The model's content hashes are kept beside the blocks they key (engine/block_hash.py).
+        sidecar = Path(cache_dir) / IDENTITY_SIDECAR if cache_dir is not None else None
+        fingerprint = model_fingerprint(model_dir, sidecar) if model_dir is not None \
+            else f"process-{os.getpid()}-{id(model)}"
         self.root = root_hash(model_fingerprint=fingerprint, cache_format=self.cache_format)
         self.memory = MemoryCache(max_bytes)
         self.disk = DiskCache(cache_dir, max_bytes=disk_bytes) if cache_dir is not None and self.enabled else None

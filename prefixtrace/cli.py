@@ -16,7 +16,7 @@ import click
 
 from prefixtrace import cli_analyze, cli_recorder
 from prefixtrace.cli_common import JSON_OPTION, FiniteFloatRange, echo_json, library_errors as _library_errors
-from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved
+from prefixtrace.config import CONFIG_ENV, UpstreamTimeouts, find_config, load_default_map, mirror_env, resolved
 from prefixtrace.urls import display_url
 
 
@@ -81,6 +81,17 @@ def _upstream_urls(ctx, param, values):
 @click.option("--upstream", "upstreams", metavar="URL", multiple=True, callback=_upstream_urls,
               help="Forward to this OpenAI/Anthropic-compatible server instead of the embedded engine. Repeat it "
                    "for several: each session sticks to one, with health checks and failover (docs/DASHBOARD.md).")
+@click.option("--upstream-connect-timeout-s", default=UpstreamTimeouts.connect_s, show_default=True,
+              type=FiniteFloatRange(min=0, min_open=True),
+              help="With --upstream: seconds to open a connection to it; then a 504 (a pool tries its next upstream).")
+@click.option("--upstream-first-byte-timeout-s", default=UpstreamTimeouts.first_byte_s, show_default=True,
+              type=FiniteFloatRange(min=0, min_open=True),
+              help="With --upstream: seconds from sending a request to the reply's first byte (a non-streamed "
+                   "reply comes whole, after its generation); then a 504, recorded (docs/CONFIG.md).")
+@click.option("--upstream-idle-timeout-s", default=UpstreamTimeouts.idle_s, show_default=True,
+              type=FiniteFloatRange(min=0, min_open=True),
+              help="With --upstream: the longest silence once a reply has started; then a 504, or an error event "
+                   "in a stream already under way, recorded (docs/CONFIG.md).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
               help="Activation dtype of the embedded engine. Default: the fastest measured on this platform.")
 @click.option("--cache-memory-gb", type=FiniteFloatRange(min=0),
@@ -162,7 +173,8 @@ def _upstream_urls(ctx, param, values):
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
 @_library_errors
-def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
+def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream_first_byte_timeout_s,
+          upstream_idle_timeout_s, dtype, cache_memory_gb, cache_dir, cache_disk_gb, block_size,
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
           thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
@@ -207,6 +219,8 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
 
         dtype = default_dtype()
     run_serve(ServeConfig(host=host, port=port, db=db, model=model, upstreams=list(upstreams), dtype=dtype,
+                          upstream_timeouts=UpstreamTimeouts(upstream_connect_timeout_s, upstream_first_byte_timeout_s,
+                                                             upstream_idle_timeout_s),
                           cache_memory_gb=cache_memory_gb, memory_ceiling_gb=memory_ceiling_gb, prefill_chunk=prefill_chunk, max_batch=max_batch,
                           cache_dir=cache_dir, cache_disk_gb=cache_disk_gb, block_size=block_size,
                           kv_quant=kv_quant, kv_bits=kv_bits, kv_dense_layers=kv_dense_layers,

@@ -28,6 +28,7 @@ from proxy.engine_backend import EngineBackend
 from proxy.guard import LOOPBACK_HOSTS
 from proxy.upstream_backend import UpstreamBackend
 from proxy.upstream_pool import UpstreamPool
+from prefixtrace.config import UpstreamTimeouts
 from prefixtrace.errors import EngineError
 from prefixtrace.preflight import check_database_writable, claim_port, ready_banner
 from prefixtrace.urls import display_url
@@ -48,6 +49,7 @@ class ServeConfig:
     db: Path = Path("prefixtrace.db")
     model: Path | None = None  # None: the bundled default model
     upstreams: list[str] = field(default_factory=list)  # several: an UpstreamPool
+    upstream_timeouts: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)  # connect, first byte, idle
     dtype: str | None = None
     cache_memory_gb: float | None = None  # None: engine.memory.default_cache_bytes
     prefill_chunk: int | None = None  # None: engine.memory.default_prefill_chunk (per device)
@@ -90,10 +92,10 @@ def build_backend(config: ServeConfig):
     if len(config.upstreams) > 1:
         log.info("forwarding to %d upstreams with session affinity: %s", len(config.upstreams),
                  ", ".join(map(display_url, config.upstreams)))
-        return UpstreamPool(config.upstreams)
+        return UpstreamPool(config.upstreams, timeouts=config.upstream_timeouts)
     if config.upstreams:
         log.info("forwarding to upstream %s", display_url(config.upstreams[0]))
-        return UpstreamBackend(config.upstreams[0])
+        return UpstreamBackend(config.upstreams[0], timeouts=config.upstream_timeouts)
     if config.model is None:
         from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
 

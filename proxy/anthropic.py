@@ -246,7 +246,7 @@ class UpstreamMessages(Relayed):
             with map_httpx_errors(self.url):
                 async for batch in self.event_batches():
                     for event in batch:
-                        self._parse(sse.decode_data(event))
+                        self.read_event(event, self._parse)  # one it cannot read is passed on, its fault recorded
                     for out in sse.joined(batch, _is_stop):
                         yield out
         finally:
@@ -277,9 +277,10 @@ class UpstreamMessages(Relayed):
         data, body = await self.read()
         turn = self.builder.turn
         if body is not None and self.status < 400:
-            self.builder.on_whole(self.reader.whole(body))
-            turn.finish_reason = messages_wire.finish_reason(body.get("stop_reason"))
-            record_usage(self.builder, body.get("usage") or {})
+            with self.reading(body, "content"):  # a body of the wrong shape: a 502 naming the upstream's fault
+                self.builder.on_whole(self.reader.whole(body))
+                turn.finish_reason = messages_wire.finish_reason(body.get("stop_reason"))
+                record_usage(self.builder, body.get("usage") or {})
         elif self.status >= 400:
             turn.error = (str(body.get("error", body)) if body is not None else data.decode(errors="replace"))[:2000]
         return data, self.content_type

@@ -174,9 +174,7 @@ class UpstreamResponses(Relayed):
             with map_httpx_errors(self.url):
                 async for batch in self.event_batches():
                     for event in batch:
-                        data = sse.decode_data(event)
-                        if data:
-                            self._on(data)
+                        self.read_event(event, self._on)  # one it cannot read is passed on, its fault recorded
                     for out in sse.joined(batch, _is_terminal):
                         yield out
         finally:
@@ -187,8 +185,9 @@ class UpstreamResponses(Relayed):
     async def whole(self) -> tuple[bytes, str]:
         data, body = await self.read()
         if body is not None and self.status < 400:
-            self.builder.on_whole(self.reader.whole(body))
-            self.builder.turn.usage = body.get("usage")
+            with self.reading(body, "output"):  # a body of the wrong shape: a 502 naming the upstream's fault
+                self.builder.on_whole(self.reader.whole(body))
+                self.builder.turn.usage = body.get("usage")
         elif self.status >= 400:
             self.builder.turn.error = (str(body.get("error", body)) if body is not None
                                        else data.decode(errors="replace"))[:2000]

@@ -2,17 +2,27 @@
 
 Streams are passed through event by event as they arrive (never buffered
 whole); each event is also parsed so the turn can be recorded.
+
+Whatever the upstream does, the client gets what it sent or an error in the API's shape that
+names the upstream's fault, and the turn is recorded (issue 25): a success body that is not
+JSON, or not the API's shape, is a 502 (`Relayed.read`, `Relayed.reading`); a streamed event the
+proxy cannot read is passed on as it came and the turn records the fault (`Relayed.read_event`);
+an upstream that does not connect, answer or keep sending within its timeouts
+(`UpstreamTimeouts`) is a 504, or an error event once the stream's head went out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import re
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 
+from prefixtrace.config import UpstreamTimeouts
 from prefixtrace.errors import UpstreamError
 from prefixtrace.urls import credentials, display_url, without_credentials
 from prefixtrace.wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
@@ -35,10 +45,19 @@ _HOP_HEADERS = {
 _DEFAULT_HEADERS = {"accept": b"*/*", "user-agent": f"python-httpx/{httpx.__version__}".encode()}
 _NOT_IN_A_HEADER = re.compile("[\r\n\0]")
 USAGE_OPTION = b'"stream_options":{"include_usage":true}'
+# What reading a reply of the wrong shape raises (the turn builder's `ValueError`s, and the
+# readers' `.get` on a string): the upstream's fault, not the proxy's.
+UNREADABLE = (ValueError, TypeError, AttributeError, KeyError, IndexError)
 
 
 class UpstreamBackend:
-    def __init__(self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None, timeout: float = 600.0):
+    def __init__(self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None,
+                 timeout: float | None = None, timeouts: UpstreamTimeouts | None = None):
+        """`timeouts`: connect, first-byte and idle limits (prefixtrace/config.py); `timeout`, when
+        given instead, is both the first-byte and the idle limit."""
+        if timeouts is None:
+            timeouts = UpstreamTimeouts() if timeout is None else UpstreamTimeouts(first_byte_s=timeout, idle_s=timeout)
+        self.timeouts = timeouts
         url = normalize_base_url(base_url)
         # `base_url` names the upstream everywhere (label, errors, the recorded turn):
         # its credentials, if any, only reach the client, as Basic auth (prefixtrace/urls.py).
@@ -48,14 +67,17 @@ class UpstreamBackend:
             base_url=without_credentials(url),
             auth=auth,
             transport=transport,
-            timeout=httpx.Timeout(timeout, connect=10.0),
+            # The turn's POST keeps the first-byte limit around its head (`post`) and the idle one
+            # between body reads (`_Paced`); httpx's own read limit is only the larger of the two.
+            timeout=httpx.Timeout(_larger(timeouts.first_byte_s, timeouts.idle_s), connect=timeouts.connect_s,
+                                  write=timeouts.idle_s),
         )
         # The turn's POST skips the client's send stack (see `_send`); it sends the same headers.
         self._auth_header = None if auth is None else \
             "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
-        self.connections = self._direct_connections(without_credentials(url), transport, timeout)
+        self.connections = self._direct_connections(without_credentials(url), transport, timeouts)
 
-    def _direct_connections(self, url: str, transport, timeout: float) -> UpstreamConnections | None:
+    def _direct_connections(self, url: str, transport, timeouts: UpstreamTimeouts) -> UpstreamConnections | None:
         """The lean client for the turn's POST (proxy/upstream_http.py) where it can stand in for
         httpx's: plain http, no injected transport, no proxy from the environment for this URL
         (httpx would have sent through it), no query string to merge."""
@@ -68,8 +90,9 @@ class UpstreamBackend:
         self._target_prefix = target.raw_path.rstrip(b"/")
         self._host = target.host.encode("idna") if target.port is None else \
             (f"[{target.host}]" if ":" in target.host else target.host).encode("idna") + b":%d" % port
-        return UpstreamConnections(target.host, port, connect_timeout=10.0, read_timeout=timeout,
-                                   write_timeout=timeout)
+        return UpstreamConnections(target.host, port, connect_timeout=timeouts.connect_s,
+                                   read_timeout=timeouts.idle_s, write_timeout=timeouts.idle_s,
+                                   first_byte_timeout=timeouts.first_byte_s)
 
     @property
     def label(self) -> str:
@@ -130,7 +153,17 @@ class UpstreamBackend:
             if self.connections is not None:
                 return await self.connections.request(self._head(path, forward, len(content)), content), self.base_url
             request = self.client.build_request("POST", path, content=content, headers=forward)
-            return await self._send(request), self.base_url
+            started = asyncio.get_running_loop().time()
+            try:
+                async with asyncio.timeout(self.timeouts.first_byte_s):
+                    response = await self._send(request)
+            except httpx.ConnectTimeout as exc:  # say which limit, as the lean client does
+                raise httpx.ConnectTimeout(f"could not connect to the upstream within {self.timeouts.connect_s:g} s "
+                                           "(connect timeout)") from exc
+            except (httpx.ReadTimeout, TimeoutError) as exc:
+                raise httpx.ReadTimeout(f"no reply from the upstream within {self.timeouts.first_byte_s:g} s "
+                                        "(first-byte timeout)") from exc
+            return _Paced(response, self.timeouts, started), self.base_url
 
     def _head(self, path: str, headers: dict[str, str], length: int) -> bytes:
         """The request line and headers for `_direct_connections`: what httpx would have sent (its
@@ -199,6 +232,57 @@ def _json_bytes(body: dict) -> bytes:
         return json.dumps(body, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 
+class _Paced:
+    """An httpx response (https upstreams, injected transports) whose body keeps the limits the
+    lean client (proxy/upstream_http.py) keeps itself: the first body byte by the first-byte
+    deadline, then no silence longer than the idle timeout. Everything else is httpx's."""
+
+    def __init__(self, response: httpx.Response, timeouts: UpstreamTimeouts, started: float):
+        self._response = response
+        self._timeouts = timeouts
+        self._first_byte_deadline = None if timeouts.first_byte_s is None else started + timeouts.first_byte_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._response, name)
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        chunks = self._response.aiter_bytes().__aiter__()
+        loop = asyncio.get_running_loop()
+        started = False
+        while True:
+            if started:
+                limit, why = self._timeouts.idle_s, f"the upstream sent nothing for {self._timeouts.idle_s:g} s " \
+                                                    "(idle timeout)"
+            else:
+                limit = None if self._first_byte_deadline is None else \
+                    max(0.0, self._first_byte_deadline - loop.time())
+                why = f"no reply from the upstream within {self._timeouts.first_byte_s:g} s (first-byte timeout)"
+            try:
+                async with asyncio.timeout(limit):
+                    chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                return
+            except TimeoutError as exc:
+                raise httpx.ReadTimeout(why) from exc
+            started = True
+            yield chunk
+
+    async def aread(self) -> bytes:
+        return b"".join([chunk async for chunk in self.aiter_bytes()])
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+def _larger(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else max(a, b)
+
+
+def _excerpt(data: bytes | str, limit: int = 200) -> str:
+    text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+    return repr(text[:limit]) + (f" (… {len(text) - limit} more)" if len(text) > limit else "")
+
+
 class Relayed:
     """An upstream response on its way to the client: its status, type, and whether it streams."""
 
@@ -220,13 +304,20 @@ class Relayed:
     def cancel(self) -> None:
         pass  # closing the response (in `sse`'s finally) is what tells the upstream
 
-    def event_batches(self) -> AsyncIterator[list[bytes]]:
+    async def event_batches(self) -> AsyncIterator[list[bytes]]:
         """The response's SSE events as they arrive, split on the bytes (prefixtrace/wire/sse.py),
-        those that one read of the upstream completed together in one list."""
-        return sse.iter_event_batches(self.response.aiter_bytes())
+        those that one read of the upstream completed together in one list. An event that grows
+        without end is the upstream's fault (`UpstreamError`), not a buffer without bound."""
+        try:
+            async for batch in sse.iter_event_batches(self.response.aiter_bytes()):
+                yield batch
+        except sse.EventTooLarge as exc:
+            raise UpstreamError(f"upstream {self.url} {exc}", upstream=self.url) from exc
 
     async def read(self) -> tuple[bytes, dict | None]:
-        """The whole body, and its JSON object when it is one."""
+        """The whole body, and its JSON object when it is one. A success (status < 400) whose body
+        is not a JSON object (invalid, empty, a list) is the upstream's fault: `UpstreamError`, a
+        502 naming it, not a 200 with an empty reply."""
         try:
             with map_httpx_errors(self.url):
                 data = await self.response.aread()
@@ -234,9 +325,51 @@ class Relayed:
             await self.response.aclose()
         try:
             body = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            body = None
+            why = None if isinstance(body, dict) else f"a JSON {type(body).__name__}, not an object"
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body, why = None, ("an empty body" if not data.strip() else f"not JSON ({exc})")
+        if why is not None and self.status < 400:
+            raise UpstreamError(f"upstream {self.url} answered {self.status} with {why}: {_excerpt(data)}",
+                                upstream=self.url)
         return data, body if isinstance(body, dict) else None
+
+    @contextlib.contextmanager
+    def reading(self, body: dict, member: str):
+        """Read a success `body` into the turn inside this block: when it lacks the list `member`
+        every reply of its API carries (`choices`, `content`, `output`), or has parts of the wrong
+        shape, that is the upstream's fault: `UpstreamError` (502) naming it, not a bare 500."""
+        if not isinstance(body.get(member), list):
+            error = body.get("error")
+            why = f"an error in a {self.status}: {_excerpt(json.dumps(error, ensure_ascii=False))}" if error else \
+                f"no {member!r} list"
+            raise UpstreamError(f"upstream {self.url} answered a body the proxy cannot read ({why}): "
+                                f"{_excerpt(json.dumps(body, ensure_ascii=False))}", upstream=self.url)
+        try:
+            yield
+        except UNREADABLE as exc:
+            raise UpstreamError(f"upstream {self.url} answered a body the proxy cannot read ({exc}): "
+                                f"{_excerpt(json.dumps(body, ensure_ascii=False))}", upstream=self.url) from exc
+
+    def read_event(self, event: bytes, read: Callable[[dict], None]) -> dict | None:
+        """One streamed event into the turn by `read(data)` (its JSON data); returns the data. An
+        event the proxy cannot read (data that is not a JSON object, or one of the wrong shape) is
+        still the client's, as it came: the turn records the upstream's fault (`fault`)."""
+        data = sse.decode_data(event)
+        if data is None:
+            if sse.unreadable(event):
+                self.fault("data that is not a JSON object", event)
+            return None
+        try:
+            read(data)
+        except UNREADABLE as exc:
+            self.fault(str(exc), event)
+        return data
+
+    def fault(self, why: str, event: bytes) -> None:
+        """The first unreadable event of a stream, kept as the turn's error (the client got it as sent)."""
+        turn = self.builder.turn
+        if not turn.error:
+            turn.error = f"upstream {self.url} sent an event the proxy cannot read ({why}): {_excerpt(event)}"
 
 
 class UpstreamChat(Relayed):
@@ -271,16 +404,28 @@ class UpstreamChat(Relayed):
     def _pass(self, event: bytes) -> bytes | None:
         chunk = sse.decode_data(event)
         if chunk is None:
-            self._complete = self._complete or sse.is_done(event)
+            if sse.is_done(event):
+                self._complete = True
+            elif sse.unreadable(event):
+                self.fault("data that is not a JSON object", event)
             return event
         if self._final:
             # Data after the final usage chunk: the turn is already with the recorder, which
             # may be writing it right now; it is passed on, not recorded (a broken upstream).
             return event
         choices = chunk.get("choices") or ()
-        if "error" in chunk or any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
+        if "error" in chunk:
             self._complete = True
-        self.builder.on_chunk(chunk)
+        elif choices and not self._complete:
+            for choice in choices:
+                if isinstance(choice, dict) and choice.get("finish_reason"):
+                    self._complete = True
+                    break
+        try:
+            self.builder.on_chunk(chunk)
+        except UNREADABLE as exc:
+            self.fault(str(exc), event)
+            return event
         if "error" in chunk and not chunk.get("choices"):
             self.builder.turn.error = str(chunk["error"])
         usage_only = not choices and chunk.get("usage")
@@ -296,7 +441,8 @@ class UpstreamChat(Relayed):
         data, body = await self.read()
         if body is not None:
             if self.status < 400:
-                self.builder.on_response(body)
+                with self.reading(body, "choices"):
+                    self.builder.on_response(body)
             else:
                 self.builder.turn.error = str(body.get("error", body))[:2000]
         elif self.status >= 400:

@@ -39,6 +39,7 @@ READ_LIMIT = 1 << 20  # bytes buffered before the socket stops being read (flow 
 # request sent on a connection in the same instant the server closes it fails: stay below it.
 KEEPALIVE_EXPIRY_S = 4.0
 MAX_IDLE = 20  # httpx's default for kept-alive connections
+_AS_READ = object()  # `first_byte_timeout` not given: the same as `read_timeout`
 
 
 class _Connection(asyncio.Protocol):
@@ -156,10 +157,18 @@ class UpstreamResponse:
     """A response being read: the parts of `httpx.Response` the proxy uses (`status_code`,
     `headers`, `aiter_bytes()`, `aread()`, `aclose()`), filled by its connection's parser."""
 
-    def __init__(self, pool: "UpstreamConnections", conn: _Connection, read_timeout: float | None):
+    def __init__(self, pool: "UpstreamConnections", conn: _Connection, idle_timeout: float | None,
+                 first_byte_timeout: float | None = None):
         self._pool = pool
         self._conn = conn
-        self._read_timeout = read_timeout
+        self._idle_timeout = idle_timeout
+        self._first_byte_timeout = first_byte_timeout
+        # Until the body's first byte the wait is for the reply to be ready (prefill, or the whole
+        # generation of a non-streamed reply): one deadline from the request's sending; then each
+        # silence is bounded by the idle timeout.
+        self._first_byte_deadline = None if first_byte_timeout is None else \
+            asyncio.get_running_loop().time() + first_byte_timeout
+        self.body_started = False
         self.status_code = 0
         self.reason = b""
         self.raw_headers: list[tuple[bytes, bytes]] = []
@@ -241,10 +250,18 @@ class UpstreamResponse:
     # --- for the reader ----------------------------------------------------------------
 
     async def _wait(self) -> None:
-        """Until the parser has something new; `ReadTimeout` after `read_timeout` of silence."""
+        """Until the parser has something new; `ReadTimeout` past the first-byte deadline (before
+        the body has started) or after the idle timeout's silence (once it has)."""
         loop = asyncio.get_running_loop()
         self._waiter = waiter = loop.create_future()
-        timer = None if self._read_timeout is None else loop.call_later(self._read_timeout, _time_out, waiter)
+        if self.body_started:
+            limit, why = self._idle_timeout, f"the upstream sent nothing for {self._idle_timeout:g} s (idle timeout)"
+        elif self._first_byte_deadline is None:
+            limit, why = None, ""
+        else:
+            limit = max(0.0, self._first_byte_deadline - loop.time())
+            why = f"no reply from the upstream within {self._first_byte_timeout:g} s (first-byte timeout)"
+        timer = None if limit is None else loop.call_later(limit, _time_out, waiter, why)
         try:
             await waiter
         finally:
@@ -267,6 +284,7 @@ class UpstreamResponse:
         conn = self._conn
         while True:
             if self._chunks:
+                self.body_started = True
                 if len(self._chunks) == 1:
                     chunk = self._chunks.popleft()
                 else:
@@ -323,9 +341,9 @@ class _Undecodable:
         return b""
 
 
-def _time_out(waiter: asyncio.Future) -> None:
+def _time_out(waiter: asyncio.Future, why: str) -> None:
     if not waiter.done():
-        waiter.set_exception(httpx.ReadTimeout("timed out waiting for the upstream"))
+        waiter.set_exception(httpx.ReadTimeout(why))
 
 
 class UpstreamConnections:
@@ -333,13 +351,16 @@ class UpstreamConnections:
 
     Args:
         host, port: where the upstream listens (plain http).
-        connect_timeout, read_timeout, write_timeout: seconds, as httpx's `Timeout` (None: no limit).
+        connect_timeout, write_timeout: seconds (None: no limit).
+        read_timeout: the longest silence once the body has started (the idle timeout).
+        first_byte_timeout: from sending the request to the body's first byte; default `read_timeout`.
     """
 
     def __init__(self, host: str, port: int, *, connect_timeout: float | None, read_timeout: float | None,
-                 write_timeout: float | None):
+                 write_timeout: float | None, first_byte_timeout: float | None | object = _AS_READ):
         self.host, self.port = host, port
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        self.first_byte_timeout = read_timeout if first_byte_timeout is _AS_READ else first_byte_timeout
         self.write_timeout = write_timeout
         self._idle: list[_Connection] = []
         self.opened = 0  # connections made, for tests and the curious
@@ -348,7 +369,7 @@ class UpstreamConnections:
         """Send `head` (the request line and headers, ending in a blank line) and `body`; return
         once the response's head has arrived, its body to be read from the returned response."""
         conn = self._idle_connection() or await self._connect()
-        response = UpstreamResponse(self, conn, self.read_timeout)
+        response = UpstreamResponse(self, conn, self.read_timeout, self.first_byte_timeout)
         conn.response = response
         try:
             await self._write(conn, head, body)
@@ -381,7 +402,8 @@ class UpstreamConnections:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(_Connection, self.host, self.port)
         except TimeoutError as exc:
-            raise httpx.ConnectTimeout("timed out connecting to the upstream") from exc
+            raise httpx.ConnectTimeout(f"could not connect to the upstream within {self.connect_timeout:g} s "
+                                       "(connect timeout)") from exc
         except OSError as exc:
             raise httpx.ConnectError(str(exc)) from exc
         self.opened += 1
@@ -400,7 +422,8 @@ class UpstreamConnections:
                 async with asyncio.timeout(self.write_timeout):
                     await conn.drained
             except TimeoutError as exc:
-                raise httpx.WriteTimeout("timed out sending the request to the upstream") from exc
+                raise httpx.WriteTimeout(f"the upstream took none of the request for {self.write_timeout:g} s "
+                                         "(idle timeout)") from exc
 
     async def aclose(self) -> None:
         while self._idle:

@@ -32,6 +32,7 @@ import httpx
 
 from analyzer.canon import canonical_message, messages_of
 from analyzer.causes import HEAD_ROLES
+from prefixtrace.config import UpstreamTimeouts
 from prefixtrace.errors import UpstreamError
 from proxy.upstream_backend import UpstreamBackend
 
@@ -100,15 +101,18 @@ class UpstreamPool:
         urls: base URLs (`http://h:p` or `http://h:p/v1`), at least one.
         health_interval: seconds between health checks.
         transport: injected httpx transport (tests).
+        timeouts: each upstream's connect, first-byte and idle limits (prefixtrace/config.py); a
+            timeout is no failover: the upstream may have started on the request.
     """
 
     max_context_tokens = None  # the upstreams' limits are their own
 
     def __init__(self, urls: list[str], *, health_interval: float = 2.0, vnodes: int = 64,
-                 transport: httpx.AsyncBaseTransport | None = None, timeout: float = 600.0):
+                 transport: httpx.AsyncBaseTransport | None = None, timeout: float | None = None,
+                 timeouts: UpstreamTimeouts | None = None):
         if not urls:
             raise UpstreamError("an upstream pool needs at least one URL")
-        members = [Member(UpstreamBackend(u, transport=transport, timeout=timeout)) for u in urls]
+        members = [Member(UpstreamBackend(u, transport=transport, timeout=timeout, timeouts=timeouts)) for u in urls]
         self.members: dict[str, Member] = {m.url: m for m in members}
         self.ring = HashRing(list(self.members), vnodes)
         self.pins: OrderedDict[str, str] = OrderedDict()  # session key -> url, LRU

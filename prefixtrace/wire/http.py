@@ -17,7 +17,9 @@ def map_httpx_errors(url: str):
     try:
         yield
     except httpx.TimeoutException as exc:
-        raise UpstreamTimeout(f"upstream {url} timed out: {type(exc).__name__}", upstream=url) from exc
+        # Which limit it was (connect, first byte, idle: prefixtrace/config.py), when the client said.
+        why = f": {exc}" if str(exc) and "timed out" not in str(exc).lower() else ""
+        raise UpstreamTimeout(f"upstream {url} timed out: {type(exc).__name__}{why}", upstream=url) from exc
     except httpx.HTTPError as exc:
         raise UpstreamError(f"upstream {url} is unreachable: {type(exc).__name__}: {exc}", upstream=url) from exc
 

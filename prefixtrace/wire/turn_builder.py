@@ -3,6 +3,12 @@
 The turn is built from what goes out: reply events (`on_event`, prefixtrace/wire/events.py),
 which every protocol's writer consumes and every upstream reader produces, or chat-completions
 chunks and bodies as they are (`on_chunk`, `on_response`). What is recorded is what the client saw.
+
+Text arrives in pieces (a token or a few per event) and is kept as a list of them, joined once
+(`text_so_far`, `finish`): `turn.response_text += piece` copies the whole text per piece, quadratic
+on the event loop (issue 25: a 20 MB streamed reply took minutes). A chunk or body of the wrong
+shape (`"choices": "x"`) raises `ValueError` naming what is wrong: the caller decides whether that
+is the upstream's fault (proxy/upstream_backend.py); nothing of a foreign type reaches the turn.
 """
 
 from __future__ import annotations
@@ -20,29 +26,49 @@ class TurnBuilder:
         self.turn = turn
         self._t0 = time.perf_counter()
         self._tool_calls: dict[int, dict] = {}
+        self._text: list[str] = []  # pieces not yet joined into turn.response_text
+        self._reasoning: list[str] = []
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._t0
 
+    def text_so_far(self) -> None:
+        """Join the pieces received so far into `turn.response_text` / `reasoning_text` (linear:
+        called once a reply is done, not per piece)."""
+        turn = self.turn
+        if self._text:
+            turn.response_text = "".join([turn.response_text, *self._text])
+            self._text.clear()
+        if self._reasoning:
+            turn.reasoning_text = "".join([turn.reasoning_text, *self._reasoning])
+            self._reasoning.clear()
+
     def on_chunk(self, chunk: dict[str, Any]) -> None:
         turn = self.turn
-        turn.chunk_times.append(round(self.elapsed(), 6))
-        for choice in chunk.get("choices") or []:
+        turn.chunk_times.append(round(time.perf_counter() - self._t0, 6))
+        usage = chunk.get("usage")
+        for choice in _listed(chunk.get("choices"), "choices"):
+            if not isinstance(choice, dict):
+                raise ValueError("a choice is not an object")
             if choice.get("index", 0) != 0:
                 continue
-            delta = choice.get("delta") or {}
-            content = delta.get("content") if "text" not in choice else choice["text"]  # legacy completions
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if (content or reasoning or delta.get("tool_calls")) and turn.ttft_s is None:
+            delta = _object(choice.get("delta"), "delta")
+            content = _content(delta.get("content") if "text" not in choice else choice["text"])
+            reasoning = _text(delta.get("reasoning_content") or delta.get("reasoning"), "reasoning")
+            calls = _listed(delta.get("tool_calls"), "tool_calls")
+            if (content or reasoning or calls) and turn.ttft_s is None:
                 turn.ttft_s = self.elapsed()
-            turn.response_text += content or ""
-            turn.reasoning_text += reasoning or ""
-            for call in delta.get("tool_calls") or []:
-                self._merge_tool_call(call)
+            if content:
+                self._text.append(content)
+            if reasoning:
+                self._reasoning.append(reasoning)
+            for call in calls:
+                self._merge_tool_call(_object(call, "tool call"))
             if choice.get("finish_reason"):
-                turn.finish_reason = choice["finish_reason"]
-        if chunk.get("usage"):
-            self.on_usage(chunk["usage"])
+                turn.finish_reason = _text(choice["finish_reason"], "finish_reason")
+                self.text_so_far()  # the reply is whole
+        if usage:
+            self.on_usage(_object(usage, "usage"))
 
     def on_event(self, event: ReplyEvent) -> None:
         """One reply event, as the client is sent it (in whatever protocol)."""
@@ -50,14 +76,15 @@ class TurnBuilder:
         if isinstance(event, (ContentDelta, ReasoningDelta, ToolCallStart)) and turn.ttft_s is None:
             turn.ttft_s = self.elapsed()
         if isinstance(event, ContentDelta):
-            turn.response_text += event.text
+            self._text.append(event.text)
         elif isinstance(event, ReasoningDelta):
-            turn.reasoning_text += event.text
+            self._reasoning.append(event.text)
         elif isinstance(event, ToolCallStart):
             self._merge_tool_call({"index": event.index, "id": event.call_id, "function": {"name": event.name}})
         elif isinstance(event, ToolCallArgsDelta):
             self._merge_tool_call({"index": event.index, "function": {"arguments": event.text}})
         elif isinstance(event, ReplyDone):
+            self.text_so_far()  # the reply is whole: its writers may read the text now
             turn.finish_reason = event.finish_reason
             turn.prompt_tokens, turn.completion_tokens = event.prompt_tokens, event.completion_tokens
             turn.cached_tokens = event.cached_tokens
@@ -68,6 +95,7 @@ class TurnBuilder:
         ttft = self.turn.ttft_s
         for event in events:
             self.on_event(event)
+        self.text_so_far()
         self.turn.ttft_s = ttft
 
     def on_sent(self) -> None:
@@ -76,15 +104,24 @@ class TurnBuilder:
 
     def on_response(self, body: dict[str, Any]) -> None:
         """A whole (non-streamed) chat.completion body."""
-        choices = body.get("choices") or []
+        choices = _listed(body.get("choices"), "choices")
+        usage = body.get("usage")
         if choices:
-            message = choices[0].get("message") or {}
-            self.turn.response_text = message.get("content") or choices[0].get("text") or ""
-            self.turn.reasoning_text = message.get("reasoning_content") or message.get("reasoning") or ""
-            self.turn.tool_calls = message.get("tool_calls") or None
-            self.turn.finish_reason = choices[0].get("finish_reason")
-        if body.get("usage"):
-            self.on_usage(body["usage"])
+            choice = _object(choices[0], "choice")
+            message = _object(choice.get("message"), "message")
+            text = _content(message.get("content")) or _text(choice.get("text"), "text") or ""
+            reasoning = _text(message.get("reasoning_content") or message.get("reasoning"), "reasoning") or ""
+            calls = _listed(message.get("tool_calls"), "tool_calls")
+            finish = _text(choice.get("finish_reason"), "finish_reason")
+            if usage:
+                usage = _object(usage, "usage")
+            self._text.clear()
+            self._reasoning.clear()
+            self.turn.response_text, self.turn.reasoning_text = text, reasoning
+            self.turn.tool_calls = calls or None
+            self.turn.finish_reason = finish
+        if usage:
+            self.on_usage(_object(usage, "usage"))
 
     def on_usage(self, usage: dict[str, Any]) -> None:
         turn = self.turn
@@ -101,18 +138,61 @@ class TurnBuilder:
         self.turn.status = status
         if error and not self.turn.error:
             self.turn.error = error
+        self.text_so_far()
         if self._tool_calls:
-            self.turn.tool_calls = [self._tool_calls[i] for i in sorted(self._tool_calls)]
+            self.turn.tool_calls = [_joined_call(self._tool_calls[i]) for i in sorted(self._tool_calls)]
         self.turn.total_s = self.elapsed()
         return self.turn
 
     def _merge_tool_call(self, call: dict) -> None:
-        slot = self._tool_calls.setdefault(
-            call.get("index", len(self._tool_calls)),
-            {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
-        )
+        # Arguments arrive in pieces like text: kept as a list, joined at `finish`.
+        index = call.get("index", len(self._tool_calls))
+        slot = self._tool_calls.get(index)
+        if slot is None:
+            slot = self._tool_calls[index] = {"id": None, "type": "function",
+                                              "function": {"name": "", "arguments": []}}
         if call.get("id"):
             slot["id"] = call["id"]
-        fn = call.get("function") or {}
-        slot["function"]["name"] += fn.get("name") or ""
-        slot["function"]["arguments"] += fn.get("arguments") or ""
+        fn = _object(call.get("function"), "function")
+        name = _text(fn.get("name"), "function name")
+        if name:
+            slot["function"]["name"] += name
+        arguments = _text(fn.get("arguments"), "arguments")
+        if arguments:
+            slot["function"]["arguments"].append(arguments)
+
+
+def _joined_call(slot: dict) -> dict:
+    fn = slot["function"]
+    return {**slot, "function": {**fn, "arguments": "".join(fn["arguments"])}}
+
+
+def _listed(value: Any, what: str) -> list:
+    """`value` when it is a list, [] when absent; a `ValueError` naming `what` otherwise."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"{what!r} is a {type(value).__name__}, not a list")
+    return value
+
+
+def _object(value: Any, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{what!r} is a {type(value).__name__}, not an object")
+    return value
+
+
+def _content(value: Any) -> str | None:
+    """A message's content: a string, or a list of parts whose text is joined (some servers send
+    `[{"type": "text", "text": ...}]`)."""
+    if isinstance(value, list):
+        return "".join(part["text"] for part in value if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return _text(value, "content")
+
+
+def _text(value: Any, what: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise ValueError(f"{what!r} is a {type(value).__name__}, not a string")
