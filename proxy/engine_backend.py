@@ -28,6 +28,7 @@ from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, Too
 from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
 from prefixtrace.wire.turn_builder import TurnBuilder
+from recorder import renderers
 
 DEFAULT_ALIAS = "default"
 
@@ -60,6 +61,7 @@ class EngineBackend:
         self.grammar_limits = grammar_limits
         self.max_tokens_policy = max_tokens_policy
         self.defaults = defaults
+        self._renderer_id: str | None = None
 
     @property
     def label(self) -> str:
@@ -98,7 +100,21 @@ class EngineBackend:
         builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
         if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
             builder.turn.render["policy"] = rendered.policy
+        self._identify(builder)
         return await self.start(req, rendered.token_ids, rendered.text, builder, wait_first=wait_first)
+
+    def _identify(self, builder: TurnBuilder) -> None:
+        """What the analyzer needs to count this prompt as the engine did (docs/ANALYZER.md "The
+        server's renderer"): the model's renderer, once per model in the database, and the prefix cache's
+        eviction count so far (a later turn's shortfall after evictions is the server's, not the client's)."""
+        if self._renderer_id is None and (identity := self.engine.renderer_identity()) is not None:
+            self._renderer_id = renderers.register(renderers.from_model_dir(
+                identity["model"], identity["model_dir"], identity["chat_template"], identity["special"]))
+        builder.turn.renderer_id = self._renderer_id
+        builder.turn.served_by = self.label
+        evictions = self.engine.cache_evictions
+        if evictions is not None:
+            builder.turn.render["cache_evictions"] = evictions
 
     async def render(self, req: ChatRequest):
         """The prompt the engine runs for `req` (chat template, tools, render policies), in a worker
@@ -236,6 +252,10 @@ class EngineChat:
                     yield reply_event
             elif isinstance(event, Finished):
                 self.finished = event
+                if self.seq is not None and isinstance(self.builder.turn.render, dict):
+                    # The reply's tokens follow the prompt in the engine's cache: the next turn's prefix
+                    # reaches into them, and the analyzer predicts how far (docs/ANALYZER.md).
+                    self.builder.turn.render["reply_token_ids"] = list(self.seq.output_ids)
                 for reply_event in self.parser.finish():
                     yield reply_event
                 yield ReplyDone(final_finish_reason(event.finish_reason, self.parser), event.prompt_tokens,

@@ -49,6 +49,19 @@ def _iter_rows(db, session: str | None, path: Path) -> Iterator[Turn]:
         db.close()
 
 
+def read_renderers(db_path: str | Path) -> dict:
+    """The database's recorded renderers by id (recorder/renderers.py); none in an older database."""
+    from recorder.renderers import load_all
+
+    db = open_db(db_path, create=False)
+    try:
+        return load_all(db)
+    except sqlite3.DatabaseError as exc:
+        raise RecorderError(f"{db_path} cannot be read: {exc} (the file is damaged?)") from exc
+    finally:
+        db.close()
+
+
 def _iso(ts: float | None) -> str | None:
     if ts is None:
         return None
