@@ -33,6 +33,15 @@ _ADVICE = {
                             "reasoning): keep it fixed within a session; another model never shares a cache",
     ("serialization", "tools"): "the same tools were sent in other bytes (key order, strict: false): send tool "
                                 "definitions byte-identically every request, whichever API carries them",
+    ("server_miss", "eviction"): "the client kept the prefix; the server evicted it for room: give the prefix cache "
+                                 "more memory (serve --cache-bytes) or a disk tier (--cache-dir), or run fewer "
+                                 "sessions at once",
+    ("server_miss", "routing"): "the client kept the prefix; another upstream served this turn and does not hold it: "
+                                "pin a session to one upstream (send X-Session-Id or prompt_cache_key)",
+    ("server_miss", "ttl"): "the client kept the prefix; it expired on the provider between turns: use the 1 hour "
+                            "cache lifetime (Anthropic cache_control ttl \"1h\") for sessions with long pauses",
+    ("server_miss", None): "the client kept the prefix; the server did not serve it from cache: nothing to change in "
+                           "the harness; look at the server's cache size, routing and lifetime",
     ("serialization", None): "same content, other bytes (key order, whitespace): resend earlier messages exactly as "
                              "first sent (keep the JSON text, do not re-serialise)",
 }

@@ -20,10 +20,10 @@ from typing import Any
 
 from analyzer.advice import SIDE_REQUEST, suggestion
 from analyzer.canon import Canonicalizer, Payload, first_changed
-from analyzer.causes import Cause, classify, payload_cause
-from analyzer.divergence import SegmentCounter, compare
+from analyzer.causes import Cause, classify, payload_cause, server_facts, server_miss
+from analyzer.divergence import SegmentCounter, common_prefix_len, compare
 from analyzer.load import Request, load, share_prefix
-from analyzer.render import GenericRenderer, Rendered, make_renderer
+from analyzer.render import GenericRenderer, Rendered, make_renderer, recorded_renderer
 from analyzer.sessions import SessionGrouper
 from analyzer.tokens import Tokenizer, as_tokenizer
 from prefixtrace.errors import InvalidRequest
@@ -83,6 +83,11 @@ class TurnResult:
     payload_change: str | None = None  # what the payload diff saw, even when the render did not break
     note: str = ""  # "first", "unrenderable: …"
     model: str | None = None  # the request's `model` (what-if pricing reads per-model rules)
+    # The provider's own cache figures beside the analysis (docs/ANALYZER.md "Server-side misses"):
+    reported_cache_read_tokens: int | None = None  # Anthropic cache_read_input_tokens / OpenAI cached_tokens
+    reported_cache_write_tokens: int | None = None  # Anthropic cache_creation_input_tokens
+    server_miss_reason: str | None = None  # Anthropic cache diagnostics' cache_miss_reason type
+    served_by: str | None = None  # the upstream member or engine that answered, when recorded
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "brk"}
@@ -139,6 +144,11 @@ class Report:
     skipped: list[dict]
     failed: list[dict] = field(default_factory=list)  # requests the server refused (status >= 400): not chained
     what_if: list[dict] = field(default_factory=list)  # analyzer/whatif.py: the traffic priced under other caches
+    # Which renderer and tokenizer counted the prompts: "recorded" (the server's own, from the database),
+    # "given" (--template/--model/--tokenizer) or "fallback" (generic ChatML, o200k), and in words,
+    # on fallback with how to give the right one (docs/ANALYZER.md "The server's renderer").
+    renderer_source: str = "fallback"
+    renderer_note: str = ""
 
     @property
     def breaks(self) -> list[tuple[SessionResult, TurnResult]]:
@@ -186,6 +196,8 @@ class Report:
             "coverage": self.coverage(),
             "tokenizer": self.tokenizer,
             "renderer": self.renderer,
+            "renderer_source": self.renderer_source,
+            "renderer_note": self.renderer_note,
             "block_size": self.block_size,
             "prefill_rate": self.prefill_rate,
             "skipped_lines": self.skipped,
@@ -221,6 +233,7 @@ class _State:
     payload: Payload
     rendered: Rendered
     tokens: int
+    req: Request | None = None
 
 
 class Analyzer:
@@ -239,6 +252,8 @@ class Analyzer:
         self.wire = ChatNormalizer()
         self.block_size, self.prefill_rate = block_size, prefill_rate
         self.workers = workers if workers is not None else min(2, os.cpu_count() or 1)
+        self._short_ids: dict[str, list[int]] = {}
+        self.exact_counts = False  # the tokenizer is the server's: reported and predicted counts compare as numbers
 
     def run(self, requests: list[Request], skipped: list[dict] | None = None) -> Report:
         # Phase 0: requests the server refused are listed, not chained (no prompt was cached for them),
@@ -304,18 +319,49 @@ class Analyzer:
             except InvalidRequest as exc:
                 turn.note = f"unrenderable: {exc.message}"
                 continue
-            tokens = self.counter.total(rendered)
+            # The prompt as the server counts it: the rendering and the generation prompt after it.
+            tokens = self.counter.total(rendered) + len(self._ids(rendered.generation))
             turn.prompt_tokens = tokens
             model = payload.params.get("model")
             turn.model = model if isinstance(model, str) else None
+            server_facts(turn, req)
+            reach = 0
             if prev is None:
                 turn.note, turn.common_prefix_tokens = "first", 0
             else:
                 self._compare(turn, prev, payload, rendered, req.body)
-            turn.reprefill_tokens = tokens - turn.common_prefix_tokens
-            self._cost(turn)
-            prev = _State(payload, rendered, tokens)
+                if turn.brk is None:
+                    reach = self._reach(prev, rendered)
+            turn.reprefill_tokens = tokens - turn.common_prefix_tokens - reach
+            self._cost(turn, reach)
+            if prev is not None and turn.brk is None:
+                self._server_miss(turn, prev.req, req)
+            prev = _State(payload, rendered, tokens, req)
         return turns
+
+    def _ids(self, text: str) -> list[int]:
+        """Token ids of a short text (generation prompts: a handful per run), cached."""
+        if not text:
+            return []
+        ids = self._short_ids.get(text)
+        if ids is None:
+            ids = self._short_ids[text] = list(self.tokenizer(text))
+        return ids
+
+    def _reach(self, prev: _State, rendered: Rendered) -> int:
+        """Tokens past the previous rendering that the server's cache also holds for this prompt: the
+        previous generation prompt and as much of the previous reply's own tokens (recorded by the
+        engine) as this prompt repeats token for token. A template that renders the reply otherwise
+        than the model wrote it (stripped reasoning, re-serialised tool calls) stops the reach there."""
+        tail = self._ids(prev.rendered.generation) + list((prev.req.reply_token_ids if prev.req else None) or [])
+        if not tail:
+            return 0
+        start = len(prev.rendered.text)
+        text = rendered.text + rendered.generation
+        if not text.startswith(prev.rendered.text):
+            return 0
+        window = text[start : start + 16 * len(tail) + 64]
+        return common_prefix_len(self.tokenizer(window), tail)
 
     def _compare(self, turn: TurnResult, prev: _State, payload: Payload, rendered: Rendered, body: Any = None) -> None:
         model_changed = prev.payload.params.get("model") != payload.params.get("model")
@@ -382,8 +428,29 @@ class Analyzer:
             return payload
         return Payload(messages, keys, payload.tools, payload.tools_key, payload.params, payload.chars)
 
-    def _cost(self, turn: TurnResult) -> None:
-        predicted = turn.common_prefix_tokens
+    def _server_miss(self, turn: TurnResult, prev_req: Request | None, req: Request) -> None:
+        """An append-only turn whose reported cached tokens fall short of the prediction lost its prefix on
+        the server: a `server_miss` break (analyzer/causes.py names the subtype). Counts compare as numbers
+        when the tokenizer is the server's; otherwise as shares of the prompt, by more than
+        DISAGREE_FRACTION (another tokenizer's counts differ by a few percent)."""
+        reported, predicted = turn.reported_cached_tokens, turn.predicted_cached_tokens
+        if reported is None or not predicted or prev_req is None:
+            return
+        if self.exact_counts:
+            short = predicted - reported
+            if short <= 0:
+                return
+        else:
+            total = turn.reported_prompt_tokens or turn.prompt_tokens or 1
+            if reported / max(1, total) >= predicted / max(1, turn.prompt_tokens or 1) - DISAGREE_FRACTION:
+                return
+            short = max(0, predicted - round(reported * (turn.prompt_tokens or 0) / max(1, total)))
+        subtype, why = server_miss(prev_req, req, ttl_1h=req.cache_ttl_1h)
+        turn.brk = Break("server_miss", subtype, None, None, 0, reported, "", why,
+                         suggestion=suggestion("server_miss", subtype), saves_tokens=short)
+
+    def _cost(self, turn: TurnResult, reach: int = 0) -> None:
+        predicted = turn.common_prefix_tokens + reach
         if self.block_size:
             predicted = predicted // self.block_size * self.block_size
             turn.block_reprefill_tokens = turn.prompt_tokens - predicted
@@ -430,6 +497,81 @@ def _walk_job_local(analyzer: Analyzer, requests, payloads, job) -> list[TurnRes
     return analyzer.walk([requests[i] for i in job[2]], [payloads[i] for i in job[2]])
 
 
+@dataclass
+class RendererChoice:
+    renderer: Any
+    tokenizer: Tokenizer
+    source: str  # "recorded" | "given" | "fallback"
+    note: str
+    exact: bool  # the tokenizer is the server's: counts compare as numbers
+
+
+def _recorded_tokenizer(info) -> tuple[Tokenizer | None, str]:
+    """The recorded renderer's tokenizer: its stored tokenizer.json, else the file at its recorded path
+    while its hash still matches; (None, why) when neither."""
+    import hashlib
+
+    from analyzer.tokens import tokenizer_from_json
+
+    name = f"recorded:{info.model}"
+    if info.tokenizer_json is not None:
+        return tokenizer_from_json(info.tokenizer_json, name), ""
+    if info.tokenizer_path:
+        try:
+            data = Path(info.tokenizer_path).read_bytes()
+        except OSError:
+            return None, f"its tokenizer ({info.tokenizer_path}) was too big to store and is gone"
+        if info.tokenizer_sha256 and hashlib.sha256(data).hexdigest() != info.tokenizer_sha256:
+            return None, f"its tokenizer ({info.tokenizer_path}) was too big to store and has changed since"
+        return tokenizer_from_json(data.decode("utf-8"), name), ""
+    return None, "no tokenizer was recorded with it"
+
+
+def choose_renderer(loaded, renderer, tokenizer) -> RendererChoice:
+    """Which renderer and tokenizer count the prompts (docs/ANALYZER.md "The server's renderer"): what
+    the user gave; else what the proxy recorded for these requests (the renderer most of them name);
+    else the generic renderer and tiktoken, with a note naming the fallback and how to give the right one."""
+    if renderer is not None or tokenizer is not None:
+        r = renderer or GenericRenderer()
+        tok = as_tokenizer(tokenizer)
+        exact = tokenizer is not None and not str(tokenizer).startswith(("regex", "tiktoken:"))
+        return RendererChoice(r, tok, "given", f"rendered with {r.name} and counted with {tok.name}, as given", exact)
+    counts: dict[str, int] = {}
+    for req in loaded.requests:
+        if req.renderer_id is not None and req.renderer_id in loaded.renderers:
+            counts[req.renderer_id] = counts.get(req.renderer_id, 0) + 1
+    problem = ""
+    if counts:
+        rid = max(counts, key=lambda k: counts[k])
+        info = loaded.renderers[rid]
+        others = sum(counts.values()) - counts[rid]
+        try:
+            r = recorded_renderer(info)
+            tok, problem = _recorded_tokenizer(info)
+        except InvalidRequest as exc:
+            r, tok, problem = None, None, exc.message
+        if r is not None and tok is not None:
+            note = (f"rendered with the chat template and counted with the tokenizer the server recorded for "
+                    f"{info.model}")
+            unnamed = len(loaded.requests) - counts[rid] - others
+            if others or unnamed:
+                note += (f" ({counts[rid]} of {len(loaded.requests)} requests were recorded with it; the others "
+                         f"are counted with it too: give --model DIR for another)")
+            return RendererChoice(r, tok, "recorded", note, True)
+        problem = f"the renderer recorded for {info.model} cannot be used: {problem}"
+    tok = as_tokenizer(None)
+    served = sorted({req.upstream for req in loaded.requests if req.upstream})
+    engines = [u.split(":", 1)[1] for u in served if u.startswith("embedded:")]
+    where = (f"served by the embedded model {', '.join(engines)}: pass --model with the directory it was served "
+             f"from (prefixtrace serve loads the bundled one from ~/.cache/prefixtrace/models/)") if engines else (
+        "pass --model DIR (the served model's directory: its chat template and tokenizer.json) or "
+        "--template FILE.jinja --tokenizer tokenizer.json")
+    why = problem or "no renderer was recorded with these requests"
+    note = (f"{why}: fell back to the generic ChatML renderer and {tok.name}, so token counts and offsets are "
+            f"estimates, not the server's; {where}")
+    return RendererChoice(GenericRenderer(), tok, "fallback", note, False)
+
+
 def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None = None, model: str | Path | None = None,
             tokenizer: Tokenizer | str | None = None, block_size: int | None = None,
             prefill_rate: float | None = None, renderer=None, workers: int | None = None,
@@ -449,6 +591,7 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
         what_if: also price the traffic under these caches ("vllm", "sglang", "anthropic", "openai";
             analyzer/whatif.py), with `block_size` as their block/page size and `kv_budget` tokens of KV.
     """
+    given = renderer is not None or template is not None or model is not None
     renderer = renderer or make_renderer(template, model)
     if tokenizer is None and model is not None and (Path(model) / "tokenizer.json").is_file():
         tokenizer = str(Path(model) / "tokenizer.json")
@@ -458,8 +601,12 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
     if kv_budget is not None and kv_budget <= 0:
         raise InvalidRequest("--kv-budget must be positive")
     loaded = load(source)
-    report = Analyzer(renderer, tokenizer, block_size=block_size, prefill_rate=prefill_rate, workers=workers).run(
-        loaded.requests, loaded.skipped)
+    choice = choose_renderer(loaded, renderer if given else None, tokenizer)
+    analyzer = Analyzer(choice.renderer, choice.tokenizer, block_size=block_size, prefill_rate=prefill_rate,
+                        workers=workers)
+    analyzer.exact_counts = choice.exact
+    report = analyzer.run(loaded.requests, loaded.skipped)
+    report.renderer_source, report.renderer_note = choice.source, choice.note
     if policies:
         report.what_if = price_all(report, policies, block_size=block_size, kv_budget=kv_budget)
     return report

@@ -59,6 +59,7 @@ class Request:
     usage: dict | None = None  # the usage object as the server sent it (cache read/write, diagnostics)
     total_s: float | None = None
     cache_miss_reason: str | None = None  # Anthropic cache diagnostics, when the response carried them
+    cache_ttl_1h: bool = False  # an Anthropic request that asked for the 1 hour cache lifetime
 
 
 @dataclass
@@ -83,6 +84,8 @@ def _server_facts(req: Request, render: Any, usage: Any, served_by: Any = None, 
             reason = reason.get("type")
         req.cache_miss_reason = reason if isinstance(reason, str) else None
     req.served_by = served_by if isinstance(served_by, str) else None
+    if "anthropic.com" in (req.upstream or "") and isinstance(req.body, dict):
+        req.cache_ttl_1h = '"ttl":"1h"' in json.dumps(req.body, separators=(",", ":"))
     req.renderer_id = renderer_id if isinstance(renderer_id, str) else None
     return req
 
