@@ -49,9 +49,12 @@ class Break:
     tool_name: str | None = None
     suggestion: str = ""  # what the harness author can do (analyzer/advice.py)
     saves_tokens: int = 0  # tokens a cache would have served had the prompt only grown
+    detail: str | None = None  # server_miss: why the server lost the prefix, in words (analyzer/causes.py)
 
     def where(self) -> str:
         """"message 2 (user)", "tools[0] (read)", "the request parameters"."""
+        if self.cause == "server_miss":
+            return "the server's cache"
         if self.tool_index is not None or self.cause == "tools_change":
             return f"tools[{self.tool_index}] ({self.tool_name})"
         if self.message_index is None and self.role == "system":
@@ -325,15 +328,14 @@ class Analyzer:
             model = payload.params.get("model")
             turn.model = model if isinstance(model, str) else None
             server_facts(turn, req)
-            reach = 0
             if prev is None:
                 turn.note, turn.common_prefix_tokens = "first", 0
             else:
                 self._compare(turn, prev, payload, rendered, req.body)
-                if turn.brk is None:
-                    reach = self._reach(prev, rendered)
-            turn.reprefill_tokens = tokens - turn.common_prefix_tokens - reach
-            self._cost(turn, reach)
+                if turn.brk is None:  # the shared prefix reaches into what the previous turn left cached
+                    turn.common_prefix_tokens += self._reach(prev, rendered)
+            turn.reprefill_tokens = tokens - turn.common_prefix_tokens
+            self._cost(turn)
             if prev is not None and turn.brk is None:
                 self._server_miss(turn, prev.req, req)
             prev = _State(payload, rendered, tokens, req)
@@ -431,12 +433,12 @@ class Analyzer:
     def _server_miss(self, turn: TurnResult, prev_req: Request | None, req: Request) -> None:
         """An append-only turn whose reported cached tokens fall short of the prediction lost its prefix on
         the server: a `server_miss` break (analyzer/causes.py names the subtype). Counts compare as numbers
-        when the tokenizer is the server's; otherwise as shares of the prompt, by more than
+        when the tokenizer is the server's and this turn's prompt counts agree; otherwise as shares of the prompt, by more than
         DISAGREE_FRACTION (another tokenizer's counts differ by a few percent)."""
         reported, predicted = turn.reported_cached_tokens, turn.predicted_cached_tokens
         if reported is None or not predicted or prev_req is None:
             return
-        if self.exact_counts:
+        if self.exact_counts and turn.prompt_tokens == turn.reported_prompt_tokens:
             short = predicted - reported
             if short <= 0:
                 return
@@ -446,11 +448,11 @@ class Analyzer:
                 return
             short = max(0, predicted - round(reported * (turn.prompt_tokens or 0) / max(1, total)))
         subtype, why = server_miss(prev_req, req, ttl_1h=req.cache_ttl_1h)
-        turn.brk = Break("server_miss", subtype, None, None, 0, reported, "", why,
-                         suggestion=suggestion("server_miss", subtype), saves_tokens=short)
+        turn.brk = Break("server_miss", subtype, None, None, 0, reported, "", "",
+                         suggestion=suggestion("server_miss", subtype), saves_tokens=short, detail=why)
 
-    def _cost(self, turn: TurnResult, reach: int = 0) -> None:
-        predicted = turn.common_prefix_tokens + reach
+    def _cost(self, turn: TurnResult) -> None:
+        predicted = turn.common_prefix_tokens
         if self.block_size:
             predicted = predicted // self.block_size * self.block_size
             turn.block_reprefill_tokens = turn.prompt_tokens - predicted

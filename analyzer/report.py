@@ -22,6 +22,15 @@ def _minutes(seconds: float | None) -> str:
     return f" ≈ {seconds / 60:.1f} min" if seconds >= 60 else f" ≈ {seconds:.0f} s"
 
 
+def _provider_cache(t) -> str:
+    """The provider's own cache figures of a turn, when it reported them (docs/ANALYZER.md)."""
+    parts = [f"{name} {value:,}" for name, value in (("cache read", t.reported_cache_read_tokens),
+                                                      ("cache write", t.reported_cache_write_tokens)) if value is not None]
+    if t.server_miss_reason:
+        parts.append(f"provider's miss reason {t.server_miss_reason}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def format_text(report: Report, width: int = 140) -> str:
     """A table per session (rich), a window under each break, totals per cause."""
     from rich.console import Console
@@ -35,7 +44,9 @@ def format_text(report: Report, width: int = 140) -> str:
     console.print(f"renderer: {report.renderer}    tokenizer: {report.tokenizer}"
                   + (f"    block size: {report.block_size}" if report.block_size else "")
                   + (f"    prefill rate: {report.prefill_rate:g} tok/s" if report.prefill_rate else ""))
-    if report.renderer == "generic-chatml":
+    if report.renderer_note:
+        console.print(f"({report.renderer_note})")
+    elif report.renderer == "generic-chatml":
         console.print("(no chat template given: generic ChatML-like renderer, see docs/ANALYZER.md)")
     for skipped in report.skipped:
         console.print(f"skipped line {skipped['line']}: {skipped['error']}", markup=False)
@@ -63,6 +74,12 @@ def format_text(report: Report, width: int = 140) -> str:
                           f"{_q(t.reported_cached_tokens)}{flag}", where)
         console.print(table)
         for t in breaks:
+            if t.brk.cause == "server_miss":  # nothing differs in the prompt: say what the server did
+                console.print(f"  turn {t.index} server_miss/{t.brk.subtype}: the server cached "
+                              f"{_q(t.reported_cached_tokens)} of the {_q(t.predicted_cached_tokens)} predicted: "
+                              f"{t.brk.detail}" + _provider_cache(t))
+                console.print(f"    fix: {t.brk.suggestion}")
+                continue
             console.print(f"  turn {t.index} {t.brk.cause}: first difference at char {t.brk.char_offset:,}"
                           + (f", payload {t.brk.path}" if t.brk.path else ""))
             console.print(f"    - {t.brk.before!r}")

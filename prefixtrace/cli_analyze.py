@@ -82,7 +82,8 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
 @SRC
 @click.option("--allow", default="", metavar="CAUSES", help="Comma-separated causes that do not fail, e.g. compaction,request_local_tail.")
 @click.option("--fail-on", "fail_on", default="", metavar="KINDS",
-              help="Also fail on these, comma-separated: side_request (a fork of the main chain, e.g. title generation).")
+              help="Also fail on these, comma-separated: side_request (a fork of the main chain, e.g. title generation), "
+                   "server_miss (the prompt only grew but the server cached less of it).")
 @_render_options
 @click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), callback=output_path, help="Also write a JUnit XML report here.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
