@@ -448,7 +448,8 @@ class Analyzer:
                 return
             short = max(0, predicted - round(reported * (turn.prompt_tokens or 0) / max(1, total)))
         subtype, why = server_miss(prev_req, req, ttl_1h=req.cache_ttl_1h)
-        turn.brk = Break("server_miss", subtype, None, None, 0, reported, "", "",
+        turn.brk = Break("server_miss", subtype, None, None, 0, reported, f"predicted cached: {predicted:,} tokens",
+                         f"reported cached: {reported:,} tokens",
                          suggestion=suggestion("server_miss", subtype), saves_tokens=short, detail=why)
 
     def _cost(self, turn: TurnResult) -> None:
