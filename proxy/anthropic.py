@@ -238,6 +238,7 @@ class UpstreamMessages(Relayed):
         super().__init__(response, url)
         self.builder = builder
         self.reader = messages_wire.MessagesReader()
+        builder.turn.served_by = url  # the member that answered (a pool routes by session)
         self._usage: dict = {}
 
     async def sse(self) -> AsyncIterator[bytes]:
@@ -260,7 +261,10 @@ class UpstreamMessages(Relayed):
         for event in self.reader.feed(data):
             self.builder.on_event(event)
         if kind == "message_start":
-            self._merge_usage((data.get("message") or {}).get("usage") or {})
+            message = data.get("message") or {}
+            if isinstance(message.get("diagnostics"), dict):  # cache diagnostics, kept beside the usage
+                self._usage["diagnostics"] = message["diagnostics"]
+            self._merge_usage(message.get("usage") or {})
         elif kind == "message_delta":
             turn.finish_reason = messages_wire.finish_reason((data.get("delta") or {}).get("stop_reason")) \
                 or turn.finish_reason
@@ -279,7 +283,8 @@ class UpstreamMessages(Relayed):
         if body is not None and self.status < 400:
             self.builder.on_whole(self.reader.whole(body))
             turn.finish_reason = messages_wire.finish_reason(body.get("stop_reason"))
-            record_usage(self.builder, body.get("usage") or {})
+            diagnostics = {"diagnostics": body["diagnostics"]} if isinstance(body.get("diagnostics"), dict) else {}
+            record_usage(self.builder, {**(body.get("usage") or {}), **diagnostics})
         elif self.status >= 400:
             turn.error = (str(body.get("error", body)) if body is not None else data.decode(errors="replace"))[:2000]
         return data, self.content_type

@@ -154,6 +154,7 @@ class UpstreamResponses(Relayed):
         super().__init__(response, url)
         self.builder = builder
         self.reader = ResponsesReader()
+        builder.turn.served_by = url  # the member that answered (a pool routes by session)
         self._complete = False  # a terminal event or an in-band error seen
 
     def _on(self, data: dict) -> None:

@@ -240,6 +240,7 @@ class UpstreamChat(Relayed):
         super().__init__(response, url)
         self.req = req
         self.builder = builder
+        builder.turn.served_by = url  # the member that answered (a pool routes by session)
         self._complete = False  # [DONE], a finish_reason or an in-band error seen
         # Called once the turn can take nothing more but [DONE]: the usage chunk after a
         # finish_reason (the last one OpenAI streams). The upstream commits its own turn before
