@@ -532,37 +532,43 @@ def _recorded_tokenizer(info) -> tuple[Tokenizer | None, str]:
 
 def choose_renderer(loaded, renderer, tokenizer) -> RendererChoice:
     """Which renderer and tokenizer count the prompts (docs/ANALYZER.md "The server's renderer"): what
-    the user gave; else what the proxy recorded for these requests (the renderer most of them name);
-    else the generic renderer and tiktoken, with a note naming the fallback and how to give the right one."""
-    if renderer is not None or tokenizer is not None:
+    the user gave; else what the proxy recorded for these requests (the renderer most of them name: its
+    template, and its tokenizer when one was recorded); else the generic renderer and tiktoken, with a
+    note naming the fallback and how to give the right one."""
+    info, problem = None, ""
+    if renderer is None:
+        counts: dict[str, int] = {}
+        for req in loaded.requests:
+            if req.renderer_id is not None and req.renderer_id in loaded.renderers:
+                counts[req.renderer_id] = counts.get(req.renderer_id, 0) + 1
+        if counts:
+            rid = max(counts, key=lambda k: counts[k])
+            info = loaded.renderers[rid]
+            try:
+                renderer = recorded_renderer(info)
+            except InvalidRequest as exc:
+                info, problem = None, f"the renderer recorded for {loaded.renderers[rid].model} cannot be used: {exc.message}"
+    given_tok = tokenizer is not None
+    tok, tok_problem = None, ""
+    if tokenizer is None and info is not None:
+        tok, tok_problem = _recorded_tokenizer(info)
+    exact = (given_tok and not str(tokenizer).startswith(("regex", "tiktoken:"))) or (tok is not None)
+    tok = tok or as_tokenizer(tokenizer)
+    if info is not None:
+        whose = "the upstream published" if info.source == "upstream" else "the server recorded"
+        if tok_problem:
+            note = (f"rendered with the chat template {whose} for {info.model}, counted with {tok.name} ({tok_problem}), "
+                    f"so counts are estimates: pass --tokenizer with the model's tokenizer.json for the server's")
+        else:
+            note = f"rendered with the chat template and counted with the tokenizer {whose} for {info.model}"
+        named = sum(1 for req in loaded.requests if req.renderer_id == info.id)
+        if named < len(loaded.requests):
+            note += (f" ({named} of {len(loaded.requests)} requests were recorded with it; the others are counted "
+                     f"with it too: pass --model DIR for another)")
+        return RendererChoice(renderer, tok, "recorded", note, exact)
+    if renderer is not None or given_tok:
         r = renderer or GenericRenderer()
-        tok = as_tokenizer(tokenizer)
-        exact = tokenizer is not None and not str(tokenizer).startswith(("regex", "tiktoken:"))
         return RendererChoice(r, tok, "given", f"rendered with {r.name} and counted with {tok.name}, as given", exact)
-    counts: dict[str, int] = {}
-    for req in loaded.requests:
-        if req.renderer_id is not None and req.renderer_id in loaded.renderers:
-            counts[req.renderer_id] = counts.get(req.renderer_id, 0) + 1
-    problem = ""
-    if counts:
-        rid = max(counts, key=lambda k: counts[k])
-        info = loaded.renderers[rid]
-        others = sum(counts.values()) - counts[rid]
-        try:
-            r = recorded_renderer(info)
-            tok, problem = _recorded_tokenizer(info)
-        except InvalidRequest as exc:
-            r, tok, problem = None, None, exc.message
-        if r is not None and tok is not None:
-            note = (f"rendered with the chat template and counted with the tokenizer the server recorded for "
-                    f"{info.model}")
-            unnamed = len(loaded.requests) - counts[rid] - others
-            if others or unnamed:
-                note += (f" ({counts[rid]} of {len(loaded.requests)} requests were recorded with it; the others "
-                         f"are counted with it too: give --model DIR for another)")
-            return RendererChoice(r, tok, "recorded", note, True)
-        problem = f"the renderer recorded for {info.model} cannot be used: {problem}"
-    tok = as_tokenizer(None)
     served = sorted({req.upstream for req in loaded.requests if req.upstream})
     engines = [u.split(":", 1)[1] for u in served if u.startswith("embedded:")]
     where = (f"served by the embedded model {', '.join(engines)}: pass --model with the directory it was served "

@@ -36,7 +36,7 @@ from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.relay import record_durably, serve_turn
 from prefixtrace.wire.turn_builder import TurnBuilder
-from proxy.upstream_backend import Relayed, map_httpx_errors
+from proxy.upstream_backend import Relayed, map_httpx_errors, mark_served
 
 MESSAGES_PATH = messages_wire.PATH
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn", "tool_calls": "tool_use"}
@@ -238,7 +238,7 @@ class UpstreamMessages(Relayed):
         super().__init__(response, url)
         self.builder = builder
         self.reader = messages_wire.MessagesReader()
-        builder.turn.served_by = url  # the member that answered (a pool routes by session)
+        mark_served(builder, url)  # the member that answered (a pool routes by session), its renderer
         self._usage: dict = {}
 
     async def sse(self) -> AsyncIterator[bytes]:

@@ -105,10 +105,10 @@ class UpstreamPool:
     max_context_tokens = None  # the upstreams' limits are their own
 
     def __init__(self, urls: list[str], *, health_interval: float = 2.0, vnodes: int = 64,
-                 transport: httpx.AsyncBaseTransport | None = None, timeout: float = 600.0):
+                 transport: httpx.AsyncBaseTransport | None = None, timeout: float = 600.0, probe_props: bool = False):
         if not urls:
             raise UpstreamError("an upstream pool needs at least one URL")
-        members = [Member(UpstreamBackend(u, transport=transport, timeout=timeout)) for u in urls]
+        members = [Member(UpstreamBackend(u, transport=transport, timeout=timeout, probe_props=probe_props)) for u in urls]
         self.members: dict[str, Member] = {m.url: m for m in members}
         self.ring = HashRing(list(self.members), vnodes)
         self.pins: OrderedDict[str, str] = OrderedDict()  # session key -> url, LRU

@@ -24,6 +24,7 @@ from conftest import TINY_MODEL, running_server
 from engine.engine import Engine
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
+from proxy.upstream_backend import UpstreamBackend
 from recorder.store import Recorder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -190,3 +191,33 @@ def test_the_bundled_model_too(tmp_path):
             assert t.predicted_cached_tokens == t.reported_cached_tokens, (sid, t)
     assert sessions["a"][2].brk is not None and sessions["a"][2].brk.cause == "system_rewrite"
     assert all(t.brk is None for t in sessions["b"])
+
+
+def test_an_upstream_that_publishes_its_template_is_recorded_with_it(tiny_engine, tmp_path):
+    """A proxy in front of another (as in front of llama.cpp) asks once for the upstream's published chat
+    template (GET /props), stores it once and names it on each turn; the analysis renders with it and,
+    no tokenizer being published, says the counts are estimates and how to give the tokenizer."""
+    with Recorder(tmp_path / "b.db") as rec_b, Recorder(tmp_path / "a.db") as rec_a:
+        with running_server(create_app(EngineBackend(tiny_engine), rec_b)) as url_b:
+            props = httpx.get(url_b + "/props", timeout=10).json()
+            assert props["chat_template"] == json.loads((TINY_MODEL / "tokenizer_config.json").read_text())["chat_template"]
+            front = UpstreamBackend(url_b, probe_props=True)
+            with running_server(create_app(front, rec_a)) as url_a:
+                _conversation(url_a, "s", SYSTEM, 3)
+        rec_a.flush()
+        rec_b.flush()
+    con = sqlite3.connect(tmp_path / "a.db")
+    assert con.execute("SELECT source, model, tokenizer FROM renderers").fetchall() == [("upstream", "tiny-llama", None)]
+    assert len({r[0] for r in con.execute("SELECT renderer_id FROM turn_log")} - {None}) == 1
+    assert sqlite3.connect(tmp_path / "b.db").execute("SELECT count(*) FROM turn_log").fetchone()[0] == 3  # /props is no turn
+    report = analyze(tmp_path / "a.db")
+    assert report.renderer_source == "recorded" and report.renderer.startswith("recorded:tiny-llama")
+    assert "the upstream published" in report.renderer_note and "--tokenizer" in report.renderer_note
+    # With the tokenizer given, the front's prompt counts are the upstream engine's own. Its reply tokens
+    # are not known here, so the prediction stops after the previous generation prompt: the engine may
+    # have served a few of the reply's tokens more, never fewer.
+    given = analyze(tmp_path / "a.db", tokenizer=str(TINY_MODEL / "tokenizer.json"))
+    assert given.renderer_source == "recorded"
+    for t in given.sessions[0].turns:
+        assert t.prompt_tokens == t.reported_prompt_tokens
+        assert 0 <= t.reported_cached_tokens - t.predicted_cached_tokens <= 12 and t.brk is None

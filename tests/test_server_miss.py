@@ -193,6 +193,10 @@ class ScriptedAnthropic:
             return await answer_lifespan(receive, send)
         while (await receive()).get("more_body"):
             pass
+        if scope["method"] != "POST":  # the proxy's one question for a published template (GET /props)
+            await send({"type": "http.response.start", "status": 404, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
         self.calls += 1
         usage = [{"input_tokens": 12, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 400},
                  {"input_tokens": 15, "cache_read_input_tokens": 400, "cache_creation_input_tokens": 20},
