@@ -108,10 +108,14 @@ def check(src, allow, fail_on, template, model, tokenizer_spec, block_size, pref
         to_junit(result, junit)
     if fmt == "json" or as_json:
         click.echo(json.dumps({"ok": result.ok, "allow": sorted(result.allow),
+                               "renderer_source": result.report.renderer_source,
+                               "renderer_note": result.report.renderer_note,
                                "warnings": result.report.warnings(), "coverage": result.report.coverage(), "problems": [
             {"session": p.session_id, "turn": p.turn.to_dict()} for p in result.problems]}, indent=2))
     else:
         echo(result.summary())
         for problem in result.problems[1:]:
             echo(f"- {problem}")
+        if result.report.renderer_source == "fallback":  # offsets and tokens are estimates: say so, and the fix
+            echo(f"note: {result.report.renderer_note}")
     raise SystemExit(0 if result.ok else 1)

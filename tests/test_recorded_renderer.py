@@ -148,6 +148,8 @@ def test_without_a_recorded_renderer_the_output_names_the_fallback(name):
     out = _cli("analyze", str(TRAFFIC / f"{name}.jsonl"))
     assert "fell back to the generic ChatML renderer" in " ".join(out.stdout.split())
     assert json.loads(_cli("analyze", str(TRAFFIC / f"{name}.jsonl"), "--json").stdout)["renderer_source"] == "fallback"
+    checked = _cli("check", str(TRAFFIC / f"{name}.jsonl"))
+    assert "note: no renderer was recorded" in checked.stdout and "--model" in checked.stdout
 
 
 def test_a_database_without_renderers_falls_back_and_says_so(tmp_path):
