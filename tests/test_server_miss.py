@@ -134,6 +134,12 @@ def test_a_session_moved_to_another_upstream_is_a_server_miss_of_subtype_routing
     assert last.served_by != victim and last.reported_cached_tokens == 0
     assert last.brk is not None and (last.brk.cause, last.brk.subtype) == ("server_miss", "routing")
     assert victim in last.brk.detail
+    # An export keeps who served each turn, so the analysis of the JSONL names the same cause.
+    from recorder.jsonl import export_jsonl
+
+    export_jsonl(tmp_path / "front.db", tmp_path / "front.jsonl")
+    exported = analyze(tmp_path / "front.jsonl").sessions[0].turns[2].brk
+    assert (exported.cause, exported.subtype) == ("server_miss", "routing")
 
 
 def _records(upstream: str, gaps: list[float], usages: list[dict], endpoint="/v1/chat/completions") -> list[dict]:
