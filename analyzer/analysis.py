@@ -448,6 +448,8 @@ class Analyzer:
                 return
             short = max(0, predicted - round(reported * (turn.prompt_tokens or 0) / max(1, total)))
         subtype, why = server_miss(prev_req, req, ttl_1h=req.cache_ttl_1h)
+        # What it cost is what the server re-prefilled past what it kept, not the prediction's tail.
+        turn.reprefill_tokens = (turn.prompt_tokens or 0) - (predicted - short)
         turn.brk = Break("server_miss", subtype, None, None, 0, reported, f"predicted cached: {predicted:,} tokens",
                          f"reported cached: {reported:,} tokens",
                          suggestion=suggestion("server_miss", subtype), saves_tokens=short, detail=why)

@@ -81,6 +81,7 @@ def test_an_evicted_prefix_is_a_server_miss_of_subtype_eviction(tmp_path):
     assert last.reported_cached_tokens < last.predicted_cached_tokens
     assert last.brk is not None and (last.brk.cause, last.brk.subtype) == ("server_miss", "eviction")
     assert last.brk.saves_tokens == last.predicted_cached_tokens - last.reported_cached_tokens
+    assert last.reprefill_tokens == last.prompt_tokens - last.reported_cached_tokens  # what the server redid
     assert "evicted" in last.brk.detail and last.served_by == "embedded:tiny-llama"
     # The client kept its prefix: check passes unless asked to fail on the server's misses.
     assert check(tmp_path / "t.db").ok
