@@ -336,7 +336,8 @@ def server_miss(prev_req, req, *, ttl_1h: bool = False) -> tuple[str, str]:
     """(subtype, why) of a server-side miss between the session's previous request and this one."""
     ev_prev, ev_now = getattr(prev_req, "cache_evictions", None), getattr(req, "cache_evictions", None)
     if ev_prev is not None and ev_now is not None and ev_now > ev_prev:
-        return "eviction", f"the server's prefix cache evicted {ev_now - ev_prev} block(s) since the previous turn"
+        return "eviction", (f"the server's prefix cache evicted {ev_now - ev_prev} block(s) for room between the "
+                            f"previous turn's end and this one's")
     a = getattr(prev_req, "served_by", None) or getattr(prev_req, "upstream", None)
     b = getattr(req, "served_by", None) or getattr(req, "upstream", None)
     if a and b and a != b:

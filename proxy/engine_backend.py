@@ -106,15 +106,13 @@ class EngineBackend:
     def _identify(self, builder: TurnBuilder) -> None:
         """What the analyzer needs to count this prompt as the engine did (docs/ANALYZER.md "The
         server's renderer"): the model's renderer, once per model in the database, and the prefix cache's
-        eviction count so far (a later turn's shortfall after evictions is the server's, not the client's)."""
+        eviction count when the turn ends (`EngineChat`: a later turn's shortfall after evictions is the
+        server's, not the client's)."""
         if self._renderer_id is None and (identity := self.engine.renderer_identity()) is not None:
             self._renderer_id = renderers.register(renderers.from_model_dir(
                 identity["model"], identity["model_dir"], identity["chat_template"], identity["special"]))
         builder.turn.renderer_id = self._renderer_id
         builder.turn.served_by = self.label
-        evictions = self.engine.cache_evictions
-        if evictions is not None:
-            builder.turn.render["cache_evictions"] = evictions
 
     async def render(self, req: ChatRequest):
         """The prompt the engine runs for `req` (chat template, tools, render policies), in a worker
@@ -163,7 +161,7 @@ class EngineBackend:
             prompt_text=prompt_text, tool_choice_default=self.tool_choice_default, limits=self.grammar_limits)
         if plan.forced:
             builder.turn.render["constrained"] = plan.forced
-        chat = EngineChat(req, builder, self.engine.name, plan, prompt_text)
+        chat = EngineChat(req, builder, self.engine.name, plan, prompt_text, engine=self.engine)
         sampling = req.sampling if plan.processor is not None else self.defaults.for_free_reply(req.sampling, req.body)
         seq = Sequence(token_ids, sampling, chat.emit_threadsafe(asyncio.get_running_loop()))
         if plan.processor is not None:
@@ -200,8 +198,9 @@ class EngineChat:
     status = 200
 
     def __init__(self, req: ChatRequest, builder: TurnBuilder, model: str, plan: ReplyPlan | None = None,
-                 prompt_text: str = ""):
+                 prompt_text: str = "", *, engine: Engine | None = None):
         self.req = req
+        self.engine = engine  # read once the reply ends: its prefix cache's eviction count
         self.builder = builder
         self.model = req.model or model
         self.id = "chatcmpl-" + uuid.uuid4().hex
@@ -256,6 +255,11 @@ class EngineChat:
                     # The reply's tokens follow the prompt in the engine's cache: the next turn's prefix
                     # reaches into them, and the analyzer predicts how far (docs/ANALYZER.md).
                     self.builder.turn.render["reply_token_ids"] = list(self.seq.output_ids)
+                    # Blocks the prefix cache evicted for room so far: between this turn's end and the
+                    # session's next, a growth means the next turn may find its prefix gone.
+                    evictions = self.engine.cache_evictions if self.engine is not None else None
+                    if evictions is not None:
+                        self.builder.turn.render["cache_evictions"] = evictions
                 for reply_event in self.parser.finish():
                     yield reply_event
                 yield ReplyDone(final_finish_reason(event.finish_reason, self.parser), event.prompt_tokens,
