@@ -298,6 +298,7 @@ class Analyzer:
         jobs = [(s.id, s.inferred, s.indices) for s in grouped]
         walked = _map_sessions(self, requests, payloads, jobs)
         sessions = [SessionResult(g.id, g.inferred, turns, g.parent, g.side_reason) for g, turns in zip(grouped, walked)]
+        self._shared_starts(requests, payloads, [job[2] for job in jobs], sessions)
         for s in sessions:
             if s.parent is not None and s.turns:
                 first = s.turns[0]
@@ -340,6 +341,55 @@ class Analyzer:
                 self._server_miss(turn, prev.req, req)
             prev = _State(payload, rendered, tokens, req)
         return turns
+
+    SHARED_START_CANDIDATES = 8  # earlier sessions a new session's first prompt is compared with
+
+    def _shared_starts(self, requests: list[Request], payloads: list, indices: list[list[int]],
+                       sessions: list[SessionResult]) -> None:
+        """A session's first prompt may find its start cached by other sessions (one harness's system
+        prompt and tools; a side request's shared conversation): the server's cache is shared. Its
+        `predicted_cached_tokens` is the longest prefix it shares with what an earlier session left
+        cached (that session's latest prompt before it, and its reply), among the latest few sessions
+        that begin with the same first message (else the latest one: the template's opening tokens)."""
+        for result, own in zip(sessions, indices):
+            if not own or not result.turns or result.turns[0].prompt_tokens is None:
+                continue
+            first_index, first = own[0], result.turns[0]
+            earlier = [max((i for i in other if i < first_index), default=-1) for other in indices if other is not own]
+            earlier = sorted((i for i in earlier if i >= 0 and payloads[i] is not None), reverse=True)
+            if not earlier:
+                continue
+            key = payloads[first_index].keys[:1] if payloads[first_index] is not None else None
+            same = [i for i in earlier if payloads[i].keys[:1] == key] or earlier[:1]
+            try:
+                rendered = self.renderer.render(requests[first_index].body)
+            except InvalidRequest:
+                continue
+            shared = 0
+            for i in same[: self.SHARED_START_CANDIDATES]:
+                try:
+                    other = self.renderer.render(requests[i].body)
+                except InvalidRequest:
+                    continue
+                cmp = compare(other, rendered, self.counter)
+                n = cmp.common_tokens
+                if cmp.append_only:
+                    n += self._reach(_State(payloads[i], other, 0, requests[i]), rendered)
+                elif cmp.common_chars >= len(rendered.text) and rendered.generation:
+                    # This prompt is a start of the other one's: its generation prompt may be cached too.
+                    start = len(rendered.text)
+                    n += common_prefix_len(self._ids(rendered.generation),
+                                           self.tokenizer(other.text[start : start + len(rendered.generation) + 64]))
+                shared = max(shared, n)
+            # A server recomputes at least a prompt's last token (it needs its logits).
+            shared = min(shared, max(0, first.prompt_tokens - 1))
+            if self.block_size:
+                shared = shared // self.block_size * self.block_size
+            first.predicted_cached_tokens = shared
+            if first.reported_cached_tokens is not None:
+                reported_total = first.reported_prompt_tokens or first.prompt_tokens or 1
+                first.cached_disagrees = abs(first.reported_cached_tokens / max(1, reported_total)
+                                             - shared / max(1, first.prompt_tokens)) > DISAGREE_FRACTION
 
     def _ids(self, text: str) -> list[int]:
         """Token ids of a short text (generation prompts: a handful per run), cached."""

@@ -58,10 +58,10 @@ def _message(client: httpx.Client, messages: list[dict], session: str) -> str:
 
 
 def _conversation(url: str, session: str, system: str, turns: int, *, break_at: int | None = None,
-                  send=_chat) -> None:
+                  send=_chat, question: str = "What does calc.py do?") -> None:
     """`turns` turns that append the reply and a new question; at `break_at` the system prompt is
     edited in the middle (a prefix break the server must re-prefill from there)."""
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What does calc.py do?"}]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     with httpx.Client(base_url=url, timeout=300) as client:
         for i in range(turns):
             if i == break_at:
@@ -116,6 +116,21 @@ def test_analyze_without_flags_counts_as_the_server_did(recorded_db):
     assert all(t.brk is None for i, t in enumerate(turns) if i != 3)
     # Append-only turns: the server cached past the previous prompt, into the generation prompt and reply.
     assert turns[1].reported_cached_tokens > turns[0].prompt_tokens
+
+
+def test_a_new_sessions_first_prompt_is_predicted_from_what_other_sessions_left_cached(engine_server):
+    """The engine's cache is shared: a second conversation with the same system prompt (and a third
+    with another) finds their common start cached; the prediction says how much, exactly."""
+    url, rec = engine_server
+    _conversation(url, "one", SYSTEM, 2)
+    _conversation(url, "two", SYSTEM, 2, question="Where are the tests?")
+    _conversation(url, "three", "Be brief. " + SYSTEM, 1)
+    rec.flush()
+    report = analyze(rec.path)
+    firsts = {s.id: s.turns[0] for s in report.sessions}
+    assert firsts["two"].reported_cached_tokens > 20  # the whole system prompt
+    for t in (t for s in report.sessions for t in s.turns):
+        assert t.predicted_cached_tokens == t.reported_cached_tokens, t
 
 
 def test_cli_analyze_and_check_use_it_without_flags(recorded_db):
@@ -183,14 +198,10 @@ def test_the_bundled_model_too(tmp_path):
     assert report.renderer_source == "recorded"
     sessions = {s.id: s.turns for s in report.sessions}
     for sid, turns in sessions.items():
-        for t in turns:
+        for t in turns:  # b's first prompt finds the template's opening tokens cached by session a
             assert t.prompt_tokens == t.reported_prompt_tokens, (sid, t)
-            if sid == "b" and t.index == 0:
-                # The analysis compares a session's turns with each other; the server's cache is shared,
-                # so a new session's first prompt may find its opening tokens cached by another session.
-                assert t.reported_cached_tokens >= t.predicted_cached_tokens == 0
-                continue
             assert t.predicted_cached_tokens == t.reported_cached_tokens, (sid, t)
+    assert sessions["b"][0].reported_cached_tokens > 0
     assert sessions["a"][2].brk is not None and sessions["a"][2].brk.cause == "system_rewrite"
     assert all(t.brk is None for t in sessions["b"])
 
