@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from collections import OrderedDict
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -351,45 +352,65 @@ class Analyzer:
         `predicted_cached_tokens` is the longest prefix it shares with what an earlier session left
         cached (that session's latest prompt before it, and its reply), among the latest few sessions
         that begin with the same first message (else the latest one: the template's opening tokens)."""
-        for result, own in zip(sessions, indices):
-            if not own or not result.turns or result.turns[0].prompt_tokens is None:
-                continue
-            first_index, first = own[0], result.turns[0]
-            earlier = [max((i for i in other if i < first_index), default=-1) for other in indices if other is not own]
-            earlier = sorted((i for i in earlier if i >= 0 and payloads[i] is not None), reverse=True)
-            if not earlier:
-                continue
-            key = payloads[first_index].keys[:1] if payloads[first_index] is not None else None
-            same = [i for i in earlier if payloads[i].keys[:1] == key] or earlier[:1]
-            try:
-                rendered = self.renderer.render(requests[first_index].body)
-            except InvalidRequest:
-                continue
-            shared = 0
-            for i in same[: self.SHARED_START_CANDIDATES]:
+        first_of = {own[0]: n for n, own in enumerate(indices) if own}
+        session_of = {i: n for n, own in enumerate(indices) for i in own}
+        by_key: dict[Any, OrderedDict[int, int]] = {}  # first message key -> session -> its latest index so far
+        latest: OrderedDict[int, int] = OrderedDict()  # any session -> its latest index so far
+        renders: OrderedDict[int, Rendered] = OrderedDict()  # recent candidates' renderings, by index
+
+        def render(i: int) -> Rendered | None:
+            hit = renders.get(i)
+            if hit is None:
                 try:
-                    other = self.renderer.render(requests[i].body)
+                    hit = self.renderer.render(requests[i].body)
                 except InvalidRequest:
-                    continue
-                cmp = compare(other, rendered, self.counter)
-                n = cmp.common_tokens
-                if cmp.append_only:
-                    n += self._reach(_State(payloads[i], other, 0, requests[i]), rendered)
-                elif cmp.common_chars >= len(rendered.text) and rendered.generation:
-                    # This prompt is a start of the other one's: its generation prompt may be cached too.
-                    start = len(rendered.text)
-                    n += common_prefix_len(self._ids(rendered.generation),
-                                           self.tokenizer(other.text[start : start + len(rendered.generation) + 64]))
-                shared = max(shared, n)
-            # A server recomputes at least a prompt's last token (it needs its logits).
-            shared = min(shared, max(0, first.prompt_tokens - 1))
-            if self.block_size:
-                shared = shared // self.block_size * self.block_size
-            first.predicted_cached_tokens = shared
-            if first.reported_cached_tokens is not None:
-                reported_total = first.reported_prompt_tokens or first.prompt_tokens or 1
-                first.cached_disagrees = abs(first.reported_cached_tokens / max(1, reported_total)
-                                             - shared / max(1, first.prompt_tokens)) > DISAGREE_FRACTION
+                    return None
+                renders[i] = hit
+                if len(renders) > 4 * self.SHARED_START_CANDIDATES:
+                    renders.popitem(last=False)
+            return hit
+
+        for i in sorted(session_of):
+            n = session_of[i]
+            key = tuple(payloads[i].keys[:1]) if payloads[i] is not None else None
+            if i in first_of and sessions[n].turns and sessions[n].turns[0].prompt_tokens is not None and latest:
+                same = by_key.get(key)
+                candidates = list(reversed(same.values()))[: self.SHARED_START_CANDIDATES] if same else \
+                    [next(reversed(latest.values()))]
+                self._shared_start(sessions[n].turns[0], i, candidates, requests, payloads, render)
+            if payloads[i] is not None:
+                for table in (latest, by_key.setdefault(key, OrderedDict())):
+                    table[n] = i
+                    table.move_to_end(n)
+
+    def _shared_start(self, first: TurnResult, index: int, candidates: list[int], requests, payloads, render) -> None:
+        rendered = render(index)
+        if rendered is None:
+            return
+        shared = 0
+        for i in candidates:
+            other = render(i)
+            if other is None:
+                continue
+            cmp = compare(other, rendered, self.counter)
+            n = cmp.common_tokens
+            if cmp.append_only:
+                n += self._reach(_State(payloads[i], other, 0, requests[i]), rendered)
+            elif cmp.common_chars >= len(rendered.text) and rendered.generation:
+                # This prompt is a start of the other one's: its generation prompt may be cached too.
+                start = len(rendered.text)
+                n += common_prefix_len(self._ids(rendered.generation),
+                                       self.tokenizer(other.text[start : start + len(rendered.generation) + 64]))
+            shared = max(shared, n)
+        # A server recomputes at least a prompt's last token (it needs its logits).
+        shared = min(shared, max(0, first.prompt_tokens - 1))
+        if self.block_size:
+            shared = shared // self.block_size * self.block_size
+        first.predicted_cached_tokens = shared
+        if first.reported_cached_tokens is not None:
+            reported_total = first.reported_prompt_tokens or first.prompt_tokens or 1
+            first.cached_disagrees = abs(first.reported_cached_tokens / max(1, reported_total)
+                                         - shared / max(1, first.prompt_tokens)) > DISAGREE_FRACTION
 
     def _ids(self, text: str) -> list[int]:
         """Token ids of a short text (generation prompts: a handful per run), cached."""
