@@ -168,8 +168,8 @@ def test_without_a_recorded_renderer_the_output_names_the_fallback(name):
 
 
 def test_a_database_without_renderers_falls_back_and_says_so(tmp_path):
-    """A database written before renderers were recorded (schema 2) is migrated on open and reads as
-    'nothing recorded', never as some other renderer."""
+    """Turns stored without a renderer (imported from JSONL, or recorded before renderers were: a schema 2
+    database gains the table empty) read as 'nothing recorded', never as some other renderer."""
     from recorder.jsonl import import_jsonl
 
     db = tmp_path / "old.db"
