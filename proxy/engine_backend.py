@@ -100,17 +100,19 @@ class EngineBackend:
         builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
         if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
             builder.turn.render["policy"] = rendered.policy
-        self._identify(builder)
+        await self._identify(builder)
         return await self.start(req, rendered.token_ids, rendered.text, builder, wait_first=wait_first)
 
-    def _identify(self, builder: TurnBuilder) -> None:
+    async def _identify(self, builder: TurnBuilder) -> None:
         """What the analyzer needs to count this prompt as the engine did (docs/ANALYZER.md "The
         server's renderer"): the model's renderer, once per model in the database, and the prefix cache's
         eviction count when the turn ends (`EngineChat`: a later turn's shortfall after evictions is the
         server's, not the client's)."""
         if self._renderer_id is None and (identity := self.engine.renderer_identity()) is not None:
-            self._renderer_id = renderers.register(renderers.from_model_dir(
-                identity["model"], identity["model_dir"], identity["chat_template"], identity["special"]))
+            info = await asyncio.to_thread(  # reads and hashes tokenizer.json (megabytes), once per model
+                renderers.from_model_dir, identity["model"], identity["model_dir"], identity["chat_template"],
+                identity["special"])
+            self._renderer_id = renderers.register(info)
         builder.turn.renderer_id = self._renderer_id
         builder.turn.served_by = self.label
 
