@@ -167,6 +167,22 @@ def test_without_a_recorded_renderer_the_output_names_the_fallback(name):
     assert "note: no renderer was recorded" in checked.stdout and "--model" in checked.stdout
 
 
+def test_every_harness_recording_names_its_fallback_and_model():
+    """All the harness recordings (exported without renderer info): the note names the fallback and the
+    embedded model that served them (`upstream: embedded:NAME`), or how to give a template for an upstream."""
+    files = sorted(TRAFFIC.glob("*.jsonl"))
+    assert len(files) >= 9
+    for path in files:
+        report = analyze(path)
+        assert report.renderer_source == "fallback", path
+        upstreams = {u for u in (json.loads(line).get("upstream") for line in path.open()) if u}
+        engines = sorted(u.split(":", 1)[1] for u in upstreams if u.startswith("embedded:"))
+        for name in engines:
+            assert name in report.renderer_note, (path, report.renderer_note)
+        if not engines:
+            assert "--template FILE.jinja --tokenizer tokenizer.json" in report.renderer_note, path
+
+
 def test_a_database_without_renderers_falls_back_and_says_so(tmp_path):
     """Turns stored without a renderer (imported from JSONL, or recorded before renderers were: a schema 2
     database gains the table empty) read as 'nothing recorded', never as some other renderer."""
