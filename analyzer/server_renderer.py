@@ -70,10 +70,13 @@ def choose_renderer(loaded, renderer, tokenizer) -> RendererChoice:
                     f"so counts are estimates: pass --tokenizer with the model's tokenizer.json for the server's")
         else:
             note = f"rendered with the chat template and counted with the tokenizer {whose} for {info.model}"
-        named = sum(1 for req in loaded.requests if req.renderer_id == info.id)
-        if named < len(loaded.requests):
-            note += (f" ({named} of {len(loaded.requests)} requests were recorded with it; the others are counted "
-                     f"with it too: pass --model DIR for another)")
+        # Requests served elsewhere (another model or upstream) are counted with it too: say so. Those of the
+        # same server without a renderer of their own (token counting, legacy completions) are not news.
+        same = {req.upstream for req in loaded.requests if req.renderer_id == info.id}
+        others = sum(1 for req in loaded.requests if req.renderer_id != info.id and req.upstream not in same)
+        if others:
+            note += (f" ({others} of {len(loaded.requests)} requests were served by another model or upstream and "
+                     f"are counted with it too: pass --model DIR for theirs)")
         return RendererChoice(renderer, tok, "recorded", note, exact)
     if renderer is not None or given_tok:
         r = renderer or GenericRenderer()
