@@ -44,6 +44,15 @@ _ADVICE = {
                                    "differently from one request to the next (nothing the client sent differs before "
                                    "this point); compare the two sides below and serve with a template that renders "
                                    "earlier turns the same way every time",
+    ("server_miss", "eviction"): "the client kept the prefix; the server evicted it for room: give the prefix cache "
+                                 "more memory (serve --cache-bytes) or a disk tier (--cache-dir), or run fewer "
+                                 "sessions at once",
+    ("server_miss", "routing"): "the client kept the prefix; another upstream served this turn and does not hold it: "
+                                "pin a session to one upstream (send X-Session-Id or prompt_cache_key)",
+    ("server_miss", "ttl"): "the client kept the prefix; it expired on the provider between turns: use the 1 hour "
+                            "cache lifetime (Anthropic cache_control ttl \"1h\") for sessions with long pauses",
+    ("server_miss", None): "the client kept the prefix; the server did not serve it from cache: nothing to change in "
+                           "the harness; look at the server's cache size, routing and lifetime",
     ("serialization", None): "same content, other bytes (key order, whitespace): resend earlier messages exactly as "
                              "first sent (keep the JSON text, do not re-serialise)",
 }

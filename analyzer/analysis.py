@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 
 from analyzer.advice import SIDE_REQUEST, suggestion
 from analyzer.canon import Canonicalizer, Payload, first_changed, flatten_content
-from analyzer.causes import Cause, classify, payload_cause
+from analyzer.causes import Cause, classify, payload_cause, server_facts, server_miss
 from analyzer.divergence import SegmentCounter, common_prefix_len, compare, diff_window
 from analyzer.load import Request, load, share_prefix
 from analyzer.render import GenericRenderer, Rendered, make_renderer
@@ -54,9 +55,12 @@ class Break:
     message_char_offset: int | None = None  # char offset inside the message's own content (not the rendering)
     diff: dict | None = None  # {"before", "after", "start", "before_end", "after_end", "offset"}: divergence.diff_window
     volatile: dict | None = None  # {"kind", "before", "after"} when only a volatile value changed (causes.volatile_change)
+    detail: str | None = None  # server_miss: why the server lost the prefix, in words (analyzer/causes.py)
 
     def where(self) -> str:
         """"message 2 (user)", "tools[0] (read)", "the request parameters"."""
+        if self.cause == "server_miss":
+            return "the server's cache"
         if self.tool_index is not None or self.cause == "tools_change":
             return f"tools[{self.tool_index}] ({self.tool_name})"
         if self.message_index is None and self.role == "system":
@@ -94,6 +98,11 @@ class TurnResult:
     payload_change: str | None = None  # what the payload diff saw, even when the render did not break
     note: str = ""  # "first", "unrenderable: …"
     model: str | None = None  # the request's `model` (what-if pricing reads per-model rules)
+    # The provider's own cache figures beside the analysis (docs/ANALYZER.md "Server-side misses"):
+    reported_cache_read_tokens: int | None = None  # Anthropic cache_read_input_tokens / OpenAI cached_tokens
+    reported_cache_write_tokens: int | None = None  # Anthropic cache_creation_input_tokens
+    server_miss_reason: str | None = None  # Anthropic cache diagnostics' cache_miss_reason type
+    served_by: str | None = None  # the upstream member or engine that answered, when recorded
     lost_dollars: float | None = None  # with --price-model: the break's lost tokens at input minus cache-read rates
     lost_seconds: float | None = None  # THE cost of this turn's break in seconds, from the recorded timings by default
     lost_seconds_basis: str | None = None  # how `lost_seconds` was found (or why it could not be)
@@ -178,6 +187,11 @@ class Report:
     failed: list[dict] = field(default_factory=list)  # requests the server refused (status >= 400): not chained
     what_if: list[dict] = field(default_factory=list)  # analyzer/whatif.py: the traffic priced under other caches
     pricing: dict | None = None  # analyzer/pricing.py: the rates dollars were computed with (--price-model)
+    # Which renderer and tokenizer counted the prompts: "recorded" (the server's own, from the database),
+    # "given" (--template/--model/--tokenizer) or "fallback" (generic ChatML, o200k), and in words,
+    # on fallback with how to give the right one (docs/ANALYZER.md "The server's renderer").
+    renderer_source: str = "fallback"
+    renderer_note: str = ""
 
     @property
     def breaks(self) -> list[tuple[SessionResult, TurnResult]]:
@@ -230,6 +244,8 @@ class Report:
             "coverage": self.coverage(),
             "tokenizer": self.tokenizer,
             "renderer": self.renderer,
+            "renderer_source": self.renderer_source,
+            "renderer_note": self.renderer_note,
             "block_size": self.block_size,
             "prefill_rate": self.prefill_rate,
             "skipped_lines": self.skipped,
@@ -269,6 +285,7 @@ class _State:
     payload: Payload
     rendered: Rendered
     tokens: int
+    req: Request | None = None
 
 
 class Analyzer:
@@ -287,6 +304,8 @@ class Analyzer:
         self.wire = ChatNormalizer()
         self.block_size, self.prefill_rate = block_size, prefill_rate
         self.workers = workers if workers is not None else min(2, os.cpu_count() or 1)
+        self._short_ids: dict[str, list[int]] = {}
+        self.exact_counts = False  # the tokenizer is the server's: reported and predicted counts compare as numbers
 
     def run(self, requests: list[Request], skipped: list[dict] | None = None) -> Report:
         # Phase 0: requests the server refused are listed, not chained (no prompt was cached for them),
@@ -328,6 +347,7 @@ class Analyzer:
         jobs = [(s.id, s.inferred, s.indices) for s in grouped]
         walked = _map_sessions(self, requests, payloads, jobs)
         sessions = [SessionResult(g.id, g.inferred, turns, g.parent, g.side_reason) for g, turns in zip(grouped, walked)]
+        self._shared_starts(requests, payloads, [job[2] for job in jobs], sessions)
         for s in sessions:
             if s.parent is not None and s.turns:
                 first = s.turns[0]
@@ -354,18 +374,117 @@ class Analyzer:
             except InvalidRequest as exc:
                 turn.note = f"unrenderable: {exc.message}"
                 continue
-            tokens = self.counter.total(rendered)
+            # The prompt as the server counts it: the rendering and the generation prompt after it.
+            tokens = self.counter.total(rendered) + len(self._ids(rendered.generation))
             turn.prompt_tokens = tokens
             model = payload.params.get("model")
             turn.model = model if isinstance(model, str) else None
+            server_facts(turn, req)
             if prev is None:
                 turn.note, turn.common_prefix_tokens = "first", 0
             else:
                 self._compare(turn, prev, payload, rendered, req.body)
+                if turn.brk is None:  # the shared prefix reaches into what the previous turn left cached
+                    turn.common_prefix_tokens += self._reach(prev, rendered)
             turn.reprefill_tokens = tokens - turn.common_prefix_tokens
             self._cost(turn)
-            prev = _State(payload, rendered, tokens)
+            if prev is not None and turn.brk is None:
+                self._server_miss(turn, prev.req, req)
+            prev = _State(payload, rendered, tokens, req)
         return turns
+
+    SHARED_START_CANDIDATES = 8  # earlier sessions a new session's first prompt is compared with
+
+    def _shared_starts(self, requests: list[Request], payloads: list, indices: list[list[int]],
+                       sessions: list[SessionResult]) -> None:
+        """A session's first prompt may find its start cached by other sessions (one harness's system
+        prompt and tools; a side request's shared conversation): the server's cache is shared. Its
+        `predicted_cached_tokens` is the longest prefix it shares with what an earlier session left
+        cached (that session's latest prompt before it, and its reply), among the latest few sessions
+        that begin with the same first message (else the latest one: the template's opening tokens)."""
+        first_of = {own[0]: n for n, own in enumerate(indices) if own}
+        session_of = {i: n for n, own in enumerate(indices) for i in own}
+        by_key: dict[Any, OrderedDict[int, int]] = {}  # first message key -> session -> its latest index so far
+        latest: OrderedDict[int, int] = OrderedDict()  # any session -> its latest index so far
+        renders: OrderedDict[int, Rendered] = OrderedDict()  # recent candidates' renderings, by index
+
+        def render(i: int) -> Rendered | None:
+            hit = renders.get(i)
+            if hit is None:
+                try:
+                    hit = self.renderer.render(requests[i].body)
+                except InvalidRequest:
+                    return None
+                renders[i] = hit
+                if len(renders) > 4 * self.SHARED_START_CANDIDATES:
+                    renders.popitem(last=False)
+            return hit
+
+        for i in sorted(session_of):
+            n = session_of[i]
+            key = tuple(payloads[i].keys[:1]) if payloads[i] is not None else None
+            if i in first_of and sessions[n].turns and sessions[n].turns[0].prompt_tokens is not None and latest:
+                same = by_key.get(key)
+                candidates = list(reversed(same.values()))[: self.SHARED_START_CANDIDATES] if same else \
+                    [next(reversed(latest.values()))]
+                self._shared_start(sessions[n].turns[0], i, candidates, requests, payloads, render)
+            if payloads[i] is not None:
+                for table in (latest, by_key.setdefault(key, OrderedDict())):
+                    table[n] = i
+                    table.move_to_end(n)
+
+    def _shared_start(self, first: TurnResult, index: int, candidates: list[int], requests, payloads, render) -> None:
+        rendered = render(index)
+        if rendered is None:
+            return
+        shared = 0
+        for i in candidates:
+            other = render(i)
+            if other is None:
+                continue
+            cmp = compare(other, rendered, self.counter)
+            n = cmp.common_tokens
+            if cmp.append_only:
+                n += self._reach(_State(payloads[i], other, 0, requests[i]), rendered)
+            elif cmp.common_chars >= len(rendered.text) and rendered.generation:
+                # This prompt is a start of the other one's: its generation prompt may be cached too.
+                start = len(rendered.text)
+                n += common_prefix_len(self._ids(rendered.generation),
+                                       self.tokenizer(other.text[start : start + len(rendered.generation) + 64]))
+            shared = max(shared, n)
+        # A server recomputes at least a prompt's last token (it needs its logits).
+        shared = min(shared, max(0, first.prompt_tokens - 1))
+        if self.block_size:
+            shared = shared // self.block_size * self.block_size
+        first.predicted_cached_tokens = shared
+        if first.reported_cached_tokens is not None:
+            reported_total = first.reported_prompt_tokens or first.prompt_tokens or 1
+            first.cached_disagrees = abs(first.reported_cached_tokens / max(1, reported_total)
+                                         - shared / max(1, first.prompt_tokens)) > DISAGREE_FRACTION
+
+    def _ids(self, text: str) -> list[int]:
+        """Token ids of a short text (generation prompts: a handful per run), cached."""
+        if not text:
+            return []
+        ids = self._short_ids.get(text)
+        if ids is None:
+            ids = self._short_ids[text] = list(self.tokenizer(text))
+        return ids
+
+    def _reach(self, prev: _State, rendered: Rendered) -> int:
+        """Tokens past the previous rendering that the server's cache also holds for this prompt: the
+        previous generation prompt and as much of the previous reply's own tokens (recorded by the
+        engine) as this prompt repeats token for token. A template that renders the reply otherwise
+        than the model wrote it (stripped reasoning, re-serialised tool calls) stops the reach there."""
+        tail = self._ids(prev.rendered.generation) + list((prev.req.reply_token_ids if prev.req else None) or [])
+        if not tail:
+            return 0
+        start = len(prev.rendered.text)
+        text = rendered.text + rendered.generation
+        if not text.startswith(prev.rendered.text):
+            return 0
+        window = text[start : start + 16 * len(tail) + 64]
+        return common_prefix_len(self.tokenizer(window), tail)
 
     def _compare(self, turn: TurnResult, prev: _State, payload: Payload, rendered: Rendered, body: Any = None) -> None:
         model_changed = prev.payload.params.get("model") != payload.params.get("model")
@@ -436,6 +555,30 @@ class Analyzer:
         if len(messages) == len(payload.messages) and all(a is b for a, b in zip(messages, payload.messages)):
             return payload
         return Payload(messages, keys, payload.tools, payload.tools_key, payload.params, payload.chars)
+
+    def _server_miss(self, turn: TurnResult, prev_req: Request | None, req: Request) -> None:
+        """An append-only turn whose reported cached tokens fall short of the prediction lost its prefix on
+        the server: a `server_miss` break (analyzer/causes.py names the subtype). Counts compare as numbers
+        when the tokenizer is the server's and this turn's prompt counts agree; otherwise as shares of the prompt, by more than
+        DISAGREE_FRACTION (another tokenizer's counts differ by a few percent)."""
+        reported, predicted = turn.reported_cached_tokens, turn.predicted_cached_tokens
+        if reported is None or not predicted or prev_req is None:
+            return
+        if self.exact_counts and turn.prompt_tokens == turn.reported_prompt_tokens:
+            short = predicted - reported
+            if short <= 0:
+                return
+        else:
+            total = turn.reported_prompt_tokens or turn.prompt_tokens or 1
+            if reported / max(1, total) >= predicted / max(1, turn.prompt_tokens or 1) - DISAGREE_FRACTION:
+                return
+            short = max(0, predicted - round(reported * (turn.prompt_tokens or 0) / max(1, total)))
+        subtype, why = server_miss(prev_req, req, ttl_1h=req.cache_ttl_1h)
+        # What it cost is what the server re-prefilled past what it kept, not the prediction's tail.
+        turn.reprefill_tokens = (turn.prompt_tokens or 0) - (predicted - short)
+        turn.brk = Break("server_miss", subtype, None, None, 0, reported, f"predicted cached: {predicted:,} tokens",
+                         f"reported cached: {reported:,} tokens",
+                         suggestion=suggestion("server_miss", subtype), saves_tokens=short, detail=why)
 
     def _cost(self, turn: TurnResult) -> None:
         predicted = turn.common_prefix_tokens
@@ -620,6 +763,7 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
             data, analyzer/pricing.py): each break's lost tokens and each what-if policy.
         price_provider: the provider whose price of `price_model` to use (default: genai-prices' match).
     """
+    given = renderer is not None or template is not None or model is not None
     renderer = renderer or make_renderer(template, model)
     if tokenizer is None and model is not None and (Path(model) / "tokenizer.json").is_file():
         tokenizer = str(Path(model) / "tokenizer.json")
@@ -634,8 +778,14 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
 
         sheet = price_sheet(price_model, price_provider)
     loaded = load(source)
-    report = Analyzer(renderer, tokenizer, block_size=block_size, prefill_rate=prefill_rate, workers=workers).run(
-        loaded.requests, loaded.skipped)
+    from analyzer.server_renderer import choose_renderer
+
+    choice = choose_renderer(loaded, renderer if given else None, tokenizer)
+    analyzer = Analyzer(choice.renderer, choice.tokenizer, block_size=block_size, prefill_rate=prefill_rate,
+                        workers=workers)
+    analyzer.exact_counts = choice.exact
+    report = analyzer.run(loaded.requests, loaded.skipped)
+    report.renderer_source, report.renderer_note = choice.source, choice.note
     if policies:
         report.what_if = price_all(report, policies, block_size=block_size, kv_budget=kv_budget, sheet=sheet)
     if sheet is not None:

@@ -18,6 +18,9 @@
     serialization       same meaning, different bytes (JSON re-serialised,
                         key order, whitespace; subtype `template` when only
                         the rendering differs)
+    server_miss         the prompt only grew, but the server cached less of it
+                        than predicted (subtype eviction, routing, ttl, unknown;
+                        see the end of this module)
 
 The payload level says *what* the client changed; the rendered level says
 *whether and where* the prompt broke. A break is named from the payload when
@@ -37,7 +40,7 @@ from analyzer.canon import REASONING_KEYS, Payload, canonical_message, first_cha
 
 CAUSES = (
     "append_only", "system_rewrite", "system_fold", "thinking_strip", "tools_change", "history_edit",
-    "compaction", "dropped_message", "request_local_tail", "param_change", "serialization",
+    "compaction", "dropped_message", "request_local_tail", "param_change", "serialization", "server_miss",
 )
 HEAD_ROLES = ("system", "developer")
 COMPACTION_SHRINK = 0.7  # next payload at most this fraction of prev's
@@ -419,3 +422,68 @@ def classify(prev: Payload, next: Payload, prev_r, next_r, render_break_index: i
         if rc.cause != "serialization":
             return rc
     return pc
+
+
+# --- server-side misses --------------------------------------------------------------------------------
+#
+# An append-only turn (the client changed nothing before the end of the previous prompt) whose reported
+# cached tokens fall short of the predicted prefix lost it on the server: `server_miss`, with subtype
+#   eviction  the embedded engine's prefix cache dropped blocks since the session's previous turn
+#   routing   another upstream member served it than the previous turn
+#   ttl       the gap since the previous turn ended is past the provider's cache lifetime (PROVIDER_TTLS)
+#   unknown   none of these can be told from the recording
+# (docs/ANALYZER.md "Server-side misses").
+
+# Provider -> (seconds a cached prefix lives unused, as the provider documents it). The gap is measured
+# from the end of the previous turn (a hit refreshes the lifetime) to the start of this one.
+PROVIDER_TTLS: dict[str, tuple[int, str]] = {
+    "anthropic": (300, "Anthropic prompt caching: 5 minutes, refreshed by each hit"),
+    "anthropic-1h": (3600, "Anthropic prompt caching with cache_control ttl \"1h\": 1 hour"),
+    "openai": (300, "OpenAI prompt caching: 5-10 minutes of inactivity (up to 1 hour off-peak); 5 min assumed"),
+}
+SERVER_MISS_SUBTYPES = ("eviction", "routing", "ttl", "unknown")
+
+
+def provider_of(upstream: str | None) -> str | None:
+    """The cache provider whose lifetime applies to `upstream` (a URL), None for servers without a TTL
+    (the embedded engine, vLLM, llama.cpp: they evict for room, not for time)."""
+    u = (upstream or "").lower()
+    if "anthropic.com" in u:
+        return "anthropic"
+    if "openai.com" in u or "openai.azure.com" in u:
+        return "openai"
+    return None
+
+
+def server_facts(turn, req) -> None:
+    """The provider's own cache figures of a request's usage, beside the analysis (TurnResult fields)."""
+    usage = req.usage if isinstance(getattr(req, "usage", None), dict) else {}
+    num = lambda v: v if isinstance(v, int) and not isinstance(v, bool) else None  # noqa: E731
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    details = details if isinstance(details, dict) else {}
+    read = num(usage.get("cache_read_input_tokens"))
+    turn.reported_cache_read_tokens = read if read is not None else num(details.get("cached_tokens"))
+    write = num(usage.get("cache_creation_input_tokens"))
+    turn.reported_cache_write_tokens = write if write is not None else num(details.get("cache_write_tokens"))
+    turn.server_miss_reason = getattr(req, "cache_miss_reason", None)
+    turn.served_by = getattr(req, "served_by", None) or getattr(req, "upstream", None)
+
+
+def server_miss(prev_req, req, *, ttl_1h: bool = False) -> tuple[str, str]:
+    """(subtype, why) of a server-side miss between the session's previous request and this one."""
+    ev_prev, ev_now = getattr(prev_req, "cache_evictions", None), getattr(req, "cache_evictions", None)
+    if ev_prev is not None and ev_now is not None and ev_now > ev_prev:
+        return "eviction", (f"the server's prefix cache evicted {ev_now - ev_prev} block(s) for room between the "
+                            f"previous turn's end and this one's")
+    a = getattr(prev_req, "served_by", None) or getattr(prev_req, "upstream", None)
+    b = getattr(req, "served_by", None) or getattr(req, "upstream", None)
+    if a and b and a != b:
+        return "routing", f"served by {b}, the previous turn by {a}"
+    provider = provider_of(b)
+    if provider is not None and prev_req is not None:
+        key = "anthropic-1h" if provider == "anthropic" and ttl_1h else provider
+        ttl, source = PROVIDER_TTLS[key]
+        gap = req.ts - (prev_req.ts + (getattr(prev_req, "total_s", None) or 0.0))
+        if gap > ttl:
+            return "ttl", f"{gap:,.0f} s since the previous turn ended, past the cache lifetime ({source})"
+    return "unknown", "the server kept less of the prefix than it was sent; the recording does not say why"

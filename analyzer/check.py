@@ -90,7 +90,7 @@ def parse_allow(allow: str | Iterable[str] | None) -> frozenset[str]:
     return frozenset(names)
 
 
-FAIL_ON = ("side_request",)
+FAIL_ON = ("side_request", "server_miss")
 
 
 def parse_fail_on(fail_on: str | Iterable[str] | None) -> frozenset[str]:
@@ -108,7 +108,9 @@ def check(source: Any, *, allow: str | Iterable[str] | None = None, max_unreadab
     """Analyses `source` (see `analyze`) and collects the breaks not allowed. Fails too when more than
     `max_unreadable` (a count or "N%"; default 0) of the input could not be read or rendered.
     A side request (a fork of the main chain: title generation, memory extraction, …) is not a break
-    of the main chain; with `fail_on="side_request"` each one fails the check too."""
+    of the main chain; with `fail_on="side_request"` each one fails the check too. A `server_miss` (the
+    prompt only grew, the server cached less of it) is the server's, not the client's: it fails only with
+    `fail_on="server_miss"`."""
     allowed = parse_allow(allow)
     failing = parse_fail_on(fail_on)
     report = analyze(source, **analyze_kwargs)
@@ -120,6 +122,8 @@ def check(source: Any, *, allow: str | Iterable[str] | None = None, max_unreadab
                 continue
             result.problems.append(Problem(s.id, s.turns[0]))
         for t in s.turns:
+            if t.brk and t.brk.cause == "server_miss" and "server_miss" not in failing:
+                continue  # the server lost a prefix the client kept: not the harness's break (--fail-on server_miss)
             if (t.brk and t.brk.cause not in allowed) or t.note.startswith("unrenderable"):
                 result.problems.append(Problem(s.id, t))
     return result

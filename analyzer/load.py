@@ -51,12 +51,44 @@ class Request:
     ts_given: bool = True  # False: the record had no time; `ts` only keeps it in file order
     unreadable: str | None = None  # why the body could not be read as a request of any API
     ttft_s: float | None = None  # recorded time to first token: what the turn cost in seconds
+    # What the server recorded beside the prompt (docs/ANALYZER.md "The server's renderer"):
+    renderer_id: str | None = None  # the `renderers` row that rendered and counted it
+    upstream: str | None = None  # "embedded:<model>" or the upstream URL (names the fallback's fix)
+    served_by: str | None = None  # the member that answered (routing)
+    reply_token_ids: list[int] | None = None  # the engine's reply tokens, cached after the prompt
+    cache_evictions: int | None = None  # the engine's prefix-cache evictions so far when it arrived
+    usage: dict | None = None  # the usage object as the server sent it (cache read/write, diagnostics)
+    total_s: float | None = None
+    cache_miss_reason: str | None = None  # Anthropic cache diagnostics, when the response carried them
+    cache_ttl_1h: bool = False  # an Anthropic request that asked for the 1 hour cache lifetime
 
 
 @dataclass
 class Loaded:
     requests: list[Request] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)  # {"line": N, "error": "..."}
+    renderers: dict[str, Any] = field(default_factory=dict)  # id -> recorder.renderers.RendererInfo (databases)
+
+
+def _server_facts(req: Request, render: Any, usage: Any, served_by: Any = None, renderer_id: Any = None) -> Request:
+    """Fills what the server recorded beside the prompt into `req` (each fact only when well-formed)."""
+    if isinstance(render, dict):
+        ids = render.get("reply_token_ids")
+        if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+            req.reply_token_ids = ids
+        req.cache_evictions = _int_or_none(render.get("cache_evictions"))
+    if isinstance(usage, dict):
+        req.usage = usage
+        diagnostics = usage.get("diagnostics")
+        reason = diagnostics.get("cache_miss_reason") if isinstance(diagnostics, dict) else None
+        if isinstance(reason, dict):
+            reason = reason.get("type")
+        req.cache_miss_reason = reason if isinstance(reason, str) else None
+    req.served_by = served_by if isinstance(served_by, str) else None
+    if "anthropic.com" in (req.upstream or "") and isinstance(req.body, dict):
+        req.cache_ttl_1h = '"ttl":"1h"' in json.dumps(req.body, separators=(",", ":"))
+    req.renderer_id = renderer_id if isinstance(renderer_id, str) else None
+    return req
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -178,7 +210,11 @@ def request_from_record(obj: Any, lineno: int, source: str) -> Request:
         ts is not None,
     )
     req.ttft_s = ttft
-    return req
+    req.upstream = obj.get("upstream") if isinstance(obj.get("upstream"), str) else None
+    timing = obj.get("timing") if isinstance(obj.get("timing"), dict) else {}
+    total = timing.get("total_s")
+    req.total_s = float(total) if isinstance(total, (int, float)) and not isinstance(total, bool) else None
+    return _server_facts(req, obj.get("render"), usage or None, obj.get("served_by"), obj.get("renderer_id"))
 
 
 @dataclass
@@ -326,10 +362,14 @@ def read_jsonl(path: Path) -> Loaded:
 def _from_turns(turns: Iterable[Any]) -> Loaded:
     out = Loaded()
     for t in turns:
-        out.requests.append(Request(t.request_id, t.started_at, t.request_body, session_of(t.session_id), None,
-                                    t.prompt_tokens, t.cached_tokens, getattr(t, "endpoint", None),
-                                    getattr(t, "status", None) or None, getattr(t, "error", None),
-                                    ttft_s=getattr(t, "ttft_s", None)))
+        req = Request(t.request_id, t.started_at, t.request_body, session_of(t.session_id), None,
+                      t.prompt_tokens, t.cached_tokens, getattr(t, "endpoint", None),
+                      getattr(t, "status", None) or None, getattr(t, "error", None),
+                      ttft_s=getattr(t, "ttft_s", None))
+        req.upstream = getattr(t, "upstream", None)
+        req.total_s = getattr(t, "total_s", None)
+        out.requests.append(_server_facts(req, getattr(t, "render", None), getattr(t, "usage", None),
+                                          getattr(t, "served_by", None), getattr(t, "renderer_id", None)))
     return out
 
 
@@ -389,9 +429,10 @@ def load(source: str | Path | Iterable[Any]) -> Loaded:
             raise InvalidRequest(f"{path} is neither a recorder database nor a JSONL or HAR file: it holds binary "
                                  "data (a database whose header is damaged?)")
         if magic == SQLITE_MAGIC:
-            from recorder.reader import iter_turns  # the recorder is only needed for databases
+            from recorder.reader import iter_turns, read_renderers  # the recorder is only needed for databases
 
             loaded = _from_turns(iter_turns(path))
+            loaded.renderers = read_renderers(path)
         elif _is_har(path):
             loaded = read_har(path)
         else:

@@ -54,6 +54,10 @@ class Rendered:
     renderer: str
     num_messages: int = 0
     roles: list[str] = field(default_factory=list)
+    # What the template adds after the messages when it asks the model to answer (the generation
+    # prompt, e.g. "<|im_start|>assistant\n"): part of the prompt the server counts and caches, not
+    # of the comparison (the next request replaces it with the reply). "" for the generic renderer.
+    generation: str = ""
 
     @cached_property
     def text(self) -> str:
@@ -183,6 +187,7 @@ class TemplateRenderer:
             raise InvalidRequest(f"cannot load chat template {name}: {exc}") from exc
         self.name = name
         self.special = special or {}
+        self.generation_prompt = True  # also render the generation prompt: the server counts it
         # Per message object: its skeleton and the sentinel ids it uses.
         # Messages repeat from turn to turn as the same objects (see load.py).
         self._skeletons: dict[int, tuple[Any, Any, list[int]]] = {}
@@ -234,6 +239,7 @@ class TemplateRenderer:
         except RenderError as exc:
             raise RenderError(f"{exc.message}{self._where(skeleton, tools, kwargs)}") from exc
         out = Rendered([], [], [], self.name, len(messages), [str(m.get("role", "")) for m in messages])
+        out.generation = self._generation(skeleton, tools, kwargs, text)
         parts = _SENTINEL_RE.split(text)
         pending: list[str] = []  # literal text waiting for the owner of the next content
         for j, part in enumerate(parts):
@@ -253,12 +259,24 @@ class TemplateRenderer:
             out.segments.append(lit), out.owners.append(last), out.kinds.append("")
         return out
 
-    def _render_text(self, skeleton: list, tools: Any, kwargs: dict) -> str:
+    def _generation(self, skeleton: list, tools: Any, kwargs: dict, text: str) -> str:
+        """The generation prompt the server appends (rendered with `add_generation_prompt`, minus the
+        rendering without it); "" when the template adds none or renders the rest differently too."""
+        if not self.generation_prompt:
+            return ""
+        try:
+            full = self._render_text(skeleton, tools, kwargs, generation=True)
+        except RenderError:
+            return ""
+        suffix = full[len(text):] if full.startswith(text) else ""
+        return "" if _SENTINEL_RE.search(suffix) else suffix
+
+    def _render_text(self, skeleton: list, tools: Any, kwargs: dict, *, generation: bool = False) -> str:
         from jinja2.exceptions import TemplateError
 
         try:
             return self.template.render(
-                **{**self.special, **kwargs}, messages=skeleton, tools=tools, add_generation_prompt=False
+                **{**self.special, **kwargs}, messages=skeleton, tools=tools, add_generation_prompt=generation
             )
         except RenderError:
             raise
@@ -310,6 +328,13 @@ class TemplateRenderer:
             self._skeletons.clear()
         self._skeletons[id(msg)] = (msg, out, sids)
         return out, sids
+
+
+def recorded_renderer(info) -> TemplateRenderer:
+    """The renderer the proxy recorded (recorder/renderers.py RendererInfo): its template and specials."""
+    if not info.chat_template:
+        raise InvalidRequest(f"the recorded renderer of {info.model} has no chat template")
+    return TemplateRenderer(info.chat_template, f"recorded:{info.model}", dict(info.special))
 
 
 def make_renderer(template: str | Path | None = None, model: str | Path | None = None):

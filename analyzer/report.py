@@ -88,6 +88,15 @@ def caret_lines(diff: dict, indent: str = "    ", left: int = 50, middle: int = 
     return lines
 
 
+def _provider_cache(t) -> str:
+    """The provider's own cache figures of a turn, when it reported them (docs/ANALYZER.md)."""
+    parts = [f"{name} {value:,}" for name, value in (("cache read", t.reported_cache_read_tokens),
+                                                      ("cache write", t.reported_cache_write_tokens)) if value is not None]
+    if t.server_miss_reason:
+        parts.append(f"provider's miss reason {t.server_miss_reason}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def format_text(report: Report, width: int = 140) -> str:
     """Seconds first: a table per session, each break with its cost, where it is (message, char inside
     the message, a caret line under the characters that differ) and its fix, then totals per cause and
@@ -103,7 +112,9 @@ def format_text(report: Report, width: int = 140) -> str:
     console.print(f"renderer: {report.renderer}    tokenizer: {report.tokenizer}"
                   + (f"    block size: {report.block_size}" if report.block_size else "")
                   + (f"    prefill rate: {report.prefill_rate:g} tok/s" if report.prefill_rate else ""))
-    if report.renderer == "generic-chatml":
+    if report.renderer_note:
+        console.print(f"({report.renderer_note})")
+    elif report.renderer == "generic-chatml":
         console.print("(no chat template given: generic ChatML-like renderer, see docs/ANALYZER.md)")
     for skipped in report.skipped:
         console.print(f"skipped line {skipped['line']}: {skipped['error']}", markup=False)
@@ -141,6 +152,13 @@ def format_text(report: Report, width: int = 140) -> str:
             if t.brk is None and t.note.startswith("side request of"):
                 buf.write(_plain(f"  turn {t.number}: {t.note}") + "\n")
         for t in breaks:
+            if t.brk.cause == "server_miss":  # nothing differs in the prompt: say what the server did
+                console.print(f"  turn {t.number} server_miss/{t.brk.subtype}: lost "
+                              f"{cost_text(t.lost_seconds, t.lost_tokens)}: the server cached "
+                              f"{_q(t.reported_cached_tokens)} of the {_q(t.predicted_cached_tokens)} predicted: "
+                              f"{t.brk.detail}" + _provider_cache(t))
+                console.print(f"    fix: {t.brk.suggestion}")
+                continue
             _print_break(buf, console, t)
         for cause, c in st["by_cause"].items():
             console.print(f"  {cause}: {c['breaks']} break(s) cost {cost_text(c['lost_seconds'], c['lost_tokens'])}")

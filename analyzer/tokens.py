@@ -96,6 +96,17 @@ def load_tokenizer(spec: str | None = None) -> Tokenizer:
     return Tokenizer(f"hf:{path}", lambda text: hf.encode(text, add_special_tokens=False).ids)
 
 
+def tokenizer_from_json(text: str, name: str) -> Tokenizer:
+    """A Hugging Face tokenizer from the text of its tokenizer.json (as the recorder stores it)."""
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        hf = HFTokenizer.from_str(text)
+    except Exception as exc:
+        raise InvalidRequest(f"cannot load tokenizer {name}: {exc}") from exc
+    return Tokenizer(name, lambda s: hf.encode(s, add_special_tokens=False).ids)
+
+
 def as_tokenizer(tokenizer: Tokenizer | Callable[[str], list[int]] | str | None) -> Tokenizer:
     """Accepts a Tokenizer, a bare callable (named after it), a spec, or None."""
     if isinstance(tokenizer, Tokenizer):

@@ -287,6 +287,7 @@ class DiskCache:
         self._pending: set[bytes] = set()
         self.nbytes = 0
         self.num_corrupt = 0
+        self.evictions = 0  # files dropped for room: read by the recorder (a server-side miss's cause)
         self.bytes_written = 0
         self._scan()
         self._queue: queue.Queue = queue.Queue()
@@ -460,6 +461,7 @@ class DiskCache:
                     break
                 victims.append(victim)
                 self._remove(victim)
+                self.evictions += 1
             fits = self.nbytes + size <= self.max_bytes
         for key in victims:
             _unlink(self._path(key))

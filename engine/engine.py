@@ -209,6 +209,21 @@ class Engine:
             prompt_tokens=over.at_least, prompt_tokens_at_least=over.at_least, max_tokens=None, retryable=False,
             **self.memory.numbers())
 
+    def renderer_identity(self) -> dict | None:
+        """What renders and counts this engine's prompts, for the recorder: the model's chat template as
+        the tokenizer holds it, its special tokens and its directory (with tokenizer.json). None while
+        loading."""
+        if not self.ready or self.tokenizer is None:
+            return None
+        return {"model": self.name, "model_dir": str(self.model_dir),
+                "chat_template": getattr(self.tokenizer, "chat_template", None),
+                "special": {k: getattr(self.tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}}
+
+    @property
+    def cache_evictions(self) -> int | None:
+        """Prefix-cache blocks lost for room since start (engine/prefix_cache.py), None while loading."""
+        return self.prefix_cache.evictions if self.prefix_cache is not None else None
+
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Raise ContextExceedsCapacity (with the numbers) for a request that can never run."""
         if not self.ready:

@@ -19,6 +19,7 @@ class MemoryCache:
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()
         self._children: dict[bytes, set[bytes]] = {}
         self._pins: dict[bytes, int] = {}
+        self.evictions = 0  # blocks dropped for room (a new block refused counts too): read by the recorder
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -51,6 +52,7 @@ class MemoryCache:
         keep = self._ancestors(block)
         while self.nbytes > self.max_bytes:
             victim = next((k for k in self._blocks if self._evictable(k) and k not in keep and k != block.key), None)
+            self.evictions += 1
             if victim is None:  # only its own chain is left: the new block is the one to go
                 self.discard(block.key)
                 return

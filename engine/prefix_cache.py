@@ -138,6 +138,12 @@ class PrefixCache:
         return len(self.memory)
 
     @property
+    def evictions(self) -> int:
+        """Blocks this cache has lost for room since it started: the disk tier's when there is one (a
+        block the memory tier drops is still on disk), else the memory tier's. Any thread may read it."""
+        return self.disk.evictions if self.disk is not None else self.memory.evictions
+
+    @property
     def stats(self) -> dict:
         disk = self.disk  # never `if self.disk`: DiskCache has __len__, so an empty one is falsy
         return {

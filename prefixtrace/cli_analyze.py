@@ -94,7 +94,8 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
 @SRC
 @click.option("--allow", default="", metavar="CAUSES", help="Comma-separated causes that do not fail, e.g. compaction,request_local_tail.")
 @click.option("--fail-on", "fail_on", default="", metavar="KINDS",
-              help="Also fail on these, comma-separated: side_request (a fork of the main chain, e.g. title generation).")
+              help="Also fail on these, comma-separated: side_request (a fork of the main chain, e.g. title generation), "
+                   "server_miss (the prompt only grew but the server cached less of it).")
 @_render_options
 @click.option("--junit", type=click.Path(dir_okay=False, path_type=Path), callback=output_path, help="Also write a JUnit XML report here.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
@@ -120,6 +121,8 @@ def check(src, allow, fail_on, template, model, tokenizer_spec, block_size, pref
         to_junit(result, junit)
     if fmt == "json" or as_json:
         click.echo(json.dumps({"ok": result.ok, "allow": sorted(result.allow),
+                               "renderer_source": result.report.renderer_source,
+                               "renderer_note": result.report.renderer_note,
                                "warnings": result.report.warnings(), "coverage": result.report.coverage(), "problems": [
             {"session": p.session_id, "turn_number": p.turn.number, "lost_seconds": p.turn.lost_seconds,
              "lost_tokens": p.turn.lost_tokens, "lost_seconds_basis": p.turn.lost_seconds_basis,
@@ -128,4 +131,6 @@ def check(src, allow, fail_on, template, model, tokenizer_spec, block_size, pref
         echo(result.summary())
         for problem in result.problems[1:]:
             echo(f"- {problem}")
+        if result.report.renderer_source == "fallback":  # offsets and tokens are estimates: say so, and the fix
+            echo(f"note: {result.report.renderer_note}")
     raise SystemExit(0 if result.ok else 1)

@@ -92,10 +92,12 @@ def build_backend(config: ServeConfig):
     if len(config.upstreams) > 1:
         log.info("forwarding to %d upstreams with session affinity: %s", len(config.upstreams),
                  ", ".join(map(display_url, config.upstreams)))
-        return UpstreamPool(config.upstreams, timeouts=config.upstream_timeouts)
+        return UpstreamPool(config.upstreams, timeouts=config.upstream_timeouts,
+                            probe_props=True)  # each member's published template, once
     if config.upstreams:
         log.info("forwarding to upstream %s", display_url(config.upstreams[0]))
-        return UpstreamBackend(config.upstreams[0], timeouts=config.upstream_timeouts)
+        return UpstreamBackend(config.upstreams[0], timeouts=config.upstream_timeouts,
+                               probe_props=True)  # its published chat template, once
     if config.model is None:
         from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
 

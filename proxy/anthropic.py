@@ -36,7 +36,7 @@ from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.relay import abandoned, record_durably, serve_turn
 from prefixtrace.wire.turn_builder import TurnBuilder
-from proxy.upstream_backend import Relayed, map_httpx_errors
+from proxy.upstream_backend import Relayed, map_httpx_errors, mark_served
 
 MESSAGES_PATH = messages_wire.PATH
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn", "tool_calls": "tool_use"}
@@ -238,6 +238,7 @@ class UpstreamMessages(Relayed):
         super().__init__(response, url)
         self.builder = builder
         self.reader = messages_wire.MessagesReader()
+        mark_served(builder, url)  # the member that answered (a pool routes by session), its renderer
         self._usage: dict = {}
 
     async def sse(self) -> AsyncIterator[bytes]:
@@ -260,7 +261,10 @@ class UpstreamMessages(Relayed):
         for event in self.reader.feed(data):
             self.builder.on_event(event)
         if kind == "message_start":
-            self._merge_usage((data.get("message") or {}).get("usage") or {})
+            message = data.get("message") or {}
+            if isinstance(message.get("diagnostics"), dict):  # cache diagnostics, kept beside the usage
+                self._usage["diagnostics"] = message["diagnostics"]
+            self._merge_usage(message.get("usage") or {})
         elif kind == "message_delta":
             turn.finish_reason = messages_wire.finish_reason((data.get("delta") or {}).get("stop_reason")) \
                 or turn.finish_reason
@@ -280,7 +284,8 @@ class UpstreamMessages(Relayed):
             with self.reading(body, "content"):  # a body of the wrong shape: a 502 naming the upstream's fault
                 self.builder.on_whole(self.reader.whole(body))
                 turn.finish_reason = messages_wire.finish_reason(body.get("stop_reason"))
-                record_usage(self.builder, body.get("usage") or {})
+                diagnostics = {"diagnostics": body["diagnostics"]} if isinstance(body.get("diagnostics"), dict) else {}
+                record_usage(self.builder, {**(body.get("usage") or {}), **diagnostics})
         elif self.status >= 400:
             turn.error = (str(body.get("error", body)) if body is not None else data.decode(errors="replace"))[:2000]
         return data, self.content_type

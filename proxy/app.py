@@ -93,6 +93,17 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
         except PrefixtraceError as exc:
             return JSONResponse(to_openai_error(exc), status_code=http_status(exc))
 
+    @app.get("/props")
+    async def props():
+        """The chat template the embedded engine renders with, where llama.cpp publishes its own, so a
+        proxy in front of this one records it with its turns (docs/ANALYZER.md "The server's renderer")."""
+        identity = backend.engine.renderer_identity() if hasattr(backend, "engine") else None
+        if identity is None or not identity.get("chat_template"):
+            return JSONResponse({"error": {"message": "no chat template published here", "type": "not_found"}},
+                                status_code=404)
+        special = {k: v for k, v in identity["special"].items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
+        return {"chat_template": identity["chat_template"], "model_alias": identity["model"], **special}
+
     @app.post(CHAT_PATH)
     async def chat_completions(request: Request):
         return await serve_turn(request, endpoint=CHAT_PATH, upstream=backend.label, recorder=recorder,

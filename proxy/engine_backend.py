@@ -29,6 +29,7 @@ from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
 from proxy.relay import QUEUED, hang_up_error
 from prefixtrace.wire.turn_builder import TurnBuilder
+from recorder import renderers
 
 DEFAULT_ALIAS = "default"
 
@@ -62,6 +63,7 @@ class EngineBackend:
         self.grammar_limits = grammar_limits
         self.max_tokens_policy = max_tokens_policy
         self.defaults = defaults
+        self._renderer_id: str | None = None
 
     @property
     def label(self) -> str:
@@ -100,7 +102,21 @@ class EngineBackend:
         builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
         if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
             builder.turn.render["policy"] = rendered.policy
+        await self._identify(builder)
         return await self.start(req, rendered.token_ids, rendered.text, builder, wait_first=wait_first)
+
+    async def _identify(self, builder: TurnBuilder) -> None:
+        """What the analyzer needs to count this prompt as the engine did (docs/ANALYZER.md "The
+        server's renderer"): the model's renderer, once per model in the database, and the prefix cache's
+        eviction count when the turn ends (`EngineChat`: a later turn's shortfall after evictions is the
+        server's, not the client's)."""
+        if self._renderer_id is None and (identity := self.engine.renderer_identity()) is not None:
+            info = await asyncio.to_thread(  # reads and hashes tokenizer.json (megabytes), once per model
+                renderers.from_model_dir, identity["model"], identity["model_dir"], identity["chat_template"],
+                identity["special"])
+            self._renderer_id = renderers.register(info)
+        builder.turn.renderer_id = self._renderer_id
+        builder.turn.served_by = self.label
 
     async def render(self, req: ChatRequest, *, count_only: bool = False):
         """The prompt the engine runs for `req` (chat template, tools, render policies), in a worker
@@ -151,7 +167,7 @@ class EngineBackend:
             prompt_text=prompt_text, tool_choice_default=self.tool_choice_default, limits=self.grammar_limits)
         if plan.forced:
             builder.turn.render["constrained"] = plan.forced
-        chat = EngineChat(req, builder, self.engine.name, plan, prompt_text)
+        chat = EngineChat(req, builder, self.engine.name, plan, prompt_text, engine=self.engine)
         sampling = req.sampling if plan.processor is not None else self.defaults.for_free_reply(req.sampling, req.body)
         seq = Sequence(token_ids, sampling, chat.emit_threadsafe(asyncio.get_running_loop()))
         if plan.processor is not None:
@@ -196,8 +212,9 @@ class EngineChat:
     status = 200
 
     def __init__(self, req: ChatRequest, builder: TurnBuilder, model: str, plan: ReplyPlan | None = None,
-                 prompt_text: str = ""):
+                 prompt_text: str = "", *, engine: Engine | None = None):
         self.req = req
+        self.engine = engine  # read once the reply ends: its prefix cache's eviction count
         self.builder = builder
         self.model = req.model or model
         self.id = "chatcmpl-" + uuid.uuid4().hex
@@ -248,6 +265,15 @@ class EngineChat:
                     yield reply_event
             elif isinstance(event, Finished):
                 self.finished = event
+                if self.seq is not None and isinstance(self.builder.turn.render, dict):
+                    # The reply's tokens follow the prompt in the engine's cache: the next turn's prefix
+                    # reaches into them, and the analyzer predicts how far (docs/ANALYZER.md).
+                    self.builder.turn.render["reply_token_ids"] = list(self.seq.output_ids)
+                    # Blocks the prefix cache evicted for room so far: between this turn's end and the
+                    # session's next, a growth means the next turn may find its prefix gone.
+                    evictions = self.engine.cache_evictions if self.engine is not None else None
+                    if evictions is not None:
+                        self.builder.turn.render["cache_evictions"] = evictions
                 for reply_event in self.parser.finish():
                     yield reply_event
                 yield ReplyDone(final_finish_reason(event.finish_reason, self.parser), event.prompt_tokens,

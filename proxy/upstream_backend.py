@@ -31,6 +31,7 @@ from proxy.chat_request import ChatRequest
 from proxy.relay import UPSTREAM_BODY
 from proxy.upstream_http import UpstreamConnections
 from prefixtrace.wire.turn_builder import TurnBuilder
+from recorder import renderers
 
 # Headers that describe one hop, not the request; httpx sets its own.
 _HOP_HEADERS = {
@@ -51,8 +52,11 @@ UNREADABLE = (ValueError, TypeError, AttributeError, KeyError, IndexError)
 
 
 class UpstreamBackend:
+    """`probe_props`: before the first turn, ask once for the chat template the upstream publishes
+    (`published_renderer`); `prefixtrace serve` turns it on, a scripted upstream in a test leaves it off."""
+
     def __init__(self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None,
-                 timeout: float | None = None, timeouts: UpstreamTimeouts | None = None):
+                 timeout: float | None = None, timeouts: UpstreamTimeouts | None = None, probe_props: bool = False):
         """`timeouts`: connect, first-byte and idle limits (prefixtrace/config.py); `timeout`, when
         given instead, is both the first-byte and the idle limit."""
         if timeouts is None:
@@ -76,6 +80,7 @@ class UpstreamBackend:
         self._auth_header = None if auth is None else \
             "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
         self.connections = self._direct_connections(without_credentials(url), transport, timeouts)
+        self._asked_props = not probe_props
 
     def _direct_connections(self, url: str, transport, timeouts: UpstreamTimeouts) -> UpstreamConnections | None:
         """The lean client for the turn's POST (proxy/upstream_http.py) where it can stand in for
@@ -140,11 +145,31 @@ class UpstreamBackend:
         response, url = await self.post(path, body, headers, session_id=req.session_id, raw=raw)
         return UpstreamChat(req, builder, response, url)
 
+    async def published_renderer(self) -> None:
+        """Asks once whether this upstream publishes its chat template (llama.cpp: GET /props
+        `chat_template`, `bos_token`, `eos_token`), so its turns name the renderer that built their
+        prompts (recorder/renderers.py). Absence, an error or a slow answer: nothing recorded."""
+        if self._asked_props:
+            return
+        self._asked_props = True
+        try:
+            response = await self.client.get("/props", timeout=3.0)
+            props = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return
+        template = props.get("chat_template") if isinstance(props, dict) else None
+        if isinstance(template, str) and template:
+            name = props.get("model_alias") or str(props.get("model_path") or self.base_url).rsplit("/", 1)[-1]
+            special = {k: props[k] for k in ("bos_token", "eos_token") if isinstance(props.get(k), str)}
+            PUBLISHED_RENDERERS[self.base_url] = renderers.register(
+                renderers.RendererInfo("upstream", str(name), template, special))
+
     async def post(self, path: str, body: dict, headers: dict[str, str], *,
                    session_id: str | None = None, raw: bytes | None = None) -> tuple[httpx.Response, str]:
         """POST `body` to `path`, response streamed; returns it with the URL that answered
         (`UpstreamPool` picks one of several by session; one upstream ignores `session_id`).
         `raw`: `body` as the client's bytes, sent as they are when they are plain UTF-8 JSON."""
+        await self.published_renderer()
         forward = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
         if not any(k.lower() == "content-type" for k in forward):
             forward["content-type"] = "application/json"
@@ -283,6 +308,16 @@ def _excerpt(data: bytes | str, limit: int = 200) -> str:
     return repr(text[:limit]) + (f" (… {len(text) - limit} more)" if len(text) > limit else "")
 
 
+# Upstream base URL -> the id of the renderer it publishes (`published_renderer`).
+PUBLISHED_RENDERERS: dict[str, str] = {}
+
+
+def mark_served(builder: TurnBuilder, url: str) -> None:
+    """The turn names the upstream member that answered and, when it published one, its renderer."""
+    builder.turn.served_by = url
+    builder.turn.renderer_id = PUBLISHED_RENDERERS.get(url)
+
+
 class Relayed:
     """An upstream response on its way to the client: its status, type, and whether it streams."""
 
@@ -377,6 +412,7 @@ class UpstreamChat(Relayed):
         super().__init__(response, url)
         self.req = req
         self.builder = builder
+        mark_served(builder, url)  # the member that answered (a pool routes by session), its renderer
         self._complete = False  # [DONE], a finish_reason or an in-band error seen
         # Called once the turn can take nothing more but [DONE]: the usage chunk after a
         # finish_reason (the last one OpenAI streams). The upstream commits its own turn before

@@ -109,10 +109,11 @@ class UpstreamPool:
 
     def __init__(self, urls: list[str], *, health_interval: float = 2.0, vnodes: int = 64,
                  transport: httpx.AsyncBaseTransport | None = None, timeout: float | None = None,
-                 timeouts: UpstreamTimeouts | None = None):
+                 timeouts: UpstreamTimeouts | None = None, probe_props: bool = False):
         if not urls:
             raise UpstreamError("an upstream pool needs at least one URL")
-        members = [Member(UpstreamBackend(u, transport=transport, timeout=timeout, timeouts=timeouts)) for u in urls]
+        members = [Member(UpstreamBackend(u, transport=transport, timeout=timeout, timeouts=timeouts,
+                                          probe_props=probe_props)) for u in urls]
         self.members: dict[str, Member] = {m.url: m for m in members}
         self.ring = HashRing(list(self.members), vnodes)
         self.pins: OrderedDict[str, str] = OrderedDict()  # session key -> url, LRU

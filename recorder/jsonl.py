@@ -35,7 +35,15 @@ BARE_LINE_SPACING_S = 0.001
 
 def turn_to_record(turn: Turn) -> dict[str, Any]:
     """The wrapped JSONL object for one turn. Every key is always present, so
-    export -> import -> export is byte-identical."""
+    export -> import -> export is byte-identical; `served_by` (the member that answered) only when
+    recorded, so exports of turns recorded without it stay as they were."""
+    record = _record(turn)
+    if turn.served_by is not None:
+        record["served_by"] = turn.served_by
+    return record
+
+
+def _record(turn: Turn) -> dict[str, Any]:
     return {
         "id": turn.request_id,
         "session": turn.session_id,
@@ -272,4 +280,5 @@ def record_to_turn(obj: Any, *, lineno: int = 0, base_ts: float = 0.0, source: s
         total_s=_get(timing, "total_s", (int, float)),
         chunk_times=chunk_times,
         render=_get(obj, "render", (dict,)),
+        served_by=_get(obj, "served_by", (str,)),
     )

@@ -71,6 +71,15 @@ def session_ids(db_path: str | Path) -> list[str]:
                                              " order by session_id")]
     except sqlite3.DatabaseError as exc:
         raise RecorderError(damaged(p, exc)) from exc
+def read_renderers(db_path: str | Path) -> dict:
+    """The database's recorded renderers by id (recorder/renderers.py); none in an older database."""
+    from recorder.renderers import load_all
+
+    db = open_db(db_path, create=False)
+    try:
+        return load_all(db)
+    except sqlite3.DatabaseError as exc:
+        raise RecorderError(f"{db_path} cannot be read: {exc} (the file is damaged?)") from exc
     finally:
         db.close()
 

@@ -24,6 +24,7 @@ from prefixtrace.errors import RecorderError
 from recorder import numbers
 from recorder.bodies import message_hash, split_body
 from recorder.redact import DEFAULT_REDACTOR, Redactor
+from recorder.renderers import ensure_stored
 from recorder.turn import Turn
 
 JSON_COLUMNS = ("request_headers", "tool_calls", "usage", "chunk_times", "render")
@@ -89,6 +90,7 @@ class BodyStore:
         self._prefix_ids: dict[tuple[int, int], int] = {}
         self._prefix_rows: dict[int, tuple[int, int]] = {}
         self._message_bodies: dict[int, str] = {}
+        self.renderer_ids: set[str] = set()  # `renderers` rows known to be stored
 
     def reset(self) -> None:
         self._message_ids.clear()
@@ -97,6 +99,7 @@ class BodyStore:
         self._prefix_ids.clear()
         self._prefix_rows.clear()
         self._message_bodies.clear()
+        self.renderer_ids.clear()
 
     # -- write ----------------------------------------------------------------
 
@@ -233,6 +236,8 @@ def redacted_row(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> dict[str,
         "total_s": numbers.seconds(turn.total_s),
         "chunk_times": _dumps(list(turn.chunk_times or [])),
         "render": None if turn.render is None else _dumps(turn.render),
+        "renderer_id": turn.renderer_id,
+        "served_by": turn.served_by,
     }
     row = {k: _utf8(v) if isinstance(v, str) else v for k, v in row.items()}
     row["_body"], row["_body_json"] = _utf8(text), is_json
@@ -244,6 +249,7 @@ def store_row(row: dict[str, Any], bodies: BodyStore) -> dict[str, Any]:
     row = dict(row)
     text, is_json = row.pop("_body"), row.pop("_body_json")
     row.update(bodies.put(text, is_json=is_json))
+    ensure_stored(bodies.db, row.get("renderer_id"), bodies.renderer_ids)
     return row
 
 

@@ -13,6 +13,8 @@ Layout since version 2 (docs/FORMATS.md has the columns):
     prefixes   one row per distinct message-list prefix: (parent prefix, message)
     turn_log   one row per turn: metadata, response, and the request body as
                head + messages of prefix `body_prefix` joined by `body_sep` + tail
+    renderers  one row per chat template + tokenizer that rendered recorded prompts (since version 3;
+               `turn_log.renderer_id` points at it, `turn_log.served_by` names the member that answered)
     turns      a view with the version-1 columns, `request_body` rebuilt in SQL,
                so ad-hoc queries and older scripts keep working
 """
@@ -131,7 +133,16 @@ def _m002_content_addressed(db: sqlite_utils.Database) -> None:
     db.execute(f"CREATE VIEW turns AS SELECT {meta}, {_VIEW_BODY} AS request_body, {rest} FROM turn_log t")
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m001_initial, _m002_content_addressed]
+def _m003_renderers(db: sqlite_utils.Database) -> None:
+    """What rendered each prompt (recorder/renderers.py) and which upstream member served it."""
+    from recorder.renderers import create_table
+
+    create_table(db)
+    db.execute("ALTER TABLE turn_log ADD COLUMN renderer_id TEXT")
+    db.execute("ALTER TABLE turn_log ADD COLUMN served_by TEXT")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m001_initial, _m002_content_addressed, _m003_renderers]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

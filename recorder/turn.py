@@ -34,7 +34,12 @@ class Turn:
     ttft_s: float | None = None  # time to first content token
     total_s: float | None = None
     chunk_times: list[float] = field(default_factory=list)  # seconds since start, one per SSE chunk
-    render: dict | None = None  # engine-side facts: {"prompt_token_ids": [...]} when embedded
+    render: dict | None = None  # engine-side facts: {"prompt_tokens", "reply_token_ids", "cache_evictions", …}
+    # What rendered and counted the prompt: the id of a `renderers` row (recorder/renderers.py), whose
+    # chat template and tokenizer the analyzer uses by default. None = not known (an upstream that
+    # publishes no template, or a turn recorded before this was kept).
+    renderer_id: str | None = None
+    served_by: str | None = None  # the upstream member URL or engine that answered (a pool names one of several)
     # The body's exact JSON text when known (JSONL/HAR import, or a proxy that
     # passes it on): the recorder stores it byte for byte when it parses to
     # `request_body`. Not part of equality: it is another spelling of the body.

@@ -1,0 +1,125 @@
+"""What rendered and counted a recorded prompt: one `renderers` row per model, shared by its turns.
+
+The analyzer must count a prompt the way the server did, or its numbers disagree with the server's
+own (`usage.prompt_tokens`, `cached_tokens`). So the proxy records, per turn, the id of the renderer
+that built the prompt, and the database keeps each renderer once:
+
+    id                 sha256 of the template, the special tokens and the tokenizer's sha256 (hex, 16 chars)
+    source             "embedded" (the engine's own model) or "upstream" (a template the upstream publishes)
+    model              the served model's name
+    chat_template      the Jinja chat template text
+    special            JSON: bos_token, eos_token, pad_token, unk_token (what templates read besides messages)
+    tokenizer          the model's tokenizer.json, zlib-compressed; NULL when unknown or past MAX_TOKENIZER_BYTES
+    tokenizer_sha256   sha256 of tokenizer.json as it was when recorded (NULL when unknown)
+    tokenizer_path     where it was (the model directory's tokenizer.json), for a copy too big to store
+    created_at         unix seconds of the first turn that used it
+
+Why the tokenizer's content and not only its path: the database is what people copy to another machine
+to analyse, and a model cache may be gone by then. A tokenizer.json is 2-11 MB (SmolLM2 2.1 MB, Qwen3
+11 MB) and compresses to about a quarter; once per model that is small next to a day's traffic. Past
+MAX_TOKENIZER_BYTES only the path and hash are kept; the analyzer loads the file from the path when its
+hash still matches and says so when it does not.
+
+The proxy registers a renderer in this process (`register`); the writer stores its row the first time a
+turn names its id (`ensure_stored`, in the turn's transaction). Turns carry only the id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MAX_TOKENIZER_BYTES = 64 << 20
+
+
+@dataclass
+class RendererInfo:
+    source: str  # "embedded" | "upstream"
+    model: str
+    chat_template: str | None
+    special: dict[str, str] = field(default_factory=dict)
+    tokenizer_json: str | None = None  # the file's text; None when unknown or too big to store
+    tokenizer_sha256: str | None = None
+    tokenizer_path: str | None = None
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            key = json.dumps([self.chat_template, self.special, self.tokenizer_sha256], sort_keys=True)
+            self.id = hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
+
+
+def from_model_dir(model: str, model_dir: str | Path, chat_template: str | None, special: dict[str, Any]) -> RendererInfo:
+    """The renderer of an engine's model: its template as the tokenizer holds it and its tokenizer.json."""
+    path = Path(model_dir) / "tokenizer.json"
+    text = digest = None
+    try:
+        data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        if len(data) <= MAX_TOKENIZER_BYTES:
+            text = data.decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        pass
+    specials = {k: v for k, v in special.items() if isinstance(v, str)}
+    return RendererInfo("embedded", model, chat_template, specials, text, digest, str(path) if digest else None)
+
+
+_registry: dict[str, RendererInfo] = {}
+_lock = threading.Lock()
+
+
+def register(info: RendererInfo) -> str:
+    """Keeps `info` for the writer; returns its id (what a Turn records)."""
+    with _lock:
+        _registry.setdefault(info.id, info)
+    return info.id
+
+
+def registered(renderer_id: str) -> RendererInfo | None:
+    with _lock:
+        return _registry.get(renderer_id)
+
+
+def create_table(db) -> None:
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS renderers (id TEXT PRIMARY KEY NOT NULL, source TEXT, model TEXT,"
+        " chat_template TEXT, special TEXT, tokenizer BLOB, tokenizer_sha256 TEXT, tokenizer_path TEXT,"
+        " created_at REAL)"
+    )
+
+
+def ensure_stored(db, renderer_id: str | None, known: set[str]) -> None:
+    """Stores the registered renderer `renderer_id` unless the database has it (`known`: ids seen in
+    this connection). A renderer registered in another process (a spool replayed after a restart) is
+    left out: its turns then read as "renderer not recorded", never as another renderer."""
+    if renderer_id is None or renderer_id in known:
+        return
+    if db.execute("SELECT 1 FROM renderers WHERE id = ?", [renderer_id]).fetchone() is None:
+        info = registered(renderer_id)
+        if info is None:
+            return
+        blob = zlib.compress(info.tokenizer_json.encode("utf-8"), 6) if info.tokenizer_json is not None else None
+        db.execute("INSERT INTO renderers (id, source, model, chat_template, special, tokenizer, tokenizer_sha256,"
+                   " tokenizer_path, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                   [info.id, info.source, info.model, info.chat_template, json.dumps(info.special), blob,
+                    info.tokenizer_sha256, info.tokenizer_path, time.time()])
+    known.add(renderer_id)
+
+
+def load_all(db) -> dict[str, RendererInfo]:
+    """Every stored renderer by id (an old database without the table: none)."""
+    if "renderers" not in db.table_names():
+        return {}
+    out = {}
+    for row in db.execute("SELECT id, source, model, chat_template, special, tokenizer, tokenizer_sha256,"
+                          " tokenizer_path FROM renderers").fetchall():
+        rid, source, model, template, special, blob, digest, path = row
+        text = zlib.decompress(blob).decode("utf-8") if blob is not None else None
+        out[rid] = RendererInfo(source, model, template, json.loads(special or "{}"), text, digest, path, rid)
+    return out
