@@ -39,8 +39,11 @@ def test_export_one_session(tmp_path):
     out = tmp_path / "s.jsonl"
     assert runner.invoke(cli, ["export", str(db), "--session", session, "--out", str(out)]).exit_code == 0
     assert len(out.read_text().splitlines()) == 4
-    assert runner.invoke(cli, ["export", str(db), "--session", "nope", "--out", str(out)]).exit_code == 0
-    assert out.read_text() == ""
+    # A session that is not there is an error naming what is, not an empty export (issue 26); the
+    # earlier export is left as it was.
+    missing = runner.invoke(cli, ["export", str(db), "--session", "nope", "--out", str(out)])
+    assert missing.exit_code == 1 and "no session 'nope'" in missing.output and session in missing.output
+    assert len(out.read_text().splitlines()) == 4
 
 
 def test_corrupt_db_is_a_clean_error_and_nothing_is_overwritten(tmp_path):
