@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from analyzer.analysis import Analyzer, TurnResult
+from analyzer.analysis import Analyzer, SessionResult, TurnResult, price_breaks
 from analyzer.canon import Payload
 from analyzer.divergence import SegmentCounter
 from analyzer.load import Request
@@ -31,6 +31,7 @@ from recorder.turn import Turn
 
 log = logging.getLogger("prefixtrace.dashboard")
 _COUNTER_CACHE_MAX = 100_000  # token-count cache entries before it is rebuilt
+_PRICED_TURNS = 64  # per session, the recent results a break's seconds are priced against (price_breaks)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class LiveSession:
     turns: list[LiveTurn] = field(default_factory=list)
     last: tuple[Request, Payload] | None = None
     updated_at: float = 0.0
+    recent: deque = field(default_factory=lambda: deque(maxlen=_PRICED_TURNS))  # TurnResults, for lost_seconds
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "inferred": self.inferred, "updated_at": self.updated_at,
@@ -77,6 +79,9 @@ class LiveSessions:
             (the metrics' re-prefill-by-cause counter).
         redactor: masks what the dashboard shows (session ids, the break's before/after
             text), as the recorder masks what it stores: turns arrive here unredacted.
+
+    `listeners`: `callable(turn, result, session_id, inferred)` called once per analysed turn
+    with the analyzer's TurnResult (the OTLP export, prefixtrace/otel.py), in the refreshing thread.
     """
 
     def __init__(self, *, max_turns: int = 2000, on_break: Callable[[str, int], None] | None = None,
@@ -87,6 +92,7 @@ class LiveSessions:
         self.sessions: OrderedDict[str, LiveSession] = OrderedDict()
         self.max_turns = max_turns
         self.on_break = on_break
+        self.listeners: list[Callable[[Turn, TurnResult, str, bool], None]] = []
         self.version = 0  # bumps whenever an analysed turn is added
         self._pending: list[Turn] = []
         self._pending_lock = threading.Lock()
@@ -143,8 +149,11 @@ class LiveSessions:
         if session is None:
             session = self.sessions[grouped.id] = LiveSession(self.redactor.text(grouped.id), grouped.inferred)
         request = Request(turn.request_id, turn.started_at, body, turn.session_id, None,
-                          turn.prompt_tokens, turn.cached_tokens)
+                          turn.prompt_tokens, turn.cached_tokens, ttft_s=turn.ttft_s)
         result = self._compare(session, request, payload)
+        session.recent.append(result)
+        if result.brk is not None:  # seconds lost, as `analyze` prices them, over the session's recent turns
+            price_breaks([SessionResult(session.id, session.inferred, list(session.recent))], None)
         if payload is not None and turn.status < 400:
             session.last = (request, payload)
         session.turns.append(LiveTurn(
@@ -155,6 +164,8 @@ class LiveSessions:
         session.updated_at = time.time()
         if result.brk is not None and self.on_break is not None:
             self.on_break(result.brk.cause, result.reprefill_tokens or 0)
+        for listener in self.listeners:
+            listener(turn, result, session.id, session.inferred)
 
     def _compare(self, session: LiveSession, request: Request, payload: Payload | None) -> TurnResult:
         if payload is None or session.last is None:
