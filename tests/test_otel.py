@@ -263,3 +263,61 @@ def test_nothing_but_prefixtrace_otel_imports_opentelemetry():
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def _phoenix() -> str | None:
+    """A Phoenix install to test against: PREFIXTRACE_PHOENIX (its `phoenix` executable), else one on PATH.
+    Not in the test extra: ~0.85 GB of packages, ~1.5 min to start here (docs/OBSERVABILITY.md)."""
+    import shutil
+
+    return os.environ.get("PREFIXTRACE_PHOENIX") or shutil.which("phoenix")
+
+
+@pytest.mark.skipif(_phoenix() is None, reason="Arize Phoenix is not installed (PREFIXTRACE_PHOENIX=/path/to/phoenix)")
+def test_phoenix_receives_the_spans(served, tmp_path):
+    """A real collector: Arize Phoenix on loopback takes `analyze --otlp-endpoint`'s spans over OTLP/HTTP
+    and gives them back through its REST API with our attributes, and reads the GenAI usage as its own."""
+    from prefixtrace.cli import cli
+
+    port, grpc_port = free_port(), free_port()
+    env = {**os.environ, "PHOENIX_HOST": "127.0.0.1", "PHOENIX_PORT": str(port), "PHOENIX_GRPC_PORT": str(grpc_port),
+           "PHOENIX_WORKING_DIR": str(tmp_path / "phoenix")}
+    proc = subprocess.Popen([_phoenix(), "serve"], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up():
+            assert proc.poll() is None, "phoenix exited"
+            try:
+                return httpx.get(url + "/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 300, "Phoenix to start")
+        result = CliRunner().invoke(cli, ["analyze", str(served["db"]), "--json", "--out", str(tmp_path / "r.json"),
+                                          "--otlp-endpoint", url])
+        assert result.exit_code == 0, result.output
+
+        def spans():
+            data = httpx.get(url + "/v1/projects/default/spans", params={"limit": 100}, timeout=10).json()["data"]
+            return data if len(data) >= 4 else None
+
+        got = {s["attributes"]["prefixtrace.request_id"]: s for s in wait_for(spans, 60, "Phoenix to list 4 spans")}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    ours = served["spans"]
+    assert set(got) == set(ours)
+    for rid, span in got.items():
+        a, sent = span["attributes"], ours[rid]["attributes"]
+        for key in ("gen_ai.conversation.id", "gen_ai.usage.input_tokens", "gen_ai.usage.cache_read.input_tokens",
+                    "prefixtrace.break.cause", "prefixtrace.lost_tokens", "prefixtrace.fix"):
+            assert a.get(key) == sent.get(key), key
+        if sent["http.response.status_code"] < 400:
+            assert span["span_kind"] == "LLM"  # Phoenix recognised a GenAI span
+            assert a["llm.token_count.prompt"] == sent["gen_ai.usage.input_tokens"]
+        else:
+            assert span["status_code"] == "ERROR"
