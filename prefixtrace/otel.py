@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -264,12 +265,16 @@ class LiveFeed:
 
     `wake` is a turn observer (cheap: sets an event, on the event loop); a thread of its own
     then runs `live.refresh()` (the same incremental analysis a dashboard poll runs, one at a
-    time under its lock), gathering the turns that arrived within `linger_s` into one refresh so
-    a burst is analysed in one pass; LiveSessions calls `emit` for each analysed turn."""
+    time under its lock). That analysis holds the GIL while it renders and counts, so it waits
+    for a pause in the traffic: once no turn has arrived for `quiet_s`, or at the latest
+    `max_delay_s` after the first waiting one, it analyses everything waiting in one pass, so
+    a burst of requests is not slowed turn by turn (bench/bench_proxy_overhead.py --otlp).
+    LiveSessions calls `_on_analysed` for each analysed turn, which ends its span."""
 
-    def __init__(self, spans: TurnSpans, *, linger_s: float = 0.2):
+    def __init__(self, spans: TurnSpans, *, quiet_s: float = 0.25, max_delay_s: float = 3.0):
         self.spans = spans
-        self.linger_s = linger_s
+        self.quiet_s, self.max_delay_s = quiet_s, max_delay_s
+        self._last_turn = 0.0
         self._live = None
         self._redactor = None
         self._wake = threading.Event()
@@ -284,6 +289,7 @@ class LiveFeed:
         self._thread.start()
 
     def wake(self, turn) -> None:
+        self._last_turn = time.monotonic()
         self._wake.set()
 
     def _on_analysed(self, turn, result, session_id: str, inferred: bool) -> None:
@@ -297,8 +303,12 @@ class LiveFeed:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.wait()
-            if self._stop.wait(self.linger_s):
-                break
+            first = time.monotonic()
+            while not self._stop.is_set():  # until a quiet moment, or the longest wait
+                quiet_for = time.monotonic() - self._last_turn
+                if quiet_for >= self.quiet_s or time.monotonic() - first >= self.max_delay_s:
+                    break
+                self._stop.wait(min(self.quiet_s - quiet_for, self.max_delay_s - (time.monotonic() - first)))
             self._wake.clear()
             self._refresh()
         self._refresh()
