@@ -180,6 +180,7 @@ class _CountingExporter:
         self.inner, self.url = inner, url
         self.exported = self.failed = 0
         self._failing = False
+        self._shut = False
         self._lock = threading.Lock()
 
     def export(self, spans):
@@ -204,8 +205,14 @@ class _CountingExporter:
                 self._failing = True
         return result
 
+    @property
+    def failing(self) -> bool:
+        return self._failing
+
     def shutdown(self):
-        return self.inner.shutdown()
+        if not self._shut:
+            self._shut = True
+            self.inner.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.inner.force_flush(timeout_millis)
@@ -255,7 +262,10 @@ class TurnSpans:
         return self.provider.force_flush(int(timeout_s * 1000))
 
     def close(self, timeout_s: float = 10.0) -> None:
-        self.flush(timeout_s)
+        if self.exporter.failing:  # a collector that is down: no retries at exit, what is queued is dropped
+            self.exporter.shutdown()
+        else:
+            self.flush(timeout_s)
         self.provider.shutdown()
 
 

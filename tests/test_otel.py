@@ -321,3 +321,45 @@ def test_phoenix_receives_the_spans(served, tmp_path):
             assert a["llm.token_count.prompt"] == sent["gen_ai.usage.input_tokens"]
         else:
             assert span["status_code"] == "ERROR"
+
+
+def test_an_upstream_messages_turn_reads_as_anthropic_with_cache_writes():
+    """Attributes of a turn an Anthropic-shaped upstream answered: the recorded prompt_tokens already
+    include cache reads and writes (prefixtrace/wire/messages.py), the writes come from its usage, the
+    provider is the protocol's, and the upstream URL's credentials stay hidden."""
+    from prefixtrace.otel import span_name, turn_attributes
+    from recorder.turn import Turn
+
+    turn = Turn("r1", 1_700_000_000.0, "/v1/messages", "http://user:pw@gpu-1:8000", {"model": "claude-x"},
+                status=200, prompt_tokens=1200, cached_tokens=1000, completion_tokens=7, finish_reason="end_turn",
+                usage={"input_tokens": 50, "cache_read_input_tokens": 1000, "cache_creation_input_tokens": 150,
+                       "output_tokens": 7}, ttft_s=0.5, total_s=0.9)
+    a = turn_attributes(turn, None, None)
+    assert a["gen_ai.provider.name"] == "anthropic" and "gen_ai.response.model" not in a
+    assert a["gen_ai.usage.input_tokens"] == 1200 == 50 + 1000 + 150
+    assert a["gen_ai.usage.cache_read.input_tokens"] == 1000
+    assert a["gen_ai.usage.cache_creation.input_tokens"] == 150
+    assert a["prefixtrace.upstream"] == "http://***@gpu-1:8000"
+    assert "gen_ai.conversation.id" not in a and "prefixtrace.turn.number" not in a
+    assert span_name(a) == "chat claude-x"
+    unknown = turn_attributes(Turn("r2", 1.0, "/v1/chat/completions", "http://x", {}, status=200), None, "s")
+    assert not any(k.startswith("gen_ai.usage") for k in unknown)  # unknown is left out, never 0
+
+
+def test_a_collector_that_is_down_costs_no_response(tmp_path):
+    """Nothing listens at the endpoint: requests are answered as usual, and serve still stops promptly
+    (the export retries off the response path, bounded at shutdown)."""
+    proc, url = _serve(["--model", str(TINY_MODEL), "--db", str(tmp_path / "d.db"),
+                        "--otlp-endpoint", f"http://127.0.0.1:{free_port()}"], tmp_path)
+    try:
+        for _ in range(3):
+            started = time.monotonic()
+            _chat(url, "You are terse.", [{"role": "user", "content": "hi"}])
+            assert time.monotonic() - started < 30
+        time.sleep(1.5)  # the feed has analysed them and the batch exporter is retrying
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+    finally:
+        started = time.monotonic()
+        log = _stop(proc)
+    assert proc.returncode is not None and time.monotonic() - started < 25, log[-2000:]
+    assert "OTLP export to" in log and "failed" in log
