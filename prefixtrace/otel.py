@@ -365,8 +365,13 @@ def export_report(report: Any, turns: list, spans: TurnSpans) -> int:
             count += 1
             if count % FLUSH_EVERY == 0:  # the batch queue holds 2,048: a long recording must not overflow it
                 spans.flush()
-    for turn in turns:
-        if turn.request_id not in done and turn.started_at:
+    # Requests the server refused: listed by the report, not chained. Only those: a turn the analysis
+    # did not read under the same id (a bare body, given an id of its own on each reading) is not
+    # exported twice.
+    for failed in report.failed:
+        turn = by_id.get(failed.get("request_id"))
+        if turn is not None and turn.request_id not in done and turn.started_at:
             spans.emit(turn, None, turn.session_id)
+            done.add(turn.request_id)
             count += 1
     return count

@@ -363,3 +363,24 @@ def test_a_collector_that_is_down_costs_no_response(tmp_path):
         log = _stop(proc)
     assert proc.returncode is not None and time.monotonic() - started < 25, log[-2000:]
     assert "OTLP export to" in log and "failed" in log
+
+
+def test_analyze_of_bare_bodies_exports_only_what_has_a_time(tmp_path):
+    """Bare request bodies carry neither an id nor a time: no span is made up for them (not at the
+    import's 'now', not twice), and a wrapped record with a time gets exactly one."""
+    from prefixtrace.cli import cli
+
+    system = [{"role": "system", "content": "a"}]
+    lines = [{"model": "m", "messages": [*system, {"role": "user", "content": "hi"}]},
+             {"id": "r2", "ts": 1_700_000_000.5, "session": "s", "request":
+              {"model": "m", "messages": [{"role": "system", "content": "b"}, {"role": "user", "content": "hi"}]}}]
+    src = tmp_path / "bodies.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    with OtlpReceiver() as receiver:
+        result = CliRunner().invoke(cli, ["analyze", str(src), "--json", "--otlp-endpoint", receiver.url])
+        assert result.exit_code == 0, result.output
+        assert "exported 1 span(s)" in result.output
+        spans = receiver.by_request_id()
+    assert list(spans) == ["r2"]
+    assert spans["r2"]["start_ns"] == int(1_700_000_000.5 * 1e9)
+    assert spans["r2"]["attributes"]["gen_ai.conversation.id"] == "s"
