@@ -384,3 +384,54 @@ def test_analyze_of_bare_bodies_exports_only_what_has_a_time(tmp_path):
     assert list(spans) == ["r2"]
     assert spans["r2"]["start_ns"] == int(1_700_000_000.5 * 1e9)
     assert spans["r2"]["attributes"]["gen_ai.conversation.id"] == "s"
+
+
+def test_upstream_mode_spans_read_the_upstreams_usage(tmp_path):
+    """The proxy in front of a scripted Anthropic-shaped upstream on loopback (the real proxy app and
+    backend, in-process): each turn's span says anthropic, CLIENT, and the usage the upstream sent,
+    cache reads and writes included, equal to what the proxy recorded."""
+    from fastapi import FastAPI
+
+    from prefixtrace.otel import LiveFeed, TurnSpans
+    from proxy.app import create_app
+    from proxy.upstream_backend import UpstreamBackend
+    from recorder.reader import iter_turns
+    from recorder.store import Recorder
+    from tests.conftest import running_server
+
+    upstream = FastAPI()
+
+    @upstream.post("/v1/messages")
+    async def messages(body: dict):
+        return {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-scripted-1",
+                "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn", "stop_sequence": None,
+                "usage": {"input_tokens": 20, "cache_read_input_tokens": 900, "cache_creation_input_tokens": 80,
+                          "output_tokens": 3}}
+
+    with OtlpReceiver() as receiver, Recorder(tmp_path / "up.db") as rec:
+        feed = LiveFeed(TurnSpans.open(receiver.url), quiet_s=0.05)
+        with running_server(upstream) as up_url, \
+                running_server(create_app(UpstreamBackend(up_url), rec, turn_feed=feed)) as url:
+            messages = [{"role": "user", "content": "hi"}]
+            for _ in range(2):
+                r = httpx.post(url + "/v1/messages", timeout=30, headers={"X-Session-Id": "up-1"},
+                               json={"model": "claude-x", "max_tokens": 8, "system": "Be brief.", "messages": messages})
+                assert r.status_code == 200, r.text
+                messages = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+            wait_for(lambda: len(receiver.spans) >= 2, 30, "2 spans")
+        feed.close()
+        rec.flush()
+        turns = list(iter_turns(rec.path))
+        spans = receiver.by_request_id()
+    assert len(turns) == 2 and set(spans) == {t.request_id for t in turns}
+    for turn in turns:
+        span = spans[turn.request_id]
+        a = span["attributes"]
+        assert span["kind"] == 3  # SPAN_KIND_CLIENT: an upstream answered
+        assert a["gen_ai.provider.name"] == "anthropic" and a["gen_ai.request.model"] == "claude-x"
+        assert a["gen_ai.usage.input_tokens"] == turn.prompt_tokens == 20 + 900 + 80
+        assert a["gen_ai.usage.cache_read.input_tokens"] == turn.cached_tokens == 900
+        assert a["gen_ai.usage.cache_creation.input_tokens"] == 80
+        assert a["gen_ai.usage.output_tokens"] == 3
+        assert a["gen_ai.conversation.id"] == "up-1" and a["prefixtrace.upstream"] == up_url
+    assert sorted(s["attributes"]["prefixtrace.turn.number"] for s in spans.values()) == [1, 2]
