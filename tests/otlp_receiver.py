@@ -4,7 +4,7 @@ It decodes what the exporter really sends (protobuf `ExportTraceServiceRequest`,
 official `opentelemetry-proto` messages, the same definitions any collector reads, and answers as a
 collector does (`ExportTraceServiceResponse`). Arize Phoenix is the real collector this was checked
 against (tests/test_otel.py::test_phoenix_receives_the_spans, where it is installed); it is not in the
-test extra because it is ~0.9 GB of packages (docs/OBSERVABILITY.md "Testing").
+test extra because it is 0.85 GB of packages and starts in 45-90 s (docs/OBSERVABILITY.md "Testing").
 """
 
 from __future__ import annotations
