@@ -27,6 +27,9 @@ does not blur. Goal (issue 17): added TTFT p50 <= 1 ms.
 apart (`taskset -c 0,1 python bench/...` puts everything on two cores, as issue 17 measured it).
 `--relay` adds a third target, a bare TCP relay to the upstream (no HTTP, no work): what
 one more local hop costs on this machine, the floor under any proxy's added latency.
+`--otlp` starts an OTLP/HTTP receiver in the bench (tests/otlp_receiver.py) and the proxy with
+`--otlp-endpoint` to it; with `--baseline .` the same tree runs beside it without the exporter, so
+`serve --otlp-endpoint`'s cost is the proxied line against the baseline's (docs/OBSERVABILITY.md).
 `--baseline TREE` adds a fourth: the same proxy run from another checkout (before a change),
 interleaved with this one, so before/after is measured side by side under the same load.
 `--upstream-tree TREE` runs the upstream from another checkout (its server code, not the proxy's).
@@ -279,6 +282,9 @@ def main() -> None:
                          "tell what a change to the server (prefixtrace/connections.py) does for the upstream "
                          "from what it does for the proxy")
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    ap.add_argument("--otlp", action="store_true",
+                    help="the proxy exports a span per turn to an OTLP receiver in the bench (--otlp-endpoint); "
+                         "with --baseline . the baseline does not")
     ap.add_argument("--server-cpus", metavar="0,1", default=None,
                     help="run the upstream, the proxies and the relay on these CPUs only (Linux)")
     ap.add_argument("--client-cpus", metavar="2,3", default=None,
@@ -297,6 +303,14 @@ def main() -> None:
     if args.baseline_uvicorn:
         baseline_with = tuple(args.baseline_uvicorn.split(","))
     results = {}
+    receiver = None
+    proxy_extra: list[str] = []
+    if args.otlp:
+        sys.path.insert(0, str(ROOT))
+        from tests.otlp_receiver import OtlpReceiver
+
+        receiver = OtlpReceiver().__enter__()
+        proxy_extra = ["--otlp-endpoint", receiver.url]
     with tempfile.TemporaryDirectory(prefix="bench_proxy_") as tmp:
         tmp = Path(tmp)
         (tmp / "up").mkdir()
@@ -305,7 +319,7 @@ def main() -> None:
                                        tmp / "up", tmp / "up.log",
                                        root=Path(args.upstream_tree).resolve() if args.upstream_tree else ROOT)
         try:
-            proxy, px_url = start_serve(["--upstream", up_url, "--db", str(tmp / "px" / "px.db")],
+            proxy, px_url = start_serve(["--upstream", up_url, "--db", str(tmp / "px" / "px.db"), *proxy_extra],
                                         tmp / "px", tmp / "px.log", serve_with)
             try:
                 print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; servers on CPUs "
@@ -360,6 +374,9 @@ def main() -> None:
         finally:
             stop(upstream)
     summary(results)
+    if receiver is not None:
+        print(f"OTLP receiver: {len(receiver.spans)} span(s) in {receiver.requests} export request(s)")
+        receiver.__exit__(None, None, None)
     print(f"load average after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         print(json.dumps(results))

@@ -169,6 +169,10 @@ def _upstream_urls(ctx, param, values):
               help="Longest string a grammar-forced reply (tool_choice required or named, response_format "
                    "json_schema) may write where the schema sets no maxLength, so a model repeating itself "
                    "inside a value still closes it (docs/TOOLS.md).")
+@click.option("--otlp-endpoint", metavar="URL",
+              help="Export one OpenTelemetry span per turn (GenAI attributes, the cache break's cause, cost and fix) "
+                   "over OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318 (/v1/traces is added to a bare "
+                   "host); needs pip install 'prefixtrace[otel]' (docs/OBSERVABILITY.md).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
@@ -179,7 +183,7 @@ def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream
           thinking_retention,
           thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
           max_request_mb, request_body_timeout_s, max_header_kb, recorder_stuck_after_s, default_temperature, default_frequency_penalty, tool_choice_default,
-          default_max_tokens, grammar_max_string, log_level, print_config):
+          default_max_tokens, grammar_max_string, otlp_endpoint, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
@@ -194,6 +198,8 @@ def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream
         ctx = click.get_current_context()
         options = resolved(ctx, skip=("print_config",))
         options["upstreams"]["value"] = [display_url(u) for u in options["upstreams"]["value"] or ()]
+        if options["otlp_endpoint"]["value"]:
+            options["otlp_endpoint"]["value"] = display_url(options["otlp_endpoint"]["value"])
         echo_json({"config_file": ctx.find_root().meta.get("prefixtrace.config_file"), "options": options})
         return
     if model is not None and upstreams:
@@ -207,6 +213,11 @@ def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream
 
     claim_port(host, port).close()
     check_database_writable(db)
+    if otlp_endpoint:  # a missing extra or a bad URL: one line now, not after the model loads
+        from prefixtrace.otel import require_sdk, traces_url
+
+        traces_url(otlp_endpoint)
+        require_sdk()
     from prefixtrace.serve import ServeConfig, serve as run_serve
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -234,6 +245,7 @@ def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream
                           default_temperature=default_temperature, default_frequency_penalty=default_frequency_penalty,
                           tool_choice_default=tool_choice_default,
                           grammar_max_string=grammar_max_string, default_max_tokens=default_max_tokens,
+                          otlp_endpoint=otlp_endpoint,
                           allowed_hosts=None if allowed_hosts is None else
                           [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
 

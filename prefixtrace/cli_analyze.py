@@ -59,9 +59,13 @@ def _kwargs(template, model, tokenizer_spec, block_size, prefill_rate) -> dict:
                    "tokens and, with --what-if, each cache; rates from the genai-prices package (docs/ANALYZER.md).")
 @click.option("--price-provider", metavar="PROVIDER",
               help="With --price-model: whose price of that model (e.g. anthropic, openai, aws, google).")
+@click.option("--otlp-endpoint", metavar="URL",
+              help="Also export one OpenTelemetry span per turn (its recorded time, GenAI attributes, the break's "
+                   "cause, cost and fix) over OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318; needs "
+                   "pip install 'prefixtrace[otel]' (docs/OBSERVABILITY.md).")
 @library_errors
 def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt, as_json, out, max_unreadable,
-            what_if, kv_budget, price_model, price_provider):
+            what_if, kv_budget, price_model, price_provider, otlp_endpoint):
     """Per session and turn: did the prompt extend the previous one; if not, what
     it cost (seconds from the recorded timings, then tokens; dollars with --price-model),
     where it broke (message, char inside it, token offset, the differing characters
@@ -77,6 +81,11 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
     from analyzer.html import to_html
     from analyzer.markdown import to_markdown
 
+    if otlp_endpoint:  # a missing extra or a bad URL: one line before any work
+        from prefixtrace.otel import require_sdk, traces_url
+
+        traces_url(otlp_endpoint)
+        require_sdk()
     with progress(f"analyzing {src.name}"):
         report = run_analyze(src, what_if=what_if, kv_budget=kv_budget, price_model=price_model,
                              price_provider=price_provider,
@@ -84,10 +93,33 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
     too_much = report.too_much_unread(max_unreadable)
     text = {"text": format_text, "json": to_json, "html": to_html, "markdown": to_markdown}["json" if as_json else fmt](report)
     write_or_echo(text, out)
+    if otlp_endpoint:
+        _export_spans(src, report, otlp_endpoint)
     if too_much:  # never a silent zero: the report above says what was not analysed, and so does the exit code
         if out is not None or as_json or fmt != "text":  # else the text on the terminal already says it, once
             click.echo("; ".join(report.warnings()) or "part of the input could not be analysed", err=True)
         raise SystemExit(1)
+
+
+def _export_spans(src: Path, report, endpoint: str) -> None:
+    from prefixtrace.errors import InvalidRequest, RecorderError
+    from prefixtrace.otel import TurnSpans, export_report
+    from prefixtrace.urls import display_url
+    from recorder.sources import load_turns
+
+    try:
+        turns = load_turns(src)
+    except (InvalidRequest, RecorderError, ValueError):  # bare request bodies: spans from the analysis alone
+        turns = []
+    spans = TurnSpans.open(endpoint)
+    with progress(f"exporting spans to {display_url(spans.url)}"):
+        count = export_report(report, turns, spans)
+        spans.close(timeout_s=30.0)
+    exporter = spans.exporter
+    if exporter.failed or exporter.exported < count:
+        raise click.ClickException(f"{exporter.failed or count - exporter.exported} of {count} span(s) could not be "
+                                   f"exported to {display_url(spans.url)} (is an OTLP/HTTP collector listening there?)")
+    click.echo(f"exported {count} span(s) to {display_url(spans.url)}", err=True)
 
 
 @click.command()

@@ -78,6 +78,7 @@ class ServeConfig:
     log_level: str = "info"
     allow_client_templates: bool = False  # chat_template_kwargs.chat_template, sandboxed (docs/SECURITY.md)
     allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
+    otlp_endpoint: str | None = None  # OTLP/HTTP collector: one span per turn (prefixtrace/otel.py)
 
 
 def allowed_hosts(config: ServeConfig) -> list[str]:
@@ -233,9 +234,16 @@ def _serve_on(listener, config: ServeConfig) -> None:
     engine = backend.engine if isinstance(backend, EngineBackend) else None
     try:
         recorder = Recorder(config.db, stuck_after_s=config.recorder_stuck_after_s)
+        feed = None
         try:
             log.info("recording to %s", config.db.resolve())
-            app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config), max_request_mb=config.max_request_mb)
+            if config.otlp_endpoint:
+                from prefixtrace.otel import LiveFeed, TurnSpans
+
+                feed = LiveFeed(TurnSpans.open(config.otlp_endpoint))
+                log.info("exporting one span per turn to %s (OTLP/HTTP)", display_url(feed.spans.url))
+            app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config), max_request_mb=config.max_request_mb,
+                             turn_feed=feed)
             app.state.request_body_timeout_s = config.request_body_timeout_s  # proxy/request_limits.py
             raise_open_file_limit(_NOFILE_BEFORE_MLX)
             server = uvicorn.Server(uvicorn_config(app, config.host, listener.getsockname()[1], config.log_level,
@@ -255,6 +263,8 @@ def _serve_on(listener, config: ServeConfig) -> None:
                 sys.exit(STARTUP_FAILURE)
         finally:
             recorder.close(timeout=RECORDER_CLOSE_S)  # bounded: a stuck writer must not keep the process up
+            if feed is not None:
+                feed.close(RECORDER_CLOSE_S)  # the last turns' spans, bounded as the recorder is
     finally:
         if engine is not None:
             engine.shutdown()

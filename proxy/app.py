@@ -38,9 +38,10 @@ TURN_PATHS = (CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH, COMPL
 
 
 def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None = None,
-               max_request_mb: float = DEFAULT_MAX_REQUEST_MB) -> FastAPI:
+               max_request_mb: float = DEFAULT_MAX_REQUEST_MB, turn_feed=None) -> FastAPI:
     """`allowed_hosts`: names the Host header may carry (None: loopback only; "*": any), see proxy/guard.py;
-    `max_request_mb`: the largest body accepted (proxy/request_limits.py)."""
+    `max_request_mb`: the largest body accepted (proxy/request_limits.py); `turn_feed`: every analysed
+    turn also goes there (`serve --otlp-endpoint`, prefixtrace/otel.py LiveFeed)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -51,7 +52,7 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     app.state.backend = backend
     app.state.recorder = recorder
     app.state.max_request_mb = max_request_mb  # proxy/request_limits.py
-    recorder = observe(app, backend, recorder)  # /ui, /metrics: every turn also feeds them
+    recorder = observe(app, backend, recorder, turn_feed)  # /ui, /metrics (and OTLP): every turn also feeds them
     # A loopback Host on every request and JSON on every POST; refused turns are recorded.
     error_bodies = {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error}
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts,

@@ -75,10 +75,16 @@ class ObservedSink:
         return getattr(self.sink, name)
 
 
-def observe(app: FastAPI, backend, recorder):
-    """Add /ui, /ui/api/sessions and /metrics to `app`; returns the recorder the routes must record through."""
+def observe(app: FastAPI, backend, recorder, turn_feed=None):
+    """Add /ui, /ui/api/sessions and /metrics to `app`; returns the recorder the routes must record through.
+    `turn_feed` (prefixtrace/otel.py LiveFeed, with `serve --otlp-endpoint`): attached to the live
+    analysis, and woken by every recorded turn."""
     metrics = Metrics()
     live = LiveSessions(on_break=metrics.on_break, redactor=getattr(recorder, "redactor", None))
+    observers = [metrics.observe, live.observe]
+    if turn_feed is not None:
+        turn_feed.attach(live)
+        observers.append(turn_feed.wake)
     app.state.metrics, app.state.live = metrics, live
     engine = getattr(backend, "engine", None)
 
@@ -138,7 +144,7 @@ def observe(app: FastAPI, backend, recorder):
         text = metrics.render(engine=engine, upstreams=upstreams, recorder=spool() if spool is not None else None)
         return Response(text, media_type=CONTENT_TYPE)
 
-    return ObservedSink(recorder, (metrics.observe, live.observe), on_unusable=metrics.on_unusable_usage)
+    return ObservedSink(recorder, observers, on_unusable=metrics.on_unusable_usage)
 
 
 def _report_dict(session: dict[str, Any], live: LiveSessions) -> dict[str, Any]:

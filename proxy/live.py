@@ -18,11 +18,11 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from analyzer.analysis import Analyzer, TurnResult
+from analyzer.analysis import Analyzer, SessionResult, TurnResult, price_breaks
 from analyzer.canon import Payload
 from analyzer.clients import KNOWN, client_of, is_side_request, title_of
 from analyzer.divergence import SegmentCounter
@@ -36,6 +36,7 @@ PENDING_MAX_CHARS = 16 << 20
 LIVE_MAX_BODY_CHARS = 8 << 20
 log = logging.getLogger("prefixtrace.dashboard")
 _COUNTER_CACHE_MAX = 100_000  # token-count cache entries before it is rebuilt
+_PRICED_TURNS = 64  # per session, the recent results a break's seconds are priced against (price_breaks)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class LiveSession:
     client: str | None = None  # the harness, from its User-Agent (analyzer/clients.py)
     title: str | None = None  # its first user message, trimmed and redacted
     title_from_side: bool = False  # the title came from a side request: the main chain's replaces it
+    recent: deque = field(default_factory=lambda: deque(maxlen=_PRICED_TURNS))  # TurnResults, for lost_seconds
 
     def to_dict(self, max_turns: int | None = None) -> dict[str, Any]:
         turns = self.turns if max_turns is None else self.turns[-max_turns:]
@@ -90,6 +92,9 @@ class LiveSessions:
             (the metrics' re-prefill-by-cause counter).
         redactor: masks what the dashboard shows (session ids, the break's before/after
             text), as the recorder masks what it stores: turns arrive here unredacted.
+
+    `listeners`: `callable(turn, result, session_id, inferred)` called once per analysed turn
+    with the analyzer's TurnResult (the OTLP export, prefixtrace/otel.py), in the refreshing thread.
     """
 
     def __init__(self, *, max_turns: int = 2000, on_break: Callable[[str, int], None] | None = None,
@@ -100,6 +105,7 @@ class LiveSessions:
         self.sessions: OrderedDict[str, LiveSession] = OrderedDict()
         self.max_turns = max_turns
         self.on_break = on_break
+        self.listeners: list[Callable[[Turn, TurnResult, str, bool], None]] = []
         self.version = 0  # bumps whenever an analysed turn is added
         self._pending: list[Turn] = []
         self._pending_chars = 0
@@ -205,8 +211,11 @@ class LiveSessions:
             if title:
                 session.title, session.title_from_side = self.redactor.text(title), is_side_request(body)
         request = Request(turn.request_id, turn.started_at, body, turn.session_id, None,
-                          turn.prompt_tokens, turn.cached_tokens)
+                          turn.prompt_tokens, turn.cached_tokens, ttft_s=turn.ttft_s)
         result = self._compare(session, request, payload)
+        session.recent.append(result)
+        if result.brk is not None:  # seconds lost, as `analyze` prices them, over the session's recent turns
+            price_breaks([SessionResult(session.id, session.inferred, list(session.recent))], None)
         if payload is not None and turn.status < 400:
             session.last = (request, payload)
         session.turns.append(LiveTurn(
@@ -217,6 +226,8 @@ class LiveSessions:
         session.updated_at = time.time()
         if result.brk is not None and self.on_break is not None:
             self.on_break(result.brk.cause, result.reprefill_tokens or 0)
+        for listener in self.listeners:
+            listener(turn, result, session.id, session.inferred)
 
     def _compare(self, session: LiveSession, request: Request, payload: Payload | None) -> TurnResult:
         if payload is None or session.last is None:
