@@ -51,6 +51,7 @@ class Request:
     ts_given: bool = True  # False: the record had no time; `ts` only keeps it in file order
     unreadable: str | None = None  # why the body could not be read as a request of any API
     ttft_s: float | None = None  # recorded time to first token: what the turn cost in seconds
+    transcript: dict | None = None  # rebuilt from a harness transcript: harness, file, what was not rebuilt
 
 
 @dataclass
@@ -329,8 +330,15 @@ def _from_turns(turns: Iterable[Any]) -> Loaded:
         out.requests.append(Request(t.request_id, t.started_at, t.request_body, session_of(t.session_id), None,
                                     t.prompt_tokens, t.cached_tokens, getattr(t, "endpoint", None),
                                     getattr(t, "status", None) or None, getattr(t, "error", None),
-                                    ttft_s=getattr(t, "ttft_s", None)))
+                                    ttft_s=getattr(t, "ttft_s", None), transcript=_transcript_of(t)))
     return out
+
+
+def _transcript_of(turn: Any) -> dict | None:
+    """What a turn rebuilt from a harness transcript says of its origin (recorder/transcripts)."""
+    render = getattr(turn, "render", None)
+    origin = render.get("transcript") if isinstance(render, dict) else None
+    return origin if isinstance(origin, dict) else None
 
 
 _HAR_START = re.compile(r'\s*\{\s*"log"\s*:')
@@ -388,7 +396,11 @@ def load(source: str | Path | Iterable[Any]) -> Loaded:
         if magic != SQLITE_MAGIC and b"\x00" in head:  # no JSONL or HAR file holds a NUL byte
             raise InvalidRequest(f"{path} is neither a recorder database nor a JSONL or HAR file: it holds binary "
                                  "data (a database whose header is damaged?)")
-        if magic == SQLITE_MAGIC:
+        from recorder.transcripts import sniff_transcript, transcript_turns
+
+        if sniff_transcript(path) is not None:  # a harness's own session file: rebuilt, not recorded
+            loaded = _from_turns(transcript_turns(path)[0])
+        elif magic == SQLITE_MAGIC:
             from recorder.reader import iter_turns  # the recorder is only needed for databases
 
             loaded = _from_turns(iter_turns(path))

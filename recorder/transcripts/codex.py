@@ -1,0 +1,106 @@
+"""Codex: `$CODEX_HOME/sessions/YYYY/MM/DD/rollout-<time>-<session id>.jsonl` (CODEX_HOME: ~/.codex).
+
+What it holds: a `session_meta` line (`id`, `cwd`, `cli_version`, and the base instructions: the
+Responses `instructions` Codex sends), `turn_context` lines (model, effort, sandbox), `event_msg`
+lines (UI events, `token_count` after each call) and one `response_item` line per item of the
+conversation, in the Responses API's own shape: `message` (developer / user / assistant),
+`reasoning`, `function_call`, `function_call_output`, … Items a call returned are written after
+it; everything before them is that call's `input`.
+
+What it does not hold: the tool definitions, `tool_choice`/`parallel_tool_calls`/`include`/`store`
+and the other request parameters, and what a call's `input` held beyond the items written (Codex
+may drop or rewrite items when it sends them, e.g. reasoning without encrypted content).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from recorder.transcripts.common import (Transcript, int_or_none, make_turn, openai_call, parse_time,
+                                         read_jsonl_lines)
+
+HARNESS = "codex"
+ENDPOINT = "/v1/responses"
+OUTPUT_TYPES = ("reasoning", "function_call", "custom_tool_call", "local_shell_call", "web_search_call")
+
+
+def looks_like(objs: list[dict]) -> bool:
+    return any(o.get("type") == "session_meta" and isinstance(o.get("payload"), dict) for o in objs)
+
+
+def _is_output(item: dict) -> bool:
+    """An item a model call returned (as opposed to one the harness added)."""
+    return item.get("type") in OUTPUT_TYPES or (item.get("type") == "message" and item.get("role") == "assistant")
+
+
+def read(path: Path) -> list[Transcript]:
+    lines = read_jsonl_lines(path)
+    meta = next((o["payload"] for _, o in lines if o.get("type") == "session_meta"), {})
+    t = Transcript(HARNESS, str(meta.get("id") or path.stem), str(path))
+    t.note("tool definitions not recorded")
+    t.note("request parameters (tool_choice, parallel_tool_calls, reasoning, include, store) not recorded")
+    base = meta.get("base_instructions")
+    instructions = base.get("text") if isinstance(base, dict) else base if isinstance(base, str) else None
+    if instructions is None and isinstance(meta.get("instructions"), str):
+        instructions = meta["instructions"]
+    if instructions is None:
+        t.note("system prompt (instructions) not in the transcript")
+    model = None
+    items: list[dict] = []
+    out: list[dict] = []  # the current call's output items
+    sent: float | None = None  # when the current call's input was complete
+    last: float | None = None
+    usage: dict | None = None
+
+    def emit() -> None:
+        nonlocal out, usage
+        if not out:
+            return
+        body: dict = {"model": model}
+        if instructions is not None:
+            body["instructions"] = instructions
+        body["input"] = list(items[: len(items) - len(out)])
+        calls = [openai_call(i.get("call_id"), i.get("name"), i.get("arguments", i.get("input", "")))
+                 for i in out if i.get("type") in ("function_call", "custom_tool_call")]
+        text = "".join(c.get("text", "") for i in out if i.get("type") == "message"
+                       for c in i.get("content") or [] if isinstance(c, dict) and c.get("type") == "output_text")
+        reasoning = "".join(s.get("text", "") for i in out if i.get("type") == "reasoning"
+                            for s in i.get("summary") or [] if isinstance(s, dict))
+        prompt = cached = completion = None
+        if usage:
+            prompt, completion = int_or_none(usage.get("input_tokens")), int_or_none(usage.get("output_tokens"))
+            cached = int_or_none(usage.get("cached_input_tokens"))
+        t.turns.append(make_turn(t, len(t.turns) + 1, sent, ENDPOINT, body, text=text, reasoning=reasoning,
+                                 tool_calls=calls, finish_reason="tool_calls" if calls else "stop",
+                                 prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
+                                 usage=usage))
+        out, usage = [], None
+
+    for _lineno, obj in lines:
+        kind, payload = obj.get("type"), obj.get("payload")
+        ts = parse_time(obj.get("timestamp"))
+        if not isinstance(payload, dict):
+            continue
+        if kind == "turn_context" and payload.get("model"):
+            model = payload["model"]
+        elif kind == "compacted":
+            emit()
+            t.note("compacted: Codex replaced the history with a summary; items after it rebuilt from there")
+            replacement = payload.get("replacement_history")
+            items = list(replacement) if isinstance(replacement, list) else []
+        elif kind == "event_msg" and payload.get("type") == "token_count":
+            info = payload.get("info")
+            if isinstance(info, dict) and isinstance(info.get("last_token_usage"), dict):
+                usage = info["last_token_usage"]
+                emit()  # written once a call has finished: what came before it was that call's output
+        elif kind == "response_item":
+            if _is_output(payload):
+                if not out:
+                    sent = last
+                out.append(payload)
+            else:
+                emit()
+            items.append(payload)
+        last = ts if ts is not None else last
+    emit()
+    return [t.finish()] if t.turns else []
