@@ -52,7 +52,8 @@ def read(path: Path) -> list[Transcript]:
             api = msg.get("api")
             if api != "openai-completions":
                 t.note(f"calls over the {api!r} API rebuilt in chat-completions form")
-            _emit(t, msg, parse_time(obj.get("timestamp")) or parse_time(msg.get("timestamp")), history, api)
+            # the message's own time is when the call started; the line's, when it was written after it
+            _emit(t, msg, parse_time(msg.get("timestamp")) or parse_time(obj.get("timestamp")), history, api)
             converted = _assistant(msg)
             if converted is not None:
                 history.append(converted)

@@ -1,0 +1,224 @@
+"""Harness transcripts in (docs/FORMATS.md "Transcripts"): the session files Claude Code, Codex, pi
+and opencode wrote in one real run each (fixtures/transcripts/<harness>/, recorded by
+fixtures/transcripts/record.py against a real `prefixtrace serve` on SmolLM2), rebuilt into requests.
+
+The strong check: the proxy recorded the real requests of that same run (`recording.jsonl`, through
+`prefixtrace export`); each rebuilt request must carry the recorded messages (roles, contents, tool
+calls and results) except exactly what its session's notes say the transcript does not hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from analyzer import analyze, check
+from recorder.jsonl import store_turns
+from recorder.reader import iter_turns
+from recorder.sources import import_path, load_turns
+from recorder.transcripts import read_transcripts, sniff_transcript, transcript_turns
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = ROOT / "fixtures" / "transcripts"
+
+
+def session_file(harness: str) -> Path:
+    files = [p for p in (FIX / harness).iterdir() if p.name != "recording.jsonl"]
+    assert len(files) == 1, files
+    return files[0]
+
+
+def recording(harness: str) -> list[dict]:
+    return [json.loads(line) for line in (FIX / harness / "recording.jsonl").read_text().splitlines() if line.strip()]
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "prefixtrace.cli", *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=300)
+
+
+def strip_cache_control(value):
+    if isinstance(value, dict):
+        return {k: strip_cache_control(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [strip_cache_control(v) for v in value]
+    return value
+
+
+def parsed_args(call: dict):
+    args = call["function"]["arguments"]
+    return json.loads(args) if isinstance(args, str) else args
+
+
+def assert_same_calls(rebuilt: list[dict] | None, recorded: list[dict] | None) -> None:
+    rebuilt, recorded = rebuilt or [], recorded or []
+    assert [(c["id"], c["function"]["name"], parsed_args(c)) for c in rebuilt] == \
+           [(c["id"], c["function"]["name"], parsed_args(c)) for c in recorded]
+
+
+# --- Claude Code ---------------------------------------------------------------------------------
+
+CLAUDE_MAX_TOKENS_NUDGE = "Output token limit hit."
+
+
+def claude_wire_view(messages: list[dict]) -> list[dict]:
+    """A recorded Messages request less what the notes say a transcript lacks: the <system-reminder>
+    block before the first prompt, the max_tokens nudge, cache_control; string content as one block."""
+    out = []
+    for m in strip_cache_control(messages):
+        content = m["content"]
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        blocks = [b for b in blocks if not (b.get("type") == "text" and
+                                            (b["text"].startswith("<system-reminder>") or
+                                             b["text"].startswith(CLAUDE_MAX_TOKENS_NUDGE)))]
+        if blocks:
+            out.append({"role": m["role"], "content": blocks})
+    return out
+
+
+def test_claude_code_session_is_sniffed_and_rebuilt_call_by_call():
+    path = session_file("claude")
+    assert sniff_transcript(path) == "claude-code"
+    [t] = read_transcripts(path)
+    assert t.session_id == path.stem  # the file is named after the session
+    assert len(t.turns) == len(recording("claude")) == 4
+    for turn in t.turns:
+        assert turn.session_id == t.session_id
+        assert turn.upstream == "transcript:claude-code" and turn.endpoint == "/v1/messages"
+        assert turn.render["transcript"]["not_rebuilt"] == t.notes
+        assert "system" not in turn.request_body and "tools" not in turn.request_body  # never guessed
+    first = t.turns[0].request_body["messages"]
+    assert first == [{"role": "user", "content": "Read the file hello.txt"}]
+    assert t.turns[0].tool_calls[0]["function"]["name"] == "Read"
+    assert [turn.finish_reason for turn in t.turns] == ["tool_calls", "stop", "length", "stop"]
+    assert (t.turns[1].prompt_tokens, t.turns[1].cached_tokens) == (1529, 1500)  # the reply's usage
+
+
+def test_claude_code_notes_say_what_the_transcript_does_not_hold():
+    [t] = read_transcripts(session_file("claude"))
+    notes = " | ".join(t.notes)
+    for missing in ("system prompt", "tool definitions", "<system-reminder>", "max_tokens is not in the transcript"):
+        assert missing in notes, notes
+
+
+def test_claude_code_rebuilt_requests_match_the_recorded_ones():
+    turns, _ = transcript_turns(session_file("claude"))
+    recorded = recording("claude")
+    for turn, rec in zip(turns, recorded, strict=True):
+        assert rec["session"] == turn.session_id
+        assert claude_wire_view(turn.request_body["messages"]) == claude_wire_view(rec["request"]["messages"]), \
+            turn.request_id
+        assert_same_calls(turn.tool_calls, rec["response"]["tool_calls"])
+        assert turn.response_text == rec["response"]["text"]
+        assert abs(turn.started_at - rec["ts"]) < 2.0  # the line before the call was written as it left
+    # what the notes name is exactly what differs: the recorded requests do carry it
+    assert all("system" in r["request"] and r["request"]["tools"] for r in recorded)
+    assert recorded[0]["request"]["messages"][0]["content"][0]["text"].startswith("<system-reminder>")
+    assert recorded[3]["request"]["messages"][-1]["content"][0]["text"].startswith(CLAUDE_MAX_TOKENS_NUDGE)
+
+
+# --- pi ------------------------------------------------------------------------------------------
+
+
+def test_pi_session_is_sniffed_and_rebuilt_in_chat_completions_form():
+    path = session_file("pi")
+    assert sniff_transcript(path) == "pi"
+    [t] = read_transcripts(path)
+    assert path.stem.endswith(t.session_id)  # <time>_<session id>.jsonl
+    assert [turn.endpoint for turn in t.turns] == ["/v1/chat/completions"] * 2
+    assert all(turn.upstream == "transcript:pi" and turn.session_id == t.session_id for turn in t.turns)
+    second = t.turns[1].request_body["messages"]
+    assert [m["role"] for m in second] == ["user", "assistant", "tool"]
+    assert second[1]["content"] is None and second[1]["tool_calls"][0]["function"]["name"] == "read"
+    assert "pineapple-" in second[2]["content"]
+    notes = " | ".join(t.notes)
+    assert "system prompt" in notes and "tool definitions" in notes
+
+
+def test_pi_rebuilt_requests_match_the_recorded_ones():
+    turns, _ = transcript_turns(session_file("pi"))
+    recorded = recording("pi")
+    for turn, rec in zip(turns, recorded, strict=True):
+        system, *rest = rec["request"]["messages"]
+        assert system["role"] == "system"  # the one message the transcript does not hold (noted)
+        assert turn.request_body["messages"] == rest  # byte-level JSON equality, tool-call arguments included
+        assert_same_calls(turn.tool_calls, rec["response"]["tool_calls"])
+        assert turn.response_text == rec["response"]["text"]
+        assert (turn.prompt_tokens, turn.cached_tokens) == (rec["tokens"]["prompt"], rec["tokens"]["cached"])
+        assert abs(turn.started_at - rec["ts"]) < 2.0
+
+
+# --- every harness: import, analyze, check -------------------------------------------------------
+
+HARNESS_DIRS = ["claude", "pi"]
+
+
+@pytest.mark.parametrize("harness", HARNESS_DIRS)
+def test_import_then_analyze_and_check_as_recorded_traffic(harness, tmp_path):
+    path = session_file(harness)
+    db = tmp_path / "t.db"
+    count, transcripts = import_path(path, db)
+    assert count == sum(len(t.turns) for t in transcripts) > 0
+    stored = list(iter_turns(db))
+    assert len(stored) == count
+    assert all(t.upstream.startswith("transcript:") and t.render["transcript"]["not_rebuilt"] for t in stored)
+    assert {t.session_id for t in stored} == {transcripts[0].session_id}
+    # importing again replaces rather than duplicates (ids derive from session and call number)
+    import_path(path, db)
+    assert len(list(iter_turns(db))) == count
+    report = analyze(db, tokenizer="regex")
+    [session] = [s for s in report.sessions if s.transcript]
+    assert session.id == transcripts[0].session_id and not session.inferred
+    assert session.transcript["not_rebuilt"] == transcripts[0].notes
+    assert any("rebuilt from harness transcripts" in w for w in report.warnings())
+    assert report.to_dict()["sessions"][0]["transcript"]["harness"] == transcripts[0].harness
+    assert check(db, tokenizer="regex").ok, check(db, tokenizer="regex").summary()
+    # the transcript file itself is an analyzer source too, with the same result
+    direct = analyze(path, tokenizer="regex")
+    assert [(t.request_id, t.prompt_tokens) for s in direct.sessions for t in s.turns] == \
+           [(t.request_id, t.prompt_tokens) for s in report.sessions for t in s.turns]
+
+
+def test_cli_import_of_a_harness_home_prints_what_each_session_lacks(tmp_path):
+    home = tmp_path / "projects"
+    for harness in HARNESS_DIRS:  # a directory tree holding sessions of several harnesses
+        (home / harness).mkdir(parents=True)
+        shutil.copy(session_file(harness), home / harness)
+    (home / "notes.jsonl").write_text('{"not": "a transcript"}\n')
+    db = tmp_path / "t.db"
+    proc = cli("import", str(home), "--db", str(db))
+    assert proc.returncode == 0, proc.stderr
+    assert "claude-code session efe4eb98" in proc.stdout and "pi session 01a23585" in proc.stdout
+    assert "not rebuilt: system prompt not in the transcript" in proc.stdout
+    as_json = json.loads(cli("import", str(home), "--db", str(db), "--json").stdout)
+    assert {s["harness"] for s in as_json["sessions"]} == {"claude-code", "pi"}
+    assert as_json["imported"] == len(list(iter_turns(db)))
+    text = cli("analyze", str(db), "--tokenizer", "regex")
+    assert text.returncode == 0, text.stderr
+    assert "rebuilt from a claude-code transcript" in text.stdout and "not rebuilt:" in text.stdout
+    checked = cli("check", str(session_file("pi")), "--tokenizer", "regex")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_not_a_transcript_is_refused_with_a_reason(tmp_path):
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"request": {"messages": [{"role": "user", "content": "hi"}]}}) + "\n")
+    assert sniff_transcript(plain) is None  # prefixtrace's own JSONL stays JSONL
+    assert len(load_turns(plain)) == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = cli("import", str(empty), "--db", str(tmp_path / "t.db"))
+    assert proc.returncode != 0 and "no Claude Code, Codex, pi or opencode session" in proc.stderr
+    broken = tmp_path / "cut.jsonl"
+    text = session_file("pi").read_text()
+    broken.write_text(text + text.splitlines()[-1][:40] + "\n")  # a half-written last line (a live session)
+    proc = cli("import", str(broken), "--db", str(tmp_path / "t.db"))
+    assert proc.returncode != 0 and "cut.jsonl:8" in proc.stderr
