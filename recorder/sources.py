@@ -45,11 +45,10 @@ def load_turns(source: str | Path, session: str | None = None) -> list[Turn]:
     With `session`, only turns recorded with that session id."""
     from recorder.transcripts import sniff_transcript, transcript_turns
 
-    kind = sniff(source) if not Path(source).is_dir() else "dir"
-    if kind == "sqlite":
-        return list(iter_turns(source, session=session))
-    if kind == "dir" or sniff_transcript(source) is not None:
+    if Path(source).is_dir() or sniff_transcript(source) is not None:
         turns = transcript_turns(source)[0]
+    elif (kind := sniff(source)) == "sqlite":
+        return list(iter_turns(source, session=session))
     else:
         turns = read_har(source) if kind == "har" else read_jsonl(source)
     if session is not None:

@@ -30,7 +30,7 @@ FIX = ROOT / "fixtures" / "transcripts"
 
 
 def session_file(harness: str) -> Path:
-    files = [p for p in (FIX / harness).iterdir() if p.name != "recording.jsonl"]
+    files = [p for p in (FIX / harness).iterdir() if p.name not in ("recording.jsonl", "README.md")]
     assert len(files) == 1, files
     return files[0]
 
@@ -156,9 +156,52 @@ def test_pi_rebuilt_requests_match_the_recorded_ones():
         assert abs(turn.started_at - rec["ts"]) < 2.0
 
 
+# --- opencode ------------------------------------------------------------------------------------
+
+
+def test_opencode_database_is_sniffed_and_rebuilt_per_step():
+    db = FIX / "opencode" / "opencode.db"
+    assert sniff_transcript(db) == "opencode" and sniff_transcript(FIX / "opencode") == "opencode"
+    [t] = read_transcripts(db)
+    assert t.session_id.startswith("ses_")
+    assert [turn.finish_reason for turn in t.turns] == ["tool_calls", "stop"]
+    second = t.turns[1].request_body["messages"]
+    assert [m["role"] for m in second] == ["user", "assistant", "tool"]
+    assert second[1]["content"] == "" and second[1]["tool_calls"][0]["function"]["name"] == "read"
+    assert "pineapple-" in second[2]["content"]
+    notes = " | ".join(t.notes)
+    assert "system prompt" in notes and "tool definitions" in notes and "title-generation" in notes
+
+
+def test_opencode_rebuilt_requests_match_the_recorded_ones():
+    turns, [t] = transcript_turns(FIX / "opencode")
+    recorded = recording("opencode")
+    title, *loop = recorded  # the side request the notes say is not in the transcript
+    assert not title["request"].get("tools") and "Generate a title" in json.dumps(title["request"]["messages"])
+    for turn, rec in zip(turns, loop, strict=True):
+        assert rec["session"] == turn.session_id  # opencode's X-Session-Id is its session's id
+        without_system = [m for m in rec["request"]["messages"] if m["role"] != "system"]
+        assert len(without_system) == len(rec["request"]["messages"]) - 1
+        assert turn.request_body["messages"] == without_system
+        assert_same_calls(turn.tool_calls, rec["response"]["tool_calls"])
+        assert turn.response_text == rec["response"]["text"]
+        assert (turn.prompt_tokens, turn.cached_tokens) == (rec["tokens"]["prompt"], rec["tokens"]["cached"])
+        # the message is created before opencode composes the prompt: seconds early on a busy CPU
+        assert 0 <= rec["ts"] - turn.started_at < 15
+
+
+def test_opencode_database_is_read_without_writing_to_it(tmp_path):
+    db = tmp_path / "opencode.db"
+    shutil.copy(FIX / "opencode" / "opencode.db", db)
+    db.chmod(0o444)
+    before = db.read_bytes()
+    assert len(read_transcripts(tmp_path)[0].turns) == 2
+    assert db.read_bytes() == before
+
+
 # --- every harness: import, analyze, check -------------------------------------------------------
 
-HARNESS_DIRS = ["claude", "pi"]
+HARNESS_DIRS = ["claude", "pi", "opencode"]
 
 
 @pytest.mark.parametrize("harness", HARNESS_DIRS)
@@ -197,9 +240,10 @@ def test_cli_import_of_a_harness_home_prints_what_each_session_lacks(tmp_path):
     proc = cli("import", str(home), "--db", str(db))
     assert proc.returncode == 0, proc.stderr
     assert "claude-code session efe4eb98" in proc.stdout and "pi session 01a23585" in proc.stdout
+    assert "opencode session ses_dca79073" in proc.stdout
     assert "not rebuilt: system prompt not in the transcript" in proc.stdout
     as_json = json.loads(cli("import", str(home), "--db", str(db), "--json").stdout)
-    assert {s["harness"] for s in as_json["sessions"]} == {"claude-code", "pi"}
+    assert {s["harness"] for s in as_json["sessions"]} == {"claude-code", "pi", "opencode"}
     assert as_json["imported"] == len(list(iter_turns(db)))
     text = cli("analyze", str(db), "--tokenizer", "regex")
     assert text.returncode == 0, text.stderr

@@ -67,16 +67,11 @@ def read_transcripts(path: str | Path) -> list[Transcript]:
     p = Path(path)
     if not p.exists():
         raise InvalidRequest(f"{p} does not exist")
-    kind = sniff_transcript(p)
-    if kind == opencode.HARNESS:
-        return opencode.read(p)
-    if kind is not None:
-        return HARNESSES[kind].read(p)
     if p.is_dir():
         found: list[Transcript] = []
-        root = opencode.find_storage(p)
-        if root is not None:
-            found.extend(opencode.read(root))
+        for db in sorted(p.rglob(opencode.DB_NAME)):
+            if opencode.looks_like_file(db):
+                found.extend(opencode.read(db))
         for f in sorted(p.rglob("*.jsonl")):
             name = sniff_transcript(f)
             if name in HARNESSES:
@@ -84,6 +79,11 @@ def read_transcripts(path: str | Path) -> list[Transcript]:
         if found:
             return found
         raise InvalidRequest(f"no Claude Code, Codex, pi or opencode session found under {p}")
+    kind = sniff_transcript(p)
+    if kind == opencode.HARNESS:
+        return opencode.read(p)
+    if kind is not None:
+        return HARNESSES[kind].read(p)
     raise InvalidRequest(f"{p} is not a Claude Code, Codex, pi or opencode session file")
 
 
