@@ -17,28 +17,37 @@ from recorder.transcripts import claude_code, codex, opencode, pi
 from recorder.transcripts.common import UPSTREAM_PREFIX, Transcript
 
 HARNESSES = {"claude-code": claude_code, "codex": codex, "pi": pi}  # one JSONL file per session
-SNIFF_LINES = 8
-SNIFF_BYTES = 1 << 20
+SNIFF_LINES = 40
+SNIFF_BYTES = 8 << 20
 
 __all__ = ["HARNESSES", "Transcript", "UPSTREAM_PREFIX", "is_transcript_turn", "read_transcripts",
            "sniff_transcript", "transcript_turns"]
 
 
 def _head_objects(path: Path) -> list[dict]:
-    """The first few JSON-object lines of a file (a line cut by the byte limit is dropped)."""
+    """The first JSON-object lines of a file: SNIFF_LINES lines or SNIFF_BYTES, whichever ends
+    first (Claude Code may open a session with bookkeeping lines, or one long pasted prompt)."""
+    out: list[dict] = []
     try:
         with open(path, "rb") as fh:
-            head = fh.read(SNIFF_BYTES)
+            read = 0
+            for _ in range(SNIFF_LINES):
+                raw = fh.readline(SNIFF_BYTES - read)
+                if not raw:
+                    break
+                read += len(raw)
+                try:
+                    obj = json.loads(raw.decode("utf-8-sig"))
+                except (UnicodeDecodeError, ValueError):
+                    if not raw.strip():
+                        continue
+                    break  # not JSON lines (or a line past the byte budget): stop looking
+                if isinstance(obj, dict):
+                    out.append(obj)
+                if read >= SNIFF_BYTES:
+                    break
     except OSError:
         return []
-    out = []
-    for raw in head.split(b"\n")[:SNIFF_LINES]:
-        try:
-            obj = json.loads(raw.decode("utf-8-sig"))
-        except (UnicodeDecodeError, ValueError):
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
     return out
 
 
