@@ -199,9 +199,44 @@ def test_opencode_database_is_read_without_writing_to_it(tmp_path):
     assert db.read_bytes() == before
 
 
+# --- Codex ---------------------------------------------------------------------------------------
+
+
+def test_codex_rollout_is_sniffed_and_rebuilt_in_responses_form():
+    path = session_file("codex")
+    assert sniff_transcript(path) == "codex"
+    [t] = read_transcripts(path)
+    assert path.stem.endswith(t.session_id)  # rollout-<time>-<session id>.jsonl
+    assert [turn.endpoint for turn in t.turns] == ["/v1/responses"] * 2
+    first, second = (turn.request_body for turn in t.turns)
+    assert "instructions" not in first and "tools" not in first
+    assert [i["type"] for i in second["input"]][-2:] == ["function_call", "function_call_output"]
+    assert all("internal_chat_message_metadata_passthrough" not in i for i in second["input"])
+    assert t.turns[0].tool_calls[0]["function"]["name"] == "exec_command"
+    notes = " | ".join(t.notes)
+    assert "system prompt not in the transcript" in notes and "tool definitions" in notes
+
+
+def test_codex_rebuilt_requests_match_the_recorded_ones():
+    turns, [t] = transcript_turns(session_file("codex"))
+    recorded = recording("codex")
+    for turn, rec in zip(turns, recorded, strict=True):
+        assert rec["session"] == turn.session_id  # Codex's prompt_cache_key is its session id
+        base, *rest = rec["request"]["input"]
+        assert base["role"] == "developer" and base["content"][0]["text"].startswith("You are a coding agent")
+        assert turn.request_body["input"] == rest  # every item, ids included
+        assert_same_calls(turn.tool_calls, rec["response"]["tool_calls"])
+        assert turn.response_text == rec["response"]["text"]
+        assert (turn.prompt_tokens, turn.cached_tokens) == (rec["tokens"]["prompt"], rec["tokens"]["cached"])
+        assert abs(turn.started_at - rec["ts"]) < 2.0
+    # the rollout's base_instructions are not what was sent, which is why the notes do not guess them
+    meta = json.loads(session_file("codex").read_text().splitlines()[0])["payload"]
+    assert meta["base_instructions"]["text"] != recorded[0]["request"]["input"][0]["content"][0]["text"]
+
+
 # --- every harness: import, analyze, check -------------------------------------------------------
 
-HARNESS_DIRS = ["claude", "pi", "opencode"]
+HARNESS_DIRS = ["claude", "pi", "opencode", "codex"]
 
 
 @pytest.mark.parametrize("harness", HARNESS_DIRS)
@@ -240,10 +275,10 @@ def test_cli_import_of_a_harness_home_prints_what_each_session_lacks(tmp_path):
     proc = cli("import", str(home), "--db", str(db))
     assert proc.returncode == 0, proc.stderr
     assert "claude-code session efe4eb98" in proc.stdout and "pi session 01a23585" in proc.stdout
-    assert "opencode session ses_dca79073" in proc.stdout
+    assert "opencode session ses_dca79073" in proc.stdout and "codex session 01a2358a" in proc.stdout
     assert "not rebuilt: system prompt not in the transcript" in proc.stdout
     as_json = json.loads(cli("import", str(home), "--db", str(db), "--json").stdout)
-    assert {s["harness"] for s in as_json["sessions"]} == {"claude-code", "pi", "opencode"}
+    assert {s["harness"] for s in as_json["sessions"]} == {"claude-code", "pi", "opencode", "codex"}
     assert as_json["imported"] == len(list(iter_turns(db)))
     text = cli("analyze", str(db), "--tokenizer", "regex")
     assert text.returncode == 0, text.stderr
@@ -266,3 +301,18 @@ def test_not_a_transcript_is_refused_with_a_reason(tmp_path):
     broken.write_text(text + text.splitlines()[-1][:40] + "\n")  # a half-written last line (a live session)
     proc = cli("import", str(broken), "--db", str(tmp_path / "t.db"))
     assert proc.returncode != 0 and "cut.jsonl:8" in proc.stderr
+
+
+def test_claude_code_sidechain_and_synthetic_lines_are_skipped_and_noted(tmp_path):
+    """Lines of the real session, altered as Claude Code writes a sub-agent's messages
+    (`isSidechain`) and an API error it shows as a reply (`model: "<synthetic>"`)."""
+    lines = [json.loads(line) for line in session_file("claude").read_text().splitlines()]
+    reply = next(o for o in lines if o["type"] == "assistant")
+    sidechain = {**reply, "uuid": "side-1", "isSidechain": True}
+    synthetic = {**reply, "uuid": "syn-1", "message": {**reply["message"], "id": "syn", "model": "<synthetic>"}}
+    path = tmp_path / f"{reply['sessionId']}.jsonl"
+    path.write_text("".join(json.dumps(o) + "\n" for o in [*lines, sidechain, synthetic]))
+    [t] = read_transcripts(path)
+    assert len(t.turns) == 4  # neither became a model call
+    notes = " | ".join(t.notes)
+    assert "sidechain" in notes and "synthetic" in notes
