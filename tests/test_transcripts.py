@@ -282,7 +282,7 @@ def test_cli_import_of_a_harness_home_prints_what_each_session_lacks(tmp_path):
     assert as_json["imported"] == len(list(iter_turns(db)))
     text = cli("analyze", str(db), "--tokenizer", "regex")
     assert text.returncode == 0, text.stderr
-    assert "rebuilt from a claude-code transcript" in text.stdout and "not rebuilt:" in text.stdout
+    assert "rebuilt from a transcript of claude-code" in text.stdout and "not rebuilt:" in text.stdout
     checked = cli("check", str(session_file("pi")), "--tokenizer", "regex")
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
