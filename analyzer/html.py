@@ -89,6 +89,10 @@ def to_html(report: Report) -> str:
         side = f", side request of {s.parent}: {s.side_reason}" if s.parent else ""
         parts.append(f'<section class="session" data-session="{esc(s.id)}"><h2>session {esc(s.id)}</h2>'
                      f"<p>{len(s.turns)} turns, {len(breaks)} break(s){esc(side)}</p>{_svg(s)}")
+        if s.transcript:  # rebuilt from a harness's own file, not recorded: say what it lacks
+            parts.append(f'<p class="transcript">rebuilt from a transcript of {esc(str(s.transcript.get("harness")))} '
+                         f'({esc(str(s.transcript.get("file")))}); not rebuilt: '
+                         f'{esc("; ".join(s.transcript.get("not_rebuilt") or []) or "nothing")}</p>')
         for t in breaks:
             b = t.brk
             kind = esc(f"{b.cause}{'/' + b.subtype if b.subtype else ''}")  # a subtype can be a client's role

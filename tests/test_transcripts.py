@@ -283,6 +283,9 @@ def test_cli_import_of_a_harness_home_prints_what_each_session_lacks(tmp_path):
     text = cli("analyze", str(db), "--tokenizer", "regex")
     assert text.returncode == 0, text.stderr
     assert "rebuilt from a transcript of claude-code" in text.stdout and "not rebuilt:" in text.stdout
+    page = tmp_path / "r.html"
+    assert cli("analyze", str(db), "--tokenizer", "regex", "--format", "html", "--out", str(page)).returncode == 0
+    assert 'class="transcript"' in page.read_text() and "title-generation side request" in page.read_text()
     checked = cli("check", str(session_file("pi")), "--tokenizer", "regex")
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
