@@ -179,6 +179,9 @@ def request_from_record(obj: Any, lineno: int, source: str) -> Request:
         ts is not None,
     )
     req.ttft_s = ttft
+    render = obj.get("render")
+    if isinstance(render, dict) and isinstance(render.get("transcript"), dict):  # exported from a transcript import
+        req.transcript = render["transcript"]
     return req
 
 

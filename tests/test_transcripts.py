@@ -259,6 +259,11 @@ def test_import_then_analyze_and_check_as_recorded_traffic(harness, tmp_path):
     assert any("rebuilt from harness transcripts" in w for w in report.warnings())
     assert report.to_dict()["sessions"][0]["transcript"]["harness"] == transcripts[0].harness
     assert check(db, tokenizer="regex").ok, check(db, tokenizer="regex").summary()
+    # exported (prefixtrace's JSONL), the turns still say where they came from
+    exported = tmp_path / "t.jsonl"
+    assert cli("export", str(db), "--out", str(exported)).returncode == 0
+    again = analyze(exported, tokenizer="regex")
+    assert [s.transcript for s in again.sessions] == [s.transcript for s in report.sessions]
     # the transcript file itself is an analyzer source too, with the same result
     direct = analyze(path, tokenizer="regex")
     assert [(t.request_id, t.prompt_tokens) for s in direct.sessions for t in s.turns] == \
@@ -319,3 +324,25 @@ def test_claude_code_sidechain_and_synthetic_lines_are_skipped_and_noted(tmp_pat
     assert len(t.turns) == 4  # neither became a model call
     notes = " | ".join(t.notes)
     assert "sidechain" in notes and "synthetic" in notes
+
+
+def test_claude_code_branched_conversation_gives_each_call_its_own_history(tmp_path):
+    """Rewinding (Esc Esc) writes a new user line whose parent is an earlier message: the call after
+    it had that branch's history, not the file's order. Built from the real session's lines."""
+    lines = [json.loads(line) for line in session_file("claude").read_text().splitlines()]
+    first_reply = next(o for o in lines if o["type"] == "assistant")
+    last_reply = [o for o in lines if o["type"] == "assistant"][-1]
+    prompt = {**next(o for o in lines if o["type"] == "user"), "uuid": "branch-user",
+              "parentUuid": first_reply["uuid"], "message": {"role": "user", "content": "Now say it in French"}}
+    answer = {**last_reply, "uuid": "branch-reply", "parentUuid": "branch-user",
+              "message": {**last_reply["message"], "id": "msg_branch"}}
+    path = tmp_path / f"{first_reply['sessionId']}.jsonl"
+    path.write_text("".join(json.dumps(o) + "\n" for o in [*lines, prompt, answer]))
+    [t] = read_transcripts(path)
+    assert len(t.turns) == 5
+    branch = t.turns[-1].request_body["messages"]
+    assert [m["role"] for m in branch] == ["user", "assistant", "user"]
+    assert branch[1]["content"][0]["type"] == "tool_use" and branch[2]["content"] == "Now say it in French"
+    # the calls of the main line are unchanged by the branch
+    assert [turn.request_body for turn in t.turns[:4]] == [turn.request_body for turn in read_transcripts(
+        session_file("claude"))[0].turns]

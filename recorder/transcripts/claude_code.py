@@ -32,82 +32,126 @@ def looks_like(objs: list[dict]) -> bool:
                for o in objs)
 
 
-def read(path: Path) -> list[Transcript]:
-    lines = read_jsonl_lines(path)
-    sessions: dict[str, Transcript] = {}
-    history: dict[str, list[dict]] = {}
-    pending: dict[str, tuple[str, dict, float | None, list[dict]]] = {}  # session -> (message id, msg, ts, history)
-    # A reply's line is written when it arrives; the request left right after the line before it.
-    last_ts: dict[str, float | None] = {}
-    last_stop: dict[str, str | None] = {}  # stop reason of the last reply in the history
+def _reply_id(obj: dict) -> str:
+    msg = obj["message"]
+    return str(msg.get("id") or obj.get("requestId") or obj.get("uuid"))
 
-    def session(sid: str) -> Transcript:
+
+def _is_message(obj: dict) -> bool:
+    return obj.get("type") in MESSAGE_TYPES and isinstance(obj.get("message"), dict)
+
+
+def _synthetic(obj: dict) -> bool:
+    """A reply Claude Code wrote itself (an API error shown as a message): no model call."""
+    return obj.get("type") == "assistant" and (obj["message"].get("model") == "<synthetic>"
+                                               or bool(obj.get("isApiErrorMessage")))
+
+
+def read(path: Path) -> list[Transcript]:
+    """One model call per reply (`message.id`), in file order. Each call's history is the chain of
+    `parentUuid` links from its reply back to the conversation's root (or to a compact boundary),
+    so a rewound or branched conversation gives each call the history it really had."""
+    lines = [obj for _, obj in read_jsonl_lines(path)]
+    by_uuid = {o["uuid"]: o for o in lines if isinstance(o.get("uuid"), str)}
+    replies: dict[tuple[str, str], list[dict]] = {}  # (session, message id) -> its lines, in file order
+    order: list[tuple[str, str]] = []
+    sessions: dict[str, Transcript] = {}
+    for obj in lines:
+        sid = obj.get("sessionId")
+        if not isinstance(sid, str) or not _is_message(obj):
+            continue
         if sid not in sessions:
-            t = Transcript(HARNESS, sid, str(path))
+            t = sessions[sid] = Transcript(HARNESS, sid, str(path))
             t.note("system prompt not in the transcript")
             t.note("tool definitions not recorded")
             t.note("request parameters (max_tokens, thinking, metadata) not recorded")
             t.note("the <system-reminder> context Claude Code adds to the first user message is not in the transcript")
-            sessions[sid] = t
-            history[sid] = []
-        return sessions[sid]
-
-    def flush(sid: str) -> None:
-        if sid not in pending:
-            return
-        _, msg, ts, before = pending.pop(sid)
         t = sessions[sid]
-        _emit(t, msg, ts, before)
-        if all(b.get("type") == "text" and not b.get("text") for b in msg["content"]):
-            return  # an empty reply is not sent back: the next user text joins the user turn before it
-        history[sid].append({"role": "assistant", "content": msg["content"]})
-        last_stop[sid] = msg.get("stop_reason")
-
-    for _lineno, obj in lines:
-        sid = obj.get("sessionId")
-        kind = obj.get("type")
-        if not isinstance(sid, str):
-            continue
-        if kind == "system" and obj.get("subtype") == "compact_boundary":
-            t = session(sid)
-            flush(sid)
-            history[sid] = []
-            t.note("compacted: the history before the compact boundary was replaced by its summary, as sent")
-            continue
-        if kind not in MESSAGE_TYPES or not isinstance(obj.get("message"), dict):
-            continue
-        t = session(sid)
         if obj.get("isSidechain"):
             t.note("sub-agent (sidechain) messages skipped: their requests are another conversation")
             continue
-        msg = obj["message"]
-        ts = parse_time(obj.get("timestamp"))
-        sent, last_ts[sid] = last_ts.get(sid), ts
-        if kind == "assistant":
-            if msg.get("model") == "<synthetic>" or obj.get("isApiErrorMessage"):
-                t.note("synthetic assistant messages (API errors written by Claude Code) skipped: no model call")
-                continue
-            mid = msg.get("id") or obj.get("requestId") or obj.get("uuid")
-            if sid in pending and pending[sid][0] == mid:  # another content block of the same reply
-                pending[sid][1]["content"] = [*pending[sid][1]["content"], *_blocks(msg.get("content"))]
-                if isinstance(msg.get("usage"), dict):
-                    pending[sid][1]["usage"] = msg["usage"]
-                if msg.get("stop_reason"):
-                    pending[sid][1]["stop_reason"] = msg["stop_reason"]
-                continue
-            flush(sid)
-            if history[sid] and history[sid][-1]["role"] == "assistant" and last_stop.get(sid) == "max_tokens":
-                t.note("the user message Claude Code sends after a reply cut by max_tokens is not in the transcript: "
-                       "the request after it ends with that reply")
-            merged = {**msg, "content": _blocks(msg.get("content"))}
-            pending[sid] = (mid, merged, sent if sent is not None else ts, list(history[sid]))
+        if obj["type"] != "assistant":
             continue
-        flush(sid)
-        content = msg.get("content")
-        history[sid].append({"role": "user", "content": content})
-    for sid in list(pending):
-        flush(sid)
+        if _synthetic(obj):
+            t.note("synthetic assistant messages (API errors written by Claude Code) skipped: no model call")
+            continue
+        key = (sid, _reply_id(obj))
+        if key not in replies:
+            replies[key] = []
+            order.append(key)
+        replies[key].append(obj)
+    for sid, mid in order:
+        t = sessions[sid]
+        first = replies[(sid, mid)][0]
+        chain = _ancestors(t, first, by_uuid)
+        history = _history(t, chain)
+        # the reply's line is written when it arrives; the request left right after the line before it
+        sent = parse_time(chain[-1].get("timestamp")) if chain else None
+        _emit(t, _merged(replies[(sid, mid)]), sent if sent is not None else parse_time(first.get("timestamp")),
+              history)
     return [t.finish() for t in sessions.values() if t.turns]
+
+
+def _ancestors(t: Transcript, obj: dict, by_uuid: dict[str, dict]) -> list[dict]:
+    """The lines before `obj` in its conversation, oldest first."""
+    chain: list[dict] = []
+    seen = {obj.get("uuid")}
+    parent = obj.get("parentUuid")
+    while isinstance(parent, str):
+        line = by_uuid.get(parent)
+        if line is None or parent in seen:
+            t.note("the history before a message is missing from the file (its parent is not there)")
+            break
+        seen.add(parent)
+        chain.append(line)
+        parent = line.get("parentUuid")
+    chain.reverse()
+    if chain and chain[0].get("type") == "system" and chain[0].get("subtype") == "compact_boundary":
+        t.note("compacted: the history before the compact boundary was replaced by its summary, as sent")
+    return chain
+
+
+def _merged(lines: list[dict]) -> dict:
+    """One reply from its lines (Claude Code writes a streamed reply one content block a line)."""
+    msg = dict(lines[0]["message"])
+    msg["content"] = [b for line in lines for b in _blocks(line["message"].get("content"))]
+    for line in lines:
+        if isinstance(line["message"].get("usage"), dict):
+            msg["usage"] = line["message"]["usage"]
+        if line["message"].get("stop_reason"):
+            msg["stop_reason"] = line["message"]["stop_reason"]
+    return msg
+
+
+def _history(t: Transcript, chain: list[dict]) -> list[dict]:
+    """The messages of a chain as Claude Code sends them (seen on the wire): a reply that was all
+    empty text is not sent back, and user lines that follow one another travel as one message."""
+    out: list[dict] = []
+    i = 0
+    while i < len(chain):
+        obj = chain[i]
+        i += 1
+        if not _is_message(obj) or obj.get("isSidechain") or _synthetic(obj):
+            continue
+        if obj["type"] == "user":
+            out.append({"role": "user", "content": obj["message"].get("content")})
+            continue
+        group = [obj]
+        while i < len(chain) and _is_message(chain[i]) and chain[i]["type"] == "assistant" \
+                and _reply_id(chain[i]) == _reply_id(obj):
+            group.append(chain[i])
+            i += 1
+        reply = _merged(group)
+        if all(b.get("type") == "text" and not b.get("text") for b in reply["content"]):
+            continue
+        if out and out[-1]["role"] == "assistant" and out[-1].get("_stop") == "max_tokens":
+            t.note("the user message Claude Code sends after a reply cut by max_tokens is not in the transcript: "
+                   "the request after it ends with that reply")
+        out.append({"role": "assistant", "content": reply["content"], "_stop": reply.get("stop_reason")})
+    if out and out[-1]["role"] == "assistant" and out[-1].get("_stop") == "max_tokens":
+        t.note("the user message Claude Code sends after a reply cut by max_tokens is not in the transcript: "
+               "the request after it ends with that reply")
+    return _merge_roles([{k: v for k, v in m.items() if k != "_stop"} for m in out])
 
 
 def _blocks(content) -> list[dict]:
@@ -116,8 +160,8 @@ def _blocks(content) -> list[dict]:
     return [b for b in content or [] if isinstance(b, dict)]
 
 
-def _emit(t: Transcript, msg: dict, ts: float | None, before: list[dict]) -> None:
-    body = {"model": msg.get("model"), "messages": _merge_roles(before)}
+def _emit(t: Transcript, msg: dict, ts: float | None, history: list[dict]) -> None:
+    body = {"model": msg.get("model"), "messages": history}
     blocks = msg["content"]
     text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
     reasoning = "".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking")
