@@ -346,3 +346,21 @@ def test_claude_code_branched_conversation_gives_each_call_its_own_history(tmp_p
     # the calls of the main line are unchanged by the branch
     assert [turn.request_body for turn in t.turns[:4]] == [turn.request_body for turn in read_transcripts(
         session_file("claude"))[0].turns]
+
+
+def test_pi_branched_session_gives_each_call_its_own_history(tmp_path):
+    """pi's entries form a tree (`/tree` branches from an earlier entry); built from the real lines."""
+    lines = [json.loads(line) for line in session_file("pi").read_text().splitlines()]
+    user = next(o for o in lines if o.get("message", {}).get("role") == "user")
+    reply = [o for o in lines if o.get("message", {}).get("role") == "assistant"][-1]
+    prompt = {**user, "id": "b-user", "parentId": user["parentId"],  # a second first prompt: a new branch
+              "message": {**user["message"], "content": [{"type": "text", "text": "List the directory"}]}}
+    answer = {**reply, "id": "b-reply", "parentId": "b-user"}
+    path = tmp_path / session_file("pi").name
+    path.write_text("".join(json.dumps(o) + "\n" for o in [*lines, prompt, answer]))
+    [t] = read_transcripts(path)
+    assert len(t.turns) == 3
+    assert t.turns[-1].request_body["messages"] == [{"role": "user", "content": [{"type": "text",
+                                                                                  "text": "List the directory"}]}]
+    assert [turn.request_body for turn in t.turns[:2]] == [turn.request_body for turn in read_transcripts(
+        session_file("pi"))[0].turns]

@@ -4,7 +4,7 @@ What it holds: a `session` header line (`id`, `cwd`, `timestamp`), settings chan
 `thinking_level_change`) and one `message` line per conversation message in pi's own shape: `user`
 (text and image parts), `assistant` (`text`, `thinking` and `toolCall` parts, the `api` and
 `model` it was sent with, `usage`, `stopReason`), `toolResult` (`toolCallId`, text parts). Lines
-link by `id`/`parentId`.
+link by `id`/`parentId` (a tree: pi can branch a session); a call's history is its chain of parents.
 
 Rebuilt for the `openai-completions` API the way pi-ai's `convertMessages` writes it (default
 compat): user text parts as content parts, assistant text as one string with `tool_calls`
@@ -31,46 +31,73 @@ def looks_like(objs: list[dict]) -> bool:
 
 
 def read(path: Path) -> list[Transcript]:
-    lines = read_jsonl_lines(path)
-    header = lines[0][1] if lines else {}
+    """One model call per assistant entry, in file order; its history is the chain of `parentId`
+    links back to the root, so a session pi branched (`/tree`, `/fork`) gives each call its own."""
+    lines = [obj for _, obj in read_jsonl_lines(path)]
+    header = lines[0] if lines else {}
     t = Transcript(HARNESS, str(header.get("id") or path.stem), str(path))
     t.note("system prompt not in the transcript")
     t.note("tool definitions not recorded")
     t.note("request parameters (max_tokens, stream_options) not recorded")
+    by_id = {o["id"]: o for o in lines if isinstance(o.get("id"), str) and o.get("type") != "session"}
+    for obj in lines:
+        if obj.get("type") in ("custom_message", "branch_summary"):
+            t.note(f"{obj['type']} entries not rebuilt")
+        msg = obj.get("message")
+        if obj.get("type") != "message" or not isinstance(msg, dict) or msg.get("role") != "assistant":
+            continue
+        api = msg.get("api")
+        if api != "openai-completions":
+            t.note(f"calls over the {api!r} API rebuilt in chat-completions form")
+        history = _history(t, _ancestors(t, obj, by_id))
+        # the message's own time is when the call started; the line's, when it was written after it
+        _emit(t, msg, parse_time(msg.get("timestamp")) or parse_time(obj.get("timestamp")), history, api)
+    return [t.finish()] if t.turns else []
+
+
+def _ancestors(t: Transcript, obj: dict, by_id: dict[str, dict]) -> list[dict]:
+    chain: list[dict] = []
+    seen = {obj.get("id")}
+    parent = obj.get("parentId")
+    while isinstance(parent, str):
+        entry = by_id.get(parent)
+        if entry is None or parent in seen:
+            t.note("the history before an entry is missing from the file (its parent is not there)")
+            break
+        seen.add(parent)
+        chain.append(entry)
+        parent = entry.get("parentId")
+    chain.reverse()
+    return chain
+
+
+def _history(t: Transcript, chain: list[dict]) -> list[dict]:
     history: list[dict] = []
-    for _lineno, obj in lines:
+    for obj in chain:
         if obj.get("type") == "compaction":
             t.note("compacted: pi's compaction summary replaces the earlier history; not rebuilt")
             continue
-        if obj.get("type") != "message" or not isinstance(obj.get("message"), dict):
-            if obj.get("type") in ("custom_message", "branch_summary"):
-                t.note(f"{obj['type']} entries not rebuilt")
+        msg = obj.get("message")
+        if obj.get("type") != "message" or not isinstance(msg, dict):
             continue
-        msg = obj["message"]
         role = msg.get("role")
+        converted: dict | None
         if role == "assistant":
-            api = msg.get("api")
-            if api != "openai-completions":
-                t.note(f"calls over the {api!r} API rebuilt in chat-completions form")
-            # the message's own time is when the call started; the line's, when it was written after it
-            _emit(t, msg, parse_time(msg.get("timestamp")) or parse_time(obj.get("timestamp")), history, api)
             converted = _assistant(msg)
-            if converted is not None:
-                history.append(converted)
         elif role == "user":
             converted = _user(msg)
-            if converted is not None:
-                history.append(converted)
         elif role == "toolResult":
             parts = [p for p in msg.get("content") or [] if isinstance(p, dict)]
             text = "\n".join(p.get("text", "") for p in parts if p.get("type") == "text")
             if any(p.get("type") == "image" for p in parts):
                 t.note("images in tool results not rebuilt")
-            history.append({"role": "tool", "content": text or "(see attached image)",
-                            "tool_call_id": msg.get("toolCallId")})
+            converted = {"role": "tool", "content": text or "(see attached image)", "tool_call_id": msg.get("toolCallId")}
         else:
             t.note(f"messages with role {role!r} not rebuilt")
-    return [t.finish()] if t.turns else []
+            converted = None
+        if converted is not None:
+            history.append(converted)
+    return history
 
 
 def _user(msg: dict) -> dict | None:
@@ -102,7 +129,7 @@ def _assistant(msg: dict) -> dict | None:
 
 
 def _emit(t: Transcript, msg: dict, ts: float | None, history: list[dict], api: str | None) -> None:
-    body = {"model": msg.get("model"), "messages": list(history)}
+    body = {"model": msg.get("model"), "messages": history}
     blocks = [b for b in msg.get("content") or [] if isinstance(b, dict)]
     usage = msg.get("usage") if isinstance(msg.get("usage"), dict) else None
     prompt = cached = completion = None
