@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from analyzer import analyze, check
-from recorder.jsonl import store_turns
 from recorder.reader import iter_turns
 from recorder.sources import import_path, load_turns
 from recorder.transcripts import read_transcripts, sniff_transcript, transcript_turns

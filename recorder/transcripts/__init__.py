@@ -20,7 +20,7 @@ HARNESSES = {"claude-code": claude_code, "codex": codex, "pi": pi}  # one JSONL 
 SNIFF_LINES = 40
 SNIFF_BYTES = 8 << 20
 
-__all__ = ["HARNESSES", "Transcript", "UPSTREAM_PREFIX", "is_transcript_turn", "read_transcripts",
+__all__ = ["HARNESSES", "Transcript", "UPSTREAM_PREFIX", "read_transcripts",
            "sniff_transcript", "transcript_turns"]
 
 
@@ -101,7 +101,3 @@ def transcript_turns(path: str | Path) -> tuple[list, list[Transcript]]:
     transcripts = read_transcripts(path)
     turns = [turn for t in transcripts for turn in t.turns]
     return sorted(turns, key=lambda t: (t.started_at, t.request_id)), transcripts
-
-
-def is_transcript_turn(turn) -> bool:
-    return str(getattr(turn, "upstream", "") or "").startswith(UPSTREAM_PREFIX)
