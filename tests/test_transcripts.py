@@ -362,3 +362,19 @@ def test_pi_branched_session_gives_each_call_its_own_history(tmp_path):
                                                                                   "text": "List the directory"}]}]
     assert [turn.request_body for turn in t.turns[:2]] == [turn.request_body for turn in read_transcripts(
         session_file("pi"))[0].turns]
+
+
+def test_transcript_import_redacts_secrets_like_any_import(tmp_path):
+    """A key pasted into a prompt is in the harness's file; it must not reach the database."""
+    key = "sk-proj-" + "A1b2C3d4E5f6G7h8J9k0" * 2
+    lines = [json.loads(line) for line in session_file("pi").read_text().splitlines()]
+    for o in lines:
+        if o.get("message", {}).get("role") == "user":
+            o["message"]["content"][0]["text"] += f" using the key {key}"
+    path = tmp_path / session_file("pi").name
+    path.write_text("".join(json.dumps(o) + "\n" for o in lines))
+    db = tmp_path / "t.db"
+    import_path(path, db)
+    stored = json.dumps([t.request_body for t in iter_turns(db)])
+    assert key not in stored and "[REDACTED]" in stored
+    assert key not in db.read_bytes().decode("latin-1")
