@@ -67,7 +67,7 @@ def _inferred_session_requests(db: Path, session: str) -> list[str] | None:
 
 
 @click.command(name="import")
-@click.argument("file", type=click.Path(exists=True, path_type=Path))
+@click.argument("file", metavar="FILE_OR_DIR", type=click.Path(exists=True, path_type=Path))
 @click.option("--db", default="prefixtrace.db", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
 @JSON_OPTION
 @library_errors
@@ -76,8 +76,8 @@ def import_(file, db, as_json):
     file (from prefixtrace, a browser or mitmproxy), or a harness's session
     transcripts into a database.
 
-    Transcripts: a Claude Code, Codex or pi session file, opencode's storage
-    directory, or a directory holding any of them (~/.claude/projects,
+    Transcripts: a Claude Code, Codex or pi session file, opencode's database
+    (opencode.db), or a directory holding any of them (~/.claude/projects,
     ~/.codex/sessions, ~/.pi/agent/sessions, ~/.local/share/opencode). Each
     model call becomes a turn rebuilt as the harness sent it, as far as the
     file holds it; what it does not hold is printed per session and kept on
