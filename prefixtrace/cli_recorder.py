@@ -93,9 +93,11 @@ def import_(file, db, as_json):
     with progress(f"importing {file.name}"):
         count, transcripts = import_path(file, db)
     if as_json:
-        echo_json({"imported": count, "file": str(file), "db": str(db),
-                   "sessions": [{"harness": t.harness, "session": t.session_id, "source": t.source,
-                                 "turns": len(t.turns), "not_rebuilt": t.notes} for t in transcripts]})
+        summary = {"imported": count, "file": str(file), "db": str(db)}
+        if transcripts:  # what each rebuilt session lacks (JSONL and HAR imports print as before)
+            summary["sessions"] = [{"harness": t.harness, "session": t.session_id, "source": t.source,
+                                    "turns": len(t.turns), "not_rebuilt": t.notes} for t in transcripts]
+        echo_json(summary)
         return
     for t in transcripts:
         click.echo(f"{t.harness} session {t.session_id}: {len(t.turns)} turn(s) rebuilt from {t.source}")
