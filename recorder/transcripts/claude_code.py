@@ -80,35 +80,17 @@ def read(path: Path) -> list[Transcript]:
             replies[key] = []
             order.append(key)
         replies[key].append(obj)
+    histories = _Histories(by_uuid)
     for sid, mid in order:
         t = sessions[sid]
         first = replies[(sid, mid)][0]
-        chain = _ancestors(t, first, by_uuid)
-        history = _history(t, chain)
+        history = histories.before(t, first)
         # the reply's line is written when it arrives; the request left right after the line before it
-        sent = parse_time(chain[-1].get("timestamp")) if chain else None
+        parent = by_uuid.get(first.get("parentUuid") or "")
+        sent = parse_time(parent.get("timestamp")) if parent else None
         _emit(t, _merged(replies[(sid, mid)]), sent if sent is not None else parse_time(first.get("timestamp")),
               history)
     return [t.finish() for t in sessions.values() if t.turns]
-
-
-def _ancestors(t: Transcript, obj: dict, by_uuid: dict[str, dict]) -> list[dict]:
-    """The lines before `obj` in its conversation, oldest first."""
-    chain: list[dict] = []
-    seen = {obj.get("uuid")}
-    parent = obj.get("parentUuid")
-    while isinstance(parent, str):
-        line = by_uuid.get(parent)
-        if line is None or parent in seen:
-            t.note("the history before a message is missing from the file (its parent is not there)")
-            break
-        seen.add(parent)
-        chain.append(line)
-        parent = line.get("parentUuid")
-    chain.reverse()
-    if chain and chain[0].get("type") == "system" and chain[0].get("subtype") == "compact_boundary":
-        t.note("compacted: the history before the compact boundary was replaced by its summary, as sent")
-    return chain
 
 
 def _merged(lines: list[dict]) -> dict:
@@ -123,35 +105,76 @@ def _merged(lines: list[dict]) -> dict:
     return msg
 
 
-def _history(t: Transcript, chain: list[dict]) -> list[dict]:
-    """The messages of a chain as Claude Code sends them (seen on the wire): a reply that was all
-    empty text is not sent back, and user lines that follow one another travel as one message."""
-    out: list[dict] = []
-    i = 0
-    while i < len(chain):
-        obj = chain[i]
-        i += 1
-        if not _is_message(obj) or obj.get("isSidechain") or _synthetic(obj):
-            continue
-        if obj["type"] == "user":
-            out.append({"role": "user", "content": obj["message"].get("content")})
-            continue
-        group = [obj]
-        while i < len(chain) and _is_message(chain[i]) and chain[i]["type"] == "assistant" \
-                and _reply_id(chain[i]) == _reply_id(obj):
-            group.append(chain[i])
-            i += 1
-        reply = _merged(group)
-        if all(b.get("type") == "text" and not b.get("text") for b in reply["content"]):
-            continue
-        if out and out[-1]["role"] == "assistant" and out[-1].get("_stop") == "max_tokens":
-            t.note("the user message Claude Code sends after a reply cut by max_tokens is not in the transcript: "
+MAX_TOKENS_NOTE = ("the user message Claude Code sends after a reply cut by max_tokens is not in the transcript: "
                    "the request after it ends with that reply")
-        out.append({"role": "assistant", "content": reply["content"], "_stop": reply.get("stop_reason")})
-    if out and out[-1]["role"] == "assistant" and out[-1].get("_stop") == "max_tokens":
-        t.note("the user message Claude Code sends after a reply cut by max_tokens is not in the transcript: "
-               "the request after it ends with that reply")
-    return _merge_roles([{k: v for k, v in m.items() if k != "_stop"} for m in out])
+
+
+class _Histories:
+    """Each call's history: the messages on the chain of `parentUuid` links from its reply back to
+    the root (or a compact boundary), as Claude Code sends them (seen on the wire): a reply that was
+    all empty text is not sent back, and user lines that follow one another travel as one message.
+
+    A call's history usually extends the previous call's, so the walk stops at the first line whose
+    history is already known and only the lines after it are converted: linear in the file, not
+    quadratic, and every call's list shares the message objects."""
+
+    def __init__(self, by_uuid: dict[str, dict]):
+        self.by_uuid = by_uuid
+        self.known: dict[str, tuple[list[dict], str | None]] = {}  # line uuid -> (messages up to it, trailing stop)
+
+    def before(self, t: Transcript, first: dict) -> list[dict]:
+        key = first.get("parentUuid")
+        lines: list[dict] = []
+        base: tuple[list[dict], str | None] = ([], None)
+        seen = {first.get("uuid")}
+        parent = key
+        while isinstance(parent, str):
+            if parent in self.known:
+                base = self.known[parent]
+                break
+            line = self.by_uuid.get(parent)
+            if line is None or parent in seen:
+                t.note("the history before a message is missing from the file (its parent is not there)")
+                break
+            seen.add(parent)
+            lines.append(line)
+            parent = line.get("parentUuid")
+        lines.reverse()
+        if lines and parent is None and lines[0].get("type") == "system" and lines[0].get("subtype") == "compact_boundary":
+            t.note("compacted: the history before the compact boundary was replaced by its summary, as sent")
+        messages, stop = list(base[0]), base[1]
+        i = 0
+        while i < len(lines):
+            obj = lines[i]
+            i += 1
+            if not _is_message(obj) or obj.get("isSidechain") or _synthetic(obj):
+                continue
+            if obj["type"] == "user":
+                msg = {"role": "user", "content": obj["message"].get("content")}
+                if messages and messages[-1]["role"] == "user":  # the Messages API alternates roles
+                    msg = {"role": "user", "content": _blocks(messages[-1]["content"]) + _blocks(msg["content"])}
+                    messages[-1] = msg
+                else:
+                    messages.append(msg)
+                stop = None
+                continue
+            group = [obj]
+            while i < len(lines) and _is_message(lines[i]) and lines[i]["type"] == "assistant" \
+                    and _reply_id(lines[i]) == _reply_id(obj):
+                group.append(lines[i])
+                i += 1
+            reply = _merged(group)
+            if all(b.get("type") == "text" and not b.get("text") for b in reply["content"]):
+                continue
+            if stop == "max_tokens":
+                t.note(MAX_TOKENS_NOTE)
+            messages.append({"role": "assistant", "content": reply["content"]})
+            stop = reply.get("stop_reason")
+        if stop == "max_tokens":
+            t.note(MAX_TOKENS_NOTE)
+        if isinstance(key, str):
+            self.known[key] = (messages, stop)
+        return list(messages)
 
 
 def _blocks(content) -> list[dict]:
@@ -177,15 +200,3 @@ def _emit(t: Transcript, msg: dict, ts: float | None, history: list[dict]) -> No
     t.turns.append(make_turn(t, len(t.turns) + 1, ts, ENDPOINT, body, text=text, reasoning=reasoning,
                              tool_calls=calls, finish_reason=STOP.get(msg.get("stop_reason")), prompt_tokens=prompt,
                              completion_tokens=completion, cached_tokens=cached, usage=usage))
-
-
-def _merge_roles(messages: list[dict]) -> list[dict]:
-    """Consecutive user lines (a tool result, then the next prompt) are one user message on the
-    wire, as the Messages API requires alternating roles."""
-    out: list[dict] = []
-    for m in messages:
-        if out and out[-1]["role"] == m["role"] == "user":
-            out[-1] = {"role": "user", "content": _blocks(out[-1]["content"]) + _blocks(m["content"])}
-        else:
-            out.append(m)
-    return out
