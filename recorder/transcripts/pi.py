@@ -40,6 +40,7 @@ def read(path: Path) -> list[Transcript]:
     t.note("tool definitions not recorded")
     t.note("request parameters (max_tokens, stream_options) not recorded")
     by_id = {o["id"]: o for o in lines if isinstance(o.get("id"), str) and o.get("type") != "session"}
+    known: dict[str, list[dict]] = {}  # entry id -> the messages up to and including it
     for obj in lines:
         if obj.get("type") in ("custom_message", "branch_summary"):
             t.note(f"{obj['type']} entries not rebuilt")
@@ -49,17 +50,24 @@ def read(path: Path) -> list[Transcript]:
         api = msg.get("api")
         if api != "openai-completions":
             t.note(f"calls over the {api!r} API rebuilt in chat-completions form")
-        history = _history(t, _ancestors(t, obj, by_id))
+        history = _history(t, obj, by_id, known)
         # the message's own time is when the call started; the line's, when it was written after it
         _emit(t, msg, parse_time(msg.get("timestamp")) or parse_time(obj.get("timestamp")), history, api)
     return [t.finish()] if t.turns else []
 
 
-def _ancestors(t: Transcript, obj: dict, by_id: dict[str, dict]) -> list[dict]:
+def _history(t: Transcript, obj: dict, by_id: dict[str, dict], known: dict[str, list[dict]]) -> list[dict]:
+    """The messages on the chain of parents of `obj`. The walk stops at the first entry whose
+    history is known (usually the previous call's), so a session costs linear time and every call's
+    list shares the converted message objects."""
     chain: list[dict] = []
     seen = {obj.get("id")}
-    parent = obj.get("parentId")
+    key = parent = obj.get("parentId")
+    base: list[dict] = []
     while isinstance(parent, str):
+        if parent in known:
+            base = known[parent]
+            break
         entry = by_id.get(parent)
         if entry is None or parent in seen:
             t.note("the history before an entry is missing from the file (its parent is not there)")
@@ -67,37 +75,36 @@ def _ancestors(t: Transcript, obj: dict, by_id: dict[str, dict]) -> list[dict]:
         seen.add(parent)
         chain.append(entry)
         parent = entry.get("parentId")
-    chain.reverse()
-    return chain
-
-
-def _history(t: Transcript, chain: list[dict]) -> list[dict]:
-    history: list[dict] = []
-    for obj in chain:
-        if obj.get("type") == "compaction":
-            t.note("compacted: pi's compaction summary replaces the earlier history; not rebuilt")
-            continue
-        msg = obj.get("message")
-        if obj.get("type") != "message" or not isinstance(msg, dict):
-            continue
-        role = msg.get("role")
-        converted: dict | None
-        if role == "assistant":
-            converted = _assistant(msg)
-        elif role == "user":
-            converted = _user(msg)
-        elif role == "toolResult":
-            parts = [p for p in msg.get("content") or [] if isinstance(p, dict)]
-            text = "\n".join(p.get("text", "") for p in parts if p.get("type") == "text")
-            if any(p.get("type") == "image" for p in parts):
-                t.note("images in tool results not rebuilt")
-            converted = {"role": "tool", "content": text or "(see attached image)", "tool_call_id": msg.get("toolCallId")}
-        else:
-            t.note(f"messages with role {role!r} not rebuilt")
-            converted = None
+    history = list(base)
+    for entry in reversed(chain):
+        converted = _convert(t, entry)
         if converted is not None:
             history.append(converted)
-    return history
+    if isinstance(key, str):
+        known[key] = history
+    return list(history)
+
+
+def _convert(t: Transcript, obj: dict) -> dict | None:
+    if obj.get("type") == "compaction":
+        t.note("compacted: pi's compaction summary replaces the earlier history; not rebuilt")
+        return None
+    msg = obj.get("message")
+    if obj.get("type") != "message" or not isinstance(msg, dict):
+        return None
+    role = msg.get("role")
+    if role == "assistant":
+        return _assistant(msg)
+    if role == "user":
+        return _user(msg)
+    if role == "toolResult":
+        parts = [p for p in msg.get("content") or [] if isinstance(p, dict)]
+        text = "\n".join(p.get("text", "") for p in parts if p.get("type") == "text")
+        if any(p.get("type") == "image" for p in parts):
+            t.note("images in tool results not rebuilt")
+        return {"role": "tool", "content": text or "(see attached image)", "tool_call_id": msg.get("toolCallId")}
+    t.note(f"messages with role {role!r} not rebuilt")
+    return None
 
 
 def _user(msg: dict) -> dict | None:
