@@ -87,7 +87,9 @@ def read_transcripts(path: str | Path) -> list[Transcript]:
                 found.extend(HARNESSES[name].read(f))
         if found:
             return found
-        raise InvalidRequest(f"no Claude Code, Codex, pi or opencode session found under {p}")
+        legacy = next((d for d in p.rglob("storage") if (d / "session").is_dir() and (d / "message").is_dir()), None)
+        hint = f" ({legacy} looks like an older opencode's JSON storage, which is not read)" if legacy else ""
+        raise InvalidRequest(f"no Claude Code, Codex, pi or opencode session found under {p}{hint}")
     kind = sniff_transcript(p)
     if kind == opencode.HARNESS:
         return opencode.read(p)

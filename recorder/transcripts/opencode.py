@@ -1,7 +1,7 @@
 """opencode: one SQLite database, `~/.local/share/opencode/opencode.db` ($XDG_DATA_HOME/opencode/).
 
-opencode 1.x keeps every session there (earlier versions wrote JSON files under `storage/`; opencode
-moves them into the database when it starts, so reading the database covers both). Tables read:
+opencode 1.18 keeps every session there (earlier versions wrote JSON files under `storage/`, which
+are not read here). Tables read:
 `session` (id, directory, title, parent_id for a sub-agent's session), `message` (one row per
 message, `data` JSON: role, `time.created`, `tokens`, `finish`, `modelID`/`providerID`) and `part`
 (one row per part of a message, `data` JSON: `text`, `reasoning`, `tool` with its call id, input and
