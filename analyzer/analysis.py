@@ -165,6 +165,8 @@ class SessionResult:
     turns: list[TurnResult] = field(default_factory=list)
     parent: str | None = None  # a side request (fork) of this main chain: not a break of it
     side_reason: str | None = None  # why it shares nothing with the main chain: "replaces the system prompt"
+    # Rebuilt from a harness transcript, not recorded: {"harness", "file", "not_rebuilt": [...]}
+    transcript: dict | None = None
 
     @property
     def kind(self) -> str:
@@ -172,7 +174,8 @@ class SessionResult:
 
     def to_dict(self, rate: float | None = None) -> dict[str, Any]:
         return {"id": self.id, "inferred": self.inferred, "kind": self.kind, "parent": self.parent,
-                "side_reason": self.side_reason, "turns": [t.to_dict() for t in self.turns],
+                "side_reason": self.side_reason, "transcript": self.transcript,
+                "turns": [t.to_dict() for t in self.turns],
                 "totals": _totals(self.turns, rate)}
 
 
@@ -226,6 +229,10 @@ class Report:
                 out.append(f"first: {first}")
         elif c["analysed"] == 0:
             out.append(f"all {c['failed_requests']} request(s) failed (status >= 400): no prompt to analyse")
+        rebuilt = [s for s in self.sessions if s.transcript]
+        if rebuilt:
+            out.append(f"{len(rebuilt)} session(s) rebuilt from harness transcripts, not recorded traffic: "
+                       "each lists what its transcript does not hold")
         return out
 
     def too_much_unread(self, max_unreadable: str | int | float | None = 0) -> bool:
@@ -348,6 +355,11 @@ class Analyzer:
         walked = _map_sessions(self, requests, payloads, jobs)
         sessions = [SessionResult(g.id, g.inferred, turns, g.parent, g.side_reason) for g, turns in zip(grouped, walked)]
         self._shared_starts(requests, payloads, [job[2] for job in jobs], sessions)
+        origins = {r.id: r.transcript for r in requests if r.transcript is not None}
+        for s in sessions:
+            found = next((origins[t.request_id] for t in s.turns if t.request_id in origins), None)
+            if found is not None:
+                s.transcript = {k: found.get(k) for k in ("harness", "file", "not_rebuilt")}
         for s in sessions:
             if s.parent is not None and s.turns:
                 first = s.turns[0]

@@ -61,6 +61,7 @@ class Request:
     total_s: float | None = None
     cache_miss_reason: str | None = None  # Anthropic cache diagnostics, when the response carried them
     cache_ttl_1h: bool = False  # an Anthropic request that asked for the 1 hour cache lifetime
+    transcript: dict | None = None  # rebuilt from a harness transcript: harness, file, what was not rebuilt
 
 
 @dataclass
@@ -210,6 +211,9 @@ def request_from_record(obj: Any, lineno: int, source: str) -> Request:
         ts is not None,
     )
     req.ttft_s = ttft
+    render = obj.get("render")
+    if isinstance(render, dict) and isinstance(render.get("transcript"), dict):  # exported from a transcript import
+        req.transcript = render["transcript"]
     req.upstream = obj.get("upstream") if isinstance(obj.get("upstream"), str) else None
     timing = obj.get("timing") if isinstance(obj.get("timing"), dict) else {}
     total = timing.get("total_s")
@@ -365,12 +369,19 @@ def _from_turns(turns: Iterable[Any]) -> Loaded:
         req = Request(t.request_id, t.started_at, t.request_body, session_of(t.session_id), None,
                       t.prompt_tokens, t.cached_tokens, getattr(t, "endpoint", None),
                       getattr(t, "status", None) or None, getattr(t, "error", None),
-                      ttft_s=getattr(t, "ttft_s", None))
+                      ttft_s=getattr(t, "ttft_s", None), transcript=_transcript_of(t))
         req.upstream = getattr(t, "upstream", None)
         req.total_s = getattr(t, "total_s", None)
         out.requests.append(_server_facts(req, getattr(t, "render", None), getattr(t, "usage", None),
                                           getattr(t, "served_by", None), getattr(t, "renderer_id", None)))
     return out
+
+
+def _transcript_of(turn: Any) -> dict | None:
+    """What a turn rebuilt from a harness transcript says of its origin (recorder/transcripts)."""
+    render = getattr(turn, "render", None)
+    origin = render.get("transcript") if isinstance(render, dict) else None
+    return origin if isinstance(origin, dict) else None
 
 
 _HAR_START = re.compile(r'\s*\{\s*"log"\s*:')
@@ -428,7 +439,11 @@ def load(source: str | Path | Iterable[Any]) -> Loaded:
         if magic != SQLITE_MAGIC and b"\x00" in head:  # no JSONL or HAR file holds a NUL byte
             raise InvalidRequest(f"{path} is neither a recorder database nor a JSONL or HAR file: it holds binary "
                                  "data (a database whose header is damaged?)")
-        if magic == SQLITE_MAGIC:
+        from recorder.transcripts import sniff_transcript, transcript_turns
+
+        if sniff_transcript(path) is not None:  # a harness's own session file: rebuilt, not recorded
+            loaded = _from_turns(transcript_turns(path)[0])
+        elif magic == SQLITE_MAGIC:
             from recorder.reader import iter_turns, read_renderers  # the recorder is only needed for databases
 
             loaded = _from_turns(iter_turns(path))

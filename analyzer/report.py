@@ -132,6 +132,9 @@ def format_text(report: Report, width: int = 140) -> str:
         # The title on its own line: as a table title, rich wraps it to the table's width.
         buf.write(_plain(f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
                          f"{len(breaks)} break(s){cost}") + "\n")
+        if s.transcript:
+            buf.write(_plain(f"  rebuilt from a transcript of {s.transcript.get('harness')} ({s.transcript.get('file')}); "
+                             f"not rebuilt: {'; '.join(s.transcript.get('not_rebuilt') or []) or 'nothing'}") + "\n")
         table = Table()
         for col in ("turn", "prompt", "predicted cached", "server cached", "TTFT", "lost", "what happened"):
             table.add_column(col, justify="left" if col == "what happened" else "right")

@@ -71,8 +71,10 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
     where it broke (message, char inside it, token offset, the differing characters
     marked) and why (a fixed cause name), with the fix.
 
-    SRC is a recorder database or a JSONL file (wrapped records or bare request
-    bodies, see docs/FORMATS.md); sessions without ids are inferred. Malformed
+    SRC is a recorder database, a JSONL file (wrapped records or bare request
+    bodies, see docs/FORMATS.md), or a Claude Code, Codex or pi session file or
+    opencode's database (rebuilt as `import` does, each session saying what its
+    transcript does not hold); sessions without ids are inferred. Malformed
     lines are reported with their line number and skipped.
 
     Example: prefixtrace analyze prefixtrace.db --template qwen3.jinja --format html --out report.html

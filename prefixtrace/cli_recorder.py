@@ -67,27 +67,43 @@ def _inferred_session_requests(db: Path, session: str) -> list[str] | None:
 
 
 @click.command(name="import")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("file", metavar="FILE_OR_DIR", type=click.Path(exists=True, path_type=Path))
 @click.option("--db", default="prefixtrace.db", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
 @JSON_OPTION
 @library_errors
 def import_(file, db, as_json):
-    """Import a JSONL file (wrapped records or bare request bodies) or a HAR
-    file (from prefixtrace, a browser or mitmproxy) into a database.
+    """Import a JSONL file (wrapped records or bare request bodies), a HAR
+    file (from prefixtrace, a browser or mitmproxy), or a harness's session
+    transcripts into a database.
+
+    Transcripts: a Claude Code, Codex or pi session file, opencode's database
+    (opencode.db), or a directory holding any of them (~/.claude/projects,
+    ~/.codex/sessions, ~/.pi/agent/sessions, ~/.local/share/opencode). Each
+    model call becomes a turn rebuilt as the harness sent it, as far as the
+    file holds it; what it does not hold is printed per session and kept on
+    the turns (docs/FORMATS.md "Transcripts").
 
     All or nothing: a malformed line or entry is reported with its number and
     nothing is written.
 
-    Example: prefixtrace import capture.har --db prefixtrace.db
+    Example: prefixtrace import ~/.claude/projects --db prefixtrace.db
     """
-    from recorder.sources import import_file
+    from recorder.sources import import_path
 
     with progress(f"importing {file.name}"):
-        count = import_file(file, db)
+        count, transcripts = import_path(file, db)
     if as_json:
-        echo_json({"imported": count, "file": str(file), "db": str(db)})
-    else:
-        click.echo(f"imported {count} turn(s) into {db}")
+        summary = {"imported": count, "file": str(file), "db": str(db)}
+        if transcripts:  # what each rebuilt session lacks (JSONL and HAR imports print as before)
+            summary["sessions"] = [{"harness": t.harness, "session": t.session_id, "source": t.source,
+                                    "turns": len(t.turns), "not_rebuilt": t.notes} for t in transcripts]
+        echo_json(summary)
+        return
+    for t in transcripts:
+        click.echo(f"{t.harness} session {t.session_id}: {len(t.turns)} turn(s) rebuilt from {t.source}")
+        for note in t.notes:
+            click.echo(f"  not rebuilt: {note}")
+    click.echo(f"imported {count} turn(s) into {db}")
 
 
 @click.command()

@@ -41,12 +41,16 @@ def sniff(path: str | Path) -> str:
 
 
 def load_turns(source: str | Path, session: str | None = None) -> list[Turn]:
-    """Every turn of a database, JSONL or HAR file, ordered by start time.
+    """Every turn of a database, JSONL or HAR file or harness transcript, ordered by start time.
     With `session`, only turns recorded with that session id."""
-    kind = sniff(source)
-    if kind == "sqlite":
+    from recorder.transcripts import sniff_transcript, transcript_turns
+
+    if Path(source).is_dir() or sniff_transcript(source) is not None:
+        turns = transcript_turns(source)[0]
+    elif (kind := sniff(source)) == "sqlite":
         return list(iter_turns(source, session=session))
-    turns = read_har(source) if kind == "har" else read_jsonl(source)
+    else:
+        turns = read_har(source) if kind == "har" else read_jsonl(source)
     if session is not None:
         turns = [t for t in turns if t.session_id == session]
     return sorted(turns, key=lambda t: (t.started_at, t.request_id))
@@ -78,10 +82,26 @@ def export(db_path: str | Path, out: str | Path | IO[str], fmt: str = "jsonl", s
     return count
 
 
+def import_path(path: str | Path, db_path: str | Path, *, redact_patterns: list[str] | None = None):
+    """`import_file` for JSONL and HAR; a harness transcript (a file, or a directory of them) is
+    rebuilt into turns first. Returns (turns imported, the transcripts read; empty for JSONL/HAR)."""
+    from recorder.transcripts import sniff_transcript, transcript_turns
+
+    p = Path(path)
+    if p.is_dir() or sniff_transcript(p) is not None:
+        turns, transcripts = transcript_turns(p)
+        return store_turns(db_path, turns, redact_patterns), transcripts
+    return import_file(p, db_path, redact_patterns=redact_patterns), []
+
+
 def import_file(path: str | Path, db_path: str | Path, *, redact_patterns: list[str] | None = None) -> int:
     """Imports a JSONL or HAR file into the database at `db_path` (created if
     missing): the whole file is parsed first, then written in one
     transaction. Returns the number of turns imported."""
+    from recorder.transcripts import sniff_transcript, transcript_turns
+
+    if Path(path).is_dir() or sniff_transcript(path) is not None:
+        return store_turns(db_path, transcript_turns(path)[0], redact_patterns)
     kind = sniff(path)
     if kind == "sqlite":
         raise InvalidRequest(f"{path} is a database; import takes a JSONL or HAR file")

@@ -1,0 +1,117 @@
+"""Codex: `$CODEX_HOME/sessions/YYYY/MM/DD/rollout-<time>-<session id>.jsonl` (CODEX_HOME: ~/.codex).
+
+What it holds: a `session_meta` line (`id`, `cwd`, `cli_version`, the model's default base
+instructions), `turn_context` lines (model,
+effort, sandbox), `token_usage_record` lines (one per call, as it completes, with its `usage`),
+`event_msg` lines (UI events, `token_count`) and one `response_item` line per item of the
+conversation, in the Responses API's own shape and with the ids Codex sends: `message` (developer /
+user / assistant), `reasoning`, `function_call`, `function_call_output`, … Items a call returned are
+written after it; everything before them is that call's `input`.
+
+What it does not hold: the base-instructions message codex-cli 0.171 sends as the first `input`
+item (a developer message composed from `session_meta.base_instructions` less the sections of
+disabled tools: the stored text is not what was sent), the tool definitions,
+`tool_choice`/`parallel_tool_calls`/`include`/`store` and the other request parameters. Each item carries
+an `internal_chat_message_metadata_passthrough` object that is not sent: it is dropped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from recorder.transcripts.common import (Transcript, int_or_none, make_turn, openai_call, parse_time,
+                                         read_jsonl_lines)
+
+HARNESS = "codex"
+ENDPOINT = "/v1/responses"
+OUTPUT_TYPES = ("reasoning", "function_call", "custom_tool_call", "local_shell_call", "web_search_call")
+
+
+def looks_like(objs: list[dict]) -> bool:
+    return any(o.get("type") == "session_meta" and isinstance(o.get("payload"), dict) for o in objs)
+
+
+def _is_output(item: dict) -> bool:
+    """An item a model call returned (as opposed to one the harness added)."""
+    return item.get("type") in OUTPUT_TYPES or (item.get("type") == "message" and item.get("role") == "assistant")
+
+
+# Keys the rollout adds to an item that Codex does not send back.
+ROLLOUT_ONLY_KEYS = ("internal_chat_message_metadata_passthrough",)
+
+
+def _as_sent(item: dict) -> dict:
+    return {k: v for k, v in item.items() if k not in ROLLOUT_ONLY_KEYS}
+
+
+def read(path: Path) -> list[Transcript]:
+    lines = read_jsonl_lines(path)
+    meta = next((o["payload"] for _, o in lines if o.get("type") == "session_meta"), {})
+    t = Transcript(HARNESS, str(meta.get("id") or path.stem), str(path))
+    # session_meta's base_instructions are the model's defaults, not what was sent: Codex drops the
+    # sections of disabled tools (the fixture's run sent 17k of its 21k characters). Not guessed.
+    t.note("system prompt not in the transcript: the base-instructions message Codex sends first is "
+           "composed from session_meta's base_instructions, which it trims to the enabled tools")
+    t.note("tool definitions not recorded")
+    t.note("request parameters (tool_choice, parallel_tool_calls, reasoning, include, store, prompt_cache_key, "
+           "client_metadata) not recorded")
+    model = None
+    items: list[dict] = []
+    out: list[dict] = []  # the current call's output items
+    sent: float | None = None  # when the current call's input was complete
+    input_ts: float | None = None  # time of the last input item written
+    usage: dict | None = None
+
+    def emit() -> None:
+        nonlocal out, usage
+        if not out:
+            usage = None
+            return
+        body: dict = {"model": model, "input": items[: len(items) - len(out)]}
+        calls = [openai_call(i.get("call_id"), i.get("name"), i.get("arguments", i.get("input", "")))
+                 for i in out if i.get("type") in ("function_call", "custom_tool_call")]
+        text = "".join(c.get("text", "") for i in out if i.get("type") == "message"
+                       for c in i.get("content") or [] if isinstance(c, dict) and c.get("type") == "output_text")
+        reasoning = "".join(s.get("text", "") for i in out if i.get("type") == "reasoning"
+                            for s in i.get("summary") or [] if isinstance(s, dict))
+        prompt = cached = completion = None
+        if usage:
+            prompt, completion = int_or_none(usage.get("input_tokens")), int_or_none(usage.get("output_tokens"))
+            cached = int_or_none(usage.get("cached_input_tokens"))
+        t.turns.append(make_turn(t, len(t.turns) + 1, sent, ENDPOINT, body, text=text, reasoning=reasoning,
+                                 tool_calls=calls, finish_reason="tool_calls" if calls else "stop",
+                                 prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
+                                 usage=usage))
+        out, usage = [], None
+
+    for _lineno, obj in lines:
+        kind, payload = obj.get("type"), obj.get("payload")
+        ts = parse_time(obj.get("timestamp"))
+        if not isinstance(payload, dict):
+            continue
+        if kind == "turn_context" and payload.get("model"):
+            model = payload["model"]
+        elif kind == "compacted":
+            emit()
+            t.note("compacted: Codex replaced the history with a summary; items after it rebuilt from there")
+            replacement = payload.get("replacement_history")
+            items = [_as_sent(i) for i in replacement if isinstance(i, dict)] if isinstance(replacement, list) else []
+        elif kind == "token_usage_record":  # written as a call completes, right after its output
+            usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else None
+            emit()
+        elif kind == "event_msg" and payload.get("type") == "token_count" and out:
+            info = payload.get("info")
+            if isinstance(info, dict) and isinstance(info.get("last_token_usage"), dict):
+                usage = info["last_token_usage"]
+            emit()
+        elif kind == "response_item":
+            if _is_output(payload):
+                if not out:
+                    sent = input_ts
+                out.append(payload)
+            else:
+                emit()
+                input_ts = ts if ts is not None else input_ts
+            items.append(_as_sent(payload))
+    emit()
+    return [t.finish()] if t.turns else []

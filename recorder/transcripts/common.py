@@ -1,0 +1,120 @@
+"""What every transcript reader shares: the session it yields, and how one model call becomes a Turn.
+
+A transcript is what a harness keeps of a conversation on disk, not what it sent: each reader
+rebuilds the requests as far as the file allows and names what it could not rebuild (`notes`), so a
+reader of the analysis never takes a guess for a recording. Every rebuilt turn says where it came
+from: `upstream` is `transcript:<harness>` and `render["transcript"]` holds the harness, the file and
+the session's notes (docs/FORMATS.md "Transcripts").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from prefixtrace.errors import InvalidRequest
+from recorder.turn import Turn
+
+UPSTREAM_PREFIX = "transcript:"
+
+
+@dataclass
+class Transcript:
+    """One session of one harness, rebuilt from its file(s)."""
+
+    harness: str  # "claude-code", "codex", "pi", "opencode"
+    session_id: str
+    source: str  # the file (or storage directory) it was read from
+    turns: list[Turn] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what could not be rebuilt, once per session
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def finish(self) -> "Transcript":
+        """Stamps every turn with the session's notes (known only once the whole file is read)."""
+        for turn in self.turns:
+            turn.render = {"transcript": {"harness": self.harness, "file": Path(self.source).name,
+                                          "session": self.session_id, "not_rebuilt": list(self.notes)}}
+        return self
+
+
+def parse_time(value: Any) -> float | None:
+    """ISO-8601 (`…Z`) or epoch seconds/milliseconds, as harnesses write times; None when absent."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value / 1000.0 if value > 1e11 else float(value)
+    if isinstance(value, str):
+        try:
+            moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=timezone.utc)
+        return moment.timestamp()
+    return None
+
+
+def read_jsonl_lines(path: Path) -> list[tuple[int, dict]]:
+    """(line number, object) of every JSON-object line; a line that does not parse raises
+    InvalidRequest naming it (a half-written last line of a live session included: import is all
+    or nothing, like every other import)."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"cannot read {path}: {exc}") from exc
+    out = []
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(f"{path}:{lineno}: not valid JSON: {exc.msg}", line=lineno) from exc
+        if isinstance(obj, dict):
+            out.append((lineno, obj))
+    return out
+
+
+def openai_call(call_id: str | None, name: str | None, arguments: Any) -> dict:
+    """A tool call in the shape the recorder stores for every API (the OpenAI one)."""
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def make_turn(t: Transcript, n: int, ts: float | None, endpoint: str, body: dict, *, text: str = "",
+              reasoning: str = "", tool_calls: list[dict] | None = None, finish_reason: str | None = None,
+              prompt_tokens: int | None = None, completion_tokens: int | None = None,
+              cached_tokens: int | None = None, usage: dict | None = None) -> Turn:
+    """Model call number `n` of the session as a Turn. The id is derived from the session and `n`,
+    so importing the same transcript again (or a longer copy of a live session) replaces, never
+    duplicates; `ts` falls back to keeping file order."""
+    digest = hashlib.sha256(f"{t.harness}\0{t.session_id}".encode()).hexdigest()[:12]
+    return Turn(
+        request_id=f"transcript-{t.harness}-{digest}-{n:04d}",
+        started_at=ts if ts is not None else float(n),
+        endpoint=endpoint,
+        upstream=UPSTREAM_PREFIX + t.harness,
+        request_body=body,
+        session_id=t.session_id,
+        stream=bool(body.get("stream", False)),
+        status=200,
+        response_text=text,
+        reasoning_text=reasoning,
+        tool_calls=tool_calls or None,
+        finish_reason=finish_reason,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=cached_tokens,
+        usage=usage,
+    )
+
+
+def int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -1,0 +1,156 @@
+"""pi (@mariozechner/pi-coding-agent): `~/.pi/agent/sessions/<cwd as --a-b-->/<time>_<session id>.jsonl`.
+
+What it holds: a `session` header line (`id`, `cwd`, `timestamp`), settings changes (`model_change`,
+`thinking_level_change`) and one `message` line per conversation message in pi's own shape: `user`
+(text and image parts), `assistant` (`text`, `thinking` and `toolCall` parts, the `api` and
+`model` it was sent with, `usage`, `stopReason`), `toolResult` (`toolCallId`, text parts). Lines
+link by `id`/`parentId` (a tree: pi can branch a session); a call's history is its chain of parents.
+
+Rebuilt for the `openai-completions` API the way pi-ai's `convertMessages` writes it (default
+compat): user text parts as content parts, assistant text as one string with `tool_calls`
+(arguments JSON-encoded), tool results as `role: "tool"` messages. What it does not hold: the system
+prompt, the tool definitions, request parameters (`max_tokens`, `stream_options`), provider compat
+switches that change the wire shape, and messages pi adds from extensions or custom entries.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from recorder.transcripts.common import (Transcript, int_or_none, make_turn, openai_call, parse_time,
+                                         read_jsonl_lines)
+
+HARNESS = "pi"
+ENDPOINT = "/v1/chat/completions"  # every call is rebuilt in this API's form (a note says when it was another)
+STOP = {"stop": "stop", "length": "length", "toolUse": "tool_calls", "aborted": "cancelled"}
+
+
+def looks_like(objs: list[dict]) -> bool:
+    return bool(objs) and objs[0].get("type") == "session" and "id" in objs[0] and "cwd" in objs[0]
+
+
+def read(path: Path) -> list[Transcript]:
+    """One model call per assistant entry, in file order; its history is the chain of `parentId`
+    links back to the root, so a session pi branched (`/tree`, `/fork`) gives each call its own."""
+    lines = [obj for _, obj in read_jsonl_lines(path)]
+    header = lines[0] if lines else {}
+    t = Transcript(HARNESS, str(header.get("id") or path.stem), str(path))
+    t.note("system prompt not in the transcript")
+    t.note("tool definitions not recorded")
+    t.note("request parameters (max_tokens, stream_options) not recorded")
+    by_id = {o["id"]: o for o in lines if isinstance(o.get("id"), str) and o.get("type") != "session"}
+    known: dict[str, list[dict]] = {}  # entry id -> the messages up to and including it
+    for obj in lines:
+        if obj.get("type") in ("custom_message", "branch_summary"):
+            t.note(f"{obj['type']} entries not rebuilt")
+        msg = obj.get("message")
+        if obj.get("type") != "message" or not isinstance(msg, dict) or msg.get("role") != "assistant":
+            continue
+        api = msg.get("api")
+        if api != "openai-completions":
+            t.note(f"calls over the {api!r} API rebuilt in chat-completions form")
+        history = _history(t, obj, by_id, known)
+        # the message's own time is when the call started; the line's, when it was written after it
+        _emit(t, msg, parse_time(msg.get("timestamp")) or parse_time(obj.get("timestamp")), history, api)
+    return [t.finish()] if t.turns else []
+
+
+def _history(t: Transcript, obj: dict, by_id: dict[str, dict], known: dict[str, list[dict]]) -> list[dict]:
+    """The messages on the chain of parents of `obj`. The walk stops at the first entry whose
+    history is known (usually the previous call's), so a session costs linear time and every call's
+    list shares the converted message objects."""
+    chain: list[dict] = []
+    seen = {obj.get("id")}
+    key = parent = obj.get("parentId")
+    base: list[dict] = []
+    while isinstance(parent, str):
+        if parent in known:
+            base = known[parent]
+            break
+        entry = by_id.get(parent)
+        if entry is None or parent in seen:
+            t.note("the history before an entry is missing from the file (its parent is not there)")
+            break
+        seen.add(parent)
+        chain.append(entry)
+        parent = entry.get("parentId")
+    history = list(base)
+    for entry in reversed(chain):
+        converted = _convert(t, entry)
+        if converted is not None:
+            history.append(converted)
+    if isinstance(key, str):
+        known[key] = history
+    return list(history)
+
+
+def _convert(t: Transcript, obj: dict) -> dict | None:
+    if obj.get("type") == "compaction":
+        t.note("compacted: pi's compaction summary replaces the earlier history; not rebuilt")
+        return None
+    msg = obj.get("message")
+    if obj.get("type") != "message" or not isinstance(msg, dict):
+        return None
+    role = msg.get("role")
+    if role == "assistant":
+        return _assistant(msg)
+    if role == "user":
+        return _user(msg)
+    if role == "toolResult":
+        parts = [p for p in msg.get("content") or [] if isinstance(p, dict)]
+        text = "\n".join(p.get("text", "") for p in parts if p.get("type") == "text")
+        if any(p.get("type") == "image" for p in parts):
+            t.note("images in tool results not rebuilt")
+        return {"role": "tool", "content": text or "(see attached image)", "tool_call_id": msg.get("toolCallId")}
+    t.note(f"messages with role {role!r} not rebuilt")
+    return None
+
+
+def _user(msg: dict) -> dict | None:
+    content = msg.get("content")
+    if isinstance(content, str):
+        return {"role": "user", "content": content}
+    parts = []
+    for item in content or []:
+        if item.get("type") == "text":
+            parts.append({"type": "text", "text": item.get("text", "")})
+        elif item.get("type") == "image":
+            parts.append({"type": "image_url", "image_url": {"url": f"data:{item.get('mimeType')};base64,{item.get('data')}"}})
+    return {"role": "user", "content": parts} if parts else None
+
+
+def _assistant(msg: dict) -> dict | None:
+    blocks = [b for b in msg.get("content") or [] if isinstance(b, dict)]
+    text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text" and b.get("text", "").strip())
+    out: dict = {"role": "assistant", "content": text or None}
+    calls = [b for b in blocks if b.get("type") == "toolCall"]
+    if calls:
+        out["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                              "function": {"name": c.get("name"),
+                                           "arguments": json.dumps(c.get("arguments"), separators=(",", ":"),
+                                                                   ensure_ascii=False)}} for c in calls]
+    if out["content"] is None and not calls:
+        return None  # pi skips an empty (aborted) reply
+    return out
+
+
+def _emit(t: Transcript, msg: dict, ts: float | None, history: list[dict], api: str | None) -> None:
+    body = {"model": msg.get("model"), "messages": history}
+    blocks = [b for b in msg.get("content") or [] if isinstance(b, dict)]
+    usage = msg.get("usage") if isinstance(msg.get("usage"), dict) else None
+    prompt = cached = completion = None
+    if usage:
+        fresh, read_ = int_or_none(usage.get("input")), int_or_none(usage.get("cacheRead"))
+        prompt = None if fresh is None else fresh + (read_ or 0) + (int_or_none(usage.get("cacheWrite")) or 0)
+        cached, completion = read_, int_or_none(usage.get("output"))
+    if msg.get("stopReason") == "error":
+        t.note("failed calls (stopReason error) rebuilt as requests without a reply")
+    t.turns.append(make_turn(
+        t, len(t.turns) + 1, ts, ENDPOINT, body,
+        text="".join(b.get("text", "") for b in blocks if b.get("type") == "text"),
+        reasoning="".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking"),
+        tool_calls=[openai_call(b.get("id"), b.get("name"), b.get("arguments", {})) for b in blocks
+                    if b.get("type") == "toolCall"],
+        finish_reason=STOP.get(msg.get("stopReason")), prompt_tokens=prompt, completion_tokens=completion,
+        cached_tokens=cached, usage=usage))
