@@ -234,6 +234,16 @@ def _groups(v: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def _transcript(s: dict[str, Any]) -> str:
+    """A session rebuilt from a harness's own file, not recorded: say so, and what the file lacks."""
+    t = s.get("transcript")
+    if not t:
+        return ""
+    lacks = "; ".join(t.get("not_rebuilt") or []) or "nothing"
+    return (f'<p class="transcript">rebuilt from a transcript of {esc(str(t.get("harness")))} '
+            f'({esc(str(t.get("file")))}); not rebuilt: {esc(lacks)}</p>')
+
+
 def _sessions(v: dict[str, Any]) -> str:
     out = ['<section class="panel" id="sessions"><h2>Sessions</h2><p class="sub">The costliest first.</p>']
     for s in sorted(v["sessions"], key=rv.cost_key):
@@ -243,7 +253,7 @@ def _sessions(v: dict[str, Any]) -> str:
                    f'<h3>{esc(rv.session_name(s))}</h3><p class="meta">{len(s["rows"]):,} turns, '
                    f'{s["breaks"]:,} break(s)'
                    + (f' costing {esc(cost_text(s["lost_seconds"], s["lost_tokens"]))}' if s["breaks"] else "")
-                   + f'{esc(side)}</p>{timeline(s)}{_legend(causes)}</section>')
+                   + f'{esc(side)}</p>{_transcript(s)}{timeline(s)}{_legend(causes)}</section>')
     out.append("</section>")
     return "".join(out)
 

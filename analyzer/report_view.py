@@ -205,7 +205,7 @@ def build(d: dict[str, Any], top_n: int = 10) -> dict[str, Any]:
         secs = [r["sec"] for r in srows if r["id"] and r["sec"] is not None]
         sessions.append({"index": si, "id": s.get("id"), "client": s.get("client"), "title": s.get("title"),
                          "kind": s.get("kind"), "parent": s.get("parent"), "side_reason": s.get("side_reason"),
-                         "rows": srows, "breaks": sum(1 for r in srows if r["id"]),
+                         "transcript": s.get("transcript"), "rows": srows, "breaks": sum(1 for r in srows if r["id"]),
                          "lost_tokens": sum(r["lost"] or 0 for r in srows if r["id"]),
                          "lost_seconds": round(sum(secs), 2) if secs else None})
     by_cause: dict[str, dict[str, Any]] = {}
