@@ -152,6 +152,10 @@ def _upstream_urls(ctx, param, values):
               help="Longest string a grammar-forced reply (tool_choice required or named, response_format "
                    "json_schema) may write where the schema sets no maxLength, so a model repeating itself "
                    "inside a value still closes it (docs/TOOLS.md).")
+@click.option("--worker-name", metavar="NAME", callback=lambda ctx, param, value: _worker_name(value),
+              help="How this server names itself in the X-Prefixtrace-Worker header of every response, which a "
+                   "prefixtrace in front of a router records as the worker that served each turn. Default: "
+                   "host:port (docs/FLEET.md).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
@@ -161,7 +165,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
           thinking_retention,
           thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
           max_request_mb, recorder_stuck_after_s, default_temperature, default_frequency_penalty, tool_choice_default,
-          default_max_tokens, grammar_max_string, log_level, print_config):
+          default_max_tokens, grammar_max_string, worker_name, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
@@ -213,8 +217,16 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           default_temperature=default_temperature, default_frequency_penalty=default_frequency_penalty,
                           tool_choice_default=tool_choice_default,
                           grammar_max_string=grammar_max_string, default_max_tokens=default_max_tokens,
+                          worker_name=worker_name,
                           allowed_hosts=None if allowed_hosts is None else
                           [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
+
+
+def _worker_name(value: str | None) -> str | None:
+    """A header value: printable ASCII, at most 200 characters."""
+    if value is not None and not (0 < len(value) <= 200 and value.isascii() and value.isprintable()):
+        raise click.BadParameter("must be 1 to 200 printable ASCII characters")
+    return value
 
 
 # Options only the embedded engine reads (with --upstream the upstream renders, caches and batches).

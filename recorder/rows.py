@@ -233,6 +233,7 @@ def redacted_row(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> dict[str,
         "total_s": numbers.seconds(turn.total_s),
         "chunk_times": _dumps(list(turn.chunk_times or [])),
         "render": None if turn.render is None else _dumps(turn.render),
+        "served_by": turn.served_by,
     }
     row = {k: _utf8(v) if isinstance(v, str) else v for k, v in row.items()}
     row["_body"], row["_body_json"] = _utf8(text), is_json

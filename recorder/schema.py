@@ -131,7 +131,12 @@ def _m002_content_addressed(db: sqlite_utils.Database) -> None:
     db.execute(f"CREATE VIEW turns AS SELECT {meta}, {_VIEW_BODY} AS request_body, {rest} FROM turn_log t")
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m001_initial, _m002_content_addressed]
+def _m003_served_by(db: sqlite_utils.Database) -> None:
+    """Which upstream member (or worker behind a router) served each turn."""
+    db.execute("ALTER TABLE turn_log ADD COLUMN served_by TEXT")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m001_initial, _m002_content_addressed, _m003_served_by]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -35,6 +35,7 @@ class Turn:
     total_s: float | None = None
     chunk_times: list[float] = field(default_factory=list)  # seconds since start, one per SSE chunk
     render: dict | None = None  # engine-side facts: {"prompt_token_ids": [...]} when embedded
+    served_by: str | None = None  # the upstream member URL or engine that answered (a pool names one of several)
     # The body's exact JSON text when known (JSONL/HAR import, or a proxy that
     # passes it on): the recorder stores it byte for byte when it parses to
     # `request_body`. Not part of equality: it is another spelling of the body.

@@ -135,7 +135,7 @@ def test_a_version_1_database_is_migrated_in_place(tmp_path):
     assert [t.request_body for t in turns] == [*bodies, "not json {"]
     assert turns[0].cached_tokens == 3 and turns[0].chunk_times == [0.1]
     info = db_info(path)
-    assert info["schema_version"] == SCHEMA_VERSION == 2
+    assert info["schema_version"] == SCHEMA_VERSION == 3
     assert info["unique_messages"] == 2
     con = sqlite3.connect(path)
     assert [json.loads(r[0]) for r in con.execute("select request_body from turns order by started_at")] == [
