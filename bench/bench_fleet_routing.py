@@ -12,7 +12,7 @@ start of the system prompt), so no policy is served from what an earlier one lef
 Printed per policy: the cache hit rate (cached / prompt tokens, as the workers reported them), TTFT
 median and p90 at the client, and how many turns a session changed worker on (from `served_by`).
 
-    python bench/bench_fleet_routing.py [--sessions 6] [--turns 6] [--workers 3] [--concurrency 3]
+    python bench/bench_fleet_routing.py [--sessions 6] [--turns 6] [--workers 3] [--concurrency 3] [--rounds 1]
 
 A router that is not installed (pip install sglang-router vllm-router) is left out with a line saying so.
 """
@@ -74,7 +74,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def workers(count: int, tmp: Path, *, block_size: int = 16):
+def workers(count: int, tmp: Path, *, block_size: int = 16, model: Path = TINY_MODEL):
     """`count` `prefixtrace serve` workers on the tiny model, each on its own port and database,
     named w1, w2, ...; yields [(url, name, proc)] once all answer /health."""
     started = []
@@ -83,7 +83,7 @@ def workers(count: int, tmp: Path, *, block_size: int = 16):
         for i in range(1, count + 1):
             port, name = free_port(), f"w{i}"
             proc = subprocess.Popen(
-                [sys.executable, "-m", "prefixtrace.cli", "serve", "--port", str(port), "--model", str(TINY_MODEL),
+                [sys.executable, "-m", "prefixtrace.cli", "serve", "--port", str(port), "--model", str(model),
                  "--db", str(tmp / f"{name}.db"), "--worker-name", name, "--block-size", str(block_size),
                  "--log-level", "warning"],
                 cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -230,32 +230,46 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=3, help="sessions in flight at once")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=16, help="the workers' prefix-cache block (tokens)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every policy this many times, the order reversed each round (load drifts); "
+                         "figures are over all rounds")
+    ap.add_argument("--model", type=Path, default=TINY_MODEL,
+                    help="the workers' model (default: the tiny test model, whose prefill is too cheap for a "
+                         "miss to show in TTFT)")
     args = ap.parse_args()
 
     policies = [("sglang", "cache_aware"), ("sglang", "round_robin"), ("sglang", "manual"),
                 ("vllm", "cache_aware"), ("vllm", "consistent_hash"), ("proxy", "affinity")]
-    table = []
+    results: dict[str, list[dict]] = {}
+    changes: dict[str, list[int]] = {}
     with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp_name, ExitStack() as stack:
         tmp = Path(tmp_name)
-        fleet = stack.enter_context(workers(args.workers, tmp, block_size=args.block_size))
+        fleet = stack.enter_context(workers(args.workers, tmp, block_size=args.block_size, model=args.model))
         urls = [u for u, _, _ in fleet]
-        print(f"{args.workers} workers (tiny model, block {args.block_size}), {args.sessions} sessions x "
-              f"{args.turns} turns, {args.concurrency} at a time", flush=True)
-        for kind, policy in policies:
-            name = f"{kind}-router {policy}" if kind != "proxy" else "prefixtrace --upstream x3 (own affinity)"
-            why = router_available(kind) if kind != "proxy" else None
-            if why:
-                print(f"{name}: skipped, {why}", flush=True)
-                continue
-            db = tmp / f"front-{kind}-{policy}.db"
-            with ExitStack() as run:
-                upstreams = urls if kind == "proxy" else [run.enter_context(router(kind, policy, urls))[0]]
-                front, rec = run.enter_context(front_proxy(upstreams, db))
-                results = run_sessions(front, f"{kind}-{policy}", args.sessions, args.turns, args.concurrency,
+        print(f"{args.workers} workers ({args.model.name}, block {args.block_size}), {args.sessions} sessions x "
+              f"{args.turns} turns, {args.concurrency} at a time, {args.rounds} round(s)", flush=True)
+        for r in range(args.rounds):
+            for kind, policy in policies if r % 2 == 0 else policies[::-1]:
+                name = f"{kind}-router {policy}" if kind != "proxy" else "prefixtrace --upstream x3 (own affinity)"
+                why = router_available(kind) if kind != "proxy" else None
+                if why:
+                    if r == 0:
+                        print(f"{name}: skipped, {why}", flush=True)
+                    continue
+                db = tmp / f"front-{kind}-{policy}-{r}.db"
+                with ExitStack() as run:
+                    upstreams = urls if kind == "proxy" else [run.enter_context(router(kind, policy, urls))[0]]
+                    front, rec = run.enter_context(front_proxy(upstreams, db))
+                    got = run_sessions(front, f"{kind}-{policy}-r{r}", args.sessions, args.turns, args.concurrency,
                                        args.max_tokens)
-                rec.flush()
-            table.append(summarize(name, results, worker_changes(db)))
-            print(f"  done: {name}", flush=True)
+                    rec.flush()
+                results.setdefault(name, []).extend(got)
+                moved, later = worker_changes(db)
+                total = changes.setdefault(name, [0, 0])
+                total[0] += moved
+                total[1] += later
+                print(f"  done: {name} (round {r + 1})", flush=True)
+    table = [summarize(name, got, tuple(changes[name])) for name, got in results.items()]
 
     print()
     print(f"{'policy':44} {'turns':>5} {'hit rate':>9} {'TTFT med ms':>12} {'TTFT p90 ms':>12} {'worker changes':>15}")

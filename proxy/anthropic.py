@@ -36,7 +36,7 @@ from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.relay import abandoned, record_durably, serve_turn
 from prefixtrace.wire.turn_builder import TurnBuilder
-from proxy.upstream_backend import Relayed, map_httpx_errors
+from proxy.upstream_backend import Relayed, map_httpx_errors, served_by
 
 MESSAGES_PATH = messages_wire.PATH
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn", "tool_calls": "tool_use"}
@@ -237,6 +237,7 @@ class UpstreamMessages(Relayed):
     def __init__(self, response, builder: TurnBuilder, url: str):
         super().__init__(response, url)
         self.builder = builder
+        builder.turn.served_by = served_by(response, url)  # the worker behind a router, else `url`
         self.reader = messages_wire.MessagesReader()
         self._usage: dict = {}
 

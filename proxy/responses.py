@@ -38,7 +38,7 @@ from prefixtrace.wire.responses_stream import TERMINAL, ResponsesReader, Respons
 from prefixtrace.wire.turn_builder import TurnBuilder
 from proxy.chat_request import ChatRequest, parse_chat_request, passthrough_request
 from proxy.relay import abandoned, record_durably, serve_turn
-from proxy.upstream_backend import Relayed, map_httpx_errors
+from proxy.upstream_backend import Relayed, map_httpx_errors, served_by
 
 RESPONSES_PATH = wire.PATH
 STORE_LIMIT = 1024  # conversations kept for previous_response_id (oldest dropped first)
@@ -153,6 +153,7 @@ class UpstreamResponses(Relayed):
     def __init__(self, response, builder: TurnBuilder, url: str):
         super().__init__(response, url)
         self.builder = builder
+        builder.turn.served_by = served_by(response, url)  # the worker behind a router, else `url`
         self.reader = ResponsesReader()
         self._complete = False  # a terminal event or an in-band error seen
 

@@ -174,3 +174,26 @@ def test_a_worker_lost_mid_session_is_named_a_routing_miss(tmp_path):
     assert last["break"] and last["break"]["cause"] == "server_miss", last
     assert last["break"]["subtype"] == "routing", last["break"]
     assert last["served_by"] == served[-1]
+
+
+def test_every_upstream_turn_names_the_worker_that_answered(fleet, tmp_path):
+    """No router needed: a proxy in front of one worker records the worker's X-Prefixtrace-Worker as
+    `served_by` on chat, legacy completions, Messages and Responses turns, streamed and not, and the
+    session id reaches the worker as both routers' routing key."""
+    worker_url, name, _ = fleet[0]
+    msgs = [{"role": "user", "content": "hi"}]
+    asks = [("/v1/chat/completions", {"messages": msgs}), ("/v1/completions", {"prompt": "hi"}),
+            ("/v1/messages", {"messages": msgs}), ("/v1/responses", {"input": "hi"})]
+    r = httpx.get(worker_url + "/health", timeout=10)
+    assert r.headers["x-prefixtrace-worker"] == name  # every response of `serve` names it, /health too
+    with front_proxy([worker_url], tmp_path / "front.db") as (front, rec):
+        for path, body in asks:
+            for stream in (False, True):
+                limit = {"max_output_tokens": 4} if path == "/v1/responses" else {"max_tokens": 4}
+                r = httpx.post(front + path, json={"model": "default", "stream": stream, **limit, **body},
+                               headers={"X-Session-Id": f"zeta{path}"}, timeout=60)
+                assert r.status_code == 200, (path, r.text)
+        recorded = rows(rec)
+    assert [(t["endpoint"], t["served_by"]) for t in recorded] == [(p, name) for p, _ in asks for _ in (0, 1)]
+    sent = [h for h in worker_headers(fleet) if str(h.get("x-session-id", "")).startswith("zeta")]
+    assert len(sent) == 8 and all(h["x-smg-routing-key"] == h["x-session-id"] for h in sent)
