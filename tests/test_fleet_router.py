@@ -38,8 +38,7 @@ SYSTEM = "You are a careful coding agent. Read the files before you change them 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    if SGLANG and VLLM:
-        pytest.skip(f"{SGLANG}; {VLLM}")
+    """Two tiny-model workers (w1, w2) shared by the tests that leave them running."""
     with workers(2, tmp_path_factory.mktemp("fleet")) as ws:
         yield ws
 
@@ -197,3 +196,15 @@ def test_every_upstream_turn_names_the_worker_that_answered(fleet, tmp_path):
     assert [(t["endpoint"], t["served_by"]) for t in recorded] == [(p, name) for p, _ in asks for _ in (0, 1)]
     sent = [h for h in worker_headers(fleet) if str(h.get("x-session-id", "")).startswith("zeta")]
     assert len(sent) == 8 and all(h["x-smg-routing-key"] == h["x-session-id"] for h in sent)
+
+
+def test_worker_name_must_fit_in_a_header(clean_env):
+    from click.testing import CliRunner
+
+    from prefixtrace.cli import cli
+
+    ok = CliRunner().invoke(cli, ["serve", "--print-config", "--worker-name", "gpu-1.rack2"])
+    assert ok.exit_code == 0 and json.loads(ok.output)["options"]["worker_name"]["value"] == "gpu-1.rack2"
+    for bad in ("two\nlines", "", "x" * 201, "naïve"):
+        out = CliRunner().invoke(cli, ["serve", "--print-config", "--worker-name", bad])
+        assert out.exit_code == 2 and "--worker-name" in out.output, (bad, out.output)
