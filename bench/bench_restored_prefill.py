@@ -51,7 +51,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from bench.bench_cache_tiers import pick_model  # noqa: E402
 from engine.prefix_cache import PrefixCache  # noqa: E402
-from engine.tq_cache import TQConfig, append_suffix, dense_copy  # noqa: E402
+from engine.tq_config import TQConfig, append_suffix, dense_copy  # noqa: E402
 
 
 def prefill(model, tokens, cache, chunk) -> float:

@@ -31,7 +31,6 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import skinny_gemm  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.sequence import Failed, Finished, Sequence  # noqa: E402
@@ -240,8 +239,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     parser.add_argument("--only", choices=["fairness", "batch"], help="run just this part")
     parser.add_argument("--decode-share", type=float, help="override scheduler.DECODE_PER_PREFILL_S (experiments)")
-    parser.add_argument("--skinny", help="GPU: comma-separated skinny GEMM modes (off,cuda,mma) to compare in this "
-                        "run, interleaved within each repeat; figures are reported per mode")
     args = parser.parse_args()
     if args.decode_share is not None:
         import engine.scheduler
@@ -265,9 +262,8 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     sizes = (1, 2, 4, 8)
-    modes = args.skinny.split(",") if args.skinny else [skinny_gemm.mode()]
+    modes = ["engine"]  # (the engine's own kernels; PREFIXTRACE_SKINNY_GEMM=0: MLX's matmul)
     for kind in modes:
-        skinny_gemm.set_mode(kind)
         for b in sizes:
             aggregate_decode(engine, b, 8, vocab)  # warm-up: the first step at a new batch shape compiles kernels
     # Repeats outermost, then modes, so a drift in the machine's speed touches every batch size and mode alike.
@@ -275,7 +271,6 @@ def main() -> None:
     decode_phase = {(kind, b): [] for kind in modes for b in sizes}
     for _ in range(args.repeats):
         for kind in modes:
-            skinny_gemm.set_mode(kind)
             for b in sizes:
                 for together in (True, False):
                     phases = {}
@@ -285,7 +280,6 @@ def main() -> None:
     steady_runs = {(kind, padded, b): [] for kind in modes for padded in (False, True) for b in sizes}
     for _ in range(args.repeats):
         for kind in modes:
-            skinny_gemm.set_mode(kind)
             for padded in (False, True):
                 for b in sizes:
                     steady_runs[kind, padded, b].append(steady_batch_decode(engine.model, b, args.tokens, vocab, padded))

@@ -1,4 +1,4 @@
-"""The skinny GEMM kernels (engine/skinny_gemm.py) against MLX's own matmul, on CUDA.
+"""The skinny GEMM kernels (engine/kernels/skinny_gemm.py) against MLX's own matmul, on CUDA.
 
 Two measurements, each for R = 1..8 rows of x, side by side in one run:
 
@@ -28,8 +28,8 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import skinny_gemm  # noqa: E402
-from engine.skinny_gemm import available, skinny_matmul, skinny_matmul_mma  # noqa: E402
+from engine.kernels import skinny_gemm  # noqa: E402
+from engine.kernels.skinny_gemm import available, skinny_matmul, skinny_matmul_mma  # noqa: E402
 
 SHAPES = {"qo": (4096, 4096), "kv": (1024, 4096), "gate_up": (12288, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
@@ -86,8 +86,7 @@ def decode_step_chain(row_counts: list[int]) -> dict:
         "cuda": lambda x, w: skinny_matmul(x, w),
         "mma": lambda x, w: skinny_matmul_mma(x, w),
     }
-    for kind in ("cuda", "mma"):
-        ways[f"auto_{kind}"] = (lambda kind: lambda x, w: _auto(kind, x, w))(kind)
+    ways["auto"] = _auto
 
     def step(mm, x):
         outs = []
@@ -100,7 +99,7 @@ def decode_step_chain(row_counts: list[int]) -> dict:
         return outs + [mm(x, weights["lm_head"])], x
 
     def stacked_step(_, x):
-        """The default engine path: q|k|v and gate|up each one launch (engine/skinny_gemm.py _Stack)."""
+        """The default engine path: q|k|v and gate|up each one launch (engine/kernels/skinny_gemm.py _Stack)."""
         outs = []
         for _ in range(LAYERS):
             q, k, v = skinny_matmul_mma(x, weights["qkv"], parts=(4096, 1024, 1024))
@@ -147,9 +146,8 @@ def decode_step_chain(row_counts: list[int]) -> dict:
     return report
 
 
-def _auto(kind: str, x: mx.array, w: mx.array) -> mx.array:
-    """What SkinnyLinear does in this mode."""
-    skinny_gemm.set_mode(kind)
+def _auto(x: mx.array, w: mx.array) -> mx.array:
+    """What SkinnyLinear does (`project`: the kernel that measured fastest, else MLX's matmul)."""
     y = skinny_gemm.project(x, w)
     return x @ w.T if y is None else y
 

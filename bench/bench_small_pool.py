@@ -10,7 +10,7 @@ step, side by side in one process, the constant being:
 * small: a cached 4-byte array (the pool), nothing else written between steps;
 * small, host writes: the same, with one new host scalar (`mx.array(float)`, the pool) made and
   evaluated before each step, as any op with a Python number does;
-* own page, host writes: a 16 KB zero-padded array (`decode_attention.own_page`) with the same writes.
+* own page, host writes: a 16 KB zero-padded array (`engine.kernels.common.own_page`) with the same writes.
 
 If the hypothesis holds, the second is slower than the other two by the fault's service time.
 Measured on the H200 (session 9): both small-pool cases were slower, by ~33-43 us a step, with or
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx
 import numpy as np
 
-from engine import decode_attention as da
+from engine.kernels import common
 
 _SOURCE = """
     const float v = c[0];
@@ -64,11 +64,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    if not da.available():
+    if not common.available():
         print("no CUDA device: nothing to measure (the probe kernel is CUDA only)")
         return
     small = mx.array(np.array([1.5], np.float32))
-    own = mx.array(np.full(da.OWN_PAGE // 4, 1.5, np.float32))  # what `own_page` makes, whatever the env says
+    own = mx.array(np.full(common.OWN_PAGE // 4, 1.5, np.float32))  # what `own_page` makes, whatever the env says
     mx.eval(small, own)
     cases = {"small": (small, False), "small_host_writes": (small, True), "own_page_host_writes": (own, True),
              "small_again": (small, False)}

@@ -4,7 +4,7 @@
     python bench/bench_turboquant.py --quick    # fewer samples
     python bench/bench_turboquant.py --smollm2 --quick  # the bundled trained model, one sample (~3 min)
     python bench/bench_turboquant.py --smollm2  # both samples, 1024 + 256 tokens (~10 min on 2 busy cores)
-    python bench/bench_turboquant.py --engine-decode 32768 --engine-decode 100000 --engine-variants v2s,v3  # GPU: engine
+    python bench/bench_turboquant.py --engine-decode 32768 --engine-decode 100000  # GPU: engine, dense vs TurboQuant
     python bench/bench_turboquant.py --engine-decode 8192 --engine-shape tiny --engine-chunk 512 \
         --engine-warmup 512 --engine-tokens 4 --engine-chunked-too  # CPU: cold prefill, dense KV vs chunked on TQ
 
@@ -35,95 +35,20 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache, make_tq_cache, to_turboquant  # noqa: E402
+from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache  # noqa: E402
+from engine.tq_config import make_tq_cache, to_turboquant  # noqa: E402
 from engine.turboquant import get_codec  # noqa: E402
+from engine.tq_quality import (  # noqa: E402
+    GAUSSIAN_LLOYD_MAX, PAPER_D_MSE, Bfloat16KVCache, SplitCache, attention_error, compare_logprobs,
+    continuation_logits, distortion, kv_bytes_per_token, kv_bytes_ratio, load, next_token_agreement, used_nbytes,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "fixtures" / "tiny-llama"
-# Lloyd-Max distortion of a unit-variance Gaussian (the large-d limit of D_mse);
-# the paper prints these as 0.36, 0.117, 0.03, 0.009.
-GAUSSIAN_LLOYD_MAX = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497}
-PAPER_D_MSE = {1: 0.36, 2: 0.117, 3: 0.03, 4: 0.009}
-
-
-def load(path, dtype=mx.float32):
-    from mlx_lm.utils import load as mlx_load
-
-    model, tokenizer = mlx_load(str(path))
-    if dtype is not None:
-        model.set_dtype(dtype, predicate=lambda d: mx.issubdtype(d, mx.floating))
-    return model, tokenizer
 
 
 def load_tiny(dtype=mx.float32):
     return load(TINY_MODEL, dtype)
-
-
-def distortion(dim: int, bits: int, n: int = 8192, seed: int = 0) -> float:
-    """E|x - x_hat|^2 over random unit vectors x (D_mse; per coordinate it is this / dim)."""
-    x = mx.random.normal((n, dim), key=mx.random.key(seed))
-    x = x / mx.linalg.norm(x, axis=-1, keepdims=True)
-    codec = get_codec(dim, bits)
-    x_hat = codec.decode(*codec.encode(x))
-    return mx.mean(mx.sum((x - x_hat) ** 2, axis=-1)).item()
-
-
-def kv_bytes_ratio(head_dim: int = 64, bits: int = 4, tokens: int = 4096, kv_heads: int = 8) -> float:
-    """Measured bytes of a TurboQuant cache (codes, norms, dense tail) over a bf16 `KVCache`."""
-    keys = mx.random.normal((1, kv_heads, tokens, head_dim)).astype(mx.bfloat16)
-    dense, tq = KVCache(), TurboQuantKVCache(bits)
-    dense.update_and_fetch(keys, keys)
-    tq.update_and_fetch(keys, keys)
-    mx.eval(tq.state)
-    return tq.nbytes / dense.nbytes
-
-
-def _layer_inputs(model, tokens: mx.array):
-    """Hidden state entering each layer, and the dense caches, of a llama-style model."""
-    inner = model.model
-    h = inner.embed_tokens(tokens)
-    caches = make_prompt_cache(model)
-    inputs = []
-    for layer, cache in zip(inner.layers, caches):
-        inputs.append(h)
-        h = layer(h, "causal", cache=cache)
-    return inputs, caches
-
-
-def attention_error(model, tokens: mx.array, bits: int, seed: int = 0, side: str = "kv", prepared=None) -> list[float]:
-    """Per layer: |attn_tq - attn_dense| / |attn_dense| for the model's own queries
-    over the prompt (causal), with K/V from a TurboQuant copy of the dense cache.
-    `side` "k" or "v" quantises only the keys or only the values (the other stays dense);
-    `prepared` is `_layer_inputs(model, tokens)`, to reuse across calls."""
-    inputs, caches = prepared or _layer_inputs(model, tokens)
-    errors = []
-    for layer, h, cache in zip(model.model.layers, inputs, caches):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        B, L, _ = x.shape
-        q = attn.rope(attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3))
-        k, v = cache.keys[:, :, :L], cache.values[:, :, :L]
-        tq = to_turboquant([cache], bits=bits, seed=seed, dense_layers=())[0].to_dense()
-        tk = tq.keys if "k" in side else k
-        tv = tq.values if "v" in side else v
-        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask="causal")
-        out = mx.fast.scaled_dot_product_attention(q, tk, tv, scale=attn.scale, mask="causal")
-        errors.append((mx.linalg.norm(out - ref) / mx.linalg.norm(ref)).item())
-    return errors
-
-
-def next_token_agreement(model, tokens: mx.array, bits: int, dense_layers=(), chunk: int = 64) -> float:
-    """Fraction of positions where TurboQuant and dense caches give the same argmax,
-    feeding the same tokens in chunks (so later chunks read quantised K/V)."""
-    agree = total = 0
-    dense, tq = make_prompt_cache(model), make_tq_cache(model, bits=bits, dense_layers=dense_layers)
-    for start in range(0, tokens.shape[1], chunk):
-        piece = tokens[:, start : start + chunk]
-        a = mx.argmax(model(piece, cache=dense), axis=-1)
-        b = mx.argmax(model(piece, cache=tq), axis=-1)
-        agree += mx.sum(a == b).item()
-        total += piece.size
-    return agree / total
 
 
 def decode_step_ms(model, caches, context: int, steps: int = 32, rows: int = 1) -> float:
@@ -176,46 +101,6 @@ def text_tokens(tokenizer, name: str, n: int, rev: str | None = TEXT_REV) -> lis
     return ids[:n]
 
 
-class SplitCache:
-    """Keys from one cache, values from another: TurboQuant on one side only (a diagnostic,
-    to tell whether keys or values carry the error). Both caches see every token."""
-
-    def __init__(self, key_cache, value_cache):
-        self.key_cache, self.value_cache = key_cache, value_cache
-
-    @property
-    def offset(self):
-        return self.key_cache.offset
-
-    def make_mask(self, *args, **kwargs):
-        return self.key_cache.make_mask(*args, **kwargs)
-
-    def update_and_fetch(self, keys, values):
-        k, _ = self.key_cache.update_and_fetch(keys, values)
-        _, v = self.value_cache.update_and_fetch(keys, values)
-        return k, v
-
-
-class Bfloat16KVCache(KVCache):
-    """Dense K/V rounded through bfloat16 (what a bf16 engine keeps): the floor a
-    near-lossless cache sets for these figures. Held as float32, counted as bf16."""
-
-    def update_and_fetch(self, keys, values):
-        return super().update_and_fetch(keys.astype(mx.bfloat16).astype(keys.dtype),
-                                        values.astype(mx.bfloat16).astype(values.dtype))
-
-
-def used_nbytes(cache) -> float:
-    """Bytes a layer's cache holds for its tokens (mlx-lm's caches allocate in steps of 256)."""
-    if isinstance(cache, SplitCache):  # both halves hold K and V alike: half of each
-        return (used_nbytes(cache.key_cache) + used_nbytes(cache.value_cache)) / 2
-    if isinstance(cache, (KVCache, QuantizedKVCache)) and cache.offset:
-        allocated = (cache.keys[0] if isinstance(cache, QuantizedKVCache) else cache.keys).shape[2]
-        scale = 0.5 if isinstance(cache, Bfloat16KVCache) and cache.keys.dtype == mx.float32 else 1.0
-        return cache.nbytes * cache.offset / allocated * scale
-    return cache.nbytes  # TurboQuantKVCache: exactly its codes, norms and dense tail
-
-
 def quality_configs(model, bits_list, affine_bits=(4,)) -> list[tuple[str, object]]:
     """(name, cache factory) per setting: dense K/V rounded to bf16 (a floor); TurboQuant
     with every layer quantised and with the last layer dense (the engine's default);
@@ -237,43 +122,6 @@ def quality_configs(model, bits_list, affine_bits=(4,)) -> list[tuple[str, objec
     configs.append((f"tq K{top + 1}/V{top - 1}, all", lambda: [
         SplitCache(TurboQuantKVCache(top + 1), TurboQuantKVCache(top - 1)) for _ in range(n)]))
     return configs
-
-
-def continuation_logits(model, tokens: list[int], cache, prompt: int, prefill_chunk: int = 512,
-                        step: int = 64) -> mx.array:
-    """Log-probs (C, vocab) over the continuation tokens[prompt:-1], teacher-forced.
-
-    The prompt is prefilled in `prefill_chunk` chunks (the engine's default), the
-    continuation in `step`-token chunks starting on a multiple of 64 (the TurboQuant
-    group): each position then sees the earlier groups decoded and its own group
-    dense, which is what a decode step sees (exactly, but for a group's last step)."""
-    x = mx.array(tokens)[None]
-    for start in range(0, prompt, prefill_chunk):
-        mx.eval(model(x[:, start : min(start + prefill_chunk, prompt)], cache=cache))
-    out = []
-    for start in range(prompt, len(tokens) - 1, step):
-        logits = model(x[:, start : min(start + step, len(tokens) - 1)], cache=cache)[0].astype(mx.float32)
-        out.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-        mx.eval(out[-1])
-    return mx.concatenate(out, axis=0)
-
-
-def compare_logprobs(ref: mx.array, test: mx.array, targets: mx.array) -> dict:
-    """Greedy agreement, mean KL(ref || test), mean NLL change on the real next tokens,
-    and the reference's top-1 minus top-2 log-prob margin where argmax flips (median)."""
-    a, b = mx.argmax(ref, axis=-1), mx.argmax(test, axis=-1)
-    kl = mx.sum(mx.exp(ref) * (ref - test), axis=-1)
-    nll = lambda lp: -mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]  # noqa: E731
-    top2 = mx.sort(ref, axis=-1)[:, -2:]
-    margin = (top2[:, 1] - top2[:, 0]).tolist()
-    flips = [m for m, same in zip(margin, (a == b).tolist()) if not same]
-    return {"agree": mx.mean(a == b).item(), "kl": mx.mean(kl).item(),
-            "dnll": mx.mean(nll(test) - nll(ref)).item(), "flip_margin": statistics.median(flips) if flips else None,
-            "margin": statistics.median(margin)}
-
-
-def kv_bytes_per_token(cache, tokens: int) -> float:
-    return sum(used_nbytes(c) for c in cache) / tokens
 
 
 def trained_model_quality(model, tokenizer, samples, prompt: int, cont: int, bits_list, layers,
@@ -359,29 +207,28 @@ SMALL_QWEN3 = dict(
 )
 
 
-def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: int = 4096, shape: str = "qwen3-8b",
+def engine_decode(contexts, tokens: int, chunk: int, warmup: int = 4096, shape: str = "qwen3-8b",
                   chunked_too: bool = False, repeat: int = 1, dense: bool = True, probe_build: bool = False) -> dict:
     """Whole-model figures through the engine, dense and `--kv-quant turboquant` side by side
     on one random Qwen3-8B-shaped model (bf16; GPU): per context, the cold prefill time and
-    the decode tokens/s of one row (the engine's own `Finished` timings). `variants`: the
-    TurboQuant decode variants to run (engine.decode_attention.TQ_VARIANTS; None: the default),
-    one engine each. `warmup`: each engine first serves one request of this many prompt tokens
+    the decode tokens/s of one row (the engine's own `Finished` timings). `warmup`: each engine first serves one request of this many prompt tokens
     (not recorded), so the kernels' first-shape compilations (prefill chunks, decode) stay out
     of the figures. `shape`: "qwen3-8b" (bf16) or "small" (`SMALL_QWEN3`, float32, for the
-    CPU). `chunked_too`: each TurboQuant variant also runs with its cold prefill chunked on
-    the TurboQuant caches (engine.scheduler.COLD_DENSE_PREFILL off: the path before
-    session 6), labelled `..._chunked`, for a before/after in one run. `repeat`: each engine
+    CPU). `chunked_too`: the TurboQuant engine also runs with its cold prefill chunked on
+    the TurboQuant caches (engine.scheduler.COLD_DENSE_PREFILL off: the path before the
+    dense cold prefill), labelled `..._chunked`, for a before/after in one run. `repeat`: each engine
     serves each context this many times (other tokens each time, `run` 1, 2, ...): the first
     run pays what is built per shape (kernels, cuDNN graphs), the next ones not. `dense`:
     False skips the dense engine. `probe_build`: after the engines, time
-    `engine.tq_prebuild.prebuild` (every decode-kernel chunk; a chunk no engine built costs
+    `engine.kernels.prebuild.prebuild_tq` (every decode-kernel build; one no engine built costs
     its compile, one already built ~nothing). Each engine's load time and the kernels it built
     at load (`Engine.tq_kernel_build_s`, PREFIXTRACE_TQ_PREBUILD) are in `engines`."""
     import queue
 
     from bench.bench_scheduler import QWEN3_8B, random_loader
-    from engine import decode_attention, scheduler, tq_prebuild
-    from engine.tq_cache import TQConfig
+    from engine import scheduler
+    from engine.kernels import prebuild
+    from engine.tq_config import TQConfig
     from engine.engine import Engine
     from engine.sampling import SamplingParams
     from engine.sequence import Failed, Finished, Sequence
@@ -393,7 +240,7 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
         built = random_loader(SMALL_QWEN3 if small else QWEN3_8B, mx.float32 if small else mx.bfloat16)()  # one for all
         vocab = (SMALL_QWEN3 if small else QWEN3_8B)["vocab_size"]
     out = {"device": str(mx.default_device()), "shape": shape, "tokens": tokens, "prefill_chunk": chunk,
-           "warmup": warmup, "repeat": repeat, "tq_prebuild": tq_prebuild.ENABLED,
+           "warmup": warmup, "repeat": repeat, "tq_prebuild": os.environ.get("PREFIXTRACE_TQ_PREBUILD", "1") != "0",
            "mlx_ptx_cache_dir": os.environ.get("MLX_PTX_CACHE_DIR"),
            "load_average_start": round(os.getloadavg()[0], 2), "runs": [], "engines": []}
 
@@ -409,20 +256,17 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
             raise ev.error
         return ev
 
-    default = decode_attention.tq_variant()
     labels = []
-    runs = [("none", None, False)] * dense + [("turboquant", v, False) for v in variants]
+    runs = [("none", False)] * dense + [("turboquant", False)]
     if chunked_too:
         # Then each TurboQuant engine again: the first one of a process pays first-shape
         # compilations at the long context that the warm-up did not reach (a new decode
         # context, the encoder's and the codec's shapes), and the second round is free of them.
-        runs += [("turboquant", v, True) for v in variants]
-        runs += [("turboquant", v, c) for c in (False, True) for v in variants]
-    for kv, variant, chunked in runs:
-        label = kv if kv == "none" else f"turboquant_{variant or default}" + ("_chunked" if chunked else "")
+        runs += [("turboquant", True), ("turboquant", False), ("turboquant", True)]
+    for kv, chunked in runs:
+        label = kv + ("_chunked" if chunked else "")
         label += "_again" if label in labels else ""
         labels.append(label)
-        decode_attention.set_tq_variant(variant or default)
         scheduler.COLD_DENSE_PREFILL = not chunked
         model_kw = dict(model_dir=str(ROOT / "fixtures/tiny-llama"), dtype="float32") if tiny else \
             dict(model_dir="random-qwen3-8b", loader=lambda: built)
@@ -444,15 +288,10 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
                     print(json.dumps(row), flush=True)
         finally:
             engine.shutdown()
-            decode_attention.set_tq_variant(default)
             scheduler.COLD_DENSE_PREFILL = True
             mx.clear_cache()
     if probe_build and not tiny:
-        on, tq_prebuild.ENABLED = tq_prebuild.ENABLED, True
-        try:
-            probe = tq_prebuild.prebuild(built[0], TQConfig(), 1)
-        finally:
-            tq_prebuild.ENABLED = on
+        probe = prebuild.prebuild_tq(built[0], TQConfig(), 1)
         out["probe_build_s"] = {("reduces" if c < 0 else str(c or "encode")): round(s, 3) for c, s in probe.items()}
         print(json.dumps({"probe_build_s": out["probe_build_s"]}), flush=True)
     by = {(r["kv"], r["context"], r["run"]): r for r in out["runs"]}
@@ -467,13 +306,11 @@ def engine_decode(contexts, tokens: int, chunk: int, variants=(None,), warmup: i
             for label in labels:
                 out["ratios"][str(c)][f"{label}_prefill_first_minus_second_s"] = round(
                     by[label, c, 1]["prefill_s"] - by[label, c, 2]["prefill_s"], 3)
-    if chunked_too:  # after / before, the same variant and context
+    if chunked_too:  # after / before, the same context
         for c in contexts:
-            for v in variants:
-                for again in ("", "_again"):
-                    label = f"turboquant_{v or default}"
-                    out["ratios"][str(c)][f"{label}{again}_prefill_vs_chunked"] = round(
-                        by[label + again, c, 1]["prefill_s"] / by[label + "_chunked" + again, c, 1]["prefill_s"], 3)
+            for again in ("", "_again"):
+                out["ratios"][str(c)][f"turboquant{again}_prefill_vs_chunked"] = round(
+                    by["turboquant" + again, c, 1]["prefill_s"] / by["turboquant_chunked" + again, c, 1]["prefill_s"], 3)
     out["load_average_end"] = round(os.getloadavg()[0], 2)
     return out
 
@@ -486,8 +323,6 @@ def main() -> None:
                         "random Qwen3-8B shape, at this context (repeatable)")
     parser.add_argument("--engine-tokens", type=int, default=32)
     parser.add_argument("--engine-chunk", type=int, default=2048)
-    parser.add_argument("--engine-variants", default="",
-                        help="TurboQuant decode variants through the engine, one engine each (e.g. v2s,v3; default: the default)")
     parser.add_argument("--engine-warmup", type=int, default=4096,
                         help="prompt tokens of one unrecorded request per engine first (0: none)")
     parser.add_argument("--engine-shape", choices=("qwen3-8b", "small", "tiny"), default="qwen3-8b",
@@ -499,7 +334,7 @@ def main() -> None:
                         help="--engine-decode: serve each context this many times per engine (first vs second run)")
     parser.add_argument("--engine-no-dense", action="store_true", help="--engine-decode: TurboQuant engines only")
     parser.add_argument("--engine-probe-build", action="store_true",
-                        help="--engine-decode: then time building every TurboQuant decode-kernel chunk (tq_prebuild)")
+                        help="--engine-decode: then time building every TurboQuant decode kernel (engine/kernels/prebuild.py)")
     parser.add_argument("--json", type=Path, help="--engine-decode: also write the figures here")
     parser.add_argument("--skip-tiny-timing", action="store_true")
     parser.add_argument("--smollm2", action="store_true", help="quality on the bundled trained model instead")
@@ -513,8 +348,7 @@ def main() -> None:
     parser.add_argument("--timing", action="store_true", help="--smollm2: also decode step times")
     args = parser.parse_args()
     if args.engine_decode:
-        variants = tuple(args.engine_variants.split(",")) if args.engine_variants else (None,)
-        out = engine_decode(args.engine_decode, args.engine_tokens, args.engine_chunk, variants, args.engine_warmup,
+        out = engine_decode(args.engine_decode, args.engine_tokens, args.engine_chunk, args.engine_warmup,
                             args.engine_shape, args.engine_chunked_too, args.engine_repeat, not args.engine_no_dense,
                             args.engine_probe_build)
         print(json.dumps(out, indent=1))

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine import decode_attention, dense_prebuild, skinny_gemm, tq_prebuild
-from engine.chat_render import RenderedPrompt, normalize_messages, render_prompt
+from engine.kernels import selector
+from engine.chat_render import PromptOverLimit, RenderedPrompt, encode_within, normalize_messages, render_prompt, token_bound
 from engine.disk_cache import CacheDirUnusable
 from engine.grammar import GrammarCompiler
 from engine.memory import (CACHE_FRACTION, DEFAULT_CEILING_FRACTION, MemoryModel, default_cache_bytes, default_prefill_chunk,
@@ -25,9 +25,10 @@ from engine.reply_parser import ReplyFormat
 from engine.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_DISK_BYTES, PrefixCache
 from engine.render_policy import DEFAULT_GUARD_TOKENS, BoundPolicy, NoticeRule, RenderPolicy, TemplateTraits
 from engine.scheduler import Scheduler
-from engine.tq_cache import TQConfig, install_attention_hook
+from engine.attention_hook import install_attention_hook
+from engine.tq_config import TQConfig
 from engine.sequence import Failed, Sequence
-from prefixtrace.errors import EngineError, EngineNotReady, PrefixtraceError
+from prefixtrace.errors import ContextExceedsCapacity, EngineError, EngineNotReady, PrefixtraceError
 
 log = logging.getLogger("prefixtrace.engine")
 
@@ -101,6 +102,7 @@ class Engine:
             NoticeRule(notice_pattern) if notice_pattern is not None else NoticeRule(),
         )
         self._bound_policy: BoundPolicy | None = None  # bound to the template once the tokenizer is loaded
+        self._token_bound = None  # engine/chat_render.py TokenBound, once the tokenizer is loaded
         self.allow_client_templates = allow_client_templates  # chat_template_kwargs.chat_template (docs/SECURITY.md)
         self.model_dir = Path(model_dir)
         # Runs on the engine thread; benchmarks pass one that builds a model in memory.
@@ -126,7 +128,7 @@ class Engine:
         self._load_error: BaseException | None = None
         self.scheduler: Scheduler | None = None
         self.tq_kernel_build_s: dict[int, float] = {}  # TurboQuant kernels built at load: {chunk: s}
-        self.dense_kernel_build_s: dict[int, float] = {}  # dense decode kernels built at load (engine/dense_prebuild.py)
+        self.dense_kernel_build_s: dict[int, float] = {}  # dense decode kernels built at load (engine/kernels/prebuild.py)
         self._thread = threading.Thread(target=self._main, name="prefixtrace-engine", daemon=True)
 
     # --- lifecycle (any thread) -------------------------------------------------
@@ -155,15 +157,57 @@ class Engine:
 
     # --- requests (any thread) --------------------------------------------------
 
-    def render(self, messages, *, tools=None, chat_template_kwargs=None) -> RenderedPrompt:
-        """Render a chat request with the model's template. Thread-safe; no MLX work."""
+    def render(self, messages, *, tools=None, chat_template_kwargs=None, count_up_to: int | None = None) -> RenderedPrompt:
+        """Render a chat request with the model's template. Thread-safe; no MLX work. A prompt that cannot fit
+        the context is the context error, found without tokenizing all of a huge one; `count_up_to` (a
+        token count only, nothing runs) counts exactly up to that many tokens instead."""
         if not self.ready:
             raise EngineNotReady("the model is still loading")
         applied = self._bound_policy.apply(normalize_messages(messages), chat_template_kwargs)
-        rendered = render_prompt(self.tokenizer, applied.messages, tools=tools, chat_template_kwargs=applied.template_kwargs,
-                                 allow_client_template=self.allow_client_templates)
+        try:
+            rendered = render_prompt(self.tokenizer, applied.messages, tools=tools,
+                                     chat_template_kwargs=applied.template_kwargs,
+                                     allow_client_template=self.allow_client_templates,
+                                     token_limit=count_up_to or self.memory.max_context_tokens, bound=self._token_bound)
+        except PromptOverLimit as over:
+            raise self._cannot_fit(over) from None
         rendered.policy = applied.record
         return rendered
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """A raw prompt's tokens (legacy completions: the tokenizer's own BOS), or the context error
+        for one that cannot fit, found without tokenizing all of a huge one. Thread-safe."""
+        if not self.ready:
+            raise EngineNotReady("the model is still loading")
+        try:
+            return encode_within(self.tokenizer, prompt, self.memory.max_context_tokens, self._token_bound)
+        except PromptOverLimit as over:
+            raise self._cannot_fit(over) from None
+
+    def _count_reasoning(self, text: str) -> int:
+        """Tokens of a reasoning string, for the retention guard: exact up to the guard, and past it a
+        lower bound that is still past it (the guard only asks whether the reasoning kept passes it), so
+        a huge reasoning string is not tokenized in full."""
+        try:
+            return len(encode_within(self.tokenizer, text, self.render_policy.guard_tokens + 1, self._token_bound,
+                                     add_special_tokens=False))
+        except PromptOverLimit as over:
+            return over.at_least
+
+    def _cannot_fit(self, over: PromptOverLimit) -> ContextExceedsCapacity:
+        if over.limit > self.memory.max_context_tokens:  # a count asked for: past what is counted
+            return ContextExceedsCapacity(
+                f"the prompt is at least {over.at_least} tokens, more than this server counts ({over.limit}; "
+                f"at most {self.memory.max_context_tokens} tokens fit the model)", prompt_tokens=over.at_least,
+                prompt_tokens_at_least=over.at_least, retryable=False, **self.memory.numbers())
+        how = (f"counted in part ({over.at_least} tokens past the cuts' slack)" if over.counted
+               else f"{over.chars} characters, and no token of this tokenizer spans more than "
+                    f"{self._token_bound.max_units} {self._token_bound.unit}")
+        return ContextExceedsCapacity(
+            f"the prompt (at least {over.at_least} tokens: {how}) can never fit: at most "
+            f"{self.memory.max_context_tokens} tokens fit, the prompt and at least one output token",
+            prompt_tokens=over.at_least, prompt_tokens_at_least=over.at_least, max_tokens=None, retryable=False,
+            **self.memory.numbers())
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Raise ContextExceedsCapacity (with the numbers) for a request that can never run."""
@@ -207,8 +251,9 @@ class Engine:
     def _serve(self) -> None:
         try:
             self.model, self.tokenizer, config = self._loader()
-            skinny_gemm.install(self.model)  # CUDA only: batched decode reads each weight once
-            if self.tq is not None or decode_attention.available():
+            kernels = selector.select()  # the decode kernels of this process (none on the CPU)
+            kernels.install_projections(self.model)  # CUDA only: batched decode reads each weight once
+            if self.tq is not None or kernels.cuda:
                 # attention in TurboQuant's rotated basis; on CUDA also padded dense decode (no mask)
                 install_attention_hook(self.model)
             self.context_length = int(config.get("max_position_embeddings") or 4096)
@@ -218,8 +263,10 @@ class Engine:
                      " (Hermes assumed: the tokenizer names no tool format)" if self.reply_format.fallback else "",
                      self.reply_format.think_start or "none")
             traits = TemplateTraits.from_tokenizer(self.tokenizer)
-            self._bound_policy = BoundPolicy(
-                self.render_policy, traits, lambda s: len(self.tokenizer.encode(s, add_special_tokens=False)))
+            self._token_bound = token_bound(self.tokenizer)  # engine/chat_render.py: huge prompts refused early
+            log.info("prompt size bound: %s", f"a token spans at most {self._token_bound.max_units} "
+                     f"{self._token_bound.unit}" if self._token_bound else "none (counted in chunks)")
+            self._bound_policy = BoundPolicy(self.render_policy, traits, self._count_reasoning)
             log.info("render policies: %s; template renders later system messages in place: %s, honours "
                      "preserve_thinking: %s", self.render_policy.describe(), traits.inline_system,
                      traits.preserve_thinking)
@@ -251,10 +298,10 @@ class Engine:
                 memory=self.memory,
                 adapt_cache=self.tq.adapt if self.tq is not None else None,  # a TurboQuant hit passes through
             )
-            if self.tq is not None:  # CUDA: every decode kernel now, not inside a request (engine/tq_prebuild.py)
-                self.tq_kernel_build_s = tq_prebuild.prebuild(self.model, self.tq, self.max_batch)
+            if self.tq is not None:  # CUDA: every decode kernel now, not inside a request (engine/kernels/prebuild.py)
+                self.tq_kernel_build_s = kernels.prebuild_tq(self.model, self.tq, self.max_batch)
             # CUDA: the padded dense decode kernel per chunk size (dense layers of TurboQuant models too)
-            self.dense_kernel_build_s = dense_prebuild.prebuild(self.model, self.max_batch)
+            self.dense_kernel_build_s = kernels.prebuild_dense(self.model, self.max_batch)
             mx.synchronize()
             log.info("model %s loaded from %s (context %d tokens)", self.name, self.model_dir, self.context_length)
         except BaseException as exc:  # reported through wait_ready()

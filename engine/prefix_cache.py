@@ -40,7 +40,7 @@ from engine.cache_blocks import (DENSE, Block, TQLayer, block_arrays, cut, cut_s
                                  is_dense, join, named_arrays, stage, staged_arrays)
 from engine.disk_cache import DiskCache
 from engine.memory_cache import MemoryCache
-from engine.tq_cache import TQConfig
+from engine.tq_config import TQConfig
 from engine.turboquant import get_codec
 from prefixtrace.errors import EngineError
 

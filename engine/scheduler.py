@@ -44,7 +44,8 @@ from engine.sampling import GREEDY
 from engine.sequence import Failed, Finished, Sequence, TextDelta
 from engine.spill import SpillStore
 from engine.stop_strings import StopMatcher
-from engine.tq_cache import TurboQuantKVCache, append_suffix, dense_copy, dense_copy_bytes
+from engine.tq_cache import TurboQuantKVCache
+from engine.tq_config import append_suffix, dense_copy, dense_copy_bytes
 from prefixtrace.errors import EngineError
 
 log = logging.getLogger("prefixtrace.scheduler")

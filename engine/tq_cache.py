@@ -1,9 +1,9 @@
 """TurboQuant KV caches: one row (`TurboQuantKVCache`) and left-padded rows
-(`BatchTurboQuantKVCache`), plus `make_tq_cache` / `to_turboquant`.
+(`BatchTurboQuantKVCache`); engine/tq_config.py builds them for a model.
 
 Every token's K and V are encoded on arrival (norm + packed codes, see
 `engine.turboquant`); on CUDA a decode step defers that to the step that first
-reads the codes (`decode_attention.defer_encode`: same codes, from the same dense
+reads the codes (the kernels' `defer_encode`: same codes, from the same dense
 values, in one launch per group), and the public `k` / `v` attributes encode
 anything pending before they are read. A position p of a row holding n tokens is *represented*
 by its decoded value once p < floor(n / group) * group, and by its dense value
@@ -15,7 +15,7 @@ batch it sits in, so a row decodes to the same K/V alone or batched.
 Attention follows the paper: the query is rotated once and attends over
 codebook values x norms in the rotated basis, and the output is rotated back
 once; no cached vector is inverse-rotated. That needs a hook into mlx-lm's
-attention call (`install_attention_hook`, installed by `make_tq_cache`);
+attention call (engine/attention_hook.py, installed by `make_tq_cache`);
 without it `update_and_fetch`'s return value, decoded unrotated K/V in the
 keys' dtype, gives the same attention more slowly. The class has no `bits`
 attribute on purpose: mlx-lm's `scaled_dot_product_attention` dispatches on
@@ -28,112 +28,16 @@ left padding, per-row `offset`) and masks each row to its own columns.
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from engine import decode_attention
+from engine.kernels import selector
+from engine.tq_buffers import DEFAULT_GROUP, Codes, Window, encode_into, floor_group, view, window
 from engine.turboquant import get_codec
 
-__all__ = ["TurboQuantKVCache", "BatchTurboQuantKVCache", "TQConfig", "make_tq_cache", "to_turboquant",
-           "install_attention_hook", "dense_copy", "dense_copy_bytes", "append_suffix"]
-
-DEFAULT_GROUP = 64
-
-
-def _floor(n: int, group: int) -> int:
-    return n - n % group
-
-
-def _grow(buf: mx.array | None, used: int, new: mx.array, step: int = 256) -> mx.array:
-    """Write `new` at columns [used, used + n) of `buf` (axis 2), growing it in steps."""
-    n = new.shape[2]
-    if buf is None or used + n > buf.shape[2]:
-        shape = list(new.shape)
-        shape[2] = ((used + n + step - 1) // step) * step
-        grown = mx.zeros(shape, new.dtype)
-        if buf is not None and used:
-            grown[:, :, :used] = buf[:, :, :used]
-        buf = grown
-    buf[:, :, used : used + n] = new
-    return buf
-
-
-class _Codes:
-    """Norms and packed codes of K or V for columns [0, used) of a (B, H, cap, .) buffer."""
-
-    def __init__(self):
-        self.norms: mx.array | None = None
-        self.codes: mx.array | None = None
-
-    def write(self, used: int, norms: mx.array, codes: mx.array) -> None:
-        self.norms = _grow(self.norms, used, norms)
-        self.codes = _grow(self.codes, used, codes)
-
-    def reserve(self, columns: int) -> None:
-        """Room for `columns` columns (a deferred step's views must span the whole context)."""
-        if self.codes is not None and self.codes.shape[2] < columns:
-            used = self.codes.shape[2]
-            self.norms = _grow(self.norms, used, mx.zeros((*self.norms.shape[:2], columns - used, 1), self.norms.dtype))
-            self.codes = _grow(self.codes, used, mx.zeros((*self.codes.shape[:2], columns - used, self.codes.shape[3]),
-                                                          self.codes.dtype))
-
-
-class _Window:
-    """Dense K or V of consecutive columns, kept in a buffer with room after them, so that a
-    decode step appends its token with one in-place slice write (as mlx-lm's `KVCache`
-    does; MLX reuses the buffer when nothing else holds it) instead of concatenating the
-    whole tail every step. `view()` is the columns held; `drop(n)` forgets the first n."""
-
-    STEP = 256
-
-    def __init__(self, arr: mx.array):
-        self.buf, self.lo, self.hi = arr, 0, arr.shape[2]
-
-    def view(self, skip: int = 0) -> mx.array:
-        """Columns held, less the first `skip` (one slice, not two: a slice costs ~7 us of host time,
-        and a decode step takes its views once per layer)."""
-        lo = self.lo + skip
-        return self.buf if lo == 0 and self.hi == self.buf.shape[2] else self.buf[:, :, lo : self.hi]
-
-    def append(self, new: mx.array) -> None:
-        n = new.shape[2]
-        if self.hi + n > self.buf.shape[2]:  # full: move the held columns to the front of a new buffer
-            held = self.hi - self.lo
-            shape = list(self.buf.shape)
-            shape[2] = -(-(held + n + self.STEP) // self.STEP) * self.STEP
-            grown = mx.zeros(shape, self.buf.dtype)
-            if held:
-                grown[:, :, :held] = self.buf[:, :, self.lo : self.hi]
-            self.buf, self.lo, self.hi = grown, 0, held
-        self.buf[:, :, self.hi : self.hi + n] = new
-        self.hi += n
-
-    def drop(self, n: int) -> None:
-        self.lo += n
-
-
-def _window(arr: mx.array | None) -> _Window | None:
-    return None if arr is None else _Window(arr)
-
-
-def _view(w: _Window | None) -> mx.array | None:
-    return None if w is None else w.view()
-
-
-def _encode_into(k: _Codes, v: _Codes, used: int, keys: mx.array, values: mx.array, ck, cv) -> None:
-    """Encode new keys/values and write them at column `used`: on CUDA one fused launch
-    for both (engine.decode_attention.encode_kv) instead of some twenty MLX ops."""
-    if ck is cv and decode_attention.use_encode(keys, values, ck):
-        kn, kc, vn, vc = decode_attention.encode_kv(keys, values, ck)
-        k.write(used, kn, kc)
-        v.write(used, vn, vc)
-        return
-    k.write(used, *ck.encode(keys))
-    v.write(used, *cv.encode(values))
+__all__ = ["TurboQuantKVCache", "BatchTurboQuantKVCache", "DEFAULT_GROUP", "encode_into", "floor_group"]
 
 
 class TurboQuantKVCache(_BaseCache):
@@ -148,10 +52,10 @@ class TurboQuantKVCache(_BaseCache):
     def __init__(self, kv_bits: int = 4, seed: int = 0, group: int = DEFAULT_GROUP):
         self.kv_bits, self.seed, self.group = kv_bits, seed, group
         self.offset = 0
-        self._k = _Codes()
-        self._v = _Codes()
-        self._tail_k: _Window | None = None  # dense values of positions [floor(offset), offset)
-        self._tail_v: _Window | None = None
+        self._k = Codes()
+        self._v = Codes()
+        self._tail_k: Window | None = None  # dense values of positions [floor(offset), offset)
+        self._tail_v: Window | None = None
         self._pending = 0  # the last _pending positions have no codes yet (`_flush`)
         self._step = None  # what the latest update_and_fetch's attention sees, for `attend`
         self.hooked = False  # the model's attention calls `attend` (see `_returns_unused`)
@@ -162,8 +66,8 @@ class TurboQuantKVCache(_BaseCache):
     # Everything outside the decode step reads complete codes: the public names flush.
     k = property(lambda self: self._flushed()._k, lambda self, c: setattr(self, "_k", c))
     v = property(lambda self: self._flushed()._v, lambda self, c: setattr(self, "_v", c))
-    tail_k = property(lambda self: _view(self._tail_k), lambda self, a: setattr(self, "_tail_k", _window(a)))
-    tail_v = property(lambda self: _view(self._tail_v), lambda self, a: setattr(self, "_tail_v", _window(a)))
+    tail_k = property(lambda self: view(self._tail_k), lambda self, a: setattr(self, "_tail_k", window(a)))
+    tail_v = property(lambda self: view(self._tail_v), lambda self, a: setattr(self, "_tail_v", window(a)))
 
     def codec(self, dim: int):
         return get_codec(dim, self.kv_bits, self.seed)
@@ -174,7 +78,7 @@ class TurboQuantKVCache(_BaseCache):
             n = self._pending
             self._pending = 0
             tk, tv = self._tail_k.view(), self._tail_v.view()
-            _encode_into(self._k, self._v, self.offset - n, tk[:, :, -n:], tv[:, :, -n:],
+            encode_into(self._k, self._v, self.offset - n, tk[:, :, -n:], tv[:, :, -n:],
                          self.codec(tk.shape[-1]), self.codec(tv.shape[-1]))
         return self
 
@@ -182,11 +86,11 @@ class TurboQuantKVCache(_BaseCache):
         self._step = None  # its views of the tail would keep MLX from writing the buffer in place
         prev, n = self.offset, self.offset + keys.shape[2]
         ck, cv = self.codec(keys.shape[-1]), self.codec(values.shape[-1])
-        b = min(prev, _floor(n, self.group))  # positions < b are seen decoded
-        cut = b - _floor(prev, self.group)
-        keep = _floor(n, self.group) - b
+        b = min(prev, floor_group(n, self.group))  # positions < b are seen decoded
+        cut = b - floor_group(prev, self.group)
+        keep = floor_group(n, self.group) - b
         if keys.shape[2] == 1 and self._tail_k is not None and self._k.codes is not None \
-                and decode_attention.defer_encode():
+                and selector.select().defer_encode:
             # A decode step: append to the tail in place; encode only when a position
             # without codes is about to be seen decoded or to leave the tail.
             self.offset = n  # (`_flushed` counts the pending positions back from it)
@@ -194,7 +98,7 @@ class TurboQuantKVCache(_BaseCache):
             self._tail_v.append(values)
             self._pending += 1
             first = n - self._pending
-            if b > first or _floor(n, self.group) > first:
+            if b > first or floor_group(n, self.group) > first:
                 self._flushed()
             self._k.reserve(n)
             self._v.reserve(n)
@@ -203,10 +107,10 @@ class TurboQuantKVCache(_BaseCache):
             self._tail_v.drop(cut + keep)
         else:
             self._flushed()
-            _encode_into(self._k, self._v, prev, keys, values, ck, cv)
+            encode_into(self._k, self._v, prev, keys, values, ck, cv)
             # Positions [b, n), seen dense. The new tail is cut from these alone, so it
             # never depends on (and never forces) a decode of the whole cache.
-            tail_k, tail_v = _view(self._tail_k), _view(self._tail_v)
+            tail_k, tail_v = view(self._tail_k), view(self._tail_v)
             dense_k = keys if tail_k is None else mx.concatenate([tail_k[:, :, cut:], keys], axis=2)
             dense_v = values if tail_v is None else mx.concatenate([tail_v[:, :, cut:], values], axis=2)
             self.tail_k, self.tail_v = dense_k[:, :, keep:], dense_v[:, :, keep:]
@@ -232,7 +136,7 @@ class TurboQuantKVCache(_BaseCache):
         return out[0], out[1]
 
     def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
-        """Attention of `queries` over this step's K/V (see `install_attention_hook`)."""
+        """Attention of `queries` over this step's K/V (see engine/attention_hook.py)."""
         return _attend_rotated(self, queries, scale, mask)
 
     @classmethod
@@ -247,7 +151,7 @@ class TurboQuantKVCache(_BaseCache):
         """The K/V this cache represents, as a dense `KVCache`."""
         dense = KVCache()
         if self.offset:
-            b = _floor(self.offset, self.group)
+            b = floor_group(self.offset, self.group)
             parts = []
             for codes, tail in ((self.k, self.tail_k), (self.v, self.tail_v)):
                 codec = self.codec(tail.shape[-1])
@@ -282,7 +186,7 @@ class TurboQuantKVCache(_BaseCache):
             return 0
         self._flushed()
         new = self.offset - n
-        old_floor, new_floor = _floor(self.offset, self.group), _floor(new, self.group)
+        old_floor, new_floor = floor_group(self.offset, self.group), floor_group(new, self.group)
         if new_floor >= old_floor:
             self.tail_k, self.tail_v = self.tail_k[:, :, : new - old_floor], self.tail_v[:, :, : new - old_floor]
         else:
@@ -302,7 +206,7 @@ class TurboQuantKVCache(_BaseCache):
 
     @state.setter
     def state(self, v):
-        self.k, self.v = _Codes(), _Codes()
+        self.k, self.v = Codes(), Codes()
         self.tail_k = self.tail_v = None
         self._pending, self._step = 0, None
         if v:
@@ -343,18 +247,18 @@ class BatchTurboQuantKVCache(_BaseCache):
         self.offset = mx.array([-p for p in self._pads])
         self._idx = 0
         self._ws = 0
-        self._k = _Codes()
-        self._v = _Codes()
-        self._win_k: _Window | None = None
-        self._win_v: _Window | None = None
+        self._k = Codes()
+        self._v = Codes()
+        self._win_k: Window | None = None
+        self._win_v: Window | None = None
         self._pending = 0  # columns [_idx - _pending, _idx) have no codes yet (`_flushed`)
         self._step = None
         self.hooked = False
 
     k = property(lambda self: self._flushed()._k, lambda self, c: setattr(self, "_k", c))
     v = property(lambda self: self._flushed()._v, lambda self, c: setattr(self, "_v", c))
-    win_k = property(lambda self: _view(self._win_k), lambda self, a: setattr(self, "_win_k", _window(a)))
-    win_v = property(lambda self: _view(self._win_v), lambda self, a: setattr(self, "_win_v", _window(a)))
+    win_k = property(lambda self: view(self._win_k), lambda self, a: setattr(self, "_win_k", window(a)))
+    win_v = property(lambda self: view(self._win_v), lambda self, a: setattr(self, "_win_v", window(a)))
 
     def _flushed(self):
         """Encode the columns deferred decode steps left without codes (from the window)."""
@@ -362,7 +266,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             n = self._pending
             self._pending = 0
             wk, wv = self._win_k.view(), self._win_v.view()
-            _encode_into(self._k, self._v, self._idx - n, wk[:, :, -n:], wv[:, :, -n:],
+            encode_into(self._k, self._v, self._idx - n, wk[:, :, -n:], wv[:, :, -n:],
                          get_codec(wk.shape[-1], self.kv_bits, self.seed),
                          get_codec(wv.shape[-1], self.kv_bits, self.seed))
         return self
@@ -371,7 +275,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         return [self._idx - p for p in self._pads]
 
     def _window_start(self) -> int:
-        return min(p + _floor(self._idx - p, self.group) for p in self._pads)
+        return min(p + floor_group(self._idx - p, self.group) for p in self._pads)
 
     def update_and_fetch(self, keys, values):
         self._step = None  # its views of the window would keep MLX from writing the buffer in place
@@ -380,11 +284,11 @@ class BatchTurboQuantKVCache(_BaseCache):
         ck, cv = get_codec(keys.shape[-1], self.kv_bits, self.seed), get_codec(values.shape[-1], self.kv_bits, self.seed)
         ws = self._ws if self._win_k is not None else prev
         # Per row, columns >= its boundary are seen dense.
-        bounds = [p + min(prev - p, _floor(new_idx - p, self.group)) for p in self._pads]
+        bounds = [p + min(prev - p, floor_group(new_idx - p, self.group)) for p in self._pads]
         self._idx = new_idx
         self.offset = self.offset + N
         new_ws = self._window_start()
-        if N == 1 and self._win_k is not None and self._k.codes is not None and decode_attention.defer_encode():
+        if N == 1 and self._win_k is not None and self._k.codes is not None and selector.select().defer_encode:
             # A decode step: append to the window in place; encode the columns without
             # codes only when one is about to be seen decoded by some row or to leave the window.
             self._win_k.append(keys)
@@ -402,8 +306,8 @@ class BatchTurboQuantKVCache(_BaseCache):
             self._idx = prev
             self._flushed()
             self._idx = new_idx
-            _encode_into(self._k, self._v, prev, keys, values, ck, cv)
-            win_k, win_v = _view(self._win_k), _view(self._win_v)
+            encode_into(self._k, self._v, prev, keys, values, ck, cv)
+            win_k, win_v = view(self._win_k), view(self._win_v)
             dense_k = keys if win_k is None else mx.concatenate([win_k, keys], axis=2)  # columns [ws, new_idx)
             dense_v = values if win_v is None else mx.concatenate([win_v, values], axis=2)
             self.win_k, self.win_v = dense_k[:, :, new_ws - ws :], dense_v[:, :, new_ws - ws :]
@@ -466,7 +370,7 @@ class BatchTurboQuantKVCache(_BaseCache):
                 src = getattr(c, name)
                 norms[i : i + 1, :, p:] = src.norms[:, :, : c.offset]
                 codes[i : i + 1, :, p:] = src.codes[:, :, : c.offset]
-                start = p + _floor(c.offset, c.group) - batch._ws
+                start = p + floor_group(c.offset, c.group) - batch._ws
                 win[i : i + 1, :, start:] = getattr(c, "tail_" + name)
             codes_obj = getattr(batch, name)
             codes_obj.norms, codes_obj.codes = norms, codes
@@ -486,7 +390,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             dst.norms = mx.contiguous(src.norms[idx : idx + 1, :, p : self._idx])
             dst.codes = mx.contiguous(src.codes[idx : idx + 1, :, p : self._idx])
             win = getattr(self, "win_" + name)
-            setattr(cache, "tail_" + name, mx.contiguous(win[idx : idx + 1, :, p + _floor(n, self.group) - self._ws :]))
+            setattr(cache, "tail_" + name, mx.contiguous(win[idx : idx + 1, :, p + floor_group(n, self.group) - self._ws :]))
         return cache
 
     def filter(self, batch_indices):
@@ -590,9 +494,8 @@ def _returns_unused(cache, keys: mx.array) -> bool:
     reads them when the model's attention goes through the hook (`cache.hooked`, set by
     `make_tq_cache` and `TQConfig.adapt`, whose models have it installed), which attends
     from `_step` instead. Building that graph costs more Python time than the whole dense
-    step (~0.1 ms per layer). CUDA with decode variant v2 / v2s / v3 only, so the CPU keeps
-    returning what it always has."""
-    return cache.hooked and decode_attention.tq_variant() != "v1" and decode_attention.available()
+    step (~0.1 ms per layer). CUDA only, so the CPU keeps returning what it always has."""
+    return cache.hooked and selector.select().cuda
 
 
 # --- attention in the rotated basis ------------------------------------------------
@@ -615,17 +518,15 @@ def _attend_rotated(cache, queries: mx.array, scale: float, mask) -> mx.array:
 
 
 def _fused_decode(cache, queries: mx.array, scale: float) -> mx.array | None:
-    """One decode token per row on CUDA: engine.decode_attention's kernel over this
-    step's codes (positions below each row's boundary) and dense columns, the same
-    positions `_fetch` decodes; None where it does not apply (CPU, prefill chunks,
-    head sizes or bits it has no variant for)."""
-    if cache._step is None or queries.shape[2] != 1:
+    """One decode token per row on CUDA: the kernels' TurboQuant attention over this step's codes
+    (positions below each row's boundary) and dense columns, the same positions `_fetch` decodes;
+    None where it does not apply (CPU, prefill chunks, head sizes or bits it has no kernel for)."""
+    kernels = selector.select()
+    if not kernels.cuda or cache._step is None or queries.shape[2] != 1:
         return None
     dense_k, dense_v = cache._step[-2:]
     dim = queries.shape[-1]
     if dense_k.shape[-1] != dim or dense_v.shape[-1] != dim:
-        return None
-    if not decode_attention.use_tq(queries, dense_k.shape[1], cache.kv_bits, dim):
         return None
     codec = get_codec(dim, cache.kv_bits, cache.seed)
     if not codec.hadamard:
@@ -635,200 +536,7 @@ def _fused_decode(cache, queries: mx.array, scale: float) -> mx.array | None:
     else:
         end, lp = cache.offset, None
     k, v = cache._k, cache._v  # not `cache.k`: that would encode what this step deferred
-    one = decode_attention.one_launch()
-    cnt = decode_attention.counters(cache, queries.shape[0] * dense_k.shape[1]) if one else None
-    # The whole buffers (capacity >= end: `reserve`) and `end`: the kernels that take it read
-    # columns [0, end) only, and four slices were ~28 us of host time per layer (tq_attend).
-    return decode_attention.tq_attend(queries, k.norms, k.codes, v.norms, v.codes, dense_k, dense_v, lp, scale,
-                                      codec, cache.group, counters=cnt, end=end)
-
-
-def _hooked(original):
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):
-            if sinks is None:
-                # `keys`/`values` (the cache's unrotated K/V) go unused and, MLX being
-                # lazy, are never computed.
-                return cache.attend(queries, scale, mask)
-            if _returns_unused(cache, keys):
-                # The step returned only its dense columns (`_returns_unused`); attention
-                # sinks need the original function, so build the decoded K/V after all.
-                keys, values = cache._fetch(rotated=False)
-        if sinks is None and decode_attention.use_dense(cache, queries, keys, mask):
-            # Left-padded dense rows on CUDA: each row's start offset instead of the mask.
-            out = decode_attention.dense_attend(queries, keys, values, cache.left_padding, scale)
-            if out is not None:
-                return out
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-    scaled_dot_product_attention.prefixtrace_tq_hook = True
-    return scaled_dot_product_attention
-
-
-def install_attention_hook(model) -> int:
-    """Route attention over TurboQuant caches through `_attend_rotated`, and a dense
-    batched decode step over left-padded rows on CUDA through
-    `engine.decode_attention.dense_attend` (each row's start offset, no mask).
-
-    mlx-lm's attention modules call the `scaled_dot_product_attention` their own
-    module imported from `mlx_lm.models.base`; there is no per-cache dispatch
-    other than its affine-quantised branch. This rebinds that name, in each model
-    module `model` is built from, to a wrapper that hands TurboQuant caches to
-    their own `attend` and everything else to the original unchanged. Without the
-    hook a TurboQuant cache still gives the same attention (its `update_and_fetch`
-    returns decoded, unrotated K/V), only slower. Idempotent; returns the number of
-    modules rebound."""
-    done = 0
-    for name in {type(m).__module__ for _, m in model.named_modules()}:
-        module = sys.modules.get(name)
-        f = getattr(module, "scaled_dot_product_attention", None)
-        if f is None or getattr(f, "prefixtrace_tq_hook", False):
-            continue
-        module.scaled_dot_product_attention = _hooked(f)
-        done += 1
-    return done
-
-
-# --- building caches for a model -------------------------------------------------
-
-
-def _dense_set(num_layers: int, dense_layers) -> set[int]:
-    return {i % num_layers for i in dense_layers}
-
-
-def make_tq_cache(model, bits: int = 4, seed: int = 0, dense_layers=(-1,), group: int = DEFAULT_GROUP) -> list:
-    """One cache per layer: `TurboQuantKVCache`, or a dense `KVCache` for `dense_layers`."""
-    install_attention_hook(model)
-    dense = _dense_set(len(model.layers), dense_layers)
-    caches = [KVCache() if i in dense else TurboQuantKVCache(bits, seed, group) for i in range(len(model.layers))]
-    for c in caches:
-        c.hooked = not isinstance(c, KVCache)
-    return caches
-
-
-def to_turboquant(cache_list: list, bits: int = 4, seed: int = 0, dense_layers=(-1,), group: int = DEFAULT_GROUP):
-    """Per-layer caches with every dense `KVCache` outside `dense_layers` turned
-    into a `TurboQuantKVCache` (its tokens quantised). TurboQuant caches and
-    other cache types pass through unchanged."""
-    dense = _dense_set(len(cache_list), dense_layers)
-    out = []
-    for i, c in enumerate(cache_list):
-        if i not in dense and type(c) is KVCache:
-            c = TurboQuantKVCache.from_dense(c, kv_bits=bits, seed=seed, group=group)
-        out.append(c)
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class TQConfig:
-    """An engine's TurboQuant settings: what its caches are made of and what the
-    prefix cache keys and stores (docs/CACHE.md, "TurboQuant blocks")."""
-
-    bits: int = 4
-    seed: int = 0
-    group: int = DEFAULT_GROUP
-    dense_layers: tuple[int, ...] = (-1,)
-
-    @property
-    def block_format(self) -> str:
-        # Which layers are dense is part of the format: blocks of another layout must miss.
-        # The default layout keeps the name blocks were first written under.
-        dense = "" if self.dense_layers == (-1,) else "/dense" + ",".join(map(str, self.dense_layers))
-        return f"turboquant/{self.bits}/{self.seed}/{self.group}{dense}"
-
-    def dense_set(self, num_layers: int) -> set[int]:
-        return _dense_set(num_layers, self.dense_layers)
-
-    def make_cache(self, model) -> list:
-        return make_tq_cache(model, self.bits, self.seed, self.dense_layers, self.group)
-
-    def adapt(self, cache_list: list) -> list:
-        """`to_turboquant` with these settings: dense layers of a hit are quantised,
-        TurboQuant layers (a TurboQuant hit) pass through untouched. The engine's model
-        has the attention hook (it made its caches with `make_cache`), so they are marked
-        `hooked`."""
-        out = to_turboquant(cache_list, self.bits, self.seed, self.dense_layers, self.group)
-        for c in out:
-            if type(c) is TurboQuantKVCache:
-                c.hooked = True
-        return out
-
-    def matches(self, layer) -> bool:
-        return (type(layer) is TurboQuantKVCache and layer.kv_bits == self.bits and layer.seed == self.seed
-                and layer.group == self.group)
-
-
-# --- restored-prefix prefill: a dense copy for the suffix, then quantise only the suffix ---
-
-
-def dense_copy(cache_list: list, suffix: int) -> list:
-    """Dense `KVCache`s for a prefill of `suffix` more tokens after `cache_list`.
-
-    A TurboQuant layer of P tokens becomes a `KVCache` holding what a single
-    `update_and_fetch` of the whole suffix would see of it: positions below
-    min(P, floor(P + suffix)) decoded, the rest of its dense tail as is. Dense
-    layers are passed through (the same object). The TurboQuant caches are left
-    untouched; `append_suffix` adds the suffix to them afterwards."""
-    out = []
-    for c in cache_list:
-        if type(c) is not TurboQuantKVCache or not c.offset:
-            out.append(c)
-            continue
-        prev = c.offset
-        b = min(prev, _floor(prev + suffix, c.group))
-        cut = b - _floor(prev, c.group)
-        # Room for the whole suffix up front: a KVCache that is exactly full copies all it
-        # holds into a bigger buffer on every chunk (mlx-lm grows it `step` tokens at a time).
-        room = -(-(prev + suffix) // KVCache.step) * KVCache.step
-        dense = KVCache()
-        bufs = []
-        for codes, tail in ((c.k, c.tail_k), (c.v, c.tail_v)):
-            decoded = c.codec(tail.shape[-1]).decode(codes.norms[:, :, :b], codes.codes[:, :, :b], tail.dtype)
-            buf = mx.zeros((*tail.shape[:2], room, tail.shape[3]), tail.dtype)
-            buf[:, :, :prev] = mx.concatenate([decoded, tail[:, :, cut:]], axis=2)
-            bufs.append(buf)
-        dense.keys, dense.values, dense.offset = bufs[0], bufs[1], prev
-        out.append(dense)
-    mx.eval([c.state for c in out if c.offset])
-    return out
-
-
-def dense_copy_bytes(cache_list: list, total: int) -> int:
-    """Bytes the dense copies of `cache_list`'s TurboQuant layers take at `total` tokens."""
-    n = 0
-    for c in cache_list:
-        if type(c) is TurboQuantKVCache and c.offset:
-            n += (c.tail_k.shape[1] * c.tail_k.shape[3] + c.tail_v.shape[1] * c.tail_v.shape[3]) \
-                * c.tail_k.dtype.size * total
-    return n
-
-
-def append_suffix(quantised: list, dense: list) -> list:
-    """`quantised` with the positions `dense` holds past each TurboQuant layer's offset
-    encoded and appended; the prefix's norms and codes are not touched (bit for bit).
-    The dense tail becomes `dense`'s values from the last multiple of `group` on.
-    Dense layers are taken from `dense` (they are the same objects).
-
-    With empty `quantised` caches (a cold prefill run dense) the result is exactly
-    `TurboQuantKVCache.from_dense` of each layer. The suffix is encoded as new tokens
-    are (`_encode_into`: one fused launch on CUDA). `dense` is consumed: each entry is
-    replaced by its quantised layer as soon as that is evaluated, so its dense K/V can
-    be freed and the peak stays near the dense KV alone, not dense plus all codes."""
-    out = []
-    for i, (q, d) in enumerate(zip(quantised, dense)):
-        if type(q) is not TurboQuantKVCache or q is d:
-            out.append(d)
-            continue
-        prev, n = q.offset, d.offset
-        keys, values = d.keys[:, :, :n], d.values[:, :, :n]
-        if n > prev:
-            _encode_into(q.k, q.v, prev, keys[:, :, prev:], values[:, :, prev:],
-                         q.codec(keys.shape[-1]), q.codec(values.shape[-1]))
-        keep = _floor(n, q.group)
-        q.tail_k, q.tail_v = mx.contiguous(keys[:, :, keep:]), mx.contiguous(values[:, :, keep:])
-        q.offset = n
-        if n:
-            mx.eval(q.state)
-        dense[i] = q
-        out.append(q)
-    return out
+    # The whole buffers (capacity >= end: `reserve`) and `end`: the kernels read columns [0, end)
+    # only, and four slices were ~28 us of host time per layer.
+    return kernels.tq_attend(queries, k.norms, k.codes, v.norms, v.codes, dense_k, dense_v, lp, scale, codec,
+                             cache.group, end)

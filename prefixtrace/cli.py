@@ -129,6 +129,12 @@ def _upstream_urls(ctx, param, values):
 @click.option("--max-request-mb", default=32.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
               help="Largest request body accepted; a bigger one is answered 413 and recorded without its body "
                    "(a 100k-token prompt with tools is ~1 MB) (docs/SECURITY.md).")
+@click.option("--request-body-timeout-s", default=60.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
+              help="A request body must arrive whole within this; a slower one is answered 408 and recorded, and its "
+                   "connection closed (docs/SECURITY.md).")
+@click.option("--max-header-kb", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Largest request head (request line and headers); past it 431, recorded without the rest of the "
+                   "head, and the connection closed (docs/SECURITY.md).")
 @click.option("--recorder-stuck-after-s", default=30.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
               help="A recorder write taking longer than this makes /health answer 503, and responses stop waiting "
                    "for their commit (the turn stays queued) (docs/SECURITY.md).")
@@ -164,7 +170,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
           memory_ceiling_gb, prefill_chunk, max_batch, kv_quant, kv_bits, kv_dense_layers, mid_system_policy,
           thinking_retention,
           thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
-          max_request_mb, recorder_stuck_after_s, default_temperature, default_frequency_penalty, tool_choice_default,
+          max_request_mb, request_body_timeout_s, max_header_kb, recorder_stuck_after_s, default_temperature, default_frequency_penalty, tool_choice_default,
           default_max_tokens, grammar_max_string, worker_name, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
@@ -213,6 +219,7 @@ def serve(host, port, db, model, upstreams, dtype, cache_memory_gb, cache_dir, c
                           thinking_retention_guard_tokens=thinking_retention_guard_tokens,
                           notice_pattern=notice_pattern, max_tokens_policy=max_tokens_policy, log_level=log_level,
                           allow_client_templates=allow_client_templates, max_request_mb=max_request_mb,
+                          request_body_timeout_s=request_body_timeout_s, max_header_kb=max_header_kb,
                           recorder_stuck_after_s=recorder_stuck_after_s,
                           default_temperature=default_temperature, default_frequency_penalty=default_frequency_penalty,
                           tool_choice_default=tool_choice_default,

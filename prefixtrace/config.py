@@ -35,7 +35,7 @@ CONFIG_ENV = f"{ENV_PREFIX}_CONFIG"
 SHORT_ENV = {("serve",): None, ("import",): {"db"}}
 # Variables that already mean something else, so no option reads them: the
 # model cache root (engine/default_model.py), the CPU BLAS switches
-# (engine/cpu_runtime.py), the CUDA skinny-GEMM switch (engine/skinny_gemm.py)
+# (engine/cpu_runtime.py), the CUDA skinny-GEMM switch (engine/kernels/skinny_gemm.py)
 # and the config file itself. `serve --cache-dir` is
 # therefore PREFIXTRACE_SERVE_CACHE_DIR only.
 RESERVED_ENV = {"PREFIXTRACE_CACHE_DIR", "PREFIXTRACE_OPENBLAS", "PREFIXTRACE_NO_OPENBLAS",

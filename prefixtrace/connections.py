@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import resource
 
@@ -49,6 +51,11 @@ log = logging.getLogger("prefixtrace.serve")
 
 KEEP_ALIVE_S = 5  # uvicorn's own default, stated: idle kept-alive connections close after this
 HEAD_TIMEOUT_S = 15.0  # a client that connects sends its request head at once
+MAX_HEAD_KB = 64  # request line + headers; uvicorn's h11 stops at 16 KB, nginx at 4 x 8 KB, Node at 16 KB
+LINGER_S = 2.0  # after a 431, the rest of the head is read and dropped this long, so the client reads its answer
+# The header the protocol adds (and no client can: one it sends is dropped) to a request whose head it
+# stopped reading; proxy/guard.py answers it 431 and records it.
+HEAD_REFUSED = "x-prefixtrace-head-refused"
 NOFILE_CAP = 65536  # open files asked for at most: room for tens of thousands of sockets
 
 
@@ -204,6 +211,7 @@ class _AccessLineAtTheEnd:
         async def send_head_with_body(message) -> None:
             kind = message["type"]
             if kind == "http.response.start":
+                self._response_starts(cycle)
                 held.holding = True  # uvicorn writes the head inside this send: that write is kept
                 try:
                     await send(message)
@@ -215,6 +223,9 @@ class _AccessLineAtTheEnd:
                     held.flush()  # a response with no body bytes to carry it (HEAD, 204, an empty body)
 
         cycle.send = send_head_with_body
+
+    def _response_starts(self, cycle) -> None:
+        """Called as a cycle's response head is sent (before uvicorn writes it)."""
 
     def connection_lost(self, exc: Exception | None) -> None:
         unsent = self.__dict__.get("_unsent_access_lines")
@@ -235,28 +246,192 @@ class H11WithHeadTimeout(_AccessLineAtTheEnd, _HeadDeadline, H11Protocol):
         self._hold_access_line()  # a request already buffered gets its cycle in there
 
 
+TRIM_AFTER_BODY_BYTES = 1 << 20  # a request body this big: its memory is given back to the OS after it
+
+
+def _libc_malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
+        return None
+
+
+_malloc_trim = _libc_malloc_trim()
+_trim_pending = False
+
+
+def give_memory_back(loop: asyncio.AbstractEventLoop) -> None:
+    """Hands the heap's free pages back to the OS (glibc's `malloc_trim`), once, in a worker thread.
+
+    A big request's copies (its body, the decoded text, the parsed JSON, the rendered prompt, the
+    recorder's row: ~30 MB each for a 30 MB prompt) are freed when it ends, but glibc keeps freed
+    heap memory for reuse, and raises its mmap threshold to the largest block freed (up to 32 MB),
+    so the next big request's copies come from the heap too: issue 25 measured 1.6 GB never returned
+    after one 30 MB prompt. Trimming after each big request returns it; it costs a few ms of a
+    worker thread, only after bodies over `TRIM_AFTER_BODY_BYTES`."""
+    global _trim_pending
+    if _malloc_trim is None or _trim_pending:
+        return
+    _trim_pending = True
+
+    def trim() -> None:
+        global _trim_pending
+        _trim_pending = False
+        _malloc_trim(0)
+
+    loop.run_in_executor(None, trim)
+
+
+class _Lingering:
+    """Stands in for a refused request's transport: its `close` sends what is buffered, shuts the
+    write side and closes `LINGER_S` later (or when the client does), so a client still sending the
+    head it was refused for gets to read the answer rather than a reset."""
+
+    def __init__(self, transport, loop: asyncio.AbstractEventLoop):
+        self._transport, self._loop = transport, loop
+
+    def close(self) -> None:
+        transport = self._transport
+        if transport.is_closing():
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._loop.call_later(LINGER_S, transport.close)
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
 def _httptools_protocol():
     """uvicorn's "auto" picks httptools when it is installed (a dependency since issue 17; h11 where it is
-    missing): the same deadline on it."""
+    missing): the same deadline on it, and the limits below, which h11 has of its own (a head over 16 KB
+    is h11's 400) or does not need (it ignores trailers and closes a connection whose body was not read).
+
+    Issue 25: httptools reads a head of any size (a 30 MB header was answered 200 and stored, findings
+    3) and passes chunked trailers on as headers, which uvicorn appends to the request's headers (finding
+    14). Here a head over `max_head_bytes` is read no further: the request goes to the app with the
+    headers complete so far and `HEAD_REFUSED`, to be answered 431 and recorded (proxy/guard.py), and the
+    connection closes after it; trailers are dropped. A response sent before its request's body was all
+    read (413, 408, 501) closes the connection too, which would otherwise go on reading that body."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
         return None
 
     class HttpToolsWithHeadTimeout(_AccessLineAtTheEnd, _HeadDeadline, HttpToolsProtocol):
+        max_head_bytes = MAX_HEAD_KB * 1024
+        _in_head = False  # between a message's start and its head's end
+        _head_bytes = 0
+        _head_cut = False  # the head was cut off: what follows is dropped
+        _head_refused = False  # this request's head is over the limit: the app answers it 431
+        _body_bytes = 0  # of the request being answered (a pipelined one's would add: a trim sooner, no harm)
+
+        def data_received(self, data: bytes) -> None:
+            if self._head_cut:
+                return
+            was_in_head = self._in_head
+            super().data_received(data)
+            if self._in_head and was_in_head:  # a head that began in this chunk is counted from the next
+                self._head_bytes += len(data)
+                if self._head_bytes > self.max_head_bytes and self.parser is not None:
+                    self._refuse_head()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head, self._head_bytes, self._head_refused = True, 0, False
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if not self._in_head or name.lower() == _HEAD_REFUSED_BYTES:
+                return  # a trailer (after a chunked body), or a header only this protocol may set
+            super().on_header(name, value)
+
         def on_headers_complete(self) -> None:
+            self._in_head = False
             self._head_received()
+            self._keep_head_within_limit()
             super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is not None:
+                if self._head_refused:
+                    cycle.keep_alive = False
+                    cycle.transport = _Lingering(cycle.transport, self.loop)
             self._hold_access_line()
+
+        def _response_starts(self, cycle) -> None:
+            """A response that starts before its request's body is all in says `connection: close` (uvicorn
+            adds it when the cycle is not kept alive), and the connection closes after it, lingering."""
+            if cycle.more_body and cycle.keep_alive:
+                cycle.keep_alive = False
+                cycle.transport = _Lingering(cycle.transport, self.loop)
+
+        def on_body(self, body: bytes) -> None:
+            self._body_bytes += len(body)
+            super().on_body(body)
+
+        def on_response_complete(self) -> None:
+            cycle = self.cycle
+            if cycle is not None and cycle.more_body and not self.transport.is_closing():
+                # The rest of the body would be read for nothing, at the client's pace: dropped, and the
+                # connection closed once the client had a moment to read the answer.
+                self._head_cut = True
+                _Lingering(self.transport, self.loop).close()
+            if self._body_bytes > TRIM_AFTER_BODY_BYTES:
+                give_memory_back(self.loop)
+            self._body_bytes = 0
+            super().on_response_complete()
+
+        def _keep_head_within_limit(self) -> None:
+            """A head that was cut (`_head_cut`) or is over the limit keeps the headers that fit within it, and
+            gets the `HEAD_REFUSED` marker."""
+            size = len(self.url)
+            kept = len(self.headers)
+            for i, (name, value) in enumerate(self.headers):
+                size += len(name) + len(value) + 4  # ": " and CRLF
+                if size > self.max_head_bytes:
+                    kept = i
+                    break
+            else:
+                if not self._head_cut:
+                    return
+            size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers[:kept])
+            del self.headers[kept:]
+            self.headers.append((_HEAD_REFUSED_BYTES, (
+                f"the request head is over this server's limit of {self.max_head_bytes // 1024} KB (prefixtrace serve "
+                f"--max-header-kb): the request line and the {kept} headers within it ({size} bytes) were kept, the "
+                "rest of the head was not").encode()))
+            self._head_refused = True
+
+        def _refuse_head(self) -> None:
+            self._head_cut, self._in_head = True, False
+            self._head_received()
+            if self.parser.get_http_version() not in ("1.0", "1.1") or not self.url \
+                    or len(self.url) > self.max_head_bytes:
+                # Still in the request line, or a request line over the limit: no path to answer in an API's shape.
+                self.send_431_response(f"request line over {self.max_head_bytes // 1024} KB")
+                return
+            self.on_headers_complete()  # uvicorn's: the app runs on what was read, marked
+            if self.cycle is not None:
+                self.on_message_complete()  # no body
+
+        def send_431_response(self, msg: str) -> None:
+            body = msg.encode()
+            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; "
+                                 b"charset=utf-8\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                                 % (len(body), body))
+            _Lingering(self.transport, self.loop).close()
 
     return HttpToolsWithHeadTimeout
 
 
-def with_head_timeout(seconds: float) -> type:
+_HEAD_REFUSED_BYTES = HEAD_REFUSED.encode()
+
+
+def with_head_timeout(seconds: float, max_head_kb: int = MAX_HEAD_KB) -> type:
     """The protocol uvicorn's "auto" would use (httptools, else h11), with a request-head deadline
-    and the access line after the response's last bytes."""
+    and the access line after the response's last bytes; on httptools also a limit on the head
+    (`max_head_kb`, 431 past it) and no trailers taken for headers."""
     base = _httptools_protocol() or H11WithHeadTimeout
-    return type(base.__name__, (base,), {"head_timeout_s": seconds})
+    return type(base.__name__, (base,), {"head_timeout_s": seconds, "max_head_bytes": int(max_head_kb * 1024)})
 
 
 @contextlib.contextmanager

@@ -5,7 +5,11 @@
     │   ├── ContextExceedsCapacity 400  prompt + max_tokens can never fit
     │   ├── ForbiddenHost        403  the Host header names no allowed host (proxy/guard.py)
     │   ├── UnsupportedMediaType 415  a POST body that does not say application/json
-    │   └── RequestTooLarge      413  the body is over --max-request-mb
+    │   ├── RequestTooLarge      413  the body is over --max-request-mb (decoded, when compressed)
+    │   ├── RequestHeadersTooLarge 431  the request head is over its limit (prefixtrace/connections.py)
+    │   ├── RequestTimeout       408  the body did not arrive within --request-body-timeout-s
+    │   └── UnsupportedTransferCoding 501  a transfer-coding other than chunked
+    ├── ClientGaveUp             499  the client hung up while sending its request
     ├── ModelNotFound            404  the request names a model we do not serve
     ├── UnknownEndpoint          404  no such path here
     │   └── MethodNotAllowed     405  the path exists, for another method
@@ -55,6 +59,24 @@ class RequestTooLarge(InvalidRequest):
     code = "request_too_large"
 
 
+class RequestHeadersTooLarge(InvalidRequest):
+    code = "request_header_fields_too_large"
+
+
+class RequestTimeout(InvalidRequest):
+    code = "request_timeout"
+
+
+class UnsupportedTransferCoding(InvalidRequest):
+    code = "unsupported_transfer_coding"
+
+
+class ClientGaveUp(PrefixtraceError):
+    """Not an answer anyone reads: the status a turn is recorded with."""
+
+    code = "client_disconnected"
+
+
 class ModelNotFound(PrefixtraceError):
     code = "model_not_found"
 
@@ -100,6 +122,10 @@ HTTP_STATUS: dict[type[PrefixtraceError], int] = {
     ForbiddenHost: 403,
     UnsupportedMediaType: 415,
     RequestTooLarge: 413,
+    RequestHeadersTooLarge: 431,
+    RequestTimeout: 408,
+    UnsupportedTransferCoding: 501,
+    ClientGaveUp: 499,
     InvalidRequest: 400,
     ModelNotFound: 404,
     MethodNotAllowed: 405,

@@ -14,7 +14,7 @@ from pathlib import Path
 import uvicorn
 from uvicorn.main import STARTUP_FAILURE
 
-from prefixtrace.connections import (HEAD_TIMEOUT_S, KEEP_ALIVE_S, open_file_limit_not_lowered,
+from prefixtrace.connections import (HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_KB, open_file_limit_not_lowered,
                                      raise_open_file_limit, with_head_timeout)
 
 # Read before the engine's imports: mlx-lm's import lowers the open-file limit to
@@ -65,6 +65,8 @@ class ServeConfig:
     notice_pattern: str | None = None  # None: engine.render_policy.DEFAULT_NOTICE_PATTERN
     max_tokens_policy: str = "clamp"  # clamp|reject: a max_tokens beyond what fits after the prompt
     max_request_mb: float = 32.0  # proxy/request_limits.py: 413 past it
+    request_body_timeout_s: float = 60.0  # proxy/request_limits.py: 408 past it
+    max_header_kb: int = 64  # prefixtrace/connections.py: 431 past it
     recorder_stuck_after_s: float = 30.0  # /health is 503 once one recorder write takes longer
     default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
     default_frequency_penalty: float | None = None  # free replies' penalty when unset; None: 0 (prefixtrace/sampling_default.py)
@@ -156,10 +158,12 @@ class QueryValuesMasked(logging.Filter):
 _MASKED_VALUE = re.compile(r"=[^&]*")
 
 
-def uvicorn_config(app, host: str, port: int, log_level: str, *, head_timeout_s: float = HEAD_TIMEOUT_S) -> uvicorn.Config:
-    """uvicorn as `serve` runs it: idle keep-alive and request-head timeouts
-    (prefixtrace/connections.py), bounded graceful shutdown."""
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=with_head_timeout(head_timeout_s),
+def uvicorn_config(app, host: str, port: int, log_level: str, *, head_timeout_s: float = HEAD_TIMEOUT_S,
+                   max_head_kb: int = MAX_HEAD_KB) -> uvicorn.Config:
+    """uvicorn as `serve` runs it: idle keep-alive and request-head timeouts, the request head's
+    limit (prefixtrace/connections.py), bounded graceful shutdown."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          http=with_head_timeout(head_timeout_s, max_head_kb),
                           timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
 
 
@@ -266,9 +270,11 @@ def _serve_on(listener, config: ServeConfig) -> None:
         try:
             log.info("recording to %s", config.db.resolve())
             app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config), max_request_mb=config.max_request_mb)
+            app.state.request_body_timeout_s = config.request_body_timeout_s  # proxy/request_limits.py
             app = WorkerHeader(app, worker_name(config, listener))
             raise_open_file_limit(_NOFILE_BEFORE_MLX)
-            server = uvicorn.Server(uvicorn_config(app, config.host, listener.getsockname()[1], config.log_level))
+            server = uvicorn.Server(uvicorn_config(app, config.host, listener.getsockname()[1], config.log_level,
+                                                   max_head_kb=config.max_header_kb))
             logging.getLogger("uvicorn.access").addFilter(QueryValuesMasked())
             failures: list[EngineError] = []
             if engine is not None:

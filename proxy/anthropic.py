@@ -339,7 +339,7 @@ async def open_count(backend, req: ChatRequest, builder: TurnBuilder, headers: d
                                            session_id=req.session_id, raw=req.raw)
         return UpstreamCount(response, builder, url)
     req.stream = False
-    rendered = await backend.render(req)
+    rendered = await backend.render(req, count_only=True)
     builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
     builder.turn.prompt_tokens = len(rendered.token_ids)
     return TokenCount(len(rendered.token_ids))

@@ -34,6 +34,7 @@ DEFAULT_ALIAS = "default"
 
 
 MAX_TOKENS_POLICIES = ("clamp", "reject")
+COUNT_FACTOR = 4  # count_tokens counts exactly up to this many contexts (a harness compacting past the limit)
 
 
 class EngineBackend:
@@ -101,14 +102,16 @@ class EngineBackend:
             builder.turn.render["policy"] = rendered.policy
         return await self.start(req, rendered.token_ids, rendered.text, builder, wait_first=wait_first)
 
-    async def render(self, req: ChatRequest):
+    async def render(self, req: ChatRequest, *, count_only: bool = False):
         """The prompt the engine runs for `req` (chat template, tools, render policies), in a worker
-        thread; also what `count_tokens` counts."""
+        thread; also what `count_tokens` counts (`count_only`: exactly, up to `COUNT_FACTOR` x the context;
+        a prompt to run is refused once it cannot fit, without tokenizing all of a huge one)."""
         self._check_model(req)
         kwargs = thinking_kwargs(req.chat_template_kwargs, req.reasoning_effort)
+        count_up_to = COUNT_FACTOR * self.engine.memory.max_context_tokens if count_only and self.engine.ready else None
         try:
             rendered = await asyncio.to_thread(
-                self.engine.render, req.messages, tools=req.tools, chat_template_kwargs=kwargs
+                self.engine.render, req.messages, tools=req.tools, chat_template_kwargs=kwargs, count_up_to=count_up_to
             )
         except (TypeError, ValueError) as exc:  # the tokenizer refuses text it cannot encode (lone surrogates)
             if _has_lone_surrogate(req.messages) or _has_lone_surrogate(req.tools):
@@ -124,7 +127,7 @@ class EngineBackend:
         if not self.engine.ready:
             raise EngineNotReady("the model is still loading")
         try:
-            token_ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
+            token_ids = await asyncio.to_thread(self.engine.encode_prompt, prompt)  # bounded: a huge prompt is refused early
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"the prompt could not be tokenized: {type(exc).__name__}: {exc}",
                                  param="prompt") from exc

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from prefixtrace.errors import MethodNotAllowed, RequestTooLarge, UnknownEndpoint, http_status, to_openai_error
+from prefixtrace.errors import MethodNotAllowed, PrefixtraceError, UnknownEndpoint, http_status, to_openai_error
 from prefixtrace.wire.messages import to_anthropic_error
 from prefixtrace.wire.messages import PATH as MESSAGES_PREFIX  # /v1/messages and everything under it
 from prefixtrace.wire.turn_builder import TurnBuilder
@@ -64,8 +64,8 @@ def add_fallback_routes(app: FastAPI, backend, recorder: TurnSink) -> None:
                     client_addr=f"{request.client.host}:{request.client.port}" if request.client else None)
         try:  # bounded as on every route (--max-request-mb): an unknown path is no way around the limit
             turn.request_body = (await read_request_body(request, turn)).decode("utf-8", errors="replace")
-        except RequestTooLarge as too_large:
-            exc, status = too_large, http_status(too_large)
+        except PrefixtraceError as unread:  # too large, too slow, a hang-up, a coding not read (request_limits.py)
+            exc, status = unread, http_status(unread)
             body = to_anthropic_error(exc) if route.startswith(MESSAGES_PREFIX) else to_openai_error(exc)
         await record_durably(recorder, TurnBuilder(turn).finish(status, exc.message))
         if request.method == "HEAD":

@@ -12,6 +12,12 @@ any port, by default) and every POST must say `application/json`, which a
 browser sends cross-origin only after a CORS preflight that this server never
 approves. A refused turn is answered in its API's error shape and recorded,
 like any other refusal (`refusal_recorder`).
+
+Two refusals about the request's framing come through here too, so that they are
+recorded the same way (issue 25, findings 3 and 14): a request head over its limit
+(431; the protocol stops reading it and marks the request, prefixtrace/connections.py)
+and a transfer-coding other than `chunked` (501: `gzip, chunked` was read as plain
+chunked, the gzip layer taken for the body). Neither body is read.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from prefixtrace.errors import (ForbiddenHost, PrefixtraceError, RequestTooLarge, UnsupportedMediaType,
-                                http_status, to_openai_error)
+from prefixtrace.connections import HEAD_REFUSED
+from prefixtrace.errors import (ForbiddenHost, PrefixtraceError, RequestHeadersTooLarge, UnsupportedMediaType,
+                                UnsupportedTransferCoding, http_status, to_openai_error)
 from prefixtrace.wire.request import session_id
 from proxy.chat_request import parse_body
 from proxy.request_limits import read_request_body
@@ -65,6 +72,13 @@ class RequestGuard:
         self.refuse = refuse
 
     def check(self, method: str, headers: Headers) -> PrefixtraceError | None:
+        refused_head = headers.get(HEAD_REFUSED)
+        if refused_head is not None:  # set by the server's protocol only (prefixtrace/connections.py)
+            return RequestHeadersTooLarge(refused_head)
+        codings = ",".join(headers.getlist("transfer-encoding"))
+        if codings and [c.strip().lower() for c in codings.split(",")] != ["chunked"]:
+            return UnsupportedTransferCoding(f"Transfer-Encoding {codings!r} is not supported: only chunked "
+                                             "(compress the body with Content-Encoding instead)")
         host = host_name(headers.get("host", ""))
         if self.allowed is not None and host not in self.allowed:
             return ForbiddenHost(f"Host {host!r} is not allowed: this proxy answers to {', '.join(sorted(self.allowed))} "
@@ -100,13 +114,18 @@ def refusal_recorder(recorder, upstream: str, error_bodies: dict[str, Callable[[
         if error_body is None:
             return JSONResponse(to_openai_error(exc), status_code=status)
         endpoint = request.url.path
+        headers = {k: v for k, v in request.headers.items() if k != HEAD_REFUSED}
         turn = Turn(request_id=uuid.uuid4().hex, started_at=time.time(), endpoint=endpoint, upstream=upstream,
-                    request_body=None, request_headers=dict(request.headers), status=status, error=exc.message,
+                    request_body=None, request_headers=headers, status=status, error=exc.message,
                     client_addr=f"{request.client.host}:{request.client.port}" if request.client else None)
-        try:  # read within --max-request-mb, like any turn: past it the body is a marker, still refused as it was
-            raw = await read_request_body(request, turn)
-        except RequestTooLarge:
-            raw = None
+        raw = None
+        if isinstance(exc, (RequestHeadersTooLarge, UnsupportedTransferCoding)):  # no body to read, or not one to trust
+            turn.request_body = f"[request body not read: {exc.message}]"
+        else:
+            try:  # read within --max-request-mb, like any turn: past it the body is a marker, still refused as it was
+                raw = await read_request_body(request, turn)
+            except PrefixtraceError:
+                raw = None  # too large, too slow, a hang-up: the marker it left says which
         if raw is not None:
             turn.request_body = raw.decode("utf-8", errors="replace")
             try:

@@ -14,6 +14,7 @@ for display.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -30,6 +31,9 @@ from analyzer.sessions import SessionGrouper
 from recorder.redact import DEFAULT_REDACTOR, Redactor
 from recorder.turn import Turn
 
+PENDING_MAX_TURNS = 256
+PENDING_MAX_CHARS = 16 << 20
+LIVE_MAX_BODY_CHARS = 8 << 20
 log = logging.getLogger("prefixtrace.dashboard")
 _COUNTER_CACHE_MAX = 100_000  # token-count cache entries before it is rebuilt
 
@@ -98,14 +102,38 @@ class LiveSessions:
         self.on_break = on_break
         self.version = 0  # bumps whenever an analysed turn is added
         self._pending: list[Turn] = []
+        self._pending_chars = 0
+        self._refreshing = False
         self._pending_lock = threading.Lock()
         self._lock = threading.Lock()  # one refresh at a time
         self._seen = 0
 
     def observe(self, turn: Turn) -> None:
-        """Queue a recorded turn for analysis; cheap, no I/O (runs on the event loop)."""
+        """Queue a recorded turn for analysis; cheap, no I/O (runs on the event loop). Pending turns hold
+        their whole bodies: past `PENDING_MAX_TURNS` or `PENDING_MAX_CHARS` of raw body with no reader
+        polling, they are analysed in a thread of their own (issue 25: without a dashboard open, every
+        turn stayed in memory, a 30 MB prompt as ~60 MB for good). A body over `LIVE_MAX_BODY_CHARS` is not
+        kept at all: the turn is listed without a prompt comparison (analysing it would cost ~15x its size)."""
+        chars = len(turn.request_raw) if isinstance(turn.request_raw, str) else 0
+        if chars > LIVE_MAX_BODY_CHARS:
+            turn, chars = dataclasses.replace(turn, request_body=None, request_raw=None), 0
         with self._pending_lock:
             self._pending.append(turn)
+            self._pending_chars += chars
+            due = (len(self._pending) >= PENDING_MAX_TURNS or self._pending_chars >= PENDING_MAX_CHARS) \
+                and not self._refreshing
+            if due:
+                self._refreshing = True
+        if due:
+            threading.Thread(target=self._refresh_in_background, name="prefixtrace-live", daemon=True).start()
+
+    def _refresh_in_background(self) -> None:
+        try:
+            self.refresh()
+        except Exception:
+            log.exception("live analysis failed")
+        finally:
+            self._refreshing = False
 
     @property
     def pending(self) -> int:
@@ -116,7 +144,7 @@ class LiveSessions:
         """Analyse the pending turns; returns how many were analysed."""
         with self._lock:
             with self._pending_lock:
-                turns, self._pending = self._pending, []
+                turns, self._pending, self._pending_chars = self._pending, [], 0
             for turn in sorted(turns, key=lambda t: t.started_at):
                 try:
                     self._add(turn)

@@ -11,7 +11,14 @@ client cannot hide from the recorder by sending something it cannot store:
   a secret the patterns no longer recognise). A Content-Length over the limit is
   refused before the body is read; a chunked body as soon as it passes it. The
   rest is read and thrown away (up to `DRAIN_FACTOR` x the limit) so the client
-  gets to read its 413 rather than a reset connection.
+  gets to read its 413 rather than a reset connection. A gzip- or deflate-encoded
+  body (`Content-Encoding`) is decoded as it arrives, and the limit is on what it
+  decodes to: a 1 MB gzip bomb of 1 GB stops at the limit's worth (issue 25,
+  finding 7). Other codings are a 415.
+* time (`--request-body-timeout-s`, default 60): the whole body must arrive within
+  it, or 408 (issue 25, finding 9: 19,900 trickled bodies held their sockets and
+  tasks until a normal request timed out). A client that hangs up while sending is
+  recorded as 499, not as an internal error.
 * nesting (`MAX_JSON_DEPTH` = 100 arrays/objects): real tool schemas nest ~10-20
   deep. Deeper JSON was answered but lost by the recorder (recursion while
   redacting, ~500-900 deep), broke the dashboard's analysis (~450) or was a 500
@@ -20,16 +27,22 @@ client cannot hide from the recorder by sending something it cannot store:
 
 from __future__ import annotations
 
+import asyncio
+import zlib
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
-from prefixtrace.errors import InvalidRequest, RequestTooLarge
+from prefixtrace.errors import (ClientGaveUp, InvalidRequest, RequestTimeout, RequestTooLarge,
+                                UnsupportedMediaType)
 from recorder.turn import Turn
 
 DEFAULT_MAX_REQUEST_MB = 32.0
+DEFAULT_BODY_TIMEOUT_S = 60.0
 MAX_JSON_DEPTH = 100
 DRAIN_FACTOR = 4
+DECODED = ("gzip", "x-gzip", "deflate")  # Content-Encodings read (zlib's auto-detected gzip or zlib stream)
 
 
 def max_request_bytes(request: Request) -> int:
@@ -37,33 +50,99 @@ def max_request_bytes(request: Request) -> int:
     return int(mb * (1 << 20))
 
 
+def body_timeout_s(request: Request) -> float | None:
+    return getattr(request.app.state, "request_body_timeout_s", DEFAULT_BODY_TIMEOUT_S)
+
+
 async def read_request_body(request: Request, turn: Turn) -> bytes:
-    """The whole body, or `RequestTooLarge` (with `turn.request_body` set to a marker)."""
-    limit = max_request_bytes(request)
-    declared = request.headers.get("content-length", "")
-    size = int(declared) if declared.isdigit() else None
-    chunks: list[bytes] = []
-    total = 0
-    over = size is not None and size > limit
-    if not over:
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > limit:
-                over = True
-                break
-            chunks.append(chunk)
-    if not over:
-        return b"".join(chunks)
-    chunks.clear()
-    if size is None or size <= DRAIN_FACTOR * limit:
-        async for chunk in request.stream():  # discard: the client must be able to read the 413
-            total += len(chunk)
-            if total > DRAIN_FACTOR * limit:
-                break
-    shown = f"{size / (1 << 20):.1f} MB" if size is not None else f"over {limit / (1 << 20):g} MB"
-    turn.request_body = f"[request body not stored: {shown}, over the {limit / (1 << 20):g} MB limit]"
-    raise RequestTooLarge(f"the request body is {shown}, over this proxy's limit of {limit / (1 << 20):g} MB "
-                          "(prefixtrace serve --max-request-mb)", param=None)
+    """The whole body (decoded, if it came gzip- or deflate-encoded), or a `PrefixtraceError` with
+    `turn.request_body` set to a marker where the body is not kept: `RequestTooLarge` (413),
+    `RequestTimeout` (408, not all of it within `--request-body-timeout-s`), `ClientGaveUp` (499, the
+    client hung up while sending it), `UnsupportedMediaType` (415, a coding not read here),
+    `InvalidRequest` (400, a compressed body that does not decode)."""
+    timeout = body_timeout_s(request)
+    reader = _BodyReader(request, turn, max_request_bytes(request))
+    try:
+        async with asyncio.timeout(timeout if timeout and timeout > 0 else None):
+            return await reader.read()
+    except TimeoutError:
+        turn.request_body = (f"[request body not stored: {reader.received} bytes arrived in {timeout:g} s, "
+                             "not all of it]")
+        raise RequestTimeout(f"the request body did not arrive within {timeout:g} s ({reader.received} bytes "
+                             "received; prefixtrace serve --request-body-timeout-s)") from None
+    except ClientDisconnect:
+        turn.request_body = f"[request body not stored: the client hung up after {reader.received} bytes]"
+        raise ClientGaveUp(f"client disconnected while sending the request body ({reader.received} bytes "
+                           "received)") from None
+
+
+class _BodyReader:
+    """Reads a request's body within `limit` bytes, decoded as it arrives."""
+
+    def __init__(self, request: Request, turn: Turn, limit: int):
+        self.request, self.turn, self.limit = request, turn, limit
+        self.received = 0  # bytes off the wire
+        coding = request.headers.get("content-encoding", "").strip().lower()
+        if coding not in ("", "identity", *DECODED):
+            turn.request_body = f"[request body not stored: Content-Encoding {coding!r} is not read here]"
+            raise UnsupportedMediaType(f"Content-Encoding {coding!r} is not supported: send the body as it is, or "
+                                       "gzip- or deflate-encoded")
+        self.coding = coding if coding in DECODED else None
+        self.decoder = zlib.decompressobj(zlib.MAX_WBITS | 32) if self.coding else None
+
+    async def read(self) -> bytes:
+        limit = self.limit
+        declared = self.request.headers.get("content-length", "")
+        size = int(declared) if declared.isdigit() else None
+        chunks: list[bytes] = []
+        total = 0  # bytes of the body once decoded
+        over = size is not None and size > limit
+        stream = self.request.stream()
+        if not over:
+            async for chunk in stream:
+                self.received += len(chunk)
+                if self.decoder is not None:
+                    chunk = self._decode(chunk, limit - total)
+                total += len(chunk)
+                if total > limit:
+                    over = True
+                    break
+                chunks.append(chunk)
+        if not over:
+            if self.decoder is not None and not self.decoder.eof:
+                self.turn.request_body = f"[request body not stored: a {self.coding} stream cut short]"
+                raise InvalidRequest(f"the request body is not a whole {self.coding} stream (Content-Encoding: "
+                                     f"{self.coding})")
+            return b"".join(chunks)
+        chunks.clear()
+        if size is None or size <= DRAIN_FACTOR * limit:
+            async for chunk in stream:  # discard: the client must be able to read the 413
+                self.received += len(chunk)
+                if self.received > DRAIN_FACTOR * limit:
+                    break
+        mb = limit / (1 << 20)
+        if size is not None and size > limit:
+            shown = f"{size / (1 << 20):.1f} MB"
+        else:
+            shown = f"over {mb:g} MB" + (f" once {self.coding}-decoded" if self.decoder is not None else "")
+        self.turn.request_body = f"[request body not stored: {shown}, over the {mb:g} MB limit]"
+        raise RequestTooLarge(f"the request body is {shown}, over this proxy's limit of {mb:g} MB "
+                              "(prefixtrace serve --max-request-mb)", param=None)
+
+    def _decode(self, chunk: bytes, room: int) -> bytes:
+        """What `chunk` decodes to, at most `room` + 1 bytes of it: a bomb stops at the limit, not in memory."""
+        try:
+            out = self.decoder.decompress(chunk, room + 1)
+            while self.decoder.unconsumed_tail and len(out) <= room:
+                out += self.decoder.decompress(self.decoder.unconsumed_tail, room + 1 - len(out))
+        except zlib.error as exc:
+            self.turn.request_body = f"[request body not stored: not a valid {self.coding} stream]"
+            raise InvalidRequest(f"the request body is not valid {self.coding} (Content-Encoding: {self.coding}): "
+                                 f"{exc}") from None
+        if self.decoder.eof and self.decoder.unused_data:
+            self.turn.request_body = f"[request body not stored: bytes after the end of the {self.coding} stream]"
+            raise InvalidRequest(f"the request body has bytes after the end of its {self.coding} stream")
+        return out
 
 
 def check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> None:

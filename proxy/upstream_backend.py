@@ -26,6 +26,7 @@ from prefixtrace.wire.turn_builder import TurnBuilder
 _HOP_HEADERS = {
     "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
     "upgrade", "proxy-authorization", "proxy-connection", "accept-encoding", "x-session-id",
+    "content-encoding",  # the body read here is the decoded one (proxy/request_limits.py)
     # The client's browser state and network path are not the upstream's business (issue 14).
     "cookie", "origin", "referer", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "forwarded",
     "x-real-ip",

@@ -1,4 +1,4 @@
-"""The trained-model quality helpers of bench/bench_turboquant.py, on the tiny fixture."""
+"""The trained-model quality measures of engine/tq_quality.py (bench/bench_turboquant.py reports them), on the tiny fixture."""
 
 from __future__ import annotations
 
@@ -6,23 +6,25 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from bench.bench_turboquant import (
+from engine.tq_quality import (
     Bfloat16KVCache,
     SplitCache,
     compare_logprobs,
     continuation_logits,
     kv_bytes_per_token,
-    load_tiny,
+    load,
     used_nbytes,
 )
-from engine.tq_cache import TurboQuantKVCache, make_tq_cache
+from engine.tq_cache import TurboQuantKVCache
+from engine.tq_config import make_tq_cache
+from tests.conftest import TINY_MODEL
 
 TOKENS = [(i * 37 + 11) % 500 for i in range(64 + 128 + 1)]  # prompt 64, continuation 128, one target past it
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_tiny()[0]
+    return load(TINY_MODEL)[0]
 
 
 @pytest.fixture(scope="module")

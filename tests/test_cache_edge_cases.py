@@ -415,7 +415,7 @@ def test_identical_prompts_in_flight_match_a_cold_run(tmp_path):
 def test_turboquant_block_whose_norms_lie_about_their_length_is_a_miss(model, tmp_path):
     """A checksummed TurboQuant block whose norms cover fewer positions than its codes would
     restore a cache whose norms and offset disagree."""
-    from engine.tq_cache import TQConfig
+    from engine.tq_config import TQConfig
 
     tq = TQConfig()
     pc = make(model, tmp_path, tq=tq)

@@ -12,7 +12,8 @@ from engine.cache_blocks import TQLayer, cut, from_numpy, join, to_numpy
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.sequence import Failed, Finished, Sequence
-from engine.tq_cache import TQConfig, TurboQuantKVCache, append_suffix, dense_copy
+from engine.tq_cache import TurboQuantKVCache
+from engine.tq_config import TQConfig, append_suffix, dense_copy
 from tests.conftest import TINY_MODEL
 from tests.test_cache_engine import LONG
 
@@ -219,7 +220,8 @@ def test_hook_routes_only_turboquant_caches():
     from mlx_lm.models import llama
 
     from engine.model_files import load_model_dir
-    from engine.tq_cache import install_attention_hook, make_tq_cache
+    from engine.tq_config import make_tq_cache
+    from engine.attention_hook import install_attention_hook
     from tests.conftest import TINY_MODEL
 
     model, _, _ = load_model_dir(TINY_MODEL, "float32")

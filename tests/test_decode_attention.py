@@ -1,4 +1,4 @@
-"""engine/decode_attention.py on the CPU: the CUDA kernels cannot run here, so their
+"""engine/kernels/ on the CPU: the CUDA kernels cannot run here, so their
 arithmetic is emulated in numpy block by block, from the very launch parameters and
 inputs the Python side hands `mx.fast.cuda_kernel` (grid, template, views), following
 the kernels' index rules (a block's columns, each row's code/dense boundary, the bit
@@ -13,9 +13,12 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from engine import decode_attention
+import functools
+
+from engine.kernels import common, selector, tq_decode, tq_encode, tq_split
 from engine.batch_cache import RowBatchKVCache
-from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache, _hooked
+from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache
+from engine.attention_hook import _hooked
 
 
 def _np(a: mx.array) -> np.ndarray:
@@ -147,19 +150,6 @@ def emulated_reduce(inputs, template, grid, threadgroup, output_shapes, output_d
     return [mx.array(out.reshape(output_shapes[0]).astype(np.float32)).astype(output_dtypes[0])]
 
 
-def emulated_tq1(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-    """`_TQ1_SOURCE`: the split blocks of `_TQ_SOURCE`, then the last block of each (row,
-    KV head) reduces as `_REDUCE_SOURCE` does; the counters are zeros before and after."""
-    *tq_inputs, cnt = inputs
-    t, S, H, B = _blocks(template, grid, threadgroup)
-    assert cnt.dtype == mx.int32 and cnt.size >= B * H and not np.array(cnt).any()
-    o, ml = emulated_tq(tq_inputs, template, grid, threadgroup, output_shapes[:2], output_dtypes[:2])
-    D = t["D"]
-    out = emulated_reduce([o, ml, tq_inputs[8]], [("D", D), ("ROT", True)], (ml.shape[0] * D, 1, 1), (D, 1, 1),
-                          [output_shapes[2]], [output_dtypes[2]])[0]
-    return [o, ml, out]
-
-
 def _unpack3(codes: np.ndarray, bits: int, dim: int, cpl: int) -> np.ndarray:
     """Codes as a v3 lane reads them: lane `sub` loads words [sub * LW, (sub + 1) * LW) of the row
     (LW = CPL * BITS / 32, one vector load) and coordinate sub * CPL + j * PER + k is bits
@@ -183,8 +173,8 @@ def emulated_tq3(inputs, template, grid, threadgroup, output_shapes, output_dtyp
     t, S, H, B = _blocks(template, grid, threadgroup)
     D, G, CHUNK, BITS, GROUP, NQ, CPL, U = (t[k] for k in ("D", "G", "CHUNK", "BITS", "GROUP", "NQ", "CPL", "U"))
     lpt = D // CPL
-    assert D % CPL == 0 and 32 % lpt == 0 and G * CPL <= decode_attention._TQ3_REGS and U >= 1
-    assert G * CHUNK <= decode_attention._SMEM_SCORES
+    assert D % CPL == 0 and 32 % lpt == 0 and G * CPL <= tq_split._REGS and U >= 1
+    assert G * CHUNK <= common.SMEM_SCORES
     HQ, end = H * G, int(params[1])  # (kc: the cache's whole buffer, columns [0, end) its own)
     assert end <= min(kn.shape[2], kc.shape[2], vn.shape[2], vc.shape[2])
     ws, prev = end - tk.shape[2], end - NQ
@@ -223,21 +213,30 @@ def emulated_tq3_reduce(inputs, template, grid, threadgroup, output_shapes, outp
     return [mx.array(out.reshape(output_shapes[0]).astype(np.float32)).astype(output_dtypes[0])]
 
 
+def use_kernels(monkeypatch, kernels) -> None:
+    """This process's kernel table (engine/kernels/selector.py) replaced by `kernels` for one test."""
+    monkeypatch.setattr(selector, "select", lambda: kernels)
+
+
 @pytest.fixture
 def emulated(monkeypatch):
-    monkeypatch.setattr(decode_attention, "available", lambda: True)
-    monkeypatch.setattr(decode_attention, "_dense_kernel", lambda: emulated_dense)
-    monkeypatch.setattr(decode_attention, "_tq_kernel", lambda: emulated_tq)
-    monkeypatch.setattr(decode_attention, "_tq1_kernel", lambda: emulated_tq1)
-    monkeypatch.setattr(decode_attention, "_reduce_kernel", lambda: emulated_reduce)
-    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: emulated_encode)
-    monkeypatch.setattr(decode_attention, "_tq3_kernel", lambda: emulated_tq3)
-    monkeypatch.setattr(decode_attention, "_tq3_reduce_kernel", lambda: emulated_tq3_reduce)
-    decode_attention.set_mode("on")
-    decode_attention.set_dense_variant("v1")  # these tests emulate v1; tests/test_dense_mma.py the MMA kernel
-    yield
-    decode_attention.set_mode("on")
-    decode_attention.set_dense_variant(decode_attention.DEFAULT_DENSE_VARIANT)
+    """The CUDA table with the CUDA-core kernels emulated (tests/test_dense_mma.py, test_tq_mma.py and
+    test_tq_fused.py emulate the tensor-core ones)."""
+    from engine.kernels import dense
+
+    use_kernels(monkeypatch, selector.CudaKernels())
+    monkeypatch.setattr(dense, "_kernel", lambda: emulated_dense)
+    monkeypatch.setattr(dense, "usable_mma", lambda *a: False)  # these tests emulate the CUDA-core kernel
+    monkeypatch.setattr(tq_split, "_tq_kernel", lambda: emulated_tq)
+    monkeypatch.setattr(common, "_reduce_kernel", lambda: emulated_reduce)
+    monkeypatch.setattr(tq_encode, "_encode_kernel", lambda: emulated_encode)
+    monkeypatch.setattr(tq_split, "_tq3_kernel", lambda: emulated_tq3)
+    monkeypatch.setattr(tq_split, "_tq3_reduce_kernel", lambda: emulated_tq3_reduce)
+
+
+def takes_dense(kernels, cache, q, keys, mask) -> bool:
+    """Whether `kernels` attends this dense step itself (rather than leaving it to MLX)."""
+    return kernels.dense_attend(cache, q, keys, keys, 0.1, mask) is not None
 
 
 def _plain(q, k, v, cache, scale, mask, sinks=None):
@@ -265,7 +264,7 @@ def test_dense_kernel_arithmetic_equals_masked_sdpa_over_padded_rows(emulated, l
     B = len(lengths)
     keys, values = batch.update_and_fetch(mx.random.normal((B, kv_heads, 1, dim)), mx.random.normal((B, kv_heads, 1, dim)))
     q = mx.random.normal((B, q_heads, 1, dim))
-    assert decode_attention.use_dense(batch, q, keys, mask)
+    assert takes_dense(selector.select(), batch, q, keys, mask)
     got = _hooked(_plain)(q, keys, values, cache=batch, scale=0.2, mask=mask)
     ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2, mask=mask)
     assert got.shape == ref.shape and mx.abs(got - ref).max().item() < 1e-4
@@ -275,11 +274,11 @@ def test_unpadded_dense_rows_keep_mlx_attention_unless_asked(emulated):
     batch = _padded_dense([40, 40], 2, 64)
     q = mx.random.normal((2, 4, 1, 64))
     keys, _ = batch.update_and_fetch(mx.random.normal((2, 2, 1, 64)), mx.random.normal((2, 2, 1, 64)))
-    assert batch.make_mask(1) is None and not decode_attention.use_dense(batch, q, keys, None)
-    decode_attention.set_mode("all")
-    assert decode_attention.use_dense(batch, q, keys, None)
-    assert not decode_attention.use_dense(KVCache(), q, keys, None)  # one row's cache: MLX's own path
-    assert not decode_attention.use_dense(batch, mx.random.normal((2, 4, 3, 64)), keys, None)  # a prefill chunk
+    assert batch.make_mask(1) is None and not takes_dense(selector.select(), batch, q, keys, None)
+    every = selector.CudaKernels(dense="all")  # PREFIXTRACE_DECODE_ATTENTION=all
+    assert takes_dense(every, batch, q, keys, None)
+    assert not takes_dense(every, KVCache(), q, keys, None)  # one row's cache: MLX's own path
+    assert not takes_dense(every, batch, mx.random.normal((2, 4, 3, 64)), keys, None)  # a prefill chunk
 
 
 def _tq_rows(chunks_per_row, bits, heads, dim, group, seed=0):
@@ -311,7 +310,7 @@ def test_tq_kernel_arithmetic_over_left_padded_rows(emulated):
     for _ in range(40):
         mask = batch.make_mask(1)
         keys, values = batch.update_and_fetch(mx.random.normal((4, 2, 1, 32)), mx.random.normal((4, 2, 1, 32)))
-        assert decode_attention.tq_bounds(batch._idx, batch._pads, batch.group) == batch._step[3]
+        assert tq_split.bounds(batch._idx, batch._pads, batch.group) == batch._step[3]
         q = mx.random.normal((4, 6, 1, 32))
         ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.3, mask=mask)
         assert mx.abs(batch.attend(q, 0.3, mask) - ref).max().item() < 1e-4
@@ -320,8 +319,8 @@ def test_tq_kernel_arithmetic_over_left_padded_rows(emulated):
 def test_tq_kernel_takes_decode_steps_only_and_the_cpu_keeps_mlx_ops(emulated, monkeypatch):
     cache = _tq_rows([[100]], 4, 2, 64, group=16)[0]
     calls = []
-    real = decode_attention.tq_attend
-    monkeypatch.setattr(decode_attention, "tq_attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = tq_decode.attend
+    monkeypatch.setattr(tq_decode, "attend", lambda *a, **k: calls.append(1) or real(*a, **k))
     cache.update_and_fetch(mx.random.normal((1, 2, 5, 64)), mx.random.normal((1, 2, 5, 64)))
     cache.attend(mx.random.normal((1, 4, 5, 64)), 0.125, "causal")  # a prefill chunk: MLX ops
     assert not calls
@@ -335,29 +334,31 @@ def test_tq_kernel_takes_decode_steps_only_and_the_cpu_keeps_mlx_ops(emulated, m
 
 
 def test_without_cuda_nothing_takes_the_kernels():
-    assert not decode_attention.available()  # the CPU (CI): MLX's attention everywhere
+    assert not common.available()  # the CPU (CI): MLX's attention everywhere
+    kernels = selector.select()
+    assert type(kernels) is selector.DecodeKernels and not kernels.cuda and not kernels.defer_encode
     batch = _padded_dense([30, 3], 2, 64)
     mask = batch.make_mask(1)
     keys, _ = batch.update_and_fetch(mx.random.normal((2, 2, 1, 64)), mx.random.normal((2, 2, 1, 64)))
     q = mx.random.normal((2, 4, 1, 64))
-    assert not decode_attention.use_dense(batch, q, keys, mask)
-    assert not decode_attention.use_tq(q, 2, 4, 64)
+    assert not takes_dense(kernels, batch, q, keys, mask)
+    assert kernels.encode(keys, keys, None) is None and kernels.prebuild_dense(None, 8) == {}
 
 
 def test_split_sizes_fill_the_gpu_and_fit_shared_memory():
-    assert decode_attention.split_chunk(4096, 8, 1, 4) == 64  # 64 splits x 8 heads
-    assert decode_attention.split_chunk(32768, 8, 1, 4) == 256  # 1,024 blocks
-    assert decode_attention.split_chunk(100000, 8, 1, 4) == 1024  # 98 x 8 = 784 blocks on 132 SMs
-    assert decode_attention.split_chunk(100000, 8, 8, 8) == 512  # G = 8: 8 x 512 scores fill 16 KB
-    assert decode_attention.split_chunk(100, 8, 8, 4, at_least=65) == 128  # a dense window of 65 columns
-    assert decode_attention.split_chunk(100, 8, 1, 8, at_least=600) is None
+    assert common.split_chunk(4096, 8, 1, 4) == 64  # 64 splits x 8 heads
+    assert common.split_chunk(32768, 8, 1, 4) == 256  # 1,024 blocks
+    assert common.split_chunk(100000, 8, 1, 4) == 1024  # 98 x 8 = 784 blocks on 132 SMs
+    assert common.split_chunk(100000, 8, 8, 8) == 512  # G = 8: 8 x 512 scores fill 16 KB
+    assert common.split_chunk(100, 8, 8, 4, at_least=65) == 128  # a dense window of 65 columns
+    assert common.split_chunk(100, 8, 1, 8, at_least=600) is None
 
 
-def test_greedy_tokens_through_the_kernel_arithmetic_equal_the_mlx_ops_path(emulated):
+def test_greedy_tokens_through_the_kernel_arithmetic_equal_the_mlx_ops_path(emulated, monkeypatch):
     """The fixture model (head dim 16) over 160 greedy tokens, one TurboQuant row: the
     emulated kernel path gives the same tokens as today's MLX-ops path."""
     from engine.model_files import load_model_dir
-    from engine.tq_cache import make_tq_cache
+    from engine.tq_config import make_tq_cache
     from tests.conftest import TINY_MODEL
 
     model, _, _ = load_model_dir(TINY_MODEL, "float32")
@@ -373,7 +374,7 @@ def test_greedy_tokens_through_the_kernel_arithmetic_equal_the_mlx_ops_path(emul
         return out
 
     with_kernel = greedy()
-    decode_attention.set_mode("off")
+    use_kernels(monkeypatch, selector.DecodeKernels())  # PREFIXTRACE_DECODE_ATTENTION=0 (or the CPU)
     assert greedy() == with_kernel
 
 
@@ -400,12 +401,11 @@ def emulated_encode(inputs, template, grid, threadgroup, output_shapes, output_d
 def test_fused_encode_packs_codes_as_the_codec_does(monkeypatch, bits, dim):
     from engine.turboquant import get_codec
 
-    monkeypatch.setattr(decode_attention, "available", lambda: True)
-    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: emulated_encode)
+    monkeypatch.setattr(tq_encode, "_encode_kernel", lambda: emulated_encode)
     codec = get_codec(dim, bits)
     keys, values = mx.random.normal((2, 3, 5, dim)), mx.random.normal((2, 3, 5, dim)) * 3
-    assert decode_attention.use_encode(keys, values, codec)
-    kn, kc, vn, vc = decode_attention.encode_kv(keys, values, codec)
+    assert tq_encode.usable(keys, values, codec)
+    kn, kc, vn, vc = tq_encode.encode(keys, values, codec)
     for (norms, codes), x in (((kn, kc), keys), ((vn, vc), values)):
         ref_norms, ref_codes = codec.encode(x)
         assert norms.shape == ref_norms.shape and codes.shape == ref_codes.shape
@@ -416,15 +416,15 @@ def test_fused_encode_packs_codes_as_the_codec_does(monkeypatch, bits, dim):
 
 
 def test_tq_cache_encodes_through_the_fused_kernel_where_it_applies(monkeypatch):
-    monkeypatch.setattr(decode_attention, "available", lambda: True)
+    use_kernels(monkeypatch, selector.CudaKernels())
     calls = []
-    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: lambda **kw: calls.append(1) or emulated_encode(**kw))
+    monkeypatch.setattr(tq_encode, "_encode_kernel", lambda: lambda **kw: calls.append(1) or emulated_encode(**kw))
     cache = TurboQuantKVCache(kv_bits=4, group=16)
     ref = TurboQuantKVCache(kv_bits=4, group=16)
     kv = mx.random.normal((1, 2, 40, 64))
     cache.update_and_fetch(kv, kv)
     assert calls == [1]
-    monkeypatch.setattr(decode_attention, "available", lambda: False)
+    use_kernels(monkeypatch, selector.DecodeKernels())
     ref.update_and_fetch(kv, kv)
     assert calls == [1]
     same = (cache.k.codes[:, :, :40] == ref.k.codes[:, :, :40]).astype(mx.float32).mean().item()
@@ -453,13 +453,25 @@ def _same(a, b, tol=0.0):
     return a.size == 0 or mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item() <= tol
 
 
+class _Deferring(selector.DecodeKernels):
+    """No kernels, but a decode step's encode deferred while `switch["on"]`."""
+
+    def __init__(self, switch):
+        super().__init__()
+        self.switch = switch
+
+    @property
+    def defer_encode(self):
+        return self.switch["on"]
+
+
 @pytest.mark.parametrize("trim_at", [None, 30])
 def test_deferred_encode_keeps_every_position_represented_as_before_one_row(monkeypatch, trim_at):
     """MLX ops (no kernels), deferral forced on for one cache: every step sees the same K/V,
     and the codes it holds afterwards are the same bits, though most steps encoded nothing."""
     deferred, ref = _tq_rows([[37, 5]], 4, 2, 64, group=16) + _tq_rows([[37, 5]], 4, 2, 64, group=16)
     defer = {"on": False}
-    monkeypatch.setattr(decode_attention, "defer_encode", lambda: defer["on"])
+    use_kernels(monkeypatch, _Deferring(defer))
     pending = []
     mx.random.seed(3)
     for i in range(70):
@@ -483,7 +495,7 @@ def test_deferred_encode_over_left_padded_rows_joining_and_leaving(monkeypatch):
     rows = _tq_rows([[300], [7, 30, 1], [16], [40, 3]], 4, 2, 32, group=16, seed=5)
     refs = _tq_rows([[300], [7, 30, 1], [16], [40, 3]], 4, 2, 32, group=16, seed=5)
     defer = {"on": False}
-    monkeypatch.setattr(decode_attention, "defer_encode", lambda: defer["on"])
+    use_kernels(monkeypatch, _Deferring(defer))
     batches = []
     for group in (rows, refs):
         b = BatchTurboQuantKVCache.merge(group[:3])
@@ -519,7 +531,7 @@ def test_deferred_encode_over_left_padded_rows_joining_and_leaving(monkeypatch):
 
 
 def _kernel_calls(monkeypatch):
-    calls = {"encode": 0, "tq": 0, "tq1": 0, "reduce": 0, "tq3": 0, "tq3_reduce": 0}
+    calls = {"encode": 0, "tq": 0, "reduce": 0, "tq3": 0, "tq3_reduce": 0}
 
     def counted(name, f):
         def run(**kw):
@@ -527,71 +539,14 @@ def _kernel_calls(monkeypatch):
             return f(**kw)
         return lambda: run
 
-    for name, f in (("encode", emulated_encode), ("tq", emulated_tq), ("tq1", emulated_tq1),
-                    ("reduce", emulated_reduce), ("tq3", emulated_tq3), ("tq3_reduce", emulated_tq3_reduce)):
-        monkeypatch.setattr(decode_attention, f"_{name}_kernel", counted(name, f))
+    for module, name, f in ((tq_encode, "encode", emulated_encode), (tq_split, "tq", emulated_tq),
+                            (common, "reduce", emulated_reduce), (tq_split, "tq3", emulated_tq3),
+                            (tq_split, "tq3_reduce", emulated_tq3_reduce)):
+        monkeypatch.setattr(module, f"_{name}_kernel", counted(name, f))
     return calls
 
 
-@pytest.mark.parametrize("rows", [[[150, 9]], [[300], [7, 30, 1], [64], [100, 3]]])
-def test_v2_steps_attend_as_v1_with_fewer_launches(emulated, monkeypatch, rows):
-    """Hooked caches (as the engine makes them) on the emulated kernels: variant v2 gives the
-    attention v1 gives, step after step, encodes once per group instead of once per token,
-    and takes one attention launch per step instead of two (v2s: two, as v1)."""
-    calls = _kernel_calls(monkeypatch)
-    made = {}
-    for variant in ("v1", "v2", "v2s"):
-        decode_attention.set_tq_variant(variant)
-        group = _tq_rows(rows, 4, 2, 64, group=16)
-        c = group[0] if len(group) == 1 else BatchTurboQuantKVCache.merge(group)
-        c.hooked = True
-        made[variant] = c
-    B = len(rows)
-    mx.random.seed(11)
-    counts = {}
-    outs = {"v1": [], "v2": [], "v2s": []}
-    steps = []
-    for _ in range(48):
-        steps.append((mx.random.normal((B, 2, 1, 64)), mx.random.normal((B, 2, 1, 64)), mx.random.normal((B, 8, 1, 64))))
-    try:
-        for variant in ("v1", "v2", "v2s"):
-            decode_attention.set_tq_variant(variant)
-            before = dict(calls)
-            c = made[variant]
-            for k, v, q in steps:
-                keys, _ = c.update_and_fetch(k, v)
-                mask = c.make_mask(1) if B > 1 else None
-                outs[variant].append(c.attend(q, 0.125, mask))
-            counts[variant] = {n: calls[n] - before[n] for n in calls}
-            mx.eval(outs[variant])
-            if variant != "v1":  # the returned K/V of a hooked v2 step: its dense columns only
-                assert keys.shape[2] < c.size()
-    finally:
-        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
-    for a, b, c in zip(outs["v1"], outs["v2"], outs["v2s"]):
-        assert _same(a, b, 1e-5) and _same(a, c, 1e-5)
-    assert counts["v1"] == {"encode": 48, "tq": 48, "tq1": 0, "reduce": 48, "tq3": 0, "tq3_reduce": 0}
-    assert counts["v2"]["tq1"] == 48 and counts["v2"]["tq"] == counts["v2"]["reduce"] == 0
-    # One row: an encode each time a group of 16 completes. Four rows in different phases: at
-    # most one per row and group.
-    assert counts["v2"]["encode"] <= (48 // 16 + 1) * B
-    assert counts["v2s"] == {**counts["v2"], "tq": 48, "tq1": 0, "reduce": 48}
-
-
-def test_variant_and_its_env_var(monkeypatch):
-    assert decode_attention.tq_variant() in decode_attention.TQ_VARIANTS
-    with pytest.raises(ValueError):
-        decode_attention.set_tq_variant("v9")
-    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
-    monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v1")
-    assert decode_attention.tq_variant() == "v1"
-    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
-    monkeypatch.delenv("PREFIXTRACE_TQ_DECODE")
-    assert decode_attention.tq_variant() == "v7"  # the measured fastest (docs/PERFORMANCE.md, session 9)
-    assert not decode_attention.defer_encode()  # the CPU: nothing deferred
-
-
-def test_a_hooked_v2s_step_with_attention_sinks_still_gets_the_decoded_kv(emulated):
+def test_a_hooked_step_with_attention_sinks_still_gets_the_decoded_kv(emulated):
     """Attention sinks go to mlx-lm's own function: a hooked step that skipped building the
     decoded K/V must build them there, not hand it the dense columns alone."""
     cache, ref = _tq_rows([[100, 3]], 4, 2, 64, group=16) + _tq_rows([[100, 3]], 4, 2, 64, group=16)
@@ -606,78 +561,65 @@ def test_a_hooked_v2s_step_with_attention_sinks_still_gets_the_decoded_kv(emulat
     assert _same(seen[0][0], want_k) and _same(seen[0][1], want_v)
 
 
-# --- variant v3: wide code loads, the dense tail on its own path, a split-parallel reduce -------
+# --- the split kernel: wide code loads, the dense tail on its own path, a split-parallel reduce -------
 
 
 @pytest.mark.parametrize("q_heads,kv_heads,dim,bits,load", [
-    (8, 2, 128, 4, 16),  # G = 4, 32 codes per lane: the Qwen3-8B shape's lane mapping
-    (8, 2, 128, 4, 8),
+    (8, 2, 128, 4, 8),  # G = 4, 16 codes per lane: the Qwen3-8B shape's lane mapping
     (8, 2, 128, 4, 4),
-    (16, 2, 128, 4, 16),  # G = 8: 16 coordinates per lane (G x CPL <= 128)
-    (6, 2, 64, 2, 16),  # G = 3, 2 bits: 64 codes would not fit, 32 per lane (8 bytes)
-    (4, 2, 64, 8, 16),  # G = 2, 8 bits: 16 codes per 16-byte load
-    (2, 2, 16, 4, 16),  # G = 1, head dim 16: one lane per token
-    (4, 2, 16, 2, 16),  # head dim 16 at 2 bits: one 4-byte word per token
+    (16, 2, 128, 4, 8),  # G = 8: 16 coordinates per lane (G x CPL <= 128)
+    (6, 2, 64, 2, 8),  # G = 3, 2 bits: 32 per lane (8 bytes)
+    (4, 2, 64, 8, 8),  # G = 2, 8 bits: 8 codes per 8-byte load
+    (2, 2, 16, 4, 8),  # G = 1, head dim 16: one lane per token
+    (4, 2, 16, 2, 8),  # head dim 16 at 2 bits: one 4-byte word per token
 ])
-def test_v3_kernel_arithmetic_over_one_row_and_left_padded_rows(emulated, monkeypatch, q_heads, kv_heads, dim,
+def test_split_kernel_arithmetic_over_one_row_and_left_padded_rows(emulated, monkeypatch, q_heads, kv_heads, dim,
                                                                  bits, load):
     calls = _kernel_calls(monkeypatch)
-    decode_attention.set_tq_variant("v3")
-    decode_attention.set_tq3_load(load)
-    try:
-        for rows in ([[150, 9]], [[300], [7, 30, 1], [16], [40, 3]]):
-            group = _tq_rows(rows, bits, kv_heads, dim, group=16, seed=len(rows))
-            cache = group[0] if len(group) == 1 else BatchTurboQuantKVCache.merge(group)
-            cache.hooked = True
-            B = len(rows)
-            for step in range(20):  # across group boundaries: deferred codes land, the window shifts
-                mask = cache.make_mask(1) if B > 1 else None
-                keys, values = cache.update_and_fetch(mx.random.normal((B, kv_heads, 1, dim)),
-                                                      mx.random.normal((B, kv_heads, 1, dim)))
-                q = mx.random.normal((B, q_heads, 1, dim))
-                got = cache.attend(q, dim ** -0.5, mask)
-                ref_k, ref_v = cache._fetch(rotated=False)
-                ref = mx.fast.scaled_dot_product_attention(q, ref_k, ref_v, scale=dim ** -0.5, mask=mask)
-                assert got.shape == ref.shape and mx.abs(got - ref).max().item() < 1e-4, (rows, step)
-    finally:
-        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
-        decode_attention.set_tq3_load(decode_attention.DEFAULT_TQ3_LOAD)
-    assert calls["tq3"] == calls["tq3_reduce"] == 40 and calls["tq"] == calls["reduce"] == calls["tq1"] == 0
+    monkeypatch.setattr(tq_split, "cpl", functools.partial(tq_split.cpl, load=load))
+    for rows in ([[150, 9]], [[300], [7, 30, 1], [16], [40, 3]]):
+        group = _tq_rows(rows, bits, kv_heads, dim, group=16, seed=len(rows))
+        cache = group[0] if len(group) == 1 else BatchTurboQuantKVCache.merge(group)
+        cache.hooked = True
+        B = len(rows)
+        for step in range(20):  # across group boundaries: deferred codes land, the window shifts
+            mask = cache.make_mask(1) if B > 1 else None
+            keys, values = cache.update_and_fetch(mx.random.normal((B, kv_heads, 1, dim)),
+                                                  mx.random.normal((B, kv_heads, 1, dim)))
+            q = mx.random.normal((B, q_heads, 1, dim))
+            got = cache.attend(q, dim ** -0.5, mask)
+            ref_k, ref_v = cache._fetch(rotated=False)
+            ref = mx.fast.scaled_dot_product_attention(q, ref_k, ref_v, scale=dim ** -0.5, mask=mask)
+            assert got.shape == ref.shape and mx.abs(got - ref).max().item() < 1e-4, (rows, step)
+    assert calls["tq3"] == calls["tq3_reduce"] == 40 and calls["tq"] == calls["reduce"] == 0
 
 
-def test_v3_lane_mapping_rules():
-    cpl = decode_attention.tq3_cpl
-    assert cpl(4, 128, 4, load=16) == 32  # one 16-byte load of 32 codes per lane, 4 lanes per token
-    assert cpl(4, 128, 4, load=8) == 16 and cpl(4, 128, 4, load=4) == 8
-    assert cpl(4, 128, 4) == 16 == cpl(4, 128, 4, load=decode_attention.DEFAULT_TQ3_LOAD)  # measured fastest
-    assert cpl(8, 128, 4, load=16) == 16  # G = 8: 8 x 32 query registers would not fit
-    assert cpl(4, 128, 8, load=16) == 16 and cpl(4, 128, 2, load=16) == 32 and cpl(1, 128, 2, load=16) == 64
+def test_split_kernel_lane_mapping_rules():
+    cpl = tq_split.cpl
+    assert cpl(4, 128, 4) == 16  # one 8-byte load of 16 codes per lane, 8 lanes per token (measured fastest)
+    assert cpl(4, 128, 4, load=4) == 8
+    assert cpl(8, 128, 4) == 16 and cpl(8, 128, 1) is None  # 1 bit at G = 8: 8 x 32 registers, the generic kernel
+    assert cpl(4, 128, 8) == 8 and cpl(4, 128, 2) == 32 and cpl(1, 128, 2) == 32
     assert cpl(2, 16, 1) is None  # 16 one-bit codes: less than one word per token
-    assert decode_attention.tq3_unroll(32, 4) == 2 and decode_attention.tq3_unroll(8, 4) == 8
-    with pytest.raises(ValueError):
-        decode_attention.set_tq3_load(12)
+    assert tq_split.unroll(32, 4) == 2 and tq_split.unroll(8, 4) == 8
 
 
-def test_v3_falls_back_to_the_v2_kernel_where_no_lane_mapping_fits(emulated, monkeypatch):
+def test_the_generic_kernel_takes_what_the_split_kernel_has_no_lane_mapping_for(emulated, monkeypatch):
     calls = _kernel_calls(monkeypatch)
-    decode_attention.set_tq_variant("v3")
-    try:
-        cache = _tq_rows([[100]], 1, 2, 16, group=16)[0]  # 1 bit x 16 coordinates: 2 bytes a token
-        cache.update_and_fetch(mx.random.normal((1, 2, 1, 16)), mx.random.normal((1, 2, 1, 16)))
-        keys, values = cache._fetch(rotated=False)
-        q = mx.random.normal((1, 4, 1, 16))
-        ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.25)
-        assert mx.abs(cache.attend(q, 0.25, None) - ref).max().item() < 1e-4
-    finally:
-        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+    cache = _tq_rows([[100]], 1, 2, 16, group=16)[0]  # 1 bit x 16 coordinates: 2 bytes a token
+    cache.update_and_fetch(mx.random.normal((1, 2, 1, 16)), mx.random.normal((1, 2, 1, 16)))
+    keys, values = cache._fetch(rotated=False)
+    q = mx.random.normal((1, 4, 1, 16))
+    ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.25)
+    assert mx.abs(cache.attend(q, 0.25, None) - ref).max().item() < 1e-4
     assert calls["tq3"] == 0 and calls["tq"] == calls["reduce"] == 1
 
 
-def test_greedy_tokens_through_the_v3_arithmetic_equal_the_mlx_ops_path(emulated):
+def test_greedy_tokens_through_the_split_arithmetic_equal_the_mlx_ops_path(emulated, monkeypatch):
     """The fixture model (head dim 16, G = 2), a single row and a left-padded batch of three, 120
     greedy tokens: the emulated v3 kernels give today's MLX-ops tokens."""
     from engine.model_files import load_model_dir
-    from engine.tq_cache import make_tq_cache
+    from engine.tq_config import make_tq_cache
     from tests.conftest import TINY_MODEL
 
     model, _, _ = load_model_dir(TINY_MODEL, "float32")
@@ -700,15 +642,12 @@ def test_greedy_tokens_through_the_v3_arithmetic_equal_the_mlx_ops_path(emulated
             out.append(tokens[:, 0].tolist())
         return out
 
+    cuda = selector.select()
     for rows in (prompts[:1], prompts):
-        decode_attention.set_mode("off")
+        use_kernels(monkeypatch, selector.DecodeKernels())
         ref = greedy(rows)
-        decode_attention.set_mode("on")
-        decode_attention.set_tq_variant("v3")
-        try:
-            assert greedy(rows) == ref
-        finally:
-            decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+        use_kernels(monkeypatch, cuda)
+        assert greedy(rows) == ref
 
 
 def _byte_perm(x: np.ndarray, y: int, sel: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""engine/dense_mma.py (dense decode attention on the tensor cores) on the CPU.
+"""engine/kernels/dense.py's tensor-core kernel (cuda/dense_mma.cu) on the CPU.
 
 The kernel cannot run here, so `emulated_dense_mma` replays it in numpy lane by lane, from the
 very launch parameters and inputs `dense_attend` hands `mx.fast.cuda_kernel`, at the bit level
@@ -7,11 +7,12 @@ elements, which token), the A registers as those words (K) or `__byte_perm`s of 
 words (V, the selectors 0x5410 / 0x7632), the query B registers as pairs of its raw 16-bit
 elements, P packed to the cache's dtype, the low half of a register as the smaller column / row,
 and the m16n8k16 MMA applied through the PTX fragment layout (tests/test_tq_mma.py's `_mma`).
-With P's rounding switched off the block outputs must equal v1's (`emulated_dense`) to float
-precision: that checks the permutations; with it on, the step must stay within the bf16 / f16
-tolerance of masked SDPA. The GPU run is bench/check_decode_kernels.py (`--dense-variants`).
-The MMA kernel is the default dense variant (docs/PERFORMANCE.md, session 8); the `emulated`
-fixture of tests/test_decode_attention.py pins v1 for the tests of v1's arithmetic."""
+With P's rounding switched off the block outputs must equal the CUDA-core kernel's
+(`emulated_dense`) to float precision: that checks the permutations; with it on, the step must stay
+within the bf16 / f16 tolerance of masked SDPA. The GPU run is bench/check_decode_kernels.py.
+The `emulated` fixture of tests/test_decode_attention.py keeps the CUDA-core kernel for the tests of
+its arithmetic; `emulated_mma` here gives bf16 / f16 steps back to the tensor-core one, as in
+production."""
 
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from engine import decode_attention, dense_mma
+from engine.kernels import common, dense, prebuild, selector, tq_decode, tq_encode, tq_fused, tq_mma, tq_split  # noqa: F401
 from engine.batch_cache import RowBatchKVCache
-from engine.tq_cache import _hooked
+from engine.attention_hook import _hooked
 from tests.test_decode_attention import _blocks, _plain, emulated, emulated_dense  # noqa: F401
 from tests.test_tq_mma import _GQ, _TQ, _mma
+
+_USABLE_MMA = dense.usable_mma  # (the `emulated` fixture declines it; `emulated_mma` restores it)
 
 ROUND = {"on": True}
 
@@ -131,15 +134,15 @@ def _values(p, vbits, G, D, dtype):
 
 
 def emulated_dense_mma(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-    """`dense_mma.SOURCE`: v1's blocks (columns [max(s CHUNK, lp[b]), min((s+1) CHUNK, T))) with
+    """`dense.MMA_SOURCE`: v1's blocks (columns [max(s CHUNK, lp[b]), min((s+1) CHUNK, T))) with
     the scores and values through the fragments above."""
     q, k, v, lp, params = inputs
     t, S, H, B = _blocks(template, grid, threadgroup)
     D, G, CHUNK, U, PAD = (t[n] for n in ("D", "G", "CHUNK", "U", "PAD"))
     dtype = t["T"]
     assert dtype in (mx.bfloat16, mx.float16) and q.dtype == k.dtype == v.dtype == dtype
-    assert D in dense_mma.DIMS and 1 <= G <= 8 and U in dense_mma.UNROLLS and PAD == dense_mma.SCORE_PAD
-    assert G * CHUNK <= decode_attention._SMEM_SCORES and not (D == 256 and U > 2)
+    assert D in dense.MMA_DIMS and 1 <= G <= 8 and U == dense.MMA_UNROLL and PAD == dense.SCORE_PAD
+    assert G * CHUNK <= common.SMEM_SCORES and not (D == 256 and U > 2)
     qb, kb, vb = _bits(q), _bits(k), _bits(v)
     lp, scale = np.array(lp), float(np.array(params)[0])
     HQ, end = H * G, k.shape[2]
@@ -170,12 +173,11 @@ def emulated_mma(emulated, monkeypatch):  # noqa: F811
         calls["mma"] += 1
         return emulated_dense_mma(**kw)
 
-    monkeypatch.setattr(dense_mma, "_kernel", lambda: counted)
-    decode_attention.set_dense_variant("mma")
+    monkeypatch.setattr(dense, "_mma_kernel", lambda: counted)
+    monkeypatch.setattr(dense, "usable_mma", _USABLE_MMA)
     ROUND["on"] = True
     yield calls
     ROUND["on"] = True
-    decode_attention.set_dense_variant(decode_attention.DEFAULT_DENSE_VARIANT)
 
 
 def _padded(lengths, heads, dim, dtype, seed=0):
@@ -198,17 +200,17 @@ def _step(batch, q_heads, kv_heads, dim, dtype):
 
 
 SHAPES = [
-    ([300, 17, 129], 8, 2, 128, 4),  # G = 4, the Qwen3-8B head shape; a row shorter than one tile
-    ([70, 5], 16, 2, 128, 1),  # G = 8: every query column of the MMA; U = 1
-    ([200, 33], 6, 2, 64, 2),  # G = 3, D = 64 (SmolLM2's head size)
-    ([90, 40], 2, 2, 128, 2),  # G = 1
-    ([150, 1, 64], 8, 2, 256, 4),  # D = 256 (U capped at 2: it spills at 4)
+    ([300, 17, 129], 8, 2, 128),  # G = 4, the Qwen3-8B head shape; a row shorter than one tile
+    ([70, 5], 16, 2, 128),  # G = 8: every query column of the MMA
+    ([200, 33], 6, 2, 64),  # G = 3, D = 64 (SmolLM2's head size)
+    ([90, 40], 2, 2, 128),  # G = 1
+    ([150, 1, 64], 8, 2, 256),  # D = 256
 ]
 
 
-@pytest.mark.parametrize("lengths,q_heads,kv_heads,dim,unroll", SHAPES)
-def test_fragments_equal_v1_arithmetic_without_rounding(emulated_mma, monkeypatch, lengths, q_heads, kv_heads, dim,
-                                                        unroll):
+@pytest.mark.parametrize("lengths,q_heads,kv_heads,dim", SHAPES)
+def test_fragments_equal_the_cuda_core_arithmetic_without_rounding(emulated_mma, monkeypatch, lengths, q_heads,
+                                                                   kv_heads, dim):
     """The permutations (K's coordinates per lane, V's tokens and coordinates, P's token order,
     the byte-permute selectors): without P's rounding the MMA emulation gives v1's block outputs
     on the very inputs the MMA kernel is launched with, at every launch the step makes."""
@@ -225,16 +227,11 @@ def test_fragments_equal_v1_arithmetic_without_rounding(emulated_mma, monkeypatc
         seen.append(1)
         return got
 
-    monkeypatch.setattr(dense_mma, "_kernel", lambda: both)
-    dense_mma.set_unroll(unroll)
-    try:
-        batch = _padded(lengths, kv_heads, dim, mx.bfloat16, seed=dim + q_heads)
-        for _ in range(2):
-            mask, keys, values, q = _step(batch, q_heads, kv_heads, dim, mx.bfloat16)
-            assert decode_attention.use_dense(batch, q, keys, mask)
-            _hooked(_plain)(q, keys, values, cache=batch, scale=dim ** -0.5, mask=mask)
-    finally:
-        dense_mma.set_unroll(dense_mma.U)
+    monkeypatch.setattr(dense, "_mma_kernel", lambda: both)
+    batch = _padded(lengths, kv_heads, dim, mx.bfloat16, seed=dim + q_heads)
+    for _ in range(2):
+        mask, keys, values, q = _step(batch, q_heads, kv_heads, dim, mx.bfloat16)
+        _hooked(_plain)(q, keys, values, cache=batch, scale=dim ** -0.5, mask=mask)
     assert len(seen) == 2
 
 
@@ -255,11 +252,11 @@ def test_padded_steps_within_the_tolerance_of_masked_sdpa(emulated_mma, dtype):
     assert emulated_mma["mma"] == 4
 
 
-def test_float32_and_other_head_sizes_keep_v1(emulated_mma, monkeypatch):
-    """float32 caches (bf16 operands would miss v1's 1e-4) and head sizes the loads do not tile
-    (16, 32) run v1's kernel under PREFIXTRACE_DENSE_DECODE=mma."""
+def test_float32_and_other_head_sizes_take_the_cuda_core_kernel(emulated_mma, monkeypatch):
+    """float32 caches (bf16 operands would miss its 1e-4) and head sizes the loads do not tile
+    (16, 32) run the CUDA-core kernel."""
     v1 = []
-    monkeypatch.setattr(decode_attention, "_dense_kernel", lambda: lambda **kw: v1.append(1) or emulated_dense(**kw))
+    monkeypatch.setattr(dense, "_kernel", lambda: lambda **kw: v1.append(1) or emulated_dense(**kw))
     for dtype, dim in ((mx.float32, 128), (mx.bfloat16, 16), (mx.bfloat16, 32)):
         batch = _padded([50, 20], 2, dim, dtype, seed=dim)
         mask, keys, values, q = _step(batch, 4, 2, dim, dtype)
@@ -275,7 +272,7 @@ def test_the_source_indexes_as_the_emulation_does():
     """The index expressions the emulation replays, as they stand in the kernel's source (so the
     two cannot drift apart unnoticed): K loads at 32 i + 8 tq, V loads at 64 i + 8 gq, the query
     pairs and output coordinates, the two byte-permute selectors, P's tokens 4 tq + r."""
-    src = " ".join(dense_mma.SOURCE.split())
+    src = " ".join(dense.MMA_SOURCE.split())
     for piece in ("+ h * k_strides[1] + 8 * tq;", "(size_t)(c0 + t) * k_strides[2] + 32 * i))",
                   "const int d = 32 * (j >> 1) + 8 * tq + 4 * (j & 1);", "&qs[gr][d + 2]",
                   "const int i = j >> 1, e = 2 * (j & 1);", "word_of(w[u][0][i], e), word_of(w[u][1][i], e), "
@@ -290,93 +287,62 @@ def test_the_source_indexes_as_the_emulation_does():
     assert src.count("mma16816<T>(") == 2
 
 
-def test_variant_settings_and_their_env_vars(monkeypatch):
-    assert decode_attention.DENSE_VARIANTS == ("v1", "mma") and decode_attention.dense_variant() == "mma"
-    with pytest.raises(ValueError):
-        decode_attention.set_dense_variant("v2")
-    with pytest.raises(ValueError):
-        dense_mma.set_unroll(3)
-    monkeypatch.setenv("PREFIXTRACE_DENSE_DECODE", "mma")
-    monkeypatch.setenv("PREFIXTRACE_DENSE_MMA_UNROLL", "4")
-    monkeypatch.setattr(decode_attention._DENSE_VARIANT, "_value", None)
-    monkeypatch.setattr(dense_mma._UNROLL, "_value", None)
-    assert decode_attention.dense_variant() == "mma" and dense_mma.unroll() == 4
-    monkeypatch.setenv("PREFIXTRACE_DENSE_DECODE", "v1")
-    monkeypatch.setattr(decode_attention._DENSE_VARIANT, "_value", None)
-    assert decode_attention.dense_variant() == "v1"
-    monkeypatch.setenv("PREFIXTRACE_DENSE_DECODE", "bogus")  # the default (measured on the H200, session 8)
-    monkeypatch.setattr(decode_attention._DENSE_VARIANT, "_value", None)
-    assert decode_attention.dense_variant() == "mma"
-    monkeypatch.setattr(decode_attention._DENSE_VARIANT, "_value", None)
-    monkeypatch.setattr(dense_mma._UNROLL, "_value", None)
-
-
 def test_on_the_cpu_nothing_takes_either_kernel(monkeypatch):
-    """CI's case: without CUDA the hook keeps MLX's masked SDPA under either variant, and the MMA
-    kernel is never built (its `mx.fast.cuda_kernel` would fail here)."""
-    assert not decode_attention.available()
-    monkeypatch.setattr(dense_mma, "_kernel", lambda: pytest.fail("the MMA kernel built on the CPU"))
-    monkeypatch.setattr(decode_attention, "_dense_kernel", lambda: pytest.fail("v1 built on the CPU"))
-    decode_attention.set_dense_variant("mma")
-    try:
-        batch = _padded([40, 9], 2, 128, mx.bfloat16, seed=2)
-        mask, keys, values, q = _step(batch, 8, 2, 128, mx.bfloat16)
-        assert not decode_attention.use_dense(batch, q, keys, mask)
-        got = _hooked(_plain)(q, keys, values, cache=batch, scale=0.1, mask=mask)
-        ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.1, mask=mask)
-        assert mx.array_equal(got, ref)
-    finally:
-        decode_attention.set_dense_variant(decode_attention.DEFAULT_DENSE_VARIANT)
+    """CI's case: without CUDA the hook keeps MLX's masked SDPA and neither kernel is
+    built (its `mx.fast.cuda_kernel` would fail here)."""
+    assert not common.available()
+    monkeypatch.setattr(dense, "_mma_kernel", lambda: pytest.fail("the MMA kernel built on the CPU"))
+    monkeypatch.setattr(dense, "_kernel", lambda: pytest.fail("the CUDA-core kernel built on the CPU"))
+    batch = _padded([40, 9], 2, 128, mx.bfloat16, seed=2)
+    mask, keys, values, q = _step(batch, 8, 2, 128, mx.bfloat16)
+    assert selector.select().dense_attend(batch, q, keys, values, 0.1, mask) is None
+    got = _hooked(_plain)(q, keys, values, cache=batch, scale=0.1, mask=mask)
+    ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.1, mask=mask)
+    assert mx.array_equal(got, ref)
 
 
 def _engine_shapes() -> list[tuple[str, str]]:
-    from tests.test_decode_kernel_sources import render
+    from engine.kernels.render import render
 
     out = []
     for dtype in ("bfloat16", "float16"):
         for dim, g, chunk in ((128, 4, 1024), (128, 4, 256), (128, 8, 512), (64, 3, 1024), (256, 4, 1024),
                               (128, 1, 1024)):
-            for unroll in dense_mma.UNROLLS:
-                name = f"mma_{dtype}_d{dim}_g{g}_c{chunk}_u{unroll}"
-                inputs = [("q", dtype, 4), ("k", dtype, 4), ("v", dtype, 4), ("lp", "int32", 1),
-                          ("params", "float32", 1)]
-                t = [(n, dtype if n == "T" else x) for n, x in dense_mma.templates(dtype, dim, g, chunk, unroll)]
-                out.append((name, render(name, dense_mma.SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
-                                         t)))
+            name = f"mma_{dtype}_d{dim}_g{g}_c{chunk}"
+            inputs = [("q", dtype, 4), ("k", dtype, 4), ("v", dtype, 4), ("lp", "int32", 1), ("params", "float32", 1)]
+            t = [(n, dtype if n == "T" else x) for n, x in dense.mma_templates(dtype, dim, g, chunk)]
+            out.append((name, render(name, dense.MMA_SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
+                                     t)))
     return out
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine (CI): nothing to compile with")
 def test_compiles_for_the_h200_without_spills(tmp_path):
-    """nvcc for sm_90 at the engine's shapes (bf16 / f16, every unroll): the MMAs' PTX assembles,
+    """nvcc for sm_90 at the engine's shapes (bf16 / f16): the MMAs' PTX assembles,
     the static shared memory stays under 48 KB, no spills or stack frame, and the Qwen3-8B shape
     (D 128, G 4) at the default unroll keeps <= 128 registers (4 blocks of 128 threads per SM)."""
-    from tests.test_decode_kernel_sources import ptxas_report
+    from engine.kernels.render import ptxas_report
 
     shapes = _engine_shapes()
     report = {}
     for name, (regs, smem, frame, spills, block) in ptxas_report(
-            tmp_path / "mma.cu", decode_attention._HEADER + dense_mma.HEADER, shapes, timeout=900).items():
+            tmp_path / "mma.cu", common.HEADER + dense.MMA_HEADER, shapes, timeout=900).items():
         report[name] = (regs, smem)
         assert frame == 0 and spills == ("0", "0") and smem <= 48 * 1024, (name, block)
     assert len(report) == len(shapes)
-    assert report[f"mma_bfloat16_d128_g4_c1024_u{dense_mma.U}"][0] <= 128, report
+    assert report["mma_bfloat16_d128_g4_c1024"][0] <= 128, report
     print("ptxas registers, smem:", report)
 
 
-@pytest.mark.parametrize("variant", ["v1", "mma"])
-def test_prebuild_at_load_builds_each_chunk_of_the_variant_in_use(monkeypatch, variant):
-    """engine/dense_prebuild.py builds through `dense_attend`, so it compiles the kernel this
-    process runs (v1's or the MMA one, at its unroll and launch shape), once per CHUNK a batched
-    decode step of up to max_batch rows can pick (64 .. 1,024 at the default target), and the
-    reduce; on the CPU, or at one row, nothing."""
+def test_prebuild_at_load_builds_each_chunk(monkeypatch):
+    """engine/kernels/prebuild.py builds through `dense.attend`, so it compiles the kernel this process
+    runs (the MMA one for a bf16 model), once per CHUNK a batched decode step of up to max_batch rows
+    can pick (64 .. 1,024 at the default target), and the reduce; on the CPU, or at one row, nothing."""
     from types import SimpleNamespace
-
-    from engine import dense_prebuild
 
     args = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096)
     model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
-    assert dense_prebuild.prebuild(model, max_batch=8) == {}  # the CPU: no CUDA, nothing built
+    assert selector.select().prebuild_dense(model, max_batch=8) == {}  # the CPU: no CUDA, nothing built
     built = {"v1": [], "mma": [], "reduce": []}
 
     def record(kind):
@@ -385,22 +351,16 @@ def test_prebuild_at_load_builds_each_chunk_of_the_variant_in_use(monkeypatch, v
             return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
         return lambda: run
 
-    monkeypatch.setattr(decode_attention, "available", lambda: True)
-    monkeypatch.setattr(decode_attention, "_dense_kernel", record("v1"))
-    monkeypatch.setattr(dense_mma, "_kernel", record("mma"))
-    monkeypatch.setattr(decode_attention, "_reduce_kernel", record("reduce"))
-    assert dense_prebuild.prebuild(model, max_batch=1) == {}  # one row: never a padded batch
-    decode_attention.set_dense_variant(variant)
-    try:
-        out = dense_prebuild.prebuild(model, max_batch=8)
-    finally:
-        decode_attention.set_dense_variant(decode_attention.DEFAULT_DENSE_VARIANT)
+    monkeypatch.setattr(dense, "_kernel", record("v1"))
+    monkeypatch.setattr(dense, "_mma_kernel", record("mma"))
+    monkeypatch.setattr(common, "_reduce_kernel", record("reduce"))
+    cuda = selector.CudaKernels()
+    assert cuda.prebuild_dense(model, max_batch=1) == {}  # one row: never a padded batch
+    out = cuda.prebuild_dense(model, max_batch=8)
     assert sorted(out) == [64, 128, 256, 512, 1024]
-    other = "v1" if variant == "mma" else "mma"
-    assert sorted(t["CHUNK"] for t in built[variant]) == sorted(out) and not built[other]
-    assert all(t["G"] == 4 and t["D"] == 128 and t["T"] == mx.bfloat16 for t in built[variant])
-    if variant == "mma":
-        assert all(t["U"] == dense_mma.unroll() for t in built["mma"])
+    assert sorted(t["CHUNK"] for t in built["mma"]) == sorted(out) and not built["v1"]
+    assert all(t["G"] == 4 and t["D"] == 128 and t["T"] == mx.bfloat16 for t in built["mma"])
+    assert all(t["U"] == dense.MMA_UNROLL for t in built["mma"])
     assert len(built["reduce"]) == len(out)
 
 
@@ -409,13 +369,12 @@ def test_an_engine_asks_for_the_dense_builds_at_load(monkeypatch):
     caches alike: a TurboQuant model's dense layers take the dense kernel); on the CPU nothing."""
     from pathlib import Path
 
-    from engine import dense_prebuild
     from engine.engine import Engine
 
     calls = []
-    real = dense_prebuild.prebuild
-    monkeypatch.setattr(dense_prebuild, "prebuild", lambda model, max_batch: calls.append(max_batch) or
-                        real(model, max_batch))
+    real = selector.DecodeKernels.prebuild_dense
+    monkeypatch.setattr(selector.DecodeKernels, "prebuild_dense", lambda self, model, max_batch:
+                        calls.append(max_batch) or real(self, model, max_batch))
     engine = Engine(model_dir=str(Path(__file__).resolve().parent.parent / "fixtures" / "tiny-llama"),
                     max_batch=3, cache_bytes=0).start()
     try:
@@ -423,34 +382,3 @@ def test_an_engine_asks_for_the_dense_builds_at_load(monkeypatch):
         assert calls == [3] and engine.dense_kernel_build_s == {}
     finally:
         engine.shutdown()
-
-
-def test_the_gpu_check_runs_its_dense_cases_through_the_emulated_kernels(emulated_mma, monkeypatch):
-    """bench/check_decode_kernels.py's dense branch on the CPU (a typo there costs device time):
-    real `dense_case`s through the emulated kernels record `mma_launches` (1 where the MMA kernel
-    maps the step, 0 where v1 takes it); `--only-dense --long` walks both variants over the short
-    cases, the unrolls, the wide-model greedy part and the padded long rows, and no TurboQuant case."""
-    import sys
-
-    from bench import check_decode_kernels as cdk
-
-    monkeypatch.setattr(cdk, "results", [])
-    cdk.dense_case([90, 3], 8, 2, 64, mx.bfloat16, "mma")
-    cdk.dense_case([40, 5], 4, 2, 16, mx.bfloat16, "mma")  # head dim 16: v1
-    cdk.dense_case([40, 5], 4, 2, 64, mx.float32, "v1")
-    assert [(r["ok"], r.get("mma_launches")) for r in cdk.results] == [(True, 1), (True, 0), (True, None)]
-    assert decode_attention.dense_variant() == decode_attention.DEFAULT_DENSE_VARIANT
-    seen = []
-    monkeypatch.setattr(cdk, "dense_case", lambda *a, **k: seen.append(("dense", a[-1], a[0][0])))
-    monkeypatch.setattr(cdk, "tq_case", lambda *a, **k: seen.append(("tq",)))
-    monkeypatch.setattr(cdk, "greedy_identity", lambda *a, **k: seen.append(("greedy", k.get("model_name"))))
-    monkeypatch.setattr(sys, "argv", ["check", "--only-dense", "--dense-variants", "v1,mma", "--long"])
-    cdk.main()
-    assert not [s for s in seen if s[0] == "tq"]
-    assert ("greedy", "wide") in seen and ("greedy", None) in seen
-    long_rows = [s for s in seen if s[0] == "dense" and s[2] >= 32768]
-    assert sorted({(s[1], s[2]) for s in long_rows}) == [(v, n) for v in ("mma", "v1") for n in (32768, 100000)]
-    assert len(long_rows) == 8  # B = 3 and B = 8 per context and variant
-    short = [s for s in seen if s[0] == "dense" and s[2] < 32768]
-    assert {s[1] for s in short} == {"v1", "mma"} and len([s for s in short if s[1] == "mma"]) > len(
-        [s for s in short if s[1] == "v1"])  # the MMA-only shapes and unrolls

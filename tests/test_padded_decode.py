@@ -1,26 +1,65 @@
 """Left-padded batched decode (issue 17): what a padded step does beyond an equal one, on the CPU.
 
-The finding bench/bench_decode_mask.py's split rests on (docs/PERFORMANCE.md, "Padded batched
-decode (issue 17, session 7)"): outside attention a padded step builds the same graph as an equal
+The finding the padded dense decode kernel rests on (docs/history/PERFORMANCE-notebook.md, "Padded
+batched decode"): outside attention a padded step builds the same graph as an equal
 step (RoPE takes the cache's per-row offset array in both; the cache update is the same), and the
 padding mask is the only extra, built once per step and read only by a masked attention. And the
-dense kernel's launch shape (`decode_attention.dense_shape`) changes how a step is split, never
-its tokens (the kernels' arithmetic emulated in numpy, tests/test_decode_attention.py)."""
+dense kernel gives a padded batch the tokens masked SDPA gives (its arithmetic emulated in numpy,
+tests/test_decode_attention.py)."""
 
 from __future__ import annotations
 
 import collections
 import re
+import sys
+from contextlib import contextmanager
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from bench.bench_decode_mask import _copy_attention, attention_replaced, batch_cache
-from engine import decode_attention
+from engine.attention_hook import install_attention_hook
 from engine.batch_cache import RowBatchKVCache
-from engine.tq_cache import install_attention_hook
-from tests.test_decode_attention import emulated  # noqa: F401  (fixture)
+from engine.kernels import dense, selector
+from tests.test_decode_attention import emulated, use_kernels  # noqa: F401  (fixture)
+
+
+def _copy_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    return queries  # (B, q_heads, 1, D): attention's output shape, no work
+
+
+@contextmanager
+def attention_replaced(model, fn):
+    """Every model module's `scaled_dot_product_attention` (the hooked one) replaced by `fn`."""
+    modules = {type(m).__module__ for _, m in model.named_modules()}
+    saved = {}
+    for name in modules:
+        module = sys.modules.get(name)
+        if getattr(module, "scaled_dot_product_attention", None) is not None:
+            saved[name] = module.scaled_dot_product_attention
+            module.scaled_dot_product_attention = fn
+    try:
+        yield
+    finally:
+        for name, f in saved.items():
+            sys.modules[name].scaled_dot_product_attention = f
+
+
+def batch_cache(model, lengths: list[int]) -> list:
+    """Per layer, a `RowBatchKVCache` of rows of `lengths` random bf16 tokens (left-padded to the longest)."""
+    args = model.args
+    dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    layers = []
+    for _ in model.layers:
+        rows = []
+        for n in lengths:
+            c = KVCache()
+            kv = mx.random.normal((1, args.num_key_value_heads, n, dim)).astype(mx.bfloat16)
+            c.update_and_fetch(kv, kv)
+            rows.append(c)
+        layers.append(RowBatchKVCache.merge(rows))
+        mx.eval(layers[-1].keys, layers[-1].values)
+    return layers
 
 
 @pytest.fixture(scope="module")
@@ -78,45 +117,21 @@ def test_rope_sees_one_offset_array_whether_or_not_rows_are_padded(small_qwen3):
     assert equal[0].offset.tolist() == [50] * 3 and padded[0].offset.tolist() == [50, 45, 30]
 
 
-def test_dense_shape_setting_and_its_env_vars(monkeypatch):
-    saved = decode_attention.dense_shape()
-    try:
-        with pytest.raises(ValueError):
-            decode_attention.set_dense_shape(3000, 4)
-        with pytest.raises(ValueError):
-            decode_attention.set_dense_shape(1024, 5)
-        monkeypatch.setattr(decode_attention, "_dense_shape", None)
-        monkeypatch.setenv("PREFIXTRACE_DENSE_BLOCKS", "4096")
-        monkeypatch.setenv("PREFIXTRACE_DENSE_UNROLL", "8")
-        assert decode_attention.dense_shape() == (4096, 8)
-        monkeypatch.setattr(decode_attention, "_dense_shape", None)
-        monkeypatch.setenv("PREFIXTRACE_DENSE_BLOCKS", "12")  # not a shape: the default
-        monkeypatch.delenv("PREFIXTRACE_DENSE_UNROLL")
-        assert decode_attention.dense_shape() == (1024, 4)
-    finally:
-        decode_attention.set_dense_shape(*saved)
-    # 8 rows x 4k x 8 KV heads: chunk 256 at 1,024 target blocks, 64 at 4,096 (4,096 blocks).
-    assert decode_attention.split_chunk(4096, 8, 8, 4) == 256
-    assert decode_attention.split_chunk(4096, 8, 8, 4, target=2048) == 128
-    assert decode_attention.split_chunk(4096, 8, 8, 4, target=4096) == 64
-
-
 def _launches(monkeypatch) -> list:
     seen = []
-    wrapped = decode_attention._dense_kernel()
+    wrapped = dense._kernel()
 
     def recording(**kw):
         seen.append((dict(kw["template"]), kw["grid"]))
         return wrapped(**kw)
 
-    monkeypatch.setattr(decode_attention, "_dense_kernel", lambda: recording)
+    monkeypatch.setattr(dense, "_kernel", lambda: recording)
     return seen
 
 
-def test_greedy_tokens_of_a_left_padded_batch_equal_at_every_dense_shape(emulated, monkeypatch):  # noqa: F811
+def test_greedy_tokens_of_a_left_padded_batch_equal_through_the_kernel(emulated, monkeypatch):  # noqa: F811
     """Three left-padded rows on the fixture, 24 greedy tokens: MLX's masked SDPA and the
-    (emulated) start-offset kernel at every launch shape give the same tokens; each shape
-    launches the split it says."""
+    (emulated) start-offset kernel give the same tokens; the kernel launches the split it says."""
     from engine.model_files import load_model_dir
     from tests.conftest import TINY_MODEL
 
@@ -125,8 +140,10 @@ def test_greedy_tokens_of_a_left_padded_batch_equal_at_every_dense_shape(emulate
     prompts = [[(i * 37 + 11 * r) % 500 + 3 for i in range(n)] for r, n in enumerate((70, 41, 9))]
     seen = _launches(monkeypatch)
 
-    def greedy(mode: str) -> list[list[int]]:
-        decode_attention.set_mode(mode)
+    cuda = selector.select()
+
+    def greedy(kernels) -> list[list[int]]:
+        use_kernels(monkeypatch, kernels)
         rows = []
         for p in prompts:
             cache = [KVCache() for _ in model.layers]
@@ -140,62 +157,13 @@ def test_greedy_tokens_of_a_left_padded_batch_equal_at_every_dense_shape(emulate
             out.append(token[:, 0].tolist())
         return out
 
-    saved = decode_attention.dense_shape()
-    try:
-        reference = greedy("off")
-        assert not seen  # the masked path launches nothing
-        for blocks, unroll in ((1024, 4), (4096, 8)):
-            decode_attention.set_dense_shape(blocks, unroll)
-            seen.clear()
-            assert greedy("on") == reference
-            assert seen and all(t["U"] == unroll for t, _ in seen)
-            # at these lengths the smallest chunk (64) serves both targets: the grid says how many splits
-            t, grid = seen[-1]
-            assert grid[0] // (t["NW"] * 32) == -(-93 // t["CHUNK"])  # 70 + 24 - 1 columns at the last step
-    finally:
-        decode_attention.set_dense_shape(*saved)
-        decode_attention.set_mode("on")
-
-
-def test_the_bench_runs_its_gpu_branches_through_the_emulated_kernel(emulated, monkeypatch, tmp_path):  # noqa: F811
-    """bench/bench_decode_mask.py end to end on the fixture with the kernels emulated, so a typo in
-    its CUDA-only branches (kernel shapes, logits check, attention alone, GenerationBatch) costs
-    no device time; every figure the docs read is in its JSON."""
-    import json
-    import sys
-
-    from bench import bench_decode_mask
-
-    out = tmp_path / "mask.json"
-    monkeypatch.setattr(sys, "argv", ["bench_decode_mask.py", "--attention", "both", "--attention-only",
-                                      "--context", "80", "--repeats", "2", "--dense-shape", "1024x4",
-                                      "--dense-shape", "4096x8", "--generation-batch", "3", "--json", str(out),
-                                      "--dense-variants", "v1,mma"])
-    saved = decode_attention.dense_shape()
-    mx.random.seed(0)  # the bench's K/V: unseeded, 1 of 8 greedy rows sometimes flipped on a bf16 near-tie
-    try:
-        bench_decode_mask.main()
-    finally:
-        decode_attention.set_dense_shape(*saved)
-        decode_attention.set_mode("on")
-    result = json.loads(out.read_text())
-    row = result["runs"][0]
-    for key in ("equal_ms", "equal_build_ms", "equal_pipelined_ms", "padded_masked_vs_equal", "padded_kernel_ms",
-                "padded_kernel_4096x8_ms", "padded_kernel_pipelined_vs_equal", "equal_kernel_vs_equal",
-                "padded_copy_vs_equal_copy", "padded_copy_pipelined_vs_equal_copy", "attn_equal_sdpa_us",
-                "attn_padded_masked_us", "attn_padded_kernel_us", "attn_padded_kernel_4096x8_us",
-                "attn_equal_kernel_us", "padded_kernel_mma_ms", "padded_kernel_mma_4096x8_ms",
-                "padded_kernel_mma_pipelined_vs_equal", "equal_kernel_mma_vs_equal", "attn_padded_kernel_mma_us",
-                "attn_padded_kernel_mma_vs_sdpa", "attn_equal_kernel_mma_us", "attn_equal_sdpa_again_us"):
-        assert row[key] > 0, key
-    assert row["padded_kernel_mma_check"]["argmax_agree"] == 1.0  # (head dim 16: the MMA variant runs v1)
-    assert decode_attention.dense_variant() == "v1"  # the bench restores the variant it found (the fixture's)
-    # each variant's chunk instances built before any timing, as an engine builds them at load
-    assert set(result["prebuild_s"]) == {"default", "_mma"} and "64" in result["prebuild_s"]["_mma"]
-    assert not [k for k in row if k.startswith("warmup")]
-    # the emulated kernel computes what masked SDPA does: same greedy choice for every row
-    assert row["padded_kernel_check"]["argmax_agree"] == 1.0 and row["padded_kernel_check"]["max_rel_err"] < 0.05
-    assert {"equal_tok_s", "padded_masked_tok_s", "padded_kernel_tok_s"} <= set(result["generation_batch"])
+    reference = greedy(selector.DecodeKernels())
+    assert not seen  # the masked path launches nothing
+    assert greedy(cuda) == reference
+    assert seen and all(t["U"] == dense.UNROLL for t, _ in seen)
+    # at these lengths the smallest chunk (64) serves: the grid says how many splits
+    t, grid = seen[-1]
+    assert grid[0] // (t["NW"] * 32) == -(-93 // t["CHUNK"])  # 70 + 24 - 1 columns at the last step
 
 
 def _offset_attention(queries, keys, values, left_padding, scale):
@@ -215,15 +183,11 @@ def test_the_padding_mask_is_not_evaluated_when_the_kernel_takes_the_step(tmp_pa
     mask: none of the mask's nodes reach the graph that evaluating the step runs."""
     mask_nodes = {"GreaterEqual", "LessEqual", "BitwiseAnd"}
     padded = batch_cache(small_qwen3, [96, 90, 71, 40])
-    decode_attention.set_mode("off")
-    try:
-        masked = step_graph(tmp_path, small_qwen3, padded, "masked")
-    finally:
-        decode_attention.set_mode("on")
+    masked = step_graph(tmp_path, small_qwen3, padded, "masked")  # the CPU: no kernels
     assert mask_nodes <= set(masked)  # the control: MLX's masked SDPA reads it
-    monkeypatch.setattr(decode_attention, "available", lambda: True)
+    use_kernels(monkeypatch, selector.CudaKernels())
     calls = []
-    monkeypatch.setattr(decode_attention, "dense_attend", lambda *a: calls.append(1) or _offset_attention(*a))
+    monkeypatch.setattr(dense, "attend", lambda *a: calls.append(1) or _offset_attention(*a))
     kernel_route = step_graph(tmp_path, small_qwen3, padded, "kernel_route")
     assert len(calls) == 3  # every layer took the route
     assert not mask_nodes & set(kernel_route)

@@ -1,4 +1,4 @@
-"""The skinny GEMM hook (engine/skinny_gemm.py). The kernel itself needs CUDA and is
+"""The skinny GEMM hook (engine/kernels/skinny_gemm.py). The kernel itself needs CUDA and is
 checked against MLX's matmul by bench/bench_skinny_gemm.py on the GPU; here: the swap
 is complete, shares the weights, and changes nothing where the kernel cannot run."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import skinny_gemm
+from engine.kernels import skinny_gemm
 from engine.model_files import load_model_dir
 from tests.conftest import TINY_MODEL
 
@@ -39,11 +39,7 @@ def test_install_swaps_every_eligible_linear_and_keeps_outputs(monkeypatch):
                 if type(m) is nn.Linear and m.weight.shape[1] % 256 == 0]
     weights = {name: m.weight for name, m in model.named_modules() if name in eligible}
     monkeypatch.setattr(skinny_gemm, "available", lambda: True)
-    skinny_gemm.set_mode("cuda")  # no stacking: each layer keeps its own array
-    try:
-        assert skinny_gemm.install(model) == len(eligible) > 0
-    finally:
-        skinny_gemm.set_mode("mma")
+    assert skinny_gemm.install(model, stack=False) == len(eligible) > 0  # each layer keeps its own array
     monkeypatch.undo()  # on a CPU the swapped layers fall back to their own matmul
     swapped = dict(model.named_modules())
     for name in eligible:
@@ -74,7 +70,6 @@ def test_stacked_projections_take_one_launch_and_give_the_same_logits(monkeypatc
     monkeypatch.setattr(skinny_gemm, "available", lambda: True)
     monkeypatch.setattr(skinny_gemm, "skinny_matmul_mma", matmul_by_parts)
     monkeypatch.setattr(skinny_gemm, "skinny_matmul", lambda x, w: launches.append("cuda-core") or x @ w.T)
-    skinny_gemm.set_mode("mma")
     skinny_gemm.install(model)
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     assert attn.q_proj.stack is attn.k_proj.stack is attn.v_proj.stack is not None
@@ -97,7 +92,6 @@ def test_a_member_called_on_another_input_computes_its_own_product(monkeypatch):
     monkeypatch.setattr(skinny_gemm, "skinny_matmul_mma",
                         lambda x, w, warps=None, parts=None: [x @ p.T for p in mx.split(w, [64], axis=0)]
                         if parts else x @ w.T)
-    skinny_gemm.set_mode("mma")
     gate = skinny_gemm.SkinnyLinear.from_linear(nn.Linear(256, 64, bias=False))
     up = skinny_gemm.SkinnyLinear.from_linear(nn.Linear(256, 64, bias=False))
     gate.set_dtype(mx.bfloat16), up.set_dtype(mx.bfloat16)

@@ -1,17 +1,17 @@
-"""engine/tq_fused.py (TurboQuant decode v7: one pass, online softmax) on the CPU.
+"""engine/kernels/tq_fused.py (the fused TurboQuant decode kernel: one pass, online softmax) on the CPU.
 
 The kernel cannot run here, so `emulated_tq7` replays its code blocks in numpy lane by lane, as
-tests/test_tq_mma.py does for v4: per warp its tiles in the kernel's order (tile i of warp w holds
+tests/test_tq_mma.py does for the MMA split kernel: per warp its tiles in the kernel's order (tile i of warp w holds
 tokens (i NW + w) 16 ..; every warp runs the block's tile count, tiles past n masked), each lane's
 K / V fragment registers from the codes it loads (tokens clamped to the block's last, as the kernel
 loads them), the scores' MMA through the PTX fragment layout, the online softmax per lane (tile max
 over the 8 token rows, the rescale when a running max grows, exp2 in the log2 domain), the f16
 probabilities times the V norms packed per score lane and moved to the P^T B fragment by the
 kernel's shuffle sources and half selection, the values' MMA, then the block's combine (every
-warp's output rescaled to the block's max) into v3's partial layout. Rounding to f16 where the
+warp's output rescaled to the block's max) into the split kernels' partial layout. Rounding to f16 where the
 kernel packs. `PLANT` switches one index of the emulation to a wrong one: each planted error must
 make the step miss the reference (so these checks can fail). What runs on the GPU is checked by
-bench/check_decode_kernels.py (variant v7)."""
+bench/check_decode_kernels.py."""
 
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import decode_attention, tq_fused, tq_mma
+from engine.kernels import common, dense, prebuild, selector, tq_decode, tq_encode, tq_fused, tq_mma, tq_split  # noqa: F401
 from tests.test_decode_attention import (  # noqa: F401
     _blocks, _butterfly, _kernel_calls, _np, emulated, emulated_tq3_reduce, tq_split_blocks,
 )
 from tests.test_tq_mma import (  # noqa: F401
-    _GQ, _TQ, _byte, _f16, _mma, _pairs, _rows, assert_attends_as_the_decoded_cache, counted_tq4, emulated4, emulated_tq4,
+    _GQ, _TQ, _byte, _f16, _mma, _pairs, _rows, assert_attends_as_the_decoded_cache, emulated_tq4, emulated_tq5,
     v_word_mmas,
 )
 
@@ -121,7 +121,7 @@ def emulated_tq7(seen: list | None = None):
         q, kn, kc, vn, vc, tk, tv, lp, signs, cent, params = (_np(a) for a in inputs)
         t, S, H, B = _blocks(template, grid, threadgroup)
         D, G, GROUP, NQ, TW, NW = (t[k] for k in ("D", "G", "GROUP", "NQ", "TW", "NW"))
-        assert D in tq_fused.DIMS7 and G <= 8 and TW == GROUP and t["PF"] == tq_fused.tq7_prefetch()
+        assert D in tq_fused.DIMS7 and G <= 8 and TW == GROUP and t["PF"] is True
         assert G * TW + NW * G * D <= 256 * 32
         scale, chunk = float(params[0]), int(params[1])
         end = kn.shape[2]  # (the K norms are passed as columns [0, end))
@@ -149,20 +149,33 @@ def emulated_tq7(seen: list | None = None):
     return run
 
 
+ROUTE = {"fused": True}  # False: the fused kernel declines every step (the MMA split kernel takes it)
+
+
 @pytest.fixture
-def emulated7(emulated4, monkeypatch):
+def emulated7(emulated, monkeypatch):
+    """The CUDA table with the fused and the MMA split kernels emulated; `ROUTE` picks which one takes
+    a step. Yields the chunks the fused kernel ran at; `MMA_STEPS` the MMA kernel's."""
     seen = []
+    real7 = tq_decode.attend7
+    monkeypatch.setattr(tq_decode, "attend7", lambda *a: real7(*a) if ROUTE["fused"] else None)
     monkeypatch.setattr(tq_fused, "_tq7_kernel", lambda: emulated_tq7(seen))
+    MMA_STEPS.clear()
+    monkeypatch.setattr(tq_mma, "_tq5_kernel", lambda: emulated_tq5(MMA_STEPS))
     tq_fused.split7.cache_clear()
-    decode_attention.set_tq_variant("v7")
     PLANT["which"] = None
+    ROUTE["fused"] = True
     yield seen
     PLANT["which"] = None
-    decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+    ROUTE["fused"] = True
+
+
+MMA_STEPS: list = []
 
 
 def _lockstep(rows, q_heads, kv_heads, dim, dtype, steps, seed=5):
-    """v4 and v7 on twin caches, step by step: [(v7 output, v4 output, SDPA over the decoded cache)]."""
+    """The MMA split kernel ("v4") and the fused one ("v7") on twin caches, step by step: [(fused output,
+    MMA split output, SDPA over the decoded cache)]."""
     caches = {}
     for variant in ("v4", "v7"):
         caches[variant] = _rows(rows, kv_heads, dim, dtype, seed=seed + len(rows))
@@ -176,11 +189,11 @@ def _lockstep(rows, q_heads, kv_heads, dim, dtype, steps, seed=5):
         q = mx.random.normal((B, q_heads, 1, dim)).astype(dtype)
         got = {}
         for variant, cache in caches.items():
-            decode_attention.set_tq_variant(variant)
+            ROUTE["fused"] = variant == "v7"
             mask = cache.make_mask(1) if B > 1 else None
             cache.update_and_fetch(k, v)
             got[variant] = cache.attend(q, dim ** -0.5, mask).astype(mx.float32)
-        decode_attention.set_tq_variant("v7")
+        ROUTE["fused"] = True
         keys, values = caches["v7"]._fetch(rotated=False)
         ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
                                                    values.astype(mx.float32), scale=dim ** -0.5, mask=mask)
@@ -195,12 +208,11 @@ def _lockstep(rows, q_heads, kv_heads, dim, dtype, steps, seed=5):
     (6, 2, 64, mx.bfloat16),  # G = 3, D = 64: one V word, two K words a token and lane
     (2, 2, 128, mx.float16),  # G = 1
 ])
-def test_v7_step_equals_v4_and_the_decoded_cache(emulated7, monkeypatch, q_heads, kv_heads, dim, dtype):
-    """One row and left-padded rows across group boundaries: v7's output stays within the bf16 / f16
-    tolerance of SDPA over the decoded cache and within f16 rounding of v4's, and every step launched
-    v7's kernel (split + v3's reduce), none v4's or v3's."""
+def test_fused_step_equals_the_mma_split_and_the_decoded_cache(emulated7, monkeypatch, q_heads, kv_heads, dim, dtype):
+    """One row and left-padded rows across group boundaries: the fused kernel's output stays within the
+    bf16 / f16 tolerance of SDPA over the decoded cache and within f16 rounding of the MMA split kernel's,
+    and every fused step launched the fused kernel (+ the parallel reduce), none the CUDA-core one."""
     calls = _kernel_calls(monkeypatch)
-    n4 = counted_tq4(monkeypatch)
     tol = 2e-2 if dtype == mx.bfloat16 else 4e-3
     steps = 0
     for rows in ([[150, 9]], [[300], [7, 30, 1], [16], [40, 3]]):
@@ -211,8 +223,8 @@ def test_v7_step_equals_v4_and_the_decoded_cache(emulated7, monkeypatch, q_heads
             assert e_v4 <= tol / 2 * scale, (rows, i, e_v4)  # (outputs rounded to bf16 / f16: an ulp or two apart)
             steps += 1
     seen = emulated7
-    assert len(seen) == steps and n4["n"] == steps and calls["tq3"] == 0
-    assert calls["tq3_reduce"] == 2 * steps  # v7's and v4's
+    assert len(seen) == steps and len(MMA_STEPS) == steps and calls["tq3"] == 0
+    assert calls["tq3_reduce"] == 2 * steps  # the fused kernel's and the MMA split kernel's
 
 
 def _force_chunk(monkeypatch, chunk):
@@ -221,7 +233,7 @@ def _force_chunk(monkeypatch, chunk):
 
 
 @pytest.mark.parametrize("chunk", [192, 576, 1024])
-def test_v7_long_blocks_stream_several_tiles_per_warp(emulated7, monkeypatch, chunk):
+def test_fused_long_blocks_stream_several_tiles_per_warp(emulated7, monkeypatch, chunk):
     """Blocks of 192 / 576 / 1,024 columns: 3 / 9 / 16 tiles per warp (both tile buffers, an odd
     count, the running max growing inside a warp's stream), one row and left-padded rows, against
     the decoded cache and v4."""
@@ -232,23 +244,6 @@ def test_v7_long_blocks_stream_several_tiles_per_warp(emulated7, monkeypatch, ch
             assert mx.abs(v7 - ref).max().item() <= 2e-2 * scale
             assert mx.abs(v7 - v4).max().item() <= 1e-2 * scale
     assert set(emulated7) == {chunk}
-
-
-def test_v7_with_one_tile_buffer_computes_the_same(emulated7, monkeypatch):
-    """PREFIXTRACE_TQ7_PF=0 (one tile buffer: the same tiles in the same order, no tile in flight
-    across the math): the kernel gets PF = false and the step still matches; the split plans with
-    its own (5) blocks per SM."""
-    assert tq_fused.tq7_prefetch() and tq_fused.slots7(4, 128) == tq_mma.sm_count() * 4
-    tq_fused.set_tq7_prefetch(0)  # (drops split7's cached plans, made for 4 blocks per SM)
-    try:
-        assert tq_fused.v7_regs(4, 128) == 96 and tq_fused.slots7(4, 128) == tq_mma.sm_count() * 5
-        with monkeypatch.context() as m:
-            _force_chunk(m, 576)
-            for v7, v4, ref in _lockstep([[1500, 9]], 8, 2, 128, mx.bfloat16, 2, seed=4):
-                scale = max(mx.abs(ref).max().item(), 1.0)
-                assert mx.abs(v7 - ref).max().item() <= 2e-2 * scale
-    finally:
-        tq_fused.set_tq7_prefetch(1)
 
 
 @pytest.mark.parametrize("plant", ["half", "src", "vtok", "rescale"])
@@ -264,21 +259,18 @@ def test_a_planted_index_error_misses_the_reference(emulated7, monkeypatch, plan
     assert worst > 2e-2, (plant, worst)
 
 
-def test_v7_hands_what_it_cannot_map_to_v5s_route(emulated7, monkeypatch):
-    """D = 256 (registers), float32 and 2-bit caches under PREFIXTRACE_TQ_DECODE=v7 run v5's route
-    (and so v4's / v3's), never v7's kernel."""
-    from tests.test_tq_mma import emulated_tq5
-
-    monkeypatch.setattr(tq_fused, "_tq7_kernel", lambda: pytest.fail("v7 launched a step it cannot map"))
-    v5 = []
-    monkeypatch.setattr(tq_mma, "_tq5_kernel", lambda fold: emulated_tq5(fold, v5))
+def test_what_the_fused_kernel_cannot_map_falls_through(emulated7, monkeypatch):
+    """D = 256 (registers) runs the MMA split kernel; float32 and 2-bit caches the CUDA-core split
+    kernel; never the fused one."""
+    monkeypatch.setattr(tq_fused, "_tq7_kernel", lambda: pytest.fail("the fused kernel launched a step it cannot map"))
+    v5 = MMA_STEPS
     calls = _kernel_calls(monkeypatch)
     for dtype, bits, dim in ((mx.bfloat16, 4, 256), (mx.float32, 4, 128), (mx.bfloat16, 2, 128)):
         mx.random.seed(bits + dim)
         cache = tq_mma_rows(dtype, bits, dim)
         q = mx.random.normal((1, 4, 1, dim)).astype(dtype)
         assert_attends_as_the_decoded_cache(cache, q, (dtype, bits, dim))
-    assert len(v5) == 1 and calls["tq3"] == 2  # D = 256 by v5; float32 and 2 bits by v3 (v4's rule)
+    assert len(v5) == 1 and calls["tq3"] == 2  # D = 256 by the MMA split; float32 and 2 bits by the CUDA-core one
 
 
 def tq_mma_rows(dtype, bits, dim):
@@ -291,14 +283,13 @@ def tq_mma_rows(dtype, bits, dim):
     return cache
 
 
-def test_v7_variant_rules_and_source(monkeypatch):
-    assert "v7" in decode_attention.TQ_VARIANTS and decode_attention.DEFAULT_TQ_VARIANT == "v7"  # (session 9)
+def test_fused_rules_and_source():
     q = mx.zeros((1, 32, 1, 128), mx.bfloat16)
     assert tq_fused.usable7(q, 4, 4, 128, 64) and not tq_fused.usable7(q, 2, 4, 128, 64)
     assert not tq_fused.usable7(q.astype(mx.float32), 4, 4, 128, 64)
     assert not tq_fused.usable7(mx.zeros((1, 32, 1, 256), mx.bfloat16), 4, 4, 256, 64)
     assert not tq_fused.usable7(q, 4, 8, 128, 2048)  # the tail's scores + red past the table's space
-    s = tq_fused.TQ7_SOURCE
+    s = tq_fused.SOURCE
     # one pass: no score array per token (the tail's sc is GROUP wide), no barrier in the code path's loop
     assert "[CHUNK]" not in s and s.count("mma_f16(") == 2
     loop = s[s.index("Tile ta, tb2;"):s.index("// The block's combine")]
@@ -308,100 +299,88 @@ def test_v7_variant_rules_and_source(monkeypatch):
                  "(r & 1 ? tv1 : tv0) + 8 * (r >> 1)", "const int nt = (n + 16 * NW - 1) / (16 * NW);",
                  "mx_[g] = mb * 0.6931471805599453f", "constexpr float TH7 = 3.f;", "n0 > mr[0] + TH7 || n1 > mr[1] + TH7"):
         assert text in s, text
-    assert "float qr[G][8];" in s and "float acc[G][8];" in s  # the dense tail: v3's
-    monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v7")
-    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
-    assert decode_attention.tq_variant() == "v7" and not decode_attention.one_launch()
-    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
+    assert "float qr[G][8];" in s and "float acc[G][8];" in s  # the dense tail: the split kernel's
 
 
-def test_v7_split_uses_its_own_occupancy():
-    """split7 is v5's cost model at v7's resident blocks (registers: 4 blocks of 4 warps per SM at
+def test_split7_uses_its_own_occupancy():
+    """split7 is the MMA split kernel's cost model at the fused kernel's resident blocks (registers: 4 blocks of 4 warps per SM at
     128), the chunk a multiple of 64 of at least the window's."""
     slots = tq_fused.slots7(4, 128)
-    assert slots == tq_mma.sm_count() * 4
+    assert slots == common.sm_count() * 4
     for tokens, rows in ((100_000, 1), (32768, 1), (100_000, 8), (700, 3)):
         chunk = tq_fused.split7(-(-tokens // 64), 8, rows, 4, 128, 2)
         assert chunk % 64 == 0 and 128 <= chunk <= tq_mma.chunk_capacity(4)
-        assert chunk == tq_mma.split5(64 * -(-tokens // 64), 8, rows, 4, 128, 128, slots=slots)[0]
+        assert chunk == tq_mma.split5(64 * -(-tokens // 64), 8, rows, 4, 128, 128, slots=slots)
 
 
-def _prebuild_under_v7(monkeypatch, heads: tuple[int, int, int], attention: dict) -> dict:
-    """tq_prebuild.prebuild under v7 for a model of (query heads, KV heads, head dim), bf16, with the
+def _prebuild(monkeypatch, heads: tuple[int, int, int], attention: dict) -> dict:
+    """The CUDA table's prebuild_tq for a model of (query heads, KV heads, head dim), bf16, with the
     encode and reduce kernels recorded as zeros and `attention` ({kernel getter name on its module:
     replacement}) set; returns the build's {chunk: s}."""
     from types import SimpleNamespace
 
-    from engine import tq_prebuild
-    from engine.tq_cache import TQConfig
+    from engine.tq_config import TQConfig
 
     def zeros(**kw):
         return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
 
-    monkeypatch.setattr(decode_attention, "available", lambda: True)
-    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: zeros)
-    monkeypatch.setattr(decode_attention, "_tq3_reduce_kernel", lambda: zeros)
+    monkeypatch.setattr(tq_encode, "_encode_kernel", lambda: zeros)
+    monkeypatch.setattr(tq_split, "_tq3_reduce_kernel", lambda: zeros)
     for (module, name), getter in attention.items():
         monkeypatch.setattr(module, name, getter)
     hq, kv, dim = heads
     args = SimpleNamespace(num_attention_heads=hq, num_key_value_heads=kv, head_dim=dim, hidden_size=4096)
     model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
-    decode_attention.set_tq_variant("v7")
-    try:
-        return tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
-    finally:
-        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+    return selector.CudaKernels().prebuild_tq(model, TQConfig(), max_batch=8)
 
 
-def test_prebuild_under_v7_builds_one_kernel(monkeypatch):
+def test_prebuild_builds_the_fused_kernel_once(monkeypatch):
     built = []
 
     def record(**kw):
         built.append(dict(kw["template"]))
         return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
 
-    out = _prebuild_under_v7(monkeypatch, (32, 8, 128), {
-        (tq_mma, "_tq5_kernel"): lambda fold: pytest.fail("v5 built under v7"),
+    out = _prebuild(monkeypatch, (32, 8, 128), {
+        (tq_mma, "_tq5_kernel"): lambda: pytest.fail("the MMA split kernel built where the fused one maps"),
         (tq_fused, "_tq7_kernel"): lambda: record})
     assert len([c for c in out if c > 0]) == 1 and sum("TW" in t for t in built) == 1  # (-1: the reduces)
 
 
-def test_prebuild_under_v7_builds_its_fallbacks_kernel_where_v7_cannot_map_the_model(monkeypatch):
-    """Head dim 256 (v5's route under v7): the load-time build compiles v5's kernel, not v7's."""
+def test_prebuild_builds_the_fallbacks_kernel_where_the_fused_one_cannot_map_the_model(monkeypatch):
+    """Head dim 256: the load-time build compiles the MMA split kernel, not the fused one."""
     built = []
 
     def record(**kw):
         return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
 
-    out = _prebuild_under_v7(monkeypatch, (16, 4, 256), {
-        (tq_fused, "_tq7_kernel"): lambda: pytest.fail("v7 built for a head dim it cannot map"),
-        (tq_mma, "_tq5_kernel"): lambda fold: built.append(fold) or record})
-    assert len([c for c in out if c > 0]) == 1 and built == [False]
+    out = _prebuild(monkeypatch, (16, 4, 256), {
+        (tq_fused, "_tq7_kernel"): lambda: pytest.fail("the fused kernel built for a head dim it cannot map"),
+        (tq_mma, "_tq5_kernel"): lambda: built.append(1) or record})
+    assert len([c for c in out if c > 0]) == 1 and built == [1]
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="no nvcc on this machine (CI)")
-def test_v7_compiles_for_the_h200_within_its_register_budget(tmp_path):
-    """nvcc for sm_90 at every shape v7 maps: no spills or stack frame, at most `V7_REGS` registers
+def test_fused_kernel_compiles_for_the_h200_within_its_register_budget(tmp_path):
+    """nvcc for sm_90 at every shape the fused kernel maps: no spills or stack frame, at most `V7_REGS` registers
     (4 blocks of 4 warps per SM at 128) and `v7_shared_bytes` of static shared memory."""
-    from tests.test_decode_kernel_sources import _TQ_INPUTS, ptxas_report, render
+    from engine.kernels.render import TQ_INPUTS, ptxas_report, render
 
     shapes = []
-    for pf in (True, False):
-        for dtype, dim, g in (("bfloat16", 128, 4), ("float16", 128, 4), ("bfloat16", 128, 8), ("bfloat16", 64, 3),
-                              ("bfloat16", 128, 1)):
-            name = f"v7_{dtype}_d{dim}_g{g}_pf{int(pf)}"
-            inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS]
-            shapes.append((name, render(name, tq_fused.TQ7_SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
-                                        tq_fused._templates7(dtype, dim, g, 64, pf))))
-    report = ptxas_report(tmp_path / "v7.cu", decode_attention._HEADER + decode_attention._TQ3_HEADER
-                          + tq_mma.TQ4_HEADER + tq_fused.TQ7_HEADER, shapes, timeout=900)
+    for dtype, dim, g in (("bfloat16", 128, 4), ("float16", 128, 4), ("bfloat16", 128, 8), ("bfloat16", 64, 3),
+                          ("bfloat16", 128, 1)):
+        name = f"v7_{dtype}_d{dim}_g{g}"
+        inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in TQ_INPUTS]
+        shapes.append((name, render(name, tq_fused.SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
+                                    tq_fused.templates7(dtype, dim, g, 64))))
+    report = ptxas_report(tmp_path / "v7.cu", common.HEADER + tq_split.SPLIT_HEADER
+                          + tq_mma.MMA_HEADER + tq_fused.FUSED_HEADER, shapes, timeout=900)
     assert len(report) == len(shapes)
     for name, (regs, smem, frame, spills, block) in report.items():
-        g, dim = int(name.split("_g")[1].split("_")[0]), int(name.split("_d")[1].split("_")[0])
-        pf = name.endswith("_pf1")
+        g, dim = int(name.split("_g")[1]), int(name.split("_d")[1].split("_")[0])
         assert frame == 0 and spills == ("0", "0"), (name, block)
         assert tq_fused.v7_shared_bytes(g, dim) - 128 <= smem <= tq_fused.v7_shared_bytes(g, dim), (name, smem)
-        assert regs <= tq_fused.v7_regs(g, dim, pf), (name, regs)
-        if (dim, g) == (128, 4):  # Qwen3-8B: the blocks per SM `split7` plans with: 4 with two tile buffers, 5 with one
-            assert tq_mma.blocks_per_sm(smem, regs) == (4 if pf else 5), (name, regs)
+        assert regs <= tq_fused.v7_regs(g, dim), (name, regs)
+        if (dim, g) == (128, 4):  # Qwen3-8B: the blocks per SM `split7` plans with
+            assert common.blocks_per_sm(smem, regs) == 4, (name, regs)
     print("ptxas registers, smem:", {n: r[:2] for n, r in report.items()})

@@ -1,16 +1,15 @@
-"""engine/tq_mma.py (TurboQuant decode v4, scores and values on the tensor cores) on the CPU.
+"""engine/kernels/tq_mma.py (the TurboQuant tensor-core split kernel) on the CPU.
 
-The kernel cannot run here, so `emulated_tq4` replays it in numpy lane by lane: each lane's
+The kernel cannot run here, so `emulated_tq4` replays its blocks in numpy lane by lane: each lane's
 MMA fragment registers are built from the codes exactly as the source builds them (which 16
 bytes a lane loads, which code byte feeds which register, the two-token nibble merge of the
 values, the permuted token order of P, the query columns >= G left zero), every element is
 rounded to f16 where the kernel packs it, and the m16n8k16 MMA is applied through the PTX
 fragment layout (A, B scattered into 16x16 / 16x8 matrices by lane, C gathered back). With the
-rounding switched off the emulation must equal v3's arithmetic (`emulated_tq3`) on the same
-inputs to float precision: that checks the permutations; with it on, the step must stay within
-the bf16 tolerance of attention over the decoded cache. What runs on the GPU is checked by
-bench/check_decode_kernels.py (variant v4); the sources compile in
-tests/test_decode_kernel_sources.py."""
+rounding switched off the emulation must equal the CUDA-core split kernel's arithmetic
+(`emulated_tq3`) on the same inputs to float precision: that checks the permutations; with it on,
+the step must stay within the bf16 tolerance of attention over the decoded cache. What runs on the
+GPU is checked by bench/check_decode_kernels.py; the sources compile here where nvcc is."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import decode_attention, tq_mma
+from engine.kernels import common, dense, prebuild, selector, tq_decode, tq_encode, tq_fused, tq_mma, tq_split  # noqa: F401
 from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache
 from tests.test_decode_attention import (  # noqa: F401
     _blocks, _butterfly, _kernel_calls, _np, emulated, emulated_tq3, emulated_tq3_reduce, tq_split_blocks,
@@ -144,26 +143,15 @@ def assert_attends_as_the_decoded_cache(cache, q, label) -> None:
     assert mx.abs(got.astype(mx.float32) - ref).max().item() <= tol, label
 
 
-def counted_tq4(monkeypatch) -> dict:
-    """v4's kernel as `emulated_tq4`, its launches counted in the returned {"n": count}."""
-    n = {"n": 0}
-
-    def counted(**kw):
-        n["n"] += 1
-        return emulated_tq4(**kw)
-
-    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: counted)
-    return n
-
-
 def emulated_tq4(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-    """`TQ4_SOURCE`: v3's blocks (columns, boundaries, the dense tail's block) with the code
-    blocks' scores and values through `_scores` / `_values`."""
+    """The split kernel's blocks at a fixed CHUNK (columns, boundaries, the dense tail's block) with the
+    code blocks' scores and values through `_scores` / `_values`; `emulated_tq5` feeds it the runtime
+    chunk. params[1]: the cache's column count."""
     q, kn, kc, vn, vc, tk, tv, lp, signs, cent, params = (_np(a) for a in inputs)
     t, S, H, B = _blocks(template, grid, threadgroup)
     D, G, CHUNK, BITS, GROUP, NQ, TC = (t[k] for k in ("D", "G", "CHUNK", "BITS", "GROUP", "NQ", "TC"))
     assert BITS == 4 and D in tq_mma.DIMS4 and G <= 8 and TC == tq_mma.table_copies(G, D, CHUNK)
-    assert G * CHUNK <= decode_attention._SMEM_SCORES
+    assert G * CHUNK <= common.SMEM_SCORES
     HQ, end = H * G, int(params[1])  # (kc: the cache's whole buffer, columns [0, end) its own)
     assert end <= min(kn.shape[2], kc.shape[2], vn.shape[2], vc.shape[2])
     ws, prev = end - tk.shape[2], end - NQ
@@ -187,14 +175,40 @@ def emulated_tq4(inputs, template, grid, threadgroup, output_shapes, output_dtyp
     return [mx.array(o.reshape(-1)), mx.array(ml)]
 
 
+
+def emulated_tq5(seen: list | None = None, inner=None):
+    """cuda/tq_mma.cu: `emulated_tq4`'s blocks at the runtime chunk (params[1], within the score array's
+    capacity, the template CHUNK), the cache's column count from the K norms' shape."""
+    inner = inner or emulated_tq4
+
+    def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        t = dict(template)
+        scale, chunk = (float(x) for x in np.array(inputs[10])[:2])  # (the rest: its own page's zeros)
+        end = inputs[1].shape[2]  # (the K norms are passed as columns [0, end): their shape carries it)
+        inputs = list(inputs)
+        inputs[10] = mx.array(np.array([scale, end], np.float32))  # what `emulated_tq4` reads
+        chunk = int(chunk)
+        assert t["CHUNK"] == tq_mma.chunk_capacity(t["G"]) and t["TC"] == tq_mma.table_copies(t["G"], t["D"], t["CHUNK"])
+        assert 64 <= chunk <= t["CHUNK"] and chunk % 64 == 0
+        t4 = [(k, chunk if k == "CHUNK" else tq_mma.table_copies(t["G"], t["D"], chunk) if k == "TC" else v)
+              for k, v in template]
+        if seen is not None:
+            seen.append(chunk)
+        assert len(inputs) == 11 and len(output_shapes) == 2
+        return inner(inputs, t4, grid, threadgroup, output_shapes, output_dtypes)
+    return run
+
+
 @pytest.fixture
-def emulated4(emulated, monkeypatch):
-    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: emulated_tq4)
-    decode_attention.set_tq_variant("v4")
+def emulated_mma(emulated, monkeypatch):
+    """The CUDA table with the tensor-core split kernel emulated and the fused kernel declining every
+    step (as it does at head size 256), so the steps these tests make take the MMA split kernel."""
+    seen = []
+    monkeypatch.setattr(tq_mma, "_tq5_kernel", lambda: emulated_tq5(seen))
+    monkeypatch.setattr(tq_decode, "attend7", lambda *a: None)
     ROUND["on"] = True
-    yield
+    yield seen
     ROUND["on"] = True
-    decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
 
 
 def _rows(chunks_per_row, heads, dim, dtype, group=16, seed=0):
@@ -216,15 +230,19 @@ def _rows(chunks_per_row, heads, dim, dtype, group=16, seed=0):
     (2, 2, 128),  # G = 1
     (8, 2, 256),  # D = 256: two 16-byte loads per token for K
 ])
-def test_v4_fragments_equal_v3_arithmetic_without_rounding(emulated4, monkeypatch, q_heads, kv_heads, dim):
-    """The permutations (coordinates of K, tokens and coordinates of V, P's token order): the v4
-    emulation without f16 rounding gives v3's block outputs on the very inputs v4 is launched with."""
+def test_mma_fragments_equal_the_split_arithmetic_without_rounding(emulated_mma, monkeypatch, q_heads, kv_heads,
+                                                                   dim):
+    """The permutations (coordinates of K, tokens and coordinates of V, P's token order): the emulation
+    without f16 rounding gives the CUDA-core split kernel's block outputs on the very inputs the MMA
+    kernel is launched with."""
     ROUND["on"] = False
     seen = []
 
-    def both(**kw):
+    def both(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        kw = dict(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
+                  output_shapes=output_shapes, output_dtypes=output_dtypes)
         got = emulated_tq4(**kw)
-        t3 = [(k, v) for k, v in kw["template"] if k not in ("TC",)] + [("CPL", 16)]
+        t3 = [(k, v) for k, v in template if k not in ("TC",)] + [("CPL", 16)]
         ref = emulated_tq3(**{**kw, "template": t3})
         seen.append(1)
         for g, r in zip(got, ref):
@@ -232,7 +250,7 @@ def test_v4_fragments_equal_v3_arithmetic_without_rounding(emulated4, monkeypatc
             assert np.allclose(g, r, atol=1e-5, rtol=1e-5, equal_nan=True), np.abs(g - r).max()
         return got
 
-    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: both)
+    monkeypatch.setattr(tq_mma, "_tq5_kernel", lambda: emulated_tq5(inner=both))
     for rows in ([[150, 9]], [[300], [7, 30, 1], [16], [40, 3]]):
         cache = _rows(rows, kv_heads, dim, mx.bfloat16, seed=len(rows))
         cache.hooked = True
@@ -246,11 +264,11 @@ def test_v4_fragments_equal_v3_arithmetic_without_rounding(emulated4, monkeypatc
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-def test_v4_step_within_the_bf16_tolerance_of_attention_over_the_decoded_cache(emulated4, monkeypatch, dtype):
+def test_mma_step_within_the_bf16_tolerance_of_attention_over_the_decoded_cache(emulated_mma, monkeypatch, dtype):
     """With the f16 rounding the kernel does, one row and left-padded rows, steps across group
-    boundaries: within bench/check_decode_kernels.py's tolerance of SDPA over the decoded cache."""
+    boundaries: within bench/check_decode_kernels.py's tolerance of SDPA over the decoded
+    cache; every step ran the MMA split kernel, at a chunk that is a multiple of 64."""
     calls = _kernel_calls(monkeypatch)
-    n4 = counted_tq4(monkeypatch)
     tol = 2e-2 if dtype == mx.bfloat16 else 4e-3
     for rows in ([[150, 9]], [[300], [7, 30, 1], [16], [40, 3]]):
         cache = _rows(rows, 2, 128, dtype, seed=7 + len(rows))
@@ -267,14 +285,14 @@ def test_v4_step_within_the_bf16_tolerance_of_attention_over_the_decoded_cache(e
                                                        values.astype(mx.float32), scale=128 ** -0.5, mask=mask)
             e = mx.abs(got.astype(mx.float32) - ref).max().item()
             assert got.dtype == dtype and e <= tol * max(mx.abs(ref).max().item(), 1.0), (rows, step, e)
-    assert n4["n"] == 40 and calls["tq3_reduce"] == 40 and calls["tq3"] == 0
+    assert len(emulated_mma) == 40 and calls["tq3_reduce"] == 40 and calls["tq3"] == 0
 
 
-def test_v4_falls_back_to_v3_where_it_cannot_map_the_step(emulated4, monkeypatch):
+def test_what_the_mma_kernel_cannot_map_runs_the_split_kernel(emulated_mma, monkeypatch):
     """float32 caches (f16 operands would miss the float32 tolerance), 2 / 8-bit codes and head
-    dim 16 run v3's kernel under PREFIXTRACE_TQ_DECODE=v4."""
+    dim 16 run the CUDA-core split kernel."""
     calls = _kernel_calls(monkeypatch)
-    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: pytest.fail("v4 launched where it cannot map the step"))
+    monkeypatch.setattr(tq_mma, "_tq5_kernel", lambda: pytest.fail("the MMA kernel launched a step it cannot map"))
     cases = [(mx.float32, 4, 128), (mx.bfloat16, 2, 128), (mx.bfloat16, 8, 64), (mx.bfloat16, 4, 16)]
     for dtype, bits, dim in cases:
         mx.random.seed(bits + dim)
@@ -289,60 +307,25 @@ def test_v4_falls_back_to_v3_where_it_cannot_map_the_step(emulated4, monkeypatch
     assert calls["tq3"] == len(cases) and calls["tq3_reduce"] == len(cases)
 
 
-def test_v4_variant_and_table_rules(monkeypatch):
-    assert "v4" in decode_attention.TQ_VARIANTS
-    assert tq_mma.table_copies(4, 128, 256) == 32  # conflict-free where the scores leave room (32k, one row)
-    assert tq_mma.table_copies(4, 128, 1024) == 16  # the 100k split: at most two-way conflicts
+def test_table_rules_and_source():
+    assert tq_mma.table_copies(4, 128, 256) == 32  # conflict-free where the scores leave room
+    assert tq_mma.table_copies(4, 128, 1024) == 16  # a 1024-column split: at most two-way conflicts
     assert tq_mma.table_copies(8, 128, 512) == 8
     q = mx.zeros((1, 32, 1, 128), mx.bfloat16)
     assert tq_mma.usable(q, 4, 4, 128, 1024) and not tq_mma.usable(q, 2, 4, 128, 1024)
     assert not tq_mma.usable(q.astype(mx.float32), 4, 4, 128, 1024) and not tq_mma.usable(q, 4, 4, 32, 1024)
-    # the v4 body is v3's with both code paths replaced: none of v3's per-coordinate FMA loops left
-    assert "centroid<" not in tq_mma.TQ4_SOURCE and tq_mma.TQ4_SOURCE.count("mma_f16(") == 2
-    assert "float qr[G][8];" in tq_mma.TQ4_SOURCE and "float acc[G][8];" in tq_mma.TQ4_SOURCE  # the dense tail
-    monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v4")
-    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
-    assert decode_attention.tq_variant() == "v4"
-    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
+    # the body is the split kernel's with both code paths replaced: none of its per-coordinate FMA loops left
+    assert "centroid<" not in tq_mma.SOURCE and tq_mma.SOURCE.count("mma_f16(") == 2
+    assert "float qr[G][8];" in tq_mma.SOURCE and "float acc[G][8];" in tq_mma.SOURCE  # the dense tail
+    assert "CH5 = static_cast<int>(params[1])" in tq_mma.SOURCE and "s * CHUNK" not in tq_mma.SOURCE
+    assert "const int end = kn_shape[2];" in tq_mma.SOURCE and "params[2]" not in tq_mma.SOURCE
+    assert tq_mma.SOURCE.count("return;") == 1 and "cnt" not in tq_mma.SOURCE
 
 
-def _v4_engine_shapes() -> list[tuple[str, str]]:
-    from tests.test_decode_kernel_sources import _TQ_INPUTS, render
-
-    out = []
-    for dtype in ("bfloat16", "float16"):
-        for dim, g, chunk in ((128, 4, 1024), (128, 4, 256), (128, 8, 512), (64, 3, 1024), (256, 4, 1024),
-                              (128, 1, 1024)):
-            name = f"v4_{dtype}_d{dim}_g{g}_c{chunk}"
-            inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS]
-            out.append((name, render(name, tq_mma.TQ4_SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
-                                     tq_mma.templates(dtype, dim, g, chunk, 4, 64))))
-    return out
-
-
-@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="no nvcc on this machine (CI)")
-def test_v4_compiles_for_the_h200_without_spills(tmp_path):
-    """nvcc for sm_90 at the engine's shapes (bf16 / f16): the MMA's PTX assembles, the static
-    shared memory (v3's arrays + the pair table) stays under 48 KB, no spills or stack frame, and
-    the Qwen3-8B shape (D 128, G 4) keeps <= 128 registers (4+ blocks of 128 threads per SM)."""
-    from tests.test_decode_kernel_sources import ptxas_report
-
-    shapes = _v4_engine_shapes()
-    report = {}
-    for name, (regs, smem, frame, spills, block) in ptxas_report(
-            tmp_path / "v4.cu", decode_attention._HEADER + decode_attention._TQ3_HEADER + tq_mma.TQ4_HEADER, shapes,
-            timeout=900).items():
-        report[name] = (regs, smem)
-        assert frame == 0 and spills == ("0", "0") and smem <= 48 * 1024, (name, block)
-    assert len(report) == len(shapes)
-    assert report["v4_bfloat16_d128_g4_c1024"][0] <= 128, report
-    print("ptxas registers, smem:", report)
-
-
-def test_v3_and_v4_take_the_whole_code_buffers_and_the_cache_end(emulated, monkeypatch):
-    """The step hands v3 / v4 the cache's norm and code buffers unsliced (capacity past the
+def test_the_split_kernel_takes_the_whole_code_buffers_and_the_cache_end(emulated, monkeypatch):
+    """The step hands the split kernel the cache's norm and code buffers unsliced (capacity past the
     cache's columns) and the column count in params[1] (four slices were ~28 us of host time per
-    layer); the kernels read [0, end) only, so the output still matches the decoded cache."""
+    layer); the kernel reads [0, end) only, so the output still matches the decoded cache."""
     seen = []
 
     def spy(f):
@@ -352,263 +335,93 @@ def test_v3_and_v4_take_the_whole_code_buffers_and_the_cache_end(emulated, monke
             return f(**kw)
         return lambda: run
 
-    monkeypatch.setattr(decode_attention, "_tq3_kernel", spy(emulated_tq3))
-    monkeypatch.setattr(tq_mma, "_tq4_kernel", spy(emulated_tq4))
-    for variant, dtype in (("v3", mx.float32), ("v4", mx.bfloat16)):
-        decode_attention.set_tq_variant(variant)
-        try:
-            cache = _rows([[150, 9]], 2, 128, dtype, seed=3)
-            cache.hooked = True
-            for _ in range(3):
-                cache.update_and_fetch(mx.random.normal((1, 2, 1, 128)).astype(dtype),
-                                       mx.random.normal((1, 2, 1, 128)).astype(dtype))
-                q = mx.random.normal((1, 8, 1, 128)).astype(dtype)
-                got = cache.attend(q, 128 ** -0.5, None)
-                keys, values = cache._fetch(rotated=False)
-                ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
-                                                           values.astype(mx.float32), scale=128 ** -0.5)
-                tol = 1e-4 if dtype == mx.float32 else 2e-2 * max(mx.abs(ref).max().item(), 1.0)
-                assert mx.abs(got.astype(mx.float32) - ref).max().item() <= tol
-        finally:
-            decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
-    assert len(seen) == 6 and all(cap > end for cap, end in seen) and [e for _, e in seen[:3]] == [160, 161, 162]
+    monkeypatch.setattr(tq_split, "_tq3_kernel", spy(emulated_tq3))
+    cache = _rows([[150, 9]], 2, 128, mx.float32, seed=3)
+    cache.hooked = True
+    for _ in range(3):
+        cache.update_and_fetch(mx.random.normal((1, 2, 1, 128)), mx.random.normal((1, 2, 1, 128)))
+        assert_attends_as_the_decoded_cache(cache, mx.random.normal((1, 8, 1, 128)), "float32")
+    assert len(seen) == 3 and all(cap > end for cap, end in seen) and [e for _, e in seen] == [160, 161, 162]
 
 
-def test_prebuild_at_load_builds_the_v4_kernels_under_v4(monkeypatch):
-    """engine/tq_prebuild.py builds through `tq_attend`, so under v4 it compiles v4's kernel, once
-    per CHUNK (and TC: the table copies follow the chunk) a decode step can pick, not v3's."""
-    from types import SimpleNamespace
-
-    from engine import tq_prebuild
-    from engine.tq_cache import TQConfig
-
-    built = []
-
-    def record(**kw):
-        built.append(dict(kw["template"]))
-        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
-
-    monkeypatch.setattr(decode_attention, "available", lambda: True)
-    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: record)
-    monkeypatch.setattr(decode_attention, "_tq3_kernel", lambda: pytest.fail("v3 built under v4"))
-    monkeypatch.setattr(decode_attention, "_tq3_reduce_kernel", lambda: record)
-    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: record)
-    args = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096)
-    model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
-    decode_attention.set_tq_variant("v4")
-    try:
-        out = tq_prebuild.prebuild(model, TQConfig(), max_batch=2)
-    finally:
-        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
-    tq4 = [t for t in built if "TC" in t]
-    chunks = sorted(c for c in out if c > 0)  # (0: the encode, -1: the reduces)
-    assert -1 in out
-    assert chunks and sorted(t["CHUNK"] for t in tq4) == chunks
-    assert all(t["TC"] == tq_mma.table_copies(4, 128, t["CHUNK"]) for t in tq4)
-
-
-# --- v5: the split from the occupancy, the reduce folded into the last blocks ------------------
-
-def emulated_tq5(fold: bool, seen: list | None = None):
-    """`TQ5_SOURCE` / `TQ5_FOLD_SOURCE`: v4's blocks at the runtime chunk (params[1], within the
-    score array's capacity, the template CHUNK); folded, the last block of each (row, KV head)
-    reduces its G heads as one warp per head (the v3 reduce's sums with RW = 1) and the counters
-    are zeros before the launch."""
-    def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-        t = dict(template)
-        scale, chunk = (float(x) for x in np.array(inputs[10])[:2])  # (the rest: its own page's zeros)
-        end = inputs[1].shape[2]  # (the K norms are passed as columns [0, end): their shape carries it)
-        inputs = list(inputs)
-        inputs[10] = mx.array(np.array([scale, end], np.float32))  # what v4's emulation reads
-        chunk = int(chunk)
-        assert t["CHUNK"] == tq_mma.chunk_capacity(t["G"]) and t["TC"] == tq_mma.table_copies(t["G"], t["D"], t["CHUNK"])
-        assert 64 <= chunk <= t["CHUNK"] and chunk % 64 == 0
-        t4 = [(k, chunk if k == "CHUNK" else tq_mma.table_copies(t["G"], t["D"], chunk) if k == "TC" else v)
-              for k, v in template]
-        if seen is not None:
-            seen.append((fold, chunk))
-        if not fold:
-            assert len(inputs) == 11 and len(output_shapes) == 2
-            return emulated_tq4(inputs, t4, grid, threadgroup, output_shapes, output_dtypes)
-        *inp, cnt = inputs
-        _, S, H, B = _blocks(template, grid, threadgroup)
-        assert len(inp) == 11 and cnt.dtype == mx.int32 and cnt.size >= B * H and not np.array(cnt).any()
-        o, ml = emulated_tq4(inp, t4, grid, threadgroup, output_shapes[:2], output_dtypes[:2])
-        out = emulated_tq3_reduce([o, ml, inp[8]], [("D", t["D"]), ("RW", 1)], (ml.shape[0] * 32, 1, 1), (32, 1, 1),
-                                  [output_shapes[2]], [output_dtypes[2]])[0]
-        return [o, ml, out]
-    return run
-
-
-@pytest.fixture
-def emulated5(emulated4, monkeypatch):
-    seen = []
-    monkeypatch.setattr(tq_mma, "_tq5_kernel", lambda fold: emulated_tq5(fold, seen))
-    decode_attention.set_tq_variant("v5")
-    yield seen
-    decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
-
-
-@pytest.mark.parametrize("fold_waves", [2, 0])
-def test_v5_step_equals_v4_and_the_decoded_cache(emulated5, monkeypatch, fold_waves):
-    """Folded (`_tq5_fold` on: one row, short batches fold) and not (FOLD_WAVES 0): v5's steps, one row and
-    left-padded rows across group boundaries, give v4's output up to the order of f32 sums and stay
-    within the bf16 tolerance of SDPA over the decoded cache; its split is a multiple of 64, not
-    v4's power of two, and every step launched v5 (none went to v4's kernel)."""
-    monkeypatch.setattr(tq_mma, "FOLD_WAVES", fold_waves)
-    monkeypatch.setattr(tq_mma, "_tq5_fold", True)
-    tq_mma._plan5.cache_clear()
-    calls = _kernel_calls(monkeypatch)
-    for rows in ([[150, 9]], [[300], [7, 30, 1], [16], [40, 3]]):
-        caches = {}
-        for variant in ("v4", "v5"):
-            caches[variant] = _rows(rows, 2, 128, mx.bfloat16, seed=5 + len(rows))
-            caches[variant].hooked = True
-        B = len(rows)
-        mx.random.seed(21)
-        for step in range(18):
-            k, v = mx.random.normal((B, 2, 1, 128)).astype(mx.bfloat16), mx.random.normal((B, 2, 1, 128)).astype(mx.bfloat16)
-            q = mx.random.normal((B, 8, 1, 128)).astype(mx.bfloat16)
-            outs = {}
-            for variant, cache in caches.items():
-                decode_attention.set_tq_variant(variant)
-                mask = cache.make_mask(1) if B > 1 else None
-                cache.update_and_fetch(k, v)
-                outs[variant] = cache.attend(q, 128 ** -0.5, mask).astype(mx.float32)
-            decode_attention.set_tq_variant("v5")
-            keys, values = caches["v5"]._fetch(rotated=False)
-            ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
-                                                       values.astype(mx.float32), scale=128 ** -0.5, mask=mask)
-            scale = max(mx.abs(ref).max().item(), 1.0)
-            assert mx.abs(outs["v5"] - ref).max().item() <= 2e-2 * scale, (rows, step)
-            assert mx.abs(outs["v5"] - outs["v4"]).max().item() <= 2e-3 * scale, (rows, step)
-    seen = emulated5
-    assert len(seen) == 36 and all(f == (fold_waves > 0) for f, _ in seen)
-    # folded: no reduce launch of its own (v4's 36 steps took 36)
-    assert calls["tq3_reduce"] == 36 + (0 if fold_waves else 36) and calls["tq3"] == 0
-    tq_mma._plan5.cache_clear()
-
-
-def test_v5_split_follows_the_waves():
-    """split5 on an H200 (132 SMs, 5 resident blocks of v5's shape: 660 slots), Qwen3-8B's layer:
-    one row of 100k gets 640 columns (157 x 8 = 1,256 blocks: two full waves) where v4's 1,024
-    left a second wave a fifth full; one row of 32k one wave of 448 (592 blocks); B = 8 keeps
-    large chunks and does not fold; the chunk is at least the dense window's and a multiple of 64."""
-    assert tq_mma.blocks_per_sm(tq_mma.v5_shared_bytes(4, 128), tq_mma.v5_regs(4, 128)) == 5
-    assert tq_mma.split5(100_000, 8, 1, 4, 128, 65, sms=132) == (640, True)
-    assert tq_mma.split5(32768, 8, 1, 4, 128, 65, sms=132) == (448, True)
-    chunk, fold = tq_mma.split5(100_000, 8, 8, 4, 128, 65, sms=132)
-    assert chunk >= 768 and not fold
+def test_split5_follows_the_waves():
+    """split5 on an H200 (132 SMs, 5 resident blocks of the kernel's shape: 660 slots), Qwen3-8B's layer:
+    one row of 100k gets 640 columns (157 x 8 = 1,256 blocks: two full waves) where a 1,024-column
+    split left a second wave a fifth full; one row of 32k one wave of 448 (592 blocks); B = 8 keeps
+    large chunks; the chunk is at least the dense window's and a multiple of 64."""
+    assert common.blocks_per_sm(tq_mma.v5_shared_bytes(4, 128), tq_mma.v5_regs(4, 128)) == 5
+    assert tq_mma.split5(100_000, 8, 1, 4, 128, 65, sms=132) == 640
+    assert tq_mma.split5(32768, 8, 1, 4, 128, 65, sms=132) == 448
+    assert tq_mma.split5(100_000, 8, 8, 4, 128, 65, sms=132) >= 768
     for tokens, rows, at_least in ((5000, 1, 65), (1000, 3, 200), (64, 1, 1), (2_000_000, 8, 65)):
-        chunk, _ = tq_mma.split5(tokens, 8, rows, 4, 128, at_least, sms=132)
+        chunk = tq_mma.split5(tokens, 8, rows, 4, 128, at_least, sms=132)
         assert chunk % 64 == 0 and at_least <= chunk <= tq_mma.chunk_capacity(4)
     assert tq_mma.split5(100, 8, 1, 4, 128, tq_mma.chunk_capacity(4) + 1, sms=132) is None
     assert tq_mma.chunk_capacity(8) == 512 and tq_mma.chunk_capacity(1) == 1024
     # registers: 96 a thread is 3,072 a warp, 21 warps, 5 blocks of 4; shared memory alone would allow 5
-    assert tq_mma.blocks_per_sm(20_000, regs=64) == 8 and tq_mma.blocks_per_sm(60_000, regs=64) == 3
-
-
-def test_v5_hands_what_it_cannot_map_to_v4s_route(emulated5, monkeypatch):
-    calls = _kernel_calls(monkeypatch)
-    monkeypatch.setattr(tq_mma, "_tq5_kernel", lambda fold: pytest.fail("v5 launched a float32 step"))
-    cache = _rows([[150, 9]], 2, 128, mx.float32, seed=2)
-    cache.hooked = True
-    cache.update_and_fetch(mx.random.normal((1, 2, 1, 128)), mx.random.normal((1, 2, 1, 128)))
-    cache.attend(mx.random.normal((1, 8, 1, 128)), 128 ** -0.5, None)
-    assert calls["tq3"] == 1 and calls["tq3_reduce"] == 1
-
-
-def test_v5_sources_and_variant(monkeypatch):
-    assert "v5" in decode_attention.TQ_VARIANTS
-    assert "CH5 = static_cast<int>(params[1])" in tq_mma.TQ5_SOURCE and "s * CHUNK" not in tq_mma.TQ5_SOURCE
-    assert "const int end = kn_shape[2];" in tq_mma.TQ5_SOURCE and "params[2]" not in tq_mma.TQ5_SOURCE
-    # folded: the empty block is a branch, not a return, so every block reaches the counter
-    assert tq_mma.TQ5_FOLD_SOURCE.count("return;") == 1 and "if (!last5_) return;" in tq_mma.TQ5_FOLD_SOURCE
-    assert tq_mma.TQ5_SOURCE.count("return;") == 1 and "cnt" not in tq_mma.TQ5_SOURCE
-    monkeypatch.setenv("PREFIXTRACE_TQ_DECODE", "v5")
-    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
-    assert decode_attention.tq_variant() == "v5" and decode_attention.one_launch()
-    monkeypatch.setattr(decode_attention._TQ_VARIANT, "_value", None)
-    monkeypatch.setattr(tq_mma, "_tq5_fold", None)
-    monkeypatch.delenv("PREFIXTRACE_TQ5_FOLD", raising=False)
-    assert not tq_mma.fold5()  # off by default (slower on the H200, session 8)
-    monkeypatch.setattr(tq_mma, "_tq5_fold", None)
-    monkeypatch.setenv("PREFIXTRACE_TQ5_FOLD", "1")
-    assert tq_mma.fold5()
-    monkeypatch.setattr(tq_mma, "_tq5_fold", None)
+    assert common.blocks_per_sm(20_000, regs=64) == 8 and common.blocks_per_sm(60_000, regs=64) == 3
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="no nvcc on this machine (CI)")
-def test_v5_compiles_for_the_h200_within_its_occupancy_model(tmp_path):
-    """nvcc for sm_90, both v5 kernels (split + reduce, folded): no spills or stack frame, the static
-    shared memory `v5_shared_bytes` counts (at most, within 128 bytes), and at most `v5_regs`
-    registers (`V5_REGS`): the figures `split5`'s blocks per SM come from."""
-    from tests.test_decode_kernel_sources import _TQ_INPUTS, ptxas_report, render
+def test_mma_kernel_compiles_for_the_h200_within_its_occupancy_model(tmp_path):
+    """nvcc for sm_90: no spills or stack frame, the static shared memory `v5_shared_bytes` counts (at most,
+    within 128 bytes), and at most `v5_regs` registers (`V5_REGS`): the figures `split5`'s blocks per SM
+    come from."""
+    from engine.kernels.render import TQ_INPUTS, ptxas_report, render
 
     shapes = []
-    for fold in (False, True):
-        for dtype, dim, g, u in (("bfloat16", 128, 4, 2), ("float16", 128, 4, 2), ("bfloat16", 128, 8, 2),
-                                 ("bfloat16", 64, 3, 2), ("bfloat16", 256, 4, 2), ("bfloat16", 128, 4, 4)):
-            name = f"v5{'f' if fold else ''}_{dtype}_d{dim}_g{g}_u{u}"
-            inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in _TQ_INPUTS] + ([("cnt", "int32", 1)] if fold else [])
-            outputs = [("o_part", "float32"), ("ml_part", "float32")] + ([("out", dtype)] if fold else [])
-            shapes.append((name, render(name, tq_mma.TQ5_FOLD_SOURCE if fold else tq_mma.TQ5_SOURCE, inputs, outputs,
-                                        tq_mma.templates5(dtype, dim, g, 4, 64, u))))
-    report = ptxas_report(tmp_path / "v5.cu", decode_attention._HEADER + decode_attention._TQ3_HEADER + tq_mma.TQ4_HEADER,
+    for dtype, dim, g in (("bfloat16", 128, 4), ("float16", 128, 4), ("bfloat16", 128, 8), ("bfloat16", 64, 3),
+                          ("bfloat16", 256, 4)):
+        name = f"v5_{dtype}_d{dim}_g{g}"
+        inputs = [(n, dtype if t == "T" else t, nd) for n, t, nd in TQ_INPUTS]
+        shapes.append((name, render(name, tq_mma.SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
+                                    tq_mma.templates5(dtype, dim, g, 4, 64))))
+    report = ptxas_report(tmp_path / "v5.cu", common.HEADER + tq_split.SPLIT_HEADER + tq_mma.MMA_HEADER,
                           shapes, timeout=900)
     assert len(report) == len(shapes)
     for name, (regs, smem, frame, spills, block) in report.items():
         assert frame == 0 and spills == ("0", "0") and smem <= 48 * 1024, (name, block)
-        g, dim, u = int(name.split("_g")[1].split("_")[0]), int(name.split("_d")[1].split("_")[0]), int(name.split("_u")[1])
+        g, dim = int(name.split("_g")[1]), int(name.split("_d")[1].split("_")[0])
         assert tq_mma.v5_shared_bytes(g, dim) - 128 <= smem <= tq_mma.v5_shared_bytes(g, dim), (name, smem)
-        assert regs <= tq_mma.v5_regs(g, dim, u), (name, regs)
+        assert regs <= tq_mma.v5_regs(g, dim), (name, regs)
     print("ptxas registers, smem:", {n: r[:2] for n, r in report.items()})
 
 
-def test_prebuild_under_v5_builds_one_kernel_per_fold_choice(monkeypatch):
+def test_prebuild_at_head_size_256_builds_the_mma_kernel_once(monkeypatch):
+    """engine/kernels/prebuild.py at a head size the fused kernel does not take: the MMA split kernel,
+    one build at the capacity chunk (the chunk is a runtime parameter), never the CUDA-core one."""
     from types import SimpleNamespace
 
-    from engine import tq_prebuild
-    from engine.tq_cache import TQConfig
+    from engine.tq_config import TQConfig
 
     built = []
 
-    def record(fold):
+    def record(name):
         def run(**kw):
-            built.append((fold, dict(kw["template"]).get("CHUNK")))
+            built.append((name, dict(kw["template"]).get("CHUNK")))
             return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
-        return run
+        return lambda: run
 
-    monkeypatch.setattr(decode_attention, "available", lambda: True)
-    monkeypatch.setattr(decode_attention, "_encode_kernel", lambda: record(None))
-    monkeypatch.setattr(decode_attention, "_tq3_reduce_kernel", lambda: record(None))
-    monkeypatch.setattr(tq_mma, "_tq4_kernel", lambda: pytest.fail("v4 built under v5"))
-    monkeypatch.setattr(tq_mma, "_tq5_kernel", record)
-    args = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096)
+    monkeypatch.setattr(tq_encode, "_encode_kernel", record("encode"))
+    monkeypatch.setattr(tq_split, "_tq3_reduce_kernel", record("reduce"))
+    monkeypatch.setattr(tq_split, "_tq3_kernel", lambda: pytest.fail("the CUDA-core split kernel built"))
+    monkeypatch.setattr(tq_fused, "_tq7_kernel", lambda: pytest.fail("the fused kernel built at D = 256"))
+    monkeypatch.setattr(tq_mma, "_tq5_kernel", record("mma"))
+    args = SimpleNamespace(num_attention_heads=16, num_key_value_heads=4, head_dim=256, hidden_size=4096)
     model = SimpleNamespace(args=args, parameters=lambda: {"w": mx.zeros((1,), mx.bfloat16)})
-    decode_attention.set_tq_variant("v5")
-    try:
-        monkeypatch.setattr(tq_mma, "_tq5_fold", True)
-        out = tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
-        assert len([c for c in out if c > 0]) == 2
-        assert sorted(f for f, _ in built if f is not None) == [False, True]
-        assert {c for f, c in built if f is not None} == {tq_mma.chunk_capacity(4)}
-        built.clear()
-        monkeypatch.setattr(tq_mma, "_tq5_fold", False)  # the default: one kernel, never folded
-        out = tq_prebuild.prebuild(model, TQConfig(), max_batch=8)
-        assert len([c for c in out if c > 0]) == 1 and [f for f, _ in built if f is not None] == [False]
-    finally:
-        decode_attention.set_tq_variant(decode_attention.DEFAULT_TQ_VARIANT)
+    out = selector.CudaKernels().prebuild_tq(model, TQConfig(), max_batch=8)
+    assert len([c for c in out if c > 0]) == 1 and -1 in out and 0 in out
+    assert [c for n, c in built if n == "mma"] == [tq_mma.chunk_capacity(4)]
 
 
-def test_v5_writes_no_host_array_per_step(emulated5, monkeypatch):
+def test_mma_kernel_writes_no_host_array_per_step(emulated_mma, monkeypatch):
     """The params array is one object per (scale, chunk) across steps (a host-written array each
     step may cost a GPU page fault: `params5`), and the column count reaches the kernel as the K
     norms' shape, the cache's [0, end), while the codes stay whole buffers."""
     seen = []
 
-    def spy(fold):
-        run = emulated_tq5(fold)
+    def spy():
+        run = emulated_tq5()
 
         def f(**kw):
             seen.append((id(kw["inputs"][10]), kw["inputs"][1].shape[2], kw["inputs"][2].shape[2]))

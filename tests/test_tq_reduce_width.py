@@ -1,14 +1,13 @@
-"""v3's reduce (every TurboQuant split kernel's second launch) runs 16 warps per (row, query head)
-from `TQ3_WIDE_SPLITS` splits on: at one row there are only 32 blocks, so 4 warps each walked a
-quarter of 75-158 splits one round of loads after another (8.7-13.7 us on the H200, session 8)."""
+"""The parallel reduce (every TurboQuant split kernel's second launch, engine/kernels/tq_split.py) runs 16
+warps per (row, query head) from `WIDE_SPLITS` splits on: at one row there are only 32 blocks, so 4 warps
+each walked a quarter of 75-158 splits one round of loads after another (8.7-13.7 us on the H200)."""
 
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from engine import decode_attention as da
-from engine import tq_prebuild
+from engine.kernels import common, dense, prebuild, selector, tq_decode, tq_encode, tq_fused, tq_mma, tq_split  # noqa: F401
 from tests.test_decode_attention import emulated_tq3_reduce
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,17 +40,17 @@ def test_many_splits_take_the_wide_reduce_and_give_the_same_output(monkeypatch):
         seen.append((dict(kw["template"])["RW"], kw["grid"], kw["threadgroup"]))
         return emulated_tq3_reduce(**kw)
 
-    monkeypatch.setattr(da, "_tq3_reduce_kernel", lambda: kernel)
+    monkeypatch.setattr(tq_split, "_tq3_reduce_kernel", lambda: kernel)
     rows, dim = 4, 16
     signs = np.where(np.random.default_rng(1).random(dim) < 0.5, -1.0, 1.0).astype(np.float32)
-    for splits, rw in ((5, da.TQ3_RW), (da.TQ3_WIDE_SPLITS - 1, da.TQ3_RW), (da.TQ3_WIDE_SPLITS, da.TQ3_RW_WIDE),
-                       (158, da.TQ3_RW_WIDE)):
+    for splits, rw in ((5, tq_split.RW), (tq_split.WIDE_SPLITS - 1, tq_split.RW), (tq_split.WIDE_SPLITS, tq_split.RW_WIDE),
+                       (158, tq_split.RW_WIDE)):
         o, ml = _partials(rows, splits, dim, seed=splits)
-        out = da.tq3_reduce(mx.array(o.reshape(-1)), mx.array(ml), mx.array(signs), (1, rows, 1, dim), mx.float32)
+        out = tq_split.reduce_split(mx.array(o.reshape(-1)), mx.array(ml), mx.array(signs), (1, rows, 1, dim), mx.float32)
         assert seen[-1] == (rw, (rows * rw * 32, 1, 1), (rw * 32, 1, 1))
         assert out.shape == (1, rows, 1, dim)
         np.testing.assert_allclose(np.array(out).reshape(rows, dim), _reference(o, ml, signs), rtol=1e-4, atol=1e-5)
-    assert da.tq3_reduce_warps(1) == da.TQ3_RW and da.TQ3_RW_WIDE > da.TQ3_RW
+    assert tq_split.reduce_warps(1) == tq_split.RW and tq_split.RW_WIDE > tq_split.RW
 
 
 def test_the_engine_builds_both_reduce_widths_at_load(monkeypatch):
@@ -65,23 +64,23 @@ def test_the_engine_builds_both_reduce_widths_at_load(monkeypatch):
         widths.append(dict(kw["template"])["RW"])
         return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
 
-    monkeypatch.setattr(da, "_tq3_reduce_kernel", lambda: kernel)
+    monkeypatch.setattr(tq_split, "_tq3_reduce_kernel", lambda: kernel)
     model, _ = load(str(ROOT / "fixtures" / "tiny-llama"))
-    outs = tq_prebuild.reduce_launches(model)
-    hq, _, dim = tq_prebuild.model_shape(model)
-    assert sorted(widths) == [da.TQ3_RW, da.TQ3_RW_WIDE] and all(o.shape == (1, hq, 1, dim) for o in outs)
+    outs = prebuild.reduce_launches(model)
+    hq, _, dim = prebuild.model_shape(model)
+    assert sorted(widths) == [tq_split.RW, tq_split.RW_WIDE] and all(o.shape == (1, hq, 1, dim) for o in outs)
 
 
 @__import__("pytest").mark.skipif(__import__("shutil").which("nvcc") is None, reason="no nvcc on this machine (CI)")
 def test_the_wide_reduce_compiles_for_the_h200(tmp_path):
     from tests.test_decode_kernel_sources import ptxas_report, render
 
-    shapes = [(f"r{rw}_{dtype}", render(f"r{rw}_{dtype}", da._TQ3_REDUCE_SOURCE,
+    shapes = [(f"r{rw}_{dtype}", render(f"r{rw}_{dtype}", tq_split.REDUCE_SOURCE,
                                         [("o_part", "float32", 1), ("ml_part", "float32", 3), ("signs", "float32", 1)],
                                         [("out", dtype)], [("T", dtype), ("D", 128), ("RW", rw)]))
-              for rw in (da.TQ3_RW, da.TQ3_RW_WIDE) for dtype in ("bfloat16", "float16")]
-    report = ptxas_report(tmp_path / "r.cu", da._HEADER + da._TQ3_HEADER, shapes, timeout=600)
+              for rw in (tq_split.RW, tq_split.RW_WIDE) for dtype in ("bfloat16", "float16")]
+    report = ptxas_report(tmp_path / "r.cu", common.HEADER + tq_split.SPLIT_HEADER, shapes, timeout=600)
     assert len(report) == len(shapes)
     for name, (regs, smem, frame, spills, block) in report.items():
         assert frame == 0 and spills == ("0", "0") and smem <= 48 * 1024, (name, block)
-        assert regs * 32 * (da.TQ3_RW_WIDE if name.startswith(f"r{da.TQ3_RW_WIDE}_") else da.TQ3_RW) <= 65536, name
+        assert regs * 32 * (tq_split.RW_WIDE if name.startswith(f"r{tq_split.RW_WIDE}_") else tq_split.RW) <= 65536, name

@@ -6,24 +6,26 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from bench.bench_turboquant import (
+from engine.tq_quality import (
     GAUSSIAN_LLOYD_MAX,
     PAPER_D_MSE,
     attention_error,
     distortion,
     kv_bytes_ratio,
-    load_tiny,
+    load,
     next_token_agreement,
 )
-from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache, make_tq_cache, to_turboquant
+from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache
+from engine.tq_config import make_tq_cache, to_turboquant
 from engine.turboquant import TurboQuantCodec, get_codec, lloyd_max_codebook
+from tests.conftest import TINY_MODEL
 
 H, D, Q_HEADS = 2, 16, 4  # fixtures/tiny-llama's attention shapes
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_tiny()[0]
+    return load(TINY_MODEL)[0]
 
 
 # --- codec -----------------------------------------------------------------------

@@ -70,6 +70,6 @@ def test_chosen_layers_stay_dense_and_get_their_own_block_format():
 
 
 def tq_engine_format(dense_layers) -> str:
-    from engine.tq_cache import TQConfig
+    from engine.tq_config import TQConfig
 
     return TQConfig(bits=4, dense_layers=dense_layers).block_format

@@ -16,7 +16,7 @@ features x 8 rows with mma.sync (bf16), splitting K among its warps so that
 even a 1,024-output projection occupies every SM. At 8 rows a Qwen3-8B decode
 step's projections, issued as a dependent chain, cost 1.24x the one-row gemv
 chain (cuBLAS 1.61x; bench/bench_skinny_gemm.py --only step). The other
-(`_SOURCE`, CUDA cores; PREFIXTRACE_SKINNY_GEMM=cuda, and fp16 weights) gives
+(`_SOURCE`, CUDA cores; fp16 weights, and where `use_mma` declines) gives
 each warp `RW` weight rows and multiplies every 16-byte load with each row of
 x; above 4 rows its FMAs become the limit.
 
@@ -37,7 +37,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-__all__ = ["SkinnyLinear", "install", "skinny_matmul", "skinny_matmul_mma", "available", "mode", "set_mode",
+from engine.kernels.common import available, source
+
+__all__ = ["SkinnyLinear", "install", "skinny_matmul", "skinny_matmul_mma", "available", "enabled",
            "project", "stack_projections", "use_kernel", "use_mma", "MAX_ROWS"]
 
 log = logging.getLogger("prefixtrace.engine")
@@ -45,49 +47,7 @@ log = logging.getLogger("prefixtrace.engine")
 MAX_ROWS = 8
 _K_MULTIPLE = 256  # 32 lanes x 8 bf16 per 16-byte load
 
-_SOURCE = """
-    constexpr int VEC = 8;
-    const int lane = threadIdx.x & 31;
-    const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * RW;
-    if (row0 >= N) return;
-    float acc[RW][R];
-    #pragma unroll
-    for (int j = 0; j < RW; ++j)
-        #pragma unroll
-        for (int r = 0; r < R; ++r) acc[j][r] = 0.f;
-    #pragma unroll 2
-    for (int k = lane * VEC; k < K; k += 32 * VEC) {
-        float wf[RW][VEC];
-        #pragma unroll
-        for (int j = 0; j < RW; ++j) {
-            uint4 wv = *reinterpret_cast<const uint4*>(w + (size_t)(row0 + j) * K + k);
-            const T* wp = reinterpret_cast<const T*>(&wv);
-            #pragma unroll
-            for (int i = 0; i < VEC; ++i) wf[j][i] = static_cast<float>(wp[i]);
-        }
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)r * K + k));
-            const T* xp = reinterpret_cast<const T*>(&xv);
-            float xf[VEC];
-            #pragma unroll
-            for (int i = 0; i < VEC; ++i) xf[i] = static_cast<float>(xp[i]);
-            #pragma unroll
-            for (int j = 0; j < RW; ++j)
-                #pragma unroll
-                for (int i = 0; i < VEC; ++i) acc[j][r] += wf[j][i] * xf[i];
-        }
-    }
-    #pragma unroll
-    for (int j = 0; j < RW; ++j)
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            float v = acc[j][r];
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-            if (lane == 0) out[(size_t)r * N + row0 + j] = static_cast<T>(v);
-        }
-"""
+_SOURCE = source("skinny_gemm.cu")
 
 _WARPS_PER_BLOCK = 8
 
@@ -101,69 +61,7 @@ _WARPS_PER_BLOCK = 8
 # steps; the k order inside a 32-wide slice is permuted identically for A and B, which a
 # sum over k does not see. Rows of x past R read as zeros. U slices are loaded before any
 # is multiplied, so each lane keeps 3 x U loads in flight.
-_MMA_SOURCE = """
-    constexpr int U = 4;
-    constexpr int STEP = 32 * WARPS;
-    __shared__ float part[WARPS][4][32];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int n0 = blockIdx.x * 16;
-    const int g = lane >> 2, t = lane & 3;
-    const T* wg = w + (size_t)(n0 + g) * K + t * 8;
-    const T* wg8 = wg + (size_t)8 * K;
-    const bool has_x = g < R;
-    const T* xg = x + (size_t)(has_x ? g : 0) * K + t * 8;
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
-    for (int k = warp * 32; k < K; k += STEP * U) {
-        uint4 a[U], a8[U], b[U];
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int kk = k + u * STEP;
-            const bool in = kk < K;
-            a[u] = in ? *reinterpret_cast<const uint4*>(wg + kk) : zero;
-            a8[u] = in ? *reinterpret_cast<const uint4*>(wg8 + kk) : zero;
-            b[u] = in && has_x ? __ldg(reinterpret_cast<const uint4*>(xg + kk)) : zero;
-        }
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            asm(
-                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
-                : "r"(a[u].x), "r"(a8[u].x), "r"(a[u].y), "r"(a8[u].y), "r"(b[u].x), "r"(b[u].y));
-            asm(
-                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
-                : "r"(a[u].z), "r"(a8[u].z), "r"(a[u].w), "r"(a8[u].w), "r"(b[u].z), "r"(b[u].w));
-        }
-    }
-    if (WARPS > 1) {
-        part[warp][0][lane] = c0; part[warp][1][lane] = c1;
-        part[warp][2][lane] = c2; part[warp][3][lane] = c3;
-        __syncthreads();
-        if (warp != 0) return;
-        #pragma unroll
-        for (int v = 1; v < WARPS; ++v) {
-            c0 += part[v][0][lane]; c1 += part[v][1][lane];
-            c2 += part[v][2][lane]; c3 += part[v][3][lane];
-        }
-    }
-    // Outputs are stored part by part (features [0, P1), [P1, P2), [P2, N)), each part
-    // R x width row-major, so fused projections come back as contiguous arrays. A tile
-    // never straddles two parts (their widths are multiples of 16).
-    const size_t base = n0 < P1 ? 0 : n0 < P2 ? (size_t)R * P1 : (size_t)R * P2;
-    const int width = n0 < P1 ? P1 : n0 < P2 ? P2 - P1 : N - P2;
-    const int col = (n0 < P1 ? n0 : n0 < P2 ? n0 - P1 : n0 - P2) + g;
-    const int r0 = 2 * t, r1 = 2 * t + 1;
-    if (r0 < R) {
-        out[base + (size_t)r0 * width + col] = static_cast<T>(c0);
-        out[base + (size_t)r0 * width + col + 8] = static_cast<T>(c2);
-    }
-    if (r1 < R) {
-        out[base + (size_t)r1 * width + col] = static_cast<T>(c1);
-        out[base + (size_t)r1 * width + col + 8] = static_cast<T>(c3);
-    }
-"""
+_MMA_SOURCE = source("skinny_gemm_mma.cu")
 
 # Warps that keep every SM of an H200 (132) streaming: the split-K factor is raised until
 # N/16 tiles x WARPS reaches it.
@@ -179,37 +77,9 @@ def mma_warps(n: int, k: int) -> int:
     return warps
 
 
-MODES = ("off", "cuda", "mma")
-_mode: str | None = None
-
-
-def mode() -> str:
-    """Which kernel 2-8-row projections use: "mma" (tensor cores where `use_mma`, the
-    default), "cuda" (the CUDA-core kernel where `use_kernel`), or "off" (MLX's matmul).
-    From PREFIXTRACE_SKINNY_GEMM (0 / cuda / mma), read once; `set_mode` changes it for
-    benchmarks comparing kernels in one run."""
-    global _mode
-    if _mode is None:
-        env = os.environ.get("PREFIXTRACE_SKINNY_GEMM", "mma")
-        _mode = "off" if env == "0" else "cuda" if env == "cuda" else "mma"
-    return _mode
-
-
-def set_mode(new: str) -> None:
-    if new not in MODES:
-        raise ValueError(f"skinny GEMM mode must be one of {MODES}, not {new!r}")
-    global _mode
-    _mode = new
-
-
-@lru_cache(maxsize=1)
-def available() -> bool:
-    """True where the kernel can run: a CUDA build of MLX with the GPU as default device.
-    Decided once per process: every projection of every decode step asks."""
-    try:
-        return mx.default_device() == mx.gpu and mx.cuda.is_available()
-    except AttributeError:  # an MLX without the CUDA module
-        return False
+def enabled() -> bool:
+    """Whether `install` swaps the projections: PREFIXTRACE_SKINNY_GEMM ("0": leave the model as it is)."""
+    return os.environ.get("PREFIXTRACE_SKINNY_GEMM", "1") != "0"
 
 
 @lru_cache(maxsize=1)
@@ -228,7 +98,7 @@ def _mma_kernel():
 def _mma_launch(rows: int, k: int, n: int, dtype, warps: int, parts: tuple[int, ...] | None):
     """The launch arguments for one shape, and where each part starts: computed once, since
     a decode step asks for the same few shapes hundreds of times and the host's time per
-    launch is what a batched step waits on (docs/PERFORMANCE.md, session 3)."""
+    launch is what a batched step waits on (docs/PERFORMANCE.md)."""
     cuts = [sum(parts[:i]) for i in range(1, len(parts))] if parts else []
     p1, p2 = (cuts + [n, n])[:2]
     launch = dict(template=[("T", dtype), ("R", rows), ("K", k), ("N", n), ("WARPS", warps), ("P1", p1), ("P2", p2)],
@@ -293,13 +163,12 @@ def use_kernel(rows: int, n: int) -> bool:
 
 
 def project(flat: mx.array, weight: mx.array) -> mx.array | None:
-    """flat (R, K) @ weight.T through the kernel this mode picks for R rows and this
+    """flat (R, K) @ weight.T through the kernel that measured fastest for R rows and this
     weight, or None where MLX's own matmul is the better choice."""
     rows, n = flat.shape[0], weight.shape[0]
-    kind = mode()
-    if kind == "off" or not 2 <= rows <= MAX_ROWS:
+    if not 2 <= rows <= MAX_ROWS:
         return None
-    if kind == "mma" and use_mma(n, weight.dtype):
+    if use_mma(n, weight.dtype):
         return skinny_matmul_mma(flat, weight)
     if use_kernel(rows, n):
         return skinny_matmul(flat, weight)
@@ -334,7 +203,7 @@ class _Stack:
     def take(self, member: "SkinnyLinear", x: mx.array, flat: mx.array) -> mx.array | None:
         if member.stack_index == 0:
             self.source = None
-            if mode() == "mma" and use_mma(self.weight.shape[0], self.weight.dtype):
+            if use_mma(self.weight.shape[0], self.weight.dtype):
                 self.parts = skinny_matmul_mma(flat, self.weight, parts=self.widths)
                 self.source = x
                 return self.parts[0]
@@ -394,16 +263,18 @@ def stack_projections(model: nn.Module) -> int:
     return made
 
 
-def install(model: nn.Module) -> int:
+def install(model: nn.Module, stack: bool = True) -> int:
     """Swap every eligible `nn.Linear` of `model` for a `SkinnyLinear`; how many were
-    swapped (0 where the kernel cannot run, leaving the model as it was)."""
-    if not available() or mode() == "off":
+    swapped (0 where the kernel cannot run, leaving the model as it was). `stack`: also
+    stack q/k/v and gate/up (`stack_projections`; off only to compare, each layer keeping
+    its own weight array)."""
+    if not available() or not enabled():
         return 0
     swaps = [(name, SkinnyLinear.from_linear(m)) for name, m in model.named_modules()
              if type(m) is nn.Linear and _fits(m.weight)]
     if swaps:
         model.update_modules(tree_unflatten(swaps))
-        stacks = stack_projections(model) if mode() == "mma" else 0
+        stacks = stack_projections(model) if stack else 0
         log.info("decode projections of 2-%d rows use the skinny GEMM kernels (%s; %d layers, %d stacked groups)",
-                 MAX_ROWS, mode(), len(swaps), stacks)
+                 MAX_ROWS, "tensor cores for bf16", len(swaps), stacks)
     return len(swaps)

@@ -1,0 +1,236 @@
+
+    constexpr int LPT = D / 8;            // lanes per token: 8 coordinates each
+    constexpr int TPW = 32 / LPT;         // tokens per warp step
+    constexpr int TG = NW * TPW;          // token groups per block
+    constexpr int NT = NW * 32;
+    __shared__ float sc[G][CHUNK];
+    __shared__ float qs[G][D];
+    __shared__ float red[NW][G][D];
+    __shared__ float stat[NW][G];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int s = blockIdx.x, S = gridDim.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int HQ = gridDim.y * G;
+    const int tg = warp * TPW + lane / LPT, sub = lane % LPT;
+    const int start = lp[b];
+    const float scale = params[0];
+
+    constexpr int MASK = (1 << BITS) - 1;
+    __shared__ float cs[1 << BITS];
+    const int end = kc_shape[2];
+    const int ws = end - tk_shape[2];
+    const int prev = end - NQ;
+    const int bound = start + min(prev - start, ((end - start) / GROUP) * GROUP);
+    const bool tail = s == S - 1;
+    const int c0 = tail ? max(bound, start) : max(s * CHUNK, start);
+    const int c1 = tail ? end : min((s + 1) * CHUNK, bound);
+
+    if (c0 >= c1) {
+        for (int i = tid; i < G * D; i += NT)
+            o_part[((size_t)(b * HQ + h * G + i / D) * S + s) * D + i % D] = 0.f;
+        if (tid < G) {
+            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = NEG_INF;
+            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = 0.f;
+        }
+
+        return;
+    }
+
+    const int n = c1 - c0;
+    for (int i = tid; i < G * D; i += NT)
+        qs[i / D][i % D] = scale * static_cast<float>(
+            q[b * q_strides[0] + (h * G + i / D) * q_strides[1] + (i % D) * q_strides[3]]);
+    for (int i = tid; i < (1 << BITS); i += NT) cs[i] = cent[i];
+    if (!tail) {
+        // q' = H (q * signs) / sqrt(D): the codec's rotation, as mx.hadamard_transform computes it.
+        __syncthreads();
+        for (int i = tid; i < G * D; i += NT) qs[i / D][i % D] *= signs[i % D];
+        #pragma unroll
+        for (int hh = 1; hh < D; hh <<= 1) {
+            __syncthreads();
+            for (int i = tid; i < G * D / 2; i += NT) {
+                const int g = i / (D / 2), j = i % (D / 2);
+                const int lo = (j / hh) * 2 * hh + (j % hh), hi = lo + hh;
+                const float a = qs[g][lo], c = qs[g][hi];
+                qs[g][lo] = a + c;
+                qs[g][hi] = a - c;
+            }
+        }
+    }
+    __syncthreads();
+    const float qscale = tail ? 1.f : rsqrtf((float)D);
+    float qr[G][8];
+    #pragma unroll
+    for (int g = 0; g < G; ++g)
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) qr[g][i] = qscale * qs[g][sub * 8 + i];
+    const size_t kcb = b * kc_strides[0] + h * kc_strides[1];
+    const size_t knb = b * kn_strides[0] + h * kn_strides[1];
+    const size_t vcb = b * vc_strides[0] + h * vc_strides[1];
+    const size_t vnb = b * vn_strides[0] + h * vn_strides[1];
+    const T* tkb = tk + b * tk_strides[0] + h * tk_strides[1] + sub * 8;
+    const T* tvb = tv + b * tv_strides[0] + h * tv_strides[1] + sub * 8;
+    constexpr int BIT0 = 8 * BITS;       // a lane's 8 codes start at bit sub * BIT0 of the row
+    for (int base = 0; base < n; base += TG * U) {
+        float x[U][8];
+        uint32_t w0[U], w1[U];
+        float norm[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            w0[u] = 0u; w1[u] = 0u; norm[u] = 0.f;
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) x[u][i] = 0.f;
+            if (t < n) {
+                const int c = c0 + t;
+                if (tail) {
+                    load8(tkb + (size_t)(c - ws) * tk_strides[2], x[u]);
+                    norm[u] = 1.f;
+                } else {
+                    const uint32_t* row = kc + kcb + (size_t)c * kc_strides[2] + (sub * BIT0) / 32;
+                    w0[u] = row[0];
+                    if (BIT0 > 32) w1[u] = row[1];
+                    norm[u] = kn[knb + (size_t)c * kn_strides[2]];
+                }
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            if (!tail) {
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const int bit = (sub * BIT0) % 32 + i * BITS;
+                    x[u][i] = cs[(bit < 32 ? (w0[u] >> bit) : (w1[u] >> (bit - 32))) & MASK];
+                }
+            }
+            float a[G];
+            #pragma unroll
+            for (int g = 0; g < G; ++g) {
+                a[g] = 0.f;
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) a[g] += qr[g][i] * x[u][i];
+            }
+            #pragma unroll
+            for (int o = LPT / 2; o > 0; o >>= 1)
+                #pragma unroll
+                for (int g = 0; g < G; ++g) a[g] += __shfl_xor_sync(0xffffffff, a[g], o);
+            if (t < n && sub == 0) {
+                #pragma unroll
+                for (int g = 0; g < G; ++g) sc[g][t] = a[g] * norm[u];
+            }
+        }
+    }
+
+    __syncthreads();
+    float mx_[G], l_[G];
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float m = NEG_INF;
+        for (int t = tid; t < n; t += NT) m = fmaxf(m, sc[g][t]);
+        m = warp_max(m);
+        if (lane == 0) stat[warp][g] = m;
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float m = stat[0][g];
+        #pragma unroll
+        for (int w = 1; w < NW; ++w) m = fmaxf(m, stat[w][g]);
+        mx_[g] = m;
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float l = 0.f;
+        for (int t = tid; t < n; t += NT) {
+            const float p = __expf(sc[g][t] - mx_[g]);
+            sc[g][t] = p;
+            l += p;
+        }
+        l = warp_sum(l);
+        if (lane == 0) stat[warp][g] = l;
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float l = 0.f;
+        #pragma unroll
+        for (int w = 0; w < NW; ++w) l += stat[w][g];
+        l_[g] = l;
+    }
+    float acc[G][8];
+    #pragma unroll
+    for (int g = 0; g < G; ++g)
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+    // U tokens per group per step, loads first: more bytes in flight per lane.
+    for (int base = 0; base < n; base += TG * U) {
+        
+        float x[U][8];
+        uint32_t w0[U], w1[U];
+        float norm[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            w0[u] = 0u; w1[u] = 0u; norm[u] = 1.f;
+            if (t < n) {
+                const int c = c0 + t;
+                if (tail) {
+                    load8(tvb + (size_t)(c - ws) * tv_strides[2], x[u]);
+                } else {
+                    const uint32_t* row = vc + vcb + (size_t)c * vc_strides[2] + (sub * BIT0) / 32;
+                    w0[u] = row[0];
+                    if (BIT0 > 32) w1[u] = row[1];
+                    norm[u] = vn[vnb + (size_t)c * vn_strides[2]];
+                }
+            }
+        }
+
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * TG + tg;
+            if (t < n) {
+                
+                if (!tail) {
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const int bit = (sub * BIT0) % 32 + i * BITS;
+                        x[u][i] = cs[(bit < 32 ? (w0[u] >> bit) : (w1[u] >> (bit - 32))) & MASK];
+                    }
+                }
+                #pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const float p = sc[g][t] * norm[u];
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[g][i] += p * x[u][i];
+                }
+
+            }
+        }
+    }
+    // Token groups of a warp hold the same coordinates: add them, then the warps.
+    #pragma unroll
+    for (int o = LPT; o < 32; o <<= 1)
+        #pragma unroll
+        for (int g = 0; g < G; ++g)
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) acc[g][i] += __shfl_xor_sync(0xffffffff, acc[g][i], o);
+    if (lane < LPT) {
+        #pragma unroll
+        for (int g = 0; g < G; ++g)
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) red[warp][g][sub * 8 + i] = acc[g][i];
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D; i += NT) {
+        const int g = i / D, d = i % D;
+        float v = 0.f;
+        #pragma unroll
+        for (int w = 0; w < NW; ++w) v += red[w][g][d];
+        o_part[((size_t)(b * HQ + h * G + g) * S + s) * D + d] = v;
+    }
+    if (tid < G) {
+        ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = mx_[tid];
+        ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = l_[tid];
+    }

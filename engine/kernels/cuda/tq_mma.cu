@@ -1,0 +1,298 @@
+
+    constexpr int NT = NW * 32;
+    constexpr int LW = CPL * BITS / 32;   // code words a lane loads per token: 4 = one 16-byte load
+    constexpr int PER = 32 / BITS;        // codes per word
+    constexpr int LPT = D / CPL;          // code path: lanes per token
+    constexpr int TPW = 32 / LPT;
+    constexpr int TG = NW * TPW;          // tokens per block per load
+    constexpr int DLPT = D / 8;           // dense path: lanes per token, 8 coordinates each
+    constexpr int DTPW = 32 / DLPT;
+    constexpr int DTG = NW * DTPW;
+    constexpr int E = D >= 32 ? D / 32 : 1;
+    __shared__ float sc[G][CHUNK];
+    __shared__ float qs[G][D];
+    __shared__ float cs[1 << BITS];
+    __shared__ float red[NW][G][D];
+    __shared__ float stat[NW][G];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int s = blockIdx.x, S = gridDim.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int HQ = gridDim.y * G;
+    const int start = lp[b];
+    const float scale = params[0];
+    const int end = kn_shape[2];  // the cache's columns: kn is [0, end), kc may be its whole buffer
+    const int ws = end - tk_shape[2];
+    const int prev = end - NQ;
+    const int bound = start + min(prev - start, ((end - start) / GROUP) * GROUP);
+    const bool tail = s == S - 1;
+    const int CH5 = static_cast<int>(params[1]);  // columns per code block (<= CHUNK)
+    const int c0 = tail ? max(bound, start) : max(s * CH5, start);
+    const int c1 = tail ? end : min((s + 1) * CH5, bound);
+    if (c0 >= c1) {
+        for (int i = tid; i < G * D; i += NT)
+            o_part[((size_t)(b * HQ + h * G + i / D) * S + s) * D + i % D] = 0.f;
+        if (tid < G) {
+            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = NEG_INF;
+            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = 0.f;
+        }
+        return;
+    }
+    const int n = c1 - c0;
+    for (int i = tid; i < (1 << BITS); i += NT) cs[i] = cent[i];
+
+    __shared__ __align__(16) uint32_t tab[256 * TC];
+    for (int i = tid; i < 64 * TC; i += NT) {
+        const int e = (4 * i) / TC;
+        const uint32_t v = pack_half2(cent[e & 15], cent[e >> 4]);
+        reinterpret_cast<uint4*>(tab)[i] = make_uint4(v, v, v, v);
+    }
+    // Queries, scaled; for the code blocks rotated as the codec rotates keys: q' = H (q * signs) / sqrt(D).
+    for (int g = warp; g < G; g += NW) {
+        float x[E];
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int d = lane * E + e;
+            x[e] = d < D ? scale * static_cast<float>(q[b * q_strides[0] + (h * G + g) * q_strides[1]
+                                                        + d * q_strides[3]]) : 0.f;
+            if (!tail && d < D) x[e] *= signs[d];
+        }
+        if (!tail) {
+            warp_hadamard<D, E>(x, lane);
+            #pragma unroll
+            for (int e = 0; e < E; ++e) x[e] *= rsqrtf((float)D);
+        }
+        #pragma unroll
+        for (int e = 0; e < E; ++e)
+            if (lane * E + e < D) qs[g][lane * E + e] = x[e];
+    }
+    __syncthreads();
+    if (!tail) {
+        // Scores on the tensor cores (layout: engine/kernels/tq_mma.py). Lane (gq, tq).
+        constexpr int KW = D / 32;        // code words of a token a lane loads: D / 4 coordinates
+        constexpr int KM = D / 16;        // k-steps (MMAs) per 16-token tile
+        const int gq = lane >> 2, tq = lane & 3;
+        const int gr = gq < G ? gq : 0;
+        uint32_t qb[KM][2];
+        #pragma unroll
+        for (int j = 0; j < KM; ++j) {
+            const int d = (D / 4) * tq + 4 * j;
+            qb[j][0] = gq < G ? pack_half2(qs[gr][d], qs[gr][d + 1]) : 0u;
+            qb[j][1] = gq < G ? pack_half2(qs[gr][d + 2], qs[gr][d + 3]) : 0u;
+        }
+        const uint32_t* tabl = tab + (lane % TC);
+        const uint32_t* kcb = kc + b * kc_strides[0] + h * kc_strides[1] + tq * KW;
+        const float* knb = kn + b * kn_strides[0] + h * kn_strides[1];
+        for (int base = warp * 16; base < n; base += NW * 16 * U) {  // (warp-uniform: every lane reaches the MMAs)
+            uint32_t w[U][2][KW];
+            float nr[U][2];
+            #pragma unroll
+            for (int u = 0; u < U; ++u)
+                #pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int t = base + u * NW * 16 + gq + 8 * r;
+                    if (t < n) {
+                        ldg_words<KW>(kcb + (size_t)(c0 + t) * kc_strides[2], w[u][r]);
+                        nr[u][r] = knb[(size_t)(c0 + t) * kn_strides[2]];
+                    } else {
+                        #pragma unroll
+                        for (int i = 0; i < KW; ++i) w[u][r][i] = 0u;
+                        nr[u][r] = 0.f;
+                    }
+                }
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                float c[4] = {0.f, 0.f, 0.f, 0.f};
+                #pragma unroll
+                for (int j = 0; j < KM; ++j) {
+                    const uint32_t x0 = w[u][0][j >> 1], x1 = w[u][1][j >> 1];
+                    const int by = 2 * (j & 1);
+                    mma_f16(c, pair<TC>(tabl, x0, by), pair<TC>(tabl, x1, by), pair<TC>(tabl, x0, by + 1),
+                            pair<TC>(tabl, x1, by + 1), qb[j][0], qb[j][1]);
+                }
+                const int t0 = base + u * NW * 16 + gq, t1 = t0 + 8;
+                if (t0 < n) {
+                    if (2 * tq < G) sc[2 * tq][t0] = c[0] * nr[u][0];
+                    if (2 * tq + 1 < G) sc[2 * tq + 1][t0] = c[1] * nr[u][0];
+                }
+                if (t1 < n) {
+                    if (2 * tq < G) sc[2 * tq][t1] = c[2] * nr[u][1];
+                    if (2 * tq + 1 < G) sc[2 * tq + 1][t1] = c[3] * nr[u][1];
+                }
+            }
+        }
+    } else {
+        const int sub = lane % DLPT, tg = warp * DTPW + lane / DLPT;
+        float qr[G][8];
+        #pragma unroll
+        for (int g = 0; g < G; ++g)
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) qr[g][i] = qs[g][sub * 8 + i];
+        const T* tkb = tk + b * tk_strides[0] + h * tk_strides[1] + sub * 8;
+        for (int base = 0; base < n; base += DTG) {
+            const int t = base + tg;
+            float x[8];
+            if (t < n) load8(tkb + (size_t)(c0 + t - ws) * tk_strides[2], x);
+            else {
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) x[i] = 0.f;
+            }
+            float a[G];
+            #pragma unroll
+            for (int g = 0; g < G; ++g) {
+                a[g] = 0.f;
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) a[g] = fmaf(qr[g][i], x[i], a[g]);
+            }
+            #pragma unroll
+            for (int o = DLPT / 2; o > 0; o >>= 1)
+                #pragma unroll
+                for (int g = 0; g < G; ++g) a[g] += __shfl_xor_sync(0xffffffff, a[g], o);
+            if (t < n && sub == 0) {
+                #pragma unroll
+                for (int g = 0; g < G; ++g) sc[g][t] = a[g];
+            }
+        }
+    }
+    __syncthreads();
+    float mx_[G], l_[G];
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float m = NEG_INF;
+        for (int t = tid; t < n; t += NT) m = fmaxf(m, sc[g][t]);
+        m = warp_max(m);
+        if (lane == 0) stat[warp][g] = m;
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float m = stat[0][g];
+        #pragma unroll
+        for (int w = 1; w < NW; ++w) m = fmaxf(m, stat[w][g]);
+        mx_[g] = m;
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float l = 0.f;
+        for (int t = tid; t < n; t += NT) {
+            const float p = __expf(sc[g][t] - mx_[g]);
+            sc[g][t] = p;
+            l += p;
+        }
+        l = warp_sum(l);
+        if (lane == 0) stat[warp][g] = l;
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float l = 0.f;
+        #pragma unroll
+        for (int w = 0; w < NW; ++w) l += stat[w][g];
+        l_[g] = l;
+    }
+    if (!tail) {
+        // Values on the tensor cores: O^T = V^T P^T (layout: engine/kernels/tq_mma.py). Lane (gq, tq).
+        constexpr int VW = D / 64;        // code words of a token a lane loads: D / 8 coordinates
+        constexpr int VM = D / 16;        // M-tiles of 16 coordinates (two per lane group each)
+        const int gq = lane >> 2, tq = lane & 3;
+        const int gr = gq < G ? gq : 0;
+        float o[VM][4];
+        #pragma unroll
+        for (int m = 0; m < VM; ++m) o[m][0] = o[m][1] = o[m][2] = o[m][3] = 0.f;
+        const uint32_t* tabl = tab + (lane % TC);
+        const uint32_t* vcb = vc + b * vc_strides[0] + h * vc_strides[1] + gq * VW;
+        const float* vnb = vn + b * vn_strides[0] + h * vn_strides[1];
+        for (int base = warp * 16; base < n; base += NW * 16 * U) {
+            uint32_t w[U][4][VW];
+            float p[U][4];
+            #pragma unroll
+            for (int u = 0; u < U; ++u)
+                #pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int t = base + u * NW * 16 + 4 * tq + r;
+                    if (t < n) {
+                        ldg_words<VW>(vcb + (size_t)(c0 + t) * vc_strides[2], w[u][r]);
+                        p[u][r] = gq < G ? sc[gr][t] * vnb[(size_t)(c0 + t) * vn_strides[2]] : 0.f;
+                    } else {
+                        #pragma unroll
+                        for (int i = 0; i < VW; ++i) w[u][r][i] = 0u;
+                        p[u][r] = 0.f;
+                    }
+                }
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const uint32_t b0 = pack_half2(p[u][0], p[u][1]), b1 = pack_half2(p[u][2], p[u][3]);
+                #pragma unroll
+                for (int j = 0; j < VW; ++j) {
+                    // Byte k of lo01 = low nibble of token 0's byte k | low nibble of token 1's << 4, ...
+                    const uint32_t lo01 = (w[u][0][j] & 0x0F0F0F0Fu) | ((w[u][1][j] << 4) & 0xF0F0F0F0u);
+                    const uint32_t hi01 = ((w[u][0][j] >> 4) & 0x0F0F0F0Fu) | (w[u][1][j] & 0xF0F0F0F0u);
+                    const uint32_t lo23 = (w[u][2][j] & 0x0F0F0F0Fu) | ((w[u][3][j] << 4) & 0xF0F0F0F0u);
+                    const uint32_t hi23 = ((w[u][2][j] >> 4) & 0x0F0F0F0Fu) | (w[u][3][j] & 0xF0F0F0F0u);
+                    #pragma unroll
+                    for (int k = 0; k < 4; ++k)
+                        mma_f16(o[4 * j + k], pair<TC>(tabl, lo01, k), pair<TC>(tabl, hi01, k),
+                                pair<TC>(tabl, lo23, k), pair<TC>(tabl, hi23, k), b0, b1);
+                }
+            }
+        }
+        #pragma unroll
+        for (int m = 0; m < VM; ++m) {
+            const int d = (D / 8) * gq + 2 * m;
+            if (2 * tq < G) {
+                red[warp][2 * tq][d] = o[m][0];
+                red[warp][2 * tq][d + 1] = o[m][2];
+            }
+            if (2 * tq + 1 < G) {
+                red[warp][2 * tq + 1][d] = o[m][1];
+                red[warp][2 * tq + 1][d + 1] = o[m][3];
+            }
+        }
+    } else {
+        const int sub = lane % DLPT, tg = warp * DTPW + lane / DLPT;
+        float acc[G][8];
+        #pragma unroll
+        for (int g = 0; g < G; ++g)
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+        const T* tvb = tv + b * tv_strides[0] + h * tv_strides[1] + sub * 8;
+        for (int base = 0; base < n; base += DTG) {
+            const int t = base + tg;
+            if (t < n) {
+                float x[8];
+                load8(tvb + (size_t)(c0 + t - ws) * tv_strides[2], x);
+                #pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const float p = sc[g][t];
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p, x[i], acc[g][i]);
+                }
+            }
+        }
+        #pragma unroll
+        for (int o = DLPT; o < 32; o <<= 1)
+            #pragma unroll
+            for (int g = 0; g < G; ++g)
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) acc[g][i] += __shfl_xor_sync(0xffffffff, acc[g][i], o);
+        if (lane < DLPT) {
+            #pragma unroll
+            for (int g = 0; g < G; ++g)
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) red[warp][g][sub * 8 + i] = acc[g][i];
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D; i += NT) {
+        const int g = i / D, d = i % D;
+        float v = 0.f;
+        #pragma unroll
+        for (int w = 0; w < NW; ++w) v += red[w][g][d];
+        o_part[((size_t)(b * HQ + h * G + g) * S + s) * D + d] = v;
+    }
+    #pragma unroll
+    for (int g = 0; g < G; ++g)  // (not mx_[tid]: a register array indexed at run time goes to the stack)
+        if (tid == g) {
+            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2] = mx_[g];
+            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2 + 1] = l_[g];
+        }
