@@ -212,7 +212,7 @@ def served_by(response: httpx.Response, url: str) -> str:
     worker = getattr(response, "worker_header", None)
     if worker is None and not hasattr(response, "worker_header"):  # httpx's response
         worker = response.headers.get(WORKER_HEADER.decode())
-    return worker or url
+    return worker[:200] if worker else url  # the upstream's words: bounded like --worker-name
 
 
 class Relayed:
