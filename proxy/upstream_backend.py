@@ -36,7 +36,7 @@ _DEFAULT_HEADERS = {"accept": b"*/*", "user-agent": f"python-httpx/{httpx.__vers
 _NOT_IN_A_HEADER = re.compile("[\r\n\0]")
 # The session id goes out as the routing key of the routers users put in front of a fleet, so a
 # session's turns stay on the worker that holds its prefix (docs/FLEET.md): sglang-router's `manual`
-# policy reads X-SMG-Routing-Key, vllm-router's `consistent_hash` X-Session-Id.
+# policy reads X-SMG-Routing-Key, vllm-router's `consistent_hash` and `sticky_least_loaded` X-Session-Id.
 ROUTING_KEY_HEADERS = ("x-smg-routing-key", "x-session-id")
 USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 
