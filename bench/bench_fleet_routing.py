@@ -4,7 +4,7 @@ N sessions x M turns (growing conversations that share one system prompt, as a t
 go through a prefixtrace proxy in front of 3 `prefixtrace serve` workers on the tiny model, routed by:
 
   sglang-router cache_aware, round_robin and manual (sticky on X-SMG-Routing-Key),
-  vllm-router cache_aware and consistent_hash (X-Session-Id),
+  vllm-router cache_aware, consistent_hash and sticky_least_loaded (X-Session-Id),
   the proxy's own affinity (`serve --upstream W1 --upstream W2 --upstream W3`, proxy/upstream_pool.py).
 
 Each router runs against the same workers; each policy gets conversations of its own (a salt at the
@@ -196,6 +196,25 @@ def run_sessions(url: str, salt: str, sessions: int, turns: int, concurrency: in
     return results
 
 
+def hop_ttft_ms(url: str, n: int = 20) -> float:
+    """Median TTFT of `n` small streamed requests to `url` (one worker, or a router in front of it)."""
+    import json
+
+    out = []
+    with httpx.Client(timeout=60) as client:
+        for i in range(n):
+            t0, got = time.perf_counter(), None
+            body = {"model": "default", "max_tokens": 4, "stream": True,
+                    "messages": [{"role": "user", "content": f"hello {i % 2}"}]}
+            with client.stream("POST", url + "/v1/chat/completions", json=body,
+                               headers={"X-Session-Id": "hop", "X-SMG-Routing-Key": "hop"}) as r:
+                for line in r.iter_lines():
+                    if got is None and line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                        got = time.perf_counter() - t0
+            out.append(got)
+    return 1000 * statistics.median(out)
+
+
 def worker_changes(db: Path) -> tuple[int, int]:
     """(turns served by another worker than the session's previous turn, turns after a first)."""
     con = sqlite3.connect(db)
@@ -239,7 +258,8 @@ def main() -> None:
     args = ap.parse_args()
 
     policies = [("sglang", "cache_aware"), ("sglang", "round_robin"), ("sglang", "manual"),
-                ("vllm", "cache_aware"), ("vllm", "consistent_hash"), ("proxy", "affinity")]
+                ("vllm", "cache_aware"), ("vllm", "consistent_hash"), ("vllm", "sticky_least_loaded"),
+                ("proxy", "affinity")]
     results: dict[str, list[dict]] = {}
     changes: dict[str, list[int]] = {}
     with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp_name, ExitStack() as stack:
@@ -248,6 +268,14 @@ def main() -> None:
         urls = [u for u, _, _ in fleet]
         print(f"{args.workers} workers ({args.model.name}, block {args.block_size}), {args.sessions} sessions x "
               f"{args.turns} turns, {args.concurrency} at a time, {args.rounds} round(s)", flush=True)
+        # What one router hop adds: the same small requests to one worker, directly and through each router.
+        hops = {"direct": hop_ttft_ms(urls[0])}
+        for kind, policy in (("sglang", "manual"), ("vllm", "consistent_hash")):
+            if router_available(kind) is None:
+                with router(kind, policy, urls[:1]) as (rurl, _):
+                    hops[f"{kind}-router"] = hop_ttft_ms(rurl)
+        print("one hop, median TTFT of 20 small streamed requests to one worker: " +
+              ", ".join(f"{k} {v:.1f} ms" for k, v in hops.items()), flush=True)
         for r in range(args.rounds):
             for kind, policy in policies if r % 2 == 0 else policies[::-1]:
                 name = f"{kind}-router {policy}" if kind != "proxy" else "prefixtrace --upstream x3 (own affinity)"
