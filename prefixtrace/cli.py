@@ -173,6 +173,10 @@ def _upstream_urls(ctx, param, values):
               help="Export one OpenTelemetry span per turn (GenAI attributes, the cache break's cause, cost and fix) "
                    "over OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318 (/v1/traces is added to a bare "
                    "host); needs pip install 'prefixtrace[otel]' (docs/OBSERVABILITY.md).")
+@click.option("--worker-name", metavar="NAME", callback=lambda ctx, param, value: _worker_name(value),
+              help="How this server names itself in the X-Prefixtrace-Worker header of every response, which a "
+                   "prefixtrace in front of a router records as the worker that served each turn. Default: "
+                   "host:port (docs/FLEET.md).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
@@ -183,7 +187,7 @@ def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream
           thinking_retention,
           thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
           max_request_mb, request_body_timeout_s, max_header_kb, recorder_stuck_after_s, default_temperature, default_frequency_penalty, tool_choice_default,
-          default_max_tokens, grammar_max_string, otlp_endpoint, log_level, print_config):
+          default_max_tokens, grammar_max_string, otlp_endpoint, worker_name, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
@@ -246,8 +250,16 @@ def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream
                           tool_choice_default=tool_choice_default,
                           grammar_max_string=grammar_max_string, default_max_tokens=default_max_tokens,
                           otlp_endpoint=otlp_endpoint,
+                          worker_name=worker_name,
                           allowed_hosts=None if allowed_hosts is None else
                           [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
+
+
+def _worker_name(value: str | None) -> str | None:
+    """A header value: printable ASCII, at most 200 characters."""
+    if value is not None and not (0 < len(value) <= 200 and value.isascii() and value.isprintable()):
+        raise click.BadParameter("must be 1 to 200 printable ASCII characters")
+    return value
 
 
 # Options only the embedded engine reads (with --upstream the upstream renders, caches and batches).

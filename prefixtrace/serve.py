@@ -79,6 +79,7 @@ class ServeConfig:
     allow_client_templates: bool = False  # chat_template_kwargs.chat_template, sandboxed (docs/SECURITY.md)
     allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
     otlp_endpoint: str | None = None  # OTLP/HTTP collector: one span per turn (prefixtrace/otel.py)
+    worker_name: str | None = None  # X-Prefixtrace-Worker on every response; None: host:port (docs/FLEET.md)
 
 
 def allowed_hosts(config: ServeConfig) -> list[str]:
@@ -229,6 +230,43 @@ def serve(config: ServeConfig) -> None:
         listener.close()
 
 
+class WorkerHeader:
+    """Adds `X-Prefixtrace-Worker: <name>` to every response, so a proxy in front of a router records
+    which worker served each turn (`served_by`, docs/FLEET.md). One check per message sent."""
+
+    def __init__(self, app, name: str):
+        self.app = app
+        self.header = (b"x-prefixtrace-worker", name.encode("latin-1"))
+
+    def __getattr__(self, name):  # the wrapped app's attributes (state, backend) stay reachable
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_named(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
+
+def worker_name(config: ServeConfig, listener) -> str:
+    """`--worker-name`, else the address it serves on (`host:port`; the machine's name when bound to all)."""
+    if config.worker_name:
+        return config.worker_name
+    host = config.host
+    if host in ("", "0.0.0.0", "::"):
+        import socket
+
+        host = socket.gethostname()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{listener.getsockname()[1]}"
+
+
 def _serve_on(listener, config: ServeConfig) -> None:
     backend = build_backend(config)
     engine = backend.engine if isinstance(backend, EngineBackend) else None
@@ -245,6 +283,7 @@ def _serve_on(listener, config: ServeConfig) -> None:
             app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config), max_request_mb=config.max_request_mb,
                              turn_feed=feed)
             app.state.request_body_timeout_s = config.request_body_timeout_s  # proxy/request_limits.py
+            app = WorkerHeader(app, worker_name(config, listener))
             raise_open_file_limit(_NOFILE_BEFORE_MLX)
             server = uvicorn.Server(uvicorn_config(app, config.host, listener.getsockname()[1], config.log_level,
                                                    max_head_kb=config.max_header_kb))

@@ -36,7 +36,7 @@ from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.relay import abandoned, record_durably, serve_turn
 from prefixtrace.wire.turn_builder import TurnBuilder
-from proxy.upstream_backend import Relayed, map_httpx_errors, mark_served
+from proxy.upstream_backend import Relayed, map_httpx_errors, mark_served, served_by
 
 MESSAGES_PATH = messages_wire.PATH
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn", "tool_calls": "tool_use"}
@@ -239,6 +239,7 @@ class UpstreamMessages(Relayed):
         self.builder = builder
         self.reader = messages_wire.MessagesReader()
         mark_served(builder, url)  # the member that answered (a pool routes by session), its renderer
+        builder.turn.served_by = served_by(response, url)  # the worker behind a router, else `url`
         self._usage: dict = {}
 
     async def sse(self) -> AsyncIterator[bytes]:

@@ -38,7 +38,7 @@ from prefixtrace.wire.responses_stream import TERMINAL, ResponsesReader, Respons
 from prefixtrace.wire.turn_builder import TurnBuilder
 from proxy.chat_request import ChatRequest, parse_chat_request, passthrough_request
 from proxy.relay import abandoned, record_durably, serve_turn
-from proxy.upstream_backend import Relayed, map_httpx_errors, mark_served
+from proxy.upstream_backend import Relayed, map_httpx_errors, mark_served, served_by
 
 RESPONSES_PATH = wire.PATH
 STORE_LIMIT = 1024  # conversations kept for previous_response_id (oldest dropped first)
@@ -155,6 +155,7 @@ class UpstreamResponses(Relayed):
         self.builder = builder
         self.reader = ResponsesReader()
         mark_served(builder, url)  # the member that answered (a pool routes by session), its renderer
+        builder.turn.served_by = served_by(response, url)  # the worker behind a router, else `url`
         self._complete = False  # a terminal event or an in-band error seen
 
     def _on(self, data: dict) -> None:

@@ -29,7 +29,7 @@ from prefixtrace.wire.http import map_httpx_errors, normalize_base_url  # noqa: 
 from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest
 from proxy.relay import UPSTREAM_BODY
-from proxy.upstream_http import UpstreamConnections
+from proxy.upstream_http import WORKER_HEADER, UpstreamConnections
 from prefixtrace.wire.turn_builder import TurnBuilder
 from recorder import renderers
 
@@ -45,6 +45,10 @@ _HOP_HEADERS = {
 # What httpx's client adds to a request that lacks them (the turn's POST skips the client: `_head`).
 _DEFAULT_HEADERS = {"accept": b"*/*", "user-agent": f"python-httpx/{httpx.__version__}".encode()}
 _NOT_IN_A_HEADER = re.compile("[\r\n\0]")
+# The session id goes out as the routing key of the routers users put in front of a fleet, so a
+# session's turns stay on the worker that holds its prefix (docs/FLEET.md): sglang-router's `manual`
+# policy reads X-SMG-Routing-Key, vllm-router's `consistent_hash` and `sticky_least_loaded` X-Session-Id.
+ROUTING_KEY_HEADERS = ("x-smg-routing-key", "x-session-id")
 USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 # What reading a reply of the wrong shape raises (the turn builder's `ValueError`s, and the
 # readers' `.get` on a string): the upstream's fault, not the proxy's.
@@ -173,6 +177,9 @@ class UpstreamBackend:
         forward = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
         if not any(k.lower() == "content-type" for k in forward):
             forward["content-type"] = "application/json"
+        if session_id and not _NOT_IN_A_HEADER.search(session_id) and session_id.isascii():
+            forward = {k: v for k, v in forward.items() if k.lower() not in ROUTING_KEY_HEADERS}
+            forward.update(dict.fromkeys(ROUTING_KEY_HEADERS, session_id))
         content = raw if raw is not None and _plain_json_object(raw) else _json_bytes(body)
         with map_httpx_errors(self.base_url):
             if self.connections is not None:
@@ -318,6 +325,15 @@ def mark_served(builder: TurnBuilder, url: str) -> None:
     builder.turn.renderer_id = PUBLISHED_RENDERERS.get(url)
 
 
+def served_by(response: httpx.Response, url: str) -> str:
+    """Who answered: the worker a router picked, as it names itself (X-Prefixtrace-Worker), else the
+    upstream URL the request went to (one of a pool's)."""
+    worker = getattr(response, "worker_header", None)
+    if worker is None and not hasattr(response, "worker_header"):  # httpx's response
+        worker = response.headers.get(WORKER_HEADER.decode())
+    return worker[:200] if worker else url  # the upstream's words: bounded like --worker-name
+
+
 class Relayed:
     """An upstream response on its way to the client: its status, type, and whether it streams."""
 
@@ -413,6 +429,7 @@ class UpstreamChat(Relayed):
         self.req = req
         self.builder = builder
         mark_served(builder, url)  # the member that answered (a pool routes by session), its renderer
+        builder.turn.served_by = served_by(response, url)  # a router's worker names itself
         self._complete = False  # [DONE], a finish_reason or an in-band error seen
         # Called once the turn can take nothing more but [DONE]: the usage chunk after a
         # finish_reason (the last one OpenAI streams). The upstream commits its own turn before

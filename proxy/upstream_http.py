@@ -34,6 +34,9 @@ from typing import AsyncIterator
 import httptools
 import httpx
 
+# The header a `prefixtrace serve` worker names itself in (prefixtrace/serve.py), lowercased as
+# compared here; a front proxy records it as the turn's `served_by` (docs/FLEET.md).
+WORKER_HEADER = b"x-prefixtrace-worker"
 READ_LIMIT = 1 << 20  # bytes buffered before the socket stops being read (flow control)
 # Idle kept-alive connections are closed after this; uvicorn closes its side after 5 s, and a
 # request sent on a connection in the same instant the server closes it fails: stay below it.
@@ -174,6 +177,7 @@ class UpstreamResponse:
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self._headers: httpx.Headers | None = None
         self.content_type_header: str | None = None  # for `Relayed`, read off the raw head
+        self.worker_header: str | None = None  # X-Prefixtrace-Worker: the worker behind a router that answered
         self.head_done = False
         self.interim = False
         self.framed_by_close = False
@@ -211,6 +215,8 @@ class UpstreamResponse:
                 coding = value if coding is None else coding + b", " + value
             elif name == b"content-length" or name == b"transfer-encoding":
                 framed = True
+            elif name == WORKER_HEADER:
+                self.worker_header = value.decode("latin-1")
         self.framed_by_close = not framed
         if (content_type is None or content_type.isascii()) and (coding is None or coding.isascii()):
             self.content_type_header = None if content_type is None else content_type.decode("ascii")
