@@ -57,6 +57,13 @@ class Target:
     max_output_tokens: int | None = None
 
     @property
+    def output_tokens(self) -> int:
+        """The output cap to declare: the given one, else 4096, at most a quarter of a known context."""
+        if self.max_output_tokens:
+            return self.max_output_tokens
+        return min(4096, self.context_tokens // 4) if self.context_tokens else 4096
+
+    @property
     def v1(self) -> str:
         return self.base_url.rstrip("/") + "/v1"
 
@@ -96,7 +103,7 @@ def pi(target: Target, scratch: Path, environ: Mapping[str, str]) -> Launch:
     overlay(user_dir, agent, {"models.json"})
     models = _read_json(user_dir / "models.json")
     providers = models.get("providers") if isinstance(models.get("providers"), dict) else {}
-    max_out = target.max_output_tokens or 4096
+    max_out = target.output_tokens
     providers[PROVIDER] = {
         "baseUrl": target.v1, "api": "openai-completions", "apiKey": environ.get("OPENAI_API_KEY") or target.api_key,
         # the system role works on every server (the embedded engine's templates have no developer
@@ -127,9 +134,12 @@ def _toml_str(text: str) -> str:
 
 
 def codex(target: Target, scratch: Path, environ: Mapping[str, str]) -> Launch:
-    provider = (f"{{name = {_toml_str(PROVIDER)}, base_url = {_toml_str(target.v1)}, "
-                f"env_key = {_toml_str(KEY_ENV)}, wire_api = \"responses\"}}")
-    args = ["-c", f"model_provider={_toml_str(PROVIDER)}", "-c", f"model_providers.{PROVIDER}={provider}"]
+    # key by key, so a `[model_providers.prefixtrace]` table in the user's config.toml (timeouts,
+    # retries) still applies to what is not set here
+    table = f"model_providers.{PROVIDER}"
+    args = ["-c", f"model_provider={_toml_str(PROVIDER)}", "-c", f"{table}.name={_toml_str(PROVIDER)}",
+            "-c", f"{table}.base_url={_toml_str(target.v1)}", "-c", f"{table}.env_key={_toml_str(KEY_ENV)}",
+            "-c", f'{table}.wire_api="responses"']
     if target.pin_model:
         args += ["-c", f"model={_toml_str(target.model)}"]
     return Launch(args, {KEY_ENV: environ.get("OPENAI_API_KEY") or target.api_key})
@@ -138,7 +148,7 @@ def codex(target: Target, scratch: Path, environ: Mapping[str, str]) -> Launch:
 def opencode(target: Target, scratch: Path, environ: Mapping[str, str]) -> Launch:
     model = {"name": target.model}
     if target.context_tokens:
-        model["limit"] = {"context": target.context_tokens, "output": target.max_output_tokens or 4096}
+        model["limit"] = {"context": target.context_tokens, "output": target.output_tokens}
     config = {"provider": {PROVIDER: {"npm": "@ai-sdk/openai-compatible", "name": "prefixtrace",
                                       "options": {"baseURL": target.v1,
                                                   "apiKey": environ.get("OPENAI_API_KEY") or target.api_key},

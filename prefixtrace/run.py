@@ -185,7 +185,7 @@ def summarize(db: Path, session: str, prefill_rate: float | None = None) -> dict
         summary["breaks"].append({"request_id": turn.request_id, "chain": chain.id, "turn": turn.index,
                                   "cause": turn.brk.cause, "subtype": turn.brk.subtype, "where": turn.brk.where(),
                                   "tokens": tokens, "seconds": secs, "fix": turn.brk.suggestion})
-    if seconds_known:
+    if seconds_known or not report.breaks:
         summary["lost_seconds"] = round(seconds, 2)
     return summary
 
