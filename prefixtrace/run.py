@@ -201,13 +201,15 @@ def format_summary(summary: dict) -> str:
     extra = f", {summary['side_requests']} side request chain(s)" if summary.get("side_requests") else ""
     failed = f", {summary['failed']} refused" if summary.get("failed") else ""
     lines.append(f"  {summary['chains']} main chain(s){extra}{failed}; {len(breaks)} cache break(s)")
+    last_fix = None
     for b in breaks:
         secs = "" if b["seconds"] is None else f", {b['seconds']:.2f} s"
         cause = b["cause"] + (f"/{b['subtype']}" if b.get("subtype") else "")
         lines.append(f"  - request {b['turn'] + 1} of {b['chain']}: {cause} at {b['where']}: "
                      f"{b['tokens'] or 0:,} tokens re-prefilled{secs}")
-        if b.get("fix"):
+        if b.get("fix") and b["fix"] != last_fix:
             lines.append(f"    fix: {b['fix']}")
+        last_fix = b.get("fix")
     secs = ("unknown (give --prefill-rate TOK_PER_S)" if summary["lost_seconds"] is None
             else f"{summary['lost_seconds']:.2f} s")
     lines.append(f"  lost: {summary['lost_tokens']:,} tokens, {secs}")
