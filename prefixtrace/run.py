@@ -121,7 +121,8 @@ def _context(headers: httpx.Headers) -> int | None:
 
 
 def served_model(proxy: Proxy) -> str:
-    """The model to ask the embedded engine for ("default" when it serves that alias)."""
+    """The model to name where a harness must name one: "default" when the proxy serves that alias
+    (the embedded engine), else the first its /v1/models lists (an upstream's)."""
     try:
         ids = [m["id"] for m in httpx.get(proxy.url + "/v1/models", timeout=10).json()["data"]]
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
@@ -237,7 +238,7 @@ def run(harness: str, args: Sequence[str], *, url: str = DEFAULT_URL, db: Path =
         proxy = find_or_start_proxy(url, db, serve_args, scratch, say)
         engine = "engine" in proxy.health
         target = harnesses.Target(base_url=f"{proxy.url}/s/{session}",
-                                  model=model or (served_model(proxy) if engine else "default"),
+                                  model=model or served_model(proxy),
                                   pin_model=engine or model is not None,
                                   context_tokens=proxy.context_tokens)
         launch = harnesses.configure(name, target, scratch / "config")
