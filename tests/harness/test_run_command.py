@@ -116,7 +116,9 @@ def user_qwen(scratch: hs.Scratch, exes):
         "memory": {"enableManagedAutoMemory": False}, "telemetry": {"enabled": False},
         "privacy": {"usageStatisticsEnabled": False}, "general": {"enableAutoUpdate": False},
     }
-    files = [write(scratch.home / ".qwen" / "settings.json", json.dumps(settings)),
+    # at the settings version qwen-code 0.15.10 writes: it migrates an older file itself (adds
+    # "$version" and rewrites it), which it would do with or without `run`
+    files = [write(scratch.home / ".qwen" / "settings.json", json.dumps({**settings, "$version": 4}, indent=2)),
              write(scratch.home / "system.md", SYSTEM_PROMPT)]
     return files, {"QWEN_SYSTEM_MD": str(files[1])}, [exes["qwen"], ["-p", f"Read the file {scratch.hello}"]]
 
