@@ -241,3 +241,56 @@ def test_run_starts_its_own_proxy(llm_exe, scratch, tmp_path):
     with pytest.raises(httpx.HTTPError):  # stopped with the harness
         httpx.get(started.group(1) + "/health", timeout=2)
     assert snapshot(files) == before
+
+
+def test_run_gives_the_harness_its_terminal(llm_exe, engine_server, scratch, tmp_path):
+    """Interactive use: `llm chat` through `run` on a pseudo-terminal reads the user's lines from it,
+    answers through the proxy, and ends on `quit`; then the summary comes, and the exit code 0."""
+    import pty
+    import select
+    import time
+
+    files, extra_env, (exe, _) = user_llm(scratch, {"llm": llm_exe})
+    env = hs.harness_env(scratch, extra_env)
+    env["PYTHONPATH"] = str(hs.ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: `prefixtrace run` on the terminal's slave side
+        os.chdir(scratch.work)
+        os.execve(sys.executable, [sys.executable, "-m", "prefixtrace.cli", "run", "--url", engine_server.url,
+                                   "--db", str(engine_server.db), "--exe", str(exe), "llm", "chat", "-o",
+                                   "max_tokens", "20"], env)
+    seen = b""
+
+    def read_until(marker: bytes, timeout: float) -> None:
+        """Until `marker` appears after everything read so far."""
+        nonlocal seen
+        start = len(seen)
+        deadline = time.monotonic() + timeout
+        while marker not in seen[start:]:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {marker!r} within {timeout} s:\n{seen.decode(errors='replace')[-3000:]}"
+            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+            if ready:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:  # the child closed the terminal
+                    break
+                seen += chunk
+
+    try:
+        read_until(b"\n> ", 300)  # llm chat's banner, then its prompt
+        assert b"Type 'exit' or 'quit' to exit" in seen
+        os.write(fd, b"Say hello.\n")
+        read_until(b"\n> ", 600)  # llm chat's prompt again after the answer
+        os.write(fd, b"quit\n")
+        read_until(b"lost:", 300)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, seen.decode(errors="replace")[-3000:]
+    session = SESSION.search(seen.decode(errors="replace")).group(1)
+    records = session_records(engine_server.db, session, tmp_path / "chat.jsonl")
+    assert len(records) == 1 and records[0]["request"]["messages"][-1]["content"] == "Say hello."
