@@ -227,7 +227,9 @@ def run(harness: str, args: Sequence[str], *, url: str = DEFAULT_URL, db: Path =
     name = harnesses.ALIASES.get(harness, harness)
     if name not in harnesses.HARNESSES:
         raise RunError(f"unknown harness {harness!r}; known: {', '.join(harnesses.HARNESSES)}")
-    exe = executable or shutil.which(harnesses.HARNESSES[name][0])
+    exe = shutil.which(executable or harnesses.HARNESSES[name][0])  # before any proxy is started
+    if exe is None and executable:
+        raise RunError(f"--exe {executable!r} is not an executable file")
     if exe is None:
         raise RunError(f"{harnesses.HARNESSES[name][0]!r} is not on PATH; install it or give --exe PATH")
     session = session or new_session_id(name)

@@ -37,3 +37,15 @@ def test_summary_is_the_sessions_breaks_with_their_cost(tmp_path):
     assert clean["breaks"] == [] and clean["lost_tokens"] == 0 and clean["requests"] > 0
     assert summarize(db, "no-such-session")["requests"] == 0
     assert "nothing was recorded" in format_summary(summarize(db, "no-such-session"))
+
+
+def test_run_refuses_a_harness_it_cannot_start_before_starting_anything(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no harness on it
+    monkeypatch.chdir(tmp_path)
+    missing = CliRunner().invoke(cli, ["run", "--url", "http://127.0.0.1:9", "pi", "-p", "hi"])
+    assert missing.exit_code == 1 and "'pi' is not on PATH" in missing.output, missing.output
+    bad_exe = CliRunner().invoke(cli, ["run", "--exe", str(tmp_path / "nope"), "llm"])
+    assert bad_exe.exit_code == 1 and "is not an executable file" in bad_exe.output, bad_exe.output
+    unknown = CliRunner().invoke(cli, ["run", "vim"])
+    assert unknown.exit_code == 2
+    assert not (tmp_path / "prefixtrace.db").exists()  # no proxy was started
