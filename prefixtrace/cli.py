@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -303,6 +304,54 @@ def models(model, as_json):
     click.echo(json.dumps({"name": name, "aliases": ["default"], "path": str(path),
                            "model_type": config.get("model_type"),
                            "context_length": config.get("max_position_embeddings")}, indent=2))
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--url", default="http://127.0.0.1:8765", show_default=True,
+              help="Use the proxy answering /health here; if none does, start `prefixtrace serve` on a free port "
+                   "for the harness's run (stopped when it exits).")
+@click.option("--db", default="prefixtrace.db", show_default=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Database the started proxy records to, and where the summary reads the session back (for a "
+                   "proxy already running: the --db it was started with).")
+@click.option("--upstream", "upstreams", metavar="URL", multiple=True, callback=_upstream_urls,
+              help="A started proxy forwards to this server instead of the embedded engine (repeatable).")
+@click.option("--serve-args", metavar="ARGS", default="",
+              help="More options for the started `prefixtrace serve`, as one shell-quoted string.")
+@click.option("--model", metavar="NAME",
+              help="Model the harness asks for. Default: the embedded engine's; with an upstream, the harness's own.")
+@click.option("--prefill-rate", type=FiniteFloatRange(min=0, min_open=True), metavar="TOK_PER_S",
+              help="Price re-prefilled tokens in seconds in the summary.")
+@click.option("--exe", "executable", metavar="PATH", help="The harness's executable (default: found on PATH).")
+@click.option("--session", metavar="ID", help="The session id to record under (default: run-HARNESS-TIME-RANDOM).")
+@click.argument("harness", type=click.Choice(["pi", "claude", "codex", "opencode", "qwen", "aider", "llm",
+                                              "claude-code", "qwen-code"]))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@_library_errors
+def run(url, db, upstreams, serve_args, model, prefill_rate, executable, session, harness, args):
+    """Launch a coding-agent harness through the proxy and summarise its session.
+
+    Points HARNESS (pi, claude, codex, opencode, qwen, aider, llm) at the proxy through a
+    configuration of its own: the user's config files are read, never written
+    (docs/HARNESSES.md). Its requests are recorded under a session id of their own; ARGS go
+    to the harness unchanged, on this terminal. When it exits, the session's cache breaks
+    (cause, where, tokens and seconds lost) are printed on stderr and its exit code is
+    passed through.
+
+    Example: prefixtrace run --db traffic.db claude -p "fix the failing test"
+    """
+    import shlex
+
+    from prefixtrace.run import run as run_harness
+
+    extra = shlex.split(serve_args)
+    for upstream in upstreams:
+        extra += ["--upstream", upstream]
+    config_file = click.get_current_context().find_root().meta.get("prefixtrace.config_file")
+    if config_file is not None:  # the started serve reads the same config file
+        os.environ[CONFIG_ENV] = str(config_file)
+    code = run_harness(harness, list(args), url=url, db=db, serve_args=extra, model=model,
+                       prefill_rate=prefill_rate, executable=executable, session=session)
+    sys.exit(code)
 
 
 for _command in (cli_analyze.analyze, cli_analyze.check, *cli_recorder.COMMANDS):

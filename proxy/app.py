@@ -29,6 +29,7 @@ from proxy.dashboard import observe
 from proxy.disconnect import CancelOnDisconnect
 from proxy.request_limits import DEFAULT_MAX_REQUEST_MB
 from proxy.turn_routes import TurnRoutes
+from proxy.run_session import SessionTagSink, strip_session_prefix
 from prefixtrace.wire.messages import COUNT_TOKENS_PATH
 from prefixtrace.wire.turn_builder import TurnBuilder
 
@@ -52,7 +53,9 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     app.state.backend = backend
     app.state.recorder = recorder
     app.state.max_request_mb = max_request_mb  # proxy/request_limits.py
-    recorder = observe(app, backend, recorder, turn_feed)  # /ui, /metrics (and OTLP): every turn also feeds them
+    # /ui, /metrics (and OTLP): every turn also feeds them; a `/s/<id>/` URL files its turns under <id>
+    # (proxy/run_session.py)
+    recorder = SessionTagSink(observe(app, backend, recorder, turn_feed))
     # A loopback Host on every request and JSON on every POST; refused turns are recorded.
     error_bodies = {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error}
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts,
@@ -126,6 +129,8 @@ class ProxyApp(FastAPI):
     turn_routes: TurnRoutes | None = None
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            strip_session_prefix(scope)  # /s/<id>/v1/... (proxy/run_session.py)
         routes = self.turn_routes
         if routes is not None and scope["type"] == "http" and scope["method"] == "POST":
             handler = routes.handler_for(scope)

@@ -245,6 +245,17 @@ def make_scratch(base: Path) -> Scratch:
     return Scratch(home, work, secret)
 
 
+def point(name: str, scratch: Scratch, base_url: str, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """Harness `name` pointed at `base_url` by the product's own code (prefixtrace/harnesses.py, what
+    `prefixtrace run` uses), with SmolLM2's context and a 200-token output cap: the arguments to put
+    before the harness's own, and `env` with its variables added. Its files go beside the scratch HOME."""
+    from prefixtrace import harnesses
+
+    target = harnesses.Target(base_url=base_url, model="default", context_tokens=8192, max_output_tokens=200)
+    launch = harnesses.configure(name, target, scratch.home.parent / "prefixtrace-config", env)
+    return launch.args, {**env, **launch.env}
+
+
 def harness_env(scratch: Scratch, extra: dict[str, str]) -> dict[str, str]:
     """A minimal environment: no host credentials, config or proxies leak into a harness."""
     keep = ("PATH", "LANG", "LC_ALL", "TERM", "TZ", "SYSTEMROOT")

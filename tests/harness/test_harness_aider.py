@@ -46,13 +46,13 @@ def make_repo(scratch: hs.Scratch, env: dict) -> None:
         subprocess.run(cmd, cwd=scratch.work, env=env, check=True, timeout=60, capture_output=True)
 
 
-def aider_command(aider_exe, scratch: hs.Scratch, base_url: str) -> list:
+def aider_command(aider_exe, scratch: hs.Scratch) -> list:
+    """The model and server come from the product's environment (hs.point: AIDER_MODEL, AIDER_OPENAI_API_BASE)."""
     metadata = scratch.home / "aider.model.metadata.json"
     settings = scratch.home / "aider.model.settings.yml"
     metadata.write_text(json.dumps(MODEL_METADATA))
     settings.write_text(MODEL_SETTINGS)
-    return [aider_exe, "--model", "openai/default", "--openai-api-base", base_url + "/v1",
-            "--openai-api-key", "unused", "--model-metadata-file", metadata, "--model-settings-file", settings,
+    return [aider_exe, "--model-metadata-file", metadata, "--model-settings-file", settings,
             # offline and unattended: no analytics, no PyPI version check, no release-notes prompt, no
             # .gitignore prompt, no repo map, no URL scraping; --yes-always answers aider's own
             # questions (create the file a reply names)
@@ -80,7 +80,9 @@ def test_aider_edits_and_commits_through_the_proxy(aider_exe, backend, scratch, 
         "BROWSER": "true",
     })
     make_repo(scratch, env)
-    result, records = drive("aider", aider_command(aider_exe, scratch, backend.url), env, timeout=900)
+    args, env = hs.point("aider", scratch, backend.url, env)
+    assert args == []
+    result, records = drive("aider", aider_command(aider_exe, scratch), env, timeout=900)
     assert result.returncode == 0, result.output[-3000:]
     assert records, "aider sent nothing the proxy recorded:\n" + result.output[-3000:]
     assert all(r["response"]["status"] == 200 for r in records), hs.describe(records)

@@ -6,16 +6,15 @@ from harness import harness_support as hs
 
 
 def claude_env(scratch: hs.Scratch, base_url: str) -> dict:
-    return hs.harness_env(scratch, {
-        "ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": "unused",
-        **{f"ANTHROPIC_DEFAULT_{m}_MODEL": "default" for m in ("HAIKU", "SONNET", "OPUS")},
-        "ANTHROPIC_SMALL_FAST_MODEL": "default",
+    args, env = hs.point("claude", scratch, base_url, hs.harness_env(scratch, {
         "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         # it asks for 32,000 output tokens otherwise: clamped to the 8k context, the free answer after
         # the tool result could run for minutes on a CPU
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "200",
-    })
+    }))
+    assert args == []  # Claude Code is pointed by its environment alone
+    return env
 
 
 def test_claude_code_reads_a_file_through_the_proxy(npm_bins, backend, scratch, drive, tmp_path):

@@ -5,19 +5,15 @@ from __future__ import annotations
 from harness import harness_support as hs
 
 
-def configure_codex(scratch: hs.Scratch, base_url: str) -> dict:
+def configure_codex(scratch: hs.Scratch, base_url: str) -> tuple[list[str], dict]:
+    """The user's config.toml in the scratch HOME; the provider is the product's `-c` overrides
+    (prefixtrace/harnesses.py), over this file's tuning of it."""
     codex_home = scratch.home / ".codex"
     codex_home.mkdir(parents=True)
-    (codex_home / "config.toml").write_text(f'''\
-model = "default"
-model_provider = "pt"
+    (codex_home / "config.toml").write_text('''\
 web_search = "disabled"
 
-[model_providers.pt]
-name = "prefixtrace"
-base_url = "{base_url}/v1"
-env_key = "PT_KEY"
-wire_api = "responses"
+[model_providers.prefixtrace]
 request_max_retries = 0
 stream_max_retries = 0
 # a ~4.5k-token prompt prefilled on a busy CPU can take minutes before the first event
@@ -34,15 +30,15 @@ include_instructions = false
 [analytics]
 enabled = false
 ''')
-    return hs.harness_env(scratch, {"CODEX_HOME": str(codex_home), "PT_KEY": "unused"})
+    return hs.point("codex", scratch, base_url, hs.harness_env(scratch, {}))
 
 
 def test_codex_runs_a_read_only_command_through_the_proxy(npm_bins, backend, scratch, drive, tmp_path):
-    env = configure_codex(scratch, backend.url)
+    args, env = configure_codex(scratch, backend.url)
     # Only the shell tool family is left (request_user_input and skills off in config.toml; goals,
     # sub-agents and images here): the model's command runs in codex's read-only sandbox. The prompt
     # names the tool: given "Read the file <path>", greedy SmolLM2 calls write_stdin (docs/HARNESSES.md).
-    cmd = [npm_bins["codex"], "exec", "--skip-git-repo-check", "--sandbox", "read-only",
+    cmd = [npm_bins["codex"], *args, "exec", "--skip-git-repo-check", "--sandbox", "read-only",
            "--disable", "goals", "--disable", "multi_agent", "--disable", "view_image",
            f"Use exec_command to run: cat {scratch.hello}"]
     # Measured 234-367 s (engine: a cold ~4.1k-token prefill) and 44-66 s (upstream: prefix cached) at

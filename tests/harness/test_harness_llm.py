@@ -17,14 +17,13 @@ def read_file(path: str, **extra) -> str:
 
 
 def test_llm_calls_a_python_function_through_the_proxy(llm_exe, backend, scratch, drive, tmp_path):
-    user_dir = scratch.home / "llm"
-    user_dir.mkdir()
-    (user_dir / "extra-openai-models.yaml").write_text(
-        f"- model_id: pt\n  model_name: default\n  api_base: {backend.url}/v1\n  api_key_name: pt\n"
-        "  supports_tools: true\n")
-    env = hs.harness_env(scratch, {"LLM_USER_PATH": str(user_dir)})
-    subprocess.run([str(llm_exe), "keys", "set", "pt", "--value", "unused"], env=env, check=True, timeout=120)
-    cmd = [llm_exe, "-m", "pt", "-o", "max_tokens", "200", "--functions", READ_FILE,
+    # the model `prefixtrace` and its key in an LLM_USER_PATH of the product's (prefixtrace/harnesses.py)
+    args, env = hs.point("llm", scratch, backend.url, hs.harness_env(scratch, {}))
+    assert args == [] and "LLM_USER_PATH" in env
+    models = subprocess.run([str(llm_exe), "models", "list"], env=env, check=True, capture_output=True, text=True,
+                            timeout=120).stdout
+    assert "prefixtrace" in models, models
+    cmd = [llm_exe, "-m", "prefixtrace", "-o", "max_tokens", "200", "--functions", READ_FILE,
            f"Read the file {scratch.hello}"]
     result, records = drive("llm", cmd, env, timeout=900)
     assert result.returncode == 0, result.output[-3000:]

@@ -11,25 +11,24 @@ DISABLED = ("bash", "edit", "write", "patch", "glob", "grep", "list", "webfetch"
             "todowrite", "todoread", "skill", "codesearch", "lsp")
 
 
-def configure_opencode(scratch: hs.Scratch, base_url: str) -> None:
+def configure_opencode(scratch: hs.Scratch, base_url: str) -> dict:
+    """The user's opencode.json in the scratch HOME; the provider and model are the product's
+    (prefixtrace/harnesses.py: OPENCODE_CONFIG_CONTENT, merged over this file)."""
     config_dir = scratch.home / ".config" / "opencode"
     config_dir.mkdir(parents=True)
     config = {
         "$schema": "https://opencode.ai/config.json",
         "autoupdate": False, "share": "disabled",
-        "provider": {"pt": {"npm": "@ai-sdk/openai-compatible", "name": "prefixtrace",
-                            "options": {"baseURL": base_url + "/v1", "apiKey": "unused"},
-                            "models": {"default": {"name": "default", "limit": {"context": 8192, "output": 200}}}}},
-        "model": "pt/default", "small_model": "pt/default",
         "tools": {name: False for name in DISABLED},
         "permission": {"edit": "deny", "bash": "deny", "webfetch": "deny", "read": "allow"},
     }
     (config_dir / "opencode.json").write_text(json.dumps(config))
+    env = hs.harness_env(scratch, {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1"})
+    return hs.point("opencode", scratch, base_url, env)[1]
 
 
 def test_opencode_reads_a_file_through_the_proxy(npm_bins, backend, scratch, drive, tmp_path):
-    configure_opencode(scratch, backend.url)
-    env = hs.harness_env(scratch, {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1"})
+    env = configure_opencode(scratch, backend.url)
     cmd = [npm_bins["opencode"], "run", "--pure", "Read the file hello.txt"]
     result, records = drive("opencode", cmd, env, timeout=900)
     assert result.returncode == 0, result.output[-3000:]

@@ -7,26 +7,20 @@ import json
 from harness import harness_support as hs
 
 
-def configure_pi(scratch: hs.Scratch, base_url: str) -> None:
+def configure_pi(scratch: hs.Scratch, base_url: str) -> tuple[list[str], dict]:
+    """The user's settings in the scratch HOME; the provider is the product's (prefixtrace/harnesses.py)."""
     agent = scratch.home / ".pi" / "agent"
     agent.mkdir(parents=True)
-    provider = {
-        "baseUrl": base_url + "/v1", "api": "openai-completions", "apiKey": "unused",
-        # the engine's template has no developer role; max_tokens is the field it reads
-        "compat": {"supportsDeveloperRole": False, "maxTokensField": "max_tokens"},
-        "models": [{"id": "default", "contextWindow": 8192, "maxTokens": 200}],
-    }
-    (agent / "models.json").write_text(json.dumps({"providers": {"pt": provider}}))
     # compaction's default reserve (16k tokens) exceeds SmolLM2's whole 8k context, so pi would
     # summarise after every turn; the loop under test is the agent's, not its compaction
     (agent / "settings.json").write_text(json.dumps({"enableInstallTelemetry": False,
                                                      "compaction": {"enabled": False}}))
+    return hs.point("pi", scratch, base_url, hs.harness_env(scratch, {"PI_OFFLINE": "1"}))
 
 
 def test_pi_reads_a_file_through_the_proxy(npm_bins, backend, scratch, drive, tmp_path):
-    configure_pi(scratch, backend.url)
-    env = hs.harness_env(scratch, {"PI_OFFLINE": "1"})
-    cmd = [npm_bins["pi"], "--provider", "pt", "--model", "default", "--tools", "read", "--no-session",
+    args, env = configure_pi(scratch, backend.url)  # --provider prefixtrace --model default
+    cmd = [npm_bins["pi"], *args, "--tools", "read", "--no-session",
            "--no-extensions", "--no-skills", "--no-prompt-templates", "--no-context-files",
            "-p", f"Read the file {scratch.hello}"]
     result, records = drive("pi", cmd, env, timeout=900)

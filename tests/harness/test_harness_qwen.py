@@ -23,12 +23,13 @@ EXCLUDED_TOOLS = ["tool_search", "agent", "task_stop", "send_message", "skill", 
 SYSTEM_PROMPT = "You are a coding agent. Use the read_file tool to read files.\n"
 
 
-def configure_qwen(scratch: hs.Scratch, base_url: str) -> dict:
+def configure_qwen(scratch: hs.Scratch, base_url: str) -> tuple[list[str], dict]:
+    """The user's settings.json in the scratch HOME; auth, server and model are the product's flags
+    (prefixtrace/harnesses.py)."""
     qwen_dir = scratch.home / ".qwen"
     qwen_dir.mkdir(parents=True)
     settings = {
-        "security": {"auth": {"selectedType": "openai"}},  # the OpenAI-compatible provider, no login
-        "model": {"name": "default", "generationConfig": {
+        "model": {"generationConfig": {
             # it asks for 8,000 output tokens otherwise: prompt + 8,000 can never fit an 8k context
             "samplingParams": {"max_tokens": 200},
             # SmolLM2's real context, so qwen-code's own compression threshold is computed from it
@@ -49,13 +50,12 @@ def configure_qwen(scratch: hs.Scratch, base_url: str) -> dict:
     (qwen_dir / "settings.json").write_text(json.dumps(settings))
     system_md = scratch.home / "system.md"
     system_md.write_text(SYSTEM_PROMPT)
-    return hs.harness_env(scratch, {"OPENAI_BASE_URL": base_url + "/v1", "OPENAI_API_KEY": "unused",
-                                    "OPENAI_MODEL": "default", "QWEN_SYSTEM_MD": str(system_md)})
+    return hs.point("qwen", scratch, base_url, hs.harness_env(scratch, {"QWEN_SYSTEM_MD": str(system_md)}))
 
 
 def test_qwen_code_reads_a_file_through_the_proxy(npm_bins, backend, scratch, drive, tmp_path):
-    env = configure_qwen(scratch, backend.url)
-    cmd = [npm_bins["qwen"], "-p", f"Read the file {scratch.hello}"]  # read_file wants an absolute path
+    args, env = configure_qwen(scratch, backend.url)
+    cmd = [npm_bins["qwen"], *args, "-p", f"Read the file {scratch.hello}"]  # read_file wants an absolute path
     result, records = drive("qwen", cmd, env, timeout=900)
     assert result.returncode == 0, result.output[-3000:]
     assert records, "qwen-code sent nothing the proxy recorded:\n" + result.output[-3000:]

@@ -1,0 +1,255 @@
+"""`prefixtrace run HARNESS [ARGS...]`: a coding-agent harness launched through the proxy.
+
+It finds a proxy answering `/health` at the given URL or starts `prefixtrace serve` on a free
+loopback port (stopped when the harness exits), points the harness at
+`<proxy>/s/<session>` through a configuration of its own (prefixtrace/harnesses.py: the user's
+files are only read), runs it on the terminal it was started from, and when it exits prints the
+session's summary from the analyzer over what was recorded under that session, then exits with
+the harness's exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import httpx
+
+from prefixtrace import harnesses
+from prefixtrace.errors import PrefixtraceError
+
+HEALTH_TIMEOUT_S = 600.0  # a first `serve` converts the bundled model and loads it
+DEFAULT_URL = "http://127.0.0.1:8765"
+
+
+class RunError(PrefixtraceError):
+    """`prefixtrace run` could not start the harness or the proxy."""
+
+
+@dataclass
+class Proxy:
+    url: str
+    started: subprocess.Popen | None  # None: one that was already running
+    health: dict
+    log: Path | None = None
+    context_tokens: int | None = None
+
+    def stop(self) -> None:
+        proc = self.started
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)  # serve drains its recorder on SIGTERM
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _health(url: str, timeout: float = 2.0) -> tuple[int, dict, httpx.Headers] | None:
+    try:
+        resp = httpx.get(url.rstrip("/") + "/health", timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    try:
+        body = resp.json()
+    except ValueError:
+        body = {}
+    return resp.status_code, body if isinstance(body, dict) else {}, resp.headers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen | None, log: Path | None, timeout: float) -> tuple[dict, httpx.Headers]:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log else ""
+            raise RunError(f"prefixtrace serve exited {proc.returncode} before it was healthy:\n{tail}")
+        found = _health(url)
+        if found is not None and found[0] == 200 and found[1].get("status") == "ok":
+            return found[1], found[2]
+        if time.monotonic() > deadline:
+            raise RunError(f"the proxy at {url} was not healthy within {timeout:.0f} s"
+                           + (f" (log: {log})" if log else ""))
+        time.sleep(0.3)
+
+
+def find_or_start_proxy(url: str, db: Path, serve_args: Sequence[str], workdir: Path,
+                        say: Callable[[str], None], timeout: float = HEALTH_TIMEOUT_S) -> Proxy:
+    """The prefixtrace proxy answering /health at `url`, or a `prefixtrace serve --db db` started
+    on a free loopback port (its output in `workdir/serve.log`)."""
+    found = _health(url)
+    if found is not None and found[1].get("status") in ("ok", "loading"):
+        health, headers = _wait_healthy(url, None, None, timeout)
+        say(f"using the proxy at {url} ({health.get('backend')}); its turns are read back from {db}")
+        return Proxy(url.rstrip("/"), None, health, None, _context(headers))
+    port = _free_port()
+    log = workdir / "serve.log"
+    cmd = [sys.executable, "-m", "prefixtrace.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--db", str(db), *serve_args]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # the terminal's ^C is the harness's, not the proxy's
+    proxy_url = f"http://127.0.0.1:{port}"
+    say(f"starting prefixtrace serve on {proxy_url} (database {db}, log {log})")
+    try:
+        health, headers = _wait_healthy(proxy_url, proc, log, timeout)
+    except BaseException:
+        Proxy(proxy_url, proc, {}).stop()
+        raise
+    return Proxy(proxy_url, proc, health, log, _context(headers))
+
+
+def _context(headers: httpx.Headers) -> int | None:
+    value = headers.get("x-max-context-tokens")
+    return int(value) if value and value.isdigit() else None
+
+
+def served_model(proxy: Proxy) -> str:
+    """The model to name where a harness must name one: "default" when the proxy serves that alias
+    (the embedded engine), else the first its /v1/models lists (an upstream's)."""
+    try:
+        ids = [m["id"] for m in httpx.get(proxy.url + "/v1/models", timeout=10).json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        ids = []
+    return "default" if "default" in ids or not ids else ids[0]
+
+
+def new_session_id(harness: str) -> str:
+    return f"run-{harness}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def run_harness(cmd: list[str], env: dict[str, str]) -> int:
+    """The harness on this process's own stdin/stdout/terminal; its exit code (128+N for signal N).
+    ^C goes to the harness (it shares the terminal's process group): this process waits it out."""
+    forwarded = (signal.SIGTERM, signal.SIGHUP)
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *forwarded)}
+    try:
+        proc = subprocess.Popen(cmd, env=env)
+    except OSError as exc:
+        raise RunError(f"cannot start {cmd[0]}: {exc}") from exc
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for sig in forwarded:
+            signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
+        code = proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+def summarize(db: Path, session: str, prefill_rate: float | None = None) -> dict:
+    """The session's turns in `db`, analysed: requests, breaks (cause, where, tokens and seconds
+    lost), totals. Tokens and seconds lost are the analyzer's `lost_tokens` / `lost_seconds` where
+    it has them, else its re-prefill figures."""
+    from analyzer import analyze
+    from recorder.sources import load_turns
+
+    if not Path(db).exists():
+        return {"session": session, "db": str(db), "requests": 0, "breaks": [], "note": f"{db} does not exist"}
+    turns = load_turns(db, session=session)
+    summary = {"session": session, "db": str(db), "requests": len(turns), "breaks": [], "failed": 0,
+               "lost_tokens": 0, "lost_seconds": None, "chains": 0, "side_requests": 0}
+    if not turns:
+        return summary
+    report = analyze(turns, prefill_rate=prefill_rate)
+    summary["failed"] = len(report.failed)
+    summary["chains"] = sum(1 for s in report.sessions if s.kind == "main")
+    summary["side_requests"] = sum(1 for s in report.sessions if s.kind != "main")
+    seconds_known = False
+    seconds = 0.0
+    for chain, turn in report.breaks:
+        tokens = getattr(turn, "lost_tokens", None)
+        tokens = turn.reprefill_tokens if tokens is None else tokens
+        secs = getattr(turn, "lost_seconds", None)
+        secs = turn.reprefill_seconds if secs is None else secs
+        if secs is not None:
+            seconds_known = True
+            seconds += secs
+        summary["lost_tokens"] += tokens or 0
+        summary["breaks"].append({"request_id": turn.request_id, "chain": chain.id, "turn": turn.index,
+                                  "cause": turn.brk.cause, "subtype": turn.brk.subtype, "where": turn.brk.where(),
+                                  "tokens": tokens, "seconds": secs, "fix": turn.brk.suggestion})
+    if seconds_known or not report.breaks:
+        summary["lost_seconds"] = round(seconds, 2)
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"prefixtrace: session {summary['session']}: {summary['requests']} request(s) recorded in {summary['db']}"]
+    if summary.get("note"):
+        lines.append(f"  {summary['note']}")
+    if not summary["requests"]:
+        lines.append("  nothing was recorded under this session (a reused proxy recording elsewhere? give --db)")
+        return "\n".join(lines)
+    breaks = summary["breaks"]
+    extra = f", {summary['side_requests']} side request chain(s)" if summary.get("side_requests") else ""
+    failed = f", {summary['failed']} refused" if summary.get("failed") else ""
+    lines.append(f"  {summary['chains']} main chain(s){extra}{failed}; {len(breaks)} cache break(s)")
+    last_fix = None
+    for b in breaks:
+        secs = "" if b["seconds"] is None else f", {b['seconds']:.2f} s"
+        cause = b["cause"] + (f"/{b['subtype']}" if b.get("subtype") else "")
+        lines.append(f"  - request {b['turn'] + 1} of {b['chain']}: {cause} at {b['where']}: "
+                     f"{b['tokens'] or 0:,} tokens re-prefilled{secs}")
+        if b.get("fix") and b["fix"] != last_fix:
+            lines.append(f"    fix: {b['fix']}")
+        last_fix = b.get("fix")
+    secs = ("unknown (give --prefill-rate TOK_PER_S)" if summary["lost_seconds"] is None
+            else f"{summary['lost_seconds']:.2f} s")
+    lines.append(f"  lost: {summary['lost_tokens']:,} tokens, {secs}")
+    lines.append(f"  details: prefixtrace export {summary['db']} --session {summary['session']} --out session.jsonl "
+                 "&& prefixtrace analyze session.jsonl")
+    return "\n".join(lines)
+
+
+def run(harness: str, args: Sequence[str], *, url: str = DEFAULT_URL, db: Path = Path("prefixtrace.db"),
+        serve_args: Sequence[str] = (), model: str | None = None, prefill_rate: float | None = None,
+        executable: str | None = None, session: str | None = None,
+        say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> int:
+    """Run `harness` with `args` through a proxy; returns the harness's exit code."""
+    name = harnesses.ALIASES.get(harness, harness)
+    if name not in harnesses.HARNESSES:
+        raise RunError(f"unknown harness {harness!r}; known: {', '.join(harnesses.HARNESSES)}")
+    exe = shutil.which(executable or harnesses.HARNESSES[name][0])  # before any proxy is started
+    if exe is None and executable:
+        raise RunError(f"--exe {executable!r} is not an executable file")
+    if exe is None:
+        raise RunError(f"{harnesses.HARNESSES[name][0]!r} is not on PATH; install it or give --exe PATH")
+    session = session or new_session_id(name)
+    db = Path(db).resolve()
+    scratch = Path(tempfile.mkdtemp(prefix=f"prefixtrace-run-{name}-"))
+    proxy = None
+    try:
+        proxy = find_or_start_proxy(url, db, serve_args, scratch, say)
+        engine = "engine" in proxy.health
+        target = harnesses.Target(base_url=f"{proxy.url}/s/{session}",
+                                  model=model or served_model(proxy),
+                                  pin_model=engine or model is not None,
+                                  context_tokens=proxy.context_tokens)
+        launch = harnesses.configure(name, target, scratch / "config")
+        env = {**os.environ, **launch.env}
+        say(f"session {session}: {name} -> {target.base_url}")
+        code = run_harness([exe, *launch.args, *args], env)
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    say(format_summary(summarize(db, session, prefill_rate)))
+    return code

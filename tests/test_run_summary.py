@@ -1,0 +1,51 @@
+"""The summary `prefixtrace run` prints when its harness exits (prefixtrace/run.py): the analyzer's
+breaks of the run's own session only, read back from a real database."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from analyzer import analyze
+from prefixtrace.cli import cli
+from prefixtrace.run import format_summary, summarize
+from recorder.sources import load_turns
+from tests.conftest import ROOT
+
+SESSIONS = ROOT / "fixtures" / "sessions"
+
+
+def test_summary_is_the_sessions_breaks_with_their_cost(tmp_path):
+    db = tmp_path / "t.db"
+    for name in ("todo_stale.jsonl", "append_only.jsonl"):  # two sessions in one database
+        assert CliRunner().invoke(cli, ["import", str(SESSIONS / name), "--db", str(db)]).exit_code == 0
+    sessions = {t.session_id for t in load_turns(db)}
+    assert "todo-stale" in sessions and len(sessions) == 2
+
+    summary = summarize(db, "todo-stale", prefill_rate=1000)
+    report = analyze(load_turns(db, session="todo-stale"), prefill_rate=1000)
+    assert summary["requests"] == 4 and summary["chains"] == 1
+    assert [b["cause"] for b in summary["breaks"]] == [t.brk.cause for _, t in report.breaks] == ["system_rewrite"] * 3
+    assert summary["lost_tokens"] == sum(t.reprefill_tokens for _, t in report.breaks) > 0
+    assert summary["lost_seconds"] == round(sum(t.reprefill_seconds for _, t in report.breaks), 2) > 0
+    text = format_summary(summary)
+    assert "3 cache break(s)" in text and "system_rewrite" in text and "message 0 (system)" in text
+    assert f"lost: {summary['lost_tokens']:,} tokens, {summary['lost_seconds']:.2f} s" in text
+    assert text.count("fix:") == 1  # the same advice once
+
+    other = (sessions - {"todo-stale"}).pop()
+    clean = summarize(db, other)
+    assert clean["breaks"] == [] and clean["lost_tokens"] == 0 and clean["requests"] > 0
+    assert summarize(db, "no-such-session")["requests"] == 0
+    assert "nothing was recorded" in format_summary(summarize(db, "no-such-session"))
+
+
+def test_run_refuses_a_harness_it_cannot_start_before_starting_anything(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no harness on it
+    monkeypatch.chdir(tmp_path)
+    missing = CliRunner().invoke(cli, ["run", "--url", "http://127.0.0.1:9", "pi", "-p", "hi"])
+    assert missing.exit_code == 1 and "'pi' is not on PATH" in missing.output, missing.output
+    bad_exe = CliRunner().invoke(cli, ["run", "--exe", str(tmp_path / "nope"), "llm"])
+    assert bad_exe.exit_code == 1 and "is not an executable file" in bad_exe.output, bad_exe.output
+    unknown = CliRunner().invoke(cli, ["run", "vim"])
+    assert unknown.exit_code == 2
+    assert not (tmp_path / "prefixtrace.db").exists()  # no proxy was started
