@@ -164,50 +164,8 @@
                 for (int i = 0; i < CPL; ++i) red[warp][g][sub * CPL + i] = acc[g][i];
         }
     } else {
-        const int sub = lane % DLPT, tg = warp * DTPW + lane / DLPT;
-        float acc[G][8];
-        #pragma unroll
-        for (int g = 0; g < G; ++g)
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
-        const T* tvb = tv + b * tv_strides[0] + h * tv_strides[1] + sub * 8;
-        for (int base = 0; base < n; base += DTG) {
-            const int t = base + tg;
-            if (t < n) {
-                float x[8];
-                load8(tvb + (size_t)(c0 + t - ws) * tv_strides[2], x);
-                #pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    const float p = sc[g][t];
-                    #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p, x[i], acc[g][i]);
-                }
-            }
-        }
-        #pragma unroll
-        for (int o = DLPT; o < 32; o <<= 1)
-            #pragma unroll
-            for (int g = 0; g < G; ++g)
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[g][i] += __shfl_xor_sync(0xffffffff, acc[g][i], o);
-        if (lane < DLPT) {
-            #pragma unroll
-            for (int g = 0; g < G; ++g)
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) red[warp][g][sub * 8 + i] = acc[g][i];
+        #include "tail_values.cuh"
         }
     }
     __syncthreads();
-    for (int i = tid; i < G * D; i += NT) {
-        const int g = i / D, d = i % D;
-        float v = 0.f;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) v += red[w][g][d];
-        o_part[((size_t)(b * HQ + h * G + g) * S + s) * D + d] = v;
-    }
-    #pragma unroll
-    for (int g = 0; g < G; ++g)  // (not mx_[tid]: a register array indexed at run time goes to the stack)
-        if (tid == g) {
-            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2] = mx_[g];
-            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2 + 1] = l_[g];
-        }
+    #include "write_partials.cuh"
