@@ -9,22 +9,14 @@
     __shared__ __align__(16) uint16_t qs[G][D];  // the queries' raw bits (exact, no conversion)
     __shared__ float red[NW][G][D];
     __shared__ float stat[NW][G];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int s = blockIdx.x, S = gridDim.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int HQ = gridDim.y * G;
+    #include "block_ids.cuh"
     const int start = lp[b];
     const float scale = params[0];
     const int end = k_shape[2];
     const int c0 = max(s * CHUNK, start), c1 = min((s + 1) * CHUNK, end);
 
     if (c0 >= c1) {
-        for (int i = tid; i < G * D; i += NT)
-            o_part[((size_t)(b * HQ + h * G + i / D) * S + s) * D + i % D] = 0.f;
-        if (tid < G) {
-            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = NEG_INF;
-            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = 0.f;
-        }
+        #include "empty_block.cuh"
 
         return;
     }

@@ -7,10 +7,7 @@
     __shared__ float qs[G][D];
     __shared__ float red[NW][G][D];
     __shared__ float stat[NW][G];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int s = blockIdx.x, S = gridDim.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int HQ = gridDim.y * G;
+    #include "block_ids.cuh"
     const int tg = warp * TPW + lane / LPT, sub = lane % LPT;
     const int start = lp[b];
     const float scale = params[0];
@@ -26,12 +23,7 @@
     const int c1 = tail ? end : min((s + 1) * CHUNK, bound);
 
     if (c0 >= c1) {
-        for (int i = tid; i < G * D; i += NT)
-            o_part[((size_t)(b * HQ + h * G + i / D) * S + s) * D + i % D] = 0.f;
-        if (tid < G) {
-            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = NEG_INF;
-            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = 0.f;
-        }
+        #include "empty_block.cuh"
 
         return;
     }

@@ -14,10 +14,7 @@
     __shared__ float cs[1 << BITS];
     __shared__ float red[NW][G][D];
     __shared__ float stat[NW][G];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int s = blockIdx.x, S = gridDim.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int HQ = gridDim.y * G;
+    #include "block_ids.cuh"
     const int start = lp[b];
     const float scale = params[0];
     const int end = kn_shape[2];  // the cache's columns: kn is [0, end), kc may be its whole buffer
@@ -29,12 +26,7 @@
     const int c0 = tail ? max(bound, start) : max(s * CH5, start);
     const int c1 = tail ? end : min((s + 1) * CH5, bound);
     if (c0 >= c1) {
-        for (int i = tid; i < G * D; i += NT)
-            o_part[((size_t)(b * HQ + h * G + i / D) * S + s) * D + i % D] = 0.f;
-        if (tid < G) {
-            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = NEG_INF;
-            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = 0.f;
-        }
+        #include "empty_block.cuh"
         return;
     }
     const int n = c1 - c0;
