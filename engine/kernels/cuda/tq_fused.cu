@@ -16,10 +16,7 @@
     const int start = lp[b];
     const float scale = params[0];
     const int end = kn_shape[2];  // the cache's columns: kn is [0, end), kc may be its whole buffer
-    const int ws = end - tk_shape[2];
-    const int prev = end - NQ;
-    const int bound = start + min(prev - start, ((end - start) / GROUP) * GROUP);
-    const bool tail = s == S - 1;
+    #include "tq_window.cuh"
     const int CH5 = static_cast<int>(params[1]);  // columns per code block (<= CHUNK)
     const int c0 = tail ? max(bound, start) : max(s * CH5, start);
     const int c1 = tail ? end : min((s + 1) * CH5, bound);
@@ -28,25 +25,7 @@
         return;
     }
     const int n = c1 - c0;
-    // Queries, scaled; for the code blocks rotated as the codec rotates keys: q' = H (q * signs) / sqrt(D).
-    for (int g = warp; g < G; g += NW) {
-        float x[E];
-        #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            const int d = lane * E + e;
-            x[e] = d < D ? scale * static_cast<float>(q[b * q_strides[0] + (h * G + g) * q_strides[1]
-                                                        + d * q_strides[3]]) : 0.f;
-            if (!tail && d < D) x[e] *= signs[d];
-        }
-        if (!tail) {
-            warp_hadamard<D, E>(x, lane);
-            #pragma unroll
-            for (int e = 0; e < E; ++e) x[e] *= rsqrtf((float)D);
-        }
-        #pragma unroll
-        for (int e = 0; e < E; ++e)
-            if (lane * E + e < D) qs[g][lane * E + e] = x[e];
-    }
+    #include "tq_queries.cuh"
     __syncthreads();
     float mx_[G], l_[G];
     if (tail) {

@@ -15,10 +15,7 @@
     constexpr int MASK = (1 << BITS) - 1;
     __shared__ float cs[1 << BITS];
     const int end = kc_shape[2];
-    const int ws = end - tk_shape[2];
-    const int prev = end - NQ;
-    const int bound = start + min(prev - start, ((end - start) / GROUP) * GROUP);
-    const bool tail = s == S - 1;
+    #include "tq_window.cuh"
     const int c0 = tail ? max(bound, start) : max(s * CHUNK, start);
     const int c1 = tail ? end : min((s + 1) * CHUNK, bound);
 

@@ -1,27 +1,10 @@
 
-    constexpr int NT = NW * 32;
-    constexpr int LW = CPL * BITS / 32;   // code words a lane loads per token: 4 = one 16-byte load
-    constexpr int PER = 32 / BITS;        // codes per word
-    constexpr int LPT = D / CPL;          // code path: lanes per token
-    constexpr int TPW = 32 / LPT;
-    constexpr int TG = NW * TPW;          // tokens per block per load
-    constexpr int DLPT = D / 8;           // dense path: lanes per token, 8 coordinates each
-    constexpr int DTPW = 32 / DLPT;
-    constexpr int DTG = NW * DTPW;
-    constexpr int E = D >= 32 ? D / 32 : 1;
-    __shared__ float sc[G][CHUNK];
-    __shared__ float qs[G][D];
-    __shared__ float cs[1 << BITS];
-    __shared__ float red[NW][G][D];
-    __shared__ float stat[NW][G];
+    #include "tq_layout.cuh"
     #include "block_ids.cuh"
     const int start = lp[b];
     const float scale = params[0];
     const int end = kn_shape[2];  // the cache's columns: kn is [0, end), kc may be its whole buffer
-    const int ws = end - tk_shape[2];
-    const int prev = end - NQ;
-    const int bound = start + min(prev - start, ((end - start) / GROUP) * GROUP);
-    const bool tail = s == S - 1;
+    #include "tq_window.cuh"
     const int CH5 = static_cast<int>(params[1]);  // columns per code block (<= CHUNK)
     const int c0 = tail ? max(bound, start) : max(s * CH5, start);
     const int c1 = tail ? end : min((s + 1) * CH5, bound);
@@ -38,25 +21,7 @@
         const uint32_t v = pack_half2(cent[e & 15], cent[e >> 4]);
         reinterpret_cast<uint4*>(tab)[i] = make_uint4(v, v, v, v);
     }
-    // Queries, scaled; for the code blocks rotated as the codec rotates keys: q' = H (q * signs) / sqrt(D).
-    for (int g = warp; g < G; g += NW) {
-        float x[E];
-        #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            const int d = lane * E + e;
-            x[e] = d < D ? scale * static_cast<float>(q[b * q_strides[0] + (h * G + g) * q_strides[1]
-                                                        + d * q_strides[3]]) : 0.f;
-            if (!tail && d < D) x[e] *= signs[d];
-        }
-        if (!tail) {
-            warp_hadamard<D, E>(x, lane);
-            #pragma unroll
-            for (int e = 0; e < E; ++e) x[e] *= rsqrtf((float)D);
-        }
-        #pragma unroll
-        for (int e = 0; e < E; ++e)
-            if (lane * E + e < D) qs[g][lane * E + e] = x[e];
-    }
+    #include "tq_queries.cuh"
     __syncthreads();
     if (!tail) {
         // Scores on the tensor cores (layout: engine/kernels/tq_mma.py). Lane (gq, tq).
