@@ -15,13 +15,7 @@ if (lane < LPT) {
         for (int i = 0; i < 8; ++i) red[warp][g][sub * 8 + i] = acc[g][i];
 }
 __syncthreads();
-for (int i = tid; i < G * D; i += NT) {
-    const int g = i / D, d = i % D;
-    float v = 0.f;
-    #pragma unroll
-    for (int w = 0; w < NW; ++w) v += red[w][g][d];
-    o_part[((size_t)(b * HQ + h * G + g) * S + s) * D + d] = v;
-}
+#include "sum_partials.cuh"
 if (tid < G) {
     ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = mx_[tid];
     ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = l_[tid];

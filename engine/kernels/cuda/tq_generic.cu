@@ -93,17 +93,7 @@
                     x[u][i] = cs[(bit < 32 ? (w0[u] >> bit) : (w1[u] >> (bit - 32))) & MASK];
                 }
             }
-            float a[G];
-            #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                a[g] = 0.f;
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) a[g] += qr[g][i] * x[u][i];
-            }
-            #pragma unroll
-            for (int o = LPT / 2; o > 0; o >>= 1)
-                #pragma unroll
-                for (int g = 0; g < G; ++g) a[g] += __shfl_xor_sync(0xffffffff, a[g], o);
+            #include "dot_lanes.cuh"
             if (t < n && sub == 0) {
                 #pragma unroll
                 for (int g = 0; g < G; ++g) sc[g][t] = a[g] * norm[u];
