@@ -29,8 +29,8 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def kernel_strings() -> dict[str, str]:
-    """{"<kernel name>/<field>": sha256} for every kernel the engine can build."""
+def captured() -> list[dict]:
+    """The keyword arguments of every `mx.fast.cuda_kernel` call the engine's kernel constructors make."""
     calls = []
 
     def record(**kw):
@@ -52,8 +52,13 @@ def kernel_strings() -> dict[str, str]:
                     fn()
                 finally:
                     fn.cache_clear()  # no recorder's placeholder left behind for a real launch
+    return calls
+
+
+def kernel_strings() -> dict[str, str]:
+    """{"<kernel name>/<field>": sha256} for every kernel the engine can build."""
     out = {}
-    for kw in calls:
+    for kw in captured():
         name = kw["name"]
         assert f"{name}/source" not in out, f"two kernels named {name}"
         out[f"{name}/source"] = _sha(kw["source"])
