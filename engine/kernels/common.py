@@ -9,7 +9,10 @@ with its max and sum of exponentials (`o_part`, `ml_part`); a reduce combines th
 (row, query head) with max/sum rescaling (`reduce` here; engine/kernels/tq_split.py's parallel one
 for the TurboQuant kernels).
 
-Sources: each kernel's body is a file under engine/kernels/cuda/ (`source`), compiled by MLX
+Sources: each kernel's body is a file under engine/kernels/cuda/ (`source`; a block several kernels share,
+e.g. block_softmax.cuh, is a file of its own that a line `#include "piece.cuh"` splices in, so the string MLX
+compiles is the one with the block written out: tests/test_kernel_sources_identity.py holds every kernel
+string to its recorded hash, bench/kernel_strings.py), compiled by MLX
 (`mx.fast.cuda_kernel`, NVRTC) the first time it runs with new template arguments. MLX writes the
 signature: `const T* name` per input, `name_shape` / `name_strides` where the body names them,
 `T* name` per output, the template arguments as constexprs (tests/test_decode_kernel_sources.py
