@@ -12,16 +12,7 @@
     #include "block_ids.cuh"
     const int start = lp[b];
     const float scale = params[0];
-    const int end = k_shape[2];
-    const int c0 = max(s * CHUNK, start), c1 = min((s + 1) * CHUNK, end);
-
-    if (c0 >= c1) {
-        #include "empty_block.cuh"
-
-        return;
-    }
-
-    const int n = c1 - c0;
+    #include "dense_columns.cuh"
     for (int i = tid; i < G * D; i += NT)
         qs[i / D][i % D] = *reinterpret_cast<const uint16_t*>(
             q + b * q_strides[0] + (h * G + i / D) * q_strides[1] + (i % D) * q_strides[3]);

@@ -1,27 +1,7 @@
 
-    constexpr int LPT = D / 8;            // lanes per token: 8 coordinates each
-    constexpr int TPW = 32 / LPT;         // tokens per warp step
-    constexpr int TG = NW * TPW;          // token groups per block
-    constexpr int NT = NW * 32;
-    __shared__ float sc[G][CHUNK];
-    __shared__ float qs[G][D];
-    __shared__ float red[NW][G][D];
-    __shared__ float stat[NW][G];
-    #include "block_ids.cuh"
-    const int tg = warp * TPW + lane / LPT, sub = lane % LPT;
-    const int start = lp[b];
-    const float scale = params[0];
+    #include "lane_layout.cuh"
 
-    const int end = k_shape[2];
-    const int c0 = max(s * CHUNK, start), c1 = min((s + 1) * CHUNK, end);
-
-    if (c0 >= c1) {
-        #include "empty_block.cuh"
-
-        return;
-    }
-
-    const int n = c1 - c0;
+    #include "dense_columns.cuh"
     for (int i = tid; i < G * D; i += NT)
         qs[i / D][i % D] = scale * static_cast<float>(
             q[b * q_strides[0] + (h * G + i / D) * q_strides[1] + (i % D) * q_strides[3]]);

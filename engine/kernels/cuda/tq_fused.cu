@@ -13,18 +13,7 @@
     float (*sc)[TW] = reinterpret_cast<float (*)[TW]>(raw7);              // the tail block's scores
     float (*red)[G][D] = reinterpret_cast<float (*)[G][D]>(raw7 + G * TW);  // partial outputs per warp
     #include "block_ids.cuh"
-    const int start = lp[b];
-    const float scale = params[0];
-    const int end = kn_shape[2];  // the cache's columns: kn is [0, end), kc may be its whole buffer
-    #include "tq_window.cuh"
-    const int CH5 = static_cast<int>(params[1]);  // columns per code block (<= CHUNK)
-    const int c0 = tail ? max(bound, start) : max(s * CH5, start);
-    const int c1 = tail ? end : min((s + 1) * CH5, bound);
-    if (c0 >= c1) {
-        #include "empty_block.cuh"
-        return;
-    }
-    const int n = c1 - c0;
+    #include "tq5_columns.cuh"
     #include "tq_queries.cuh"
     __syncthreads();
     float mx_[G], l_[G];
