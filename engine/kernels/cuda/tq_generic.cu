@@ -90,14 +90,7 @@
         }
     }
 
-    __syncthreads();
-    float mx_[G], l_[G];
-    #include "block_softmax.cuh"
-    float acc[G][8];
-    #pragma unroll
-    for (int g = 0; g < G; ++g)
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+    #include "softmax_acc8.cuh"
     // U tokens per group per step, loads first: more bytes in flight per lane.
     for (int base = 0; base < n; base += TG * U) {
         
