@@ -9,7 +9,10 @@ with its max and sum of exponentials (`o_part`, `ml_part`); a reduce combines th
 (row, query head) with max/sum rescaling (`reduce` here; engine/kernels/tq_split.py's parallel one
 for the TurboQuant kernels).
 
-Sources: each kernel's body is a file under engine/kernels/cuda/ (`source`), compiled by MLX
+Sources: each kernel's body is a file under engine/kernels/cuda/ (`source`; a block several kernels share,
+e.g. block_softmax.cuh, is a file of its own that a line `#include "piece.cuh"` splices in, so the string MLX
+compiles is the one with the block written out: tests/test_kernel_sources_identity.py holds every kernel
+string to its recorded hash, bench/kernel_strings.py), compiled by MLX
 (`mx.fast.cuda_kernel`, NVRTC) the first time it runs with new template arguments. MLX writes the
 signature: `const T* name` per input, `name_shape` / `name_strides` where the body names them,
 `T* name` per output, the template arguments as constexprs (tests/test_decode_kernel_sources.py
@@ -19,6 +22,7 @@ renders them the same way to compile them with nvcc).
 from __future__ import annotations
 
 import ctypes
+import re
 from collections import Counter
 from functools import lru_cache
 from importlib import resources
@@ -31,9 +35,28 @@ __all__ = ["source", "available", "split_chunk", "own_page", "scalar", "zeros", 
            "MAX_CHUNK", "SMEM_SCORES", "TARGET_BLOCKS", "OWN_PAGE"]
 
 
-def source(name: str) -> str:
-    """The text of engine/kernels/cuda/<name> (package data)."""
-    return resources.files("engine.kernels").joinpath("cuda", name).read_text()
+# A line `#include "piece.cuh"` in a kernel file: the piece is spliced in where it stands.
+_INCLUDE = re.compile(r'^([ \t]*)#include "([\w.-]+)"[ \t]*$', re.M)
+
+
+def source(name: str, _within: tuple[str, ...] = ()) -> str:
+    """The text of engine/kernels/cuda/<name> (package data), with each line `#include "piece.cuh"` replaced by
+    that file of the same folder (recursively): a block that several kernels share is written once, and the
+    string MLX compiles is what it would be with the block written out. The piece's lines take the include
+    line's indentation (blank lines stay empty); its leading `//!` lines say what it is and are left out; its
+    last newline is the include line's own. A piece that includes itself, directly or not, is an error."""
+    if name in _within:
+        raise ValueError(f"kernel source includes itself: {' -> '.join(_within + (name,))}")
+    text = resources.files("engine.kernels").joinpath("cuda", name).read_text()
+
+    def splice(m: re.Match) -> str:
+        indent, piece = m.groups()
+        lines = source(piece, _within + (name,)).removesuffix("\n").split("\n")
+        while lines and lines[0].startswith("//!"):
+            lines.pop(0)
+        return "\n".join(indent + line if line else line for line in lines)
+
+    return _INCLUDE.sub(splice, text)
 
 
 HEADER = source("common.cuh")  # load8, warp_max, warp_sum, NEG_INF: every decode kernel's header starts with it

@@ -9,27 +9,10 @@
     __shared__ __align__(16) uint16_t qs[G][D];  // the queries' raw bits (exact, no conversion)
     __shared__ float red[NW][G][D];
     __shared__ float stat[NW][G];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int s = blockIdx.x, S = gridDim.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int HQ = gridDim.y * G;
+    #include "block_ids.cuh"
     const int start = lp[b];
     const float scale = params[0];
-    const int end = k_shape[2];
-    const int c0 = max(s * CHUNK, start), c1 = min((s + 1) * CHUNK, end);
-
-    if (c0 >= c1) {
-        for (int i = tid; i < G * D; i += NT)
-            o_part[((size_t)(b * HQ + h * G + i / D) * S + s) * D + i % D] = 0.f;
-        if (tid < G) {
-            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = NEG_INF;
-            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = 0.f;
-        }
-
-        return;
-    }
-
-    const int n = c1 - c0;
+    #include "dense_columns.cuh"
     for (int i = tid; i < G * D; i += NT)
         qs[i / D][i % D] = *reinterpret_cast<const uint16_t*>(
             q + b * q_strides[0] + (h * G + i / D) * q_strides[1] + (i % D) * q_strides[3]);
@@ -83,41 +66,7 @@
 
     __syncthreads();
     float mx_[G], l_[G];
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float m = NEG_INF;
-        for (int t = tid; t < n; t += NT) m = fmaxf(m, sc[g][t]);
-        m = warp_max(m);
-        if (lane == 0) stat[warp][g] = m;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float m = stat[0][g];
-        #pragma unroll
-        for (int w = 1; w < NW; ++w) m = fmaxf(m, stat[w][g]);
-        mx_[g] = m;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float l = 0.f;
-        for (int t = tid; t < n; t += NT) {
-            const float p = __expf(sc[g][t] - mx_[g]);
-            sc[g][t] = p;
-            l += p;
-        }
-        l = warp_sum(l);
-        if (lane == 0) stat[warp][g] = l;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float l = 0.f;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) l += stat[w][g];
-        l_[g] = l;
-    }
+    #include "block_softmax.cuh"
 
     {
         // Values on the tensor cores: O^T = V^T P^T. Lane (gq, tq): tokens 4 tq .. 4 tq + 3 of each tile.
@@ -169,16 +118,4 @@
         }
     }
     __syncthreads();
-    for (int i = tid; i < G * D; i += NT) {
-        const int g = i / D, d = i % D;
-        float v = 0.f;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) v += red[w][g][d];
-        o_part[((size_t)(b * HQ + h * G + g) * S + s) * D + d] = v;
-    }
-    #pragma unroll
-    for (int g = 0; g < G; ++g)  // (not mx_[tid]: a register array indexed at run time goes to the stack)
-        if (tid == g) {
-            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2] = mx_[g];
-            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2 + 1] = l_[g];
-        }
+    #include "write_partials.cuh"

@@ -12,153 +12,19 @@
     __shared__ float st7[2][NW][8];       // per warp and query column: running max (log2), sum
     float (*sc)[TW] = reinterpret_cast<float (*)[TW]>(raw7);              // the tail block's scores
     float (*red)[G][D] = reinterpret_cast<float (*)[G][D]>(raw7 + G * TW);  // partial outputs per warp
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int s = blockIdx.x, S = gridDim.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int HQ = gridDim.y * G;
-    const int start = lp[b];
-    const float scale = params[0];
-    const int end = kn_shape[2];  // the cache's columns: kn is [0, end), kc may be its whole buffer
-    const int ws = end - tk_shape[2];
-    const int prev = end - NQ;
-    const int bound = start + min(prev - start, ((end - start) / GROUP) * GROUP);
-    const bool tail = s == S - 1;
-    const int CH5 = static_cast<int>(params[1]);  // columns per code block (<= CHUNK)
-    const int c0 = tail ? max(bound, start) : max(s * CH5, start);
-    const int c1 = tail ? end : min((s + 1) * CH5, bound);
-    if (c0 >= c1) {
-        for (int i = tid; i < G * D; i += NT)
-            o_part[((size_t)(b * HQ + h * G + i / D) * S + s) * D + i % D] = 0.f;
-        if (tid < G) {
-            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = NEG_INF;
-            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = 0.f;
-        }
-        return;
-    }
-    const int n = c1 - c0;
-    // Queries, scaled; for the code blocks rotated as the codec rotates keys: q' = H (q * signs) / sqrt(D).
-    for (int g = warp; g < G; g += NW) {
-        float x[E];
-        #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            const int d = lane * E + e;
-            x[e] = d < D ? scale * static_cast<float>(q[b * q_strides[0] + (h * G + g) * q_strides[1]
-                                                        + d * q_strides[3]]) : 0.f;
-            if (!tail && d < D) x[e] *= signs[d];
-        }
-        if (!tail) {
-            warp_hadamard<D, E>(x, lane);
-            #pragma unroll
-            for (int e = 0; e < E; ++e) x[e] *= rsqrtf((float)D);
-        }
-        #pragma unroll
-        for (int e = 0; e < E; ++e)
-            if (lane * E + e < D) qs[g][lane * E + e] = x[e];
-    }
+    #include "block_ids.cuh"
+    #include "tq5_columns.cuh"
+    #include "tq_queries.cuh"
     __syncthreads();
     float mx_[G], l_[G];
     if (tail) {
 {
-        const int sub = lane % DLPT, tg = warp * DTPW + lane / DLPT;
-        float qr[G][8];
-        #pragma unroll
-        for (int g = 0; g < G; ++g)
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) qr[g][i] = qs[g][sub * 8 + i];
-        const T* tkb = tk + b * tk_strides[0] + h * tk_strides[1] + sub * 8;
-        for (int base = 0; base < n; base += DTG) {
-            const int t = base + tg;
-            float x[8];
-            if (t < n) load8(tkb + (size_t)(c0 + t - ws) * tk_strides[2], x);
-            else {
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) x[i] = 0.f;
-            }
-            float a[G];
-            #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                a[g] = 0.f;
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) a[g] = fmaf(qr[g][i], x[i], a[g]);
-            }
-            #pragma unroll
-            for (int o = DLPT / 2; o > 0; o >>= 1)
-                #pragma unroll
-                for (int g = 0; g < G; ++g) a[g] += __shfl_xor_sync(0xffffffff, a[g], o);
-            if (t < n && sub == 0) {
-                #pragma unroll
-                for (int g = 0; g < G; ++g) sc[g][t] = a[g];
-            }
-        }
+        #include "tail_scores.cuh"
     }
     __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float m = NEG_INF;
-        for (int t = tid; t < n; t += NT) m = fmaxf(m, sc[g][t]);
-        m = warp_max(m);
-        if (lane == 0) stat[warp][g] = m;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float m = stat[0][g];
-        #pragma unroll
-        for (int w = 1; w < NW; ++w) m = fmaxf(m, stat[w][g]);
-        mx_[g] = m;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float l = 0.f;
-        for (int t = tid; t < n; t += NT) {
-            const float p = __expf(sc[g][t] - mx_[g]);
-            sc[g][t] = p;
-            l += p;
-        }
-        l = warp_sum(l);
-        if (lane == 0) stat[warp][g] = l;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float l = 0.f;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) l += stat[w][g];
-        l_[g] = l;
-    }
+    #include "block_softmax.cuh"
 {
-        const int sub = lane % DLPT, tg = warp * DTPW + lane / DLPT;
-        float acc[G][8];
-        #pragma unroll
-        for (int g = 0; g < G; ++g)
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
-        const T* tvb = tv + b * tv_strides[0] + h * tv_strides[1] + sub * 8;
-        for (int base = 0; base < n; base += DTG) {
-            const int t = base + tg;
-            if (t < n) {
-                float x[8];
-                load8(tvb + (size_t)(c0 + t - ws) * tv_strides[2], x);
-                #pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    const float p = sc[g][t];
-                    #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p, x[i], acc[g][i]);
-                }
-            }
-        }
-        #pragma unroll
-        for (int o = DLPT; o < 32; o <<= 1)
-            #pragma unroll
-            for (int g = 0; g < G; ++g)
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[g][i] += __shfl_xor_sync(0xffffffff, acc[g][i], o);
-        if (lane < DLPT) {
-            #pragma unroll
-            for (int g = 0; g < G; ++g)
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) red[warp][g][sub * 8 + i] = acc[g][i];
+        #include "tail_values.cuh"
         }
     }
     } else {
@@ -342,16 +208,4 @@
         }
     }
     __syncthreads();
-    for (int i = tid; i < G * D; i += NT) {
-        const int g = i / D, d = i % D;
-        float v = 0.f;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) v += red[w][g][d];
-        o_part[((size_t)(b * HQ + h * G + g) * S + s) * D + d] = v;
-    }
-    #pragma unroll
-    for (int g = 0; g < G; ++g)  // (not mx_[tid]: a register array indexed at run time goes to the stack)
-        if (tid == g) {
-            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2] = mx_[g];
-            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2 + 1] = l_[g];
-        }
+    #include "write_partials.cuh"

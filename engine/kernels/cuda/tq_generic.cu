@@ -1,37 +1,15 @@
 
-    constexpr int LPT = D / 8;            // lanes per token: 8 coordinates each
-    constexpr int TPW = 32 / LPT;         // tokens per warp step
-    constexpr int TG = NW * TPW;          // token groups per block
-    constexpr int NT = NW * 32;
-    __shared__ float sc[G][CHUNK];
-    __shared__ float qs[G][D];
-    __shared__ float red[NW][G][D];
-    __shared__ float stat[NW][G];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int s = blockIdx.x, S = gridDim.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int HQ = gridDim.y * G;
-    const int tg = warp * TPW + lane / LPT, sub = lane % LPT;
-    const int start = lp[b];
-    const float scale = params[0];
+    #include "lane_layout.cuh"
 
     constexpr int MASK = (1 << BITS) - 1;
     __shared__ float cs[1 << BITS];
     const int end = kc_shape[2];
-    const int ws = end - tk_shape[2];
-    const int prev = end - NQ;
-    const int bound = start + min(prev - start, ((end - start) / GROUP) * GROUP);
-    const bool tail = s == S - 1;
+    #include "tq_window.cuh"
     const int c0 = tail ? max(bound, start) : max(s * CHUNK, start);
     const int c1 = tail ? end : min((s + 1) * CHUNK, bound);
 
     if (c0 >= c1) {
-        for (int i = tid; i < G * D; i += NT)
-            o_part[((size_t)(b * HQ + h * G + i / D) * S + s) * D + i % D] = 0.f;
-        if (tid < G) {
-            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = NEG_INF;
-            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = 0.f;
-        }
+        #include "empty_block.cuh"
 
         return;
     }
@@ -104,17 +82,7 @@
                     x[u][i] = cs[(bit < 32 ? (w0[u] >> bit) : (w1[u] >> (bit - 32))) & MASK];
                 }
             }
-            float a[G];
-            #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                a[g] = 0.f;
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) a[g] += qr[g][i] * x[u][i];
-            }
-            #pragma unroll
-            for (int o = LPT / 2; o > 0; o >>= 1)
-                #pragma unroll
-                for (int g = 0; g < G; ++g) a[g] += __shfl_xor_sync(0xffffffff, a[g], o);
+            #include "dot_lanes.cuh"
             if (t < n && sub == 0) {
                 #pragma unroll
                 for (int g = 0; g < G; ++g) sc[g][t] = a[g] * norm[u];
@@ -122,48 +90,7 @@
         }
     }
 
-    __syncthreads();
-    float mx_[G], l_[G];
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float m = NEG_INF;
-        for (int t = tid; t < n; t += NT) m = fmaxf(m, sc[g][t]);
-        m = warp_max(m);
-        if (lane == 0) stat[warp][g] = m;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float m = stat[0][g];
-        #pragma unroll
-        for (int w = 1; w < NW; ++w) m = fmaxf(m, stat[w][g]);
-        mx_[g] = m;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float l = 0.f;
-        for (int t = tid; t < n; t += NT) {
-            const float p = __expf(sc[g][t] - mx_[g]);
-            sc[g][t] = p;
-            l += p;
-        }
-        l = warp_sum(l);
-        if (lane == 0) stat[warp][g] = l;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float l = 0.f;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) l += stat[w][g];
-        l_[g] = l;
-    }
-    float acc[G][8];
-    #pragma unroll
-    for (int g = 0; g < G; ++g)
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+    #include "softmax_acc8.cuh"
     // U tokens per group per step, loads first: more bytes in flight per lane.
     for (int base = 0; base < n; base += TG * U) {
         
@@ -208,29 +135,4 @@
 
             }
         }
-    }
-    // Token groups of a warp hold the same coordinates: add them, then the warps.
-    #pragma unroll
-    for (int o = LPT; o < 32; o <<= 1)
-        #pragma unroll
-        for (int g = 0; g < G; ++g)
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[g][i] += __shfl_xor_sync(0xffffffff, acc[g][i], o);
-    if (lane < LPT) {
-        #pragma unroll
-        for (int g = 0; g < G; ++g)
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) red[warp][g][sub * 8 + i] = acc[g][i];
-    }
-    __syncthreads();
-    for (int i = tid; i < G * D; i += NT) {
-        const int g = i / D, d = i % D;
-        float v = 0.f;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) v += red[w][g][d];
-        o_part[((size_t)(b * HQ + h * G + g) * S + s) * D + d] = v;
-    }
-    if (tid < G) {
-        ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = mx_[tid];
-        ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = l_[tid];
-    }
+    #include "dense_outputs.cuh"

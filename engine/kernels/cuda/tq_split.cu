@@ -1,62 +1,19 @@
 
-    constexpr int NT = NW * 32;
-    constexpr int LW = CPL * BITS / 32;   // code words a lane loads per token: 4 = one 16-byte load
-    constexpr int PER = 32 / BITS;        // codes per word
-    constexpr int LPT = D / CPL;          // code path: lanes per token
-    constexpr int TPW = 32 / LPT;
-    constexpr int TG = NW * TPW;          // tokens per block per load
-    constexpr int DLPT = D / 8;           // dense path: lanes per token, 8 coordinates each
-    constexpr int DTPW = 32 / DLPT;
-    constexpr int DTG = NW * DTPW;
-    constexpr int E = D >= 32 ? D / 32 : 1;
-    __shared__ float sc[G][CHUNK];
-    __shared__ float qs[G][D];
-    __shared__ float cs[1 << BITS];
-    __shared__ float red[NW][G][D];
-    __shared__ float stat[NW][G];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int s = blockIdx.x, S = gridDim.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int HQ = gridDim.y * G;
+    #include "tq_layout.cuh"
+    #include "block_ids.cuh"
     const int start = lp[b];
     const float scale = params[0];
     const int end = static_cast<int>(params[1]);  // the cache's columns: kc may be its whole buffer
-    const int ws = end - tk_shape[2];
-    const int prev = end - NQ;
-    const int bound = start + min(prev - start, ((end - start) / GROUP) * GROUP);
-    const bool tail = s == S - 1;
+    #include "tq_window.cuh"
     const int c0 = tail ? max(bound, start) : max(s * CHUNK, start);
     const int c1 = tail ? end : min((s + 1) * CHUNK, bound);
     if (c0 >= c1) {
-        for (int i = tid; i < G * D; i += NT)
-            o_part[((size_t)(b * HQ + h * G + i / D) * S + s) * D + i % D] = 0.f;
-        if (tid < G) {
-            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2] = NEG_INF;
-            ml_part[((size_t)(b * HQ + h * G + tid) * S + s) * 2 + 1] = 0.f;
-        }
+        #include "empty_block.cuh"
         return;
     }
     const int n = c1 - c0;
     for (int i = tid; i < (1 << BITS); i += NT) cs[i] = cent[i];
-    // Queries, scaled; for the code blocks rotated as the codec rotates keys: q' = H (q * signs) / sqrt(D).
-    for (int g = warp; g < G; g += NW) {
-        float x[E];
-        #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            const int d = lane * E + e;
-            x[e] = d < D ? scale * static_cast<float>(q[b * q_strides[0] + (h * G + g) * q_strides[1]
-                                                        + d * q_strides[3]]) : 0.f;
-            if (!tail && d < D) x[e] *= signs[d];
-        }
-        if (!tail) {
-            warp_hadamard<D, E>(x, lane);
-            #pragma unroll
-            for (int e = 0; e < E; ++e) x[e] *= rsqrtf((float)D);
-        }
-        #pragma unroll
-        for (int e = 0; e < E; ++e)
-            if (lane * E + e < D) qs[g][lane * E + e] = x[e];
-    }
+    #include "tq_queries.cuh"
     __syncthreads();
     if (!tail) {
         const int sub = lane % LPT, tg = warp * TPW + lane / LPT;
@@ -107,75 +64,11 @@
             }
         }
     } else {
-        const int sub = lane % DLPT, tg = warp * DTPW + lane / DLPT;
-        float qr[G][8];
-        #pragma unroll
-        for (int g = 0; g < G; ++g)
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) qr[g][i] = qs[g][sub * 8 + i];
-        const T* tkb = tk + b * tk_strides[0] + h * tk_strides[1] + sub * 8;
-        for (int base = 0; base < n; base += DTG) {
-            const int t = base + tg;
-            float x[8];
-            if (t < n) load8(tkb + (size_t)(c0 + t - ws) * tk_strides[2], x);
-            else {
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) x[i] = 0.f;
-            }
-            float a[G];
-            #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                a[g] = 0.f;
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) a[g] = fmaf(qr[g][i], x[i], a[g]);
-            }
-            #pragma unroll
-            for (int o = DLPT / 2; o > 0; o >>= 1)
-                #pragma unroll
-                for (int g = 0; g < G; ++g) a[g] += __shfl_xor_sync(0xffffffff, a[g], o);
-            if (t < n && sub == 0) {
-                #pragma unroll
-                for (int g = 0; g < G; ++g) sc[g][t] = a[g];
-            }
-        }
+        #include "tail_scores.cuh"
     }
     __syncthreads();
     float mx_[G], l_[G];
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float m = NEG_INF;
-        for (int t = tid; t < n; t += NT) m = fmaxf(m, sc[g][t]);
-        m = warp_max(m);
-        if (lane == 0) stat[warp][g] = m;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float m = stat[0][g];
-        #pragma unroll
-        for (int w = 1; w < NW; ++w) m = fmaxf(m, stat[w][g]);
-        mx_[g] = m;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float l = 0.f;
-        for (int t = tid; t < n; t += NT) {
-            const float p = __expf(sc[g][t] - mx_[g]);
-            sc[g][t] = p;
-            l += p;
-        }
-        l = warp_sum(l);
-        if (lane == 0) stat[warp][g] = l;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float l = 0.f;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) l += stat[w][g];
-        l_[g] = l;
-    }
+    #include "block_softmax.cuh"
     if (!tail) {
         const int sub = lane % LPT, tg = warp * TPW + lane / LPT;
         float acc[G][CPL];
@@ -228,50 +121,8 @@
                 for (int i = 0; i < CPL; ++i) red[warp][g][sub * CPL + i] = acc[g][i];
         }
     } else {
-        const int sub = lane % DLPT, tg = warp * DTPW + lane / DLPT;
-        float acc[G][8];
-        #pragma unroll
-        for (int g = 0; g < G; ++g)
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
-        const T* tvb = tv + b * tv_strides[0] + h * tv_strides[1] + sub * 8;
-        for (int base = 0; base < n; base += DTG) {
-            const int t = base + tg;
-            if (t < n) {
-                float x[8];
-                load8(tvb + (size_t)(c0 + t - ws) * tv_strides[2], x);
-                #pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    const float p = sc[g][t];
-                    #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p, x[i], acc[g][i]);
-                }
-            }
-        }
-        #pragma unroll
-        for (int o = DLPT; o < 32; o <<= 1)
-            #pragma unroll
-            for (int g = 0; g < G; ++g)
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[g][i] += __shfl_xor_sync(0xffffffff, acc[g][i], o);
-        if (lane < DLPT) {
-            #pragma unroll
-            for (int g = 0; g < G; ++g)
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) red[warp][g][sub * 8 + i] = acc[g][i];
+        #include "tail_values.cuh"
         }
     }
     __syncthreads();
-    for (int i = tid; i < G * D; i += NT) {
-        const int g = i / D, d = i % D;
-        float v = 0.f;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) v += red[w][g][d];
-        o_part[((size_t)(b * HQ + h * G + g) * S + s) * D + d] = v;
-    }
-    #pragma unroll
-    for (int g = 0; g < G; ++g)  // (not mx_[tid]: a register array indexed at run time goes to the stack)
-        if (tid == g) {
-            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2] = mx_[g];
-            ml_part[((size_t)(b * HQ + h * G + g) * S + s) * 2 + 1] = l_[g];
-        }
+    #include "write_partials.cuh"
