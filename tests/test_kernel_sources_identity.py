@@ -5,17 +5,14 @@ A deliberate kernel change regenerates the record: `python bench/kernel_strings.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from engine.kernels import common
+from engine.kernels.inventory import captured, kernel_strings
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from kernel_strings import captured, kernel_strings  # noqa: E402
-
-from engine.kernels import common  # noqa: E402
 
 
 def test_kernel_strings_match_the_record():
