@@ -155,9 +155,8 @@ def run_harness(cmd: list[str], env: dict[str, str]) -> int:
 
 
 def summarize(db: Path, session: str, prefill_rate: float | None = None) -> dict:
-    """The session's turns in `db`, analysed: requests, breaks (cause, where, tokens and seconds
-    lost), totals. Tokens and seconds lost are the analyzer's `lost_tokens` / `lost_seconds` where
-    it has them, else its re-prefill figures."""
+    """The session's turns in `db`, analysed: requests, breaks (cause, where, and the one cost of each:
+    seconds then tokens lost, docs/ANALYZER.md "Cost"), totals."""
     from analyzer import analyze
     from recorder.sources import load_turns
 
@@ -175,10 +174,7 @@ def summarize(db: Path, session: str, prefill_rate: float | None = None) -> dict
     seconds_known = False
     seconds = 0.0
     for chain, turn in report.breaks:
-        tokens = getattr(turn, "lost_tokens", None)
-        tokens = turn.reprefill_tokens if tokens is None else tokens
-        secs = getattr(turn, "lost_seconds", None)
-        secs = turn.reprefill_seconds if secs is None else secs
+        tokens, secs = turn.lost_tokens, turn.lost_seconds
         if secs is not None:
             seconds_known = True
             seconds += secs
@@ -192,6 +188,7 @@ def summarize(db: Path, session: str, prefill_rate: float | None = None) -> dict
 
 
 def format_summary(summary: dict) -> str:
+    from analyzer.report import cost_text
     lines = [f"prefixtrace: session {summary['session']}: {summary['requests']} request(s) recorded in {summary['db']}"]
     if summary.get("note"):
         lines.append(f"  {summary['note']}")
@@ -204,16 +201,15 @@ def format_summary(summary: dict) -> str:
     lines.append(f"  {summary['chains']} main chain(s){extra}{failed}; {len(breaks)} cache break(s)")
     last_fix = None
     for b in breaks:
-        secs = "" if b["seconds"] is None else f", {b['seconds']:.2f} s"
         cause = b["cause"] + (f"/{b['subtype']}" if b.get("subtype") else "")
         lines.append(f"  - request {b['turn'] + 1} of {b['chain']}: {cause} at {b['where']}: "
-                     f"{b['tokens'] or 0:,} tokens re-prefilled{secs}")
-        if b.get("fix") and b["fix"] != last_fix:
+                     f"lost {cost_text(b['seconds'], b['tokens'] or 0)}")
+        # One fix line per kind of break: a ticking value's fix names its values, different each time.
+        if b.get("fix") and cause != last_fix:
             lines.append(f"    fix: {b['fix']}")
-        last_fix = b.get("fix")
-    secs = ("unknown (give --prefill-rate TOK_PER_S)" if summary["lost_seconds"] is None
-            else f"{summary['lost_seconds']:.2f} s")
-    lines.append(f"  lost: {summary['lost_tokens']:,} tokens, {secs}")
+        last_fix = cause
+    lines.append(f"  lost: {cost_text(summary['lost_seconds'], summary['lost_tokens'])}"
+                 + (" (give --prefill-rate TOK_PER_S to price it in seconds)" if summary["lost_seconds"] is None else ""))
     lines.append(f"  details: prefixtrace export {summary['db']} --session {summary['session']} --out session.jsonl "
                  "&& prefixtrace analyze session.jsonl")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from click.testing import CliRunner
 
 from analyzer import analyze
+from analyzer.report import cost_text
 from prefixtrace.cli import cli
 from prefixtrace.run import format_summary, summarize
 from recorder.sources import load_turns
@@ -25,11 +26,11 @@ def test_summary_is_the_sessions_breaks_with_their_cost(tmp_path):
     report = analyze(load_turns(db, session="todo-stale"), prefill_rate=1000)
     assert summary["requests"] == 4 and summary["chains"] == 1
     assert [b["cause"] for b in summary["breaks"]] == [t.brk.cause for _, t in report.breaks] == ["system_rewrite"] * 3
-    assert summary["lost_tokens"] == sum(t.reprefill_tokens for _, t in report.breaks) > 0
-    assert summary["lost_seconds"] == round(sum(t.reprefill_seconds for _, t in report.breaks), 2) > 0
+    assert summary["lost_tokens"] == sum(t.lost_tokens for _, t in report.breaks) > 0
+    assert summary["lost_seconds"] == round(sum(t.lost_seconds for _, t in report.breaks), 2) > 0
     text = format_summary(summary)
     assert "3 cache break(s)" in text and "system_rewrite" in text and "message 0 (system)" in text
-    assert f"lost: {summary['lost_tokens']:,} tokens, {summary['lost_seconds']:.2f} s" in text
+    assert f"lost: {cost_text(summary['lost_seconds'], summary['lost_tokens'])}" in text
     assert text.count("fix:") == 1  # the same advice once
 
     other = (sessions - {"todo-stale"}).pop()
