@@ -15,9 +15,8 @@ from harness.test_harness_pi import configure_pi
 
 
 def test_pi_transcript_rebuilds_the_requests_the_proxy_recorded(npm_bins, engine_server, scratch, tmp_path):
-    configure_pi(scratch, engine_server.url)
-    env = hs.harness_env(scratch, {"PI_OFFLINE": "1"})
-    cmd = [npm_bins["pi"], "--provider", "pt", "--model", "default", "--tools", "read",
+    args, env = configure_pi(scratch, engine_server.url)  # the provider the product writes (prefixtrace/harnesses.py)
+    cmd = [npm_bins["pi"], *args, "--tools", "read",
            "--no-extensions", "--no-skills", "--no-prompt-templates", "--no-context-files",
            "-p", f"Read the file {scratch.hello}"]
     before = {r["id"] for r in hs.export_records(engine_server.db, tmp_path / "before.jsonl")}
