@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -35,6 +34,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_proxy_overhead import stop  # noqa: E402  (SIGINT, then kill: the same stop for every served tree)
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_S = 2.0
@@ -157,13 +158,6 @@ def wait_listening(url: str, proc: subprocess.Popen, log: Path, timeout_s: float
         time.sleep(0.2)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def main() -> None:

@@ -32,11 +32,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
+from bench import soak_recorder  # noqa: E402
 from recorder import iter_turns  # noqa: E402
 
 MARK = "soak-abandon "
@@ -59,35 +58,11 @@ STAGE = re.compile(r"^client disconnected \((\w+)\)$")
 TOKEN = re.compile(rb'"content": ?"[^"]')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(db: Path, log_path: Path, model: str | None, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    log = open(log_path, "w")  # a file, not a pipe: nobody reads it while the soak runs
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixtrace.cli", "serve", "--db", str(db), "--port", str(port),
-         "--log-level", "warning", *(["--model", str(Path(model).resolve())] if model else []), *extra],
-        cwd=db.parent, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600  # a first start may convert the default model
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited early:\n{log_path.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("serve did not become healthy")
-        time.sleep(0.5)
+    """soak_recorder's server start, on the bundled model unless `model` is given; a first start may
+    convert the default model, so it may take minutes."""
+    return soak_recorder.start_server(db, log_path, extra, model=Path(model).resolve() if model else None,
+                                      openblas=True, ready_within_s=600)
 
 
 def body_for(marker: str, words: int, stream: bool, max_tokens: int, rng: random.Random) -> dict:

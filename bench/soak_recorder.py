@@ -53,17 +53,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(db: Path, log_path: Path, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+def start_server(db: Path, log_path: Path, extra: list[str] = (), *, model: Path | None = TINY_MODEL,
+                 openblas: bool = False, ready_within_s: float = 120) -> tuple[subprocess.Popen, str]:
+    """`prefixtrace serve` on a free port, once /health answers; `model` None: the bundled default (its
+    first start may convert it); `openblas`: let serve preload OpenBLAS, as a user's would."""
     port = _free_port()
     log = open(log_path, "w")  # a file, not a pipe: nobody reads it while the soak runs
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixtrace.cli", "serve", "--model", str(TINY_MODEL), "--db", str(db),
-         "--port", str(port), "--log-level", "warning", *extra],
+        [sys.executable, "-m", "prefixtrace.cli", "serve", *(["--model", str(model)] if model else []),
+         "--db", str(db), "--port", str(port), "--log-level", "warning", *extra],
         cwd=db.parent, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "PREFIXTRACE_NO_OPENBLAS": "1"},
+        env={**os.environ, "PYTHONPATH": str(ROOT), **({} if openblas else {"PREFIXTRACE_NO_OPENBLAS": "1"})},
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + ready_within_s
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"serve exited early:\n{log_path.read_text()}")

@@ -230,29 +230,6 @@ def serve(config: ServeConfig) -> None:
         listener.close()
 
 
-class WorkerHeader:
-    """Adds `X-Prefixtrace-Worker: <name>` to every response, so a proxy in front of a router records
-    which worker served each turn (`served_by`, docs/FLEET.md). One check per message sent."""
-
-    def __init__(self, app, name: str):
-        self.app = app
-        self.header = (b"x-prefixtrace-worker", name.encode("latin-1"))
-
-    def __getattr__(self, name):  # the wrapped app's attributes (state, backend) stay reachable
-        return getattr(self.app, name)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def send_named(message):
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), self.header]
-            await send(message)
-
-        await self.app(scope, receive, send_named)
-
-
 def worker_name(config: ServeConfig, listener) -> str:
     """`--worker-name`, else the address it serves on (`host:port`; the machine's name when bound to all)."""
     if config.worker_name:
@@ -281,9 +258,8 @@ def _serve_on(listener, config: ServeConfig) -> None:
                 feed = LiveFeed(TurnSpans.open(config.otlp_endpoint))
                 log.info("exporting one span per turn to %s (OTLP/HTTP)", display_url(feed.spans.url))
             app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config), max_request_mb=config.max_request_mb,
-                             turn_feed=feed)
+                             turn_feed=feed, worker_name=worker_name(config, listener))
             app.state.request_body_timeout_s = config.request_body_timeout_s  # proxy/request_limits.py
-            app = WorkerHeader(app, worker_name(config, listener))
             raise_open_file_limit(_NOFILE_BEFORE_MLX)
             server = uvicorn.Server(uvicorn_config(app, config.host, listener.getsockname()[1], config.log_level,
                                                    max_head_kb=config.max_header_kb))

@@ -39,10 +39,12 @@ TURN_PATHS = (CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH, COMPL
 
 
 def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None = None,
-               max_request_mb: float = DEFAULT_MAX_REQUEST_MB, turn_feed=None) -> FastAPI:
+               max_request_mb: float = DEFAULT_MAX_REQUEST_MB, turn_feed=None, worker_name: str | None = None) -> FastAPI:
     """`allowed_hosts`: names the Host header may carry (None: loopback only; "*": any), see proxy/guard.py;
     `max_request_mb`: the largest body accepted (proxy/request_limits.py); `turn_feed`: every analysed
-    turn also goes there (`serve --otlp-endpoint`, prefixtrace/otel.py LiveFeed)."""
+    turn also goes there (`serve --otlp-endpoint`, prefixtrace/otel.py LiveFeed); `worker_name`: sent as
+    `X-Prefixtrace-Worker` on every response, so a proxy in front of a router records which worker
+    served each turn (`served_by`, docs/FLEET.md)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -61,11 +63,11 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts,
                        refuse=refusal_recorder(recorder, backend.label, error_bodies, record_durably))
 
-    app.add_middleware(MaxContextHeader, backend=backend)  # on every response, refusals included
+    app.add_middleware(MaxContextHeader, backend=backend, worker_name=worker_name)  # every response, refusals too
     # An accepted turn POST skips all of the above and FastAPI's request path: the same checks,
-    # header and hang-up watch in one layer (proxy/turn_routes.py, issue 17).
+    # headers and hang-up watch in one layer (proxy/turn_routes.py, issue 17).
     app.turn_routes = TurnRoutes(fastapi_app=app, paths=TURN_PATHS, guard=RequestGuard(None, allowed_hosts=allowed_hosts),
-                                 context_header=MaxContextHeader(None, backend=backend))
+                                 context_header=MaxContextHeader(None, backend=backend, worker_name=worker_name))
 
     @app.get("/health")
     async def health():
@@ -141,17 +143,20 @@ class ProxyApp(FastAPI):
 
 class MaxContextHeader:
     """ASGI middleware: `X-Max-Context-Tokens` on every response whose backend has a limit,
-    which lets a harness compact before it hits the wall. Pure ASGI (it only edits the
-    `http.response.start` message): Starlette's `BaseHTTPMiddleware` would run every
-    response through an extra task and memory stream, ~ms per request (issue 17)."""
+    which lets a harness compact before it hits the wall, and `X-Prefixtrace-Worker` when the
+    server has a worker name. Pure ASGI (it only edits the `http.response.start` message):
+    Starlette's `BaseHTTPMiddleware` would run every response through an extra task and memory
+    stream, ~ms per request (issue 17)."""
 
-    def __init__(self, app, *, backend):
+    def __init__(self, app, *, backend, worker_name: str | None = None):
         self.app = app
         self.backend = backend
-        # An upstream's limits are its own (a plain `None`): then there is never a header to add.
+        self.worker = worker_name
+        # An upstream's limits are its own (a plain `None`): then there is no context header to add.
         # The engine's limit is a property, known once the model has loaded: read per response.
-        self.never = (not isinstance(getattr(type(backend), "max_context_tokens", None), property)
-                      and getattr(backend, "max_context_tokens", None) is None)
+        self.no_limit = (not isinstance(getattr(type(backend), "max_context_tokens", None), property)
+                         and getattr(backend, "max_context_tokens", None) is None)
+        self.never = self.no_limit and self.worker is None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or self.never:
@@ -165,10 +170,13 @@ class MaxContextHeader:
         await self.app(scope, receive, send_with_header)
 
     def add_to(self, start: dict) -> None:
-        """The header on one `http.response.start` message, when the backend has a limit now."""
-        limit = getattr(self.backend, "max_context_tokens", None)
-        if limit is not None:
-            MutableHeaders(scope=start)["X-Max-Context-Tokens"] = str(limit)
+        """The headers on one `http.response.start` message: the context limit when the backend
+        has one now, the worker's name when it has one."""
+        headers = MutableHeaders(scope=start)
+        if not self.no_limit and (limit := getattr(self.backend, "max_context_tokens", None)) is not None:
+            headers["X-Max-Context-Tokens"] = str(limit)
+        if self.worker is not None:
+            headers["X-Prefixtrace-Worker"] = self.worker
 
 
 def recorder_trouble(recorder) -> JSONResponse | None:
