@@ -109,6 +109,15 @@ def format_text(report: Report, width: int = 140) -> str:
     console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False, markup=False)
     for warning in report.warnings():
         console.print(f"WARNING: {warning}")
+    # The answer first: on a long recording the session tables below run for screens.
+    breaks = report.top_breaks(3)
+    if breaks:
+        totals = report.to_dict()["totals"]
+        console.print(f"{totals['breaks']} cache break(s) cost {cost_text(totals['lost_seconds'], totals['lost_tokens'])}; "
+                      "the costliest (details and fixes below):")
+        for s, t in breaks:
+            console.print(f"  {cost_text(t.lost_seconds, t.lost_tokens)}: session {s.id} turn {t.number}, "
+                          f"{t.brk.cause}{'/' + t.brk.subtype if t.brk.subtype else ''} at {t.brk.location()}")
     console.print(f"renderer: {report.renderer}    tokenizer: {report.tokenizer}"
                   + (f"    block size: {report.block_size}" if report.block_size else "")
                   + (f"    prefill rate: {report.prefill_rate:g} tok/s" if report.prefill_rate else ""))
