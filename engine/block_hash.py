@@ -4,9 +4,10 @@ Block i's key is H(key of block i-1, token ids of block i); block 0's parent is
 a root key that binds the chain to one model (its fingerprint) and one cache
 format ("dense/float32", later a codec's name). A key therefore names one
 exact token prefix of one model's KV in one format, and two prompts share a
-key exactly when they share that whole prefix. The prefix cache keys its
-blocks with it; the recorder and the analyzer import it to talk about the same
-blocks without loading MLX (this module imports only the standard library).
+key exactly when they share that whole prefix. The prefix cache (memory and
+disk) keys its blocks with it, and the model loaders use its `file_digest` for a
+model's content identity; it imports only the standard library, so hashing a
+prompt's blocks never needs MLX.
 
     keys = block_hashes(token_ids, 256, model_fingerprint=fp, cache_format="dense/float32")
 
