@@ -14,7 +14,7 @@ from pathlib import Path
 import uvicorn
 from uvicorn.main import STARTUP_FAILURE
 
-from prefixtrace.connections import (HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_KB, open_file_limit_not_lowered,
+from proxy.connections import (HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_KB, open_file_limit_not_lowered,
                                      raise_open_file_limit, with_head_timeout)
 
 # Read before the engine's imports: mlx-lm's import lowers the open-file limit to
@@ -28,10 +28,10 @@ from proxy.engine_backend import EngineBackend
 from proxy.guard import LOOPBACK_HOSTS
 from proxy.upstream_backend import UpstreamBackend
 from proxy.upstream_pool import UpstreamPool
-from prefixtrace.config import UpstreamTimeouts
-from prefixtrace.errors import EngineError
+from proxy.upstream_timeouts import UpstreamTimeouts
+from common.errors import EngineError
 from prefixtrace.preflight import check_database_writable, claim_port, ready_banner
-from prefixtrace.urls import display_url
+from common.urls import display_url
 from recorder.store import Recorder
 
 log = logging.getLogger("prefixtrace.serve")
@@ -68,12 +68,12 @@ class ServeConfig:
     max_tokens_policy: str = "clamp"  # clamp|reject: a max_tokens beyond what fits after the prompt
     max_request_mb: float = 32.0  # proxy/request_limits.py: 413 past it
     request_body_timeout_s: float = 60.0  # proxy/request_limits.py: 408 past it
-    max_header_kb: int = 64  # prefixtrace/connections.py: 431 past it
+    max_header_kb: int = 64  # proxy/connections.py: 431 past it
     recorder_stuck_after_s: float = 30.0  # /health is 503 once one recorder write takes longer
-    default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
-    default_frequency_penalty: float | None = None  # free replies' penalty when unset; None: 0 (prefixtrace/sampling_default.py)
+    default_temperature: float | None = None  # None: each protocol's own default (proxy/sampling_defaults.py)
+    default_frequency_penalty: float | None = None  # free replies' penalty when unset; None: 0 (proxy/sampling_defaults.py)
     tool_choice_default: str = "auto"  # or "required-after-user" / "required-until-tool-result": a test aid for small models (docs/TOOLS.md)
-    default_max_tokens: int | None = None  # output cap of requests that set none (prefixtrace/sampling_default.py)
+    default_max_tokens: int | None = None  # output cap of requests that set none (proxy/sampling_defaults.py)
     grammar_max_string: int = 4096  # maxLength of a forced reply's strings that set none (engine/grammar.py)
     log_level: str = "info"
     allow_client_templates: bool = False  # chat_template_kwargs.chat_template, sandboxed (docs/SECURITY.md)
@@ -135,7 +135,7 @@ def build_backend(config: ServeConfig):
 
     from engine.grammar import DEFAULT_LIMITS
 
-    from prefixtrace.sampling_default import SamplingDefaults
+    from proxy.sampling_defaults import SamplingDefaults
 
     defaults = SamplingDefaults(temperature=config.default_temperature, max_tokens=config.default_max_tokens,
                                 frequency_penalty=config.default_frequency_penalty)
@@ -166,7 +166,7 @@ _MASKED_VALUE = re.compile(r"=[^&]*")
 def uvicorn_config(app, host: str, port: int, log_level: str, *, head_timeout_s: float = HEAD_TIMEOUT_S,
                    max_head_kb: int = MAX_HEAD_KB) -> uvicorn.Config:
     """uvicorn as `serve` runs it: idle keep-alive and request-head timeouts, the request head's
-    limit (prefixtrace/connections.py), bounded graceful shutdown."""
+    limit (proxy/connections.py), bounded graceful shutdown."""
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           http=with_head_timeout(head_timeout_s, max_head_kb),
                           timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)

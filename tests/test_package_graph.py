@@ -30,10 +30,10 @@ def offenders(folder: str, forbidden: tuple[str, ...]) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("folder", ["recorder", "analyzer", "engine", "prefixtrace/wire"])
+@pytest.mark.parametrize("folder", ["recorder", "analyzer", "engine", "wire"])
 def test_no_package_below_the_cli_imports_the_server(folder):
     assert offenders(folder, ("proxy",)) == []
 
 
 def test_the_wire_model_imports_neither_the_engine_nor_fastapi():
-    assert offenders("prefixtrace/wire", ("engine", "fastapi", "starlette", "mlx", "mlx_lm")) == []
+    assert offenders("wire", ("engine", "fastapi", "starlette", "mlx", "mlx_lm")) == []
