@@ -15,8 +15,8 @@ from typing import Any
 
 from analyzer.analysis import Report, SessionResult, TurnResult, analyze
 from analyzer.causes import CAUSES
-from prefixtrace.errors import InvalidRequest
-from prefixtrace.escaping import xml_text
+from common.errors import InvalidRequest
+from common.escaping import xml_text
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from analyzer.canon import flatten_content, messages_of, strip_ignored
-from prefixtrace.errors import InvalidRequest
-from prefixtrace.wire.normalize import template_message
+from common.errors import InvalidRequest
+from wire.normalize import template_message
 
 START, END = "<|im_start|>", "<|im_end|>\n"
 HEAD = -1  # owner of segments before the first message (tools, template preamble)
@@ -123,7 +123,7 @@ def _hf_tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, se
                sort_keys: bool = False) -> str:
     # transformers' version: no key sorting, no HTML escaping (jinja's own tojson does both).
     if type(x) is dict or type(x) is list:
-        # Tool-call arguments are objects once parsed (as servers do, prefixtrace/wire/normalize.py) and
+        # Tool-call arguments are objects once parsed (as servers do, wire/normalize.py) and
         # live in cached message skeletons, so the same object is dumped again every later turn: memoise
         # by identity (the object is kept in the memo, so its id cannot be reused while the entry lives).
         key = (id(x), ensure_ascii, indent, None if separators is None else tuple(separators), sort_keys)
@@ -308,7 +308,7 @@ class TemplateRenderer:
             return hit[1], hit[2]
         if not isinstance(msg, dict):
             raise InvalidRequest(f"message {index} is not an object")
-        # What servers do before the template (prefixtrace/wire/normalize.py), then our flattening.
+        # What servers do before the template (wire/normalize.py), then our flattening.
         out = dict(template_message(msg))
         out["content"] = flatten_content(out.get("content"))
         sids = []

@@ -61,9 +61,9 @@ def _escape(text: str) -> str:
 
 def _plain(line: str) -> str:
     """A line of client text (ids, roles, tool names, notes) written past rich: what a terminal would act
-    on shown as `\\uXXXX` (prefixtrace/escaping.py, as the CLI's own output), so a hostile id cannot move
+    on shown as `\\uXXXX` (common/escaping.py, as the CLI's own output), so a hostile id cannot move
     the cursor or colour the terminal."""
-    from prefixtrace.escaping import visible
+    from common.escaping import visible
 
     return visible(line)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from analyzer import report_view as rv
 from analyzer.report_assets import CSS, JS
-from prefixtrace.escaping import script_json
+from common.escaping import script_json
 
 esc = html.escape
 W, H = 960, 210  # the timeline's viewBox; it scales to the page width

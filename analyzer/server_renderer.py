@@ -10,7 +10,7 @@ from typing import Any
 
 from analyzer.render import GenericRenderer, recorded_renderer
 from analyzer.tokens import Tokenizer, as_tokenizer, tokenizer_from_json
-from prefixtrace.errors import InvalidRequest
+from common.errors import InvalidRequest
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from prefixtrace.errors import InvalidRequest
+from common.errors import InvalidRequest
 
 _WORD_RE = re.compile(r"\w+|[^\w\s]|\s+")
 

@@ -210,7 +210,7 @@ def parse_policies(value: str | None) -> list[str]:
     names = [v.strip().lower() for v in value.split(",") if v.strip()]
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
-        from prefixtrace.errors import InvalidRequest
+        from common.errors import InvalidRequest
 
         raise InvalidRequest(f"unknown --what-if policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
     return names

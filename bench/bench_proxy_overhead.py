@@ -279,7 +279,7 @@ def main() -> None:
                          "uvloop httptools` (measures those without installing them for everything else)")
     ap.add_argument("--upstream-tree", metavar="TREE", default=None,
                     help="run the upstream engine from another checkout (default: this one): e.g. main's, to "
-                         "tell what a change to the server (prefixtrace/connections.py) does for the upstream "
+                         "tell what a change to the server (proxy/connections.py) does for the upstream "
                          "from what it does for the proxy")
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     ap.add_argument("--otlp", action="store_true",

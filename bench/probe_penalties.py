@@ -35,7 +35,7 @@ def main() -> None:
     from engine.engine import Engine
     from engine.sampling import SamplingParams
     from engine.sequence import Failed, Finished, Sequence, TextDelta
-    from prefixtrace.wire.request import normalize_request
+    from wire.request import normalize_request
 
     body = json.loads((ROOT / "fixtures/traffic/claude_code_read_answer_smol.json").read_text())
     req = normalize_request("/v1/messages", body)

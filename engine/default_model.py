@@ -22,7 +22,7 @@ from pathlib import Path
 
 from engine.block_hash import file_digest
 from engine.gguf_import import CONVERTER_VERSION, SOURCE_MARKER, convert_gguf, replace_json
-from prefixtrace.errors import EngineError
+from common.errors import EngineError
 
 try:
     import fcntl

@@ -1,66 +1,33 @@
-"""Per-request sampling parameters and the sampler built from them."""
+"""The sampler and the penalty processors of one row, built from its request's `SamplingParams`
+(wire/sampling.py: the settings and their ranges, checked where the request is parsed)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p, make_logits_processors, make_sampler
+from mlx_lm.sample_utils import apply_top_p, make_logits_processors
+from mlx_lm.sample_utils import make_sampler as make_mlx_sampler
 
-from prefixtrace.errors import InvalidRequest
+from wire.sampling import SamplingParams
+
+__all__ = ["SamplingParams", "make_sampler", "make_penalties", "GeneratedTokenPenalties", "GREEDY", "SeededSampler"]
 
 
-@dataclass(slots=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int | None = None  # None: up to the model's context, capped by the engine
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False  # vLLM's extension: run to max_tokens (benchmarks)
-    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]
-    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]
-    repetition_penalty: float = 1.0  # vLLM's extension, > 0; 1 is off
+def make_penalties(params: SamplingParams) -> list:
+    """The row's penalty processor, or none (a row without one keeps GenerationBatch's fast path)."""
+    return [GeneratedTokenPenalties(params)] if params.penalized else []
 
-    def __post_init__(self):
-        if not 0.0 <= self.temperature <= 2.0:
-            raise InvalidRequest(f"temperature must be in [0, 2], got {self.temperature}", param="temperature")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
-        if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequest("stop must be up to 16 non-empty strings", param="stop")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}", param=name)
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise InvalidRequest(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
-                                 param="repetition_penalty")
 
-    @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
-    def make_penalties(self) -> list:
-        """The row's penalty processor, or none (a row without one keeps GenerationBatch's fast path)."""
-        return [GeneratedTokenPenalties(self)] if self.penalized else []
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def make_sampler(self):
-        """A sampler for one row. Greedy rows share one function so a batch of
-        them samples in a single argmax; seeded rows carry their own RNG key so
-        their draws do not depend on what else is in the batch."""
-        if self.greedy:
-            return GREEDY
-        if self.seed is not None:
-            return SeededSampler(self.temperature, self.top_p, self.seed)
-        # mlx-lm treats top_p == 0 (not 1) as "off"; 1.0 would also keep everything,
-        # but only after a sort over the vocabulary on every step.
-        return make_sampler(temp=self.temperature, top_p=0.0 if self.top_p >= 1.0 else self.top_p)
+def make_sampler(params: SamplingParams):
+    """A sampler for one row. Greedy rows share one function so a batch of
+    them samples in a single argmax; seeded rows carry their own RNG key so
+    their draws do not depend on what else is in the batch."""
+    if params.greedy:
+        return GREEDY
+    if params.seed is not None:
+        return SeededSampler(params.temperature, params.top_p, params.seed)
+    # mlx-lm treats top_p == 0 (not 1) as "off"; 1.0 would also keep everything,
+    # but only after a sort over the vocabulary on every step.
+    return make_mlx_sampler(temp=params.temperature, top_p=0.0 if params.top_p >= 1.0 else params.top_p)
 
 
 class GeneratedTokenPenalties:

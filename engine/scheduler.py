@@ -40,13 +40,13 @@ from engine.batch_cache import RowBatchKVCache
 from engine.cache_blocks import is_dense
 from engine.memory import HARD_WATERMARK, SOFT_WATERMARK, MemoryModel
 from engine.prefix_cache import PrefixCache
-from engine.sampling import GREEDY
+from engine.sampling import GREEDY, make_sampler
 from engine.sequence import Failed, Finished, Sequence, TextDelta
 from engine.spill import SpillStore
 from engine.stop_strings import StopMatcher
 from engine.tq_cache import TurboQuantKVCache
 from engine.tq_config import append_suffix, dense_copy, dense_copy_bytes
-from prefixtrace.errors import EngineError
+from common.errors import EngineError
 
 log = logging.getLogger("prefixtrace.scheduler")
 
@@ -389,7 +389,7 @@ class Scheduler:
             seq.stage = "decoding"
         self._join(seqs, [seq.prompt_ids[-1] for seq in seqs],
                    layers if layers is not None else [_batch_of_one(layer) for layer in jobs[0].cache],
-                   [list(seq.prompt_ids[:-1]) for seq in seqs], [seq.params.make_sampler() for seq in seqs],
+                   [list(seq.prompt_ids[:-1]) for seq in seqs], [make_sampler(seq.params) for seq in seqs],
                    [self._max_tokens(seq) for seq in seqs])
         self.stats["peak_batch"] = max(self.stats["peak_batch"], len(self.batch))
         for j in jobs:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, make_penalties
 
 _ids = itertools.count()
 
@@ -71,7 +71,7 @@ class Sequence:
 
     def __post_init__(self):
         # The sampling penalties run first: a grammar's mask, added later, then has the last word.
-        self.logits_processors = self.params.make_penalties() + list(self.logits_processors)
+        self.logits_processors = make_penalties(self.params) + list(self.logits_processors)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,6 +12,7 @@ from mlx_lm.models.cache import KVCache
 from engine.attention_hook import install_attention_hook
 from engine.tq_buffers import DEFAULT_GROUP, encode_into, floor_group
 from engine.tq_cache import TurboQuantKVCache
+from engine.turboquant import TurboQuantCodec, get_codec
 
 __all__ = ["TQConfig", "make_tq_cache", "to_turboquant", "dense_copy", "dense_copy_bytes", "append_suffix"]
 
@@ -59,6 +60,11 @@ class TQConfig:
         # The default layout keeps the name blocks were first written under.
         dense = "" if self.dense_layers == (-1,) else "/dense" + ",".join(map(str, self.dense_layers))
         return f"turboquant/{self.bits}/{self.seed}/{self.group}{dense}"
+
+    def codec(self, dim: int) -> TurboQuantCodec:
+        """The codec these settings encode vectors of `dim` with (handed to the kernels' prebuild,
+        which imports nothing of the engine core)."""
+        return get_codec(dim, self.bits, self.seed)
 
     def dense_set(self, num_layers: int) -> set[int]:
         return _dense_set(num_layers, self.dense_layers)

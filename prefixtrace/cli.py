@@ -17,8 +17,9 @@ import click
 
 from prefixtrace import cli_analyze, cli_recorder
 from prefixtrace.cli_common import JSON_OPTION, FiniteFloatRange, echo_json, library_errors as _library_errors
-from prefixtrace.config import CONFIG_ENV, UpstreamTimeouts, find_config, load_default_map, mirror_env, resolved
-from prefixtrace.urls import display_url
+from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved
+from proxy.upstream_timeouts import UpstreamTimeouts
+from common.urls import display_url
 
 
 @click.group()

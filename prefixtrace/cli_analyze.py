@@ -104,9 +104,9 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
 
 
 def _export_spans(src: Path, report, endpoint: str) -> None:
-    from prefixtrace.errors import InvalidRequest, RecorderError
+    from common.errors import InvalidRequest, RecorderError
     from prefixtrace.otel import TurnSpans, export_report
-    from prefixtrace.urls import display_url
+    from common.urls import display_url
     from recorder.sources import load_turns
 
     try:

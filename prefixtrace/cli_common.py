@@ -13,8 +13,8 @@ from pathlib import Path
 
 import click
 
-from prefixtrace.errors import PrefixtraceError
-from prefixtrace.escaping import visible
+from common.errors import PrefixtraceError
+from common.escaping import visible
 
 
 def library_errors(fn):

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import httpx
 
 from prefixtrace import harnesses
-from prefixtrace.errors import PrefixtraceError
+from common.errors import PrefixtraceError
 
 HEALTH_TIMEOUT_S = 600.0  # a first `serve` converts the bundled model and loads it
 DEFAULT_URL = "http://127.0.0.1:8765"

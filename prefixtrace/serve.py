@@ -8,31 +8,33 @@ import resource
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 from uvicorn.main import STARTUP_FAILURE
 
-from prefixtrace.connections import (HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_KB, open_file_limit_not_lowered,
-                                     raise_open_file_limit, with_head_timeout)
-
-# Read before the engine's imports: mlx-lm's import lowers the open-file limit to
-# (2048, 4096) (kept from lowering here; where mlx-lm was imported already, the
-# limit from before says what to try to restore).
-_NOFILE_BEFORE_MLX = resource.getrlimit(resource.RLIMIT_NOFILE)
-with open_file_limit_not_lowered():
-    from engine.engine import Engine
+from common.errors import EngineError
+from common.urls import display_url
+from prefixtrace.preflight import check_database_writable, claim_port, ready_banner
 from proxy.app import create_app
-from proxy.engine_backend import EngineBackend
+from proxy.connections import (HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_KB, open_file_limit_not_lowered,
+                               raise_open_file_limit, with_head_timeout)
 from proxy.guard import LOOPBACK_HOSTS
+from proxy.sampling_defaults import SamplingDefaults
 from proxy.upstream_backend import UpstreamBackend
 from proxy.upstream_pool import UpstreamPool
-from prefixtrace.config import UpstreamTimeouts
-from prefixtrace.errors import EngineError
-from prefixtrace.preflight import check_database_writable, claim_port, ready_banner
-from prefixtrace.urls import display_url
+from proxy.upstream_timeouts import UpstreamTimeouts
 from recorder.store import Recorder
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+# Read before the engine's imports (build_backend, embedded engine only): mlx-lm's
+# import lowers the open-file limit to (2048, 4096) (kept from lowering there; where
+# mlx-lm was imported already, the limit from before says what to try to restore).
+_NOFILE_BEFORE_MLX = resource.getrlimit(resource.RLIMIT_NOFILE)
 
 log = logging.getLogger("prefixtrace.serve")
 # SIGTERM/SIGINT: in-flight responses get this long to finish, then are cancelled
@@ -68,12 +70,12 @@ class ServeConfig:
     max_tokens_policy: str = "clamp"  # clamp|reject: a max_tokens beyond what fits after the prompt
     max_request_mb: float = 32.0  # proxy/request_limits.py: 413 past it
     request_body_timeout_s: float = 60.0  # proxy/request_limits.py: 408 past it
-    max_header_kb: int = 64  # prefixtrace/connections.py: 431 past it
+    max_header_kb: int = 64  # proxy/connections.py: 431 past it
     recorder_stuck_after_s: float = 30.0  # /health is 503 once one recorder write takes longer
-    default_temperature: float | None = None  # None: each protocol's own default (prefixtrace/sampling_default.py)
-    default_frequency_penalty: float | None = None  # free replies' penalty when unset; None: 0 (prefixtrace/sampling_default.py)
+    default_temperature: float | None = None  # None: each protocol's own default (proxy/sampling_defaults.py)
+    default_frequency_penalty: float | None = None  # free replies' penalty when unset; None: 0 (proxy/sampling_defaults.py)
     tool_choice_default: str = "auto"  # or "required-after-user" / "required-until-tool-result": a test aid for small models (docs/TOOLS.md)
-    default_max_tokens: int | None = None  # output cap of requests that set none (prefixtrace/sampling_default.py)
+    default_max_tokens: int | None = None  # output cap of requests that set none (proxy/sampling_defaults.py)
     grammar_max_string: int = 4096  # maxLength of a forced reply's strings that set none (engine/grammar.py)
     log_level: str = "info"
     allow_client_templates: bool = False  # chat_template_kwargs.chat_template, sandboxed (docs/SECURITY.md)
@@ -91,6 +93,8 @@ def allowed_hosts(config: ServeConfig) -> list[str]:
 
 
 def build_backend(config: ServeConfig):
+    """The one place the backend is chosen: the upstream(s) of `--upstream`, else the embedded engine.
+    Only the engine's branch imports the engine (and so MLX): an upstream-mode proxy never loads it."""
     if len(config.upstreams) > 1:
         log.info("forwarding to %d upstreams with session affinity: %s", len(config.upstreams),
                  ", ".join(map(display_url, config.upstreams)))
@@ -100,9 +104,17 @@ def build_backend(config: ServeConfig):
         log.info("forwarding to upstream %s", display_url(config.upstreams[0]))
         return UpstreamBackend(config.upstreams[0], timeouts=config.upstream_timeouts,
                                probe_props=True)  # its published chat template, once
-    if config.model is None:
-        from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+    return _engine_backend(config)
 
+
+def _engine_backend(config: ServeConfig):
+    with open_file_limit_not_lowered():  # the first import of mlx-lm in this process
+        from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+        from engine.engine import Engine
+        from engine.grammar import DEFAULT_LIMITS
+        from proxy.engine_backend import EngineBackend
+
+    if config.model is None:
         model_dir, name = default_model_dir(), DEFAULT_MODEL_NAME
     else:
         model_dir, name = config.model, None
@@ -131,12 +143,6 @@ def build_backend(config: ServeConfig):
     if config.tool_choice_default != "auto":
         log.warning("--tool-choice-default %s: requests with tools whose last message is a user turn are forced to "
                     "call one (a test aid for small models, docs/TOOLS.md)", config.tool_choice_default)
-    from dataclasses import replace
-
-    from engine.grammar import DEFAULT_LIMITS
-
-    from prefixtrace.sampling_default import SamplingDefaults
-
     defaults = SamplingDefaults(temperature=config.default_temperature, max_tokens=config.default_max_tokens,
                                 frequency_penalty=config.default_frequency_penalty)
     for line in defaults.describe():
@@ -166,7 +172,7 @@ _MASKED_VALUE = re.compile(r"=[^&]*")
 def uvicorn_config(app, host: str, port: int, log_level: str, *, head_timeout_s: float = HEAD_TIMEOUT_S,
                    max_head_kb: int = MAX_HEAD_KB) -> uvicorn.Config:
     """uvicorn as `serve` runs it: idle keep-alive and request-head timeouts, the request head's
-    limit (prefixtrace/connections.py), bounded graceful shutdown."""
+    limit (proxy/connections.py), bounded graceful shutdown."""
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           http=with_head_timeout(head_timeout_s, max_head_kb),
                           timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
@@ -246,7 +252,7 @@ def worker_name(config: ServeConfig, listener) -> str:
 
 def _serve_on(listener, config: ServeConfig) -> None:
     backend = build_backend(config)
-    engine = backend.engine if isinstance(backend, EngineBackend) else None
+    engine = None if config.upstreams else backend.engine
     try:
         recorder = Recorder(config.db, stuck_after_s=config.recorder_stuck_after_s)
         feed = None

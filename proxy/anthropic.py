@@ -28,21 +28,21 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 
-from prefixtrace.errors import InvalidRequest, PrefixtraceError
-from prefixtrace.wire import messages as messages_wire
-from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
-from prefixtrace.wire.messages import record_usage, to_anthropic_error  # noqa: F401 (the route's error shape)
-from prefixtrace.wire import sse
+from common.errors import InvalidRequest, PrefixtraceError
+from wire import messages as messages_wire
+from wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
+from wire.messages import record_usage, to_anthropic_error  # noqa: F401 (the route's error shape)
+from wire import sse
 from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.relay import abandoned, record_durably, serve_turn
-from prefixtrace.wire.turn_builder import TurnBuilder
+from recorder.turn_builder import TurnBuilder
 from proxy.upstream_backend import Relayed, map_httpx_errors, mark_served, served_by
 
 MESSAGES_PATH = messages_wire.PATH
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn", "tool_calls": "tool_use"}
 
 
-# --- translation (prefixtrace/wire/messages.py) -----------------------------------
+# --- translation (wire/messages.py) -----------------------------------
 
 
 def to_chat_request(body: dict, headers: dict[str, str]) -> ChatRequest:

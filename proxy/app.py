@@ -16,8 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import MutableHeaders
 
-from prefixtrace.errors import PrefixtraceError, http_status, to_openai_error
-from prefixtrace.wire import sse
+from common.errors import PrefixtraceError, http_status, to_openai_error
+from wire import sse
 from proxy.anthropic import MESSAGES_PATH, add_messages_route, to_anthropic_error
 from proxy.responses import RESPONSES_PATH, add_responses_route
 from proxy.completions import COMPLETIONS_PATH, add_completions_route
@@ -30,8 +30,8 @@ from proxy.disconnect import CancelOnDisconnect
 from proxy.request_limits import DEFAULT_MAX_REQUEST_MB
 from proxy.turn_routes import TurnRoutes
 from proxy.run_session import SessionTagSink, strip_session_prefix
-from prefixtrace.wire.messages import COUNT_TOKENS_PATH
-from prefixtrace.wire.turn_builder import TurnBuilder
+from wire.messages import COUNT_TOKENS_PATH
+from recorder.turn_builder import TurnBuilder
 
 log = logging.getLogger("prefixtrace.proxy")
 CHAT_PATH = "/v1/chat/completions"

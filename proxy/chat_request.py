@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling import SamplingParams
-from prefixtrace.errors import InvalidRequest
+from wire.sampling import SamplingParams
+from common.errors import InvalidRequest
 from proxy.request_limits import MAX_JSON_DEPTH, check_depth
 
 

@@ -1,7 +1,7 @@
 """Serve chat completions from the embedded engine, in OpenAI's wire format.
 
 The engine thread emits events for a `Sequence`; this module hops them onto the asyncio loop,
-turns the output text into reply events (`prefixtrace.wire.events`: answer text, reasoning and tool
+turns the output text into reply events (`wire.events`: answer text, reasoning and tool
 calls, separated by `engine.reply_parser` in the model family's format) and writes those as
 chat.completion(.chunk) objects. Other protocol adapters (Messages) consume the same reply events
 through `EngineChat.reply_events()`.
@@ -22,13 +22,13 @@ from engine.grammar import DEFAULT_LIMITS, GrammarLimits
 from engine.engine import Engine
 from engine.reply_parser import ReplyParser, final_finish_reason
 from engine.sequence import Failed, Finished, Sequence, TextDelta
-from prefixtrace.sampling_default import NO_DEFAULTS, SamplingDefaults
-from prefixtrace.errors import ContextExceedsCapacity, EngineError, EngineNotReady, InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
-from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
-from prefixtrace.wire import sse
+from proxy.sampling_defaults import NO_DEFAULTS, SamplingDefaults
+from common.errors import ContextExceedsCapacity, EngineError, EngineNotReady, InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
+from wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
+from wire import sse
 from proxy.chat_request import ChatRequest
 from proxy.relay import QUEUED, hang_up_error
-from prefixtrace.wire.turn_builder import TurnBuilder
+from recorder.turn_builder import TurnBuilder
 from recorder import renderers
 
 DEFAULT_ALIAS = "default"
@@ -47,7 +47,7 @@ class EngineBackend:
         max_tokens_policy: "clamp" (a max_tokens beyond what fits after the prompt is lowered to
             it) or "reject" (a 400 with the numbers).
         defaults: what a request that leaves temperature, output cap or frequency penalty unset
-            gets (`serve --default-*`, prefixtrace/sampling_default.py); applied in `start`, which
+            gets (`serve --default-*`, proxy/sampling_defaults.py); applied in `start`, which
             every protocol and the legacy completions route pass through.
         grammar_limits: what a forced reply may write where its schema sets no bound (engine/grammar.py).
     """
@@ -257,7 +257,7 @@ class EngineChat:
             event = await self._events.get()
 
     async def reply_events(self):
-        """The reply as `prefixtrace.wire.events`, ending with ReplyDone; an engine failure is raised
+        """The reply as `wire.events`, ending with ReplyDone; an engine failure is raised
         (a PrefixtraceError)."""
         async for event in self.events():
             if isinstance(event, TextDelta):

@@ -15,7 +15,7 @@ like any other refusal (`refusal_recorder`).
 
 Two refusals about the request's framing come through here too, so that they are
 recorded the same way (issue 25, findings 3 and 14): a request head over its limit
-(431; the protocol stops reading it and marks the request, prefixtrace/connections.py)
+(431; the protocol stops reading it and marks the request, proxy/connections.py)
 and a transfer-coding other than `chunked` (501: `gzip, chunked` was read as plain
 chunked, the gzip layer taken for the body). Neither body is read.
 """
@@ -30,10 +30,10 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from prefixtrace.connections import HEAD_REFUSED
-from prefixtrace.errors import (ForbiddenHost, PrefixtraceError, RequestHeadersTooLarge, UnsupportedMediaType,
-                                UnsupportedTransferCoding, http_status, to_openai_error)
-from prefixtrace.wire.request import session_id
+from proxy.connections import HEAD_REFUSED
+from common.errors import (ForbiddenHost, PrefixtraceError, RequestHeadersTooLarge, UnsupportedMediaType,
+                           UnsupportedTransferCoding, http_status, to_openai_error)
+from wire.request import session_id
 from proxy.chat_request import parse_body
 from proxy.request_limits import read_request_body
 from recorder.turn import Turn
@@ -73,7 +73,7 @@ class RequestGuard:
 
     def check(self, method: str, headers: Headers) -> PrefixtraceError | None:
         refused_head = headers.get(HEAD_REFUSED)
-        if refused_head is not None:  # set by the server's protocol only (prefixtrace/connections.py)
+        if refused_head is not None:  # set by the server's protocol only (proxy/connections.py)
             return RequestHeadersTooLarge(refused_head)
         codings = ",".join(headers.getlist("transfer-encoding"))
         if codings and [c.strip().lower() for c in codings.split(",")] != ["chunked"]:

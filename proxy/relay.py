@@ -12,12 +12,12 @@ from typing import Callable, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from prefixtrace.errors import PrefixtraceError, http_status
-from prefixtrace.wire.request import session_id
+from common.errors import PrefixtraceError, http_status
+from wire.request import session_id
 from proxy.chat_request import parse_body
 from proxy.event_stream import EventStreamResponse
 from proxy.request_limits import read_request_body
-from prefixtrace.wire.turn_builder import TurnBuilder
+from recorder.turn_builder import TurnBuilder
 from recorder.turn import Turn
 
 log = logging.getLogger("prefixtrace.proxy")

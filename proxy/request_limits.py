@@ -34,8 +34,8 @@ from typing import Any
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from prefixtrace.errors import (ClientGaveUp, InvalidRequest, RequestTimeout, RequestTooLarge,
-                                UnsupportedMediaType)
+from common.errors import (ClientGaveUp, InvalidRequest, RequestTimeout, RequestTooLarge,
+                           UnsupportedMediaType)
 from recorder.turn import Turn
 
 DEFAULT_MAX_REQUEST_MB = 32.0

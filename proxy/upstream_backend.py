@@ -22,15 +22,15 @@ from typing import Any, AsyncIterator, Callable
 
 import httpx
 
-from prefixtrace.config import UpstreamTimeouts
-from prefixtrace.errors import UpstreamError
-from prefixtrace.urls import credentials, display_url, without_credentials
-from prefixtrace.wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
-from prefixtrace.wire import sse
+from proxy.upstream_timeouts import UpstreamTimeouts
+from common.errors import UpstreamError
+from common.urls import credentials, display_url, without_credentials
+from wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
+from wire import sse
 from proxy.chat_request import ChatRequest
 from proxy.relay import UPSTREAM_BODY
 from proxy.upstream_http import WORKER_HEADER, UpstreamConnections
-from prefixtrace.wire.turn_builder import TurnBuilder
+from recorder.turn_builder import TurnBuilder
 from recorder import renderers
 
 # Headers that describe one hop, not the request; httpx sets its own.
@@ -68,7 +68,7 @@ class UpstreamBackend:
         self.timeouts = timeouts
         url = normalize_base_url(base_url)
         # `base_url` names the upstream everywhere (label, errors, the recorded turn):
-        # its credentials, if any, only reach the client, as Basic auth (prefixtrace/urls.py).
+        # its credentials, if any, only reach the client, as Basic auth (common/urls.py).
         self.base_url = display_url(url)
         auth = credentials(url)
         self.client = httpx.AsyncClient(
@@ -356,7 +356,7 @@ class Relayed:
         pass  # closing the response (in `sse`'s finally) is what tells the upstream
 
     async def event_batches(self) -> AsyncIterator[list[bytes]]:
-        """The response's SSE events as they arrive, split on the bytes (prefixtrace/wire/sse.py),
+        """The response's SSE events as they arrive, split on the bytes (wire/sse.py),
         those that one read of the upstream completed together in one list. An event that grows
         without end is the upstream's fault (`UpstreamError`), not a buffer without bound."""
         try:

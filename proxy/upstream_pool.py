@@ -32,8 +32,8 @@ import httpx
 
 from analyzer.canon import canonical_message, messages_of
 from analyzer.causes import HEAD_ROLES
-from prefixtrace.config import UpstreamTimeouts
-from prefixtrace.errors import UpstreamError
+from proxy.upstream_timeouts import UpstreamTimeouts
+from common.errors import UpstreamError
 from proxy.upstream_backend import UpstreamBackend
 
 log = logging.getLogger("prefixtrace.upstreams")

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from prefixtrace.errors import InvalidRequest
+from common.errors import InvalidRequest
 from recorder.reader import iter_turns
 from recorder.redact import Redactor
 from recorder.bodies import scan_object

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from prefixtrace.errors import RecorderError
+from common.errors import RecorderError
 from recorder.rows import BodyStore, row_to_turn
 from recorder.schema import open_db
 from recorder.turn import Turn

@@ -20,7 +20,7 @@ from typing import Any
 
 import sqlite_utils
 
-from prefixtrace.errors import RecorderError
+from common.errors import RecorderError
 from recorder import numbers
 from recorder.bodies import message_hash, split_body
 from recorder.redact import DEFAULT_REDACTOR, Redactor

@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 
-from prefixtrace.errors import RecorderError
+from common.errors import RecorderError
 from recorder.redact import Redactor
 from recorder.rows import BodyStore, redacted_row, write_rows
 from recorder.schema import open_db

@@ -1,5 +1,5 @@
 """uvicorn's access line is written after a response's last bytes, not inside its head's write
-(prefixtrace/connections.py, issue 17), and says what it said before: same logger, same
+(proxy/connections.py, issue 17), and says what it said before: same logger, same
 arguments, same filters, once per request, also when the body never ends."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import pytest
 import uvicorn
 
-from prefixtrace.connections import (
+from proxy.connections import (
     H11WithHeadTimeout,
     _httptools_protocol,
     with_head_timeout,

@@ -1,5 +1,5 @@
 """`serve --default-temperature`: requests that set no temperature sample at the server's choice;
-a request's own temperature wins (prefixtrace/sampling_default.py)."""
+a request's own temperature wins (proxy/sampling_defaults.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from openai import OpenAI
 
 from conftest import running_server
 from prefixtrace.cli import cli
-from prefixtrace.sampling_default import SamplingDefaults
+from proxy.sampling_defaults import SamplingDefaults
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 

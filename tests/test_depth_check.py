@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixtrace.errors import InvalidRequest
+from common.errors import InvalidRequest
 from proxy.chat_request import parse_body
 from proxy.request_limits import MAX_JSON_DEPTH, check_depth
 

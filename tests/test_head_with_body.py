@@ -1,5 +1,5 @@
 """A response's head goes out in one write with the body bytes sent in the same step, not by
-itself (prefixtrace/connections.py `_HeadHeld`, issue 17 session 8), and is never lost or late: a
+itself (proxy/connections.py `_HeadHeld`, issue 17 session 8), and is never lost or late: a
 body that comes after the app waits for something finds the head already sent; a response that
 ends without body bytes, or whose connection closes, still sends it. A real uvicorn on 127.0.0.1, h11 and
 httptools, read from a raw socket."""
@@ -13,7 +13,7 @@ import time
 import pytest
 import uvicorn
 
-from prefixtrace.connections import H11WithHeadTimeout, _httptools_protocol, with_head_timeout
+from proxy.connections import H11WithHeadTimeout, _httptools_protocol, with_head_timeout
 from tests.conftest import answer_lifespan, free_port, read_until, start_uvicorn
 
 PROTOCOLS = {"h11": H11WithHeadTimeout}

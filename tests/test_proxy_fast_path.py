@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from prefixtrace.wire import sse
+from wire import sse
 from proxy.app import create_app
 from proxy.upstream_backend import UpstreamBackend
 from recorder.store import Recorder
@@ -300,7 +300,7 @@ def test_the_events_of_one_upstream_read_go_out_together_and_done_alone():
     """The role chunk and the first content usually come in one read: one write to the client,
     not two (issue 17). [DONE] still comes by itself (the commit waits in front of it), and a
     usage chunk the client did not ask for is still not shown."""
-    from prefixtrace.wire.turn_builder import TurnBuilder
+    from recorder.turn_builder import TurnBuilder
     from proxy.chat_request import parse_chat_request
     from recorder.turn import Turn
 
@@ -337,7 +337,7 @@ def test_http_chunks_that_arrived_together_go_out_as_one_write(tmp_path):
     chunk and first content as two HTTP chunks that reach the proxy in one read. They leave as one
     item, one write to the client (issue 17: it was one item per HTTP chunk, two writes, two
     wake-ups of the client before its first content), and every chunk is still recorded."""
-    from prefixtrace.wire.turn_builder import TurnBuilder
+    from recorder.turn_builder import TurnBuilder
     from proxy.chat_request import parse_chat_request
     from recorder.turn import Turn
 

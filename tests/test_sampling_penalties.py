@@ -12,10 +12,10 @@ import pytest
 from openai import OpenAI
 
 from conftest import rows, running_server
-from engine.sampling import GeneratedTokenPenalties, SamplingParams
+from engine.sampling import GeneratedTokenPenalties, SamplingParams, make_penalties
 from engine.sequence import Failed, Finished, Sequence
 from proxy.app import create_app
-from prefixtrace.sampling_default import SamplingDefaults
+from proxy.sampling_defaults import SamplingDefaults
 from proxy.engine_backend import EngineBackend
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -34,8 +34,8 @@ def test_penalties_count_the_reply_not_the_prompt():
 
 
 def test_a_row_without_penalties_adds_no_processor():
-    assert SamplingParams().make_penalties() == []
-    assert len(SamplingParams(presence_penalty=0.5).make_penalties()) == 1
+    assert make_penalties(SamplingParams()) == []
+    assert len(make_penalties(SamplingParams(presence_penalty=0.5))) == 1
 
 
 def _output_ids(engine, **params) -> list[int]:

@@ -18,7 +18,7 @@ import httpx
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
-from prefixtrace.urls import credentials, display_url, without_credentials
+from common.urls import credentials, display_url, without_credentials
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 from tests.conftest import ROOT, free_port, running_server

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from prefixtrace.config import UpstreamTimeouts
+from proxy.upstream_timeouts import UpstreamTimeouts
 from proxy.app import create_app
 from proxy.upstream_backend import UpstreamBackend
 from recorder.store import Recorder
@@ -318,7 +318,7 @@ def test_an_upstream_that_does_not_take_the_connection_is_a_504_after_the_connec
 def test_an_event_that_never_ends_is_an_error_event_not_a_buffer_without_bound(monkeypatch):
     """An upstream that streams one event forever (no blank line ever comes): the proxy buffered
     it all, the client got nothing and memory grew until the upstream stopped."""
-    from prefixtrace.wire import sse
+    from wire import sse
 
     monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 1 << 20)  # the proxy runs in this process
 

@@ -1,11 +1,11 @@
-"""prefixtrace.wire.request.normalize_request: every protocol's body read as one internal request."""
+"""wire.request.normalize_request: every protocol's body read as one internal request."""
 
 from __future__ import annotations
 
 import pytest
 
-from prefixtrace.errors import InvalidRequest
-from prefixtrace.wire.request import normalize_request, protocol_of
+from common.errors import InvalidRequest
+from wire.request import normalize_request, protocol_of
 
 TOOL_CHAT = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}
 
@@ -61,9 +61,9 @@ def test_completions_keep_the_raw_prompt_and_bad_bodies_are_invalid():
 
 
 def test_the_analyzers_reading_is_the_engines_for_every_protocol():
-    """prefixtrace.wire.normalize (lenient, for analysis) renders what normalize_request (strict, for
+    """wire.normalize (lenient, for analysis) renders what normalize_request (strict, for
     the engine) hands the engine: same messages, same tools, key order included."""
-    from prefixtrace.wire.normalize import ChatNormalizer
+    from wire.normalize import ChatNormalizer
 
     bodies = {
         "/v1/responses": {"instructions": "You are Codex.", "tools": [

@@ -30,7 +30,6 @@ from engine.kernels.tq_fused import build_plan7, usable7
 from engine.kernels.tq_mma import build_plan5, chunk_capacity
 from engine.kernels.tq_mma import usable as usable5
 from engine.kernels.tq_split import WIDE_SPLITS, reduce_split
-from engine.turboquant import get_codec
 
 __all__ = ["prebuild_tq", "prebuild_dense", "tq_launches", "dense_launches", "reduce_launches", "chunk_plan",
            "model_shape", "activation_dtype", "PLAN_TOKENS"]
@@ -85,10 +84,12 @@ def tq_launches(model, tq, max_batch: int):
     """(chunk, args) of one `tq_decode.attend` call per kernel build the model's decode steps can need,
     on zero inputs of its decode shape, and the keys/values/codec of one `tq_encode.encode` call (chunk
     0); None where a decode step would not use the kernels (head sizes or bits they take no step of).
-    Lazy arrays: nothing runs until evaluated."""
+    Lazy arrays: nothing runs until evaluated. `tq`: the engine's TurboQuant settings (`bits`, `group`,
+    and `codec(dim)`, the codec its caches encode with: engine/tq_config.py `TQConfig`), so the kernels
+    import nothing of the engine core."""
     hq, heads, dim = model_shape(model)
     dtype = activation_dtype(model)
-    codec = get_codec(dim, tq.bits, tq.seed)
+    codec = tq.codec(dim)
     g, q = hq // heads, mx.zeros((1, hq, 1, dim), dtype)
     if not (codec.hadamard and tq_decode.usable(q, heads, tq.bits, dim)):
         return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from prefixtrace.errors import InvalidRequest
+from common.errors import InvalidRequest
 from recorder.transcripts import claude_code, codex, opencode, pi
 from recorder.transcripts.common import UPSTREAM_PREFIX, Transcript
 

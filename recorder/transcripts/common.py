@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from prefixtrace.errors import InvalidRequest
+from common.errors import InvalidRequest
 from recorder.turn import Turn
 
 UPSTREAM_PREFIX = "transcript:"

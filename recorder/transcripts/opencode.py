@@ -23,7 +23,7 @@ import json
 import sqlite3
 from pathlib import Path
 
-from prefixtrace.errors import InvalidRequest
+from common.errors import InvalidRequest
 from recorder.transcripts.common import Transcript, int_or_none, make_turn, openai_call, parse_time
 
 HARNESS = "opencode"

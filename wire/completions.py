@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixtrace.errors import InvalidRequest
+from common.errors import InvalidRequest
 
 PATH = "/v1/completions"
 

@@ -8,7 +8,7 @@ import contextlib
 
 import httpx
 
-from prefixtrace.errors import UpstreamError, UpstreamTimeout
+from common.errors import UpstreamError, UpstreamTimeout
 
 
 @contextlib.contextmanager

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixtrace.errors import InvalidRequest
-from prefixtrace.wire import completions, messages, responses
+from common.errors import InvalidRequest
+from wire import completions, messages, responses
 
 CHAT_PATH = "/v1/chat/completions"
 

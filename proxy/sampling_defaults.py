@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.sampling import SamplingParams
+from wire.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@
     │   ├── ForbiddenHost        403  the Host header names no allowed host (proxy/guard.py)
     │   ├── UnsupportedMediaType 415  a POST body that does not say application/json
     │   ├── RequestTooLarge      413  the body is over --max-request-mb (decoded, when compressed)
-    │   ├── RequestHeadersTooLarge 431  the request head is over its limit (prefixtrace/connections.py)
+    │   ├── RequestHeadersTooLarge 431  the request head is over its limit (proxy/connections.py)
     │   ├── RequestTimeout       408  the body did not arrive within --request-body-timeout-s
     │   └── UnsupportedTransferCoding 501  a transfer-coding other than chunked
     ├── ClientGaveUp             499  the client hung up while sending its request

@@ -2,13 +2,16 @@
 
 Each wire protocol (chat completions, Anthropic Messages, OpenAI Responses, legacy completions) is a
 thin adapter into and out of these types, so the proxy, the recorder (replay, HAR import), the analyzer's
-loader and the engine see every protocol the same way. Nothing here imports the server (`proxy/`),
-the engine or FastAPI.
+loader and the engine see every protocol the same way. It stands on `common/` alone (and httpx):
+nothing here imports the recorder, the server (`proxy/`), the engine or FastAPI (docs/ARCHITECTURE.md,
+"Package graph").
 
 - `request.normalize_request(endpoint, body)`: any protocol's body → `WireRequest` (chat-shaped
   messages, chat-shaped tools, system text, the chat body the engine renders)
 - `events`: the reply-event contract (content, reasoning, tool-call starts and argument deltas, done)
 - `messages`, `responses`, `completions`: each protocol's translation in and out
-- `sse`: server-sent-event framing; `turn_builder`: a recorder `Turn` filled from what the client saw
+- `sampling`: a request's sampling settings and their valid ranges, in plain Python
+- `sse`: server-sent-event framing (a recorder `Turn` is filled from what the client saw by
+  recorder/turn_builder.py)
 - `http`: httpx errors into the error tree, base-URL spelling (any client of a server)
 """
