@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from analyzer.analysis import Report, SessionResult, TurnResult, analyze
+from analyzer.analysis import analyze
 from analyzer.causes import CAUSES
+from analyzer.results import Report, SessionResult, TurnResult
 from common.errors import InvalidRequest
 from common.escaping import xml_text
 

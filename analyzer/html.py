@@ -3,7 +3,7 @@ dict form; analyzer/report_view.py computes what it shows, shared with the Markd
 
 from __future__ import annotations
 
-from analyzer.analysis import Report
+from analyzer.results import Report
 from analyzer.report_html import render
 from analyzer.report_view import CACHED, COLOURS
 

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from analyzer import report_view as rv
-from analyzer.analysis import Report
+from analyzer.results import Report
 
 DIFF_CONTEXT = 40  # chars kept either side of the differing span
 DIFF_SPAN = 160  # most chars of the differing span shown

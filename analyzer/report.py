@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 
-from analyzer.analysis import Report
+from analyzer.results import Report
 
 
 def to_json(report: Report) -> str:

@@ -215,7 +215,7 @@ def engine_decode(contexts, tokens: int, chunk: int, warmup: int = 4096, shape: 
     (not recorded), so the kernels' first-shape compilations (prefill chunks, decode) stay out
     of the figures. `shape`: "qwen3-8b" (bf16) or "small" (`SMALL_QWEN3`, float32, for the
     CPU). `chunked_too`: the TurboQuant engine also runs with its cold prefill chunked on
-    the TurboQuant caches (engine.scheduler.COLD_DENSE_PREFILL off: the path before the
+    the TurboQuant caches (engine.dense_prefill.COLD_DENSE_PREFILL off: the path before the
     dense cold prefill), labelled `..._chunked`, for a before/after in one run. `repeat`: each engine
     serves each context this many times (other tokens each time, `run` 1, 2, ...): the first
     run pays what is built per shape (kernels, cuDNN graphs), the next ones not. `dense`:
@@ -226,7 +226,7 @@ def engine_decode(contexts, tokens: int, chunk: int, warmup: int = 4096, shape: 
     import queue
 
     from bench.bench_scheduler import QWEN3_8B, random_loader
-    from engine import scheduler
+    from engine import dense_prefill
     from engine.kernels import prebuild
     from engine.tq_config import TQConfig
     from engine.engine import Engine
@@ -267,7 +267,7 @@ def engine_decode(contexts, tokens: int, chunk: int, warmup: int = 4096, shape: 
         label = kv + ("_chunked" if chunked else "")
         label += "_again" if label in labels else ""
         labels.append(label)
-        scheduler.COLD_DENSE_PREFILL = not chunked
+        dense_prefill.COLD_DENSE_PREFILL = not chunked
         model_kw = dict(model_dir=str(ROOT / "fixtures/tiny-llama"), dtype="float32") if tiny else \
             dict(model_dir="random-qwen3-8b", loader=lambda: built)
         t0 = time.perf_counter()
@@ -288,7 +288,7 @@ def engine_decode(contexts, tokens: int, chunk: int, warmup: int = 4096, shape: 
                     print(json.dumps(row), flush=True)
         finally:
             engine.shutdown()
-            scheduler.COLD_DENSE_PREFILL = True
+            dense_prefill.COLD_DENSE_PREFILL = True
             mx.clear_cache()
     if probe_build and not tiny:
         probe = prebuild.prebuild_tq(built[0], TQConfig(), 1)

@@ -264,7 +264,8 @@ def to_numpy(layers: list) -> dict[str, tuple[np.ndarray, str]]:
 # each buffer into managed memory, holding the GIL); "cpu": a copy on MLX's CPU stream, started
 # after the chunk. Measured side by side on the H200 (bench_engine_speed.py, 32k prompt, chunk
 # 2048; docs/PERFORMANCE.md, issue 17): cold TTFT 1.15x plain mlx-lm with "writer", 3.0x with
-# "cpu", 1.48x reading it on the engine thread; "dtoh": session 6's table.
+# "cpu", 1.48x reading it on the engine thread; "dtoh" brought the disk tier's cost at chunk
+# 2048 from 1.15x to 0.97x (docs/PERFORMANCE.md), which is why it is the default.
 HOST_COPY = os.environ.get("PREFIXTRACE_DISK_HOST_COPY", "dtoh")
 
 

@@ -33,8 +33,8 @@ CACHE_FRACTION = 0.3
 # Tokens per prefill chunk, measured per device (docs/PERFORMANCE.md, "Prefill chunk"):
 # H200, 32k-token prompt, plain mlx-lm: 2.18 / 1.59 / 1.45 / 1.42 s at 512 / 2048 / 4096 /
 # 8192; 4096 is within 3% of 8192 at half its transient memory and decode stall per chunk.
-# CPU (2-vCPU VM, SmolLM2-135M as serve loads it, OpenBLAS, 1,024-token prompt, session 7,
-# interleaved): 128 / 256 / 512 / 1024 at 9.6 / 10.5 / 11.0 / 14.2 s (medians; first runs at load
+# CPU (2-vCPU VM, SmolLM2-135M as serve loads it, OpenBLAS, 1,024-token prompt,
+# interleaved runs): 128 / 256 / 512 / 1024 at 9.6 / 10.5 / 11.0 / 14.2 s (medians; first runs at load
 # 0.4: 9.0 / 8.2 / 8.7 / 12.0): 1024 and up is slower, below 512 is not measurably faster, and 512
 # commits to the prefix cache in half the chunks of 256.
 PREFILL_CHUNK_ACCELERATOR = 4096

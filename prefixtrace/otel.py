@@ -4,7 +4,7 @@ prefixtrace's own (why the prompt cache missed, what it cost, the fix). docs/OBS
 The only module that imports `opentelemetry`, and only when an exporter is made (`TurnSpans.open`):
 without the `[otel]` extra installed, `--otlp-endpoint` fails with one line naming it, and nothing
 else changes. Spans are built from what the proxy recorded (`recorder.turn.Turn`) and what the
-analyzer found (`analyzer.analysis.TurnResult`), read by attribute only, so this module imports
+analyzer found (`analyzer.results.TurnResult`), read by attribute only, so this module imports
 neither: `serve` hands it each turn with the live analysis's result (proxy/live.py), `analyze`
 each turn of its report. A span is ended with the turn's own recorded start and duration, and
 goes to a BatchSpanProcessor: the export happens on the SDK's own thread, never on a response's path.

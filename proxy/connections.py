@@ -22,7 +22,7 @@ line of a streamed turn comes when it ends, as nginx's does. Not after the first
 body bytes: a streamed turn's first body is often its role chunk, one read before
 the first content, so the line would still be written in front of it.
 
-And (issue 17, session 8): a response's head is written together with the body bytes the app
+And: a response's head is written together with the body bytes the app
 sends in the same step, not by itself. uvicorn writes the head the moment the app sends
 `http.response.start`; a streamed turn's first event (the role chunk, `message_start`, a whole
 JSON body) usually follows in the same step of the app's task, so head and body went out as two

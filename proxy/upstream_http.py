@@ -1,7 +1,7 @@
 """The turn's POST to a plain-http upstream: HTTP/1.1 on an asyncio `Protocol`, parsed by httptools.
 
 httpx (→ httpcore → h11, all pure Python) was the largest single cost between a request's arrival
-and its first byte out in `--upstream` mode (issue 17, session 6: ~1.3 ms of the proxy's CPU to
+and its first byte out in `--upstream` mode (issue 17: ~1.3 ms of the proxy's CPU to
 send the request and read the response head, and a dozen generator layers per SSE chunk on the
 way back). This client does only what a turn's POST needs: the request head and body go out in
 one write; the response is parsed in C by httptools (llhttp, the parser uvicorn serves with) as

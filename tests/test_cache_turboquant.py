@@ -247,7 +247,7 @@ def _tq_layers(model):
     return [KVCache() if i == len(model.layers) - 1 else TurboQuantKVCache(4, 0, 16) for i in range(len(model.layers))]
 
 
-# --- cold prefill on dense caches, quantised once (Scheduler._dense_suffix, pos 0) ---------
+# --- cold prefill on dense caches, quantised once (engine.dense_prefill.plan, pos 0) ---------
 
 
 def test_cold_prefill_runs_dense_and_equals_quantising_a_dense_prefill(caplog):
@@ -323,7 +323,7 @@ def test_cold_dense_prefill_is_charged_at_dense_bytes():
     def chunk():
         job = sched.prefill
         real()
-        if sched.prefill is job and job.quantised is not None:
+        if sched.prefill is job and job.final_cache is not None:
             held = sum(c.keys[:, :, : c.offset].nbytes + c.values[:, :, : c.offset].nbytes for c in job.cache)
             seen.append((held, job.pos * sched.memory.kv_bytes_per_token))
 
@@ -357,7 +357,7 @@ def test_a_step_failing_between_chunks_keeps_what_the_cold_prefill_did(caplog):
 
     def decode():
         job = sched.prefill
-        if job is not None and job.quantised is not None and job.pos >= 64 and not failed_at:
+        if job is not None and job.final_cache is not None and job.pos >= 64 and not failed_at:
             failed_at.append(job.pos)
             sched._decode = real_decode  # once; the engine serves on afterwards
             raise RuntimeError("injected failure in another row's decode step")

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from analyzer import analyze
-from analyzer.analysis import Break, Report, SessionResult, TurnResult
+from analyzer.results import Break, Report, SessionResult, TurnResult
 from analyzer.whatif import anthropic_min, price
 from prefixtrace.cli import cli
 
