@@ -293,9 +293,9 @@ class UpstreamMessages(Relayed):
 
 
 async def open_messages(backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
-    if hasattr(backend, "engine"):
+    if backend.embedded:
         return EngineMessages(await backend.open(req, builder, headers), req, builder,
-                              getattr(backend.engine, "tokenizer", None))
+                              backend.engine.tokenizer)
     response, url = await backend.post(MESSAGES_PATH, req.body, headers, session_id=req.session_id, raw=req.raw)
     return UpstreamMessages(response, builder, url)
 
@@ -308,16 +308,16 @@ def add_messages_route(app: FastAPI, backend, recorder) -> None:
 
     @app.post(MESSAGES_PATH)
     async def messages(request: Request):
-        return await serve_turn(request, endpoint=MESSAGES_PATH, upstream=backend.label, recorder=recorder,
-                                parse=to_chat_request if hasattr(backend, "engine") else _passthrough_request,
+        return await serve_turn(request, endpoint=MESSAGES_PATH, backend=backend, recorder=recorder,
+                                parse=to_chat_request if backend.embedded else _passthrough_request,
                                 open_reply=lambda req, builder, headers: open_messages(
                                     backend, req, builder, headers), stream=_stream, error_body=to_anthropic_error)
 
     @app.post(messages_wire.COUNT_TOKENS_PATH)
     async def count_tokens(request: Request):
-        return await serve_turn(request, endpoint=messages_wire.COUNT_TOKENS_PATH, upstream=backend.label,
+        return await serve_turn(request, endpoint=messages_wire.COUNT_TOKENS_PATH, backend=backend,
                                 recorder=recorder,
-                                parse=to_chat_request if hasattr(backend, "engine") else _passthrough_request,
+                                parse=to_chat_request if backend.embedded else _passthrough_request,
                                 open_reply=lambda req, builder, headers: open_count(backend, req, builder, headers),
                                 stream=_stream, error_body=to_anthropic_error)
 
@@ -340,7 +340,7 @@ class TokenCount:
 
 
 async def open_count(backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
-    if not hasattr(backend, "engine"):
+    if not backend.embedded:
         response, url = await backend.post(messages_wire.COUNT_TOKENS_PATH, req.body, headers,
                                            session_id=req.session_id, raw=req.raw)
         return UpstreamCount(response, builder, url)

@@ -48,8 +48,7 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        if hasattr(backend, "aclose"):
-            await backend.aclose()
+        await backend.aclose()
 
     app = ProxyApp(title="prefixtrace", lifespan=lifespan)
     app.state.backend = backend
@@ -80,7 +79,7 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
             spool = spool() if spool is not None else None
             if spool is not None and spool["dropped"]:  # turns lost to a full spool stay reported
                 body["recorder"] = spool
-            if hasattr(backend, "engine"):
+            if backend.embedded:
                 body["engine"] = await backend.capacity()
             return body
         return JSONResponse({"status": "loading", "backend": backend.label}, status_code=503)
@@ -103,7 +102,7 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     async def props():
         """The chat template the embedded engine renders with, where llama.cpp publishes its own, so a
         proxy in front of this one records it with its turns (docs/ANALYZER.md "The server's renderer")."""
-        identity = backend.engine.renderer_identity() if hasattr(backend, "engine") else None
+        identity = backend.renderer_identity()
         if identity is None or not identity.get("chat_template"):
             return JSONResponse({"error": {"message": "no chat template published here", "type": "not_found"}},
                                 status_code=404)
@@ -112,7 +111,7 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
 
     @app.post(CHAT_PATH)
     async def chat_completions(request: Request):
-        return await serve_turn(request, endpoint=CHAT_PATH, upstream=backend.label, recorder=recorder,
+        return await serve_turn(request, endpoint=CHAT_PATH, backend=backend, recorder=recorder,
                                 parse=parse_chat_request, open_reply=backend.open, stream=_stream_and_record,
                                 error_body=to_openai_error)
 
@@ -155,7 +154,7 @@ class MaxContextHeader:
         # An upstream's limits are its own (a plain `None`): then there is no context header to add.
         # The engine's limit is a property, known once the model has loaded: read per response.
         self.no_limit = (not isinstance(getattr(type(backend), "max_context_tokens", None), property)
-                         and getattr(backend, "max_context_tokens", None) is None)
+                         and backend.max_context_tokens is None)
         self.never = self.no_limit and self.worker is None
 
     async def __call__(self, scope, receive, send):
@@ -173,7 +172,7 @@ class MaxContextHeader:
         """The headers on one `http.response.start` message: the context limit when the backend
         has one now, the worker's name when it has one."""
         headers = MutableHeaders(scope=start)
-        if not self.no_limit and (limit := getattr(self.backend, "max_context_tokens", None)) is not None:
+        if not self.no_limit and (limit := self.backend.max_context_tokens) is not None:
             headers["X-Max-Context-Tokens"] = str(limit)
         if self.worker is not None:
             headers["X-Prefixtrace-Worker"] = self.worker

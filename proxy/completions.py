@@ -100,12 +100,12 @@ def add_completions_route(app: FastAPI, backend, recorder, stream) -> None:
     """`POST /v1/completions`; `stream` is chat completions' SSE recorder (the same framing)."""
 
     async def open_reply(req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
-        if hasattr(backend, "engine"):
+        if backend.embedded:
             return EngineCompletion(await backend.open_prompt(req, wire.prompt_of(req.body), builder), req, builder)
         return await backend.open(req, builder, headers, path=COMPLETIONS_PATH)
 
     @app.post(COMPLETIONS_PATH)
     async def completions(request: Request):
-        return await serve_turn(request, endpoint=COMPLETIONS_PATH, upstream=backend.label, recorder=recorder,
+        return await serve_turn(request, endpoint=COMPLETIONS_PATH, backend=backend, recorder=recorder,
                                 parse=parse_completion_request, open_reply=open_reply, stream=stream,
                                 error_body=to_openai_error)

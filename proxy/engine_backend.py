@@ -65,9 +65,20 @@ class EngineBackend:
         self.defaults = defaults
         self._renderer_id: str | None = None
 
+    embedded = True  # proxy/backend.py: requests are parsed, rendered and generated here
+
     @property
     def label(self) -> str:
         return f"embedded:{self.engine.name}"
+
+    def renderer_identity(self) -> dict | None:
+        return self.engine.renderer_identity()
+
+    def stats(self) -> None:
+        return None  # the engine's numbers are its own gauges (proxy/metrics.py `engine_state`)
+
+    async def aclose(self) -> None:
+        pass  # the engine's thread belongs to whoever started it (prefixtrace/serve.py stops it)
 
     def model_ids(self) -> list[str]:
         return [self.engine.name, DEFAULT_ALIAS]

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from prefixtrace.errors import PrefixtraceError, http_status
 from prefixtrace.wire.request import session_id
+from proxy.backend import Backend
 from proxy.chat_request import parse_body
 from proxy.event_stream import EventStreamResponse
 from proxy.request_limits import read_request_body
@@ -72,9 +73,9 @@ async def record_durably(recorder: TurnSink, turn: Turn) -> None:
         await record_async(turn)
 
 
-async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder: TurnSink, parse, open_reply,
+async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recorder: TurnSink, parse, open_reply,
                      stream, error_body: Callable[[PrefixtraceError], dict]):
-    """One proxied request, whatever its API: a `Turn` for it, the body parsed into a
+    """One proxied request, whatever its API, to `backend`: a `Turn` for it, the body parsed into a
     request (`parse(body, headers)`), the backend's reply opened (`open_reply(req, builder,
     headers)`), then `respond` with `stream(chat, builder, recorder)` as the SSE generator.
     A bad body or a refusing backend is answered in the API's error shape and recorded; a request
@@ -83,7 +84,7 @@ async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder
         request_id=uuid.uuid4().hex,
         started_at=time.time(),
         endpoint=endpoint,
-        upstream=upstream,
+        upstream=backend.label,
         request_body=None,
         request_headers=dict(request.headers),
         client_addr=f"{request.client.host}:{request.client.port}" if request.client else None,
@@ -109,9 +110,7 @@ async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder
             turn.request_body = raw.decode("utf-8", errors="replace")
             turn.session_id = session_id(endpoint, turn.request_body, turn.request_headers)
         turn.finish_reason = "cancelled"
-        backend = getattr(getattr(request.scope.get("app"), "state", None), "backend", None)
-        on_engine = getattr(backend, "engine", None) is not None
-        recorder.record(builder.finish(499, hang_up_error(QUEUED if on_engine else UPSTREAM_HEADERS)))
+        recorder.record(builder.finish(499, hang_up_error(QUEUED if backend.embedded else UPSTREAM_HEADERS)))
         raise
     except Exception as exc:
         if not isinstance(exc, PrefixtraceError):

@@ -199,7 +199,7 @@ class UpstreamResponses(Relayed):
 def add_responses_route(app: FastAPI, backend, recorder) -> None:
     """`POST /v1/responses`, ending like chat completions (`proxy.relay.respond`)."""
     store = ResponseStore()
-    on_engine = hasattr(backend, "engine")
+    on_engine = backend.embedded
 
     def parse(body: dict, headers: dict[str, str]) -> ChatRequest:
         if on_engine:
@@ -227,7 +227,7 @@ def add_responses_route(app: FastAPI, backend, recorder) -> None:
 
     @app.post(RESPONSES_PATH)
     async def responses(request: Request):
-        return await serve_turn(request, endpoint=RESPONSES_PATH, upstream=backend.label, recorder=recorder,
+        return await serve_turn(request, endpoint=RESPONSES_PATH, backend=backend, recorder=recorder,
                                 parse=parse, open_reply=open_reply, stream=_stream, error_body=to_openai_error)
 
     @app.get(RESPONSES_PATH + "/{response_id}")

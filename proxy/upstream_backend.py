@@ -103,9 +103,17 @@ class UpstreamBackend:
                                    read_timeout=timeouts.idle_s, write_timeout=timeouts.idle_s,
                                    first_byte_timeout=timeouts.first_byte_s)
 
+    embedded = False  # proxy/backend.py: bodies go on as sent, replies are read on their way back
+
     @property
     def label(self) -> str:
         return self.base_url
+
+    def renderer_identity(self) -> None:
+        return None  # the upstream's template, where it publishes one, is read by `published_renderer`
+
+    def stats(self) -> None:
+        return None  # one server: its counters are in the turns themselves
 
     async def aclose(self) -> None:
         if self.connections is not None:
