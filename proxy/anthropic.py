@@ -21,7 +21,7 @@ analyzer reads the Anthropic shape (top-level `system`, `cache_control`).
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import json
 import uuid
 from typing import Any, AsyncIterator
@@ -34,7 +34,7 @@ from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, Too
 from prefixtrace.wire.messages import record_usage, to_anthropic_error  # noqa: F401 (the route's error shape)
 from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest, parse_chat_request
-from proxy.relay import abandoned, record_durably, serve_turn
+from proxy.relay import serve_turn, stream_and_record
 from prefixtrace.wire.turn_builder import TurnBuilder
 from proxy.upstream_backend import Relayed, map_httpx_errors, mark_served, served_by
 
@@ -372,29 +372,12 @@ class UpstreamCount(Relayed):
 
 
 def _is_stop(event: bytes) -> bool:
-    return event.startswith(b"event: message_stop")  # what `_stream` commits before
+    return event.startswith(b"event: message_stop")  # what the turn is committed before
 
 
-async def _stream(chat, builder: TurnBuilder, recorder):
-    recorded = False
-    try:
-        async for event in chat.sse():
-            if _is_stop(event) and not recorded:
-                # Commit before the client sees the end of the stream (as chat completions do).
-                recorded = True
-                await record_durably(recorder, builder.finish(chat.status))
-            yield event
-    except PrefixtraceError as exc:  # after the headers went out: tell the client in-band
-        if not recorded:
-            recorded = True
-            await record_durably(recorder, builder.finish(chat.status, exc.message))
-        yield _event("error", {"error": to_anthropic_error(exc)["error"]})
-    except (asyncio.CancelledError, GeneratorExit):  # the client hung up: 499, with the stage reached
-        chat.cancel()
-        if not recorded:
-            recorded = True
-            recorder.record(abandoned(chat, builder))
-        raise
-    finally:
-        if not recorded:
-            recorder.record(builder.finish(chat.status))
+def _in_band_error(exc: PrefixtraceError) -> list[bytes]:
+    return [_event("error", {"error": to_anthropic_error(exc)["error"]})]
+
+
+# Every streamed Messages reply: committed before message_stop, errors as an `error` event.
+_stream = functools.partial(stream_and_record, is_end=_is_stop, in_band_error=_in_band_error)

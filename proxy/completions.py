@@ -9,6 +9,7 @@ Recorded with endpoint "/v1/completions".
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -16,13 +17,14 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 
-from prefixtrace.errors import InvalidRequest, to_openai_error
+from prefixtrace.errors import InvalidRequest, PrefixtraceError, to_openai_error
 from prefixtrace.wire import completions as wire
 from prefixtrace.wire import sse
 from prefixtrace.wire.events import ContentDelta, ReplyDone
 from prefixtrace.wire.turn_builder import TurnBuilder
 from proxy.chat_request import ChatRequest, parse_chat_request
-from proxy.relay import serve_turn
+from proxy.backend import Backend
+from proxy.relay import TurnSink, serve_turn, stream_and_record
 
 COMPLETIONS_PATH = wire.PATH
 
@@ -96,8 +98,16 @@ class EngineCompletion:
         raise RuntimeError("engine stream ended without a result")
 
 
-def add_completions_route(app: FastAPI, backend, recorder, stream) -> None:
-    """`POST /v1/completions`; `stream` is chat completions' SSE recorder (the same framing)."""
+def _in_band_error(exc: PrefixtraceError) -> list[bytes]:
+    return [sse.encode(to_openai_error(exc)), sse.DONE]
+
+
+# Framed as chat completions are: the turn committed before `data: [DONE]`, a late error as an error chunk.
+_stream = functools.partial(stream_and_record, is_end=lambda event: event == sse.DONE, in_band_error=_in_band_error)
+
+
+def add_completions_route(app: FastAPI, backend: Backend, recorder: TurnSink) -> None:
+    """`POST /v1/completions`, ending like chat completions (`proxy.relay.respond`)."""
 
     async def open_reply(req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
         if backend.embedded:
@@ -107,5 +117,5 @@ def add_completions_route(app: FastAPI, backend, recorder, stream) -> None:
     @app.post(COMPLETIONS_PATH)
     async def completions(request: Request):
         return await serve_turn(request, endpoint=COMPLETIONS_PATH, backend=backend, recorder=recorder,
-                                parse=parse_completion_request, open_reply=open_reply, stream=stream,
+                                parse=parse_completion_request, open_reply=open_reply, stream=_stream,
                                 error_body=to_openai_error)

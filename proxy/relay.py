@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Callable, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -127,6 +127,59 @@ async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recor
         return JSONResponse(error_body(exc), status_code=status)
     turn.upstream = getattr(chat, "url", None) or turn.upstream  # the upstream (or pool member) that answered
     return await respond(chat, builder, recorder, stream(chat, builder, recorder), error_body)
+
+
+async def stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink, *, is_end: Callable[[bytes], bool],
+                            in_band_error: Callable[[PrefixtraceError], list[bytes]],
+                            on_event: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
+    """A streamed reply's SSE as sent, its turn recorded once, the same way for every protocol.
+
+    The turn is committed before the protocol's end marker (`is_end`: chat's `[DONE]`, Messages'
+    `message_stop`, a Responses terminal event) goes out, so a client that has read the end can rely
+    on the turn surviving a crash. A reply that knows its turn is complete earlier (an upstream's
+    usage chunk, `UpstreamChat.on_final`) starts the commit then, and the end marker waits for it.
+    A failure after the headers went out is recorded and told in band (`in_band_error`, in the
+    protocol's shape); a hang-up is recorded as 499 with the stage reached (`abandoned`).
+    `on_event`: called with each item before it is sent (the Responses adapter counts its events)."""
+    recorded = False
+    early_commit: asyncio.Task | None = None
+
+    def finish(error: str | None = None) -> Turn:
+        nonlocal recorded
+        recorded = True
+        return builder.finish(chat.status, error)
+
+    def commit_now() -> None:
+        nonlocal early_commit
+        if not recorded:
+            early_commit = asyncio.ensure_future(record_durably(recorder, finish()))
+
+    if hasattr(chat, "on_final"):  # a reply that can tell its turn is complete before the end marker
+        chat.on_final = commit_now
+    try:
+        async for event in chat.sse():
+            if on_event is not None:
+                on_event(event)
+            if is_end(event):
+                if early_commit is not None:
+                    await asyncio.shield(early_commit)
+                if not recorded:
+                    await record_durably(recorder, finish())
+            yield event
+    except PrefixtraceError as exc:  # failed after the headers went out: tell the client in band
+        if not recorded:
+            await record_durably(recorder, finish(exc.message))
+        for out in in_band_error(exc):
+            yield out
+    except (asyncio.CancelledError, GeneratorExit):  # the client hung up: 499, with the stage reached
+        chat.cancel()
+        if not recorded:
+            recorded = True
+            recorder.record(abandoned(chat, builder))
+        raise
+    finally:
+        if not recorded:
+            recorder.record(finish())
 
 
 async def respond(chat, builder: TurnBuilder, recorder: TurnSink, stream, error_body: Callable[[PrefixtraceError], dict]):

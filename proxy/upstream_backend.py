@@ -246,7 +246,7 @@ class UpstreamBackend:
 
 
 def _is_done_marker(event: bytes) -> bool:
-    return event == sse.DONE  # what `_stream_and_record` commits before (proxy/app.py)
+    return event == sse.DONE  # what the turn is committed before (proxy/chat_completions.py)
 
 
 def _plain_json_object(raw: bytes) -> bool:
