@@ -153,9 +153,7 @@ class EngineMessages:
                 yield _event("message_stop", {})
 
     async def whole(self) -> tuple[bytes, str]:
-        from proxy.engine_backend import collect
-
-        reply = await collect(self.chat.reply_events())
+        reply = await self.chat.collect()
         done = reply.done
         content: list[dict] = []
         if reply.reasoning:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # typing only: upstream mode never imports the engine (nor ML
     from engine.engine import Engine
     from prefixtrace.wire.turn_builder import TurnBuilder
     from proxy.chat_request import ChatRequest
+    from proxy.engine_backend import EngineChat
 
 
 class Reply(Protocol):
@@ -60,9 +61,6 @@ class Backend(Protocol):
 
     async def models(self) -> dict: ...
 
-    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]) -> Reply:
-        """A chat-completions turn: the backends' own protocol, so this is the chat adapter's call."""
-
     def renderer_identity(self) -> dict[str, Any] | None:
         """The chat template the embedded engine renders with (`GET /props`); None upstream."""
 
@@ -80,9 +78,10 @@ class EmbeddedBackend(Backend, Protocol):
     engine: Engine
 
     async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str], *,
-                   wait_first: bool = True) -> Reply: ...
+                   wait_first: bool = True) -> EngineChat:
+        """Render `req` and submit it; its reply events come from the returned `EngineChat`."""
 
-    async def open_prompt(self, req: ChatRequest, prompt: str, builder: TurnBuilder) -> Reply:
+    async def open_prompt(self, req: ChatRequest, prompt: str, builder: TurnBuilder) -> EngineChat:
         """Legacy completions: a raw prompt, no chat template."""
 
     async def render(self, req: ChatRequest, *, count_only: bool = False) -> Any:
@@ -92,9 +91,6 @@ class EmbeddedBackend(Backend, Protocol):
 @runtime_checkable
 class ForwardingBackend(Backend, Protocol):
     """An upstream (or a pool of them): what the adapters call when `embedded` is False."""
-
-    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str], *,
-                   path: str = "/v1/chat/completions") -> Reply: ...
 
     async def post(self, path: str, body: dict, headers: dict[str, str], *, session_id: str | None = None,
                    raw: bytes | None = None) -> tuple[httpx.Response, str]:

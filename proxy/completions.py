@@ -3,7 +3,7 @@
 Embedded engine: the prompt string is tokenized as it is (`EngineBackend.open_prompt`) and the
 engine's reply events are written as `text_completion` objects or chunks (a usage chunk when
 `stream_options.include_usage` asks, then `data: [DONE]`). Upstream: passed through like chat
-completions (`UpstreamBackend.open(path=...)`), the chunks' `text` read into the turn.
+completions (`proxy.chat_completions.open_upstream`), the chunks' `text` read into the turn.
 Recorded with endpoint "/v1/completions".
 """
 
@@ -17,13 +17,14 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 
-from prefixtrace.errors import InvalidRequest, PrefixtraceError, to_openai_error
+from prefixtrace.errors import InvalidRequest, to_openai_error
 from prefixtrace.wire import completions as wire
 from prefixtrace.wire import sse
 from prefixtrace.wire.events import ContentDelta, ReplyDone
 from prefixtrace.wire.turn_builder import TurnBuilder
 from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.backend import Backend
+from proxy.chat_completions import in_band_error, is_done, open_upstream
 from proxy.relay import TurnSink, serve_turn, stream_and_record
 
 COMPLETIONS_PATH = wire.PATH
@@ -98,12 +99,8 @@ class EngineCompletion:
         raise RuntimeError("engine stream ended without a result")
 
 
-def _in_band_error(exc: PrefixtraceError) -> list[bytes]:
-    return [sse.encode(to_openai_error(exc)), sse.DONE]
-
-
 # Framed as chat completions are: the turn committed before `data: [DONE]`, a late error as an error chunk.
-_stream = functools.partial(stream_and_record, is_end=lambda event: event == sse.DONE, in_band_error=_in_band_error)
+_stream = functools.partial(stream_and_record, is_end=is_done, in_band_error=in_band_error)
 
 
 def add_completions_route(app: FastAPI, backend: Backend, recorder: TurnSink) -> None:
@@ -112,7 +109,7 @@ def add_completions_route(app: FastAPI, backend: Backend, recorder: TurnSink) ->
     async def open_reply(req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
         if backend.embedded:
             return EngineCompletion(await backend.open_prompt(req, wire.prompt_of(req.body), builder), req, builder)
-        return await backend.open(req, builder, headers, path=COMPLETIONS_PATH)
+        return await open_upstream(backend, req, builder, headers, path=COMPLETIONS_PATH)
 
     @app.post(COMPLETIONS_PATH)
     async def completions(request: Request):

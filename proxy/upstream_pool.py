@@ -202,7 +202,6 @@ class UpstreamPool:
         raise UpstreamError(f"no upstream could take the request; last error: {last.message if last else 'none'}",
                             upstreams=list(self.members))
 
-    open = UpstreamBackend.open  # the same chat-completions handling, over this pool's `post`
 
     # --- the rest of the backend interface ----------------------------------------
 

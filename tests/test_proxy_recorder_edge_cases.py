@@ -66,7 +66,7 @@ class ExplodingBackend:
     async def ready(self):
         return True
 
-    async def open(self, req, builder, headers):
+    async def post(self, path, body, headers, *, session_id=None, raw=None):
         raise RuntimeError("boom")
 
     def renderer_identity(self):
