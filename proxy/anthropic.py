@@ -34,7 +34,8 @@ from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, Too
 from prefixtrace.wire.messages import record_usage, to_anthropic_error  # noqa: F401 (the route's error shape)
 from prefixtrace.wire import sse
 from proxy.chat_request import ChatRequest, parse_chat_request
-from proxy.relay import serve_turn, stream_and_record
+from proxy.backend import Backend
+from proxy.relay import TurnSink, serve_turn, stream_and_record
 from prefixtrace.wire.turn_builder import TurnBuilder
 from proxy.upstream_backend import Relayed, map_httpx_errors, mark_served, served_by
 
@@ -290,7 +291,7 @@ class UpstreamMessages(Relayed):
         return data, self.content_type
 
 
-async def open_messages(backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
+async def open_messages(backend: Backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
     if backend.embedded:
         return EngineMessages(await backend.open(req, builder, headers), req, builder,
                               backend.engine.tokenizer)
@@ -301,7 +302,7 @@ async def open_messages(backend, req: ChatRequest, builder: TurnBuilder, headers
 # --- the route ----------------------------------------------------------------------
 
 
-def add_messages_route(app: FastAPI, backend, recorder) -> None:
+def add_messages_route(app: FastAPI, backend: Backend, recorder: TurnSink) -> None:
     """`POST /v1/messages`, ending like chat completions (`proxy.relay.respond`)."""
 
     @app.post(MESSAGES_PATH)
@@ -337,7 +338,7 @@ class TokenCount:
         return json.dumps({"input_tokens": self.count}).encode(), "application/json"
 
 
-async def open_count(backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
+async def open_count(backend: Backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
     if not backend.embedded:
         response, url = await backend.post(messages_wire.COUNT_TOKENS_PATH, req.body, headers,
                                            session_id=req.session_id, raw=req.raw)

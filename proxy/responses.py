@@ -36,7 +36,8 @@ from prefixtrace.wire.events import ReplyDone
 from prefixtrace.wire.responses_stream import TERMINAL, ResponsesReader, ResponsesWriter, encode
 from prefixtrace.wire.turn_builder import TurnBuilder
 from proxy.chat_request import ChatRequest, parse_chat_request, passthrough_request
-from proxy.relay import serve_turn, stream_and_record
+from proxy.backend import Backend
+from proxy.relay import TurnSink, serve_turn, stream_and_record
 from proxy.upstream_backend import Relayed, map_httpx_errors, mark_served, served_by
 
 RESPONSES_PATH = wire.PATH
@@ -195,7 +196,7 @@ class UpstreamResponses(Relayed):
         return data, self.content_type
 
 
-def add_responses_route(app: FastAPI, backend, recorder) -> None:
+def add_responses_route(app: FastAPI, backend: Backend, recorder: TurnSink) -> None:
     """`POST /v1/responses`, ending like chat completions (`proxy.relay.respond`)."""
     store = ResponseStore()
     on_engine = backend.embedded
