@@ -66,3 +66,27 @@ def test_no_module_in_proxy_guesses_a_backend_by_its_attributes():
             if re.search(r"\b(hasattr|getattr)\((self\.)?backend\b", line):
                 guesses.append(f"{path.name}:{n}: {line.strip()}")
     assert guesses == []
+
+
+class _Sink:
+    def record(self, turn) -> None:
+        pass
+
+
+def test_each_protocol_is_served_by_its_own_adapter_module():
+    """A request's route function lives in its protocol's adapter (docs/ARCHITECTURE.md "The path of
+    one request"), not in the app that assembles them."""
+    from proxy.app import TURN_PATHS, create_app
+    from proxy.turn_routes import TurnRoutes
+
+    backend = UpstreamBackend("http://upstream.test", transport=_mock())
+    app = create_app(backend, _Sink())
+    handlers = TurnRoutes(fastapi_app=app, paths=TURN_PATHS)._find()
+    assert {path: fn.__module__ for path, fn in handlers.items()} == {
+        "/v1/chat/completions": "proxy.chat_completions",
+        "/v1/messages": "proxy.anthropic",
+        "/v1/messages/count_tokens": "proxy.anthropic",
+        "/v1/responses": "proxy.responses",
+        "/v1/completions": "proxy.completions",
+    }
+    asyncio.run(backend.aclose())
