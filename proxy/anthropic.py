@@ -21,7 +21,7 @@ analyzer reads the Anthropic shape (top-level `system`, `cache_control`).
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import json
 import uuid
 from typing import Any, AsyncIterator
@@ -34,7 +34,8 @@ from wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDel
 from wire.messages import record_usage, to_anthropic_error  # noqa: F401 (the route's error shape)
 from wire import sse
 from proxy.chat_request import ChatRequest, parse_chat_request
-from proxy.relay import abandoned, record_durably, serve_turn
+from proxy.backend import Backend
+from proxy.relay import TurnSink, serve_turn, stream_and_record
 from recorder.turn_builder import TurnBuilder
 from proxy.upstream_backend import Relayed, map_httpx_errors, mark_served, served_by
 
@@ -153,9 +154,7 @@ class EngineMessages:
                 yield _event("message_stop", {})
 
     async def whole(self) -> tuple[bytes, str]:
-        from proxy.engine_backend import collect
-
-        reply = await collect(self.chat.reply_events())
+        reply = await self.chat.collect()
         done = reply.done
         content: list[dict] = []
         if reply.reasoning:
@@ -292,10 +291,10 @@ class UpstreamMessages(Relayed):
         return data, self.content_type
 
 
-async def open_messages(backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
-    if hasattr(backend, "engine"):
+async def open_messages(backend: Backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
+    if backend.embedded:
         return EngineMessages(await backend.open(req, builder, headers), req, builder,
-                              getattr(backend.engine, "tokenizer", None))
+                              backend.engine.tokenizer)
     response, url = await backend.post(MESSAGES_PATH, req.body, headers, session_id=req.session_id, raw=req.raw)
     return UpstreamMessages(response, builder, url)
 
@@ -303,21 +302,21 @@ async def open_messages(backend, req: ChatRequest, builder: TurnBuilder, headers
 # --- the route ----------------------------------------------------------------------
 
 
-def add_messages_route(app: FastAPI, backend, recorder) -> None:
+def add_messages_route(app: FastAPI, backend: Backend, recorder: TurnSink) -> None:
     """`POST /v1/messages`, ending like chat completions (`proxy.relay.respond`)."""
 
     @app.post(MESSAGES_PATH)
     async def messages(request: Request):
-        return await serve_turn(request, endpoint=MESSAGES_PATH, upstream=backend.label, recorder=recorder,
-                                parse=to_chat_request if hasattr(backend, "engine") else _passthrough_request,
+        return await serve_turn(request, endpoint=MESSAGES_PATH, backend=backend, recorder=recorder,
+                                parse=to_chat_request if backend.embedded else _passthrough_request,
                                 open_reply=lambda req, builder, headers: open_messages(
                                     backend, req, builder, headers), stream=_stream, error_body=to_anthropic_error)
 
     @app.post(messages_wire.COUNT_TOKENS_PATH)
     async def count_tokens(request: Request):
-        return await serve_turn(request, endpoint=messages_wire.COUNT_TOKENS_PATH, upstream=backend.label,
+        return await serve_turn(request, endpoint=messages_wire.COUNT_TOKENS_PATH, backend=backend,
                                 recorder=recorder,
-                                parse=to_chat_request if hasattr(backend, "engine") else _passthrough_request,
+                                parse=to_chat_request if backend.embedded else _passthrough_request,
                                 open_reply=lambda req, builder, headers: open_count(backend, req, builder, headers),
                                 stream=_stream, error_body=to_anthropic_error)
 
@@ -339,8 +338,8 @@ class TokenCount:
         return json.dumps({"input_tokens": self.count}).encode(), "application/json"
 
 
-async def open_count(backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
-    if not hasattr(backend, "engine"):
+async def open_count(backend: Backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
+    if not backend.embedded:
         response, url = await backend.post(messages_wire.COUNT_TOKENS_PATH, req.body, headers,
                                            session_id=req.session_id, raw=req.raw)
         return UpstreamCount(response, builder, url)
@@ -372,29 +371,12 @@ class UpstreamCount(Relayed):
 
 
 def _is_stop(event: bytes) -> bool:
-    return event.startswith(b"event: message_stop")  # what `_stream` commits before
+    return event.startswith(b"event: message_stop")  # what the turn is committed before
 
 
-async def _stream(chat, builder: TurnBuilder, recorder):
-    recorded = False
-    try:
-        async for event in chat.sse():
-            if _is_stop(event) and not recorded:
-                # Commit before the client sees the end of the stream (as chat completions do).
-                recorded = True
-                await record_durably(recorder, builder.finish(chat.status))
-            yield event
-    except PrefixtraceError as exc:  # after the headers went out: tell the client in-band
-        if not recorded:
-            recorded = True
-            await record_durably(recorder, builder.finish(chat.status, exc.message))
-        yield _event("error", {"error": to_anthropic_error(exc)["error"]})
-    except (asyncio.CancelledError, GeneratorExit):  # the client hung up: 499, with the stage reached
-        chat.cancel()
-        if not recorded:
-            recorded = True
-            recorder.record(abandoned(chat, builder))
-        raise
-    finally:
-        if not recorded:
-            recorder.record(builder.finish(chat.status))
+def _in_band_error(exc: PrefixtraceError) -> list[bytes]:
+    return [_event("error", {"error": to_anthropic_error(exc)["error"]})]
+
+
+# Every streamed Messages reply: committed before message_stop, errors as an `error` event.
+_stream = functools.partial(stream_and_record, is_end=_is_stop, in_band_error=_in_band_error)

@@ -1,44 +1,43 @@
-"""The FastAPI app: OpenAI-compatible endpoints in front of one backend.
+"""The FastAPI app: OpenAI- and Anthropic-compatible endpoints in front of one backend.
 
-A backend is either the embedded engine (`EngineBackend`) or an upstream
-server (`UpstreamBackend`); both expose `open(request) -> chat` whose chat
-object streams SSE (`sse()`) or returns a whole body (`whole()`). Every request,
-failed ones included, leaves exactly one `Turn` with the recorder.
+A backend is the embedded engine (`EngineBackend`) or an upstream server or pool
+(`UpstreamBackend`, `UpstreamPool`), all of them a `proxy.backend.Backend`. This module only
+assembles: each wire protocol's route comes from its adapter (proxy/chat_completions.py,
+anthropic.py, responses.py, completions.py), and a request's path through them is walked in
+docs/ARCHITECTURE.md "The path of one request". Every request, failed ones included, leaves
+exactly one `Turn` with the recorder.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.datastructures import MutableHeaders
 
 from common.errors import PrefixtraceError, http_status, to_openai_error
-from wire import sse
 from proxy.anthropic import MESSAGES_PATH, add_messages_route, to_anthropic_error
 from proxy.responses import RESPONSES_PATH, add_responses_route
 from proxy.completions import COMPLETIONS_PATH, add_completions_route
 from proxy.fallback import add_fallback_routes
-from proxy.chat_request import parse_chat_request
+from proxy.backend import Backend
+from proxy.chat_completions import CHAT_PATH, add_chat_route
 from proxy.guard import RequestGuard, refusal_recorder
-from proxy.relay import TurnSink, abandoned, record_durably, serve_turn
+from proxy.relay import TurnSink, record_durably
 from proxy.dashboard import observe
 from proxy.disconnect import CancelOnDisconnect
 from proxy.request_limits import DEFAULT_MAX_REQUEST_MB
 from proxy.turn_routes import TurnRoutes
 from proxy.run_session import SessionTagSink, strip_session_prefix
 from wire.messages import COUNT_TOKENS_PATH
-from recorder.turn_builder import TurnBuilder
 
 log = logging.getLogger("prefixtrace.proxy")
-CHAT_PATH = "/v1/chat/completions"
 TURN_PATHS = (CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH, COMPLETIONS_PATH)
 
 
-def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None = None,
+def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str] | None = None,
                max_request_mb: float = DEFAULT_MAX_REQUEST_MB, turn_feed=None, worker_name: str | None = None) -> FastAPI:
     """`allowed_hosts`: names the Host header may carry (None: loopback only; "*": any), see proxy/guard.py;
     `max_request_mb`: the largest body accepted (proxy/request_limits.py); `turn_feed`: every analysed
@@ -48,8 +47,7 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        if hasattr(backend, "aclose"):
-            await backend.aclose()
+        await backend.aclose()
 
     app = ProxyApp(title="prefixtrace", lifespan=lifespan)
     app.state.backend = backend
@@ -80,7 +78,7 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
             spool = spool() if spool is not None else None
             if spool is not None and spool["dropped"]:  # turns lost to a full spool stay reported
                 body["recorder"] = spool
-            if hasattr(backend, "engine"):
+            if backend.embedded:
                 body["engine"] = await backend.capacity()
             return body
         return JSONResponse({"status": "loading", "backend": backend.label}, status_code=503)
@@ -103,22 +101,17 @@ def create_app(backend, recorder: TurnSink, *, allowed_hosts: list[str] | None =
     async def props():
         """The chat template the embedded engine renders with, where llama.cpp publishes its own, so a
         proxy in front of this one records it with its turns (docs/ANALYZER.md "The server's renderer")."""
-        identity = backend.engine.renderer_identity() if hasattr(backend, "engine") else None
+        identity = backend.renderer_identity()
         if identity is None or not identity.get("chat_template"):
             return JSONResponse({"error": {"message": "no chat template published here", "type": "not_found"}},
                                 status_code=404)
         special = {k: v for k, v in identity["special"].items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
         return {"chat_template": identity["chat_template"], "model_alias": identity["model"], **special}
 
-    @app.post(CHAT_PATH)
-    async def chat_completions(request: Request):
-        return await serve_turn(request, endpoint=CHAT_PATH, upstream=backend.label, recorder=recorder,
-                                parse=parse_chat_request, open_reply=backend.open, stream=_stream_and_record,
-                                error_body=to_openai_error)
-
+    add_chat_route(app, backend, recorder)  # POST /v1/chat/completions (OpenAI)
     add_messages_route(app, backend, recorder)  # POST /v1/messages (Anthropic)
     add_responses_route(app, backend, recorder)  # POST /v1/responses (OpenAI Responses)
-    add_completions_route(app, backend, recorder, _stream_and_record)  # POST /v1/completions (raw prompt)
+    add_completions_route(app, backend, recorder)  # POST /v1/completions (raw prompt)
     add_fallback_routes(app, backend, recorder)  # last: every other path, in the API's error shape
     app.add_middleware(CancelOnDisconnect)  # a hung-up non-streamed request stops generating
     return app
@@ -155,7 +148,7 @@ class MaxContextHeader:
         # An upstream's limits are its own (a plain `None`): then there is no context header to add.
         # The engine's limit is a property, known once the model has loaded: read per response.
         self.no_limit = (not isinstance(getattr(type(backend), "max_context_tokens", None), property)
-                         and getattr(backend, "max_context_tokens", None) is None)
+                         and backend.max_context_tokens is None)
         self.never = self.no_limit and self.worker is None
 
     async def __call__(self, scope, receive, send):
@@ -173,7 +166,7 @@ class MaxContextHeader:
         """The headers on one `http.response.start` message: the context limit when the backend
         has one now, the worker's name when it has one."""
         headers = MutableHeaders(scope=start)
-        if not self.no_limit and (limit := getattr(self.backend, "max_context_tokens", None)) is not None:
+        if not self.no_limit and (limit := self.backend.max_context_tokens) is not None:
             headers["X-Max-Context-Tokens"] = str(limit)
         if self.worker is not None:
             headers["X-Prefixtrace-Worker"] = self.worker
@@ -198,53 +191,3 @@ def recorder_trouble(recorder) -> JSONResponse | None:
     if spool is not None:
         body["recorder"] = spool
     return JSONResponse(body, status_code=503)
-
-
-async def _stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink):
-    recorded = False
-    early_commit: asyncio.Task | None = None
-
-    def commit_now() -> None:
-        """The turn is complete before [DONE] (an upstream's usage chunk): start its commit
-        now, and have [DONE] wait for it below, instead of starting it at [DONE]."""
-        nonlocal recorded, early_commit
-        if not recorded:
-            recorded = True
-            early_commit = asyncio.ensure_future(record_durably(recorder, builder.finish(chat.status)))
-
-    if hasattr(chat, "on_final"):
-        chat.on_final = commit_now
-
-    def record() -> None:
-        nonlocal recorded
-        if not recorded:
-            recorded = True
-            recorder.record(builder.finish(chat.status))
-
-    async def record_committed(error: str | None = None) -> None:
-        nonlocal recorded
-        if not recorded:
-            recorded = True
-            await record_durably(recorder, builder.finish(chat.status, error))
-
-    try:
-        async for event in chat.sse():
-            if event == sse.DONE:
-                # Commit before the client can see the end of the stream, so a
-                # client that reads [DONE] can rely on the turn being stored.
-                if early_commit is not None:
-                    await asyncio.shield(early_commit)
-                await record_committed()
-            yield event
-    except PrefixtraceError as exc:  # failed after the headers went out: tell the client in-band
-        await record_committed(exc.message)
-        yield sse.encode(to_openai_error(exc))
-        yield sse.DONE
-    except (asyncio.CancelledError, GeneratorExit):  # the client hung up: 499, with the stage reached
-        chat.cancel()
-        if not recorded:
-            recorded = True
-            recorder.record(abandoned(chat, builder))
-        raise
-    finally:
-        record()

@@ -3,12 +3,13 @@
 Embedded engine: the prompt string is tokenized as it is (`EngineBackend.open_prompt`) and the
 engine's reply events are written as `text_completion` objects or chunks (a usage chunk when
 `stream_options.include_usage` asks, then `data: [DONE]`). Upstream: passed through like chat
-completions (`UpstreamBackend.open(path=...)`), the chunks' `text` read into the turn.
+completions (`proxy.chat_completions.open_upstream`), the chunks' `text` read into the turn.
 Recorded with endpoint "/v1/completions".
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -22,7 +23,9 @@ from wire import sse
 from wire.events import ContentDelta, ReplyDone
 from recorder.turn_builder import TurnBuilder
 from proxy.chat_request import ChatRequest, parse_chat_request
-from proxy.relay import serve_turn
+from proxy.backend import Backend
+from proxy.chat_completions import in_band_error, is_done, open_upstream
+from proxy.relay import TurnSink, serve_turn, stream_and_record
 
 COMPLETIONS_PATH = wire.PATH
 
@@ -96,16 +99,20 @@ class EngineCompletion:
         raise RuntimeError("engine stream ended without a result")
 
 
-def add_completions_route(app: FastAPI, backend, recorder, stream) -> None:
-    """`POST /v1/completions`; `stream` is chat completions' SSE recorder (the same framing)."""
+# Framed as chat completions are: the turn committed before `data: [DONE]`, a late error as an error chunk.
+_stream = functools.partial(stream_and_record, is_end=is_done, in_band_error=in_band_error)
+
+
+def add_completions_route(app: FastAPI, backend: Backend, recorder: TurnSink) -> None:
+    """`POST /v1/completions`, ending like chat completions (`proxy.relay.respond`)."""
 
     async def open_reply(req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
-        if hasattr(backend, "engine"):
+        if backend.embedded:
             return EngineCompletion(await backend.open_prompt(req, wire.prompt_of(req.body), builder), req, builder)
-        return await backend.open(req, builder, headers, path=COMPLETIONS_PATH)
+        return await open_upstream(backend, req, builder, headers, path=COMPLETIONS_PATH)
 
     @app.post(COMPLETIONS_PATH)
     async def completions(request: Request):
-        return await serve_turn(request, endpoint=COMPLETIONS_PATH, upstream=backend.label, recorder=recorder,
-                                parse=parse_completion_request, open_reply=open_reply, stream=stream,
+        return await serve_turn(request, endpoint=COMPLETIONS_PATH, backend=backend, recorder=recorder,
+                                parse=parse_completion_request, open_reply=open_reply, stream=_stream,
                                 error_body=to_openai_error)

@@ -86,7 +86,7 @@ def observe(app: FastAPI, backend, recorder, turn_feed=None):
         turn_feed.attach(live)
         observers.append(turn_feed.wake)
     app.state.metrics, app.state.live = metrics, live
-    engine = getattr(backend, "engine", None)
+    engine = backend.engine if backend.embedded else None
 
     def backend_state() -> dict[str, Any]:
         state: dict[str, Any] = {"backend": backend.label, "engine": None, "upstreams": None}
@@ -95,8 +95,7 @@ def observe(app: FastAPI, backend, recorder, turn_feed=None):
                 state["engine"] = engine_state(engine)
             except PrefixtraceError:
                 pass
-        if hasattr(backend, "stats"):
-            state["upstreams"] = backend.stats()
+        state["upstreams"] = backend.stats()
         return state
 
     @app.get("/ui", response_class=HTMLResponse, include_in_schema=False)
@@ -139,7 +138,7 @@ def observe(app: FastAPI, backend, recorder, turn_feed=None):
     async def prometheus():
         if live.pending:
             await asyncio.to_thread(live.refresh)
-        upstreams = backend.stats() if hasattr(backend, "stats") else None
+        upstreams = backend.stats()
         spool = getattr(recorder, "spool_state", None)
         text = metrics.render(engine=engine, upstreams=upstreams, recorder=spool() if spool is not None else None)
         return Response(text, media_type=CONTENT_TYPE)

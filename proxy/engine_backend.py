@@ -1,10 +1,11 @@
-"""Serve chat completions from the embedded engine, in OpenAI's wire format.
+"""The embedded engine as a backend (`proxy.backend.EmbeddedBackend`).
 
-The engine thread emits events for a `Sequence`; this module hops them onto the asyncio loop,
-turns the output text into reply events (`wire.events`: answer text, reasoning and tool
-calls, separated by `engine.reply_parser` in the model family's format) and writes those as
-chat.completion(.chunk) objects. Other protocol adapters (Messages) consume the same reply events
-through `EngineChat.reply_events()`.
+`EngineBackend` renders a request with the model's template, checks that it fits, plans a
+constrained reply where one is asked for, and submits a `Sequence` to the engine thread. The
+engine thread emits events for the sequence; `EngineChat` hops them onto the asyncio loop and
+turns the output text into reply events (`wire.events`: answer text, reasoning and
+tool calls, separated by `engine.reply_parser` in the model family's format). Each protocol
+adapter writes those events in its own shape (chat completions: proxy/chat_completions.py).
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import asyncio
 import dataclasses
 import json
 import time
-import uuid
-from typing import AsyncIterator
 
 from engine.chat_render import thinking_kwargs
 from engine.constraints import TOOL_CHOICE_DEFAULTS, ReplyPlan, plan_reply
@@ -23,9 +22,8 @@ from engine.engine import Engine
 from engine.reply_parser import ReplyParser, final_finish_reason
 from engine.sequence import Failed, Finished, Sequence, TextDelta
 from proxy.sampling_defaults import NO_DEFAULTS, SamplingDefaults
-from common.errors import ContextExceedsCapacity, EngineError, EngineNotReady, InvalidRequest, ModelNotFound, PrefixtraceError, to_openai_error
+from common.errors import ContextExceedsCapacity, EngineError, EngineNotReady, InvalidRequest, ModelNotFound, PrefixtraceError
 from wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
-from wire import sse
 from proxy.chat_request import ChatRequest
 from proxy.relay import QUEUED, hang_up_error
 from recorder.turn_builder import TurnBuilder
@@ -65,9 +63,20 @@ class EngineBackend:
         self.defaults = defaults
         self._renderer_id: str | None = None
 
+    embedded = True  # proxy/backend.py: requests are parsed, rendered and generated here
+
     @property
     def label(self) -> str:
         return f"embedded:{self.engine.name}"
+
+    def renderer_identity(self) -> dict | None:
+        return self.engine.renderer_identity()
+
+    def stats(self) -> None:
+        return None  # the engine's numbers are its own gauges (proxy/metrics.py `engine_state`)
+
+    async def aclose(self) -> None:
+        pass  # the engine's thread belongs to whoever started it (prefixtrace/serve.py stops it)
 
     def model_ids(self) -> list[str]:
         return [self.engine.name, DEFAULT_ALIAS]
@@ -207,7 +216,9 @@ class EngineBackend:
 
 
 class EngineChat:
-    """One request's stream of engine events, as reply events and as OpenAI objects."""
+    """One request's stream of engine events, as reply events (`wire.events`): what
+    every protocol adapter writes in its own shape (proxy/chat_completions.py, anthropic.py,
+    responses.py, completions.py)."""
 
     status = 200
 
@@ -217,8 +228,7 @@ class EngineChat:
         self.engine = engine  # read once the reply ends: its prefix cache's eviction count
         self.builder = builder
         self.model = req.model or model
-        self.id = "chatcmpl-" + uuid.uuid4().hex
-        self.created = int(time.time())
+        self.created = int(time.time())  # when the request was submitted: a chat reply's `created`
         self.seq: Sequence | None = None
         self.plan = plan
         self.parser = ReplyParser(plan.fmt, tools=req.tools, parse_tools=plan.parse_tools,
@@ -282,10 +292,6 @@ class EngineChat:
                 err = event.error
                 raise err if isinstance(err, PrefixtraceError) else EngineError(str(err))
 
-    @property
-    def streams_events(self) -> bool:
-        return self.req.stream
-
     def cancel(self) -> None:
         if self.seq is not None:
             self.seq.cancel()
@@ -295,69 +301,9 @@ class EngineChat:
         """How far the engine has taken the request (`Sequence.stage`): queued, prefilling, decoding."""
         return self.seq.stage if self.seq is not None else QUEUED
 
-    # --- streamed ---------------------------------------------------------------
-
-    async def sse(self) -> AsyncIterator[bytes]:
-        yield self._chunk({"role": "assistant", "content": ""})
-        try:
-            async for event in self.reply_events():
-                if isinstance(event, ContentDelta):
-                    yield self._chunk({"content": event.text})
-                elif isinstance(event, ReasoningDelta):
-                    yield self._chunk({"reasoning_content": event.text})
-                elif isinstance(event, ToolCallStart):
-                    yield self._chunk({"tool_calls": [{"index": event.index, "id": event.call_id, "type": "function",
-                                                       "function": {"name": event.name, "arguments": ""}}]})
-                elif isinstance(event, ToolCallArgsDelta):
-                    yield self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})
-                elif isinstance(event, ReplyDone):
-                    usage = _usage(event)
-                    self.builder.on_usage(usage)
-                    yield self._chunk({}, finish_reason=event.finish_reason)
-                    if self.req.include_usage:
-                        yield self._emit({**self._envelope(), "choices": [], "usage": usage})
-        except PrefixtraceError as err:  # after the headers went out: in band
-            body = to_openai_error(err)
-            self.builder.turn.error = body["error"]["message"]
-            yield sse.encode(body)
-        yield sse.DONE
-
-    def _chunk(self, delta: dict, finish_reason: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return self._emit({**self._envelope(), "choices": [choice]})
-
-    def _emit(self, chunk: dict) -> bytes:
-        self.builder.on_chunk(chunk)
-        return sse.encode(chunk)
-
-    def _envelope(self) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
-
-    # --- whole ------------------------------------------------------------------
-
-    async def whole(self) -> tuple[bytes, str]:
-        return json.dumps(await self.json()).encode(), "application/json"
-
-    async def json(self) -> dict:
-        reply = await collect(self.reply_events())
-        message: dict = {"role": "assistant", "content": reply.text if reply.text or not reply.tool_calls else None}
-        if reply.reasoning:
-            message["reasoning_content"] = reply.reasoning
-        if reply.tool_calls:
-            message["tool_calls"] = reply.tool_calls
-        done = reply.done
-        body = {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}],
-            "usage": _usage(done),
-        }
-        self.builder.on_response(body)
-        if done.completion_tokens:
-            self.builder.turn.ttft_s = self.finished.prefill_s
-        return body
+    async def collect(self) -> "CollectedReply":
+        """The whole reply, gathered from its events (a non-streamed request)."""
+        return await collect(self.reply_events())
 
 
 class CollectedReply:
@@ -398,12 +344,3 @@ def _has_lone_surrogate(value) -> bool:
     except UnicodeEncodeError:
         return True
     return False
-
-
-def _usage(event: ReplyDone) -> dict:
-    return {
-        "prompt_tokens": event.prompt_tokens,
-        "completion_tokens": event.completion_tokens,
-        "total_tokens": event.prompt_tokens + event.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": event.cached_tokens},
-    }

@@ -32,10 +32,9 @@ from starlette.responses import JSONResponse, Response
 
 from proxy.connections import HEAD_REFUSED
 from common.errors import (ForbiddenHost, PrefixtraceError, RequestHeadersTooLarge, UnsupportedMediaType,
-                           UnsupportedTransferCoding, http_status, to_openai_error)
+                                UnsupportedTransferCoding, http_status, to_openai_error)
 from wire.request import session_id
-from proxy.chat_request import parse_body
-from proxy.request_limits import read_request_body
+from proxy.request_limits import parse_body, read_request_body
 from recorder.turn import Turn
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

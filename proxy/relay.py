@@ -7,16 +7,16 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Callable, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from common.errors import PrefixtraceError, http_status
 from wire.request import session_id
-from proxy.chat_request import parse_body
-from proxy.event_stream import EventStreamResponse
-from proxy.request_limits import read_request_body
+from proxy.backend import Backend
+from proxy.request_limits import parse_body, read_request_body
+from proxy.turn_routes import WATCHED
 from recorder.turn_builder import TurnBuilder
 from recorder.turn import Turn
 
@@ -72,9 +72,9 @@ async def record_durably(recorder: TurnSink, turn: Turn) -> None:
         await record_async(turn)
 
 
-async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder: TurnSink, parse, open_reply,
+async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recorder: TurnSink, parse, open_reply,
                      stream, error_body: Callable[[PrefixtraceError], dict]):
-    """One proxied request, whatever its API: a `Turn` for it, the body parsed into a
+    """One proxied request, whatever its API, to `backend`: a `Turn` for it, the body parsed into a
     request (`parse(body, headers)`), the backend's reply opened (`open_reply(req, builder,
     headers)`), then `respond` with `stream(chat, builder, recorder)` as the SSE generator.
     A bad body or a refusing backend is answered in the API's error shape and recorded; a request
@@ -83,7 +83,7 @@ async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder
         request_id=uuid.uuid4().hex,
         started_at=time.time(),
         endpoint=endpoint,
-        upstream=upstream,
+        upstream=backend.label,
         request_body=None,
         request_headers=dict(request.headers),
         client_addr=f"{request.client.host}:{request.client.port}" if request.client else None,
@@ -109,9 +109,7 @@ async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder
             turn.request_body = raw.decode("utf-8", errors="replace")
             turn.session_id = session_id(endpoint, turn.request_body, turn.request_headers)
         turn.finish_reason = "cancelled"
-        backend = getattr(getattr(request.scope.get("app"), "state", None), "backend", None)
-        on_engine = getattr(backend, "engine", None) is not None
-        recorder.record(builder.finish(499, hang_up_error(QUEUED if on_engine else UPSTREAM_HEADERS)))
+        recorder.record(builder.finish(499, hang_up_error(QUEUED if backend.embedded else UPSTREAM_HEADERS)))
         raise
     except Exception as exc:
         if not isinstance(exc, PrefixtraceError):
@@ -130,6 +128,59 @@ async def serve_turn(request: Request, *, endpoint: str, upstream: str, recorder
     return await respond(chat, builder, recorder, stream(chat, builder, recorder), error_body)
 
 
+async def stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink, *, is_end: Callable[[bytes], bool],
+                            in_band_error: Callable[[PrefixtraceError], list[bytes]],
+                            on_event: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
+    """A streamed reply's SSE as sent, its turn recorded once, the same way for every protocol.
+
+    The turn is committed before the protocol's end marker (`is_end`: chat's `[DONE]`, Messages'
+    `message_stop`, a Responses terminal event) goes out, so a client that has read the end can rely
+    on the turn surviving a crash. A reply that knows its turn is complete earlier (an upstream's
+    usage chunk, `UpstreamChat.on_final`) starts the commit then, and the end marker waits for it.
+    A failure after the headers went out is recorded and told in band (`in_band_error`, in the
+    protocol's shape); a hang-up is recorded as 499 with the stage reached (`abandoned`).
+    `on_event`: called with each item before it is sent (the Responses adapter counts its events)."""
+    recorded = False
+    early_commit: asyncio.Task | None = None
+
+    def finish(error: str | None = None) -> Turn:
+        nonlocal recorded
+        recorded = True
+        return builder.finish(chat.status, error)
+
+    def commit_now() -> None:
+        nonlocal early_commit
+        if not recorded:
+            early_commit = asyncio.ensure_future(record_durably(recorder, finish()))
+
+    if hasattr(chat, "on_final"):  # a reply that can tell its turn is complete before the end marker
+        chat.on_final = commit_now
+    try:
+        async for event in chat.sse():
+            if on_event is not None:
+                on_event(event)
+            if is_end(event):
+                if early_commit is not None:
+                    await asyncio.shield(early_commit)
+                if not recorded:
+                    await record_durably(recorder, finish())
+            yield event
+    except PrefixtraceError as exc:  # failed after the headers went out: tell the client in band
+        if not recorded:
+            await record_durably(recorder, finish(exc.message))
+        for out in in_band_error(exc):
+            yield out
+    except (asyncio.CancelledError, GeneratorExit):  # the client hung up: 499, with the stage reached
+        chat.cancel()
+        if not recorded:
+            recorded = True
+            recorder.record(abandoned(chat, builder))
+        raise
+    finally:
+        if not recorded:
+            recorder.record(finish())
+
+
 async def respond(chat, builder: TurnBuilder, recorder: TurnSink, stream, error_body: Callable[[PrefixtraceError], dict]):
     """`stream` is the SSE generator to send when the chat streams; otherwise the whole
     body goes out, recorded first. `error_body` renders an error in the API's shape."""
@@ -146,3 +197,58 @@ async def respond(chat, builder: TurnBuilder, recorder: TurnSink, stream, error_
         raise
     await record_durably(recorder, builder.finish(chat.status))
     return Response(data, status_code=chat.status, media_type=content_type)
+
+
+# The response that carries a turn's SSE stream to the client (every protocol, every backend).
+#
+# Starlette's `StreamingResponse` does the same job through an anyio task group: a second task
+# streams while the first listens for `http.disconnect`, with cancel-scope bookkeeping around
+# every chunk, a few percent of the proxy's CPU on a short streamed request (issue 17). This one
+# streams in the app's own task and leaves the listening to one plain task, whose only act is to
+# cancel the streaming task when the client hangs up; where the app's front already watches for
+# the hang-up and cancels the same task (`TurnRoutes`, proxy/turn_routes.py), it adds none. What
+# the stream's generator sees is the same as before: a `CancelledError` where it waits (for the
+# upstream, or the engine) or, when it was suspended at a `yield`, a `GeneratorExit` from
+# `aclose()`; either way it records the turn as the client saw it and tells its backend to stop.
+SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+           (b"content-type", b"text/event-stream; charset=utf-8")]
+
+
+class EventStreamResponse:
+    """An ASGI response: `status`, the SSE headers, then each of `events` as it comes."""
+
+    def __init__(self, events: AsyncIterator[bytes], status_code: int = 200):
+        self.events = events
+        self.status_code = status_code
+
+    async def __call__(self, scope, receive, send) -> None:
+        task = asyncio.current_task()
+        hung_up = False
+        finished = False
+
+        async def listen() -> None:
+            nonlocal hung_up
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not finished:  # once the last byte is out, a disconnect is the connection's own end
+                hung_up = True
+                task.cancel()
+
+        # Where the app watches for the hang-up itself (proxy/turn_routes.py), it cancels this task
+        # just as `listen` would: no second listener.
+        listener = None if scope.get(WATCHED) else asyncio.ensure_future(listen())
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": SSE_HEADERS})
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            finished = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not hung_up:
+                raise  # the server is stopping (or someone else cancelled us): not ours to swallow
+            task.uncancel()  # the client went away: the stream's generator has recorded it
+        finally:
+            finished = True
+            if listener is not None:
+                listener.cancel()
+            await self.events.aclose()  # a generator left at a `yield` records the hang-up now

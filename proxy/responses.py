@@ -21,7 +21,6 @@ Recorded with endpoint "/v1/responses"; usage: `prompt_tokens = input_tokens`,
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections import OrderedDict
 from typing import AsyncIterator
@@ -37,7 +36,8 @@ from wire.events import ReplyDone
 from wire.responses_stream import TERMINAL, ResponsesReader, ResponsesWriter, encode
 from recorder.turn_builder import TurnBuilder
 from proxy.chat_request import ChatRequest, parse_chat_request, passthrough_request
-from proxy.relay import abandoned, record_durably, serve_turn
+from proxy.backend import Backend
+from proxy.relay import TurnSink, serve_turn, stream_and_record
 from proxy.upstream_backend import Relayed, map_httpx_errors, mark_served, served_by
 
 RESPONSES_PATH = wire.PATH
@@ -196,10 +196,10 @@ class UpstreamResponses(Relayed):
         return data, self.content_type
 
 
-def add_responses_route(app: FastAPI, backend, recorder) -> None:
+def add_responses_route(app: FastAPI, backend: Backend, recorder: TurnSink) -> None:
     """`POST /v1/responses`, ending like chat completions (`proxy.relay.respond`)."""
     store = ResponseStore()
-    on_engine = hasattr(backend, "engine")
+    on_engine = backend.embedded
 
     def parse(body: dict, headers: dict[str, str]) -> ChatRequest:
         if on_engine:
@@ -227,7 +227,7 @@ def add_responses_route(app: FastAPI, backend, recorder) -> None:
 
     @app.post(RESPONSES_PATH)
     async def responses(request: Request):
-        return await serve_turn(request, endpoint=RESPONSES_PATH, upstream=backend.label, recorder=recorder,
+        return await serve_turn(request, endpoint=RESPONSES_PATH, backend=backend, recorder=recorder,
                                 parse=parse, open_reply=open_reply, stream=_stream, error_body=to_openai_error)
 
     @app.get(RESPONSES_PATH + "/{response_id}")
@@ -245,32 +245,17 @@ def _is_terminal(event: bytes) -> bool:
     return first.startswith(b"event:") and first[6:].strip().decode(errors="replace") in TERMINAL
 
 
-async def _stream(chat, builder: TurnBuilder, recorder):
-    recorded = False
+def _in_band_error(exc: PrefixtraceError) -> list[bytes]:
+    return [encode({"type": "error", "sequence_number": 0, "code": exc.code, "message": exc.message, "param": None})]
 
-    def finish(error: str | None = None):
-        nonlocal recorded
-        recorded = True
-        return builder.finish(chat.status, error)
 
-    try:
-        async for event in chat.sse():
-            for _ in range(event.count(b"\n\n")):  # an upstream's read may carry several events
-                builder.on_sent()
-            if _is_terminal(event) and not recorded:
-                # Commit before the client can see the end of the stream (as chat completions do).
-                await record_durably(recorder, finish())
-            yield event
-    except PrefixtraceError as exc:  # after the headers went out: tell the client in-band
-        if not recorded:
-            await record_durably(recorder, finish(exc.message))
-        yield encode({"type": "error", "sequence_number": 0, "code": exc.code, "message": exc.message, "param": None})
-    except (asyncio.CancelledError, GeneratorExit):  # the client hung up: 499, with the stage reached
-        chat.cancel()
-        if not recorded:
-            recorded = True
-            recorder.record(abandoned(chat, builder))
-        raise
-    finally:
-        if not recorded:
-            recorder.record(finish())
+def _stream(chat, builder: TurnBuilder, recorder):
+    """Every streamed Responses reply: committed before its terminal event, errors as an `error` event;
+    each event counted as sent (an upstream's read may carry several)."""
+
+    def count(event: bytes) -> None:
+        for _ in range(event.count(b"\n\n")):
+            builder.on_sent()
+
+    return stream_and_record(chat, builder, recorder, is_end=_is_terminal, in_band_error=_in_band_error,
+                             on_event=count)

@@ -12,7 +12,7 @@ did for it in one place: the guard's check (a request it refuses takes the full 
 `RequestGuard` answers and records it), the `X-Max-Context-Tokens` header, and the hang-up
 watch: once the body is read, one task waits for `http.disconnect` and, until the last byte is
 out, cancels the request's own task (a non-streamed turn stops its backend; a streamed one is
-recorded as the client saw it, `proxy/event_stream.py`). It calls the function the FastAPI route
+recorded as the client saw it, `EventStreamResponse` in proxy/relay.py). It calls the function the FastAPI route
 holds, so there is one handler per endpoint, registered once (and still in the OpenAPI schema);
 every other request, and every method but POST, goes through FastAPI as before.
 """
@@ -27,7 +27,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 
 # Set in the scope of a request whose hang-up `TurnRoutes` watches: a response that would
-# listen for `http.disconnect` itself (proxy/event_stream.py) need not.
+# listen for `http.disconnect` itself (`EventStreamResponse`, proxy/relay.py) need not.
 WATCHED = "prefixtrace.disconnect_watched"
 
 

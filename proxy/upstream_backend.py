@@ -1,4 +1,5 @@
-"""Forward chat completions to any OpenAI-compatible server over httpx.
+"""An upstream server as a backend (`proxy.backend.ForwardingBackend`): bodies POSTed as sent, over httpx
+or the proxy's own client (proxy/upstream_http.py); each protocol adapter reads the reply (`Relayed`).
 
 Streams are passed through event by event as they arrive (never buffered
 whole); each event is also parsed so the turn can be recorded.
@@ -27,7 +28,6 @@ from common.errors import UpstreamError
 from common.urls import credentials, display_url, without_credentials
 from wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
 from wire import sse
-from proxy.chat_request import ChatRequest
 from proxy.relay import UPSTREAM_BODY
 from proxy.upstream_http import WORKER_HEADER, UpstreamConnections
 from recorder.turn_builder import TurnBuilder
@@ -49,7 +49,6 @@ _NOT_IN_A_HEADER = re.compile("[\r\n\0]")
 # session's turns stay on the worker that holds its prefix (docs/FLEET.md): sglang-router's `manual`
 # policy reads X-SMG-Routing-Key, vllm-router's `consistent_hash` and `sticky_least_loaded` X-Session-Id.
 ROUTING_KEY_HEADERS = ("x-smg-routing-key", "x-session-id")
-USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 # What reading a reply of the wrong shape raises (the turn builder's `ValueError`s, and the
 # readers' `.get` on a string): the upstream's fault, not the proxy's.
 UNREADABLE = (ValueError, TypeError, AttributeError, KeyError, IndexError)
@@ -103,9 +102,17 @@ class UpstreamBackend:
                                    read_timeout=timeouts.idle_s, write_timeout=timeouts.idle_s,
                                    first_byte_timeout=timeouts.first_byte_s)
 
+    embedded = False  # proxy/backend.py: bodies go on as sent, replies are read on their way back
+
     @property
     def label(self) -> str:
         return self.base_url
+
+    def renderer_identity(self) -> None:
+        return None  # the upstream's template, where it publishes one, is read by `published_renderer`
+
+    def stats(self) -> None:
+        return None  # one server: its counters are in the turns themselves
 
     async def aclose(self) -> None:
         if self.connections is not None:
@@ -134,20 +141,6 @@ class UpstreamBackend:
         if response.status_code >= 400:
             raise UpstreamError(f"upstream {self.base_url} answered {response.status_code} to /v1/models")
         return response.json()
-
-    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str], *,
-                   path: str = "/v1/chat/completions") -> "UpstreamChat":
-        """Chat completions, or (`path`) legacy completions, whose chunks carry `text`."""
-        body, raw = req.body, req.raw
-        options = body.get("stream_options")
-        if req.stream and not (isinstance(options, dict) and options.get("include_usage") is True):
-            # Ask for usage so every turn can be recorded; the client only sees
-            # the usage chunk if it asked for it itself.
-            body = {**body, "stream_options": {**(options or {}), "include_usage": True}}
-            # The client's bytes with the option added, when it had none (no re-encoding).
-            raw = _with_member(raw, USAGE_OPTION) if "stream_options" not in req.body and req.body else None
-        response, url = await self.post(path, body, headers, session_id=req.session_id, raw=raw)
-        return UpstreamChat(req, builder, response, url)
 
     async def published_renderer(self) -> None:
         """Asks once whether this upstream publishes its chat template (llama.cpp: GET /props
@@ -180,7 +173,7 @@ class UpstreamBackend:
         if session_id and not _NOT_IN_A_HEADER.search(session_id) and session_id.isascii():
             forward = {k: v for k, v in forward.items() if k.lower() not in ROUTING_KEY_HEADERS}
             forward.update(dict.fromkeys(ROUTING_KEY_HEADERS, session_id))
-        content = raw if raw is not None and _plain_json_object(raw) else _json_bytes(body)
+        content = raw if raw is not None and plain_json_object(raw) else _json_bytes(body)
         with map_httpx_errors(self.base_url):
             if self.connections is not None:
                 return await self.connections.request(self._head(path, forward, len(content)), content), self.base_url
@@ -237,21 +230,10 @@ class UpstreamBackend:
         return response
 
 
-def _is_done_marker(event: bytes) -> bool:
-    return event == sse.DONE  # what `_stream_and_record` commits before (proxy/app.py)
-
-
-def _plain_json_object(raw: bytes) -> bool:
+def plain_json_object(raw: bytes) -> bool:
     """Whether `raw` (a body that parsed as a JSON object) is UTF-8 with no byte-order mark: `{`
     first and `}` last, bar whitespace. UTF-16/32 put a NUL beside one of them, a BOM comes first."""
     return raw.lstrip(b" \t\r\n")[:1] == b"{" and raw.rstrip(b" \t\r\n")[-1:] == b"}"
-
-
-def _with_member(raw: bytes | None, member: bytes) -> bytes | None:
-    """`raw`, a non-empty JSON object without `member`'s key, with `member` added at its end."""
-    if raw is None or not _plain_json_object(raw):
-        return None
-    return raw.rstrip(b" \t\r\n")[:-1] + b"," + member + b"}"
 
 
 def _json_bytes(body: dict) -> bytes:
@@ -421,83 +403,3 @@ class Relayed:
         turn = self.builder.turn
         if not turn.error:
             turn.error = f"upstream {self.url} sent an event the proxy cannot read ({why}): {_excerpt(event)}"
-
-
-class UpstreamChat(Relayed):
-    def __init__(self, req: ChatRequest, builder: TurnBuilder, response: httpx.Response, url: str):
-        super().__init__(response, url)
-        self.req = req
-        self.builder = builder
-        mark_served(builder, url)  # the member that answered (a pool routes by session), its renderer
-        builder.turn.served_by = served_by(response, url)  # a router's worker names itself
-        self._complete = False  # [DONE], a finish_reason or an in-band error seen
-        # Called once the turn can take nothing more but [DONE]: the usage chunk after a
-        # finish_reason (the last one OpenAI streams). The upstream commits its own turn before
-        # it sends [DONE]; starting ours here overlaps the two commits (issue 17).
-        self.on_final: Callable[[], None] | None = None
-        self._final = False
-
-    async def sse(self) -> AsyncIterator[bytes]:
-        """What the client is sent, one item per upstream read (`sse.joined`); [DONE] by itself."""
-        try:
-            with map_httpx_errors(self.url):
-                async for batch in self.event_batches():
-                    passed = [out for out in map(self._pass, batch) if out]
-                    for out in sse.joined(passed, _is_done_marker):
-                        yield out
-        finally:
-            await self.response.aclose()
-        if not self._complete:
-            # A stream framed by closing the connection (no chunked encoding, no length)
-            # that is cut short reads like one that ended: only the protocol's own end
-            # marks tell them apart.
-            raise UpstreamError(f"the stream from {self.url} ended without [DONE] or a finish_reason "
-                                "(cut short?)")
-
-    def _pass(self, event: bytes) -> bytes | None:
-        chunk = sse.decode_data(event)
-        if chunk is None:
-            if sse.is_done(event):
-                self._complete = True
-            elif sse.unreadable(event):
-                self.fault("data that is not a JSON object", event)
-            return event
-        if self._final:
-            # Data after the final usage chunk: the turn is already with the recorder, which
-            # may be writing it right now; it is passed on, not recorded (a broken upstream).
-            return event
-        choices = chunk.get("choices") or ()
-        if "error" in chunk:
-            self._complete = True
-        elif choices and not self._complete:
-            for choice in choices:
-                if isinstance(choice, dict) and choice.get("finish_reason"):
-                    self._complete = True
-                    break
-        try:
-            self.builder.on_chunk(chunk)
-        except UNREADABLE as exc:
-            self.fault(str(exc), event)
-            return event
-        if "error" in chunk and not chunk.get("choices"):
-            self.builder.turn.error = str(chunk["error"])
-        usage_only = not choices and chunk.get("usage")
-        if usage_only and self._complete and "error" not in chunk and self.on_final is not None:
-            self._final = True
-            self.on_final()
-        if usage_only and not self.req.include_usage:
-            return None
-        return event
-
-    async def whole(self) -> tuple[bytes, str]:
-        """The whole body (non-streamed requests and upstream errors), recorded as it passes."""
-        data, body = await self.read()
-        if body is not None:
-            if self.status < 400:
-                with self.reading(body, "choices"):
-                    self.builder.on_response(body)
-            else:
-                self.builder.turn.error = str(body.get("error", body))[:2000]
-        elif self.status >= 400:
-            self.builder.turn.error = data[:2000].decode(errors="replace")
-        return data, self.content_type

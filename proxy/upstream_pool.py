@@ -106,6 +106,10 @@ class UpstreamPool:
     """
 
     max_context_tokens = None  # the upstreams' limits are their own
+    embedded = False  # proxy/backend.py: bodies go on as sent
+
+    def renderer_identity(self) -> None:
+        return None
 
     def __init__(self, urls: list[str], *, health_interval: float = 2.0, vnodes: int = 64,
                  transport: httpx.AsyncBaseTransport | None = None, timeout: float | None = None,
@@ -198,7 +202,6 @@ class UpstreamPool:
         raise UpstreamError(f"no upstream could take the request; last error: {last.message if last else 'none'}",
                             upstreams=list(self.members))
 
-    open = UpstreamBackend.open  # the same chat-completions handling, over this pool's `post`
 
     # --- the rest of the backend interface ----------------------------------------
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.errors import InvalidRequest
-from proxy.chat_request import parse_body
+from proxy.request_limits import parse_body
 from proxy.request_limits import MAX_JSON_DEPTH, check_depth
 
 

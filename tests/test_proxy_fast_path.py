@@ -301,6 +301,7 @@ def test_the_events_of_one_upstream_read_go_out_together_and_done_alone():
     not two (issue 17). [DONE] still comes by itself (the commit waits in front of it), and a
     usage chunk the client did not ask for is still not shown."""
     from recorder.turn_builder import TurnBuilder
+    from proxy.chat_completions import open_upstream
     from proxy.chat_request import parse_chat_request
     from recorder.turn import Turn
 
@@ -323,7 +324,7 @@ def test_the_events_of_one_upstream_read_go_out_together_and_done_alone():
         req = parse_chat_request({"stream": True, "messages": [{"role": "user", "content": "hi"}]})
         builder = TurnBuilder(Turn(request_id="r", started_at=0.0, endpoint="/v1/chat/completions",
                                    upstream="u", request_body=None, request_headers={}))
-        chat = await backend.open(req, builder, {})
+        chat = await open_upstream(backend, req, builder, {})
         return [out async for out in chat.sse()], builder.turn
 
     sent, turn = asyncio.run(run())
@@ -338,6 +339,7 @@ def test_http_chunks_that_arrived_together_go_out_as_one_write(tmp_path):
     item, one write to the client (issue 17: it was one item per HTTP chunk, two writes, two
     wake-ups of the client before its first content), and every chunk is still recorded."""
     from recorder.turn_builder import TurnBuilder
+    from proxy.chat_completions import open_upstream
     from proxy.chat_request import parse_chat_request
     from recorder.turn import Turn
 
@@ -370,7 +372,7 @@ def test_http_chunks_that_arrived_together_go_out_as_one_write(tmp_path):
         req = parse_chat_request({"stream": True, "messages": [{"role": "user", "content": "hi"}]})
         builder = TurnBuilder(Turn(request_id="r", started_at=0.0, endpoint="/v1/chat/completions",
                                    upstream="u", request_body=None, request_headers={}))
-        chat = await backend.open(req, builder, {})
+        chat = await open_upstream(backend, req, builder, {})
         try:
             return [out async for out in chat.sse()], builder.turn
         finally:

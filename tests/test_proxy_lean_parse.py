@@ -1,5 +1,5 @@
 """Two cuts on the proxy's path to the first byte (issue 17, session 8) that must change nothing:
-the request body parsed by one decoder made once (`proxy.chat_request._loads`) exactly as
+the request body parsed by one decoder made once (`proxy.request_limits._loads`) exactly as
 `json.loads(raw, parse_constant=...)` parses it, and the upstream response's content type, coding
 and framing read off its raw head (`UpstreamResponse.head`) exactly as `httpx.Headers` reads them."""
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.chat_request import _loads, _no_constant
+from proxy.request_limits import _loads, _no_constant
 from proxy.upstream_http import UpstreamResponse, _Undecodable
 
 

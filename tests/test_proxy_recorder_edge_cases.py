@@ -57,14 +57,26 @@ def test_negative_seed_is_served_and_deterministic(openai_client):
 
 
 class ExplodingBackend:
+    """A forwarding backend (proxy/backend.py) whose every turn fails with a bug."""
+
     label = "exploding"
     max_context_tokens = None
+    embedded = False
 
     async def ready(self):
         return True
 
-    async def open(self, req, builder, headers):
+    async def post(self, path, body, headers, *, session_id=None, raw=None):
         raise RuntimeError("boom")
+
+    def renderer_identity(self):
+        return None
+
+    def stats(self):
+        return None
+
+    async def aclose(self):
+        pass
 
 
 def test_an_unexpected_failure_is_an_openai_error_and_still_recorded(tmp_path):

@@ -1,0 +1,97 @@
+"""What the app and the protocol adapters ask of a backend, written down once.
+
+Two kinds answer a turn (proxy/app.py builds the app around either):
+
+- `EngineBackend` (proxy/engine_backend.py): the embedded engine. The proxy parses the request
+  fully, renders it with the model's template and generates here (`embedded` is True).
+- `UpstreamBackend` (proxy/upstream_backend.py) and `UpstreamPool` (proxy/upstream_pool.py): an
+  OpenAI/Anthropic-compatible server, or several. The body goes on as the client sent it and the
+  reply is read on its way back (`embedded` is False).
+
+A protocol adapter (proxy/chat_completions.py, anthropic.py, responses.py, completions.py) reads
+`backend.embedded` once, to choose how it parses and opens a turn; everything else it needs is a
+method named here. The split mirrors httpx's transports: the adapters never look for attributes
+to guess which kind they hold.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # typing only: upstream mode never imports the engine (nor MLX)
+    import httpx
+
+    from engine.engine import Engine
+    from recorder.turn_builder import TurnBuilder
+    from proxy.chat_request import ChatRequest
+    from proxy.engine_backend import EngineChat
+
+
+class Reply(Protocol):
+    """An opened reply, whatever the protocol (proxy/relay.py `respond` sends it)."""
+
+    status: int
+
+    @property
+    def streams_events(self) -> bool: ...
+
+    def cancel(self) -> None: ...
+
+    async def whole(self) -> tuple[bytes, str]: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Every backend: what the app's routes, the dashboard and the adapters call."""
+
+    # True: the embedded engine (parse, render, generate here); False: forwarded upstream as sent.
+    embedded: bool
+
+    @property
+    def label(self) -> str:
+        """Names the backend in recorded turns (`upstream`), /health and logs."""
+
+    @property
+    def max_context_tokens(self) -> int | None:
+        """The context limit sent as `X-Max-Context-Tokens` (None: none known here)."""
+
+    async def ready(self) -> bool: ...
+
+    async def capacity(self) -> dict: ...
+
+    async def models(self) -> dict: ...
+
+    def renderer_identity(self) -> dict[str, Any] | None:
+        """The chat template the embedded engine renders with (`GET /props`); None upstream."""
+
+    def stats(self) -> list[dict] | None:
+        """Per-upstream counters of a pool (dashboard, /metrics); None for one server or the engine."""
+
+    async def aclose(self) -> None:
+        """Release connections and tasks when the app stops."""
+
+
+@runtime_checkable
+class EmbeddedBackend(Backend, Protocol):
+    """The embedded engine's backend: what the adapters call when `embedded` is True."""
+
+    engine: Engine
+
+    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str], *,
+                   wait_first: bool = True) -> EngineChat:
+        """Render `req` and submit it; its reply events come from the returned `EngineChat`."""
+
+    async def open_prompt(self, req: ChatRequest, prompt: str, builder: TurnBuilder) -> EngineChat:
+        """Legacy completions: a raw prompt, no chat template."""
+
+    async def render(self, req: ChatRequest, *, count_only: bool = False) -> Any:
+        """The rendered prompt (text and token ids) the engine would run for `req`."""
+
+
+@runtime_checkable
+class ForwardingBackend(Backend, Protocol):
+    """An upstream (or a pool of them): what the adapters call when `embedded` is False."""
+
+    async def post(self, path: str, body: dict, headers: dict[str, str], *, session_id: str | None = None,
+                   raw: bytes | None = None) -> tuple[httpx.Response, str]:
+        """`body` POSTed to `path` as sent; the streamed response and the URL that answered."""

@@ -1,0 +1,270 @@
+"""OpenAI's chat completions (`POST /v1/chat/completions`), to the embedded engine or passed through upstream.
+
+Embedded engine: the request is parsed here (`parse_chat_request`, proxy/chat_request.py, which
+the other adapters translate into) and the engine's reply events are written as
+chat.completion(.chunk) objects (`EngineChatCompletion`). Upstream: the body goes on as sent, with
+`stream_options.include_usage` added to a streamed request that lacks it so every turn has its
+usage (the client sees the usage chunk only if it asked), and each chunk is read into the turn
+on its way back (`UpstreamChat`). Legacy completions upstream are relayed the same way
+(proxy/completions.py), their chunks carrying `text`.
+
+A stream ends the same way on both: the turn committed before `data: [DONE]` goes out
+(`stream`, proxy/relay.py `stream_and_record`), a failure after the headers sent as an OpenAI
+error chunk and then `[DONE]`.
+
+Recorded with endpoint "/v1/chat/completions".
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import uuid
+from typing import AsyncIterator, Callable
+
+import httpx
+from fastapi import FastAPI, Request
+
+from common.errors import PrefixtraceError, UpstreamError, to_openai_error
+from wire import sse
+from wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
+from wire.http import map_httpx_errors
+from recorder.turn_builder import TurnBuilder
+from proxy.backend import Backend, ForwardingBackend
+from proxy.chat_request import ChatRequest, parse_chat_request
+from proxy.relay import TurnSink, serve_turn, stream_and_record
+from proxy.upstream_backend import UNREADABLE, Relayed, mark_served, plain_json_object, served_by
+
+CHAT_PATH = "/v1/chat/completions"
+USAGE_OPTION = b'"stream_options":{"include_usage":true}'
+
+
+def is_done(event: bytes) -> bool:
+    """The end of an OpenAI stream (chat and legacy completions): the turn is committed before it."""
+    return event == sse.DONE
+
+
+def in_band_error(exc: PrefixtraceError) -> list[bytes]:
+    """A failure after the headers went out, as OpenAI streams one: an error chunk, then [DONE]."""
+    return [sse.encode(to_openai_error(exc)), sse.DONE]
+
+
+# A streamed reply as sent, its turn recorded (proxy/relay.py `stream_and_record`).
+stream = functools.partial(stream_and_record, is_end=is_done, in_band_error=in_band_error)
+
+
+# --- the route ----------------------------------------------------------------------
+
+
+def add_chat_route(app: FastAPI, backend: Backend, recorder: TurnSink) -> None:
+    """`POST /v1/chat/completions`, ended by `proxy.relay.respond`."""
+
+    async def open_reply(req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
+        if backend.embedded:
+            return EngineChatCompletion(await backend.open(req, builder, headers), req, builder)
+        return await open_upstream(backend, req, builder, headers)
+
+    @app.post(CHAT_PATH)
+    async def chat_completions(request: Request):
+        return await serve_turn(request, endpoint=CHAT_PATH, backend=backend, recorder=recorder,
+                                parse=parse_chat_request, open_reply=open_reply, stream=stream,
+                                error_body=to_openai_error)
+
+
+# --- embedded engine --------------------------------------------------------------
+
+
+class EngineChatCompletion:
+    """One chat request served by the engine; wraps the engine's `EngineChat`."""
+
+    status = 200
+
+    def __init__(self, chat, req: ChatRequest, builder: TurnBuilder):
+        self.chat, self.req, self.builder = chat, req, builder
+        self.id = "chatcmpl-" + uuid.uuid4().hex
+        self.created = chat.created
+        self.model = chat.model
+
+    @property
+    def streams_events(self) -> bool:
+        return self.req.stream
+
+    def cancel(self) -> None:
+        self.chat.cancel()
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        yield self._chunk({"role": "assistant", "content": ""})
+        try:
+            async for event in self.chat.reply_events():
+                if isinstance(event, ContentDelta):
+                    yield self._chunk({"content": event.text})
+                elif isinstance(event, ReasoningDelta):
+                    yield self._chunk({"reasoning_content": event.text})
+                elif isinstance(event, ToolCallStart):
+                    yield self._chunk({"tool_calls": [{"index": event.index, "id": event.call_id, "type": "function",
+                                                       "function": {"name": event.name, "arguments": ""}}]})
+                elif isinstance(event, ToolCallArgsDelta):
+                    yield self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})
+                elif isinstance(event, ReplyDone):
+                    usage = usage_of(event)
+                    self.builder.on_usage(usage)
+                    yield self._chunk({}, finish_reason=event.finish_reason)
+                    if self.req.include_usage:
+                        yield self._emit({**self._envelope(), "choices": [], "usage": usage})
+        except PrefixtraceError as err:  # after the headers went out: in band
+            body = to_openai_error(err)
+            self.builder.turn.error = body["error"]["message"]
+            yield sse.encode(body)
+        yield sse.DONE
+
+    def _chunk(self, delta: dict, finish_reason: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._emit({**self._envelope(), "choices": [choice]})
+
+    def _emit(self, chunk: dict) -> bytes:
+        self.builder.on_chunk(chunk)
+        return sse.encode(chunk)
+
+    def _envelope(self) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
+
+    async def whole(self) -> tuple[bytes, str]:
+        return json.dumps(await self.json()).encode(), "application/json"
+
+    async def json(self) -> dict:
+        reply = await self.chat.collect()
+        message: dict = {"role": "assistant", "content": reply.text if reply.text or not reply.tool_calls else None}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
+        if reply.tool_calls:
+            message["tool_calls"] = reply.tool_calls
+        done = reply.done
+        body = {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}],
+            "usage": usage_of(done),
+        }
+        self.builder.on_response(body)
+        if done.completion_tokens:
+            self.builder.turn.ttft_s = self.chat.finished.prefill_s
+        return body
+
+
+def usage_of(event: ReplyDone) -> dict:
+    return {
+        "prompt_tokens": event.prompt_tokens,
+        "completion_tokens": event.completion_tokens,
+        "total_tokens": event.prompt_tokens + event.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": event.cached_tokens},
+    }
+
+
+# --- upstream pass-through --------------------------------------------------------
+
+
+async def open_upstream(backend: ForwardingBackend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str],
+                        *, path: str = CHAT_PATH) -> UpstreamChat:
+    """Chat completions, or (`path`) legacy completions, whose chunks carry `text`, POSTed upstream."""
+    body, raw = req.body, req.raw
+    options = body.get("stream_options")
+    if req.stream and not (isinstance(options, dict) and options.get("include_usage") is True):
+        # Ask for usage so every turn can be recorded; the client only sees
+        # the usage chunk if it asked for it itself.
+        body = {**body, "stream_options": {**(options or {}), "include_usage": True}}
+        # The client's bytes with the option added, when it had none (no re-encoding).
+        raw = _with_member(raw, USAGE_OPTION) if "stream_options" not in req.body and req.body else None
+    response, url = await backend.post(path, body, headers, session_id=req.session_id, raw=raw)
+    return UpstreamChat(req, builder, response, url)
+
+
+def _with_member(raw: bytes | None, member: bytes) -> bytes | None:
+    """`raw`, a non-empty JSON object without `member`'s key, with `member` added at its end."""
+    if raw is None or not plain_json_object(raw):
+        return None
+    return raw.rstrip(b" \t\r\n")[:-1] + b"," + member + b"}"
+
+
+class UpstreamChat(Relayed):
+    """An upstream's chat (or legacy) completion, passed through and read into the turn: every
+    chunk recorded as it passes, the usage chunk the proxy asked for kept from a client that did not."""
+
+    def __init__(self, req: ChatRequest, builder: TurnBuilder, response: httpx.Response, url: str):
+        super().__init__(response, url)
+        self.req = req
+        self.builder = builder
+        mark_served(builder, url)  # the member that answered (a pool routes by session), its renderer
+        builder.turn.served_by = served_by(response, url)  # a router's worker names itself
+        self._complete = False  # [DONE], a finish_reason or an in-band error seen
+        # Called once the turn can take nothing more but [DONE]: the usage chunk after a
+        # finish_reason (the last one OpenAI streams). The upstream commits its own turn before
+        # it sends [DONE]; starting ours here overlaps the two commits (issue 17).
+        self.on_final: Callable[[], None] | None = None
+        self._final = False
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        """What the client is sent, one item per upstream read (`sse.joined`); [DONE] by itself."""
+        try:
+            with map_httpx_errors(self.url):
+                async for batch in self.event_batches():
+                    passed = [out for out in map(self._pass, batch) if out]
+                    for out in sse.joined(passed, is_done):
+                        yield out
+        finally:
+            await self.response.aclose()
+        if not self._complete:
+            # A stream framed by closing the connection (no chunked encoding, no length)
+            # that is cut short reads like one that ended: only the protocol's own end
+            # marks tell them apart.
+            raise UpstreamError(f"the stream from {self.url} ended without [DONE] or a finish_reason "
+                                "(cut short?)")
+
+    def _pass(self, event: bytes) -> bytes | None:
+        chunk = sse.decode_data(event)
+        if chunk is None:
+            if sse.is_done(event):
+                self._complete = True
+            elif sse.unreadable(event):
+                self.fault("data that is not a JSON object", event)
+            return event
+        if self._final:
+            # Data after the final usage chunk: the turn is already with the recorder, which
+            # may be writing it right now; it is passed on, not recorded (a broken upstream).
+            return event
+        choices = chunk.get("choices") or ()
+        if "error" in chunk:
+            self._complete = True
+        elif choices and not self._complete:
+            for choice in choices:
+                if isinstance(choice, dict) and choice.get("finish_reason"):
+                    self._complete = True
+                    break
+        try:
+            self.builder.on_chunk(chunk)
+        except UNREADABLE as exc:
+            self.fault(str(exc), event)
+            return event
+        if "error" in chunk and not chunk.get("choices"):
+            self.builder.turn.error = str(chunk["error"])
+        usage_only = not choices and chunk.get("usage")
+        if usage_only and self._complete and "error" not in chunk and self.on_final is not None:
+            self._final = True
+            self.on_final()
+        if usage_only and not self.req.include_usage:
+            return None
+        return event
+
+    async def whole(self) -> tuple[bytes, str]:
+        """The whole body (non-streamed requests and upstream errors), recorded as it passes."""
+        data, body = await self.read()
+        if body is not None:
+            if self.status < 400:
+                with self.reading(body, "choices"):
+                    self.builder.on_response(body)
+            else:
+                self.builder.turn.error = str(body.get("error", body))[:2000]
+        elif self.status >= 400:
+            self.builder.turn.error = data[:2000].decode(errors="replace")
+        return data, self.content_type
