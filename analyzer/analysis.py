@@ -10,16 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from analyzer.chains import Analyzer
-from analyzer.costing import dollars_of_breaks, price_breaks
+from analyzer.costing import dollars_of_breaks
 from analyzer.load import load
 from analyzer.render import make_renderer
-from analyzer.results import Break, Report, SessionResult, TurnResult
+from analyzer.results import Report
 from analyzer.tokens import Tokenizer
 from common.errors import InvalidRequest
 
-# Names other packages import from here (the analyzer's front door), wherever they live now.
-__all__ = ["Analyzer", "Break", "Report", "SessionResult", "TurnResult", "analyze", "dollars_of_breaks",
-           "price_breaks"]
 
 
 def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None = None, model: str | Path | None = None,

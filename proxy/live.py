@@ -22,11 +22,13 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from analyzer.analysis import Analyzer, SessionResult, TurnResult, price_breaks
 from analyzer.canon import Payload
+from analyzer.chains import Analyzer
 from analyzer.clients import KNOWN, client_of, is_side_request, title_of
+from analyzer.costing import price_breaks
 from analyzer.divergence import SegmentCounter
 from analyzer.load import Request
+from analyzer.results import SessionResult, TurnResult
 from analyzer.sessions import SessionGrouper
 from recorder.redact import DEFAULT_REDACTOR, Redactor
 from recorder.turn import Turn
