@@ -381,6 +381,56 @@ def test_a_30_mb_prompt_is_refused_without_tokenizing_it_and_its_memory_returned
     assert error["prompt_tokens_at_least"] > 8192 and "can never fit" in error["message"]
 
 
+def test_a_huge_refusal_is_answered_before_its_commit_and_a_graceful_stop_writes_it(tiny_engine, tmp_path):
+    """A refused body over 1 MB is answered without waiting for its turn's commit (redacting and writing
+    30 MB took ~1.5 s of the 2 s answer); a small refusal still waits; a stop right after the answer, as
+    `serve` stops (uvicorn, then `Recorder.close`), writes the queued turn, once, its secret redacted."""
+    from proxy.relay import REFUSAL_COMMIT_WAIT_BYTES
+    from recorder.store import Recorder
+
+    writing, written = threading.Event(), threading.Event()
+
+    def slow_body_writes(sql, params):  # every stored body passes here; a big one takes 3 s more
+        if sql.startswith("INSERT INTO") and any(isinstance(v, str) and len(v) > 1 << 20 for v in params or ()):
+            writing.set()
+            time.sleep(3)
+            written.set()
+
+    secret = "sk-proj-" + "Q7vX2mPz9L" * 4
+    text = "The quick brown fox jumps over the lazy dog.\n" * (3_000_000 // 45) + "my key is " + secret
+    prompt = _chat(text)
+    assert len(prompt) > REFUSAL_COMMIT_WAIT_BYTES
+    rec = Recorder(tmp_path / "t.db", tracer=slow_body_writes)
+    app = create_app(EngineBackend(tiny_engine), rec)
+    port = free_port()
+    uv, thread = start_uvicorn(uvicorn_config(app, "127.0.0.1", port, "warning"))
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    try:
+        big = httpx.post(url, content=prompt, headers={"Content-Type": "application/json"}, timeout=60)
+        assert big.status_code == 400 and big.json()["error"]["code"] == "context_exceeds_capacity", big.text
+        assert not written.is_set(), "the refusal waited for its turn's commit"
+        small = httpx.post(url, content=b'{"model": "default", "messages": "not a list"}', timeout=60,
+                           headers={"Content-Type": "application/json", "X-Session-Id": "small-refusal"})
+        assert small.status_code == 400
+        assert written.is_set(), "a small refusal was answered before its commit"  # it was queued behind the big one
+        writing.clear(), written.clear()
+        again = httpx.post(url, content=prompt.replace(b"quick", b"quiet", 1),  # a new body, written anew
+                           headers={"Content-Type": "application/json"}, timeout=60)
+        assert again.status_code == 400 and not written.is_set()
+    finally:
+        uv.should_exit = True  # stopped right after the answer, while its turn waits in the writer
+        thread.join(10)
+        rec.close(timeout=30)
+    assert written.is_set()
+    turns = list(iter_turns(rec.path))
+    assert sorted(t.status for t in turns) == [400, 400, 400] and len({t.request_id for t in turns}) == 3
+    bigs = [t for t in turns if t.session_id != "small-refusal"]
+    assert len(bigs) == 2 and all(t.error == big.json()["error"]["message"] for t in bigs)
+    assert all(t.request_body["messages"][0]["content"].endswith("my key is [REDACTED]") for t in bigs)
+    stored = b"".join(f.read_bytes() for f in tmp_path.iterdir() if f.name.startswith("t.db"))
+    assert secret.encode() not in stored
+
+
 # --- the bound that refuses a prompt untokenized never refuses one that fits ---------------------------
 
 def _adversarial_texts() -> list[str]:
