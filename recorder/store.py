@@ -11,6 +11,8 @@ queued, never a written one.
 committed. The proxy awaits it (`record_async`) right before the client sees
 the end of its response, so a client that got a whole response can rely on the
 turn surviving a crash; only that response waits, and only for its own commit.
+A refusal of a body over 1 MB does not wait (proxy/relay.py `record_refusal`):
+its turn is queued before the answer, and `close` writes what is queued.
 
 A full queue makes `record` block rather than drop: losing turns silently
 would make the analysis lie, and a full queue means the disk is far behind,
