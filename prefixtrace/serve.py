@@ -39,9 +39,12 @@ _NOFILE_BEFORE_MLX = resource.getrlimit(resource.RLIMIT_NOFILE)
 log = logging.getLogger("prefixtrace.serve")
 # SIGTERM/SIGINT: in-flight responses get this long to finish, then are cancelled
 # (and recorded as such), so shutdown always completes; then the recorder gets
-# RECORDER_CLOSE_S to write what is queued.
+# RECORDER_CLOSE_S to write what is queued. A refused 30 MB body is answered before
+# its commit (proxy/relay.py record_refusal) and its write took up to 9 s on a loaded
+# two-core machine, so the bound leaves room for several; it only delays the exit of a
+# writer that is stuck, never of one that finishes.
 SHUTDOWN_GRACE_S = 30
-RECORDER_CLOSE_S = 10.0
+RECORDER_CLOSE_S = 30.0
 
 
 @dataclass

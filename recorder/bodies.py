@@ -35,10 +35,21 @@ class SplitBody:
         return self.head + self.sep.join(self.messages) + self.tail
 
 
+# Texts longer than this are hashed a slice at a time, so a 30 MB body is not copied whole
+# into UTF-8 just to be hashed (the digest of the pieces in order is the digest of the whole).
+_HASH_SLICE = 1 << 20
+
+
 def message_hash(text: str) -> bytes:
     """The content address of one message: 16 bytes of BLAKE2b over its exact
     UTF-8 text (collisions are out of reach at any realistic volume)."""
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    if len(text) <= _HASH_SLICE:
+        return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    h = hashlib.blake2b(digest_size=16)
+    for i in range(0, len(text), _HASH_SLICE):
+        # "surrogatepass" encodes each code point alone, so a cut between two halves of a pair is safe.
+        h.update(text[i:i + _HASH_SLICE].encode("utf-8", "surrogatepass"))
+    return h.digest()
 
 
 def _ws(text: str, i: int) -> int:

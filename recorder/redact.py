@@ -194,21 +194,36 @@ class Redactor:
         self._header_verdicts: dict[str, bool] = {}
 
     def text(self, value: str) -> str:
+        return self._text(value)
+
+    def _text(self, value: str, skip: frozenset = frozenset(), absent: set | None = None) -> str:
+        """`text`, leaving out the patterns in `skip` (their literal is known to be absent; see
+        `skippable`), and adding to `absent` each pattern whose literal `value` does not hold."""
         spans: list[tuple[int, int]] = []
         literals = self._literals
         for pattern in self.patterns:
+            if pattern in skip:
+                continue
             # `in` is a fast substring search: a body without "sk-" skips that pattern's scan.
             if literals[pattern] in value:
                 self._collect(pattern, value, spans)
-        if self.folded:
+            elif absent is not None:
+                absent.add(pattern)
+        folded = [p for p in self.folded if p not in skip] if skip else self.folded
+        if folded:
             low = value.lower()
             if len(low) == len(value):
-                for pattern in self.folded:
+                for pattern in folded:
                     if literals[pattern] in low:
                         self._collect(pattern, low, spans)
-            else:
+                    elif absent is not None:
+                        absent.add(pattern)
+            else:  # no literal check here, so nothing is said absent (nor skipped)
                 for pattern in self._folded_ci:
                     self._collect(pattern, value, spans)
+        elif self.folded and not value.isascii() and len(value.lower()) != len(value):
+            for pattern in self._folded_ci:
+                self._collect(pattern, value, spans)
         if not spans:
             return value
         spans.sort()
@@ -230,24 +245,41 @@ class Redactor:
             else:
                 spans.extend(match.span(g) for g in groups if match.start(g) >= 0)
 
-    def value(self, value: Any) -> Any:
+    def value(self, value: Any, skip: frozenset = frozenset()) -> Any:
         """Redacts every string inside a JSON-like value (keys included: some
         clients put keys in dict keys, e.g. `{"sk-...": "prod"}`); the scalar
         value of a key named like a credential (`"password": ...`) is replaced
-        whole, as the folded patterns replace it in the raw body text."""
+        whole, as the folded patterns replace it in the raw body text. `skip`:
+        patterns none of its strings can match (`skippable`)."""
         if isinstance(value, str):
-            return self.text(value)
+            return self._text(value, skip)
         if isinstance(value, dict):
             out = {}
             for k, v in value.items():
                 if isinstance(k, str) and _is_secret_scalar(v) and self.folded and _SECRET_KEY.search(k.lower()):
-                    out[self.text(k)] = REDACTED
+                    out[self._text(k, skip)] = REDACTED
                 else:
-                    out[self.text(k) if isinstance(k, str) else k] = self.value(v)
+                    out[self._text(k, skip) if isinstance(k, str) else k] = self.value(v, skip)
             return out
         if isinstance(value, (list, tuple)):
-            return [self.value(v) for v in value]
+            return [self.value(v, skip) for v in value]
         return value
+
+    def json_text(self, raw: str) -> tuple[str, frozenset]:
+        """The redacted text of a JSON document `raw`, and the patterns that cannot match any string
+        of the value it parses to, for `value(parsed, skip)`: one scan of a 30 MB body's literals
+        instead of two (its text and then its strings), ~0.7 s less on two cores.
+
+        A pattern is left out only when its leading literal is not in `raw` and is spelled the same
+        inside a JSON string as outside it, and `raw` has no `\\u` or `\\/` escape: then every string
+        of the value appears in `raw` character for character except for the escaped `"`, `\\` and
+        control characters, none of which such a literal holds, so a string holding the literal would
+        have put it in `raw`. The caller must check that the value is `raw`'s own parse."""
+        absent: set = set()
+        text = self._text(raw, absent=absent)
+        if text is not raw or "\\u" in raw or "\\/" in raw:
+            return text, frozenset()
+        return text, frozenset(p for p in absent if _spelled_alike_in_json(self._literals[p]))
 
     def drops_header(self, name: str) -> bool:
         lower = name.lower()
@@ -263,6 +295,13 @@ class Redactor:
         if not headers:
             return {}
         return {name: self.text(str(val)) for name, val in headers.items() if not self.drops_header(name)}
+
+
+def _spelled_alike_in_json(literal: str) -> bool:
+    """Whether `literal` reads the same inside a JSON string as outside it (no JSON escape is needed
+    for, or `\\/` allowed on, any of its characters), lower-cased too (ASCII: no context-dependent
+    lower case). "" (no literal) is never skipped."""
+    return bool(literal) and literal.isascii() and not any(c in '"\\/' or c < " " for c in literal)
 
 
 def _is_secret_scalar(value: Any) -> bool:

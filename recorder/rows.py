@@ -52,6 +52,9 @@ def _dumps(value: Any) -> str:
 
 
 
+_UNPARSED = object()
+
+
 def body_text(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> tuple[str, bool]:
     """The redacted body text to store and whether it is JSON.
 
@@ -63,15 +66,21 @@ def body_text(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> tuple[str, b
     body = turn.request_body
     if isinstance(body, str):  # the body did not parse: keep its text
         return redactor.text(body), False
-    redacted = redactor.value(body)
-    if turn.request_raw is not None:
-        candidate = redactor.text(turn.request_raw)
-        try:  # strictly: raw text spelling `Infinity` would store non-strict JSON
-            if numbers.loads_strict(candidate) == redacted:
-                return candidate, True
-        except ValueError:
-            pass
-    return _dumps(redacted), True
+    if turn.request_raw is None:
+        return _dumps(redactor.value(body)), True
+    # The raw text first: where nothing in it is redacted and the body is its own parse, the body's
+    # strings need no scan for a literal the raw text lacks (`Redactor.json_text`).
+    candidate, skip = redactor.json_text(turn.request_raw)
+    try:  # strictly: raw text spelling `Infinity` would store non-strict JSON
+        parsed = numbers.loads_strict(candidate)
+    except ValueError:
+        parsed, skip = _UNPARSED, frozenset()
+    if skip and parsed != body:  # changed since it was parsed: every string is scanned
+        skip = frozenset()
+    redacted = redactor.value(body, skip)
+    if parsed == redacted:
+        return candidate, True
+    return _dumps(redactor.value(body) if skip else redacted), True
 
 
 class BodyStore:

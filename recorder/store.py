@@ -11,6 +11,8 @@ queued, never a written one.
 committed. The proxy awaits it (`record_async`) right before the client sees
 the end of its response, so a client that got a whole response can rely on the
 turn surviving a crash; only that response waits, and only for its own commit.
+A refusal of a body over 1 MB does not wait (proxy/relay.py `record_refusal`):
+its turn is queued before the answer, and `close` writes what is queued.
 
 A full queue makes `record` block rather than drop: losing turns silently
 would make the analysis lie, and a full queue means the disk is far behind,
@@ -40,6 +42,8 @@ counted (`spool_state()["dropped"]`), logged, and fails its future.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import queue
 import sqlite3
@@ -64,6 +68,29 @@ _MAX_BATCH = 64
 # cannot be written now, not that a turn is bad: its turns are spooled and the write retried.
 _UNWRITABLE = ("SQLITE_FULL", "SQLITE_READONLY", "SQLITE_IOERR", "SQLITE_CANTOPEN", "SQLITE_BUSY",
                "SQLITE_LOCKED", "SQLITE_PROTOCOL")
+
+
+# After a batch whose request bodies are this big, the heap's free pages go back to the OS: the
+# copies a 30 MB body's write makes (its lower-cased text for redaction, the parsed candidate, the
+# message slice, SQLite's own copy) are freed when it is written, but glibc keeps freed heap memory
+# and, past its mmap threshold, serves the next big body from it. The proxy trims after each big
+# request (prefixtrace/connections.py); a refusal's turn may be written after that, so here too.
+_TRIM_AFTER_CHARS = 1 << 20
+
+
+def _libc_malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
+        return None
+
+
+_malloc_trim = _libc_malloc_trim()
+
+
+def _give_memory_back() -> None:
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def unwritable_reason(exc: BaseException) -> str | None:
@@ -302,6 +329,10 @@ class Recorder:
                     finally:
                         self._busy_since = None
                     self._settle(batch, results)
+                    big = sum(len(turn.request_raw or "") for turn, _ in batch) > _TRIM_AFTER_CHARS
+                    batch = results = None  # not held while the writer waits for the next turn
+                    if big:
+                        _give_memory_back()
         finally:
             self._spool.persist()  # what the database never took waits in the spool file for the next start
             if self._db is not None:

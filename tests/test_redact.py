@@ -220,3 +220,63 @@ def test_adversarial_bodies_cost_about_what_an_ordinary_body_of_the_same_size_co
     slow = {name: round(_best(r.text, adversarial_body(unit, size)) / ordinary, 1)
             for name, unit in ADVERSARIAL_UNITS.items()}
     assert max(slow.values()) <= 4 * MAX_RATIO, slow
+
+
+def _two_scans(turn, redactor):
+    """body_text as it was: every string of the body scanned, then the raw text."""
+    from recorder import numbers
+    from recorder.rows import _dumps
+
+    redacted = redactor.value(turn.request_body)
+    candidate = redactor.text(turn.request_raw)
+    try:
+        if numbers.loads_strict(candidate) == redacted:
+            return candidate, True
+    except ValueError:
+        pass
+    return _dumps(redacted), True
+
+
+@pytest.mark.parametrize("raw", [
+    '{"messages": [{"role": "user", "content": "plain text,\\nno secret at all"}]}',
+    '{"messages": [{"role": "user", "content": "key sk-proj-0123456789abcdefghij"}]}',
+    '{"messages": [{"role": "user", "content": "key \\u0073k-proj-0123456789abcdefghij"}]}',  # escaped: \\u
+    '{"messages": [{"role": "user", "content": "postgres:\\/\\/u:hunter22@db\\/x"}]}',  # escaped: \\/
+    '{"messages": [{"role": "user", "content": "a\\"password\\": \\"hunter22\\" b"}]}',
+    '{"password": "hunter22", "messages": [{"role": "user", "content": "x"}]}',
+    '{"db_password": 12345, "messages": []}',
+    '{"messages": [{"role": "user", "content": "\\u212a K\u212a \u0130 \u03a3 bearer abcdefghijklmnop0123"}]}',
+    '{"messages": [{"role": "user", "content": "\u212a\u212a\u212a AUTHORIZATION: Basic dXNlcjpwYXNz"}]}',
+    '{"messages": [{"role": "user", "content": "\\t\\r\\n\\\\ \\\\u0073k-not-an-escape-0123456789"}]}',
+    '{"messages": [{"role": "user", "content": "ghp_' + "a" * 36 + '"}], "metadata": {"sk-live-key-abcdefghijklmnop": 1}}',
+    '{"n": NaN, "messages": [{"role": "user", "content": "sk-proj-0123456789abcdefghij"}]}',
+])
+def test_one_scan_of_the_raw_text_stores_what_two_scans_stored(raw):
+    import json
+
+    from recorder.redact import DEFAULT_REDACTOR
+    from recorder.rows import body_text
+    from recorder.turn import Turn
+
+    for mutate in (False, True):
+        body = json.loads(raw)
+        if mutate:  # a body changed after it was parsed: its new strings are scanned in full
+            body["added"] = "sk-proj-addedafterparse0123456789"
+        turn = Turn(request_id="r", started_at=0.0, endpoint="/v1/chat/completions", upstream="u",
+                    request_body=body, request_raw=raw)
+        stored = body_text(turn, DEFAULT_REDACTOR)
+        assert stored == _two_scans(turn, DEFAULT_REDACTOR), (raw, mutate)
+        assert "0123456789abcdefghij" not in stored[0] and "hunter22" not in stored[0]
+        assert "addedafterparse" not in stored[0]
+
+
+def test_the_raw_texts_scan_leaves_out_only_literals_it_lacks_and_that_json_spells_alike():
+    from recorder.redact import DEFAULT_REDACTOR as R
+
+    plain = '{"messages": [{"role": "user", "content": "The quick brown fox.\\n"}]}'
+    text, skip = R.json_text(plain)
+    assert text is plain and skip
+    literals = {R._literals[p] for p in skip}
+    assert "sk-" in literals and "pass" in literals and "" not in literals and "://" not in literals
+    assert R.json_text(plain.replace("fox", "\\u0066ox"))[1] == frozenset()  # a \u escape: nothing left out
+    assert R.json_text(plain.replace("fox", "sk-proj-0123456789abcdefghij"))[1] == frozenset()  # redacted
