@@ -35,14 +35,14 @@ def main() -> None:
     from engine.engine import Engine
     from engine.sampling import SamplingParams
     from engine.sequence import Failed, Finished, Sequence, TextDelta
-    from wire.request import normalize_request
+    from wire.messages import to_chat_body
 
     body = json.loads((ROOT / "fixtures/traffic/claude_code_read_answer_smol.json").read_text())
-    req = normalize_request("/v1/messages", body)
+    chat = to_chat_body(body)  # what proxy/anthropic.py hands the engine
     engine = Engine(default_model_dir()).start()
     engine.wait_ready(300)
     try:
-        prompt = engine.render(req.messages, tools=req.tools).token_ids
+        prompt = engine.render(chat["messages"], tools=chat.get("tools")).token_ids
         print(f"prompt: {len(prompt)} tokens; max_tokens {body['max_tokens']}")
         for setting in SETTINGS:
             events: queue.Queue = queue.Queue()

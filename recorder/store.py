@@ -74,7 +74,7 @@ _UNWRITABLE = ("SQLITE_FULL", "SQLITE_READONLY", "SQLITE_IOERR", "SQLITE_CANTOPE
 # copies a 30 MB body's write makes (its lower-cased text for redaction, the parsed candidate, the
 # message slice, SQLite's own copy) are freed when it is written, but glibc keeps freed heap memory
 # and, past its mmap threshold, serves the next big body from it. The proxy trims after each big
-# request (prefixtrace/connections.py); a refusal's turn may be written after that, so here too.
+# request (proxy/connections.py); a refusal's turn may be written after that, so here too.
 _TRIM_AFTER_CHARS = 1 << 20
 
 

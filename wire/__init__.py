@@ -1,13 +1,13 @@
-"""The wire model every package shares: one internal request and one stream of reply events.
+"""The wire model every package shares: the chat-completions body as the one internal request, and
+one stream of reply events.
 
 Each wire protocol (chat completions, Anthropic Messages, OpenAI Responses, legacy completions) is a
-thin adapter into and out of these types, so the proxy, the recorder (replay, HAR import), the analyzer's
+thin translation into and out of these, so the proxy, the recorder (replay, HAR import), the analyzer's
 loader and the engine see every protocol the same way. It stands on `common/` alone (and httpx):
 nothing here imports the recorder, the server (`proxy/`), the engine or FastAPI (docs/ARCHITECTURE.md,
 "Package graph").
 
-- `request.normalize_request(endpoint, body)`: any protocol's body → `WireRequest` (chat-shaped
-  messages, chat-shaped tools, system text, the chat body the engine renders)
+- `request`: which protocol an endpoint speaks, the session a request belongs to, a message's text
 - `events`: the reply-event contract (content, reasoning, tool-call starts and argument deltas, done)
 - `messages`, `responses`, `completions`: each protocol's translation in and out
 - `sampling`: a request's sampling settings and their valid ranges, in plain Python
