@@ -52,7 +52,7 @@ from bench.bench_cache_tiers import drop_page_cache, random_model  # noqa: E402
 from bench.bench_pause import one as pause_once  # noqa: E402
 from bench.bench_scheduler import aggregate_decode, mlx_lm_loop, steady_batch_decode  # noqa: E402
 from bench.engine_io import ttft  # noqa: E402
-from engine import cache_blocks, decode_batch  # noqa: E402
+from engine import cache_blocks  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 
 
@@ -308,13 +308,7 @@ def section_decode(args, engines: Engines, model, vocab, out):
             runs[f"engine_b{b}"].append(phases["decode"])
         runs["plain_b1"].append(mlx_lm_loop(model, args.decode_tokens, vocab))
         runs["generation_batch_b8"].append(steady_batch_decode(model, 8, args.decode_tokens, vocab))
-    # B=1 diagnostics: mlx-lm's merge instead of adopting the row's cache, and GenerationBatch alone.
-    decode_batch.ADOPT_ONE_ROW = False
-    aggregate_decode(e, 1, 8, vocab)
-    phases = {}
-    aggregate_decode(e, 1, args.decode_tokens, vocab, True, phases)
-    runs["engine_b1_merge"] = [phases["decode"]]
-    decode_batch.ADOPT_ONE_ROW = True
+    # B=1 diagnostic: GenerationBatch alone.
     steady_batch_decode(model, 1, 8, vocab)
     runs["generation_batch_b1"] = [steady_batch_decode(model, 1, args.decode_tokens, vocab)]
     med = {k: statistics.median(v) for k, v in runs.items()}

@@ -40,7 +40,8 @@ from engine.tq_config import make_tq_cache, to_turboquant  # noqa: E402
 from engine.turboquant import get_codec  # noqa: E402
 from engine.tq_quality import (  # noqa: E402
     GAUSSIAN_LLOYD_MAX, PAPER_D_MSE, Bfloat16KVCache, SplitCache, attention_error, compare_logprobs,
-    continuation_logits, distortion, kv_bytes_per_token, kv_bytes_ratio, load, next_token_agreement, used_nbytes,
+    continuation_logits, distortion, kv_bytes_per_token, kv_bytes_ratio, layer_inputs, load, next_token_agreement,
+    used_nbytes,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,7 +155,7 @@ def trained_model_quality(model, tokenizer, samples, prompt: int, cont: int, bit
                   f"{time.perf_counter() - t0:5.1f}")
         print(f"  (median top-1 vs top-2 log-prob margin of the dense reference: {r['margin']:.2f})")
         x = mx.array(tokens[:prompt])[None]
-        prepared = _layer_inputs(model, x)
+        prepared = layer_inputs(model, x)
         print(f"  attention-output rel. error, {prompt}-token prompt, layers {layers}: K and V / K only / V only")
         for bits in bits_list:
             row = [attention_error(model, x, bits, side=side, prepared=prepared) for side in ("kv", "k", "v")]
@@ -215,7 +216,7 @@ def engine_decode(contexts, tokens: int, chunk: int, warmup: int = 4096, shape: 
     (not recorded), so the kernels' first-shape compilations (prefill chunks, decode) stay out
     of the figures. `shape`: "qwen3-8b" (bf16) or "small" (`SMALL_QWEN3`, float32, for the
     CPU). `chunked_too`: the TurboQuant engine also runs with its cold prefill chunked on
-    the TurboQuant caches (engine.dense_prefill.COLD_DENSE_PREFILL off: the path before the
+    the TurboQuant caches (the engine's cold_dense_prefill off: the path before the
     dense cold prefill), labelled `..._chunked`, for a before/after in one run. `repeat`: each engine
     serves each context this many times (other tokens each time, `run` 1, 2, ...): the first
     run pays what is built per shape (kernels, cuDNN graphs), the next ones not. `dense`:
@@ -226,7 +227,6 @@ def engine_decode(contexts, tokens: int, chunk: int, warmup: int = 4096, shape: 
     import queue
 
     from bench.bench_scheduler import QWEN3_8B, random_loader
-    from engine import dense_prefill
     from engine.kernels import prebuild
     from engine.tq_config import TQConfig
     from engine.engine import Engine
@@ -267,11 +267,11 @@ def engine_decode(contexts, tokens: int, chunk: int, warmup: int = 4096, shape: 
         label = kv + ("_chunked" if chunked else "")
         label += "_again" if label in labels else ""
         labels.append(label)
-        dense_prefill.COLD_DENSE_PREFILL = not chunked
         model_kw = dict(model_dir=str(ROOT / "fixtures/tiny-llama"), dtype="float32") if tiny else \
             dict(model_dir="random-qwen3-8b", loader=lambda: built)
         t0 = time.perf_counter()
-        engine = Engine(**model_kw, kv_quant=kv, max_batch=1, prefill_step_size=chunk, cache_bytes=0).start()
+        engine = Engine(**model_kw, kv_quant=kv, max_batch=1, prefill_step_size=chunk, cache_bytes=0,
+                        cold_dense_prefill=not chunked).start()
         try:
             engine.wait_ready(600)
             built_s = {("reduces" if c < 0 else str(c or "encode")): round(s, 3) for c, s in engine.tq_kernel_build_s.items()}
@@ -288,7 +288,6 @@ def engine_decode(contexts, tokens: int, chunk: int, warmup: int = 4096, shape: 
                     print(json.dumps(row), flush=True)
         finally:
             engine.shutdown()
-            dense_prefill.COLD_DENSE_PREFILL = True
             mx.clear_cache()
     if probe_build and not tiny:
         probe = prebuild.prebuild_tq(built[0], TQConfig(), 1)

@@ -53,7 +53,8 @@ class Admission:
             seq.num_cached_tokens = hit.num_cached
             seq.stage = "prefilling"
             self.prefill = PrefillJob(seq, self.adapt_cache(hit.cache), hit.num_cached)
-            dense_prefill.plan(self.prefill, self.prefill_chunk, self._fits if self.memory is not None else None)
+            dense_prefill.plan(self.prefill, self.prefill_chunk, self._fits if self.memory is not None else None,
+                               cold_dense=self.cold_dense_prefill)
 
     def _prefill_chunk(self) -> None:
         job = self.prefill

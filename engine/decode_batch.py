@@ -19,11 +19,6 @@ from engine.sampling import GREEDY
 from engine.sequence import Sequence, TextDelta
 from engine.stop_strings import StopMatcher
 
-# Adopt a lone row's cache into the batch instead of mlx-lm's merge (saves one copy of the KV
-# on a warm hit). Off: measured on the H200 (bench_engine_speed.py), B=1 decode ran at 82 tok/s
-# adopted against 110 merged (plain mlx-lm loop 109); the cause was not found.
-ADOPT_ONE_ROW = False
-
 
 @dataclass(eq=False)
 class Row:
@@ -38,15 +33,9 @@ def batch_of_one(layer):
     """The batched form of one row's layer cache: dense layers become a
     `RowBatchKVCache`; other cache types batch through their own `merge`.
 
-    With ADOPT_ONE_ROW a dense layer is adopted as it is (its buffers, spare room
-    included): one row needs no padding, and mlx-lm's `merge` copies the whole KV into a
-    buffer of exactly its length, which the first decode step then grows with a second
-    copy. Off by default (see ADOPT_ONE_ROW)."""
-    if ADOPT_ONE_ROW and type(layer) is KVCache and layer.keys is not None:
-        batched = RowBatchKVCache([0])
-        batched.keys, batched.values, batched._idx = layer.keys, layer.values, layer.offset
-        batched.offset = mx.array([layer.offset])
-        return batched
+    Adopting a lone dense row's buffers as they are would save mlx-lm's copy of the KV on a
+    warm hit, but measured slower on the H200 (B=1 decode 82 tok/s adopted against 110 merged,
+    plain mlx-lm loop 109; docs/history/PERFORMANCE-notebook.md), so every row is merged."""
     if isinstance(layer, KVCache):
         return RowBatchKVCache.merge([layer])
     return layer.merge([layer])

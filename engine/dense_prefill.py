@@ -20,13 +20,7 @@ from engine.tq_config import append_suffix, dense_copy, dense_copy_bytes
 
 log = logging.getLogger("prefixtrace.scheduler")
 
-# A TurboQuant engine's cold prefill of more than one chunk runs on dense caches and is
-# quantised once at the end (`plan`). False: every chunk on the TurboQuant caches, the
-# slower path, kept so bench_turboquant can measure the two against each other.
-COLD_DENSE_PREFILL = True
-
-
-def plan(job, chunk: int, fits=None) -> None:
+def plan(job, chunk: int, fits=None, *, cold_dense: bool = True) -> None:
     """Restored-prefix prefill (docs/TURBOQUANT.md): before a suffix of more than one
     chunk after a restored TurboQuant prefix, prefill on a dense copy of the prefix
     (decoded once) instead of decoding the whole prefix again in every chunk; the
@@ -42,12 +36,16 @@ def plan(job, chunk: int, fits=None) -> None:
     prefix cache once, quantised, at the end (a dense chunk is not in the TurboQuant block
     format: `PrefixCache.pageable`); a cancel or park quantises what was done first, and so
     does a step that fails between two chunks (`Scheduler._keep_failed_prefill`); one that
-    fails inside a chunk loses the chunks done."""
+    fails inside a chunk loses the chunks done.
+
+    `cold_dense=False` (the engine's `cold_dense_prefill`) runs a cold prefill's chunks on the
+    TurboQuant caches instead, the slower path, kept so bench_turboquant.py can measure the two
+    side by side."""
     suffix = job.seq.num_prompt_tokens - 1 - job.pos
     if suffix <= chunk or not any(type(c) is TurboQuantKVCache for c in job.cache):
         return
     if job.pos == 0:
-        if not COLD_DENSE_PREFILL:
+        if not cold_dense:
             return
         job.final_cache = job.cache
         job.cache = [KVCache() if type(c) is TurboQuantKVCache else c for c in job.cache]

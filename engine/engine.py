@@ -92,6 +92,7 @@ class Engine:
         thinking_retention_guard_tokens: int = DEFAULT_GUARD_TOKENS,
         notice_pattern: str | None = None,
         allow_client_templates: bool = False,
+        cold_dense_prefill: bool = True,
     ):
         if kv_quant not in ("none", "turboquant") or not 1 <= kv_bits <= 8:
             raise EngineError(f"kv_quant must be none|turboquant and kv_bits 1..8 (got {kv_quant!r}, {kv_bits})")
@@ -104,6 +105,9 @@ class Engine:
         self._bound_policy: BoundPolicy | None = None  # bound to the template once the tokenizer is loaded
         self._token_bound = None  # engine/chat_render.py TokenBound, once the tokenizer is loaded
         self.allow_client_templates = allow_client_templates  # chat_template_kwargs.chat_template (docs/SECURITY.md)
+        # False: a TurboQuant engine's cold prefill runs every chunk on its quantised caches (the slower
+        # path, for bench_turboquant.py's side-by-side; engine/dense_prefill.py `plan`)
+        self.cold_dense_prefill = cold_dense_prefill
         self.model_dir = Path(model_dir)
         # Runs on the engine thread; benchmarks pass one that builds a model in memory.
         self._loader = loader or (lambda: load_model_dir(self.model_dir, self.dtype))
@@ -312,6 +316,7 @@ class Engine:
                 default_max_tokens=self.default_max_tokens,
                 memory=self.memory,
                 adapt_cache=self.tq.adapt if self.tq is not None else None,  # a TurboQuant hit passes through
+                cold_dense_prefill=self.cold_dense_prefill,
             )
             if self.tq is not None:  # CUDA: every decode kernel now, not inside a request (engine/kernels/prebuild.py)
                 self.tq_kernel_build_s = kernels.prebuild_tq(self.model, self.tq, self.max_batch)

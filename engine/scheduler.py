@@ -74,8 +74,10 @@ class Scheduler(Admission, Decoding, MemoryPressure):
         memory: MemoryModel | None = None,
         spill: SpillStore | None = None,
         adapt_cache=None,
+        cold_dense_prefill: bool = True,
     ):
         self.model = model
+        self.cold_dense_prefill = cold_dense_prefill  # engine/dense_prefill.py `plan`
         # Turns a prefix-cache hit into the caches prefill runs on (e.g. engine.tq_cache.to_turboquant).
         self.adapt_cache = adapt_cache or (lambda cache: cache)
         self.memory = memory

@@ -58,7 +58,7 @@ def kv_bytes_ratio(head_dim: int = 64, bits: int = 4, tokens: int = 4096, kv_hea
     return tq.nbytes / dense.nbytes
 
 
-def _layer_inputs(model, tokens: mx.array):
+def layer_inputs(model, tokens: mx.array):
     """Hidden state entering each layer, and the dense caches, of a llama-style model."""
     inner = model.model
     h = inner.embed_tokens(tokens)
@@ -74,8 +74,8 @@ def attention_error(model, tokens: mx.array, bits: int, seed: int = 0, side: str
     """Per layer: |attn_tq - attn_dense| / |attn_dense| for the model's own queries
     over the prompt (causal), with K/V from a TurboQuant copy of the dense cache.
     `side` "k" or "v" quantises only the keys or only the values (the other stays dense);
-    `prepared` is `_layer_inputs(model, tokens)`, to reuse across calls."""
-    inputs, caches = prepared or _layer_inputs(model, tokens)
+    `prepared` is `layer_inputs(model, tokens)`, to reuse across calls."""
+    inputs, caches = prepared or layer_inputs(model, tokens)
     errors = []
     for layer, h, cache in zip(model.model.layers, inputs, caches):
         attn = layer.self_attn
