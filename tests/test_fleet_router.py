@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from bench.bench_fleet_routing import ROOT, front_proxy, router, router_available, stop, workers
+from testsupport.fleet import front_proxy, router, router_available, workers
+from testsupport.servers import ROOT, stop
 
 
 def rows(recorder) -> list[dict]:

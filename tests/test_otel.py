@@ -1,7 +1,7 @@
 """OpenTelemetry export (prefixtrace/otel.py, docs/OBSERVABILITY.md), end to end: a real
 `prefixtrace serve --otlp-endpoint` subprocess on the tiny model, a few turns of one session with a
 cache break and a refused request, the spans read back by an OTLP/HTTP receiver on loopback
-(tests/otlp_receiver.py) and compared with what the proxy recorded (its database) and analysed (its
+(testsupport/otlp_receiver.py) and compared with what the proxy recorded (its database) and analysed (its
 dashboard's JSON); then `analyze --otlp-endpoint` over that recording."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.conftest import ROOT, TINY_MODEL, free_port
-from tests.otlp_receiver import OtlpReceiver
+from testsupport.otlp_receiver import OtlpReceiver
 
 pytest.importorskip("opentelemetry.sdk.trace", reason="the [otel] extra (it is in the test extra)")
 
