@@ -1,9 +1,11 @@
 """bench/ and tests/ do not import each other: what both need lives in the product or in testsupport/,
-and the product imports neither of the three (bench/README.md, testsupport/__init__.py)."""
+and the product imports neither of the three (bench/README.md, testsupport/__init__.py). And
+bench/README.md's tables list every script in bench/ and none that is gone."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,11 @@ def test_the_check_sees_each_kind_of_import(tmp_path):
     (tmp_path / "t.py").write_text(source)
     names = [name for _, name in imports(tmp_path / "t.py")]
     assert [n.split(".")[0] for n in names if n.startswith("bench")] == ["bench"] * 4
+
+
+def test_the_bench_readme_lists_every_script_and_no_absent_one():
+    readme = (ROOT / "bench" / "README.md").read_text()
+    scripts = {p.name for p in (ROOT / "bench").glob("*.py")}
+    assert sorted(s for s in scripts if f"`{s}`" not in readme) == []
+    listed = set(re.findall(r"^\| `([\w.]+\.py)` \|", readme, re.MULTILINE))
+    assert sorted(listed - scripts) == []
