@@ -29,6 +29,9 @@ def rows(recorder) -> list[dict]:
     con.close()
     return out
 
+# Subprocess workers and routers: seconds each (the core suite, `-m "not slow"`, leaves them out).
+pytestmark = pytest.mark.slow
+
 SGLANG = router_available("sglang")
 VLLM = router_available("vllm")
 needs_sglang = pytest.mark.skipif(SGLANG is not None, reason=str(SGLANG))

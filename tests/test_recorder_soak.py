@@ -5,9 +5,12 @@ docs/PERFORMANCE.md)."""
 
 from __future__ import annotations
 
+import pytest
+
 from testsupport.recorder_soak import healthy, soak
 
 
+@pytest.mark.slow
 def test_random_hang_ups_under_load_lose_nothing_and_leave_the_server_answering(tmp_path):
     result = soak(clients=16, seconds=15, p_cut=0.2, seed=1, workdir=tmp_path)
     assert result["disconnects"] > 0 and result["completed"] > 0
