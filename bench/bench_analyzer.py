@@ -28,7 +28,7 @@ from analyzer import analyze  # noqa: E402
 from analyzer.divergence import common_prefix_len  # noqa: E402
 from analyzer.render import make_renderer  # noqa: E402
 from analyzer.tokens import default_tokenizer  # noqa: E402
-from bench.synthetic_log import write_jsonl  # noqa: E402
+from testsupport.synthetic_log import write_jsonl  # noqa: E402
 
 DEFAULT_TEMPLATE = ROOT / "fixtures" / "templates" / "qwen35_merge_system.jinja"
 

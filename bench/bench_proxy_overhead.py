@@ -27,7 +27,7 @@ does not blur. Goal (issue 17): added TTFT p50 <= 1 ms.
 apart (`taskset -c 0,1 python bench/...` puts everything on two cores, as issue 17 measured it).
 `--relay` adds a third target, a bare TCP relay to the upstream (no HTTP, no work): what
 one more local hop costs on this machine, the floor under any proxy's added latency.
-`--otlp` starts an OTLP/HTTP receiver in the bench (tests/otlp_receiver.py) and the proxy with
+`--otlp` starts an OTLP/HTTP receiver in the bench (testsupport/otlp_receiver.py) and the proxy with
 `--otlp-endpoint` to it; with `--baseline .` the same tree runs beside it without the exporter, so
 `serve --otlp-endpoint`'s cost is the proxied line against the baseline's (docs/OBSERVABILITY.md).
 `--baseline TREE` adds a fourth: the same proxy run from another checkout (before a change),
@@ -307,7 +307,7 @@ def main() -> None:
     proxy_extra: list[str] = []
     if args.otlp:
         sys.path.insert(0, str(ROOT))
-        from tests.otlp_receiver import OtlpReceiver
+        from testsupport.otlp_receiver import OtlpReceiver
 
         receiver = OtlpReceiver().__enter__()
         proxy_extra = ["--otlp-endpoint", receiver.url]

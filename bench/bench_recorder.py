@@ -1,6 +1,6 @@
 """Recorder storage size and write speed on the synthetic field-report log.
 
-Records the 1,260-request synthetic log (`bench/synthetic_log.py`, ~0.7 GB of
+Records the 1,260-request synthetic log (`testsupport/synthetic_log.py`, ~0.7 GB of
 request JSON) through a live `Recorder` (writer thread, content-addressed
 store), then compares the database file with:
 
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.synthetic_log import generate_records  # noqa: E402
+from testsupport.synthetic_log import generate_records  # noqa: E402
 from recorder import Recorder, db_info, iter_turns  # noqa: E402
 from recorder.jsonl import record_to_turn  # noqa: E402
 

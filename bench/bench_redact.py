@@ -31,10 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.synthetic_log import generate_records  # noqa: E402
 from recorder.redact import Redactor  # noqa: E402
-
-MAX_RATIO = 25.0
+from testsupport.redact_bodies import ADVERSARIAL_UNITS, MAX_RATIO, adversarial_body, ordinary_body  # noqa: E402
 
 # recorder/redact.py's patterns at 7e6ea90, for the side-by-side.
 LEGACY_PATTERNS = (
@@ -61,55 +59,6 @@ class LegacyRedactor:
         for pattern in self.passes:
             value = pattern.sub("[REDACTED]", value)
         return value
-
-# Each repeats a unit that starts a match attempt and then fails (or matches) as
-# late as it can, so a pattern that rescans from each start shows up quadratic.
-ADVERSARIAL_UNITS = {
-    "pem_unterminated_headers": "-----BEGIN PRIVATE KEY-----\n",
-    "pem_header_no_key": "-----BEGIN RSA AAAAAAAAAAAAAAAAAAAAAA ",
-    "pem_body_no_footer": "-----BEGIN PRIVATE KEY-----\n" + "MIIEvQIBADANBgkqhkiG9w0BAQEFAASC\n" * 2000,
-    "jwt_dash_runs": "eyJ-",
-    "jwt_two_parts": "eyJhbGciOiJIUzI1.eyJ-",
-    "sk_near_misses": "sk-abcdefghijklmno ",
-    "sk_dash_chain": "sk-",
-    "bearer_spaces": "Bearer " + " " * 40,
-    "aws_near_misses": "AKIAABCDEFGHIJKLMNO ",
-    "password_no_value": "password:  \t ",
-    "password_chain": "DB_PASSWORD=",
-    "secret_name_prefix_runs": "a-",
-    "base64_run": "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo",
-    "ghp_near_misses": "ghp_" + "a" * 35 + " ",
-    "unicode_text": "日本語のテキスト sk-é ",
-    "json_escaped_key": '\\"password\\": \\"',
-    # issue 25's formats
-    "url_userinfo_no_at": "://user:" + "p" * 30,
-    "url_colon_chain": "://a:",
-    "sig_near_misses": "sig=" + "A" * 15 + " ",
-    "sendgrid_one_dot": "SG." + "a" * 40 + " ",
-    "discord_dots": "M" + "a" * 23 + ".",
-    "digit_colons": "12345678:",
-    "telegram_near_misses": "12345678:" + "A" * 34 + " ",
-    "docker_auth_runs": '"auth": "',
-    "basic_after_header": "authorization: basic ",
-    "netrc_login_runs": "login bob\n",
-    "bearer_lower_spaces": "bearer " + " " * 40,
-}
-
-
-def ordinary_body(size: int) -> str:
-    """Real-looking request JSON (system prompt, tools, code, tool output), `size` characters."""
-    text = ""
-    for record in generate_records(n_requests=40, n_sessions=2, seed=0):
-        text += json.dumps(record["request"], ensure_ascii=False)
-        if len(text) >= size:
-            break
-    while len(text) < size:
-        text += text
-    return text[:size]
-
-
-def adversarial_body(unit: str, size: int) -> str:
-    return (unit * (size // len(unit) + 1))[:size]
 
 
 def best_time(redactor, text: str, repeats: int = 5) -> float:

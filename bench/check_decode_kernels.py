@@ -180,8 +180,9 @@ def _greedy(model, make_caches, prompts: list[list[int]], steps: int) -> list[li
 
 def wide_model(dtype: str):
     """The fixture's recipe (random Llama weights at gain 3: chaotic enough that greedy tokens vary)
-    at a head shape v4 maps: head dim 128, 8 query / 2 KV heads (G = 4), 3 layers (two TurboQuant,
-    the last dense). fixtures/tiny-llama's head dim 16 is one v4 hands to v3."""
+    at a head shape the fused TurboQuant kernel and the MMA dense kernel take: head dim 128, 8 query /
+    2 KV heads (G = 4), 3 layers (two TurboQuant, the last dense). fixtures/tiny-llama (head dim 16,
+    float32) goes to the CUDA-core split kernel instead."""
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 

@@ -49,7 +49,7 @@ def main() -> None:
     from proxy.app import create_app
     from proxy.engine_backend import EngineBackend
     from recorder.store import Recorder
-    from tests.conftest import running_server
+    from testsupport.servers import running_server
 
     if args.model is None:
         from engine.default_model import default_model_dir

@@ -47,8 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from bench import soak_recorder  # noqa: E402
 from recorder import iter_turns  # noqa: E402
+from testsupport.servers import start_serve  # noqa: E402
 
 MARK = "soak-abandon "
 SYSTEM = "You are a terse assistant. Answer in one short sentence."
@@ -59,10 +59,10 @@ TOKEN = re.compile(rb'"content": ?"[^"]')
 
 
 def start_server(db: Path, log_path: Path, model: str | None, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    """soak_recorder's server start, on the bundled model unless `model` is given; a first start may
-    convert the default model, so it may take minutes."""
-    return soak_recorder.start_server(db, log_path, extra, model=Path(model).resolve() if model else None,
-                                      openblas=True, ready_within_s=600)
+    """`prefixtrace serve` (testsupport.servers.start_serve), on the bundled model unless `model` is given;
+    a first start may convert the default model, so it may take minutes."""
+    return start_serve(db, log_path, extra, model=Path(model).resolve() if model else None,
+                       openblas=True, ready_within_s=600)
 
 
 def body_for(marker: str, words: int, stream: bool, max_tokens: int, rng: random.Random) -> dict:

@@ -59,7 +59,7 @@ def main() -> None:
             for chunk in (64, 128, 256, 512, 1024):
                 body = render("k", tq_split.SOURCE, inputs, [("o_part", "float32"), ("ml_part", "float32")],
                               tq_split.templates(dtype, dim, g, chunk, bits, 64, cpl))
-                run[f"v3_chunk_{chunk}"] = build_s(work, f"v3_{chunk}", body)
+                run[f"tq_split_chunk_{chunk}"] = build_s(work, f"tq_split_{chunk}", body)
             out["runs"].append(run)
     out["load_average_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(out, indent=1))

@@ -5,19 +5,17 @@ from __future__ import annotations
 import os
 import socket
 import sqlite3
-import threading
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import uvicorn
 
 from engine.engine import Engine
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 from proxy.upstream_backend import UpstreamBackend
 from recorder.store import Recorder
+# Shared with bench/ through testsupport/; tests import them from here too.
+from testsupport.servers import free_port, running_server, start_uvicorn  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "fixtures" / "tiny-llama"
@@ -29,25 +27,6 @@ def rows(recorder):
     con = sqlite3.connect(recorder.path)
     con.row_factory = sqlite3.Row
     return [dict(r) for r in con.execute("select * from turns order by started_at")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_uvicorn(config: uvicorn.Config) -> tuple[uvicorn.Server, threading.Thread]:
-    """A real uvicorn server on a thread of its own, returned once it listens (30 s at most)."""
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    return server, thread
 
 
 async def answer_lifespan(receive, send) -> None:
@@ -66,18 +45,6 @@ def read_until(sock: socket.socket, marker: bytes, data: bytes = b"") -> bytes:
         assert chunk, f"connection closed before {marker!r}; got {data!r}"
         data += chunk
     return data
-
-
-@contextmanager
-def running_server(app):
-    """Run `app` under a real uvicorn server on a random loopback port."""
-    port = free_port()
-    server, thread = start_uvicorn(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture

@@ -130,6 +130,7 @@ def test_requests_abandoned_while_queued_are_cancelled_and_recorded(tmp_path):
 
 @pytest.mark.parametrize("path, stream", [("/v1/chat/completions", False), ("/v1/chat/completions", True),
                                           ("/v1/messages", True), ("/v1/responses", True)])
+@pytest.mark.slow
 def test_a_request_abandoned_while_prefilling_stops_at_its_next_chunk_and_keeps_its_blocks(tmp_path, path, stream):
     """A 6k-token prompt in 16-token chunks prefills for seconds; the client leaves in the middle."""
     text = "hello world " * 2000
@@ -262,6 +263,7 @@ def test_a_hang_up_while_waiting_for_the_upstream_is_recorded_and_closes_the_ups
 
 # --- the server as `prefixtrace serve` runs it: many abandoned requests, then SIGTERM ---------------
 
+@pytest.mark.slow
 def test_many_abandoned_requests_leave_the_engine_free_and_sigterm_prompt(tmp_path):
     """The probe's wedge: requests queued behind a busy slot, given up by their clients, used to stay
     in the engine (each then generated to its max_tokens) and unrecorded; a normal request waited

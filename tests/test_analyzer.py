@@ -191,7 +191,7 @@ def test_recorder_database_is_a_source(tmp_path):
 
 def test_synthetic_interleaved_sessions_are_recovered_without_ids():
     sys.path.insert(0, str(ROOT))
-    from bench.synthetic_log import generate_records
+    from testsupport.synthetic_log import generate_records
 
     events = [(0, 5, "todo_tick"), (0, 9, "todo_tick"), (1, 6, "notice"), (2, 8, "tools_reorder")]
     records = list(generate_records(n_requests=90, n_sessions=5, start_tokens=2500, cap_tokens=40000, events=events))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +29,7 @@ body = st.fixed_dictionaries({"messages": st.lists(message, max_size=6)},
 FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.lists(st.one_of(body, st.integers(), st.text(max_size=5)), max_size=6))
 def test_random_sequences_never_crash(requests):

@@ -87,6 +87,7 @@ def small_context(tiny_engine):
     engine.shutdown()
 
 
+@pytest.mark.slow
 def test_max_tokens_beyond_the_context_is_clamped_to_what_fits(small_context, recorder):
     room_total = small_context.memory.max_context_tokens
     with running_server(create_app(EngineBackend(small_context), recorder)) as url:

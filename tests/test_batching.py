@@ -61,6 +61,7 @@ def run_alone(messages, params: SamplingParams) -> tuple[list[int], str]:
     [SamplingParams(temperature=0.0, max_tokens=120), SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=120)],
     ids=["greedy", "seeded"],
 )
+@pytest.mark.slow
 def test_rows_of_very_different_lengths_decode_as_they_would_alone(params):
     alone = [run_alone(p, params) for p in PROMPTS]
     engine = fresh_engine(prefill_step_size=64)

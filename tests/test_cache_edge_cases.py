@@ -349,6 +349,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_restart_after_kill_9_mid_write_restores_only_whole_blocks(model, tmp_path):
     import signal
     import subprocess

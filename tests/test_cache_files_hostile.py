@@ -148,6 +148,7 @@ def _plant(cache: Path) -> int:
     return 9
 
 
+@pytest.mark.slow
 def test_serve_starts_whatever_the_cache_directory_holds(tmp_path):
     from tests.test_cli_serve import serve_process
 
@@ -182,6 +183,7 @@ def test_a_fifo_swapped_in_at_runtime_is_a_miss_not_a_hang(tmp_path):
     disk.close()
 
 
+@pytest.mark.slow
 def test_an_unusable_cache_directory_is_named_not_blamed_on_the_model(tmp_path):
     import subprocess
     import sys

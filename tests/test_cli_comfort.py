@@ -272,6 +272,7 @@ def _long_work(tmp_path) -> list[list[str]]:
             ["replay", str(FIXTURE), "--target", f"http://127.0.0.1:{_closed_port()}"]]
 
 
+@pytest.mark.slow
 def test_no_progress_output_when_stderr_is_not_a_terminal(tmp_path):
     for args in _long_work(tmp_path):
         proc = _run(args, tmp_path)
@@ -281,6 +282,7 @@ def test_no_progress_output_when_stderr_is_not_a_terminal(tmp_path):
         assert "\x1b" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_progress_is_drawn_on_a_terminal_and_stdout_stays_clean(tmp_path):
     labels = ["importing", "analyzing", "replaying"]
     for args, label in zip(_long_work(tmp_path), labels):

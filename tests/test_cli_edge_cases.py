@@ -85,6 +85,7 @@ def _serve(args, cwd) -> subprocess.CompletedProcess:
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=90)
 
 
+@pytest.mark.slow
 def test_serve_exits_naming_a_model_directory_that_is_not_a_model(tmp_path):
     # It used to listen anyway and answer 503 "still loading" forever.
     not_a_model = tmp_path / "not-a-model"

@@ -52,6 +52,7 @@ def serve_process(args: list[str], cwd: Path, env: dict | None = None, ready_tim
             proc.kill()
 
 
+@pytest.mark.slow
 def test_serve_records_a_turn_in_the_working_directory(tmp_path):
     with serve_process(["--model", str(TINY_MODEL)], cwd=tmp_path) as (url, proc):
         r = httpx.post(url + "/v1/chat/completions", timeout=60,
@@ -65,6 +66,7 @@ def test_serve_records_a_turn_in_the_working_directory(tmp_path):
     assert con.execute("select count(*), max(status) from turns").fetchone() == (1, 200)
 
 
+@pytest.mark.slow
 def test_serve_binds_loopback_by_default(tmp_path):
     with serve_process(["--model", str(TINY_MODEL)], cwd=tmp_path) as (url, _):
         assert url.startswith("http://127.0.0.1:")
@@ -79,6 +81,7 @@ def test_serve_binds_loopback_by_default(tmp_path):
             httpx.get(f"http://{hostname_ip}:{port}/health", timeout=2)
 
 
+@pytest.mark.slow
 def test_serve_with_no_model_converts_and_serves_the_bundled_default(tmp_path):
     """The README's main job: `prefixtrace serve` on the bundled SmolLM2, converted on first use."""
     import importlib.util

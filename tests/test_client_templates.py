@@ -58,6 +58,7 @@ def permissive_server(recorder):
         engine.shutdown()
 
 
+@pytest.mark.slow
 def test_allowed_client_template_renders_in_a_bounded_sandbox(permissive_server, monkeypatch):
     url, recorder = permissive_server
     plain = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
@@ -69,6 +70,7 @@ def _open_file_limits(pid: int) -> tuple[int, int]:
     raise AssertionError("no open-file limit in /proc")
 
 
+@pytest.mark.slow
 def test_serve_raises_its_open_file_limit_to_the_hard_limit(tmp_path):
     # This test process has imported mlx-lm (the fixtures' engine), so it passes its
     # lowered (2048, 4096) limit on: serve must at least lift its soft limit to the hard one.

@@ -180,6 +180,7 @@ def test_without_debian_openblas_the_pip_one_is_found(tmp_path, monkeypatch):
     assert cpu_runtime.find_openblas() == found  # prepared once, then reused
 
 
+@pytest.mark.slow
 @linux_only
 def test_serve_preloads_the_pip_openblas_and_mlx_uses_it(tmp_path):
     """As on a fresh machine without libopenblas0-pthread: the re-exec preloads the renamed

@@ -63,6 +63,7 @@ def _one_line_error(done: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_damaged_database_and_leaves_it_untouched(tmp_path):
     db = _recorded(tmp_path / "traffic.db")
     _damage_pages(db)
@@ -74,6 +75,7 @@ def test_serve_refuses_a_damaged_database_and_leaves_it_untouched(tmp_path):
     assert hashlib.sha256(db.read_bytes()).hexdigest() == digest and not Path(f"{db}-wal").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [_damage_pages, _damage_a_stored_json_text])
 def test_reading_commands_report_a_damaged_database_in_one_line(tmp_path, damage):
     db = _recorded(tmp_path / "traffic.db")

@@ -35,6 +35,7 @@ def chat(url: str, messages: list, **extra) -> dict:
     return r.json()
 
 
+@pytest.mark.slow
 def test_dashboard_shows_turns_and_breaks_live(engine_server, browser):
     url, _ = engine_server
     page = browser.new_page(viewport={"width": 1280, "height": 900})

@@ -85,6 +85,7 @@ def proxy(recorder):
             yield url, app
 
 
+@pytest.mark.slow
 def test_a_session_reads_as_a_person_expects(proxy, browser):  # noqa: F811
     url, _ = proxy
     _pi_session(url)
@@ -141,6 +142,7 @@ def _turn(i: int, session: str) -> Turn:
                 prompt_tokens=60, cached_tokens=0, ttft_s=0.2, total_s=0.3)
 
 
+@pytest.mark.slow
 def test_two_thousand_sessions_stay_fast(proxy, browser):  # noqa: F811
     """2,000 sessions: the poll answers a page of them, and the page renders at once. The turns go
     straight into the live analysis (2,000 requests through the proxy would take minutes here);

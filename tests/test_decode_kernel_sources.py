@@ -85,6 +85,7 @@ def test_every_kernel_renders_with_the_names_its_body_uses():
     assert "constexpr int U" not in tq_split.GENERIC_SOURCE and "constexpr int U" not in dense.SOURCE  # U: a template
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine (CI): nothing to compile with")
 def test_every_kernel_compiles_for_the_h200(tmp_path):
     src = tmp_path / "kernels.cu"
@@ -95,6 +96,7 @@ def test_every_kernel_compiles_for_the_h200(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine (CI): nothing to compile with")
 def test_the_split_kernel_keeps_its_registers_without_spills(tmp_path):
     """ptxas's resource report for the split kernel at the engine's shapes: no spills, no stack frame (a

@@ -235,6 +235,7 @@ def test_fragments_equal_the_cuda_core_arithmetic_without_rounding(emulated_mma,
     assert len(seen) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_padded_steps_within_the_tolerance_of_masked_sdpa(emulated_mma, dtype):
     """With P rounded as the kernel rounds it, left-padded rows (the cache's strided buffer views,
@@ -316,6 +317,7 @@ def _engine_shapes() -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine (CI): nothing to compile with")
 def test_compiles_for_the_h200_without_spills(tmp_path):
     """nvcc for sm_90 at the engine's shapes (bf16 / f16): the MMAs' PTX assembles,

@@ -46,6 +46,7 @@ def _db(tmp_path: Path) -> Path:
     (["analyze", "{db}", "--format", "json", "--out", "{out}"], "report.json"),
     (["check", "{db}", "--junit", "{out}"], "junit.xml"),
 ], ids=["export-jsonl", "export-har", "analyze-html", "analyze-json", "check-junit"])
+@pytest.mark.slow
 def test_cli_outputs_are_owner_only(tmp_path, args, name):
     db, out = _db(tmp_path), tmp_path / name
     done = _cli(*[a.format(db=db, out=out) for a in args])

@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from bench.bench_fleet_routing import ROOT, front_proxy, router, router_available, stop, workers
+from testsupport.fleet import front_proxy, router, router_available, workers
+from testsupport.servers import ROOT, stop
 
 
 def rows(recorder) -> list[dict]:
@@ -27,6 +28,9 @@ def rows(recorder) -> list[dict]:
     out = [dict(r) for r in con.execute("select * from turn_log order by started_at")]
     con.close()
     return out
+
+# Subprocess workers and routers: seconds each (the core suite, `-m "not slow"`, leaves them out).
+pytestmark = pytest.mark.slow
 
 SGLANG = router_available("sglang")
 VLLM = router_available("vllm")

@@ -103,6 +103,7 @@ def _reference_logits(gguf_path: Path, token_ids: list[int]) -> np.ndarray:
     return x @ embed.T  # tied head: no output.weight in this file
 
 
+@pytest.mark.slow
 @needs_wheel
 def test_converted_logits_match_reference_forward(gguf_path, converted):
     _, model, tokenizer = converted
@@ -121,6 +122,7 @@ def test_converted_logits_match_reference_forward(gguf_path, converted):
     assert (logits.argmax(-1) == reference.argmax(-1)).all()
 
 
+@pytest.mark.slow
 @needs_wheel
 def test_greedy_chat_answer_is_coherent(converted):
     from mlx_lm.generate import generate

@@ -495,6 +495,7 @@ def test_count_tokens_counts_past_the_context_and_refuses_a_huge_prompt_early(en
     assert error["code"] == "context_exceeds_capacity" and error["prompt_tokens_at_least"] > 4 * context
 
 
+@pytest.mark.slow
 def test_serve_takes_the_body_deadline_and_the_head_limit_from_its_options(tmp_path):
     from tests.conftest import TINY_MODEL
     from tests.test_cli_serve import serve_process

@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from recorder import iter_turns
 from tests.conftest import TINY_MODEL
@@ -37,6 +38,7 @@ def client_loop(url: str, worker: int, finished: list, stop: threading.Event) ->
             i += 1
 
 
+@pytest.mark.slow
 def test_kill_9_under_load_keeps_every_finished_turn(tmp_path):
     db = tmp_path / "traffic.db"
     finished: list[str] = []

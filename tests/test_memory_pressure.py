@@ -63,6 +63,7 @@ def test_forced_pauses_leave_the_output_token_identical(params):
     engine.shutdown()
 
 
+@pytest.mark.slow
 def test_concurrent_long_prompts_under_a_small_ceiling_all_complete_identically(caplog):
     probe = engine_with()
     mm = probe.memory

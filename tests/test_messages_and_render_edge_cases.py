@@ -273,7 +273,7 @@ def claude_code_loop() -> list[dict]:
 
 @pytest.mark.parametrize("template", ["qwen3_style", "qwen35_style"])
 def test_an_anthropic_agent_loop_renders_append_only_until_the_next_real_prompt(template, tmp_path):
-    from bench.bench_render_policies import model_dir_with_template
+    from testsupport.harness_session import model_dir_with_template
     from engine.engine import Engine
     from tests.conftest import TINY_MODEL
 

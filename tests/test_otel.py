@@ -1,7 +1,7 @@
 """OpenTelemetry export (prefixtrace/otel.py, docs/OBSERVABILITY.md), end to end: a real
 `prefixtrace serve --otlp-endpoint` subprocess on the tiny model, a few turns of one session with a
 cache break and a refused request, the spans read back by an OTLP/HTTP receiver on loopback
-(tests/otlp_receiver.py) and compared with what the proxy recorded (its database) and analysed (its
+(testsupport/otlp_receiver.py) and compared with what the proxy recorded (its database) and analysed (its
 dashboard's JSON); then `analyze --otlp-endpoint` over that recording."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.conftest import ROOT, TINY_MODEL, free_port
-from tests.otlp_receiver import OtlpReceiver
+from testsupport.otlp_receiver import OtlpReceiver
 
 pytest.importorskip("opentelemetry.sdk.trace", reason="the [otel] extra (it is in the test extra)")
 
@@ -105,6 +105,7 @@ def served(tmp_path_factory):
     return {"turns": turns, "spans": spans, "dashboard": dashboard, "db": db, "log": log}
 
 
+@pytest.mark.slow
 def test_serve_exports_one_span_per_turn_with_the_genai_attributes(served):
     turns, spans = served["turns"], served["spans"]
     assert len(turns) == 4 and set(spans) == {t.request_id for t in turns}, served["log"][-3000:]
@@ -138,6 +139,7 @@ def test_serve_exports_one_span_per_turn_with_the_genai_attributes(served):
     assert spans[ok[1].request_id]["attributes"]["gen_ai.usage.cache_read.input_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_serve_spans_carry_the_live_analysis(served):
     """The break's cause, cost and fix are the dashboard's own (proxy/live.py), not a second analysis."""
     turns, spans = served["turns"], served["spans"]
@@ -161,11 +163,13 @@ def test_serve_spans_carry_the_live_analysis(served):
     assert spans[ok[2].request_id]["attributes"]["prefixtrace.break.cause"]
 
 
+@pytest.mark.slow
 def test_no_prompt_text_reaches_a_span(served):
     text = json.dumps([s["attributes"] for s in served["spans"].values()])
     assert SECRET_WORDS not in text and "Tuesday" not in text and "Say hi" not in text
 
 
+@pytest.mark.slow
 def test_analyze_exports_the_recording(served):
     """`analyze --otlp-endpoint` over the recording: one span per turn, at the recorded time, with the
     report's own analysis (the same values its --format json prints)."""
@@ -206,6 +210,7 @@ def test_analyze_exports_the_recording(served):
     assert {rid: s["attributes"].get("prefixtrace.break.cause") for rid, s in spans.items()} == live
 
 
+@pytest.mark.slow
 def test_analyze_says_when_nothing_could_be_exported(served, tmp_path):
     from prefixtrace.cli import cli
 
@@ -220,6 +225,7 @@ BLOCK_OTEL = ("import sys; sys.modules['opentelemetry'] = None; from prefixtrace
               "sys.argv[0] = 'prefixtrace'; main()")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["serve", "--model", str(TINY_MODEL)], ["analyze", "SRC"]])
 def test_without_the_extra_the_flag_fails_in_one_line(command, served, tmp_path):
     command = [str(served["db"]) if c == "SRC" else c for c in command]
@@ -245,6 +251,7 @@ def test_a_bad_endpoint_is_refused_in_one_line(tmp_path):
     assert "--otlp-endpoint must be an http(s) URL" in result.output
 
 
+@pytest.mark.slow
 def test_nothing_but_prefixtrace_otel_imports_opentelemetry():
     importers = []
     for folder in ("prefixtrace", "proxy", "engine", "recorder", "analyzer"):
@@ -273,6 +280,7 @@ def _phoenix() -> str | None:
     return os.environ.get("PREFIXTRACE_PHOENIX") or shutil.which("phoenix")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_phoenix() is None, reason="Arize Phoenix is not installed (PREFIXTRACE_PHOENIX=/path/to/phoenix)")
 def test_phoenix_receives_the_spans(served, tmp_path):
     """A real collector: Arize Phoenix on loopback takes `analyze --otlp-endpoint`'s spans over OTLP/HTTP
@@ -351,6 +359,7 @@ def test_an_upstream_messages_turn_reads_as_anthropic_with_cache_writes():
     assert not any(k.startswith("gen_ai.usage") for k in unknown)  # unknown is left out, never 0
 
 
+@pytest.mark.slow
 def test_a_collector_that_is_down_costs_no_response(tmp_path):
     """Nothing listens at the endpoint: requests are answered as usual, and serve still stops promptly
     (the export retries off the response path, bounded at shutdown)."""

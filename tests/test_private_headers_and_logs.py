@@ -4,6 +4,7 @@ forwards upstream and the access log line."""
 from __future__ import annotations
 
 import httpx
+import pytest
 from fastapi import FastAPI, Request
 from openai import OpenAI
 
@@ -45,6 +46,7 @@ def test_browser_and_network_headers_are_not_forwarded_upstream(tmp_path):
     assert headers["authorization"] == "Bearer sk-forwarded-on-purpose-000000"  # the upstream's own key still goes
 
 
+@pytest.mark.slow
 def test_query_string_values_are_masked_in_the_access_log(tmp_path):
     with serve_process(["--model", str(TINY_MODEL), "--log-level", "info"], cwd=tmp_path,
                        env={"PREFIXTRACE_NO_OPENBLAS": "1"}) as (url, proc):

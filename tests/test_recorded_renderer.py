@@ -153,6 +153,7 @@ def test_a_given_model_counts_the_generation_prompt_too():
         assert t.prompt_tokens == t.reported_prompt_tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["pi_tiny", "llm_tiny", "claude_smol"])
 def test_without_a_recorded_renderer_the_output_names_the_fallback(name):
     report = analyze(TRAFFIC / f"{name}.jsonl")

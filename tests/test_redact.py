@@ -207,12 +207,12 @@ def _best(fn, text, repeats=3):
 
 
 def test_adversarial_bodies_cost_about_what_an_ordinary_body_of_the_same_size_costs():
-    """bench/bench_redact.py's bodies, at 64 KB: each built so that a pattern which
-    rescans from every start would be quadratic (the old PEM pattern took ~77 s on
+    """The redaction bench's bodies (testsupport/redact_bodies.py), at 64 KB: each built so that a
+    pattern which rescans from every start would be quadratic (the old PEM pattern took ~77 s on
     218 KB of unterminated headers). The bound is relative and generous: 4x the benchmark's 25x at 1 MB
     (at 64 KB the ordinary body is a few ms, so load noise weighs more; a quadratic pattern is
     thousands of times the ordinary body here: 7e6ea90's PEM pattern took seconds)."""
-    from bench.bench_redact import ADVERSARIAL_UNITS, MAX_RATIO, adversarial_body, ordinary_body
+    from testsupport.redact_bodies import ADVERSARIAL_UNITS, MAX_RATIO, adversarial_body, ordinary_body
 
     r = Redactor()
     size = 64_000

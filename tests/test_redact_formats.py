@@ -154,8 +154,9 @@ def test_every_format_through_a_real_proxy(engine_server, tmp_path):
 
 
 def test_redaction_stays_linear_on_the_new_formats_near_misses():
-    """bench/bench_redact.py's adversarial bodies, the new formats' near misses among them, at 64 KB."""
-    from bench.bench_redact import ADVERSARIAL_UNITS, MAX_RATIO, adversarial_body, ordinary_body
+    """The redaction bench's adversarial bodies (testsupport/redact_bodies.py), the new formats' near
+    misses among them, at 64 KB."""
+    from testsupport.redact_bodies import ADVERSARIAL_UNITS, MAX_RATIO, adversarial_body, ordinary_body
     from tests.test_redact import _best
 
     new_units = {k: v for k, v in ADVERSARIAL_UNITS.items()

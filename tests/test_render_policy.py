@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from analyzer import TemplateRenderer, analyze, assert_prefix_stable
-from bench.bench_render_policies import harness_session, model_dir_with_template
+from testsupport.harness_session import harness_session, model_dir_with_template
 from engine.engine import Engine
 from engine.render_policy import (
     SYSTEM_NOTE_HEADER, BoundPolicy, NoticeRule, PolicyAnalyzerRenderer, RenderPolicy, TemplateTraits,

@@ -187,6 +187,7 @@ def _assert_inert(output: bytes, shown: bool = True) -> None:
     assert not shown or "\\u001b" in text  # shown, not dropped
 
 
+@pytest.mark.slow
 def test_terminal_text_shows_escapes_instead_of_running_them(tmp_path):
     src = _hostile_jsonl(tmp_path)
     for args in (["analyze", str(src)], ["analyze", str(src), "--format", "json"], ["check", str(src)]):

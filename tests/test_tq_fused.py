@@ -232,6 +232,7 @@ def _force_chunk(monkeypatch, chunk):
     monkeypatch.setattr(tq_fused, "split7", lambda *a: chunk)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [192, 576, 1024])
 def test_fused_long_blocks_stream_several_tiles_per_warp(emulated7, monkeypatch, chunk):
     """Blocks of 192 / 576 / 1,024 columns: 3 / 9 / 16 tiles per warp (both tile buffers, an odd
@@ -360,6 +361,7 @@ def test_prebuild_builds_the_fallbacks_kernel_where_the_fused_one_cannot_map_the
     assert len([c for c in out if c > 0]) == 1 and built == [1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="no nvcc on this machine (CI)")
 def test_fused_kernel_compiles_for_the_h200_within_its_register_budget(tmp_path):
     """nvcc for sm_90 at every shape the fused kernel maps: no spills or stack frame, at most `V7_REGS` registers

@@ -362,6 +362,7 @@ def test_split5_follows_the_waves():
     assert common.blocks_per_sm(20_000, regs=64) == 8 and common.blocks_per_sm(60_000, regs=64) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="no nvcc on this machine (CI)")
 def test_mma_kernel_compiles_for_the_h200_within_its_occupancy_model(tmp_path):
     """nvcc for sm_90: no spills or stack frame, the static shared memory `v5_shared_bytes` counts (at most,

@@ -15,6 +15,7 @@ import sys
 import time
 
 import httpx
+import pytest
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
@@ -55,6 +56,7 @@ def test_display_url_hides_userinfo_and_keeps_the_rest():
     assert credentials(url) == (USER, PASSWORD) and credentials("http://h:1") is None
 
 
+@pytest.mark.slow
 def test_upstream_credentials_are_used_but_never_shown_logged_stored_or_exported(tiny_engine, recorder, tmp_path):
     upstream_server = running_server(basic_auth_required(create_app(EngineBackend(tiny_engine), recorder)))
     upstream = upstream_server.__enter__()

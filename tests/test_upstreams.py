@@ -70,6 +70,7 @@ def chat(url: str, session: str, messages: list) -> dict:
     return r.json()
 
 
+@pytest.mark.slow
 def test_sessions_stick_fail_over_and_are_repinned(upstreams, tmp_path):
     sessions = [f"s{i}" for i in range(8)]
     histories = {s: [{"role": "system", "content": f"You help user {s}."}, {"role": "user", "content": "Hi."}]

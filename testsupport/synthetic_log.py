@@ -1,8 +1,9 @@
 """A synthetic recording shaped like the field report (seeds/001): agent
 sessions whose prompts grow by tool calls and file reads, interleaved in time.
 
-Shared by the analyzer speed benchmark (issue 3) and the recorder's
-storage-size benchmark, so its shape is a contract:
+Shared by the analyzer speed benchmark, the recorder's storage-size benchmark,
+the redaction benchmark's ordinary body and tests/test_analyzer.py, so its shape
+is a contract:
 
     generate_records(n_requests=1260, n_sessions=8, seed=0, ...) -> Iterator[dict]
     write_jsonl(path, **kwargs) -> Path

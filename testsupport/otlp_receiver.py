@@ -1,4 +1,4 @@
-"""An OTLP/HTTP trace receiver on 127.0.0.1 for the tests and bench/bench_proxy_overhead.py --otlp.
+"""An OTLP/HTTP trace receiver on 127.0.0.1 for tests/test_otel.py and bench/bench_proxy_overhead.py --otlp.
 
 It decodes what the exporter really sends (protobuf `ExportTraceServiceRequest`, gzip or not) with the
 official `opentelemetry-proto` messages, the same definitions any collector reads, and answers as a
