@@ -23,7 +23,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
-NOT_PRODUCT = {"tests", "bench", "fixtures", "docs"}
+# testsupport/: helpers the tests and the benchmarks share, not shipped (tests/test_bench_tests_apart.py
+# checks that no product package imports it)
+NOT_PRODUCT = {"tests", "bench", "fixtures", "docs", "testsupport"}
 
 
 def layer_table(doc: str | None = None) -> dict[str, tuple[int, set[str]]]:
