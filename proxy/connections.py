@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import resource
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from common import heap
 
 log = logging.getLogger("prefixtrace.serve")
 
@@ -249,14 +249,6 @@ class H11WithHeadTimeout(_AccessLineAtTheEnd, _HeadDeadline, H11Protocol):
 TRIM_AFTER_BODY_BYTES = 1 << 20  # a request body this big: its memory is given back to the OS after it
 
 
-def _libc_malloc_trim():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
-        return None
-
-
-_malloc_trim = _libc_malloc_trim()
 _trim_pending = False
 
 
@@ -270,14 +262,14 @@ def give_memory_back(loop: asyncio.AbstractEventLoop) -> None:
     after one 30 MB prompt. Trimming after each big request returns it; it costs a few ms of a
     worker thread, only after bodies over `TRIM_AFTER_BODY_BYTES`."""
     global _trim_pending
-    if _malloc_trim is None or _trim_pending:
+    if not heap.AVAILABLE or _trim_pending:
         return
     _trim_pending = True
 
     def trim() -> None:
         global _trim_pending
         _trim_pending = False
-        _malloc_trim(0)
+        heap.trim_heap()
 
     loop.run_in_executor(None, trim)
 

@@ -42,8 +42,6 @@ counted (`spool_state()["dropped"]`), logged, and fails its future.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import logging
 import queue
 import sqlite3
@@ -54,6 +52,7 @@ from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 
 from common.errors import RecorderError
+from common.heap import trim_heap
 from recorder.redact import Redactor
 from recorder.rows import BodyStore, redacted_row, write_rows
 from recorder.schema import open_db
@@ -76,21 +75,6 @@ _UNWRITABLE = ("SQLITE_FULL", "SQLITE_READONLY", "SQLITE_IOERR", "SQLITE_CANTOPE
 # and, past its mmap threshold, serves the next big body from it. The proxy trims after each big
 # request (proxy/connections.py); a refusal's turn may be written after that, so here too.
 _TRIM_AFTER_CHARS = 1 << 20
-
-
-def _libc_malloc_trim():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
-        return None
-
-
-_malloc_trim = _libc_malloc_trim()
-
-
-def _give_memory_back() -> None:
-    if _malloc_trim is not None:
-        _malloc_trim(0)
 
 
 def unwritable_reason(exc: BaseException) -> str | None:
@@ -332,7 +316,7 @@ class Recorder:
                     big = sum(len(turn.request_raw or "") for turn, _ in batch) > _TRIM_AFTER_CHARS
                     batch = results = None  # not held while the writer waits for the next turn
                     if big:
-                        _give_memory_back()
+                        trim_heap()
         finally:
             self._spool.persist()  # what the database never took waits in the spool file for the next start
             if self._db is not None:
