@@ -57,6 +57,10 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from testsupport import servers  # noqa: E402  (the health wait the tests use)
+
 TINY_MODEL = ROOT / "fixtures" / "tiny-llama"
 GOAL_MS = 1.0
 # The servers keep the bench's own import path after their tree: packages installed with
@@ -120,19 +124,11 @@ def start_serve(args: list[str], cwd: Path, log: Path, serve_with: tuple[str, st
 def wait_healthy(proc, url: str, what: str, log: Path, timeout_s: float = 180):
     """(proc, url) once `url`/health answers 200; SystemExit with the server's log if it
     exits first or never does."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"{what} exited early:\n{log.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"{what} did not become healthy:\n{log.read_text()}")
-        time.sleep(0.2)
+    try:
+        servers.wait_healthy(url, proc, what, timeout_s, log=log)
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
+    return proc, url
 
 
 def stop(proc: subprocess.Popen) -> None:

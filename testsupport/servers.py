@@ -64,36 +64,31 @@ def start_serve(db: Path, log_path: Path, extra: list[str] = (), *, model: Path 
         env={**os.environ, "PYTHONPATH": str(ROOT), **({} if openblas else {"PREFIXTRACE_NO_OPENBLAS": "1"})},
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_within_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited early:\n{log_path.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("serve did not become healthy")
-        time.sleep(0.2)
+    wait_healthy(url, proc, "serve", ready_within_s, log=log_path)
+    return proc, url
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float = 180.0) -> None:
-    """Until `url`/health answers 200; raises with the end of `proc`'s output if it exits first."""
+def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float = 180.0, *,
+                 log: Path | None = None) -> None:
+    """Until `url`/health answers 200. Raises with the end of the server's output (`log`, else its
+    stdout pipe) if it exits first, and kills it if it never answers."""
+    def output() -> str:
+        text = log.read_text(errors="replace") if log is not None else (proc.stdout.read() if proc.stdout else "")
+        return text[-3000:]
+
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout else ""
-            raise RuntimeError(f"{what} exited ({proc.returncode}):\n{out[-3000:]}")
+            raise RuntimeError(f"{what} exited early ({proc.returncode}):\n{output()}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not become healthy at {url}")
-        time.sleep(0.25)
+            proc.kill()
+            raise RuntimeError(f"{what} did not become healthy at {url}:\n{output()}")
+        time.sleep(0.2)
 
 
 def stop(proc: subprocess.Popen) -> None:
