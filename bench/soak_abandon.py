@@ -34,7 +34,6 @@ import asyncio
 import json
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from recorder import iter_turns  # noqa: E402
-from testsupport.servers import start_serve  # noqa: E402
+from testsupport.servers import start_serve, terminate  # noqa: E402
 
 MARK = "soak-abandon "
 SYSTEM = "You are a terse assistant. Answer in one short sentence."
@@ -190,16 +189,7 @@ def soak(args) -> dict:
             # The same three requests as solo: the first one afterwards, and the best of three.
             after_runs = [timed_normal_request(url, normal) for _ in range(3)]
         finally:
-            t2 = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-                stopped = True
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-                stopped = False
-            shutdown_s = time.monotonic() - t2
+            stopped, shutdown_s = terminate(proc, 120)
         recorded: Counter = Counter()
         stages: Counter = Counter()
         statuses: Counter = Counter()

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import signal
-import subprocess
 import tempfile
 import time
 from collections import Counter
@@ -20,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from recorder import iter_turns
-from testsupport.servers import start_serve
+from testsupport.servers import start_serve, terminate
 
 MARK = "soak "
 
@@ -120,16 +118,7 @@ def soak(clients: int, seconds: float, p_cut: float, seed: int = 0, max_tokens: 
             except httpx.HTTPError as exc:
                 health = type(exc).__name__
         finally:
-            t2 = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(90)
-                stopped = True
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-                stopped = False
-            shutdown_s = time.monotonic() - t2
+            stopped, shutdown_s = terminate(proc, 90)
         recorded = Counter(
             t.request_body["messages"][0]["content"].removeprefix(MARK)
             for t in iter_turns(db)

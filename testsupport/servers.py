@@ -91,6 +91,21 @@ def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float = 1
         time.sleep(0.2)
 
 
+def terminate(proc: subprocess.Popen, wait_s: float) -> tuple[bool, float]:
+    """SIGTERM (serve's graceful stop), then a kill if it has not exited within `wait_s`:
+    (whether it stopped by itself, the seconds it took)."""
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(wait_s)
+        stopped = True
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        stopped = False
+    return stopped, time.monotonic() - start
+
+
 def stop(proc: subprocess.Popen) -> None:
     """SIGINT (uvicorn's graceful stop), then a kill after 20 s."""
     if proc.poll() is None:
