@@ -101,8 +101,11 @@ def test_a_session_reads_as_a_person_expects(proxy, browser):  # noqa: F811
     text = brk.text_content()
     assert "system prompt rewritten" in text and "at turn 3" in text
     assert re.search(r"at turn 3: [\d.]+ s and \d+ tokens re-prefilled", text)  # seconds first
-    assert "system prompt" in page.text_content('.break[data-turn="4"] .fix')
-    assert page.text_content('.break[data-turn="2"] .fix') == "Fix: the same as above"  # one counter, one fix
+    # One counter, one fix: the break shown first (the costlier) says it, the other refers to it.
+    shown = [b.get_attribute("data-turn") for b in page.query_selector_all('.session[data-session="pi-1"] .break')]
+    first, second = [turn for turn in shown if turn in ("2", "4")]
+    assert "system prompt" in page.text_content(f'.break[data-turn="{first}"] .fix')
+    assert page.text_content(f'.break[data-turn="{second}"] .fix') == "Fix: the same as above"
     assert page.text_content('.break[data-turn="2"] del') == "1"
     assert page.text_content('.break[data-turn="2"] ins') == "2"
     # TTFT readable in full ("0.31 s"), never cut to a few pixels of digits.
@@ -140,6 +143,33 @@ def _turn(i: int, session: str) -> Turn:
     return Turn(f"r{i}", 1_700_000_000 + i, "/v1/chat/completions", "http://up", body,
                 {"user-agent": "claude-cli/2.1.197 (external, sdk-cli)"}, session_id=session, status=200,
                 prompt_tokens=60, cached_tokens=0, ttft_s=0.2, total_s=0.3)
+
+
+@pytest.mark.slow
+def test_the_costliest_break_comes_first_not_the_newest(proxy, browser):  # noqa: F811
+    """A session whose early break re-prefilled its whole history and whose later one only a short tail:
+    the card shows the early, costly one first, and its line says what the breaks cost in seconds."""
+    url, _ = proxy
+    headers = {**PI_HEADERS, "X-Session-Id": "pi-costs"}
+    messages = [{"role": "user", "content": "Fix the flaky login test please"}]
+    for turn in range(5):
+        messages += [{"role": "assistant", "content": f"step {turn} " + "x" * 800},
+                     {"role": "user", "content": f"continue {turn}"}]
+        system = PI_SYSTEM.format(n=2 if turn >= 2 else 1)  # turn 3 rewrites the head: all of it again
+        sent = [dict(m) for m in messages]
+        if turn == 4:  # turn 5 edits the last user message but one: a short tail again
+            sent[-3]["content"] = "continue 3 (edited)"
+        body = {"model": "m", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "system", "content": system}, *sent]}
+        assert httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=30).status_code == 200
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page.goto(url + "/ui")
+    page.wait_for_selector('.session[data-session="pi-costs"] .break[data-turn="4"]', timeout=15_000)
+    shown = [b.get_attribute("data-turn") for b in page.query_selector_all('.session[data-session="pi-costs"] .break')]
+    assert shown == ["2", "4"], shown  # the head rewrite (turn 3) before the newer, cheaper edit (turn 5)
+    meta = page.text_content('.session[data-session="pi-costs"] .meta')
+    assert re.search(r"2 break\(s\) costing [\d.]+ (ms|s), [\d,]+ tokens re-prefilled", meta), meta
+    page.close()
 
 
 @pytest.mark.slow
