@@ -81,20 +81,17 @@ REFUSAL_COMMIT_WAIT_BYTES = 1 << 20
 
 async def record_refusal(recorder: TurnSink, turn: Turn, body_bytes: int) -> None:
     """Records a refused request's `turn`: committed before the answer (`record_durably`), unless
-    its body is over `REFUSAL_COMMIT_WAIT_BYTES`; then handed to the recorder's queue and answered
-    at once (only a crash in the moment before its commit could lose it; a write that fails is
-    logged, as `record_async` logs it)."""
+    its body is over `REFUSAL_COMMIT_WAIT_BYTES`; then handed to the recorder's queue without
+    blocking the event loop (`Recorder.enqueue`, which logs a write that fails) and answered at
+    once: only a crash in the moment before its commit could lose it."""
     if body_bytes <= REFUSAL_COMMIT_WAIT_BYTES:
         await record_durably(recorder, turn)
         return
-    done = recorder.record(turn)
-
-    def report(future) -> None:
-        if not future.cancelled() and future.exception() is not None:
-            log.error("turn %s was not recorded: %s", turn.request_id, future.exception())
-
-    if hasattr(done, "add_done_callback"):
-        done.add_done_callback(report)
+    enqueue = getattr(recorder, "enqueue", None)
+    if enqueue is None:
+        recorder.record(turn)
+    else:
+        await enqueue(turn)
 
 
 async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recorder: TurnSink, parse, open_reply,

@@ -77,6 +77,11 @@ _UNWRITABLE = ("SQLITE_FULL", "SQLITE_READONLY", "SQLITE_IOERR", "SQLITE_CANTOPE
 _TRIM_AFTER_CHARS = 1 << 20
 
 
+def _log_lost(turn: Turn, done: Future) -> None:
+    if not done.cancelled() and isinstance(done.exception(), RecorderError):
+        log.error("turn %s was not recorded: %s", turn.request_id, done.exception().message)
+
+
 def unwritable_reason(exc: BaseException) -> str | None:
     """Why the database cannot be written, when `exc` (or its cause) says so; None for
     an error of the turn itself."""
@@ -166,21 +171,28 @@ class Recorder:
         with the `RecorderError` that lost it. Blocks only while the queue is full."""
         return self._put(turn, block=True)
 
-    async def record_async(self, turn: Turn) -> None:
-        """Records `turn` and waits, without blocking the event loop, until it
-        is committed. A full queue makes this caller wait for room (in a worker
-        thread) instead of dropping the turn. A failed write is logged, not
-        raised: the response it belongs to was served; `flush` reports it."""
+    async def enqueue(self, turn: Turn) -> Future:
+        """`record` without blocking the event loop: a full queue makes this caller wait for room
+        in a worker thread instead of dropping the turn. A write that fails is logged (the Future
+        carries the `RecorderError` too)."""
         try:
             done = self._put(turn, block=False)
         except queue.Full:
             done = await asyncio.to_thread(self._put, turn, True)
+        done.add_done_callback(lambda f: _log_lost(turn, f))
+        return done
+
+    async def record_async(self, turn: Turn) -> None:
+        """Records `turn` and waits, without blocking the event loop, until it
+        is committed. A failed write is logged, not raised: the response it
+        belongs to was served; `flush` reports it."""
+        done = await self.enqueue(turn)
         try:
             # shield: a response cancelled while it waits (the client hung up)
             # must not cancel the writer's future; the turn is written anyway.
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), self.stuck_after_s)
-        except RecorderError as exc:
-            log.error("turn %s was not recorded: %s", turn.request_id, exc.message)
+        except RecorderError:
+            pass  # logged by `enqueue`'s callback
         except TimeoutError:
             log.error("turn %s not committed after %.0f s (recorder stuck); answering anyway, it stays queued",
                       turn.request_id, self.stuck_after_s)
