@@ -151,15 +151,7 @@ def read_jsonl(path: str | Path, *, base_ts: float | None = None) -> list[Turn]:
         raise InvalidRequest(f"cannot read {p}: {exc}") from exc
     base = time.time() if base_ts is None else base_ts
     turns = []
-    # Lines end at "\n" only: `splitlines` also breaks at U+2028, U+0085 and other
-    # characters that `json.dumps(ensure_ascii=False)` leaves raw inside strings.
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"{p}:{lineno}: not valid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}", line=lineno) from exc
+    for lineno, line, obj in json_lines(text, p):
         try:
             turn = record_to_turn(obj, lineno=lineno, base_ts=base, source=p.name)
         except InvalidRequest as exc:
@@ -167,6 +159,22 @@ def read_jsonl(path: str | Path, *, base_ts: float | None = None) -> list[Turn]:
         turn.request_raw = _raw_request(line, obj)
         turns.append(turn)
     return turns
+
+
+def json_lines(text: str, where: Path | str) -> Iterator[tuple[int, str, Any]]:
+    """(line number, line, value) of every non-blank line of a JSONL `text`; a line that is not JSON
+    raises InvalidRequest naming `where:line` and the column. Lines end at "\n" only: `splitlines`
+    also breaks at U+2028, U+0085 and other characters that `json.dumps(ensure_ascii=False)` leaves
+    raw inside strings."""
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(f"{where}:{lineno}: not valid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}",
+                                 line=lineno) from exc
+        yield lineno, line, value
 
 
 def _raw_request(line: str, obj: Any) -> str | None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import InvalidRequest
+from recorder.jsonl import json_lines
 from recorder.turn import Turn
 
 UPSTREAM_PREFIX = "transcript:"
@@ -69,17 +70,7 @@ def read_jsonl_lines(path: Path) -> list[tuple[int, dict]]:
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"cannot read {path}: {exc}") from exc
-    out = []
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"{path}:{lineno}: not valid JSON: {exc.msg}", line=lineno) from exc
-        if isinstance(obj, dict):
-            out.append((lineno, obj))
-    return out
+    return [(lineno, obj) for lineno, _, obj in json_lines(text, path) if isinstance(obj, dict)]
 
 
 def openai_call(call_id: str | None, name: str | None, arguments: Any) -> dict:
