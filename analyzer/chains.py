@@ -23,6 +23,7 @@ from analyzer.causes import Cause, classify, payload_cause, server_facts, server
 from analyzer.costing import price_breaks
 from analyzer.divergence import SegmentCounter, common_prefix_len, compare, diff_window
 from analyzer.load import Request, share_prefix
+from analyzer.param_breakers import cache_params, first_change, fix_text, kept_tokens
 from analyzer.render import GenericRenderer, Rendered
 from analyzer.results import Break, Report, SessionResult, TurnResult
 from analyzer.sessions import SessionGrouper
@@ -73,6 +74,7 @@ class Analyzer:
         skipped = list(skipped or [])
         readable = []
         for i, req in enumerate(requests):
+            req.cache_params = cache_params(req.body, req.endpoint, req.headers, req.upstream)  # as sent
             try:
                 req.body = self.wire.to_chat(req.body, req.endpoint)
             except UnreadableBody as exc:  # reported per line with the reason, like a malformed line
@@ -146,6 +148,7 @@ class Analyzer:
                 self._compare(turn, prev, payload, rendered, req.body)
                 if turn.brk is None:  # the shared prefix reaches into what the previous turn left cached
                     turn.common_prefix_tokens += self._reach(prev, rendered)
+                self._param_break(turn, prev, req)
             turn.reprefill_tokens = tokens - turn.common_prefix_tokens
             self._cost(turn)
             if prev is not None and turn.brk is None:
@@ -294,6 +297,33 @@ class Analyzer:
                          max(0, min(prev.tokens, turn.prompt_tokens or 0) - turn.common_prefix_tokens),
                          char_in_message, cmp.diff, cause.volatile)
         turn.brk.suggestion = suggestion(cause.cause, cause.subtype, cause.volatile, turn.brk.location())
+
+    def _param_break(self, turn: TurnResult, prev: _State, req: Request) -> None:
+        """A provider-documented parameter that changed (analyzer/param_breakers.py): it names a
+        `param_change` the rendering saw, and makes one of a turn the rendering calls append-only."""
+        change = first_change(prev.req.cache_params if prev.req else None, req.cache_params)
+        if change is None:
+            return
+        # Adding or removing the web search server tool is the toggle Anthropic documents.
+        toggled = turn.brk is not None and turn.brk.cause == "tools_change" and change.name == "web_search"
+        if turn.brk is not None and turn.brk.cause != "param_change" and not toggled:
+            return
+        if turn.brk is not None:
+            turn.brk.cause, turn.brk.tool_index, turn.brk.tool_name = "param_change", None, None
+            if turn.brk.subtype == "model" or change.provider != "local" and change.level == "rendered":
+                return
+            turn.brk.subtype, turn.brk.path = change.name, f"$.{change.name}"
+            turn.brk.before, turn.brk.after = change.text(change.before), change.text(change.after)
+            turn.brk.suggestion = fix_text(change)
+            return
+        if change.level == "rendered":
+            return  # the template rendered the same prompt: a local server keeps its cache
+        kept = min(turn.common_prefix_tokens, kept_tokens(change.level, prev.rendered, lambda text: len(self.tokenizer(text))))
+        turn.brk = Break("param_change", change.name, None, None, 0, kept, change.text(change.before),
+                         change.text(change.after), f"$.{change.name}",
+                         suggestion=fix_text(change), saves_tokens=max(0, min(prev.tokens, turn.prompt_tokens or 0) - kept),
+                         detail=f"{change.provider}: invalidates from the {change.level} on")
+        turn.common_prefix_tokens = kept
 
     def _rendered_changes(self, prev: Payload, payload: Payload, body: dict, text: str, break_index: int) -> Payload:
         """`payload` with the changed messages before the rendered break that the renderer does not render
