@@ -23,7 +23,7 @@ from analyzer.causes import Cause, classify, payload_cause, server_facts, server
 from analyzer.costing import price_breaks
 from analyzer.divergence import SegmentCounter, common_prefix_len, compare, diff_window
 from analyzer.load import Request, share_prefix
-from analyzer.param_breakers import cache_params, first_change, fix_text, kept_tokens
+from analyzer.param_breakers import cache_params, first_change, fix_text, kept_prefix
 from analyzer.render import GenericRenderer, Rendered
 from analyzer.results import Break, Report, SessionResult, TurnResult
 from analyzer.sessions import SessionGrouper
@@ -318,8 +318,9 @@ class Analyzer:
             return
         if change.level == "rendered":
             return  # the template rendered the same prompt: a local server keeps its cache
-        kept = min(turn.common_prefix_tokens, kept_tokens(change.level, prev.rendered, lambda text: len(self.tokenizer(text))))
-        turn.brk = Break("param_change", change.name, None, None, 0, kept, change.text(change.before),
+        kept, chars = kept_prefix(change.level, prev.rendered, lambda text: len(self.tokenizer(text)))
+        kept = min(turn.common_prefix_tokens, kept)
+        turn.brk = Break("param_change", change.name, None, None, chars, kept, change.text(change.before),
                          change.text(change.after), f"$.{change.name}",
                          suggestion=fix_text(change), saves_tokens=max(0, min(prev.tokens, turn.prompt_tokens or 0) - kept),
                          detail=f"{change.provider}: invalidates from the {change.level} on")

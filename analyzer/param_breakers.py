@@ -145,21 +145,22 @@ def first_change(prev: dict | None, now: dict | None) -> ParamChange | None:
 
 def fix_text(change: ParamChange) -> str:
     """What to do about it, naming the parameter and where the provider's cache breaks."""
-    kept = {"messages": "the cached conversation (tools and system prompt stay cached)",
+    kept = {"messages": "the cached conversation (the tools and system prompt stay cached)",
             "system": "the cached system prompt and conversation (only the tools stay cached)",
             "all": "the whole cached prefix", "rendered": "the rendered prompt from where it changed"}[change.level]
-    return (f"{change.name} changed within the session ({json.dumps(change.before)} → {json.dumps(change.after)}), "
-            f"which invalidates {kept} ({SOURCES[change.provider]}): choose it once per session and keep it fixed; "
-            f"where it must change (a one-off forced tool, a harder step), send that request as a side request "
-            f"and return to the session's value")
+    who = {"anthropic": "Anthropic drops", "openai": "OpenAI loses", "local": "the chat template re-renders"}
+    before, after = (json.dumps(v, sort_keys=True) for v in (change.before, change.after))
+    return (f"{change.name} changed within the session ({before} → {after}) and {who[change.provider]} {kept}: "
+            f"choose it once per session and keep it fixed; where it must change (a one-off forced tool, a "
+            f"harder step), send that request as a side request and return to the session's value")
 
 
-def kept_tokens(level: str, rendered, count: Callable[[str], int]) -> int:
-    """Tokens of the previous prefix the provider keeps: for "messages", the rendering before the first
-    conversation message (the tools and the system prompt); nothing otherwise (the rendering does not
-    separate the tools from the system prompt, so a "system" change is priced as losing both)."""
+def kept_prefix(level: str, rendered, count: Callable[[str], int]) -> tuple[int, int]:
+    """(tokens, chars) of the previous prefix the provider keeps: for "messages", the rendering before the
+    first conversation message (the tools and the system prompt); nothing otherwise (the rendering does
+    not separate the tools from the system prompt, so a "system" change is priced as losing both)."""
     if level != "messages":
-        return 0
+        return 0, 0
     head = 0
     while head < len(rendered.roles) and rendered.roles[head] in ("system", "developer"):
         head += 1
@@ -168,4 +169,5 @@ def kept_tokens(level: str, rendered, count: Callable[[str], int]) -> int:
         if owner >= head:
             break
         text.append(segment)
-    return count("".join(text)) if text else 0
+    joined = "".join(text)
+    return (count(joined), len(joined)) if joined else (0, 0)
