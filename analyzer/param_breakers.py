@@ -101,14 +101,15 @@ def local_params(body: dict) -> dict[str, Any]:
 
 def provider_rules(endpoint: str | None, upstream: str | None) -> str | None:
     """Whose documented rules apply: a Messages request not served by the embedded engine is Anthropic's
-    (a plain JSONL without an upstream is taken as sent to Anthropic); an OpenAI upstream, or a Responses
-    request without one, OpenAI's."""
+    (a plain JSONL without an upstream, or a harness transcript, is taken as sent to Anthropic); an OpenAI
+    upstream, or a Responses request without one or rebuilt from a transcript (Codex), OpenAI's."""
     up = (upstream or "").lower()
     if up.startswith("embedded:"):
         return None
     if endpoint == "/v1/messages":
         return "anthropic"
-    if "openai.com" in up or "openai.azure.com" in up or (not up and endpoint == "/v1/responses"):
+    if "openai.com" in up or "openai.azure.com" in up or (
+            (not up or up.startswith("transcript:")) and endpoint == "/v1/responses"):
         return "openai"
     return None
 

@@ -170,3 +170,24 @@ def test_headers_come_through_the_recorder_database(tmp_path):
     db = tmp_path / "rec.db"
     import_jsonl(_write(tmp_path, copy.deepcopy(chain)), db)
     assert [b.subtype for _, b in _breaks(analyze(db)) if b.cause == "param_change"] == ["anthropic-beta"]
+
+
+def test_codex_transcript_reasoning_effort_change_is_named(tmp_path):
+    from recorder.transcripts import transcript_turns
+
+    rollout = next(Path("fixtures/transcripts/codex").glob("rollout-*.jsonl"))
+    lines = [json.loads(line) for line in rollout.read_text().splitlines()]
+    context = next(i for i, o in enumerate(lines) if o["type"] == "turn_context")
+    lines[context]["payload"]["effort"] = "medium"
+    # The user raised the effort before the second call (as `/model` does in Codex).
+    output = next(i for i, o in enumerate(lines) if o.get("payload", {}).get("type") == "function_call_output")
+    raised = copy.deepcopy(lines[context])
+    raised["payload"]["effort"] = "high"
+    lines.insert(output + 1, raised)
+    path = tmp_path / rollout.name
+    path.write_text("\n".join(json.dumps(o) for o in lines) + "\n")
+    turns, _ = transcript_turns(path)
+    assert [t.request_body.get("reasoning") for t in turns] == [{"effort": "medium"}, {"effort": "high"}]
+    [(number, brk)] = _breaks(analyze(turns))
+    assert (number, brk.cause, brk.subtype) == (2, "param_change", "reasoning.effort")
+    assert (brk.before, brk.after) == ('reasoning.effort: "medium"', 'reasoning.effort: "high"')

@@ -44,6 +44,13 @@ def _as_sent(item: dict) -> dict:
     return {k: v for k, v in item.items() if k not in ROLLOUT_ONLY_KEYS}
 
 
+def _effort(turn_context: dict) -> str | None:
+    """The reasoning effort a turn_context names (`effort`, or its collaboration mode's setting)."""
+    settings = (turn_context.get("collaboration_mode") or {}).get("settings")
+    effort = turn_context.get("effort") or (settings.get("reasoning_effort") if isinstance(settings, dict) else None)
+    return effort if isinstance(effort, str) else None
+
+
 def read(path: Path) -> list[Transcript]:
     lines = read_jsonl_lines(path)
     meta = next((o["payload"] for _, o in lines if o.get("type") == "session_meta"), {})
@@ -55,7 +62,7 @@ def read(path: Path) -> list[Transcript]:
     t.note("tool definitions not recorded")
     t.note("request parameters (tool_choice, parallel_tool_calls, reasoning, include, store, prompt_cache_key, "
            "client_metadata) not recorded")
-    model = None
+    model = effort = None
     items: list[dict] = []
     out: list[dict] = []  # the current call's output items
     sent: float | None = None  # when the current call's input was complete
@@ -68,6 +75,8 @@ def read(path: Path) -> list[Transcript]:
             usage = None
             return
         body: dict = {"model": model, "input": items[: len(items) - len(out)]}
+        if effort:  # the turn's reasoning effort: a cache-relevant parameter (analyzer/param_breakers.py)
+            body["reasoning"] = {"effort": effort}
         calls = [openai_call(i.get("call_id"), i.get("name"), i.get("arguments", i.get("input", "")))
                  for i in out if i.get("type") in ("function_call", "custom_tool_call")]
         text = "".join(c.get("text", "") for i in out if i.get("type") == "message"
@@ -89,8 +98,9 @@ def read(path: Path) -> list[Transcript]:
         ts = parse_time(obj.get("timestamp"))
         if not isinstance(payload, dict):
             continue
-        if kind == "turn_context" and payload.get("model"):
-            model = payload["model"]
+        if kind == "turn_context":
+            model = payload.get("model") or model
+            effort = _effort(payload)
         elif kind == "compacted":
             emit()
             t.note("compacted: Codex replaced the history with a summary; items after it rebuilt from there")
