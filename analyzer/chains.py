@@ -23,6 +23,8 @@ from analyzer.causes import Cause, classify, payload_cause, server_facts, server
 from analyzer.costing import price_breaks
 from analyzer.divergence import SegmentCounter, common_prefix_len, compare, diff_window
 from analyzer.load import Request, share_prefix
+from analyzer.lookback import LOOKBACK_BLOCKS, cache_blocks, lookback_miss
+from analyzer.lookback import fix_text as lookback_fix
 from analyzer.param_breakers import cache_params, first_change, fix_text, kept_prefix
 from analyzer.render import GenericRenderer, Rendered
 from analyzer.results import Break, Report, SessionResult, TurnResult
@@ -75,6 +77,7 @@ class Analyzer:
         readable = []
         for i, req in enumerate(requests):
             req.cache_params = cache_params(req.body, req.endpoint, req.headers, req.upstream)  # as sent
+            req.cache_blocks = cache_blocks(req.body, req.endpoint)
             try:
                 req.body = self.wire.to_chat(req.body, req.endpoint)
             except UnreadableBody as exc:  # reported per line with the reason, like a malformed line
@@ -124,6 +127,7 @@ class Analyzer:
         """The turns of one session, in order."""
         turns: list[TurnResult] = []
         prev: _State | None = None
+        writes: list[int] = []  # block boundaries where the session's earlier requests wrote a provider cache
         for req, payload in zip(requests, payloads):
             turn = TurnResult(len(turns), req.id, req.ts if req.ts_given else None, req.line, None, None, None,
                               req.reported_prompt_tokens, req.reported_cached_tokens)
@@ -149,6 +153,14 @@ class Analyzer:
                 if turn.brk is None:  # the shared prefix reaches into what the previous turn left cached
                     turn.common_prefix_tokens += self._reach(prev, rendered)
                 self._param_break(turn, prev, req)
+                if turn.brk is None and (prev.req.cache_params or {}).get("provider") == "anthropic":
+                    self._lookback(turn, payload, rendered, req, writes)
+                if turn.brk is not None and turn.brk.cause != "lookback":
+                    writes = []  # the prefix changed: earlier writes no longer match it
+            blocks = req.cache_blocks
+            if blocks is not None:
+                turn.blocks = blocks.total
+                writes = (writes + blocks.breakpoints)[-64:]
             turn.reprefill_tokens = tokens - turn.common_prefix_tokens
             self._cost(turn)
             if prev is not None and turn.brk is None:
@@ -325,6 +337,34 @@ class Analyzer:
                          suggestion=fix_text(change), saves_tokens=max(0, min(prev.tokens, turn.prompt_tokens or 0) - kept),
                          detail=f"{change.provider}: invalidates from the {change.level} on")
         turn.common_prefix_tokens = kept
+
+    def _lookback(self, turn: TurnResult, payload: Payload, rendered: Rendered, req: Request, writes: list[int]) -> None:
+        """An append-only Messages turn whose breakpoint lies more than 20 blocks past the session's newest
+        cache write (analyzer/lookback.py): what its breakpoints still find stays cached, the rest is lost."""
+        miss = lookback_miss(req.cache_blocks, writes)
+        if miss is None:
+            return
+        kept = chars = 0
+        if miss.hit:
+            kept, chars = self._prefix_through(rendered, payload, req.cache_blocks.message_of[miss.hit - 1])
+        kept = min(turn.common_prefix_tokens, kept)
+        turn.brk = Break("lookback", None, None, None, chars, kept, f"newest cache write: after block {miss.newest_write}",
+                         f"breakpoint: after block {miss.breakpoint} ({miss.behind} blocks later)",
+                         suggestion=lookback_fix(miss), saves_tokens=max(0, turn.common_prefix_tokens - kept),
+                         detail=f"{miss.behind} blocks behind the breakpoint; Anthropic looks back {LOOKBACK_BLOCKS}")
+        turn.common_prefix_tokens = kept
+
+    def _prefix_through(self, rendered: Rendered, payload: Payload, message: int | None) -> tuple[int, int]:
+        """(tokens, chars) of the rendering up to the end of the client's message `message` (None: the head)."""
+        source = payload.source_index or []
+        text = []
+        for segment, owner in zip(rendered.segments, rendered.owners):
+            client = source[owner] if 0 <= owner < len(source) else (owner if owner >= 0 else None)
+            if client is not None and (message is None or client > message):
+                break
+            text.append(segment)
+        joined = "".join(text)
+        return (len(self.tokenizer(joined)), len(joined)) if joined else (0, 0)
 
     def _rendered_changes(self, prev: Payload, payload: Payload, body: dict, text: str, break_index: int) -> Payload:
         """`payload` with the changed messages before the rendered break that the renderer does not render

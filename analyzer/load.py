@@ -64,6 +64,7 @@ class Request:
     transcript: dict | None = None  # rebuilt from a harness transcript: harness, file, what was not rebuilt
     headers: dict | None = None  # the recorded request headers (credentials already dropped by the recorder)
     cache_params: dict | None = None  # analyzer/param_breakers.cache_params of the body as sent
+    cache_blocks: Any = None  # analyzer/lookback.cache_blocks of a Messages body as sent
 
 
 @dataclass

@@ -36,6 +36,8 @@ class Break:
         """"message 2 (user)", "tools[0] (read)", "the request parameters"."""
         if self.cause == "server_miss":
             return "the server's cache"
+        if self.cause == "lookback":
+            return "the cache breakpoints"
         if self.tool_index is not None or self.cause == "tools_change":
             return f"tools[{self.tool_index}] ({self.tool_name})"
         if self.message_index is None and self.role == "system":
@@ -83,6 +85,7 @@ class TurnResult:
     lost_seconds_basis: str | None = None  # how `lost_seconds` was found (or why it could not be)
     lost_tokens: int | None = None  # the same cost in tokens (docs/ANALYZER.md "Cost")
     ttft_s: float | None = None  # the turn's recorded time to first token
+    blocks: int | None = None  # a Messages request's content blocks as sent (Anthropic's lookback counts them)
 
     @property
     def number(self) -> int:
