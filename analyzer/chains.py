@@ -26,6 +26,8 @@ from analyzer.load import Request, share_prefix
 from analyzer.lookback import LOOKBACK_BLOCKS, cache_blocks, lookback_miss
 from analyzer.lookback import fix_text as lookback_fix
 from analyzer.param_breakers import cache_params, first_change, fix_text, kept_prefix
+from analyzer.race import clock, race
+from analyzer.race import fix_text as race_fix
 from analyzer.render import GenericRenderer, Rendered
 from analyzer.results import Break, Report, SessionResult, TurnResult
 from analyzer.sessions import SessionGrouper
@@ -155,6 +157,8 @@ class Analyzer:
                 self._param_break(turn, prev, req)
                 if turn.brk is None and (prev.req.cache_params or {}).get("provider") == "anthropic":
                     self._lookback(turn, payload, rendered, req, writes)
+                if turn.brk is None and len(turns) > 1:
+                    self._race(turn, turns[-2], prev.req, req)
                 if turn.brk is not None and turn.brk.cause != "lookback":
                     writes = []  # the prefix changed: earlier writes no longer match it
             blocks = req.cache_blocks
@@ -332,10 +336,29 @@ class Analyzer:
             return  # the template rendered the same prompt: a local server keeps its cache
         kept, chars = kept_prefix(change.level, prev.rendered, lambda text: len(self.tokenizer(text)))
         kept = min(turn.common_prefix_tokens, kept)
-        turn.brk = Break("param_change", change.name, None, None, chars, kept, change.text(change.before),
-                         change.text(change.after), f"$.{change.name}",
+        before, after = change.text(change.before), change.text(change.after)
+        turn.brk = Break("param_change", change.name, None, None, chars, kept, before, after, f"$.{change.name}",
+                         diff=diff_window(before, after, len(change.name) + 2),
                          suggestion=fix_text(change), saves_tokens=max(0, min(prev.tokens, turn.prompt_tokens or 0) - kept),
                          detail=f"{change.provider}: invalidates from the {change.level} on")
+        turn.common_prefix_tokens = kept
+
+    def _race(self, turn: TurnResult, prev_turn: TurnResult, prev_req: Request | None, req: Request) -> None:
+        """An append-only turn sent before the previous one's first token (analyzer/race.py): it can reuse
+        only what was cached before the previous request."""
+        if prev_req is None or not (prev_req.ts_given and req.ts_given):
+            return
+        r = race(prev_req.ts, prev_req.ttft_s, req.ts)
+        if r is None:
+            return
+        kept = min(turn.common_prefix_tokens, prev_turn.predicted_cached_tokens or 0)
+        before = f"previous turn sent {clock(r.prev_sent)}, first token {clock(r.prev_first_token)}"
+        after = f"this turn sent {clock(r.sent)}, {r.early_s:.2f} s before that first token"
+        turn.brk = Break("concurrent", None, None, None, 0, kept, before, after,
+                         diff={"before": before, "after": after, "start": 0, "before_end": 0, "after_end": 0,
+                               "offset": 0},  # two times, not two prompts: nothing to mark
+                         suggestion=race_fix(r), saves_tokens=max(0, turn.common_prefix_tokens - kept),
+                         detail=f"sent {r.early_s:.2f} s before the previous turn's first token")
         turn.common_prefix_tokens = kept
 
     def _lookback(self, turn: TurnResult, payload: Payload, rendered: Rendered, req: Request, writes: list[int]) -> None:
@@ -348,8 +371,9 @@ class Analyzer:
         if miss.hit:
             kept, chars = self._prefix_through(rendered, payload, req.cache_blocks.message_of[miss.hit - 1])
         kept = min(turn.common_prefix_tokens, kept)
-        turn.brk = Break("lookback", None, None, None, chars, kept, f"newest cache write: after block {miss.newest_write}",
-                         f"breakpoint: after block {miss.breakpoint} ({miss.behind} blocks later)",
+        before = f"newest cache write after block {miss.newest_write}"
+        after = f"{before}; breakpoint after block {miss.breakpoint}: {miss.behind} blocks later"
+        turn.brk = Break("lookback", None, None, None, chars, kept, before, after, diff=diff_window(before, after, len(before)),
                          suggestion=lookback_fix(miss), saves_tokens=max(0, turn.common_prefix_tokens - kept),
                          detail=f"{miss.behind} blocks behind the breakpoint; Anthropic looks back {LOOKBACK_BLOCKS}")
         turn.common_prefix_tokens = kept

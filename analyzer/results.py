@@ -38,6 +38,8 @@ class Break:
             return "the server's cache"
         if self.cause == "lookback":
             return "the cache breakpoints"
+        if self.cause == "concurrent":
+            return "the send time"
         if self.tool_index is not None or self.cause == "tools_change":
             return f"tools[{self.tool_index}] ({self.tool_name})"
         if self.message_index is None and self.role == "system":
@@ -53,7 +55,10 @@ class Break:
         return self.where()
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        if self.cause in ("lookback", "concurrent"):  # not a place in the prompt: said for the pages' own `where`
+            d["where"] = self.where()
+        return d
 
 
 @dataclass

@@ -45,7 +45,7 @@ def test_twelve_parallel_calls_put_the_breakpoint_past_the_lookback():
     brk = turn.brk
     assert brk.cause == "lookback" and brk.where() == "the cache breakpoints"
     # 3 tools + 1 system block + 1 user block: the write after block 5; then 12 tool_use + 12 tool_result.
-    assert (brk.before, brk.after) == ("newest cache write: after block 5", "breakpoint: after block 29 (24 blocks later)")
+    assert brk.after == "newest cache write after block 5; breakpoint after block 29: 24 blocks later"
     assert "looks back only 20" in brk.suggestion and "second cache_control breakpoint" in brk.suggestion
     # The system prompt's own breakpoint still hits: the tools and system prompt stay cached.
     assert 0 < turn.common_prefix_tokens < first.prompt_tokens and turn.lost_tokens > 0
