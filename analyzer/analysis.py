@@ -15,6 +15,7 @@ from analyzer.load import load
 from analyzer.render import make_renderer
 from analyzer.results import Report
 from analyzer.tokens import Tokenizer
+from analyzer.write_waste import write_waste
 from common.errors import InvalidRequest
 
 
@@ -70,5 +71,6 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
     if sheet is not None:
         report.pricing = sheet.to_dict()
         dollars_of_breaks(report, sheet)
+    report.write_waste = write_waste(report, {r.id: r for r in loaded.requests}, sheet)
     return report
 

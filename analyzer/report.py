@@ -6,6 +6,7 @@ import io
 import json
 
 from analyzer.results import Report
+from analyzer.write_waste import text_lines as waste_lines
 
 
 def to_json(report: Report) -> str:
@@ -210,6 +211,8 @@ def format_text(report: Report, width: int = 140) -> str:
                       + " (genai-prices)")
         lost = sum(t.lost_dollars or 0 for s in report.sessions for t in s.turns)
         console.print(f"breaks cost {_usd(lost)} over reading those tokens from the cache")
+    for line in waste_lines(report.write_waste):
+        console.print(line)
     console.print("(lost = what a cache would have served had the request only extended the previous one, in seconds "
                   "from the recorded timings, then tokens: docs/ANALYZER.md \"Cost\"; "
                   "'!' = the server's cached tokens disagree with the prediction by more than 10 points)")

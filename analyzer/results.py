@@ -178,6 +178,7 @@ class Report:
     # on fallback with how to give the right one (docs/ANALYZER.md "The server's renderer").
     renderer_source: str = "fallback"
     renderer_note: str = ""
+    write_waste: dict | None = None  # analyzer/write_waste.py: provider cache writes never read
 
     @property
     def breaks(self) -> list[tuple[SessionResult, TurnResult]]:
@@ -247,6 +248,7 @@ class Report:
                             "lost_seconds_basis": t.lost_seconds_basis} for s, t in self.top_breaks()],
             **({"what_if": self.what_if} if self.what_if else {}),
             **({"pricing": self.pricing} if self.pricing else {}),
+            **({"cache_write_waste": self.write_waste} if self.write_waste else {}),
         }
 
 
