@@ -32,6 +32,7 @@ from analyzer.render import GenericRenderer, Rendered
 from analyzer.results import Break, Report, SessionResult, TurnResult
 from analyzer.sessions import SessionGrouper
 from analyzer.tokens import Tokenizer, as_tokenizer
+from analyzer.turn_kinds import opened_by
 from common.errors import InvalidRequest
 from wire.normalize import ChatNormalizer, UnreadableBody
 
@@ -165,6 +166,9 @@ class Analyzer:
             if blocks is not None:
                 turn.blocks = blocks.total
                 writes = (writes + blocks.breakpoints)[-64:]
+            gap = req.ts - (prev.req.ts + (prev.req.total_s or 0.0)) if prev is not None and prev.req is not None \
+                and req.ts_given and prev.req.ts_given else None
+            turn.opened_by = opened_by(prev.payload if prev is not None else None, payload, turn.brk, gap)
             turn.reprefill_tokens = tokens - turn.common_prefix_tokens
             self._cost(turn)
             if prev is not None and turn.brk is None:

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from analyzer.turn_kinds import miss_rates
 from common.errors import InvalidRequest
 
 
@@ -91,6 +92,7 @@ class TurnResult:
     lost_tokens: int | None = None  # the same cost in tokens (docs/ANALYZER.md "Cost")
     ttft_s: float | None = None  # the turn's recorded time to first token
     blocks: int | None = None  # a Messages request's content blocks as sent (Anthropic's lookback counts them)
+    opened_by: str | None = None  # what opened the turn: user, tool_result, subagent, … (analyzer/turn_kinds.py)
 
     @property
     def number(self) -> int:
@@ -249,6 +251,7 @@ class Report:
             **({"what_if": self.what_if} if self.what_if else {}),
             **({"pricing": self.pricing} if self.pricing else {}),
             **({"cache_write_waste": self.write_waste} if self.write_waste else {}),
+            "opened_by": miss_rates(t for s in self.sessions for t in s.turns),
         }
 
 
