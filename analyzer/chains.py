@@ -33,6 +33,7 @@ from analyzer.results import Break, Report, SessionResult, TurnResult
 from analyzer.sessions import SessionGrouper
 from analyzer.tokens import Tokenizer, as_tokenizer
 from analyzer.turn_kinds import opened_by
+from analyzer.versions import harness_version
 from common.errors import InvalidRequest
 from wire.normalize import ChatNormalizer, UnreadableBody
 
@@ -81,6 +82,7 @@ class Analyzer:
         for i, req in enumerate(requests):
             req.cache_params = cache_params(req.body, req.endpoint, req.headers, req.upstream)  # as sent
             req.cache_blocks = cache_blocks(req.body, req.endpoint)
+            req.harness, req.harness_version = harness_version(req.headers, req.body, req.transcript)
             try:
                 req.body = self.wire.to_chat(req.body, req.endpoint)
             except UnreadableBody as exc:  # reported per line with the reason, like a malformed line
@@ -135,6 +137,7 @@ class Analyzer:
             turn = TurnResult(len(turns), req.id, req.ts if req.ts_given else None, req.line, None, None, None,
                               req.reported_prompt_tokens, req.reported_cached_tokens)
             turn.ttft_s = req.ttft_s
+            turn.harness, turn.harness_version = req.harness, req.harness_version
             turns.append(turn)
             try:
                 if payload is None:

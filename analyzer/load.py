@@ -65,6 +65,8 @@ class Request:
     headers: dict | None = None  # the recorded request headers (credentials already dropped by the recorder)
     cache_params: dict | None = None  # analyzer/param_breakers.cache_params of the body as sent
     cache_blocks: Any = None  # analyzer/lookback.cache_blocks of a Messages body as sent
+    harness: str | None = None  # analyzer/versions.harness_version: who sent it, at which version
+    harness_version: str | None = None
 
 
 @dataclass

@@ -93,6 +93,8 @@ class TurnResult:
     ttft_s: float | None = None  # the turn's recorded time to first token
     blocks: int | None = None  # a Messages request's content blocks as sent (Anthropic's lookback counts them)
     opened_by: str | None = None  # what opened the turn: user, tool_result, subagent, … (analyzer/turn_kinds.py)
+    harness: str | None = None  # who sent it and at which version (analyzer/versions.py)
+    harness_version: str | None = None
 
     @property
     def number(self) -> int:

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import click
 
-from prefixtrace import cli_analyze, cli_recorder
+from prefixtrace import cli_analyze, cli_compare, cli_recorder
 from prefixtrace.cli_common import JSON_OPTION, FiniteFloatRange, echo_json, library_errors as _library_errors
 from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved
 from proxy.upstream_timeouts import UpstreamTimeouts
@@ -355,7 +355,7 @@ def run(url, db, upstreams, serve_args, model, prefill_rate, executable, session
     sys.exit(code)
 
 
-for _command in (cli_analyze.analyze, cli_analyze.check, *cli_recorder.COMMANDS):
+for _command in (cli_analyze.analyze, cli_analyze.check, cli_compare.compare, *cli_recorder.COMMANDS):
     cli.add_command(_command)
 mirror_env(cli)  # PREFIXTRACE_<COMMAND>_<FLAG> for every option; serve's also PREFIXTRACE_<FLAG>
 

@@ -55,6 +55,7 @@ def read(path: Path) -> list[Transcript]:
     lines = read_jsonl_lines(path)
     meta = next((o["payload"] for _, o in lines if o.get("type") == "session_meta"), {})
     t = Transcript(HARNESS, str(meta.get("id") or path.stem), str(path))
+    t.version = meta.get("cli_version") if isinstance(meta.get("cli_version"), str) else None
     # session_meta's base_instructions are the model's defaults, not what was sent: Codex drops the
     # sections of disabled tools (the fixture's run sent 17k of its 21k characters). Not guessed.
     t.note("system prompt not in the transcript: the base-instructions message Codex sends first is "

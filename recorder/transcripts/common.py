@@ -32,6 +32,7 @@ class Transcript:
     source: str  # the file (or storage directory) it was read from
     turns: list[Turn] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what could not be rebuilt, once per session
+    version: str | None = None  # the harness's own version, where its file records it
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -41,7 +42,8 @@ class Transcript:
         """Stamps every turn with the session's notes (known only once the whole file is read)."""
         for turn in self.turns:
             turn.render = {"transcript": {"harness": self.harness, "file": Path(self.source).name,
-                                          "session": self.session_id, "not_rebuilt": list(self.notes)}}
+                                          "session": self.session_id, "not_rebuilt": list(self.notes),
+                                          **({"version": self.version} if self.version else {})}}
         return self
 
 
