@@ -11,6 +11,7 @@ from typing import Any
 
 from analyzer.chains import Analyzer
 from analyzer.costing import dollars_of_breaks
+from analyzer.hashed import blind
 from analyzer.load import load
 from analyzer.render import make_renderer
 from analyzer.results import Report
@@ -72,5 +73,6 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
         report.pricing = sheet.to_dict()
         dollars_of_breaks(report, sheet)
     report.write_waste = write_waste(report, {r.id: r for r in loaded.requests}, sheet)
+    blind(report, {r.id for r in loaded.requests if r.hashed})
     return report
 

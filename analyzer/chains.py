@@ -22,6 +22,7 @@ from analyzer.canon import Canonicalizer, Payload, first_changed, flatten_conten
 from analyzer.causes import Cause, classify, payload_cause, server_facts, server_miss
 from analyzer.costing import price_breaks
 from analyzer.divergence import SegmentCounter, common_prefix_len, compare, diff_window
+from analyzer.hashed import expand as expand_hashed
 from analyzer.load import Request, share_prefix
 from analyzer.lookback import LOOKBACK_BLOCKS, cache_blocks, lookback_miss
 from analyzer.lookback import fix_text as lookback_fix
@@ -80,6 +81,7 @@ class Analyzer:
         skipped = list(skipped or [])
         readable = []
         for i, req in enumerate(requests):
+            req.body, req.hashed = expand_hashed(req.body)  # `serve --store hashes`: stand-ins for the texts
             req.cache_params = cache_params(req.body, req.endpoint, req.headers, req.upstream)  # as sent
             req.cache_blocks = cache_blocks(req.body, req.endpoint)
             req.harness, req.harness_version = harness_version(req.headers, req.body, req.transcript)

@@ -67,6 +67,7 @@ class Request:
     cache_blocks: Any = None  # analyzer/lookback.cache_blocks of a Messages body as sent
     harness: str | None = None  # analyzer/versions.harness_version: who sent it, at which version
     harness_version: str | None = None
+    hashed: bool = False  # recorded with `serve --store hashes` (analyzer/hashed.py)
 
 
 @dataclass

@@ -183,6 +183,7 @@ class Report:
     renderer_source: str = "fallback"
     renderer_note: str = ""
     write_waste: dict | None = None  # analyzer/write_waste.py: provider cache writes never read
+    hashed_note: str = ""  # analyzer/hashed.py: what a hash-only recording cannot tell
 
     @property
     def breaks(self) -> list[tuple[SessionResult, TurnResult]]:
@@ -217,6 +218,8 @@ class Report:
                 out.append(f"first: {first}")
         elif c["analysed"] == 0:
             out.append(f"all {c['failed_requests']} request(s) failed (status >= 400): no prompt to analyse")
+        if self.hashed_note:
+            out.append(self.hashed_note)
         rebuilt = [s for s in self.sessions if s.transcript]
         if rebuilt:
             out.append(f"{len(rebuilt)} session(s) rebuilt from harness transcripts, not recorded traffic: "
