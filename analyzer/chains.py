@@ -22,19 +22,12 @@ from analyzer.canon import Canonicalizer, Payload, first_changed, flatten_conten
 from analyzer.causes import Cause, classify, payload_cause, server_facts, server_miss
 from analyzer.costing import price_breaks
 from analyzer.divergence import SegmentCounter, common_prefix_len, compare, diff_window
-from analyzer.hashed import expand as expand_hashed
 from analyzer.load import Request, share_prefix
-from analyzer.lookback import LOOKBACK_BLOCKS, cache_blocks, lookback_miss
-from analyzer.lookback import fix_text as lookback_fix
-from analyzer.param_breakers import cache_params, first_change, fix_text, kept_prefix
-from analyzer.race import clock, race
-from analyzer.race import fix_text as race_fix
 from analyzer.render import GenericRenderer, Rendered
 from analyzer.results import Break, Report, SessionResult, TurnResult
+from analyzer.rule_breaks import RuleBreaks, request_facts
 from analyzer.sessions import SessionGrouper
 from analyzer.tokens import Tokenizer, as_tokenizer
-from analyzer.turn_kinds import opened_by
-from analyzer.versions import harness_version
 from common.errors import InvalidRequest
 from wire.normalize import ChatNormalizer, UnreadableBody
 
@@ -81,10 +74,7 @@ class Analyzer:
         skipped = list(skipped or [])
         readable = []
         for i, req in enumerate(requests):
-            req.body, req.hashed = expand_hashed(req.body)  # `serve --store hashes`: stand-ins for the texts
-            req.cache_params = cache_params(req.body, req.endpoint, req.headers, req.upstream)  # as sent
-            req.cache_blocks = cache_blocks(req.body, req.endpoint)
-            req.harness, req.harness_version = harness_version(req.headers, req.body, req.transcript)
+            request_facts(req)  # what only the body as sent and its headers say (analyzer/rule_breaks.py)
             try:
                 req.body = self.wire.to_chat(req.body, req.endpoint)
             except UnreadableBody as exc:  # reported per line with the reason, like a malformed line
@@ -134,7 +124,7 @@ class Analyzer:
         """The turns of one session, in order."""
         turns: list[TurnResult] = []
         prev: _State | None = None
-        writes: list[int] = []  # block boundaries where the session's earlier requests wrote a provider cache
+        rules = RuleBreaks(self.tokenizer)  # the providers' rules past the rendered prompt, per session
         for req, payload in zip(requests, payloads):
             turn = TurnResult(len(turns), req.id, req.ts if req.ts_given else None, req.line, None, None, None,
                               req.reported_prompt_tokens, req.reported_cached_tokens)
@@ -160,20 +150,8 @@ class Analyzer:
                 self._compare(turn, prev, payload, rendered, req.body)
                 if turn.brk is None:  # the shared prefix reaches into what the previous turn left cached
                     turn.common_prefix_tokens += self._reach(prev, rendered)
-                self._param_break(turn, prev, req)
-                if turn.brk is None and (prev.req.cache_params or {}).get("provider") == "anthropic":
-                    self._lookback(turn, payload, rendered, req, writes)
-                if turn.brk is None and len(turns) > 1:
-                    self._race(turn, turns[-2], prev.req, req)
-                if turn.brk is not None and turn.brk.cause != "lookback":
-                    writes = []  # the prefix changed: earlier writes no longer match it
-            blocks = req.cache_blocks
-            if blocks is not None:
-                turn.blocks = blocks.total
-                writes = (writes + blocks.breakpoints)[-64:]
-            gap = req.ts - (prev.req.ts + (prev.req.total_s or 0.0)) if prev is not None and prev.req is not None \
-                and req.ts_given and prev.req.ts_given else None
-            turn.opened_by = opened_by(prev.payload if prev is not None else None, payload, turn.brk, gap)
+                rules.name(turn, prev, turns[-2], payload, rendered, req)
+            rules.after(turn, prev, payload, req)
             turn.reprefill_tokens = tokens - turn.common_prefix_tokens
             self._cost(turn)
             if prev is not None and turn.brk is None:
@@ -322,82 +300,6 @@ class Analyzer:
                          max(0, min(prev.tokens, turn.prompt_tokens or 0) - turn.common_prefix_tokens),
                          char_in_message, cmp.diff, cause.volatile)
         turn.brk.suggestion = suggestion(cause.cause, cause.subtype, cause.volatile, turn.brk.location())
-
-    def _param_break(self, turn: TurnResult, prev: _State, req: Request) -> None:
-        """A provider-documented parameter that changed (analyzer/param_breakers.py): it names a
-        `param_change` the rendering saw, and makes one of a turn the rendering calls append-only."""
-        change = first_change(prev.req.cache_params if prev.req else None, req.cache_params)
-        if change is None:
-            return
-        # Adding or removing the web search server tool is the toggle Anthropic documents.
-        toggled = turn.brk is not None and turn.brk.cause == "tools_change" and change.name == "web_search"
-        if turn.brk is not None and turn.brk.cause != "param_change" and not toggled:
-            return
-        if turn.brk is not None:
-            turn.brk.cause, turn.brk.tool_index, turn.brk.tool_name = "param_change", None, None
-            if turn.brk.subtype == "model" or change.provider != "local" and change.level == "rendered":
-                return
-            turn.brk.subtype, turn.brk.path = change.name, f"$.{change.name}"
-            turn.brk.before, turn.brk.after = change.text(change.before), change.text(change.after)
-            turn.brk.suggestion = fix_text(change)
-            return
-        if change.level == "rendered":
-            return  # the template rendered the same prompt: a local server keeps its cache
-        kept, chars = kept_prefix(change.level, prev.rendered, lambda text: len(self.tokenizer(text)))
-        kept = min(turn.common_prefix_tokens, kept)
-        before, after = change.text(change.before), change.text(change.after)
-        turn.brk = Break("param_change", change.name, None, None, chars, kept, before, after, f"$.{change.name}",
-                         diff=diff_window(before, after, len(change.name) + 2),
-                         suggestion=fix_text(change), saves_tokens=max(0, min(prev.tokens, turn.prompt_tokens or 0) - kept),
-                         detail=f"{change.provider}: invalidates from the {change.level} on")
-        turn.common_prefix_tokens = kept
-
-    def _race(self, turn: TurnResult, prev_turn: TurnResult, prev_req: Request | None, req: Request) -> None:
-        """An append-only turn sent before the previous one's first token (analyzer/race.py): it can reuse
-        only what was cached before the previous request."""
-        if prev_req is None or not (prev_req.ts_given and req.ts_given):
-            return
-        r = race(prev_req.ts, prev_req.ttft_s, req.ts)
-        if r is None:
-            return
-        kept = min(turn.common_prefix_tokens, prev_turn.predicted_cached_tokens or 0)
-        before = f"previous turn sent {clock(r.prev_sent)}, first token {clock(r.prev_first_token)}"
-        after = f"this turn sent {clock(r.sent)}, {r.early_s:.2f} s before that first token"
-        turn.brk = Break("concurrent", None, None, None, 0, kept, before, after,
-                         diff={"before": before, "after": after, "start": 0, "before_end": 0, "after_end": 0,
-                               "offset": 0},  # two times, not two prompts: nothing to mark
-                         suggestion=race_fix(r), saves_tokens=max(0, turn.common_prefix_tokens - kept),
-                         detail=f"sent {r.early_s:.2f} s before the previous turn's first token")
-        turn.common_prefix_tokens = kept
-
-    def _lookback(self, turn: TurnResult, payload: Payload, rendered: Rendered, req: Request, writes: list[int]) -> None:
-        """An append-only Messages turn whose breakpoint lies more than 20 blocks past the session's newest
-        cache write (analyzer/lookback.py): what its breakpoints still find stays cached, the rest is lost."""
-        miss = lookback_miss(req.cache_blocks, writes)
-        if miss is None:
-            return
-        kept = chars = 0
-        if miss.hit:
-            kept, chars = self._prefix_through(rendered, payload, req.cache_blocks.message_of[miss.hit - 1])
-        kept = min(turn.common_prefix_tokens, kept)
-        before = f"newest cache write after block {miss.newest_write}"
-        after = f"{before}; breakpoint after block {miss.breakpoint}: {miss.behind} blocks later"
-        turn.brk = Break("lookback", None, None, None, chars, kept, before, after, diff=diff_window(before, after, len(before)),
-                         suggestion=lookback_fix(miss), saves_tokens=max(0, turn.common_prefix_tokens - kept),
-                         detail=f"{miss.behind} blocks behind the breakpoint; Anthropic looks back {LOOKBACK_BLOCKS}")
-        turn.common_prefix_tokens = kept
-
-    def _prefix_through(self, rendered: Rendered, payload: Payload, message: int | None) -> tuple[int, int]:
-        """(tokens, chars) of the rendering up to the end of the client's message `message` (None: the head)."""
-        source = payload.source_index or []
-        text = []
-        for segment, owner in zip(rendered.segments, rendered.owners):
-            client = source[owner] if 0 <= owner < len(source) else (owner if owner >= 0 else None)
-            if client is not None and (message is None or client > message):
-                break
-            text.append(segment)
-        joined = "".join(text)
-        return (len(self.tokenizer(joined)), len(joined)) if joined else (0, 0)
 
     def _rendered_changes(self, prev: Payload, payload: Payload, body: dict, text: str, break_index: int) -> Payload:
         """`payload` with the changed messages before the rendered break that the renderer does not render
