@@ -1,5 +1,5 @@
 """Recorded traffic as the block-hash traces replay tools load (`prefixtrace export --format mooncake|
-coding-trace`, docs/FORMATS.md "Block-hash traces").
+weka`, docs/FORMATS.md "Block-hash traces").
 
 No text leaves: each request becomes its input and output lengths and one id per block of its prompt's
 tokens, rendered and tokenized as the analysis does. A block's id stands for its tokens *and every token
@@ -9,9 +9,9 @@ appearance, so identical prefixes give identical ids and a replay tool's cache s
 - `mooncake`: Mooncake's trace rows as AIPerf's `mooncake_trace` dataset reads them (one JSON object a
   line): `session_id`, `timestamp` (ms since the first request), `input_length`, `output_length`,
   `hash_ids` (the last, partial block included: ceil(input_length / block_size) ids).
-- `coding-trace`: AIPerf's `coding_trace` (kv-cache-tester) JSON, one object per session: `id`, `models`,
-  `block_size`, `requests` of `t` (s since the session's first request), `type`, `in`, `out`, `hash_ids`,
-  `model`.
+- `weka`: the Weka kv-cache-tester agentic trace AIPerf loads (its `WekaTrace`), one object per session:
+  `id`, `models`, `block_size`, `hash_id_scope: "local"`, `requests` of `t` (s since the session's first
+  request), `type` ("s" streamed, "n" not), `model`, `in`, `out`, `hash_ids`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from analyzer.render import make_renderer
 from analyzer.server_renderer import choose_renderer
 from common.errors import InvalidRequest
 
-FORMATS = ("mooncake", "coding-trace")
+FORMATS = ("mooncake", "weka")
 DEFAULT_BLOCK = 512  # AIPerf's and Mooncake's block size
 
 
@@ -89,16 +89,17 @@ def mooncake_rows(rows: list[dict]) -> Iterator[dict]:
         yield row
 
 
-def coding_traces(rows: list[dict], block_size: int) -> Iterator[dict]:
+def weka_traces(rows: list[dict], block_size: int) -> Iterator[dict]:
     sessions: dict[str, list[dict]] = {}
     for r in rows:
         sessions.setdefault(r["session"], []).append(r)
     for sid, own in sessions.items():
         start = own[0]["ts"]
-        yield {"id": sid, "models": sorted({r["model"] for r in own if r["model"]}), "block_size": block_size,
+        yield {"id": sid, "models": sorted({r["model"] or "unknown" for r in own}), "block_size": block_size,
+               "hash_id_scope": "local",  # ids are numbered across the export, so they agree within a trace too
                "requests": [{"t": round(r["ts"] - start, 3), "type": "s" if r["stream"] else "n",
-                             "in": r["input_length"], "out": r["output_length"] or 0, "hash_ids": r["hash_ids"],
-                             **({"model": r["model"]} if r["model"] else {})} for r in own]}
+                             "model": r["model"] or "unknown", "in": r["input_length"], "out": r["output_length"] or 0,
+                             "hash_ids": r["hash_ids"]} for r in own]}
 
 
 def export_trace(source: str | Path, out, fmt: str, *, block_size: int = DEFAULT_BLOCK, **render) -> int:
@@ -110,6 +111,6 @@ def export_trace(source: str | Path, out, fmt: str, *, block_size: int = DEFAULT
         for row in mooncake_rows(rows):
             out.write(json.dumps(row) + "\n")
     else:
-        for trace in coding_traces(rows, block_size):
+        for trace in weka_traces(rows, block_size):
             out.write(json.dumps(trace) + "\n")
     return len(rows)

@@ -16,12 +16,12 @@ DB = click.argument("db", type=click.Path(exists=True, dir_okay=False, path_type
 
 @click.command()
 @DB
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "har", "mooncake", "coding-trace"]), default="jsonl",
-              show_default=True, help="mooncake, coding-trace: block-hash traces for replay tools (no text).")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "har", "mooncake", "weka"]), default="jsonl",
+              show_default=True, help="mooncake, weka: block-hash traces for replay tools (no text).")
 @click.option("--session", help="Only this session: a recorded session id, or an inferred name as `analyze` prints "
                                  "it (inferred-2).")
 @click.option("--block-size", type=click.IntRange(min=1), default=512, show_default=True,
-              help="mooncake, coding-trace: tokens per hashed block.")
+              help="mooncake, weka: tokens per hashed block.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), callback=output_path,
               help="Output file (default: stdout).")
 @click.option("--json", "as_json", is_flag=True,
@@ -29,7 +29,7 @@ DB = click.argument("db", type=click.Path(exists=True, dir_okay=False, path_type
 @library_errors
 def export(db, fmt, session, block_size, out, as_json):
     """Export recorded turns as JSONL (one wrapped record per line) or HAR 1.2, or
-    as block-hash traces for replay tools (mooncake, coding-trace: lengths and one
+    as block-hash traces for replay tools (mooncake, weka: lengths and one
     id per block of prompt tokens, no text; docs/FORMATS.md "Block-hash traces").
 
     Request bodies are written byte for byte as they were stored; see
@@ -39,7 +39,7 @@ def export(db, fmt, session, block_size, out, as_json):
     """
     from recorder.sources import export as run_export
 
-    if fmt in ("mooncake", "coding-trace"):
+    if fmt in ("mooncake", "weka"):
         _export_trace(db, fmt, session, block_size, out, as_json)
         return
 
@@ -60,7 +60,7 @@ def _export_trace(db: Path, fmt: str, session: str | None, block_size: int, out:
     from analyzer.block_traces import export_trace
 
     if session is not None:
-        raise click.UsageError("--session is not supported with --format mooncake or coding-trace")
+        raise click.UsageError("--session is not supported with --format mooncake or weka")
     buf = io.StringIO()
     count = export_trace(db, buf, fmt, block_size=block_size)
     write_or_echo(buf.getvalue().rstrip("\n"), out)

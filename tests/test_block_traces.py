@@ -1,4 +1,4 @@
-"""`prefixtrace export --format mooncake|coding-trace`: block-hash traces of real harness traffic, with
+"""`prefixtrace export --format mooncake|weka`: block-hash traces of real harness traffic, with
 identical prefixes giving identical block ids and no text leaving."""
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ def test_identical_prefixes_identical_ids_across_sessions():
     assert not set(c) & set(a)  # a block's id stands for everything before it too
 
 
-def test_coding_trace_per_session_through_the_cli(tmp_path):
+def test_weka_trace_per_session_through_the_cli(tmp_path):
     out = tmp_path / "trace.jsonl"
-    r = CliRunner().invoke(cli, ["export", str(TRAFFIC / "opencode_tiny.jsonl"), "--format", "coding-trace",
+    r = CliRunner().invoke(cli, ["export", str(TRAFFIC / "opencode_tiny.jsonl"), "--format", "weka",
                                  "--block-size", "32", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout.splitlines()[-1])["exported"] >= 3
