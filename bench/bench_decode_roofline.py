@@ -459,7 +459,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk of the long-context engines")
     p.add_argument("--warmup", type=int, default=4096, help="prompt tokens each long-context engine serves first")
     p.add_argument("--copy-gib", type=float, default=4.0, help="size of the bandwidth probe's array")
-    p.add_argument("--child-timeout", type=int, default=170, help="seconds each process may take")
+    p.add_argument("--child-timeout", type=int, default=175, help="seconds each process may take")
     p.add_argument("--json", type=Path, help="write everything here (also each process's raw figures)")
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -472,7 +472,8 @@ def main() -> None:
     raw, errors = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.processes):
-            path = Path(tmp) / f"child-{i}.json"
+            # beside --json where given: a run cut short still leaves each finished process's figures
+            path = (args.json.with_name(f"{args.json.stem}-process{i}.json") if args.json else Path(tmp) / f"child-{i}.json")
             cmd = [sys.executable, __file__, "--child", str(path), "--index", str(i), "--shape", args.shape,
                    "--tokens", str(args.tokens), "--tq-tokens", str(args.tq_tokens), "--chunk", str(args.chunk),
                    "--warmup", str(args.warmup), "--copy-gib", str(args.copy_gib), "--contexts",

@@ -7,7 +7,7 @@
 #   1. carry [".gpu1"]:  mkdir -p /tmp/p && cp .gpu1/part_aa /tmp/p/
 #   2. within 30 s, carry [".gpu2"]:  source .gpu2/install.sh && bash bench/device/roofline.sh
 # Everything lands under $OUT (logs as they go), tarred into $OUT/roofline.tgz at the end; the summary is
-# printed. Each step runs under its own timeout (40 + 530 s), so a hang cannot take the other's time.
+# printed. Each step runs under its own timeout (30 + 540 s; each of the three processes at most 175 s), so a hang cannot take the other's time.
 # DRY=1: a CPU dry run of the plumbing (the small model, small contexts, two processes).
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -22,12 +22,12 @@ python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device())" >
 cat $O/r/gpu.txt $O/r/mlx.txt | tee -a $O/r/log
 
 # 1. the GEMV against MLX's matmul (float32 reference) at every shape of the model and every plan
-timeout 40 python3 bench/check_gemv.py > $O/r/check-gemv.log 2>&1
+timeout 30 python3 bench/check_gemv.py > $O/r/check-gemv.log 2>&1
 stamp "check-gemv rc=$?"
 tail -3 $O/r/check-gemv.log | cut -c1-400 | tee -a $O/r/log
 
 # 2. the figures, three processes (each ~100-160 s: the model build ~30 s, 100k prefills the most)
-timeout 530 python3 bench/bench_decode_roofline.py $ARGS > $O/r/roofline.log 2> $O/r/roofline.err
+timeout 540 python3 bench/bench_decode_roofline.py $ARGS > $O/r/roofline.log 2> $O/r/roofline.err
 stamp "roofline rc=$?"
 cut -c1-220 $O/r/roofline.log | tee -a $O/r/log
 tail -5 $O/r/roofline.err | cut -c1-300 | tee -a $O/r/log
