@@ -50,6 +50,20 @@ SHAPES = ("qwen3-8b", "small")
 # ---------------------------------------------------------------------------------------------- child
 
 
+
+def _gemv_env(on: bool | None) -> None:
+    """PREFIXTRACE_GEMV for what follows in this process (None: as the process started)."""
+    if on is None:
+        if _GEMV_AT_START is None:
+            os.environ.pop("PREFIXTRACE_GEMV", None)
+        else:
+            os.environ["PREFIXTRACE_GEMV"] = _GEMV_AT_START
+    else:
+        os.environ["PREFIXTRACE_GEMV"] = "1" if on else "0"
+
+
+_GEMV_AT_START = os.environ.get("PREFIXTRACE_GEMV")
+
 def timed(fn, repeats: int) -> list[float]:
     """Seconds of `fn()` (which returns arrays to evaluate), synced, after one warm-up call."""
     mx.eval(fn())
@@ -210,12 +224,12 @@ def section_host(model, vocab: int) -> dict:
 
     out = {}
     for label, on in (("mlx", False), ("gemv", True)):
-        gemv.set_enabled(on)
+        _gemv_env(on)
         try:
             out[label] = _host_step(model, make_prompt_cache(model))
         except Exception as exc:  # noqa: BLE001
             out[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-    gemv.set_enabled(None)
+    _gemv_env(None)
     return out
 
 
@@ -250,7 +264,7 @@ def section_decode(model, parts, model_dir: Path, tokens: int, vocab: int) -> di
     try:
         engine.wait_ready(1800)
         for label, on in (("mlx", False), ("gemv", True)):
-            gemv.set_enabled(on)
+            _gemv_env(on)
             try:
                 for b in (1, 8):
                     aggregate_decode(engine, b, 8, vocab)  # this shape's kernels, off the clock
@@ -262,11 +276,11 @@ def section_decode(model, parts, model_dir: Path, tokens: int, vocab: int) -> di
                 out[label] = row
             except Exception as exc:  # noqa: BLE001  (the GEMV's path failing leaves MLX's figures)
                 out[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        gemv.set_enabled(False)
+        _gemv_env(False)
         out["after_engine"] = {"plain_b1": round(mlx_lm_loop(model, tokens, vocab), 2),
                                "generation_batch_b8": round(steady_batch_decode(model, 8, tokens, vocab), 2)}
     finally:
-        gemv.set_enabled(None)
+        _gemv_env(None)
         engine.shutdown()
         engine.prefix_cache = engine.scheduler = None
         gc.collect()

@@ -113,14 +113,11 @@ def test_one_row_decode_takes_the_gemv_only_when_enabled(monkeypatch):
     monkeypatch.setattr(gemv, "available", lambda: True)
     monkeypatch.setattr(gemv, "gemv", counted)
     skinny_gemm.install(model)
-    gemv.set_enabled(False)
-    try:
-        model(step)
-        assert launches == []  # off: MLX's own matmul
-        gemv.set_enabled(True)
-        after = model(step)
-    finally:
-        gemv.set_enabled(None)
+    monkeypatch.setenv("PREFIXTRACE_GEMV", "0")
+    model(step)
+    assert launches == []  # off: MLX's own matmul
+    monkeypatch.setenv("PREFIXTRACE_GEMV", "1")
+    after = model(step)
     # per layer q|k|v, o, gate|up, down; the LM head (300 outputs, not whole blocks of 16 rows) keeps MLX's
     assert len(launches) == 4 * len(model.layers)
     assert sorted({p for p in launches if p}) == [(256, 128, 128), (512, 512)]

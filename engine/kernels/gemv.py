@@ -12,7 +12,7 @@ warps per row group, summed in shared memory) so that a narrow projection (the K
 `gemv(x, w, parts=...)` also serves a stacked weight (q/k/v, gate/up: skinny_gemm's `_Stack`), one
 launch for the stack, as the skinny GEMM does for 2-8 rows. Whether the decode path uses it is
 PREFIXTRACE_GEMV ("1": on; default off until bench/bench_decode_roofline.py has shown it faster than
-MLX's on the H200); `set_enabled` lets that bench compare both in one process.
+MLX's on the H200); the variable is read on each call, so that bench compares both in one process.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from engine.kernels.common import available, source
 
-__all__ = ["gemv", "plan", "fits", "usable", "enabled", "set_enabled", "SOURCE", "WARPS"]
+__all__ = ["gemv", "plan", "fits", "usable", "enabled", "SOURCE", "WARPS"]
 
 SOURCE = source("gemv.cu")
 WARPS = 8  # warps per block (the kernel's own constant)
@@ -33,20 +33,10 @@ WARPS = 8  # warps per block (the kernel's own constant)
 # 4.8 TB/s x ~1 us of latency is ~36 KB in flight per SM; 62 warps x 32 lanes x 3 x 16 B is ~95 KB.
 _TARGET_WARPS = 8192
 
-_enabled: bool | None = None
-
-
 def enabled() -> bool:
-    """Whether one-row projections take this kernel: PREFIXTRACE_GEMV=1, or `set_enabled`."""
-    if _enabled is not None:
-        return _enabled
+    """Whether one-row projections take this kernel: PREFIXTRACE_GEMV=1, read on each call, so a bench
+    compares both paths in one process by setting the variable (no module-level switch)."""
     return os.environ.get("PREFIXTRACE_GEMV", "0") == "1"
-
-
-def set_enabled(on: bool | None) -> None:
-    """Override PREFIXTRACE_GEMV for this process (None: back to the variable); for side-by-side benches."""
-    global _enabled
-    _enabled = on
 
 
 def fits(n: int, k: int, dtype) -> bool:
