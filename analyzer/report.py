@@ -9,6 +9,7 @@ from analyzer.results import Report
 from analyzer.turn_kinds import miss_rates
 from analyzer.turn_kinds import text_line as kinds_line
 from analyzer.write_waste import text_lines as waste_lines
+from recorder.redact import DEFAULT_REDACTOR
 
 
 def to_json(report: Report) -> str:
@@ -72,6 +73,7 @@ def _plain(line: str) -> str:
 
 
 def _clip(text: str, limit: int, left: bool) -> str:
+    text = DEFAULT_REDACTOR.text(text)  # before the cut: a cut secret matches no pattern
     if len(text) <= limit:
         return text
     return "…" + text[len(text) - limit + 1:] if left else text[: limit - 1] + "…"
