@@ -34,6 +34,13 @@ def request_facts(req) -> None:
     req.harness, req.harness_version = harness_version(req.headers, req.body, req.transcript)
 
 
+def _carries_a_reply(prev, payload) -> bool:
+    """Whether this request appends an assistant message to the previous one's: it then holds the previous
+    reply and was sent after it, whatever the recorded times say (re-timed or skewed records)."""
+    new = payload.messages[len(prev.keys):]
+    return any(isinstance(m, dict) and m.get("role") == "assistant" for m in new)
+
+
 class RuleBreaks:
     """One session's walk: `name` after the rendered comparison of a turn with a previous one, `after`
     for every turn. `prev` is the chain's state (payload, rendered, tokens, req)."""
@@ -46,7 +53,7 @@ class RuleBreaks:
         self._param(turn, prev, req)
         if turn.brk is None and prev.req is not None and (prev.req.cache_params or {}).get("provider") == "anthropic":
             self._lookback(turn, payload, rendered, req)
-        if turn.brk is None:
+        if turn.brk is None and not _carries_a_reply(prev.payload, payload):
             self._race(turn, prev_turn, prev.req, req)
         if turn.brk is not None and turn.brk.cause != "lookback":
             self.writes = []  # the prefix changed: earlier writes no longer match it

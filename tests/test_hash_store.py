@@ -77,7 +77,7 @@ def test_parameters_and_races_survive_hashing(tmp_path):
     for r in chain:
         r["upstream"] = "https://api.anthropic.com"
     chain[2]["request"]["tool_choice"] = {"type": "tool", "name": "Read"}
-    chain[1]["timing"] = {**chain[1].get("timing", {}), "ttft_s": 1e6}  # the third left before its first token
+    chain[1]["timing"] = {**chain[1].get("timing", {}), "ttft_s": 1e6}  # its first token came very late
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in chain) + "\n")
     db = tmp_path / "h.db"
@@ -85,6 +85,9 @@ def test_parameters_and_races_survive_hashing(tmp_path):
     brk = analyze(db).sessions[0].turns[2].brk
     assert (brk.cause, brk.subtype) == ("param_change", "tool_choice")
     chain[2]["request"].pop("tool_choice")
+    # A race: the third request adds a user message to the second's, sent before the second's first token.
+    chain[2]["request"]["messages"] = [*chain[1]["request"]["messages"],
+                                       {"role": "user", "content": [{"type": "text", "text": "and the tests?"}]}]
     path.write_text("\n".join(json.dumps(r) for r in chain) + "\n")
     db2 = tmp_path / "h2.db"
     _store(db2, read_jsonl(path), Hasher(load_key(db2)))
