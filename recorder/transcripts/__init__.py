@@ -38,7 +38,7 @@ def _head_objects(path: Path) -> list[dict]:
                 read += len(raw)
                 try:
                     obj = json.loads(raw.decode("utf-8-sig"))
-                except (UnicodeDecodeError, ValueError):
+                except (UnicodeDecodeError, ValueError, RecursionError):
                     if not raw.strip():
                         continue
                     break  # not JSON lines (or a line past the byte budget): stop looking
