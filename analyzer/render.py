@@ -178,12 +178,13 @@ class TemplateRenderer:
                 owner_of[sid] = i
         kwargs = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else {}
         tools = strip_ignored(body.get("tools")) or None
-        try:
-            text = self._render_text(skeleton, tools, kwargs)
-        except RenderError as exc:
-            raise RenderError(f"{exc.message}{self._where(skeleton, tools, kwargs)}") from exc
+        # Both renderings (without and with the generation prompt) in one round trip to the worker.
+        texts = self._render_texts(skeleton, tools, kwargs, (False, True) if self.generation_prompt else (False,))
+        text = texts[0]
+        if isinstance(text, RenderError):
+            raise RenderError(f"{text.message}{self._where(skeleton, tools, kwargs)}")
         out = Rendered([], [], [], self.name, len(messages), [str(m.get("role", "")) for m in messages])
-        out.generation = self._generation(skeleton, tools, kwargs, text)
+        out.generation = self._generation(text, texts[1] if len(texts) > 1 else None)
         parts = _SENTINEL_RE.split(text)
         pending: list[str] = []  # literal text waiting for the owner of the next content
         for j, part in enumerate(parts):
@@ -203,29 +204,38 @@ class TemplateRenderer:
             out.segments.append(lit), out.owners.append(last), out.kinds.append("")
         return out
 
-    def _generation(self, skeleton: list, tools: Any, kwargs: dict, text: str) -> str:
+    @staticmethod
+    def _generation(text: str, full: str | RenderError | None) -> str:
         """The generation prompt the server appends (rendered with `add_generation_prompt`, minus the
         rendering without it); "" when the template adds none or renders the rest differently too."""
-        if not self.generation_prompt:
-            return ""
-        try:
-            full = self._render_text(skeleton, tools, kwargs, generation=True)
-        except RenderError:
+        if not isinstance(full, str):
             return ""
         suffix = full[len(text):] if full.startswith(text) else ""
         return "" if _SENTINEL_RE.search(suffix) else suffix
 
-    def _render_text(self, skeleton: list, tools: Any, kwargs: dict, *, generation: bool = False) -> str:
-        context = {**self.special, **kwargs, "messages": skeleton, "tools": tools, "add_generation_prompt": generation}
+    def _render_texts(self, skeleton: list, tools: Any, kwargs: dict,
+                      generations: tuple[bool, ...]) -> list[str | RenderError]:
+        """The template's text for each `add_generation_prompt` value, or the RenderError it gave."""
+        context = {**self.special, **kwargs, "messages": skeleton, "tools": tools}
         try:
-            reply = self.worker.render(context)
+            replies = self.worker.render(context, generations)
         except TemplateBudgetError as exc:
-            raise RenderError(exc.message) from None
-        if "error" not in reply:
-            return reply["text"]
-        if reply.get("raised"):
-            raise RenderError(f"template: {reply['error']}")
-        raise RenderError(f"template {self.name} failed: {reply['error'][:300]}")
+            return [RenderError(exc.message)] * len(generations)
+        out: list[str | RenderError] = []
+        for reply in replies:
+            if "error" not in reply:
+                out.append(reply["text"])
+            elif reply.get("raised"):
+                out.append(RenderError(f"template: {reply['error']}"))
+            else:
+                out.append(RenderError(f"template {self.name} failed: {reply['error'][:300]}"))
+        return out
+
+    def _render_text(self, skeleton: list, tools: Any, kwargs: dict) -> str:
+        text = self._render_texts(skeleton, tools, kwargs, (False,))[0]
+        if isinstance(text, RenderError):
+            raise text
+        return text
 
     def _where(self, skeleton: list, tools: Any, kwargs: dict) -> str:
         """", at message K (role)": the shortest prefix of the messages that the template refuses

@@ -6,8 +6,10 @@ multiplied by 10**9); rendered here, under an address-space rlimit and with its 
 it is produced, its cost is this process's, which the parent kills at its deadline.
 
 Protocol, one JSON object per line each way: first {"template"} -> {"ok"} or {"error"}; then each
-{"context"} -> {"text"} or {"error", "raised" | "bound"} ("raised": the template's own raise_exception;
-"bound": it broke the memory or output bound).
+{"keep", "append", "set", "unset", "generations"} (the messages kept from the last job and those
+added, the context keys changed and removed) -> {"replies"}, one per `add_generation_prompt` value asked, each {"text"} or
+{"error", "raised"?} ("raised": the template's own raise_exception); or {"error", "bound"} when a
+render broke the memory or output bound.
 The environment is Hugging Face's: ImmutableSandboxedEnvironment with trim_blocks, lstrip_blocks,
 loopcontrols, a tojson that keeps key order and escapes nothing, raise_exception, and a fixed
 strftime_now (the analysis must be reproducible).
@@ -22,7 +24,24 @@ class TemplateRaised(Exception):
     """The template called raise_exception."""
 
 
+_TOJSON_MEMO = {}
+
+
 def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' version: no key sorting, no HTML escaping (jinja's own tojson does both).
+    if type(x) is dict or type(x) is list:
+        # Messages stay the same objects from job to job (only new ones are sent), so a tool call's
+        # arguments are dumped again every later turn: memoise by identity (the object is kept in
+        # the memo, so its id cannot be reused while the entry lives).
+        key = (id(x), ensure_ascii, indent, None if separators is None else tuple(separators), sort_keys)
+        hit = _TOJSON_MEMO.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        text = json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        if len(_TOJSON_MEMO) > 200_000:
+            _TOJSON_MEMO.clear()
+        _TOJSON_MEMO[key] = (x, text)
+        return text
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -87,17 +106,31 @@ def main():
         answer({"error": f"{type(exc).__name__}: {exc}"})
         return
     answer({"ok": True})
+    messages, context = [], {}  # what the parent sent so far; each job says what changed
     for line in sys.stdin:
+        job = json.loads(line)
+        messages = messages[:job["keep"]] + job["append"]
+        context.update(job["set"])
+        for key in job["unset"]:
+            context.pop(key, None)
         try:
-            answer({"text": render(template, json.loads(line)["context"], limits["chars"])})
-        except TemplateRaised as exc:
-            answer({"error": str(exc), "raised": True})
+            answer({"replies": [one(template, {**context, "messages": messages, "add_generation_prompt": generation},
+                                    limits) for generation in job["generations"]]})
         except MemoryError as exc:  # a bound broken: the same for every later render
             answer({"error": str(exc) or f"it needed more than {limits['memory'] >> 20} MiB", "bound": True})
-        except RecursionError:
-            answer({"error": "it recursed too deeply"})
-        except Exception as exc:
-            answer({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def one(template, context, limits):
+    try:
+        return {"text": render(template, context, limits["chars"])}
+    except TemplateRaised as exc:
+        return {"error": str(exc), "raised": True}
+    except RecursionError:
+        return {"error": "it recursed too deeply"}
+    except MemoryError:
+        raise
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 if __name__ == "__main__":

@@ -52,21 +52,41 @@ class TemplateWorker:
         limits = json.dumps({"memory": MEMORY_BYTES, "chars": MAX_OUTPUT_CHARS})
         self._proc = subprocess.Popen([sys.executable, "-I", str(_CHILD), limits], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
-        self._finalizer = weakref.finalize(self, _stop, self._proc)
+        self._finalizer = weakref.finalize(self, _stop, self._proc, os.getpid())
+        self._pid = os.getpid()
         self._buffer = b""
+        self._sent_messages: list = []  # the messages the child holds (the objects, compared by identity)
+        self._sent_rest: dict[str, Any] = {}  # the rest of the context the child holds
         reply = self._ask({"template": self._source}, START_TIMEOUT_S, "start")
         if "error" in reply:
             self.close()
             raise InvalidRequest(f"cannot load chat template {self.name}: {reply['error'][:300]}")
 
-    def render(self, context: dict[str, Any]) -> dict[str, Any]:
-        """{"text": …} or {"error": …, "raised": bool} for one render; TemplateBudgetError when the
-        template broke a bound now or before."""
+    def render(self, context: dict[str, Any], generations: tuple[bool, ...] = (False,)) -> list[dict[str, Any]]:
+        """One reply per `add_generation_prompt` value (one round trip for both): {"text": …} or
+        {"error": …, "raised": bool}. TemplateBudgetError when the template broke a bound now or before."""
         if self._spent:
             raise TemplateBudgetError(self._spent)
+        if self._proc is not None and self._pid != os.getpid():
+            # A forked process (the analyzer's per-session workers) inherited the parent's child and its
+            # pipes: talking over them would mix two processes' jobs, so it starts a child of its own.
+            self._finalizer.detach()
+            self._proc = None
         if self._proc is None or self._proc.poll() is not None:
             self._start()
-        return self._ask({"context": context}, RENDER_TIMEOUT_S, "render")
+        # Only what changed since the last render crosses the pipe: a session's next turn repeats the
+        # previous one's messages (the same skeleton objects: analyzer/render.py) and its tools.
+        messages, rest = context["messages"], {k: v for k, v in context.items() if k != "messages"}
+        keep, sent = 0, self._sent_messages
+        for keep in range(min(len(sent), len(messages)) + 1):
+            if keep == len(sent) or keep == len(messages) or sent[keep] is not messages[keep]:
+                break
+        job = {"keep": keep, "append": messages[keep:], "generations": generations,
+               "set": {k: v for k, v in rest.items() if k not in self._sent_rest or self._sent_rest[k] != v},
+               "unset": [k for k in self._sent_rest if k not in rest]}
+        replies = self._ask(job, RENDER_TIMEOUT_S, "render")["replies"]
+        self._sent_messages, self._sent_rest = list(messages), rest
+        return replies
 
     def _ask(self, job: dict, timeout_s: float, what: str) -> dict[str, Any]:
         proc = self._proc
@@ -111,8 +131,10 @@ class TemplateWorker:
             self._proc = None
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Ends the child (a finalizer: it must not refer to the worker)."""
+def _stop(proc: subprocess.Popen, owner_pid: int) -> None:
+    """Ends the child (a finalizer: it must not refer to the worker); only in the process that started it."""
+    if os.getpid() != owner_pid:
+        return
     for stream in (proc.stdin, proc.stdout):
         try:
             stream.close()
