@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from analyzer.canon import flatten_content, messages_of, strip_ignored
-from analyzer.template_worker import TemplateBudgetError, TemplateWorker
+from analyzer.template_worker import TemplateBudgetError, shared_worker
 from common.bounded_read import read_regular_text
 from common.errors import InvalidRequest
 from recorder.renderers import MAX_TEMPLATE_CHARS, MAX_TOKENIZER_BYTES
@@ -128,7 +128,7 @@ class TemplateRenderer:
                                  f"{MAX_TEMPLATE_CHARS:,} a chat template may have")
         # Rendered in a bounded child process (analyzer/template_worker.py): the template may come from
         # a recording or an upstream, and a template is a program.
-        self.worker = TemplateWorker(source, name)
+        self.worker = shared_worker(source, name)
         self.name = name
         self.special = special or {}
         self.generation_prompt = True  # also render the generation prompt: the server counts it

@@ -19,7 +19,9 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
+from collections import OrderedDict
 import weakref
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,7 @@ class TemplateWorker:
         self._spent: str | None = None  # why later renders fail at once
         self._proc: subprocess.Popen | None = None
         self._buffer = b""
+        self._lock = threading.RLock()  # one job at a time on the pipe (the dashboard analyses in threads)
         self._start()
 
     def _start(self) -> None:
@@ -65,6 +68,10 @@ class TemplateWorker:
     def render(self, context: dict[str, Any], generations: tuple[bool, ...] = (False,)) -> list[dict[str, Any]]:
         """One reply per `add_generation_prompt` value (one round trip for both): {"text": …} or
         {"error": …, "raised": bool}. TemplateBudgetError when the template broke a bound now or before."""
+        with self._lock:
+            return self._render(context, generations)
+
+    def _render(self, context: dict[str, Any], generations: tuple[bool, ...]) -> list[dict[str, Any]]:
         if self._spent:
             raise TemplateBudgetError(self._spent)
         if self._proc is not None and self._pid != os.getpid():
@@ -126,9 +133,10 @@ class TemplateWorker:
         raise TemplateBudgetError(self._spent)
 
     def close(self) -> None:
-        if self._proc is not None:
-            self._finalizer()
-            self._proc = None
+        with self._lock:
+            if self._proc is not None:
+                self._finalizer()
+                self._proc = None
 
 
 def _stop(proc: subprocess.Popen, owner_pid: int) -> None:
@@ -143,3 +151,23 @@ def _stop(proc: subprocess.Popen, owner_pid: int) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.wait()
+
+
+_SHARED: OrderedDict[tuple[str, str], TemplateWorker] = OrderedDict()
+_SHARED_MAX = 8
+_shared_lock = threading.Lock()
+
+
+def shared_worker(source: str, name: str) -> TemplateWorker:
+    """The worker for `source`, shared by every renderer of the same template in this process (a
+    process start costs more than many renders); the least recently used past _SHARED_MAX is closed
+    (a renderer still holding it restarts it on its next render)."""
+    key = (source, name)
+    with _shared_lock:
+        worker = _SHARED.pop(key, None)
+        if worker is None:
+            worker = TemplateWorker(source, name)
+        _SHARED[key] = worker
+        while len(_SHARED) > _SHARED_MAX:
+            _SHARED.popitem(last=False)[1].close()
+        return worker
