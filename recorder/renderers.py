@@ -17,8 +17,8 @@ that built the prompt, and the database keeps each renderer once:
 Why the tokenizer's content and not only its path: the database is what people copy to another machine
 to analyse, and a model cache may be gone by then. A tokenizer.json is 2-11 MB (SmolLM2 2.1 MB, Qwen3
 11 MB) and compresses to about a quarter; once per model that is small next to a day's traffic. Past
-MAX_TOKENIZER_BYTES only the path and hash are kept; the analyzer loads the file from the path when its
-hash still matches and says so when it does not.
+MAX_TOKENIZER_BYTES only the path and hash are kept, for a person to read: the analyzer never opens a
+recorded path (a database may come from anyone, and the path could name a FIFO or /dev/zero).
 
 The proxy registers a renderer in this process (`register`); the writer stores its row the first time a
 turn names its id (`ensure_stored`, in the turn's transaction). Turns carry only the id.
