@@ -13,7 +13,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 
 from common.bounded_read import read_regular
@@ -31,11 +30,12 @@ ENCODINGS = {
 
 
 def cache_dir() -> Path:
-    """tiktoken's cache directory, setting `TIKTOKEN_CACHE_DIR` when unset
-    (tiktoken's own default is not writable everywhere and we want to know
-    where we put the file)."""
+    """tiktoken's cache directory, setting `TIKTOKEN_CACHE_DIR` when unset: prefixtrace's own cache
+    ($PREFIXTRACE_CACHE_DIR, else ~/.cache/prefixtrace, as the models'), not tiktoken's default in the
+    temp dir (not writable everywhere, and left there by every run)."""
     if "TIKTOKEN_CACHE_DIR" not in os.environ and "DATA_GYM_CACHE_DIR" not in os.environ:
-        os.environ["TIKTOKEN_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / "data-gym-cache")
+        root = Path(os.environ.get("PREFIXTRACE_CACHE_DIR") or Path.home() / ".cache" / "prefixtrace")
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(root / "tiktoken")
     return Path(os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ["DATA_GYM_CACHE_DIR"])
 
 
@@ -46,7 +46,7 @@ def install(name: str) -> str | None:
         return f"no offline copy of {name}"
     url, sha256 = ENCODINGS[name]
     target = cache_dir() / hashlib.sha1(url.encode()).hexdigest()
-    try:  # bounded and never blocking: the cache sits in a shared temp directory by default
+    try:  # bounded and never blocking: TIKTOKEN_CACHE_DIR may name a directory others write to
         if hashlib.sha256(read_regular(target, MAX_ENCODING_BYTES, "tiktoken cache")).hexdigest() == sha256:
             return None
     except InvalidRequest:
