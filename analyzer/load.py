@@ -434,6 +434,8 @@ def load(source: str | Path | Iterable[Any]) -> Loaded:
     time (stable, so file order breaks ties)."""
     if isinstance(source, (str, Path)):
         path = Path(source)
+        if path.exists() and not path.is_file():  # a FIFO would block the open, a device read without end
+            raise InvalidRequest(f"cannot read {path}: not a regular file")
         try:
             with open(path, "rb") as fh:
                 head = fh.read(4096)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -205,3 +204,15 @@ def test_every_reading_command_ends_in_one_line_on_each_hostile_file(tmp_path):
     deep.write_text('{"log": {"entries": ' + "[" * 50000 + "]" * 50000 + "}}")
     done = _cli("analyze", str(deep))
     assert done.returncode == 1 and "nested too deeply" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_fifo_or_a_device_given_to_analyze_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "traffic.jsonl"
+    os.mkfifo(fifo)  # opened for reading, this would wait for a writer for good
+    zero = tmp_path / "traffic.db"
+    zero.symlink_to("/dev/zero")
+    for bad in (fifo, zero):
+        with pytest.raises(InvalidRequest, match="not a regular file"):
+            load(bad)
+        with pytest.raises(RecorderError, match="not a regular file"):
+            list(iter_turns(bad))
