@@ -59,7 +59,7 @@ class TemplateWorker:
         self._pid = os.getpid()
         self._buffer = b""
         self._sent_messages: list = []  # the messages the child holds (the objects, compared by identity)
-        self._sent_rest: dict[str, Any] = {}  # the rest of the context the child holds
+        self._sent_rest: dict[str, str] = {}  # the rest of the context the child holds, as JSON text
         reply = self._ask({"template": self._source}, START_TIMEOUT_S, "start")
         if "error" in reply:
             self.close()
@@ -88,11 +88,14 @@ class TemplateWorker:
         for keep in range(min(len(sent), len(messages)) + 1):
             if keep == len(sent) or keep == len(messages) or sent[keep] is not messages[keep]:
                 break
+        # Compared as JSON text, not with ==: two dicts with their keys in another order are equal, but a
+        # template renders them differently (a serialization break the analysis must see).
+        spelled = {k: json.dumps(v) for k, v in rest.items()}
         job = {"keep": keep, "append": messages[keep:], "generations": generations,
-               "set": {k: v for k, v in rest.items() if k not in self._sent_rest or self._sent_rest[k] != v},
+               "set": {k: rest[k] for k, text in spelled.items() if self._sent_rest.get(k) != text},
                "unset": [k for k in self._sent_rest if k not in rest]}
         replies = self._ask(job, RENDER_TIMEOUT_S, "render")["replies"]
-        self._sent_messages, self._sent_rest = list(messages), rest
+        self._sent_messages, self._sent_rest = list(messages), spelled
         return replies
 
     def _ask(self, job: dict, timeout_s: float, what: str) -> dict[str, Any]:
