@@ -25,6 +25,8 @@ from analyzer.divergence import SegmentCounter, common_prefix_len, compare, diff
 from analyzer.load import Request, share_prefix
 from analyzer.render import GenericRenderer, Rendered
 from analyzer.results import Break, Report, SessionResult, TurnResult
+from analyzer.server_counts import (PARTIAL_LOSS_MIN, asked_long_lifetime, input_fell, reasoning_drop_text,
+                                    server_lost)
 from analyzer.sessions import SessionGrouper
 from analyzer.tokens import Tokenizer, as_tokenizer
 from common.errors import InvalidRequest
@@ -47,9 +49,13 @@ class Analyzer:
     """Holds the per-run caches; `run(requests)` returns a Report."""
 
     def __init__(self, renderer=None, tokenizer: Tokenizer | str | None = None, *, block_size: int | None = None,
-                 prefill_rate: float | None = None, workers: int | None = None):
+                 prefill_rate: float | None = None, workers: int | None = None,
+                 min_partial_loss: int = PARTIAL_LOSS_MIN):
         if block_size is not None and block_size <= 0:
             raise InvalidRequest("--block-size must be positive")
+        if min_partial_loss < 0:
+            raise InvalidRequest("--min-partial-loss must not be negative")
+        self.min_partial_loss = min_partial_loss
         if prefill_rate is not None and prefill_rate <= 0:
             raise InvalidRequest("--prefill-rate must be positive")
         self.renderer = renderer or GenericRenderer()
@@ -149,7 +155,10 @@ class Analyzer:
             turn.reprefill_tokens = tokens - turn.common_prefix_tokens
             self._cost(turn)
             if prev is not None and turn.brk is None:
-                self._server_miss(turn, prev.req, req)
+                self._server_miss(turn, prev, req, payload)
+            elif prev is not None and not self.exact_counts and (lost := server_lost(prev.req, req)) is not None:
+                # The server's own counts win over the rebuilt prompt's (docs/ANALYZER.md "Cost").
+                turn.lost_tokens, turn.lost_tokens_basis = lost, "server"
             prev = _State(payload, rendered, tokens, req)
         return turns
 
@@ -316,26 +325,45 @@ class Analyzer:
             return payload
         return Payload(messages, keys, payload.tools, payload.tools_key, payload.params, payload.chars)
 
-    def _server_miss(self, turn: TurnResult, prev_req: Request | None, req: Request) -> None:
+    def _server_miss(self, turn: TurnResult, prev: _State, req: Request, payload: Payload) -> None:
         """An append-only turn whose reported cached tokens fall short of the prediction lost its prefix on
         the server: a `server_miss` break (analyzer/causes.py names the subtype). Counts compare as numbers
-        when the tokenizer is the server's and this turn's prompt counts agree; otherwise as shares of the prompt, by more than
-        DISAGREE_FRACTION (another tokenizer's counts differ by a few percent)."""
-        reported, predicted = turn.reported_cached_tokens, turn.predicted_cached_tokens
+        when the tokenizer is the server's and this turn's prompt counts agree; otherwise as shares of the
+        prompt, by more than DISAGREE_FRACTION (another tokenizer's counts differ by a few percent). Where
+        both requests carry the server's own counts, a loss of `min_partial_loss` tokens or more by those
+        counts is a miss whatever its share, and what it cost is that count."""
+        reported, predicted, prev_req = turn.reported_cached_tokens, turn.predicted_cached_tokens, prev.req
         if reported is None or not predicted or prev_req is None:
             return
-        if self.exact_counts and turn.prompt_tokens == turn.reported_prompt_tokens:
+        exact = self.exact_counts and turn.prompt_tokens == turn.reported_prompt_tokens
+        # The server's tokenizer and renderer count the same tokens and also see the reply's (`_reach`).
+        by_server = None if exact else server_lost(prev_req, req)
+        if exact:
             short = predicted - reported
-            if short <= 0:
-                return
         else:
             total = turn.reported_prompt_tokens or turn.prompt_tokens or 1
-            if reported / max(1, total) >= predicted / max(1, turn.prompt_tokens or 1) - DISAGREE_FRACTION:
-                return
-            short = max(0, predicted - round(reported * (turn.prompt_tokens or 0) / max(1, total)))
-        subtype, why = server_miss(prev_req, req, ttl_1h=req.cache_ttl_1h)
-        # What it cost is what the server re-prefilled past what it kept, not the prediction's tail.
-        turn.reprefill_tokens = (turn.prompt_tokens or 0) - (predicted - short)
+            beyond_share = reported / max(1, total) < predicted / max(1, turn.prompt_tokens or 1) - DISAGREE_FRACTION
+            short = max(0, predicted - round(reported * (turn.prompt_tokens or 0) / max(1, total))) \
+                if beyond_share else 0
+        if short <= 0 and (by_server is None or by_server < max(1, self.min_partial_loss)):
+            return
+        appended = payload.messages[len(prev.payload.messages):]
+        fell = input_fell(prev_req, req)
+        if fell is not None and by_server:
+            new_user = any(isinstance(m, dict) and m.get("role") == "user" for m in appended)
+            subtype, why = "reasoning_drop", reasoning_drop_text(fell, new_user)
+        else:
+            subtype, why = server_miss(prev_req, req, ttl_1h=asked_long_lifetime(req) or asked_long_lifetime(prev_req))
+        if by_server is not None:
+            turn.lost_tokens_basis = "server"
+            short = by_server
+            # The re-prefill in the analysis's own tokens: the server's lost share of this prompt.
+            kept = round((reported / max(1, turn.reported_prompt_tokens or 1)) * (turn.prompt_tokens or 0))
+            turn.reprefill_tokens = max(0, (turn.prompt_tokens or 0) - kept)
+        else:
+            turn.lost_tokens_basis = "exact" if exact else "estimate"
+            # What it cost is what the server re-prefilled past what it kept, not the prediction's tail.
+            turn.reprefill_tokens = (turn.prompt_tokens or 0) - (predicted - short)
         turn.brk = Break("server_miss", subtype, None, None, 0, reported, f"predicted cached: {predicted:,} tokens",
                          f"reported cached: {reported:,} tokens",
                          suggestion=suggestion("server_miss", subtype), saves_tokens=short, detail=why)
@@ -353,6 +381,7 @@ class Analyzer:
             if self.block_size:
                 ideal = ideal // self.block_size * self.block_size
             turn.lost_tokens = max(0, ideal - predicted)
+            turn.lost_tokens_basis = "exact" if self.exact_counts else "estimate"
         if self.prefill_rate:
             turn.reprefill_seconds = round((turn.block_reprefill_tokens or turn.reprefill_tokens) / self.prefill_rate, 2)
         if turn.reported_cached_tokens is not None:

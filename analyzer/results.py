@@ -82,6 +82,9 @@ class TurnResult:
     lost_seconds: float | None = None  # THE cost of this turn's break in seconds, from the recorded timings by default
     lost_seconds_basis: str | None = None  # how `lost_seconds` was found (or why it could not be)
     lost_tokens: int | None = None  # the same cost in tokens (docs/ANALYZER.md "Cost")
+    # Whose count `lost_tokens` is: "server" (the provider's usage: its own tokens), "exact" (the server's
+    # tokenizer and renderer) or "estimate" (the rebuilt prompt counted by the analysis's tokenizer).
+    lost_tokens_basis: str | None = None
     ttft_s: float | None = None  # the turn's recorded time to first token
 
     @property
