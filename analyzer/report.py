@@ -6,6 +6,7 @@ import io
 import json
 
 from analyzer.results import Report
+from analyzer.server_counts import TOKEN_BASES, cached_text
 
 
 def to_json(report: Report) -> str:
@@ -166,9 +167,10 @@ def format_text(report: Report, width: int = 140) -> str:
         for t in breaks:
             if t.brk.cause == "server_miss":  # nothing differs in the prompt: say what the server did
                 console.print(f"  turn {t.number} server_miss/{t.brk.subtype}: lost "
-                              f"{cost_text(t.lost_seconds, t.lost_tokens)}: the server cached "
-                              f"{_q(t.reported_cached_tokens)} of the {_q(t.predicted_cached_tokens)} predicted: "
+                              f"{cost_text(t.lost_seconds, t.lost_tokens)}: {cached_text(t)}: "
                               f"{t.brk.detail}" + _provider_cache(t))
+                if t.lost_tokens_basis in TOKEN_BASES:
+                    console.print(f"    tokens: {TOKEN_BASES[t.lost_tokens_basis]}")
                 console.print(f"    fix: {t.brk.suggestion}")
                 continue
             _print_break(buf, console, t)
@@ -225,6 +227,8 @@ def break_lines(t, indent: str = "  ") -> list[str]:
     lines = [f"{indent}turn {t.number}: {name} at {b.location()}: lost {cost_text(t.lost_seconds, t.lost_tokens)}{dollars}"]
     if t.lost_seconds_basis and t.lost_seconds is not None:  # unpriced: "(no timings)" above says it
         lines.append(f"{indent}  seconds: {t.lost_seconds_basis}")
+    if getattr(t, "lost_tokens_basis", None) in TOKEN_BASES:
+        lines.append(f"{indent}  tokens: {TOKEN_BASES[t.lost_tokens_basis]}")
     where = [f"prompt token {b.token_offset:,}", f"char {b.char_offset:,} of the rendered prompt"]
     if b.path:
         where.append(f"payload {b.path}")

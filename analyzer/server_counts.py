@@ -86,3 +86,23 @@ def reasoning_drop_text(fell: tuple[int, int], new_user_turn: bool) -> str:
             f"request's {fell[0]:,}, while the client only appended"
             + (" a new user turn" if new_user_turn else "")
             + ": the server dropped earlier reasoning from the prompt (a thinking strip done server-side)")
+
+
+TOKEN_BASES = {
+    "server": "the server's own counts (its usage)",
+    "estimate": "an estimate: the rebuilt prompt counted by the analysis's tokenizer (no usage from the server)",
+}
+
+
+def cached_text(t: Any) -> str:
+    """What the server read from cache against what it could have, each clause in one unit: the
+    server's tokens, or the rebuilt prompt's (never one against the other)."""
+    read, prompt = t.reported_cached_tokens, t.reported_prompt_tokens
+    if read is None:
+        return "the server did not report its cached tokens"
+    server = f"the server read {read:,} of this prompt's {prompt:,} tokens from cache" if prompt is not None \
+        else f"the server read {read:,} tokens from cache"
+    if getattr(t, "lost_tokens_basis", None) == "server" or t.predicted_cached_tokens is None:
+        return server
+    rebuilt = f"{t.predicted_cached_tokens:,} of its {t.prompt_tokens or 0:,}"
+    return f"{server}; the rebuilt prompt predicted {rebuilt} cached (the analysis's tokens)"
