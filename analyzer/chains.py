@@ -146,6 +146,7 @@ class Analyzer:
             model = payload.params.get("model")
             turn.model = model if isinstance(model, str) else None
             server_facts(turn, req)
+            rebuilt = req.transcript is not None or (req.upstream or "").startswith("transcript:")
             if prev is None:
                 turn.note, turn.common_prefix_tokens = "first", 0
             else:
@@ -154,6 +155,8 @@ class Analyzer:
                     turn.common_prefix_tokens += self._reach(prev, rendered)
             turn.reprefill_tokens = tokens - turn.common_prefix_tokens
             self._cost(turn)
+            if rebuilt:  # a rebuilt prompt lacks the system prompt and tools: its share is not the server's
+                turn.cached_disagrees = None
             if prev is not None and turn.brk is None:
                 self._server_miss(turn, prev, req, payload)
             elif prev is not None and not self.exact_counts and (lost := server_lost(prev.req, req)) is not None:

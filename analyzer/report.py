@@ -146,7 +146,8 @@ def format_text(report: Report, width: int = 140) -> str:
             buf.write(_plain(f"  rebuilt from a transcript of {s.transcript.get('harness')} ({s.transcript.get('file')}); "
                              f"not rebuilt: {'; '.join(s.transcript.get('not_rebuilt') or []) or 'nothing'}") + "\n")
         table = Table()
-        for col in ("turn", "prompt", "predicted cached", "server cached", "TTFT", "lost", "what happened"):
+        for col in ("turn", "prompt", "predicted cached", "server prompt", "server cached", "TTFT", "lost",
+                    "what happened"):
             table.add_column(col, justify="left" if col == "what happened" else "right")
         for t in s.turns:
             if t.brk:
@@ -158,7 +159,7 @@ def format_text(report: Report, width: int = 140) -> str:
                     what = what.split(" because ")[0].split(": ", 1)[-1] + " (side request: see below)"
             flag = " !" if t.cached_disagrees else ""
             table.add_row(str(t.number), _q(t.prompt_tokens), _q(t.predicted_cached_tokens),
-                          f"{_q(t.reported_cached_tokens)}{flag}",
+                          _q(t.reported_prompt_tokens), f"{_q(t.reported_cached_tokens)}{flag}",
                           "" if t.ttft_s is None else seconds_text(t.ttft_s), lost, what)
         console.print(table)
         for t in s.turns:
@@ -195,6 +196,10 @@ def format_text(report: Report, width: int = 140) -> str:
         console.print("overall: no break: every turn extended its session's previous prompt")
     console.print(f"prompt tokens: {totals['prompt_tokens']:,}, of which {totals['reprefill_tokens']:,} not served by "
                   f"the prefix cache (new turns' own tokens included)" + _minutes(totals["reprefill_seconds"]))
+    if totals["server_counted_turns"]:
+        console.print(f"by the server's own counts: {totals['server_prompt_tokens']:,} prompt tokens over "
+                      f"{totals['server_counted_turns']:,} turn(s), {totals['server_cached_tokens']:,} of them read "
+                      f"from cache")
     for w in report.what_if:
         console.print(f"what if {w['policy']} ({w['rules']}): {w['cached_tokens']:,} of {w['prompt_tokens']:,} "
                       f"prompt tokens cached ({(w['hit_rate'] or 0) * 100:.1f} %), {w['reprefill_tokens']:,} re-prefilled; "
