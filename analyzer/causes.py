@@ -471,6 +471,7 @@ def server_facts(turn, req) -> None:
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     details = details if isinstance(details, dict) else {}
     read = num(usage.get("cache_read_input_tokens"))
+    read = read if read is not None else num(usage.get("cached_input_tokens"))  # Codex's rollout usage
     turn.reported_cache_read_tokens = read if read is not None else num(details.get("cached_tokens"))
     write = num(usage.get("cache_creation_input_tokens"))
     turn.reported_cache_write_tokens = write if write is not None else num(details.get("cache_write_tokens"))
