@@ -128,7 +128,11 @@ class Analyzer:
         """The turns of one session, in order."""
         turns: list[TurnResult] = []
         prev: _State | None = None
+        counted: Request | None = None  # the latest request the server counted (usage with a prompt)
         for req, payload in zip(requests, payloads):
+            if req.reported_prompt_tokens == 0:
+                # A failed or aborted call's usage (all zeros), not a prompt the server counted.
+                req.reported_prompt_tokens = req.reported_cached_tokens = None
             turn = TurnResult(len(turns), req.id, req.ts if req.ts_given else None, req.line, None, None, None,
                               req.reported_prompt_tokens, req.reported_cached_tokens)
             turn.ttft_s = req.ttft_s
@@ -158,11 +162,13 @@ class Analyzer:
             if rebuilt:  # a rebuilt prompt lacks the system prompt and tools: its share is not the server's
                 turn.cached_disagrees = None
             if prev is not None and turn.brk is None:
-                self._server_miss(turn, prev, req, payload)
-            elif prev is not None and not self.exact_counts and (lost := server_lost(prev.req, req)) is not None:
+                self._server_miss(turn, prev, req, payload, counted)
+            elif prev is not None and not self.exact_counts and (lost := server_lost(counted, req)) is not None:
                 # The server's own counts win over the rebuilt prompt's (docs/ANALYZER.md "Cost").
                 turn.lost_tokens, turn.lost_tokens_basis = lost, "server"
             prev = _State(payload, rendered, tokens, req)
+            # A break the server did not count (a failed compaction call) leaves nothing to compare with.
+            counted = req if req.reported_prompt_tokens is not None else None if turn.brk is not None else counted
         return turns
 
     SHARED_START_CANDIDATES = 8  # earlier sessions a new session's first prompt is compared with
@@ -328,7 +334,8 @@ class Analyzer:
             return payload
         return Payload(messages, keys, payload.tools, payload.tools_key, payload.params, payload.chars)
 
-    def _server_miss(self, turn: TurnResult, prev: _State, req: Request, payload: Payload) -> None:
+    def _server_miss(self, turn: TurnResult, prev: _State, req: Request, payload: Payload,
+                     counted: Request | None = None) -> None:
         """An append-only turn whose reported cached tokens fall short of the prediction lost its prefix on
         the server: a `server_miss` break (analyzer/causes.py names the subtype). Counts compare as numbers
         when the tokenizer is the server's and this turn's prompt counts agree; otherwise as shares of the
@@ -340,18 +347,24 @@ class Analyzer:
             return
         exact = self.exact_counts and turn.prompt_tokens == turn.reported_prompt_tokens
         # The server's tokenizer and renderer count the same tokens and also see the reply's (`_reach`).
-        by_server = None if exact else server_lost(prev_req, req)
+        # `counted`: the latest earlier request with the server's counts (a failed call between reports none).
+        by_server = None if exact else server_lost(counted, req)
         if exact:
             short = predicted - reported
+        elif by_server is not None:
+            # The server's own counts decide: a loss of over DISAGREE_FRACTION of its prompt, or of
+            # `min_partial_loss` tokens or more, whatever its share.
+            share = by_server / max(1, turn.reported_prompt_tokens or 1)
+            short = by_server if by_server >= max(1, self.min_partial_loss) or share > DISAGREE_FRACTION else 0
         else:
             total = turn.reported_prompt_tokens or turn.prompt_tokens or 1
             beyond_share = reported / max(1, total) < predicted / max(1, turn.prompt_tokens or 1) - DISAGREE_FRACTION
             short = max(0, predicted - round(reported * (turn.prompt_tokens or 0) / max(1, total))) \
                 if beyond_share else 0
-        if short <= 0 and (by_server is None or by_server < max(1, self.min_partial_loss)):
+        if short <= 0:
             return
         appended = payload.messages[len(prev.payload.messages):]
-        fell = input_fell(prev_req, req)
+        fell = input_fell(counted, req)
         if fell is not None and by_server:
             new_user = any(isinstance(m, dict) and m.get("role") == "user" for m in appended)
             subtype, why = "reasoning_drop", reasoning_drop_text(fell, new_user)

@@ -13,6 +13,8 @@ import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pytest
+
 from analyzer import analyze, format_text
 from analyzer.server_counts import PARTIAL_LOSS_MIN
 
@@ -176,3 +178,37 @@ def test_codex_reasoning_dropped_by_the_server_at_a_user_turn_is_named_with_its_
     assert t.lost_tokens == min(100_000, 95_000) - 88_000 == 7000 and t.lost_tokens_basis == "server"
     assert "the server counted 95,000 input tokens, 5,000 fewer than the previous request's 100,000" in t.brk.detail
     assert "a new user turn" in t.brk.detail and "reasoning" in t.brk.suggestion
+
+
+PI_REAL = FIX / "pi" / "real"  # pi-mono's own version-1 sessions (provenance beside them)
+
+
+def _pi_usage_pairs(path: Path) -> list[tuple[int, int, int]]:
+    """(previous prompt, this prompt, this cache read) of consecutive calls the server counted, read
+    from the file's own usage (pi: input + cacheRead + cacheWrite); zero-usage calls (failed or
+    aborted) are not counted."""
+    counted = []
+    for line in path.read_text().splitlines():
+        msg = json.loads(line).get("message") or {}
+        u = msg.get("usage") if msg.get("role") == "assistant" else None
+        if isinstance(u, dict) and (prompt := u["input"] + u["cacheRead"] + u["cacheWrite"]):
+            counted.append((prompt, u["cacheRead"]))
+    return [(a, b, read) for (a, _), (b, read) in zip(counted, counted[1:])]
+
+
+@pytest.mark.skipif(not (PI_REAL / "before-compaction.jsonl").exists(), reason="real pi sessions not in this checkout")
+@pytest.mark.parametrize("name, ttl_gaps", [("before-compaction.jsonl", ["(6 min 14 s)"]),
+                                            ("large-session.jsonl", ["(9 min 27 s)", "(10 min 54 s)"])])
+def test_real_pi_sessions_misses_cost_the_usage_and_pauses_are_ttl(name, ttl_gaps):
+    path = PI_REAL / name
+    [s] = analyze(path).sessions
+    misses = [t for t in s.turns if t.brk and t.brk.cause == "server_miss"]
+    # A failed call's all-zero usage is no report: never a miss of "0 of 0 tokens".
+    assert misses and all(t.reported_prompt_tokens for t in misses)
+    pairs = _pi_usage_pairs(path)
+    for t in misses:
+        if t.lost_tokens_basis == "server":  # the server's loss, straight from the file's usage
+            assert any(b == t.reported_prompt_tokens and t.lost_tokens == min(a, b) - read for a, b, read in pairs)
+    ttl = [t for t in misses if t.brk.subtype == "ttl"]
+    assert [next(g for g in ttl_gaps if g in t.brk.detail) for t in ttl] == ttl_gaps
+    assert all("Anthropic prompt caching: 5 minutes" in t.brk.detail for t in ttl)
