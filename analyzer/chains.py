@@ -26,7 +26,7 @@ from analyzer.load import Request, share_prefix
 from analyzer.render import GenericRenderer, Rendered
 from analyzer.results import Break, Report, SessionResult, TurnResult
 from analyzer.server_counts import (PARTIAL_LOSS_MIN, asked_long_lifetime, input_fell, reasoning_drop_text,
-                                    server_lost)
+                                    server_lost, too_short_to_cache)
 from analyzer.sessions import SessionGrouper
 from analyzer.tokens import Tokenizer, as_tokenizer
 from common.errors import InvalidRequest
@@ -349,6 +349,8 @@ class Analyzer:
         # The server's tokenizer and renderer count the same tokens and also see the reply's (`_reach`).
         # `counted`: the latest earlier request with the server's counts (a failed call between reports none).
         by_server = None if exact else server_lost(counted, req)
+        if by_server is not None and too_short_to_cache(counted, req):
+            return
         if exact:
             short = predicted - reported
         elif by_server is not None:

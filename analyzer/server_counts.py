@@ -35,6 +35,21 @@ def server_lost(prev_req: Any, req: Any) -> int | None:
     return max(0, min(prev_prompt, prompt) - cached)
 
 
+# The shortest prompt each hosted provider caches at all (Anthropic: 1,024 tokens for Sonnet and Opus,
+# 2,048 for Haiku; OpenAI: 1,024): below it a "miss" is the rule, not a loss.
+MIN_CACHEABLE = {"anthropic": 1024, "openai": 1024}
+
+
+def too_short_to_cache(prev_req: Any, req: Any) -> bool:
+    """Whether the shorter of the two prompts, by the server's count, is below what its provider caches."""
+    from analyzer.causes import provider_of
+
+    model = req.body.get("model") if isinstance(getattr(req, "body", None), dict) else None
+    minimum = MIN_CACHEABLE.get(provider_of(getattr(req, "upstream", None), model if isinstance(model, str) else None))
+    a, b = getattr(prev_req, "reported_prompt_tokens", None), getattr(req, "reported_prompt_tokens", None)
+    return minimum is not None and a is not None and b is not None and min(a, b) < minimum
+
+
 def input_fell(prev_req: Any, req: Any) -> tuple[int, int] | None:
     """(previous, this) prompt counts by the server when this request's count is below the previous
     one's: the server saw a shorter prompt although the client sent a longer one."""
@@ -43,13 +58,14 @@ def input_fell(prev_req: Any, req: Any) -> tuple[int, int] | None:
 
 
 def transcript_provider(upstream: str | None, model: str | None) -> str | None:
-    """The provider a transcript's harness called: by harness, else by the model's name."""
+    """The provider a transcript's harness called, by the model's name (a transcript does not hold the
+    base URL: Claude Code or Codex pointed at a local server names that server's model, which has no
+    lifetime); by the harness only when the transcript names no model."""
     if not (upstream or "").startswith(TRANSCRIPT_PREFIX):
         return None
-    harness = upstream[len(TRANSCRIPT_PREFIX):]
-    if harness in HARNESS_PROVIDERS:
-        return HARNESS_PROVIDERS[harness]
     name = (model or "").lower().rsplit("/", 1)[-1]
+    if not name:
+        return HARNESS_PROVIDERS.get(upstream[len(TRANSCRIPT_PREFIX):])
     if name.startswith("claude"):
         return "anthropic"
     if name.startswith(("gpt-", "o1", "o3", "o4", "codex")):
