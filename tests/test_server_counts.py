@@ -33,7 +33,8 @@ def _claude_lines() -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def claude_session(gaps_s: list[float], *, one_hour: bool = False, cached_after: dict[int, int] | None = None):
+def claude_session(gaps_s: list[float], *, one_hour: bool = False, cached_after: dict[int, int] | None = None,
+                   model: str = "claude-sonnet-4-5", base: int = SYSTEM_AND_TOOLS, step: int = 3000):
     """A Claude Code session of len(gaps_s) + 1 calls; call i+1 starts gaps_s[i] seconds after call i's
     reply. The server's usage: each prompt 3,000 tokens longer than the last, read from cache whole
     after a gap within the 5 minute lifetime (1 hour with `one_hour`), re-written after a longer one;
@@ -46,7 +47,7 @@ def claude_session(gaps_s: list[float], *, one_hour: bool = False, cached_after:
     for i in range(len(gaps_s) + 1):
         if i:
             now += timedelta(seconds=gaps_s[i - 1])
-        prompt = SYSTEM_AND_TOOLS + 3000 * (i + 1)
+        prompt = base + step * (i + 1)
         hit = i and gaps_s[i - 1] <= lifetime
         read = (cached_after or {}).get(i, prev_prompt if hit else 0)
         usage = {"input_tokens": 40, "cache_read_input_tokens": read,
@@ -57,7 +58,7 @@ def claude_session(gaps_s: list[float], *, one_hour: bool = False, cached_after:
                     "message": {"role": "user", "content": f"step {i}: " + "read the next file please " * 40}})
         now += timedelta(seconds=5)
         out.append({**reply, "uuid": f"a{i}", "parentUuid": f"u{i}", "timestamp": _iso(now),
-                    "message": {**reply["message"], "id": f"msg_{i}", "model": "claude-sonnet-4-5",
+                    "message": {**reply["message"], "id": f"msg_{i}", "model": model,
                                 "content": [{"type": "text", "text": f"done {i}. " + "noted " * 60}], "usage": usage}})
         parent, prev_prompt = f"a{i}", prompt
     return out
@@ -96,6 +97,15 @@ def test_claude_code_misses_after_a_pause_are_ttl_and_cost_the_servers_count(tmp
     assert "the server read 0 of this prompt's 30,000 tokens from cache" in text
     assert "tokens: the server's own counts" in text
     assert "predicted" not in text.split("turn 3 server_miss")[1].split("\n")[0]  # one unit per sentence
+
+
+def test_a_local_model_has_no_lifetime_and_short_prompts_no_miss(tmp_path):
+    # Claude Code pointed at a local server: the transcript names the local model, not a Claude one.
+    local = analyze(_write(tmp_path / "local.jsonl", claude_session([30, 400], model="default"))).sessions[0].turns
+    assert (local[2].brk.cause, local[2].brk.subtype) == ("server_miss", "unknown")
+    # Under the 1,024 tokens Anthropic caches at all, a read of 0 is the rule, not a loss.
+    short = analyze(_write(tmp_path / "short.jsonl", claude_session([30, 400], base=300, step=200))).sessions[0].turns
+    assert [t.reported_prompt_tokens for t in short] == [500, 700, 900] and not any(t.brk for t in short)
 
 
 def test_the_one_hour_lifetime_is_read_from_the_usage(tmp_path):
