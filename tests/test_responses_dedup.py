@@ -92,3 +92,28 @@ def test_import_redacts_a_secret_inside_a_shared_item(tmp_path):
     store_turns(db, turns)
     assert secret.encode() not in db.read_bytes()
     assert all(secret not in json.dumps(t.request_body) for t in iter_turns(db))
+
+
+def test_live_responses_traffic_through_the_proxy_stores_each_item_once(engine_server):
+    """Codex's loop through the proxy (the embedded tiny engine): every call re-sends the whole `input`;
+    the recording keeps each item once and reads every body back as it was sent."""
+    import httpx
+
+    url, recorder = engine_server
+    items = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "You run commands."}]},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files."}]}]
+    sent = []
+    for i in range(4):
+        body = {"model": "default", "instructions": "Answer briefly.", "input": list(items), "store": False,
+                "max_output_tokens": 4, "temperature": 0, "prompt_cache_key": "live-dedup"}
+        r = httpx.post(url + "/v1/responses", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        sent.append(body)
+        items += [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"ok {i}"}]},
+                  {"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"Next {i}."}]}]
+    recorder.flush()
+    back = sorted(iter_turns(recorder.path), key=lambda t: t.started_at)
+    assert [t.request_body for t in back] == sent
+    distinct, refs = _stored_items(recorder.path)
+    assert refs == sum(len(b["input"]) for b in sent) == 2 + 4 + 6 + 8
+    assert distinct == 8  # every item once
