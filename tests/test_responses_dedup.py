@@ -68,6 +68,12 @@ def test_imported_rollout_reads_back_exactly_and_grows_with_the_rollout(tmp_path
     distinct, refs = _stored_items(db)
     assert refs == sum(len(t.request_body["input"]) for t in turns)
     assert distinct == len({json.dumps(i, ensure_ascii=False) for t in turns for i in t.request_body["input"]})
+    # Exported (what analyze, replay and a later import read): the same bodies again.
+    from recorder import export_jsonl
+
+    export_jsonl(db, tmp_path / "rollout.jsonl")
+    exported = {t.request_id: t.request_body for t in read_jsonl(tmp_path / "rollout.jsonl")}
+    assert [exported[t.request_id] for t in turns] == [t.request_body for t in turns]
 
 
 def test_a_long_rollout_database_stays_near_the_rollouts_size(tmp_path):
