@@ -10,6 +10,7 @@ costs the rollout once. The text is the one `json.dumps` writes for the redacted
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from recorder import numbers
@@ -31,6 +32,8 @@ class SharedItemTexts:
     def __init__(self, redactor: Redactor):
         self.redactor = redactor
         self._seen: dict[int, tuple[Any, str, bytes]] = {}
+        # The previous body's items, texts and hashes: the next call's items begin with the same objects.
+        self._last: tuple[list, list[str], list[bytes]] = ([], [], [])
 
     def split(self, body: Any, utf8=lambda s: s) -> SplitBody | None:
         """`body`'s redacted text, split around its `messages` / `input` items (`utf8` makes each
@@ -40,8 +43,13 @@ class SharedItemTexts:
         key = next((k for k in CONVERSATION_KEYS if isinstance(body.get(k), list)), None)
         if key is None or not body[key] or not all(isinstance(k, str) for k in body):
             return None
-        items, hashes = [], []
-        for item in body[key]:
+        conversation = body[key]
+        last_items, last_texts, last_hashes = self._last
+        n = len(last_items)
+        # The same objects as the previous body's, in C (identity: equal dicts may serialise otherwise).
+        k = n if len(conversation) >= n and all(map(operator.is_, conversation[:n], last_items)) else 0
+        items, hashes = last_texts[:k], last_hashes[:k]
+        for item in conversation[k:]:
             seen = self._seen.get(id(item))
             if seen is None or seen[0] is not item:
                 text = utf8(_dumps(self.redactor.value(item)))
@@ -59,4 +67,5 @@ class SharedItemTexts:
             (head if before else tail).append(f"{_dumps(k)}: {_dumps(rest[k])}")
         opening = "{" + "".join(p + SEP for p in head) + f"{_dumps(key)}: ["
         closing = "]" + "".join(SEP + p for p in tail) + "}"
+        self._last = (list(conversation), items, hashes)
         return SplitBody(utf8(opening), items, SEP, utf8(closing), hashes)

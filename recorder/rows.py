@@ -101,6 +101,11 @@ class BodyStore:
         self._prefix_rows: dict[int, tuple[int, int]] = {}
         self._message_bodies: dict[int, str] = {}
         self.renderer_ids: set[str] = set()  # `renderers` rows known to be stored
+        # The previous body's message hashes and the prefix id after each: the next turn of a session
+        # repeats them, so only its new messages are looked up (a long session's turns cost their new
+        # messages, not their whole history).
+        self._last_hashes: list[bytes] = []
+        self._last_prefixes: list[int] = []
 
     def reset(self) -> None:
         self._message_ids.clear()
@@ -110,6 +115,7 @@ class BodyStore:
         self._prefix_rows.clear()
         self._message_bodies.clear()
         self.renderer_ids.clear()
+        self._last_hashes, self._last_prefixes = [], []
 
     # -- write ----------------------------------------------------------------
 
@@ -119,10 +125,18 @@ class BodyStore:
         if split is None:
             return {"body_json": int(is_json), "body_head": self._text_id("body_parts", self._part_ids, text),
                     "body_sep": None, "body_tail": None, "body_prefix": None}
-        prefix = 0
-        hashes = split.hashes or [None] * len(split.messages)
-        for message, digest in zip(split.messages, hashes):
+        hashes = split.hashes or [message_hash(m) for m in split.messages]
+        last = self._last_hashes
+        if len(hashes) >= len(last) and hashes[: len(last)] == last:
+            k = len(last)  # the common case, compared in C
+        else:
+            k = next((i for i, (a, b) in enumerate(zip(hashes, last)) if a != b), min(len(hashes), len(last)))
+        prefixes = self._last_prefixes[:k]
+        prefix = prefixes[-1] if prefixes else 0
+        for message, digest in zip(split.messages[k:], hashes[k:]):
             prefix = self._prefix_id(prefix, self._text_id("messages", self._message_ids, message, digest))
+            prefixes.append(prefix)
+        self._last_hashes, self._last_prefixes = hashes, prefixes
         return {"body_json": 1, "body_head": self._text_id("body_parts", self._part_ids, split.head),
                 "body_sep": split.sep, "body_tail": self._text_id("body_parts", self._part_ids, split.tail),
                 "body_prefix": prefix}
