@@ -382,8 +382,12 @@ class Analyzer:
             turn.lost_tokens_basis = "exact" if exact else "estimate"
             # What it cost is what the server re-prefilled past what it kept, not the prediction's tail.
             turn.reprefill_tokens = (turn.prompt_tokens or 0) - (predicted - short)
-        turn.brk = Break("server_miss", subtype, None, None, 0, reported, f"predicted cached: {predicted:,} tokens",
-                         f"reported cached: {reported:,} tokens",
+        # The two sides in one unit: the server's own counts where it gave them.
+        before, after = (f"previous prompt, by the server's count: {counted.reported_prompt_tokens:,} tokens",
+                         f"read from cache, by the server's count: {reported:,} tokens") if by_server is not None \
+            else (f"predicted cached (the analysis' tokens): {predicted:,} tokens",
+                  f"reported cached (the server's tokens): {reported:,} tokens")
+        turn.brk = Break("server_miss", subtype, None, None, 0, reported, before, after,
                          suggestion=suggestion("server_miss", subtype), saves_tokens=short, detail=why)
 
     def _cost(self, turn: TurnResult) -> None:
