@@ -23,7 +23,7 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
             tokenizer: Tokenizer | str | None = None, block_size: int | None = None,
             prefill_rate: float | None = None, renderer=None, workers: int | None = None,
             what_if: list[str] | str | None = None, kv_budget: int | None = None,
-            price_model: str | None = None, price_provider: str | None = None) -> Report:
+            price_model: str | None = None, price_provider: str | None = None, propose_fixes: bool = True) -> Report:
     """Analyses a recorder database, a JSONL file, or an iterable of request
     bodies / Requests / recorder Turns.
 
@@ -41,6 +41,8 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
         price_model: price in dollars as this model ("claude-sonnet-4-5", "gpt-5"; genai-prices'
             data, analyzer/pricing.py): each break's lost tokens and each what-if policy.
         price_provider: the provider whose price of `price_model` to use (default: genai-prices' match).
+        propose_fixes: for each cause found, apply the fix that addresses it and analyse again
+            (analyzer/fix_report.py): what it would have saved.
     """
     given = renderer is not None or template is not None or model is not None
     renderer = renderer or make_renderer(template, model)
@@ -70,5 +72,21 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
     if sheet is not None:
         report.pricing = sheet.to_dict()
         dollars_of_breaks(report, sheet)
+    _fixes(report, loaded.requests, analyzer, sheet, propose_fixes)
     return report
+
+
+def _fixes(report: Report, requests: list, analyzer: Analyzer, sheet, propose: bool) -> None:
+    """The fixes the proxy applied, and (`propose`) each addressing fix measured by re-analysis."""
+    from analyzer.fix_report import propose_fixes, proxy_fix_summary
+
+    def reanalyse(fixed: list) -> Report:
+        again = analyzer.run(fixed, [])
+        if sheet is not None:
+            dollars_of_breaks(again, sheet)
+        return again
+
+    report.proxy_fixes = proxy_fix_summary(requests)
+    if propose:
+        report.fix_proposals = propose_fixes(report, requests, reanalyse)
 

@@ -62,6 +62,7 @@ class Request:
     cache_miss_reason: str | None = None  # Anthropic cache diagnostics, when the response carried them
     cache_ttl_1h: bool = False  # an Anthropic request that asked for the 1 hour cache lifetime
     transcript: dict | None = None  # rebuilt from a harness transcript: harness, file, what was not rebuilt
+    proxy_fixes: list[dict] | None = None  # `serve --fix`: the fixes that fired on it (analyzer/fixes)
 
 
 @dataclass
@@ -78,6 +79,10 @@ def _server_facts(req: Request, render: Any, usage: Any, served_by: Any = None, 
         if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
             req.reply_token_ids = ids
         req.cache_evictions = _int_or_none(render.get("cache_evictions"))
+        fixes = render.get("fixes")
+        if isinstance(fixes, list):
+            req.proxy_fixes = [f for f in fixes if isinstance(f, dict) and f.get("fired") is True
+                               and isinstance(f.get("name"), str) and isinstance(f.get("note"), str)] or None
     if isinstance(usage, dict):
         req.usage = usage
         diagnostics = usage.get("diagnostics")

@@ -1,0 +1,118 @@
+"""The fixes in an analysis (docs/FIXES.md): which ones `serve --fix` applied to the recorded turns, and,
+for each cause found, the fix that addresses it with what it would have saved.
+
+The proposal is measured, never estimated: the fix is applied to the recorded requests in order (each
+session with its own record, as the proxy would have), the fixed requests are analysed again with the
+same renderer and tokenizer, and the saving is the difference in lost tokens, seconds and dollars; a
+break the fix introduces counts against it (savings = gain minus busts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from typing import Any, Callable
+
+from analyzer.fixes import FIXES
+from analyzer.fixes.sessions import FixSessions
+from analyzer.load import Request
+from analyzer.results import Break, Report
+
+# Which breaks each fix addresses. breakpoints and session-key change no prompt text: an offline
+# analysis cannot see what they save (`replay --fix` measures them against a server).
+ADDRESSES: dict[str, Callable[[Break], bool]] = {
+    "volatile": lambda b: (b.subtype or "").startswith("volatile"),
+    "tool-order": lambda b: b.cause == "tools_change" or (b.cause == "serialization" and b.tool_index is not None),
+    "tool-args": lambda b: b.cause in ("serialization", "history_edit") and b.tool_index is None
+    and any(k in (b.path or "") for k in ("tool_calls", "arguments", "input")),
+    "thinking": lambda b: b.cause == "thinking_strip",
+    "breakpoints": lambda b: b.cause == "server_miss",
+    "session-key": lambda b: b.cause == "server_miss",
+}
+OFFLINE_BLIND = ("breakpoints", "session-key")
+_COUNTS = re.compile(r"\s*\([^)]*\)\s*$")
+
+
+def proxy_fix_summary(requests: list[Request]) -> list[dict]:
+    """[{"name", "note", "turns"}]: the fixes that fired on recorded turns, their notes without counts."""
+    seen: Counter = Counter()
+    for req in requests:
+        for entry in req.proxy_fixes or []:
+            seen[(entry["name"], _COUNTS.sub("", entry["note"]))] += 1
+    return [{"name": n, "note": note, "turns": k} for (n, note), k in sorted(seen.items())]
+
+
+def fixed_requests(names: list[str], requests: list[Request]) -> tuple[list[Request], int]:
+    """The requests with the named fixes applied as the proxy would have (in time order, one record
+    per session), and how many were changed."""
+    sessions = FixSessions(names)
+    out, changed = [], 0
+    for req in sorted(requests, key=lambda r: r.ts):
+        applied = sessions.apply(req.endpoint or "/v1/chat/completions", req.body, req.session)
+        if applied is not None and applied.fired:
+            changed += 1
+            req = dataclasses.replace(req, body=applied.body)
+        out.append(req)
+    return out, changed
+
+
+def _lost(report: Report) -> tuple[int, float | None, float | None]:
+    tokens, seconds, dollars = 0, None, None
+    for _, t in report.breaks:
+        tokens += t.lost_tokens or 0
+        if t.lost_seconds is not None:
+            seconds = (seconds or 0.0) + t.lost_seconds
+        if getattr(t, "lost_dollars", None) is not None:
+            dollars = (dollars or 0.0) + t.lost_dollars
+    return tokens, seconds, dollars
+
+
+def _diff(a: float | None, b: float | None, digits: int) -> float | None:
+    return None if a is None and b is None else round((a or 0.0) - (b or 0.0), digits)
+
+
+def propose_fixes(report: Report, requests: list[Request], reanalyse: Callable[[list[Request]], Report]) -> list[dict]:
+    """For each fix whose cause is among the report's breaks: what applying it to `requests` would have
+    saved, from `reanalyse(fixed requests)` (the same analysis that made `report`)."""
+    proposals = []
+    base_tokens, base_seconds, base_dollars = _lost(report)
+    base_breaks = {(s.id, t.number) for s, t in report.breaks}
+    for name in FIXES:
+        addressed = [(s, t) for s, t in report.breaks if ADDRESSES[name](t.brk)]
+        if not addressed:
+            continue
+        proposal: dict[str, Any] = {"fix": name, "cause": addressed[0][1].brk.cause, "breaks": len(addressed)}
+        if name in OFFLINE_BLIND:
+            proposal["note"] = "changes no prompt text: prove it against the server with `prefixtrace replay --fix`"
+            proposals.append(proposal)
+            continue
+        fixed, changed = fixed_requests([name], requests)
+        after = reanalyse(fixed)
+        tokens, seconds, dollars = _lost(after)
+        left = sum(1 for _, t in after.breaks if ADDRESSES[name](t.brk))
+        caused = [(s.id, t.number) for s, t in after.breaks if (s.id, t.number) not in base_breaks]
+        proposal.update({
+            "requests_changed": changed, "breaks_removed": len(addressed) - left, "breaks_caused": len(caused),
+            "saved_tokens": base_tokens - tokens, "saved_seconds": _diff(base_seconds, seconds, 2),
+            "saved_dollars": _diff(base_dollars, dollars, 6)})
+        proposals.append(proposal)
+    return proposals
+
+
+def fix_lines(report: Report) -> list[str]:
+    """The text report's lines for both: fixes applied by the proxy, fixes proposed."""
+    lines = [f"fixed by the proxy: {f['note']} ({f['turns']} turn(s))" for f in report.proxy_fixes]
+    for p in report.fix_proposals:
+        head = f"fix proposed: --fix {p['fix']} for {p['breaks']} {p['cause']} break(s)"
+        if "note" in p:
+            lines.append(f"{head}: {p['note']}")
+            continue
+        saved = f"would have saved {p['saved_tokens']:,} tokens"
+        if p.get("saved_seconds") is not None:
+            saved += f", {p['saved_seconds']:g} s"
+        if p.get("saved_dollars") is not None:
+            saved += f", ${p['saved_dollars']:.4f}"
+        lines.append(f"{head}: {saved} (breaks removed {p['breaks_removed']}, caused {p['breaks_caused']}; "
+                     f"measured by re-analysing the {p['requests_changed']} fixed request(s))")
+    return lines
