@@ -31,7 +31,7 @@ ADDRESSES: dict[str, Callable[[Break], bool]] = {
     "session-key": lambda b: b.cause == "server_miss",
 }
 OFFLINE_BLIND = ("breakpoints", "session-key")
-_COUNTS = re.compile(r"\s*\([^)]*\)\s*$")
+_COUNTS = re.compile(r"\s+\(\d.*\)$")  # "(1 value(s))", "(2 moved, 0 re-spelled)"
 
 
 def proxy_fix_summary(requests: list[Request]) -> list[dict]:
@@ -72,12 +72,19 @@ def _diff(a: float | None, b: float | None, digits: int) -> float | None:
     return None if a is None and b is None else round((a or 0.0) - (b or 0.0), digits)
 
 
+def predicted_only(requests: list[Request]) -> list[Request]:
+    """The requests without what the server reported (cached and prompt counts, usage): a fixed prompt
+    was never sent, so both sides of a proposal are the analyzer's prediction, compared alike."""
+    return [dataclasses.replace(r, reported_prompt_tokens=None, reported_cached_tokens=None, usage=None,
+                                cache_miss_reason=None) for r in requests]
+
+
 def propose_fixes(report: Report, requests: list[Request], reanalyse: Callable[[list[Request]], Report]) -> list[dict]:
     """For each fix whose cause is among the report's breaks: what applying it to `requests` would have
-    saved, from `reanalyse(fixed requests)` (the same analysis that made `report`)."""
+    saved, from `reanalyse(fixed requests)` (the same analysis that made `report`) against the same
+    analysis of the requests as recorded, both predicted without the server's counts."""
     proposals = []
-    base_tokens, base_seconds, base_dollars = _lost(report)
-    base_breaks = {(s.id, t.number) for s, t in report.breaks}
+    predicted: Report | None = None
     for name in FIXES:
         addressed = [(s, t) for s, t in report.breaks if ADDRESSES[name](t.brk)]
         if not addressed:
@@ -87,13 +94,18 @@ def propose_fixes(report: Report, requests: list[Request], reanalyse: Callable[[
             proposal["note"] = "changes no prompt text: prove it against the server with `prefixtrace replay --fix`"
             proposals.append(proposal)
             continue
+        if predicted is None:
+            predicted = reanalyse(predicted_only(requests))
+        base_tokens, base_seconds, base_dollars = _lost(predicted)
+        base_breaks = {(s.id, t.number) for s, t in predicted.breaks}
         fixed, changed = fixed_requests([name], requests)
-        after = reanalyse(fixed)
+        after = reanalyse(predicted_only(fixed))
         tokens, seconds, dollars = _lost(after)
+        before_n = sum(1 for _, t in predicted.breaks if ADDRESSES[name](t.brk))
         left = sum(1 for _, t in after.breaks if ADDRESSES[name](t.brk))
         caused = [(s.id, t.number) for s, t in after.breaks if (s.id, t.number) not in base_breaks]
         proposal.update({
-            "requests_changed": changed, "breaks_removed": len(addressed) - left, "breaks_caused": len(caused),
+            "requests_changed": changed, "breaks_removed": before_n - left, "breaks_caused": len(caused),
             "saved_tokens": base_tokens - tokens, "saved_seconds": _diff(base_seconds, seconds, 2),
             "saved_dollars": _diff(base_dollars, dollars, 6)})
         proposals.append(proposal)
