@@ -114,8 +114,13 @@ def propose_fixes(report: Report, requests: list[Request], reanalyse: Callable[[
 
 def fix_lines(report: Report) -> list[str]:
     """The text report's lines for both: fixes applied by the proxy, fixes proposed."""
-    lines = [f"fixed by the proxy: {f['note']} ({f['turns']} turn(s))" for f in report.proxy_fixes]
-    for p in report.fix_proposals:
+    return lines_for(report.proxy_fixes, report.fix_proposals)
+
+
+def lines_for(proxy_fixes: list[dict] | None, proposals: list[dict] | None) -> list[str]:
+    """`fix_lines` from the report's JSON (`proxy_fixes`, `fix_proposals`)."""
+    lines = [f"fixed by the proxy: {f['note']} ({f['turns']} turn(s))" for f in proxy_fixes or []]
+    for p in proposals or []:
         head = f"fix proposed: --fix {p['fix']} for {p['breaks']} {p['cause']} break(s)"
         if "note" in p:
             lines.append(f"{head}: {p['note']}")

@@ -119,6 +119,7 @@ def test_a_fired_fix_is_sent_recorded_and_counted(proxy):
     metrics = httpx.get(url + "/metrics").text
     assert 'prefixtrace_fixes_total{fix="volatile",outcome="applied"} 1' in metrics
     assert 'prefixtrace_fixes_total{fix="session-key",outcome="applied"} 1' in metrics
+    assert httpx.get(url + "/ui/api/sessions").json()["proxy"]["fixes"] == {"volatile": 1, "session-key": 1}
 
 
 def test_a_fix_that_raises_leaves_the_request_as_sent_and_is_recorded(proxy, monkeypatch):
