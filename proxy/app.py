@@ -25,7 +25,7 @@ from proxy.fallback import add_fallback_routes
 from proxy.backend import Backend
 from proxy.chat_completions import CHAT_PATH, add_chat_route
 from proxy.guard import RequestGuard, refusal_recorder
-from proxy.live_fixes import FixLearningSink
+from proxy.live_fixes import FixLearningSink, reasoning_probe
 from analyzer.fixes.sessions import FixSessions
 from proxy.relay import TurnSink, record_durably
 from proxy.dashboard import observe
@@ -63,6 +63,8 @@ def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str]
     app.state.fixes = fixes
     if fixes is not None:  # each reply's tool calls and reasoning, for the fixes of later requests
         recorder = FixLearningSink(recorder, fixes)
+        if backend.embedded and fixes.reasoning_probe is None:
+            fixes.reasoning_probe = reasoning_probe(backend)
     # A loopback Host on every request and JSON on every POST; refused turns are recorded.
     error_bodies = {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error}
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from analyzer.fixes.sessions import FixSessions
 from proxy.run_session import session_of
@@ -44,6 +44,34 @@ def fix_request(fixes: FixSessions | None, endpoint: str, body: Any, raw: bytes,
         turn.fixes = [{"name": "*", "fired": False, "error": True, "note": f"the fixes failed: {type(exc).__name__}: {exc}",
                        "bytes_before": len(raw), "bytes_after": len(raw)}]
         return body, raw
+
+
+REASONING_PROBE = "prefixtrace-reasoning-probe"
+
+
+def reasoning_probe(backend) -> Callable[[], bool | None]:
+    """Whether the embedded engine renders the reasoning of an earlier assistant turn in a tool loop
+    (its chat template and `--thinking-retention` together), found by rendering one: what the `thinking`
+    fix needs to know before it puts stripped reasoning back. None until the model is loaded."""
+    failed = False
+
+    def probe() -> bool | None:
+        nonlocal failed
+        engine = backend.engine
+        if failed or not engine.ready:
+            return None
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+        messages = [{"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "", "reasoning_content": REASONING_PROBE,
+                     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "r"}]
+        try:
+            return REASONING_PROBE in engine.render(messages, tools=tools).text
+        except Exception:  # a template that cannot render this shape: not known, and not asked again
+            log.warning("could not tell whether the chat template keeps earlier reasoning", exc_info=True)
+            failed = True
+            return None
+    return probe
 
 
 class FixLearningSink:

@@ -163,3 +163,33 @@ def test_serve_refuses_an_unknown_fix_in_one_line():
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "unknown fix 'nope': the fixes are volatile, tool-order, tool-args, thinking, breakpoints, session-key" \
         in out.stderr
+
+
+def test_thinking_puts_back_reasoning_the_client_stripped(tmp_path):
+    upstream = CapturingUpstream()
+    reply = {"id": "c", "object": "chat.completion", "model": "m", "choices": [{"index": 0, "finish_reason": "stop",
+             "message": {"role": "assistant", "content": "it is 4", "reasoning_content": "2+2 is 4"}}]}
+    original = REPLIES["/v1/chat/completions"]
+    REPLIES["/v1/chat/completions"] = reply
+    try:
+        with running_server(upstream) as up, Recorder(str(tmp_path / "t.db")) as rec, running_server(create_app(
+                UpstreamBackend(up), rec, fixes=FixSessions(["thinking"], template_keeps_reasoning=True))) as url:
+            user = [{"role": "user", "content": "2+2?"}]
+            httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": user}, headers={"X-Session-Id": "s"})
+            stripped = user + [{"role": "assistant", "content": "it is 4"}, {"role": "user", "content": "sure?"}]
+            httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": stripped},
+                       headers={"X-Session-Id": "s"})
+    finally:
+        REPLIES["/v1/chat/completions"] = original
+    assert json.loads(upstream.received[-1][2])["messages"][1]["reasoning_content"] == "2+2 is 4"
+
+
+def test_the_engine_is_asked_whether_its_template_keeps_earlier_reasoning(tiny_engine, tmp_path):
+    from proxy.engine_backend import EngineBackend
+
+    fixes = FixSessions(["thinking"])
+    with Recorder(str(tmp_path / "e.db")) as rec, running_server(create_app(EngineBackend(tiny_engine), rec, fixes=fixes)):
+        applied = fixes.apply("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}]}, "s")
+    # The fixture's template renders an earlier tool-loop turn's reasoning_content.
+    assert fixes.template_keeps_reasoning is True
+    assert applied.entries[0]["note"] == "no stripped reasoning of a reply this proxy recorded"

@@ -9,7 +9,7 @@ least recently used going first, so a long-running proxy holds a fixed amount.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 from analyzer.fixes import Applied, SessionRecord, apply_fixes, reply_key
 from wire.request import protocol_of
@@ -24,10 +24,19 @@ def _trim(d: dict) -> None:
 
 
 class FixSessions:
-    def __init__(self, names: list[str], template_keeps_reasoning: bool | None = None):
+    def __init__(self, names: list[str], template_keeps_reasoning: bool | None = None,
+                 reasoning_probe: Callable[[], bool | None] | None = None):
+        """`template_keeps_reasoning`: whether the server renders earlier turns' reasoning, when known;
+        `reasoning_probe`: asks the server instead (None while it cannot tell), until it answers."""
         self.names = names
         self.template_keeps_reasoning = template_keeps_reasoning
+        self.reasoning_probe = reasoning_probe
         self._records: OrderedDict[str, SessionRecord] = OrderedDict()
+
+    def _keeps_reasoning(self) -> bool | None:
+        if self.template_keeps_reasoning is None and self.reasoning_probe is not None and "thinking" in self.names:
+            self.template_keeps_reasoning = self.reasoning_probe()
+        return self.template_keeps_reasoning
 
     def record_of(self, session: str | None) -> SessionRecord:
         key = session or ""
@@ -44,7 +53,9 @@ class FixSessions:
         a body that is not a JSON object: the request goes on as it came)."""
         if not self.names or not isinstance(body, dict):
             return None
-        return apply_fixes(self.names, body, protocol_of(endpoint), self.record_of(session))
+        record = self.record_of(session)
+        record.template_keeps_reasoning = self._keeps_reasoning()
+        return apply_fixes(self.names, body, protocol_of(endpoint), record)
 
     def learn(self, session: str | None, response_text: str, reasoning_text: str, tool_calls: list | None) -> None:
         """Keeps what one reply said, for the fixes of the session's later requests."""
