@@ -18,7 +18,7 @@ def play(url: str, turns: int = 6, max_tokens: int = 4) -> list[dict]:
     returns each turn's usage as the proxy reported it."""
     history: list[dict] = []
     usages = []
-    with httpx.Client(timeout=120) as client:
+    with httpx.Client(timeout=900) as client:
         for turn in range(turns):
             history.append({"role": "user", "content": f"Step {turn}: edit file_{turn}.py and rerun the tests."})
             body = {"model": "default", "max_tokens": max_tokens, "temperature": 0,
