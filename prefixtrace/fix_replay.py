@@ -25,9 +25,8 @@ from analyzer.fixes.sessions import FixSessions
 from common.errors import InvalidRequest
 from common.escaping import xml_text
 from common.urls import credentials, display_url, without_credentials
-from recorder.replay import group_sessions, replay_turn
+from recorder.replay import group_sessions, normalize_base_url, replay_turn  # the replay's own URL rule
 from recorder.turn import Turn
-from wire.http import normalize_base_url
 
 BREAK_SHARE = 0.9  # a later turn that reuses less than this share of the previous prompt broke the prefix
 VARIANTS = ("recorded", "fixed")
