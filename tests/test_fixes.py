@@ -175,3 +175,17 @@ def test_no_fix_fired_returns_the_very_body_passed_in():
     body = {"messages": [{"role": "user", "content": "plain"}]}
     out = FixSessions(list(FIXES)).apply("/v1/chat/completions", body, None)
     assert out.body is body and not out.fired
+
+
+def test_volatile_side_requests_of_the_session_do_not_unlearn_the_main_loop():
+    record = SessionRecord(session_id="s")
+    head = lambda n: f"Budget: {n} tokens. You are the main agent."
+    main = lambda n, k: {"messages": [{"role": "system", "content": head(n)},
+                                      *[{"role": "user", "content": f"q{i}"} for i in range(k)]]}
+    side = {"messages": [{"role": "system", "content": "Write a 3 word title."}, {"role": "user", "content": "t"}]}
+    apply_fixes(["volatile"], main(900, 1), "chat", record)
+    second = apply_fixes(["volatile"], main(800, 2), "chat", record)
+    apply_fixes(["volatile"], side, "chat", record)
+    third = apply_fixes(["volatile"], main(800, 3), "chat", record)
+    assert second.body["messages"][0] == third.body["messages"][0]
+    assert third.body["messages"][2] == second.body["messages"][2]  # its value line kept in history

@@ -193,3 +193,25 @@ def test_the_engine_is_asked_whether_its_template_keeps_earlier_reasoning(tiny_e
     # The fixture's template renders an earlier tool-loop turn's reasoning_content.
     assert fixes.template_keeps_reasoning is True
     assert applied.entries[0]["note"] == "no stripped reasoning of a reply this proxy recorded"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/messages", {"model": "default", "max_tokens": 4, "system": "Now: 10:11:12. Be brief.",
+                      "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"model": "default", "max_output_tokens": 4, "instructions": "Now: 10:11:12.",
+                       "input": [{"role": "user", "content": "hi"}]}),
+    ("/v1/chat/completions", {"model": "default", "max_tokens": 4, "stream": True,
+                              "messages": [{"role": "system", "content": "Now: 10:11:12."},
+                                           {"role": "user", "content": "hi"}]}),
+])
+def test_fixes_apply_on_the_embedded_engine_too(tiny_engine, tmp_path, path, body):
+    from proxy.engine_backend import EngineBackend
+
+    with Recorder(str(tmp_path / "e.db")) as rec, running_server(create_app(
+            EngineBackend(tiny_engine), rec, fixes=FixSessions(["volatile"]))) as url:
+        r = httpx.post(url + path, json=body)
+        assert r.status_code == 200, r.text
+        (row,) = rows(rec)
+    (entry,) = json.loads(row["render"])["fixes"]
+    assert entry["fired"] and "<<timestamp_1>>" in row["request_body"]
+    assert json.loads(row["render"])["prompt_tokens"] > 0  # the engine's own facts kept beside the entries

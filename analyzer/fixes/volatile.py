@@ -23,6 +23,7 @@ from analyzer.fixes.base import Outcome, SessionRecord, digest, stands_aside
 
 NAME = "volatile"
 EARLY_MESSAGES = 4  # besides the system head, the first messages scanned for ticking values
+MEMO_MAX = 512  # slots and value lines remembered per session
 _PLACEHOLDER = re.compile("\x00(\\w+)\x00")
 _TIME_OF_DAY = re.compile(r"\d{1,2}:\d{2}")
 
@@ -70,20 +71,24 @@ def fix(body: dict, protocol: str, record: SessionRecord) -> Outcome:
         return stands_aside("the request does not end with a user message or tool result to move a value to")
     memo = record.memos.get(NAME) or {"slots": {}, "notes": {}}
     new = copy.deepcopy(body)
-    slots_memo: dict = {}
+    slots_memo: dict = dict(memo["slots"])  # other requests of the session (side requests) keep theirs
     moved_lines: list[str] = []
     kinds: set[str] = set()
     rewrites: list[tuple[tuple, dict, str, object, str]] = []
     for key, holder, fld, index, in_head in _slots(body, protocol):
         text = _piece(holder, fld, index)
         masked, values = _masked(text)
-        prev = memo["slots"].get(repr(key))
+        # Keyed by the slot and its text around the values: a side request with another system prompt
+        # (a title, a summary) neither resets nor borrows the main loop's learning.
+        slot = f"{key!r}|{digest(masked)}"
+        prev = memo["slots"].get(slot)
         sticky: set[int] = set()
-        if prev is not None and prev["masked"] == masked:
+        if prev is not None:
             sticky = set(prev["sticky"]) | {i for i, (v, p) in enumerate(zip(values, prev["values"])) if v[1] != p}
         if in_head:
             sticky |= {i for i, (kind, v) in enumerate(values) if kind == "timestamp" and _TIME_OF_DAY.search(v)}
-        slots_memo[repr(key)] = {"masked": masked, "values": [v for _, v in values], "sticky": sorted(sticky)}
+        slots_memo.pop(slot, None)  # re-inserted last: the least recently seen go first
+        slots_memo[slot] = {"values": [v for _, v in values], "sticky": sorted(sticky)}
         if not sticky:
             continue
         labels = {}
@@ -94,14 +99,16 @@ def fix(body: dict, protocol: str, record: SessionRecord) -> Outcome:
             moved_lines.append(f"<<{labels[i]}>> = {value}")
         rewrites.append((key, holder, fld, index, _rebuilt(masked, values, labels)))
     # The notes given to earlier messages go back on them, so the history stays as the server saw it.
+    while len(slots_memo) > MEMO_MAX:
+        slots_memo.pop(next(iter(slots_memo)))
     restored = 0
     new_items = shape.conversation(new, protocol)
     for m, item in enumerate(items[:-1]):
-        kept = memo["notes"].get(str(m))
-        if kept and isinstance(item, dict) and digest(item) == kept["digest"]:
-            shape.append_text(new_items[m], kept["note"], protocol)
+        note = memo["notes"].get(digest(item)) if isinstance(item, dict) else None
+        if note:
+            shape.append_text(new_items[m], note, protocol)
             restored += 1
-    notes = {m: n for m, n in memo["notes"].items() if int(m) < len(items) - 1}
+    notes = dict(memo["notes"])
     if not moved_lines:
         return Outcome(new if restored else None,
                        f"{restored} earlier value line(s) kept" if restored else "no ticking value in the system head "
@@ -113,7 +120,9 @@ def fix(body: dict, protocol: str, record: SessionRecord) -> Outcome:
     if not shape.append_text(new_items[-1], note, protocol):
         return Outcome(None, "the newest message has no text to append the values to", {"slots": slots_memo,
                                                                                           "notes": notes})
-    notes[str(len(items) - 1)] = {"digest": digest(items[-1]), "note": note}
+    notes[digest(items[-1])] = note  # found again by its content, wherever the message stands later
+    while len(notes) > MEMO_MAX:
+        notes.pop(next(iter(notes)))
     return Outcome(new, f"volatile {', '.join(sorted(kinds))} moved ({len(moved_lines)} value(s))",
                    {"slots": slots_memo, "notes": notes})
 
