@@ -78,7 +78,7 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
 
 def _fixes(report: Report, requests: list, analyzer: Analyzer, sheet, propose: bool) -> None:
     """The fixes the proxy applied, and (`propose`) each addressing fix measured by re-analysis."""
-    from analyzer.fix_report import propose_fixes, proxy_fix_summary
+    from analyzer.fix_report import propose_fixes, proxy_fix_summary, renders_earlier_reasoning
 
     def reanalyse(fixed: list) -> Report:
         again = analyzer.run(fixed, [])
@@ -88,5 +88,6 @@ def _fixes(report: Report, requests: list, analyzer: Analyzer, sheet, propose: b
 
     report.proxy_fixes = proxy_fix_summary(requests)
     if propose:
-        report.fix_proposals = propose_fixes(report, requests, reanalyse)
+        report.fix_proposals = propose_fixes(report, requests, reanalyse,
+                                             renders_earlier_reasoning(analyzer.renderer))
 

@@ -26,7 +26,7 @@ ADDRESSES: dict[str, Callable[[Break], bool]] = {
     "tool-order": lambda b: b.cause == "tools_change" or (b.cause == "serialization" and b.tool_index is not None),
     "tool-args": lambda b: b.cause in ("serialization", "history_edit") and b.tool_index is None
     and any(k in (b.path or "") for k in ("tool_calls", "arguments", "input")),
-    "thinking": lambda b: b.cause == "thinking_strip",
+    "thinking": lambda b: b.cause == "thinking_strip" or (b.cause == "history_edit" and "reasoning" in (b.path or "")),
     "breakpoints": lambda b: b.cause == "server_miss",
     "session-key": lambda b: b.cause == "server_miss",
 }
@@ -43,16 +43,36 @@ def proxy_fix_summary(requests: list[Request]) -> list[dict]:
     return [{"name": n, "note": note, "turns": k} for (n, note), k in sorted(seen.items())]
 
 
-def fixed_requests(names: list[str], requests: list[Request]) -> tuple[list[Request], int]:
+REASONING_PROBE = "prefixtrace-reasoning-probe"
+
+
+def renders_earlier_reasoning(renderer) -> bool | None:
+    """Whether `renderer` (the analysis's chat template) renders an earlier tool-loop turn's reasoning,
+    found by rendering one; None when it cannot render that shape."""
+    body = {"messages": [{"role": "user", "content": "q"},
+                         {"role": "assistant", "content": "", "reasoning_content": REASONING_PROBE, "tool_calls": [
+                             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "r"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]}
+    try:
+        return REASONING_PROBE in "".join(renderer.render(body).segments)
+    except Exception:  # a template that refuses this shape: not known
+        return None
+
+
+def fixed_requests(names: list[str], requests: list[Request],
+                   keeps_reasoning: bool | None = None) -> tuple[list[Request], int]:
     """The requests with the named fixes applied as the proxy would have (in time order, one record
-    per session), and how many were changed."""
-    sessions = FixSessions(names)
+    per session, fed with the recorded replies), and how many were changed."""
+    sessions = FixSessions(names, template_keeps_reasoning=keeps_reasoning)
     out, changed = [], 0
     for req in sorted(requests, key=lambda r: r.ts):
         applied = sessions.apply(req.endpoint or "/v1/chat/completions", req.body, req.session)
         if applied is not None and applied.fired:
             changed += 1
             req = dataclasses.replace(req, body=applied.body)
+        if req.reply:  # what the model answered, for tool-args and thinking on the session's later requests
+            sessions.learn(req.session, req.reply["text"], req.reply["reasoning"], req.reply["tool_calls"])
         out.append(req)
     return out, changed
 
@@ -79,7 +99,8 @@ def predicted_only(requests: list[Request]) -> list[Request]:
                                 cache_miss_reason=None) for r in requests]
 
 
-def propose_fixes(report: Report, requests: list[Request], reanalyse: Callable[[list[Request]], Report]) -> list[dict]:
+def propose_fixes(report: Report, requests: list[Request], reanalyse: Callable[[list[Request]], Report],
+                  keeps_reasoning: bool | None = None) -> list[dict]:
     """For each fix whose cause is among the report's breaks: what applying it to `requests` would have
     saved, from `reanalyse(fixed requests)` (the same analysis that made `report`) against the same
     analysis of the requests as recorded, both predicted without the server's counts."""
@@ -98,7 +119,7 @@ def propose_fixes(report: Report, requests: list[Request], reanalyse: Callable[[
             predicted = reanalyse(predicted_only(requests))
         base_tokens, base_seconds, base_dollars = _lost(predicted)
         base_breaks = {(s.id, t.number) for s, t in predicted.breaks}
-        fixed, changed = fixed_requests([name], requests)
+        fixed, changed = fixed_requests([name], requests, keeps_reasoning)
         after = reanalyse(predicted_only(fixed))
         tokens, seconds, dollars = _lost(after)
         before_n = sum(1 for _, t in predicted.breaks if ADDRESSES[name](t.brk))
