@@ -215,3 +215,23 @@ def test_fixes_apply_on_the_embedded_engine_too(tiny_engine, tmp_path, path, bod
     (entry,) = json.loads(row["render"])["fixes"]
     assert entry["fired"] and "<<timestamp_1>>" in row["request_body"]
     assert json.loads(row["render"])["prompt_tokens"] > 0  # the engine's own facts kept beside the entries
+
+
+def test_run_passes_its_fixes_to_the_proxy_it_starts(monkeypatch):
+    from click.testing import CliRunner
+
+    import prefixtrace.run
+    from prefixtrace.cli import cli
+
+    seen = {}
+
+    def fake_run(harness, args, **kwargs):
+        seen.update(kwargs, harness=harness)
+        return 0
+
+    monkeypatch.setattr(prefixtrace.run, "run", fake_run)
+    result = CliRunner().invoke(cli, ["run", "--fix", "tool-order", "--fix", "volatile", "pi", "-p", "hi"])
+    assert result.exit_code == 0, result.output
+    assert seen["serve_args"][-2:] == ["--fix", "volatile,tool-order"] and seen["harness"] == "pi"
+    bad = CliRunner().invoke(cli, ["run", "--fix", "nope", "pi"])
+    assert bad.exit_code == 2 and "unknown fix 'nope'" in bad.output
