@@ -29,13 +29,6 @@ def _parsed(text: str) -> Any:
         return None
 
 
-def _ordered(text: str) -> Any:
-    try:
-        return json.loads(text, object_pairs_hook=lambda pairs: dict(pairs))
-    except (ValueError, TypeError):
-        return None
-
-
 def fix(body: dict, protocol: str, record: SessionRecord) -> Outcome:
     items = shape.conversation(body, protocol)
     if not items:
@@ -53,7 +46,7 @@ def fix(body: dict, protocol: str, record: SessionRecord) -> Outcome:
                 continue
             sent = holder.get(key)
             if protocol == "messages":
-                value = _ordered(emitted)
+                value = _parsed(emitted)  # a dict keeps the emitted key order
                 if value != sent:
                     differs += value is not None
                     continue

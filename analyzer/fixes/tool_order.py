@@ -32,7 +32,7 @@ def fix(body: dict, protocol: str, record: SessionRecord) -> Outcome:
     if None in names:
         return stands_aside("a tool definition without a name")
     if len(set(names)) != len(names):
-        return stands_aside(f"two tools share a name; reordering could make an invalid request")
+        return stands_aside("two tools share a name; reordering could make an invalid request")
     memo = record.memos.get(NAME)
     if memo is None:
         return Outcome(None, "the session's first tools: their order is the one kept", {"order": names,
