@@ -61,8 +61,9 @@ def prove(name: str, fixed_chain, engine_server, drive_records: list[dict], tmp_
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     side = report["side_by_side"]
-    print(f"{name}: fired {report['fired']}; hit rate {report['variants']['recorded']['hit_rate']} -> "
-          f"{report['variants']['fixed']['hit_rate']}; removed {side['breaks_removed']}, caused {side['breaks_caused']}; "
+    rec, fixed_v = report["variants"]["recorded"], report["variants"]["fixed"]
+    print(f"{name}: fired {report['fired']}; hit rate {rec['hit_rate']} -> {fixed_v['hit_rate']} (turns 2+: "
+          f"{rec['hit_rate_later_turns']} -> {fixed_v['hit_rate_later_turns']}); removed {side['breaks_removed']}, caused {side['breaks_caused']}; "
           f"{report['verdict']}; not improved: {report['not_improved']}")
     # The gain, or that none was there: a fix that fired never costs cached tokens it did not gain back.
     assert side["breaks_caused"] <= side["breaks_removed"], report
