@@ -189,3 +189,4 @@ def test_volatile_side_requests_of_the_session_do_not_unlearn_the_main_loop():
     third = apply_fixes(["volatile"], main(800, 3), "chat", record)
     assert second.body["messages"][0] == third.body["messages"][0]
     assert third.body["messages"][2] == second.body["messages"][2]  # its value line kept in history
+

@@ -98,9 +98,12 @@ def fix(body: dict, protocol: str, record: SessionRecord) -> Outcome:
             kinds.add(kind)
             moved_lines.append(f"<<{labels[i]}>> = {value}")
         rewrites.append((key, holder, fld, index, _rebuilt(masked, values, labels)))
-    # The notes given to earlier messages go back on them, so the history stays as the server saw it.
     while len(slots_memo) > MEMO_MAX:
         slots_memo.pop(next(iter(slots_memo)))
+    # Write the rewrites into the copy (the same path, found again in `new`), then give earlier messages
+    # back the value lines they were sent with, so the history stays as the server saw it.
+    for key, holder, fld, index, text in rewrites:
+        shape.set_text(_same_holder(body, new, protocol, holder), fld, index, text)
     restored = 0
     new_items = shape.conversation(new, protocol)
     for m, item in enumerate(items[:-1]):
@@ -113,9 +116,6 @@ def fix(body: dict, protocol: str, record: SessionRecord) -> Outcome:
         return Outcome(new if restored else None,
                        f"{restored} earlier value line(s) kept" if restored else "no ticking value in the system head "
                        "or the early messages", {"slots": slots_memo, "notes": notes})
-    # Write the rewrites into the copy: the same path, found again in `new`.
-    for key, holder, fld, index, text in rewrites:
-        shape.set_text(_same_holder(body, new, protocol, holder), fld, index, text)
     note = "\n\n[Current values of the placeholders above: " + "; ".join(moved_lines) + "]"
     if not shape.append_text(new_items[-1], note, protocol):
         return Outcome(None, "the newest message has no text to append the values to", {"slots": slots_memo,
