@@ -32,14 +32,14 @@ BREAK_SHARE = 0.9  # a later turn that reuses less than this share of the previo
 VARIANTS = ("recorded", "fixed")
 
 
-def fixed_sessions(names: list[str], sessions: list[list[Turn]]) -> tuple[list[list[Turn]], Counter, Counter]:
-    """Each session's turns with the fixes applied in order, and per fix how often it fired and why
-    it stood aside (note -> count)."""
+def fixed_sessions(names: list[str], sessions: list[list[Turn]]) -> tuple[list[list[Turn] | None], Counter, Counter]:
+    """Each session's turns with the fixes applied in order (None for a session no fix changed: its
+    fixed variant is the recorded one), and per fix how often it fired and why it stood aside."""
     fired, aside = Counter(), Counter()
-    out = []
+    out: list[list[Turn] | None] = []
     for session in sessions:
         fixes = FixSessions(names)  # one record per session, as the proxy keeps
-        turns = []
+        turns, changed = [], False
         for turn in session:
             applied = fixes.apply(turn.endpoint, turn.request_body, turn.session_id)
             for entry in applied.entries if applied else []:
@@ -47,10 +47,11 @@ def fixed_sessions(names: list[str], sessions: list[list[Turn]]) -> tuple[list[l
                     fired[entry["name"]] += 1
                 else:
                     aside[(entry["name"], entry["note"])] += 1
+            changed = changed or bool(applied and applied.fired)
             body = applied.body if applied is not None else turn.request_body
             turns.append(dataclasses.replace(turn, request_body=body))
             fixes.learn(turn.session_id, turn.response_text, turn.reasoning_text, turn.tool_calls)
-        out.append(turns)
+        out.append(turns if changed else None)
     return out, fired, aside
 
 
@@ -88,13 +89,14 @@ def _summary(turns: list[dict], sheet) -> dict[str, Any]:
 async def _play(url: str, order: list[tuple[str, list[Turn]]], model: str | None, timeout: float,
                 progress: Callable[[], None] | None) -> dict[str, list[dict]]:
     real = normalize_base_url(url)
-    results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    results: dict[str, list[dict]] = {v: [] for v in VARIANTS}  # "both": one sending, in both lists
     async with httpx.AsyncClient(base_url=without_credentials(real), auth=credentials(real),
                                  timeout=httpx.Timeout(timeout, connect=10.0)) as client:
         for variant, session in order:
             for index, turn in enumerate(session):
-                result = await replay_turn(client, turn, index, model)
-                results[variant].append(result.to_dict())
+                result = (await replay_turn(client, turn, index, model)).to_dict()
+                for name in (VARIANTS if variant == "both" else (variant,)):
+                    results[name].append(result)
                 if progress:
                     progress()
     return results
@@ -115,6 +117,9 @@ def paired_replay(turns: list[Turn], target: str, names: list[str], *, min_gain:
     fixed, fired, aside = fixed_sessions(names, recorded)
     order: list[tuple[str, list[Turn]]] = []
     for k, (a, b) in enumerate(zip(recorded, fixed)):
+        if b is None:  # sent once: the same requests again would only meet their own warm cache
+            order.append(("both", a))
+            continue
         pair = [("recorded", a), ("fixed", b)]
         order += pair if k % 2 == 0 else pair[::-1]  # alternate who meets the colder server
     results = asyncio.run(_play(target, order, model, timeout, progress))
@@ -140,7 +145,9 @@ def paired_replay(turns: list[Turn], target: str, names: list[str], *, min_gain:
             "gain_tokens": gain, "bust_tokens": busts, "savings_tokens": gain - busts}
     if sheet is not None:
         side["dollars_saved"] = round(rec["dollars"] - fix["dollars"], 6)
-    if not rec["cached_reported"]:
+    if not fired:
+        verdict = "no verdict: no fix fired on this recording, so there was nothing for it to gain"
+    elif not rec["cached_reported"]:
         verdict = "no verdict: the target reports no cached tokens"
     elif hit_gain is not None and hit_gain >= min_gain:
         verdict = f"pass: hit rate of turns 2+ +{hit_gain * 100:.1f} points (at least {min_gain * 100:.1f} asked)"

@@ -61,3 +61,18 @@ def test_replay_fix_refuses_an_unknown_name_and_two_targets(tmp_path):
     two = CliRunner().invoke(cli, ["replay", str(src), "--target", "http://127.0.0.1:9", "--target",
                                    "http://127.0.0.1:10", "--fix", "volatile"])
     assert two.exit_code != 0 and "give one --target" in two.output
+
+
+def test_a_session_no_fix_changes_is_sent_once_and_gets_no_verdict(tmp_path, engine_url):
+    from prefixtrace.fix_replay import paired_replay
+    from recorder.sources import load_turns
+
+    src = tmp_path / "plain.jsonl"
+    rows = [{"id": str(i), "ts": i, "session": "s", "request": {"model": "default", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hello there"}, *([{"role": "assistant", "content": "hi"},
+                                                      {"role": "user", "content": "again"}] if i else [])]}}
+            for i in range(2)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = paired_replay(load_turns(src), engine_url, ["volatile"])
+    assert report["fired"] == {} and report["verdict"].startswith("no verdict: no fix fired")
+    assert report["turns"]["recorded"] == report["turns"]["fixed"] and len(report["turns"]["fixed"]) == 2
