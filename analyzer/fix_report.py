@@ -101,11 +101,13 @@ def predicted_only(requests: list[Request]) -> list[Request]:
 
 def propose_fixes(report: Report, requests: list[Request], reanalyse: Callable[[list[Request]], Report],
                   keeps_reasoning: bool | None = None) -> list[dict]:
-    """For each fix whose cause is among the report's breaks: what applying it to `requests` would have
-    saved, from `reanalyse(fixed requests)` (the same analysis that made `report`) against the same
-    analysis of the requests as recorded, both predicted without the server's counts."""
+    """For each fix whose cause is among the report's breaks: what applying it would have saved, from
+    `reanalyse` (the same analysis that made `report`) of the fixed requests against the requests as
+    recorded, both predicted without the server's counts. Only the sessions holding such a break are
+    analysed again (a fix changes nothing the other sessions' breaks depend on, and a recording's
+    analysis is its costliest step)."""
     proposals = []
-    predicted: Report | None = None
+    predicted: dict[frozenset, Report] = {}
     for name in FIXES:
         addressed = [(s, t) for s, t in report.breaks if ADDRESSES[name](t.brk)]
         if not addressed:
@@ -115,14 +117,18 @@ def propose_fixes(report: Report, requests: list[Request], reanalyse: Callable[[
             proposal["note"] = "changes no prompt text: prove it against the server with `prefixtrace replay --fix`"
             proposals.append(proposal)
             continue
-        if predicted is None:
-            predicted = reanalyse(predicted_only(requests))
-        base_tokens, base_seconds, base_dollars = _lost(predicted)
-        base_breaks = {(s.id, t.number) for s, t in predicted.breaks}
-        fixed, changed = fixed_requests([name], requests, keeps_reasoning)
+        sessions = {id(s) for s, _ in addressed}
+        ids = frozenset(t.request_id for s in report.sessions if id(s) in sessions for t in s.turns)
+        subset = [r for r in requests if r.id in ids]
+        if ids not in predicted:
+            predicted[ids] = reanalyse(predicted_only(subset))
+        before = predicted[ids]
+        base_tokens, base_seconds, base_dollars = _lost(before)
+        base_breaks = {(s.id, t.number) for s, t in before.breaks}
+        fixed, changed = fixed_requests([name], subset, keeps_reasoning)
         after = reanalyse(predicted_only(fixed))
         tokens, seconds, dollars = _lost(after)
-        before_n = sum(1 for _, t in predicted.breaks if ADDRESSES[name](t.brk))
+        before_n = sum(1 for _, t in before.breaks if ADDRESSES[name](t.brk))
         left = sum(1 for _, t in after.breaks if ADDRESSES[name](t.brk))
         caused = [(s.id, t.number) for s, t in after.breaks if (s.id, t.number) not in base_breaks]
         proposal.update({
