@@ -128,11 +128,13 @@ def propose_fixes(report: Report, requests: list[Request], reanalyse: Callable[[
         fixed, changed = fixed_requests([name], subset, keeps_reasoning)
         after = reanalyse(predicted_only(fixed))
         tokens, seconds, dollars = _lost(after)
-        before_n = sum(1 for _, t in before.breaks if ADDRESSES[name](t.brk))
-        left = sum(1 for _, t in after.breaks if ADDRESSES[name](t.brk))
-        caused = [(s.id, t.number) for s, t in after.breaks if (s.id, t.number) not in base_breaks]
+        # A break the fix addresses is removed when its turn no longer breaks at all (a turn that still
+        # breaks for another reason, e.g. the one request where a ticking value is first learnt, is not).
+        targets = {(s.id, t.number) for s, t in before.breaks if ADDRESSES[name](t.brk)}
+        after_breaks = {(s.id, t.number) for s, t in after.breaks}
+        caused = after_breaks - base_breaks
         proposal.update({
-            "requests_changed": changed, "breaks_removed": before_n - left, "breaks_caused": len(caused),
+            "requests_changed": changed, "breaks_removed": len(targets - after_breaks), "breaks_caused": len(caused),
             "saved_tokens": base_tokens - tokens, "saved_seconds": _diff(base_seconds, seconds, 2),
             "saved_dollars": _diff(base_dollars, dollars, 6)})
         proposals.append(proposal)
