@@ -32,17 +32,64 @@ class Transcript:
     source: str  # the file (or storage directory) it was read from
     turns: list[Turn] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what could not be rebuilt, once per session
+    version: str = ""  # the format version read ("pi session v1", "Claude Code 2.0.46", …): formats.py
+    calls: int = 0  # model calls the file holds (turns rebuilt plus those left out)
+    compacted: set[int] = field(default_factory=set)  # turn numbers sent right after a compaction
 
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
 
+    def mark_compacted(self) -> None:
+        """The next call this transcript emits is the first after a compaction (the harness replaced
+        the history with a summary): the analyzer names its break `compaction` whatever else changed."""
+        self.compacted.add(len(self.turns) + 1)
+
+    @property
+    def left_out(self) -> int:
+        return self.calls - len(self.turns)
+
     def finish(self) -> "Transcript":
-        """Stamps every turn with the session's notes (known only once the whole file is read)."""
-        for turn in self.turns:
-            turn.render = {"transcript": {"harness": self.harness, "file": Path(self.source).name,
-                                          "session": self.session_id, "not_rebuilt": list(self.notes)}}
+        """Leaves out the calls whose history is not in the file (an empty request says nothing of what
+        was sent: analysing it would report a break that never happened), keeps the file's order in the
+        turns' times, and stamps every turn with the session's notes (known only once the whole file is
+        read)."""
+        kept, empty, compacted = [], 0, set()
+        for n, turn in enumerate(self.turns, start=1):
+            if _history_of(turn.request_body):
+                kept.append(turn)
+                if n in self.compacted:
+                    compacted.add(len(kept))
+            else:
+                empty += 1
+        self.calls += len(self.turns)
+        if empty:
+            self.note(f"{empty} call(s) left out: their history (the messages sent) is not in the file")
+        self.turns, self.compacted = kept, compacted
+        _keep_file_order(self.turns)
+        for n, turn in enumerate(self.turns, start=1):
+            origin = {"harness": self.harness, "file": Path(self.source).name, "session": self.session_id,
+                      "version": self.version, "not_rebuilt": list(self.notes)}
+            if n in self.compacted:
+                origin["compacted"] = True
+            turn.render = {"transcript": origin}
         return self
+
+
+def _history_of(body: dict) -> list:
+    value = body.get("messages", body.get("input")) if isinstance(body, dict) else None
+    return value if isinstance(value, list) else []
+
+
+def _keep_file_order(turns: list[Turn]) -> None:
+    """Turns are ordered by time downstream; a file's times are not monotonic (a resumed Claude Code
+    session rewrites many lines to one timestamp, pi's entry and message clocks differ), and the file's
+    order is the call order. A time that goes backwards is raised to just after the previous one."""
+    last = None
+    for turn in turns:
+        if last is not None and turn.started_at <= last:
+            turn.started_at = last + 1e-6
+        last = turn.started_at
 
 
 def parse_time(value: Any) -> float | None:
