@@ -19,7 +19,7 @@ from typing import Any
 
 from analyzer.advice import SIDE_REQUEST, suggestion
 from analyzer.canon import Canonicalizer, Payload, first_changed, flatten_content
-from analyzer.causes import Cause, classify, payload_cause, server_facts, server_miss
+from analyzer.causes import Cause, classify, marked_compaction, payload_cause, server_facts, server_miss
 from analyzer.costing import price_breaks
 from analyzer.divergence import SegmentCounter, common_prefix_len, compare, diff_window
 from analyzer.load import Request, share_prefix
@@ -144,6 +144,9 @@ class Analyzer:
                 turn.note, turn.common_prefix_tokens = "first", 0
             else:
                 self._compare(turn, prev, payload, rendered, req.body)
+                if turn.brk is not None and marked_compaction(req) and turn.brk.cause != "compaction":
+                    turn.brk.cause, turn.brk.subtype, turn.brk.volatile = "compaction", None, None
+                    turn.brk.suggestion = suggestion("compaction", None, None, turn.brk.location())
                 if turn.brk is None:  # the shared prefix reaches into what the previous turn left cached
                     turn.common_prefix_tokens += self._reach(prev, rendered)
             turn.reprefill_tokens = tokens - turn.common_prefix_tokens

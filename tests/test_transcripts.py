@@ -28,7 +28,7 @@ FIX = ROOT / "fixtures" / "transcripts"
 
 
 def session_file(harness: str) -> Path:
-    files = [p for p in (FIX / harness).iterdir() if p.name not in ("recording.jsonl", "README.md")]
+    files = [p for p in (FIX / harness).iterdir() if p.name not in ("recording.jsonl", "README.md", "real")]
     assert len(files) == 1, files
     return files[0]
 
