@@ -130,10 +130,11 @@ def make_turn(t: Transcript, n: int, ts: float | None, endpoint: str, body: dict
               reasoning: str = "", tool_calls: list[dict] | None = None, finish_reason: str | None = None,
               prompt_tokens: int | None = None, completion_tokens: int | None = None,
               cached_tokens: int | None = None, usage: dict | None = None) -> Turn:
-    """Model call number `n` of the session as a Turn. The id is derived from the session and `n`,
-    so importing the same transcript again (or a longer copy of a live session) replaces, never
-    duplicates; `ts` falls back to keeping file order."""
-    digest = hashlib.sha256(f"{t.harness}\0{t.session_id}".encode()).hexdigest()[:12]
+    """Model call number `n` of the session as a Turn. The id is derived from the session, its file's
+    name and `n`, so importing the same transcript again (or a longer copy of a live session) replaces,
+    never duplicates, and a session id found in two files (Claude Code writes a resumed session's id
+    into the new file) never overwrites the other file's calls; `ts` falls back to keeping file order."""
+    digest = hashlib.sha256(f"{t.harness}\0{t.session_id}\0{Path(t.source).name}".encode()).hexdigest()[:12]
     return Turn(
         request_id=f"transcript-{t.harness}-{digest}-{n:04d}",
         started_at=ts if ts is not None else float(n),
