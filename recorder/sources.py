@@ -94,7 +94,8 @@ def import_path(path: str | Path, db_path: str | Path, *, redact_patterns: list[
 
     p = Path(path)
     refuse_special(p)
-    if p.is_dir() or sniff_transcript(p) is not None:
+    # opencode's database by name too: a damaged one is then said to be that, not "a database"
+    if p.is_dir() or p.name == "opencode.db" or sniff_transcript(p) is not None:
         turns, transcripts = transcript_turns(p)
         return store_transcript_turns(db_path, turns, redact_patterns), transcripts
     return import_file(p, db_path, redact_patterns=redact_patterns), []
