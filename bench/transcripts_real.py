@@ -19,10 +19,11 @@ from recorder.transcripts import read_transcripts  # noqa: E402
 
 
 def usage_breaks(turns) -> int:
-    """Calls whose cached tokens (provider's count) are under half the previous call's prompt."""
+    """Calls whose cached tokens (provider's count) are under half the previous call's prompt (calls
+    the provider counted no prompt for, failed or aborted ones, are passed over)."""
     n, prev = 0, None
     for t in turns:
-        if prev is not None and t.cached_tokens is not None and prev.prompt_tokens and \
+        if prev is not None and t.prompt_tokens and t.cached_tokens is not None and prev.prompt_tokens and \
                 t.cached_tokens < prev.prompt_tokens / 2:
             n += 1
         if t.prompt_tokens:

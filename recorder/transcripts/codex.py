@@ -6,7 +6,10 @@ effort, sandbox), `token_usage_record` lines (one per call, as it completes, wit
 `event_msg` lines (UI events, `token_count`) and one `response_item` line per item of the
 conversation, in the Responses API's own shape and with the ids Codex sends: `message` (developer /
 user / assistant), `reasoning`, `function_call`, `function_call_output`, … Items a call returned are
-written after it; everything before them is that call's `input`.
+written after it; everything before them is that call's `input`. A `compacted` line (Codex's
+remote compaction) replaces the history with its `replacement_history`. Rollouts written before
+`session_meta` existed hold a bare `{id, timestamp, instructions}` header, then bare items: read
+the same way.
 
 What it does not hold: the base-instructions message codex-cli 0.171 sends as the first `input`
 item (a developer message composed from `session_meta.base_instructions` less the sections of

@@ -3,8 +3,11 @@
 What it holds: a `session` header line (`id`, `cwd`, `timestamp`), settings changes (`model_change`,
 `thinking_level_change`) and one `message` line per conversation message in pi's own shape: `user`
 (text and image parts), `assistant` (`text`, `thinking` and `toolCall` parts, the `api` and
-`model` it was sent with, `usage`, `stopReason`), `toolResult` (`toolCallId`, text parts). Lines
-link by `id`/`parentId` (a tree: pi can branch a session); a call's history is its chain of parents.
+`model` it was sent with, `usage`, `stopReason`), `toolResult` (`toolCallId`, text parts),
+`bashExecution` (a `!` command the user ran), `compaction` entries (a summary and the first entry
+kept). Lines link by `id`/`parentId` (a tree: pi can branch a session); a call's history is its
+chain of parents. The header's `version` names the format: 1 (absent; entries without ids, one
+linear chain, compactions naming a line index), 2 (ids), 3 (role `hookMessage` renamed `custom`).
 
 Rebuilt for the `openai-completions` API the way pi-ai's `convertMessages` writes it (default
 compat): user text parts as content parts, assistant text as one string with `tool_calls`
