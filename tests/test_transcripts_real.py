@@ -189,3 +189,32 @@ def test_codex_remote_compaction_is_named_compaction_and_allowed(tmp_path):
     assert causes(analyze(path)) == ["compaction"]
     out = cli("check", str(path), "--allow", "compaction")
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# --- opencode --------------------------------------------------------------------------------------
+
+def test_opencode_json_storage_rebuilds_the_same_calls_as_its_database(tmp_path):
+    """opencode before 1.x's database kept each session, message and part as a JSON file; written here
+    from the recorded database's rows (the same objects, plus their ids), both forms must agree."""
+    import sqlite3
+
+    db = REAL / "opencode" / "opencode.db"
+    storage = tmp_path / "opencode" / "storage"
+    con = sqlite3.connect(db)
+    for sid, project, parent, created in con.execute("select id, project_id, parent_id, time_created from session"):
+        f = storage / "session" / project / f"{sid}.json"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps({"id": sid, "projectID": project, "parentID": parent, "time": {"created": created}}))
+    for mid, sid, data in con.execute("select id, session_id, data from message"):
+        f = storage / "message" / sid / f"{mid}.json"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps({"id": mid, "sessionID": sid, **json.loads(data)}))
+    for pid, mid, sid, data in con.execute("select id, message_id, session_id, data from part"):
+        f = storage / "part" / mid / f"{pid}.json"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps({"id": pid, "messageID": mid, "sessionID": sid, **json.loads(data)}))
+    con.close()
+    from_db, from_json = read_transcripts(db), read_transcripts(tmp_path)
+    assert from_json[0].version.startswith("JSON storage") and from_db[0].version == "opencode.db (opencode 1.18.33)"
+    assert [[history(t) for t in s.turns] for s in from_json] == [[history(t) for t in s.turns] for s in from_db]
+    assert sum(len(s.turns) for s in from_json) > 0

@@ -14,7 +14,7 @@ import stat
 from pathlib import Path
 
 from common.errors import InvalidRequest
-from recorder.transcripts import claude_code, codex, opencode, pi
+from recorder.transcripts import claude_code, codex, opencode, opencode_json, pi
 from recorder.transcripts.common import UPSTREAM_PREFIX, Transcript
 
 HARNESSES = {"claude-code": claude_code, "codex": codex, "pi": pi}  # one JSONL file per session
@@ -122,6 +122,9 @@ def read_transcripts(path: str | Path) -> Transcripts:
         for db in sorted(p.rglob(opencode.DB_NAME)):
             if _special(db) is None and opencode.looks_like_file(db):
                 found.extend(opencode.read(db))
+        storage = opencode_json.find_storage(p)
+        if storage is not None:
+            found.extend(opencode_json.read(storage))
         for f in sorted(p.rglob("*.jsonl")):
             if (why := _special(f)) is not None:
                 skipped.append((str(f), why))
@@ -138,9 +141,7 @@ def read_transcripts(path: str | Path) -> Transcripts:
                 skipped.append((str(f), exc.message))
         if found:
             return Transcripts(found, skipped)
-        legacy = next((d for d in p.rglob("storage") if (d / "session").is_dir() and (d / "message").is_dir()), None)
-        hint = f" ({legacy} looks like an older opencode's JSON storage, which is not read)" if legacy else ""
-        hint += f"; passed over {len(skipped)} file(s), e.g. {skipped[0][0]}: {skipped[0][1]}" if skipped else ""
+        hint = f"; passed over {len(skipped)} file(s), e.g. {skipped[0][0]}: {skipped[0][1]}" if skipped else ""
         raise InvalidRequest(f"no Claude Code, Codex, pi or opencode session found under {p}{hint}")
     kind = sniff_transcript(p)
     if kind == opencode.HARNESS:
