@@ -141,7 +141,8 @@ def read_transcripts(path: str | Path) -> Transcripts:
                 skipped.append((str(f), exc.message))
         if found:
             return Transcripts(found, skipped)
-        hint = f"; passed over {len(skipped)} file(s), e.g. {skipped[0][0]}: {skipped[0][1]}" if skipped else ""
+        hint = f" ({storage}: opencode's JSON storage, holding no session with a model call)" if storage else ""
+        hint += f"; passed over {len(skipped)} file(s), e.g. {skipped[0][0]}: {skipped[0][1]}" if skipped else ""
         raise InvalidRequest(f"no Claude Code, Codex, pi or opencode session found under {p}{hint}")
     kind = sniff_transcript(p)
     if kind == opencode.HARNESS:
