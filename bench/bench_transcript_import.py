@@ -2,7 +2,7 @@
 shared message once (recorder/transcripts/store.py `RedactOnce`), so time grows linearly with the
 calls; redacting each call's whole history (the plain `store_turns`) grows with their square.
 
-    python bench/transcripts_import.py [CALLS ...]   (default: 250 500 1000)
+    python bench/bench_transcript_import.py [CALLS ...]   (default: 250 500 1000)
 
 Prints, per length, both import times side by side and their ratio.
 """

@@ -2,7 +2,7 @@
 left out, and the breaks the analyzer finds beside the breaks the file's own usage shows (a call that
 read from cache less than half of the previous call's prompt, by the provider's count).
 
-    python bench/transcripts_real.py [FILE ...]   (default: fixtures/transcripts/*/real/*.jsonl)
+    python bench/real_transcripts.py [FILE ...]   (default: fixtures/transcripts/*/real/*.jsonl)
 """
 
 from __future__ import annotations
