@@ -84,8 +84,12 @@ def import_(file, db, as_json):
     file holds it; what it does not hold is printed per session and kept on
     the turns (docs/FORMATS.md "Transcripts").
 
-    All or nothing: a malformed line or entry is reported with its number and
-    nothing is written.
+    Each session says the format version read and how many of its calls were
+    rebuilt; a call whose history is not in the file is left out, and a file
+    that rebuilt fewer than half its calls makes import exit 1 (after storing
+    what it rebuilt). A directory's other files are listed as skipped, with
+    why. All or nothing per file: a malformed line or entry is reported with
+    its number and nothing of that file is written.
 
     Example: prefixtrace import ~/.claude/projects --db prefixtrace.db
     """

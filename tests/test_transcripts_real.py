@@ -43,7 +43,7 @@ def write_lines(path: Path, objs: list[dict]) -> Path:
 
 def test_pi_version_1_session_rebuilds_every_call_with_its_history():
     [t] = read_transcripts(REAL / "pi" / "real" / "before-compaction.jsonl")
-    assert t.version == "pi session v1"
+    assert t.version == "session format v1"
     # 318 assistant entries in the 660 lines kept; before this reader every request was "messages": []
     assert t.calls == 318 and len(t.turns) == 318
     assert all(history(turn) for turn in t.turns)

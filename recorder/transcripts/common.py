@@ -32,7 +32,7 @@ class Transcript:
     source: str  # the file (or storage directory) it was read from
     turns: list[Turn] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what could not be rebuilt, once per session
-    version: str = ""  # the format version read ("pi session v1", "Claude Code 2.0.46", …): formats.py
+    version: str = ""  # the format version read, as each reader names it ("session format v1", "2.0.46", …)
     calls: int = 0  # model calls the file holds (turns rebuilt plus those left out)
     compacted: set[int] = field(default_factory=set)  # turn numbers sent right after a compaction
 

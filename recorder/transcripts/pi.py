@@ -59,7 +59,7 @@ def read(path: Path) -> list[Transcript]:
     if version not in SUPPORTED_VERSIONS:
         raise InvalidRequest(f"{path}: pi session format version {header.get('version')!r} is not supported "
                              f"(read: versions {', '.join(map(str, SUPPORTED_VERSIONS))})")
-    t = Transcript(HARNESS, str(header.get("id") or path.stem), str(path), version=f"pi session v{version}")
+    t = Transcript(HARNESS, str(header.get("id") or path.stem), str(path), version=f"session format v{version}")
     t.note("system prompt not in the transcript")
     t.note("tool definitions not recorded")
     t.note("request parameters (max_tokens, stream_options) not recorded")
