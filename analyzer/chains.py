@@ -107,7 +107,7 @@ class Analyzer:
         for s in sessions:
             found = next((origins[t.request_id] for t in s.turns if t.request_id in origins), None)
             if found is not None:
-                s.transcript = {k: found.get(k) for k in ("harness", "file", "not_rebuilt")}
+                s.transcript = {k: found.get(k) for k in ("harness", "file", "version", "not_rebuilt")}
         for s in sessions:
             if s.parent is not None and s.turns:
                 first = s.turns[0]
