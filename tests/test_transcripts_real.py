@@ -218,3 +218,18 @@ def test_opencode_json_storage_rebuilds_the_same_calls_as_its_database(tmp_path)
     assert from_json[0].version.startswith("JSON storage") and from_db[0].version == "opencode.db (opencode 1.18.33)"
     assert [[history(t) for t in s.turns] for s in from_json] == [[history(t) for t in s.turns] for s in from_db]
     assert sum(len(s.turns) for s in from_json) > 0
+
+
+def test_a_resumed_claude_code_session_repeating_another_files_calls_counts_each_once(tmp_path):
+    """Claude Code's file for a resumed session starts with the lines of the file it resumed (same
+    session id, same reply ids): a directory import keeps each call once, and says so."""
+    src = REAL / "claude" / "efe4eb98-da5c-4c54-8f08-1e2f0925168f.jsonl"
+    lines = [line for line in src.read_text().splitlines() if line.strip()]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "b.jsonl").write_text("\n".join(lines) + "\n")  # the resumed copy (nothing new said yet)
+    found = read_transcripts(tmp_path)
+    assert [len(t.turns) for t in found] == [4]
+    assert found.skipped == [(str(tmp_path / "b.jsonl"),
+                              f"every call of session {found[0].session_id} is also in a.jsonl")]
+    assert found.poorly_rebuilt() == []
+    assert check([turn for t in found for turn in t.turns]).ok

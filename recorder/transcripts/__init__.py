@@ -140,7 +140,7 @@ def read_transcripts(path: str | Path) -> Transcripts:
             except InvalidRequest as exc:  # one bad file does not hide the others: it is named
                 skipped.append((str(f), exc.message))
         if found:
-            return Transcripts(found, skipped)
+            return Transcripts(_once(found, skipped), skipped)
         hint = f" ({storage}: opencode's JSON storage, holding no session with a model call)" if storage else ""
         hint += f"; passed over {len(skipped)} file(s), e.g. {skipped[0][0]}: {skipped[0][1]}" if skipped else ""
         raise InvalidRequest(f"no Claude Code, Codex, pi or opencode session found under {p}{hint}")
@@ -153,6 +153,34 @@ def read_transcripts(path: str | Path) -> Transcripts:
         raise InvalidRequest(f"{p} is an SQLite database but not a readable opencode database "
                              "(damaged, or without opencode's session, message and part tables)")
     raise InvalidRequest(f"{p} is not a Claude Code, Codex, pi or opencode session file")
+
+
+def _once(found: list[Transcript], skipped: list[tuple[str, str]]) -> list[Transcript]:
+    """Each call once: a resumed Claude Code session's new file repeats the calls of the file it
+    resumed (same session id, same reply ids); counted twice they would read as breaks. The first
+    file (in path order) keeps them; the later one says how many it gave up."""
+    seen: dict[tuple[str, str, str], str] = {}
+    out = []
+    for t in found:
+        kept, first_dropped = [], None
+        for turn in t.turns:
+            key = t.call_keys.get(turn.request_id)
+            first = seen.setdefault((t.harness, t.session_id, key), t.source) if key else t.source
+            if first == t.source:
+                kept.append(turn)
+            else:
+                first_dropped = first_dropped or first
+        if len(kept) < len(t.turns):
+            t.note(f"{len(t.turns) - len(kept)} call(s) also in {Path(first_dropped).name}: counted there once")
+            t.calls -= len(t.turns) - len(kept)
+            t.turns = kept
+            for turn in t.turns:  # the notes travel on every turn
+                turn.render["transcript"]["not_rebuilt"] = list(t.notes)
+        if t.turns:
+            out.append(t)
+        elif first_dropped:
+            skipped.append((t.source, f"every call of session {t.session_id} is also in {Path(first_dropped).name}"))
+    return out
 
 
 def _starts_with(p: Path, magic: bytes) -> bool:

@@ -93,6 +93,7 @@ def read(path: Path) -> list[Transcript]:
         sent = parse_time(parent.get("timestamp")) if parent else None
         _emit(t, _merged(replies[(sid, mid)]), sent if sent is not None else parse_time(first.get("timestamp")),
               history)
+        t.call_keys[t.turns[-1].request_id] = mid  # the reply's id: the same call in another file is the same
     versions = _versions(lines)
     for t in sessions.values():
         t.version = versions.get(t.session_id, "")

@@ -35,6 +35,8 @@ class Transcript:
     version: str = ""  # the format version read, as each reader names it ("session format v1", "2.0.46", …)
     calls: int = 0  # model calls the file holds (turns rebuilt plus those left out)
     compacted: set[int] = field(default_factory=set)  # turn numbers sent right after a compaction
+    # request id -> what names the call across files (Claude Code: the reply's message id), where known
+    call_keys: dict[str, str] = field(default_factory=dict)
 
     def note(self, text: str) -> None:
         if text not in self.notes:
