@@ -6,6 +6,7 @@ import io
 import json
 
 from analyzer.results import Report
+from analyzer.fix_report import fix_lines
 from analyzer.server_counts import TOKEN_BASES, cached_text
 from recorder.redact import DEFAULT_REDACTOR
 
@@ -128,6 +129,8 @@ def format_text(report: Report, width: int = 140) -> str:
         console.print(f"({report.renderer_note})")
     elif report.renderer == "generic-chatml":
         console.print("(no chat template given: generic ChatML-like renderer, see docs/ANALYZER.md)")
+    for line in fix_lines(report):  # fixed by the proxy; fixes proposed (analyzer/fix_report.py)
+        console.print(line)
     for skipped in report.skipped:
         console.print(f"skipped line {skipped['line']}: {skipped['error']}", markup=False)
     if report.failed:

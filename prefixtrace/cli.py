@@ -59,6 +59,17 @@ def _layer_indices(value) -> tuple[int, ...]:
         raise click.BadParameter(f"expected comma-separated layer indices or 'none', got {value!r}") from None
 
 
+def _fix_names(ctx, param, value) -> list[str]:
+    """`--fix a,b --fix c` as known fix names; an unknown one is a one-line usage error listing them."""
+    from analyzer.fixes import parse_fix_names
+    from common.errors import PrefixtraceError
+
+    try:
+        return parse_fix_names(list(value or ()))
+    except PrefixtraceError as exc:
+        raise click.BadParameter(exc.message) from None
+
+
 def _upstream_urls(ctx, param, values):
     """Each --upstream must be an http(s) URL with a host: anything else would be accepted and then fail every request."""
     for value in values:
@@ -179,6 +190,10 @@ def _upstream_urls(ctx, param, values):
               help="How this server names itself in the X-Prefixtrace-Worker header of every response, which a "
                    "prefixtrace in front of a router records as the worker that served each turn. Default: "
                    "host:port (docs/FLEET.md).")
+@click.option("--fix", "fixes", metavar="NAME[,NAME...]", multiple=True, callback=_fix_names,
+              help="Repair each request in flight with these fixes, each off unless named: volatile, tool-order, "
+                   "tool-args, thinking, breakpoints, session-key (docs/FIXES.md). A request no fix changes goes on "
+                   "byte for byte; each fix that fires is recorded with its turn.")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
@@ -189,7 +204,7 @@ def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream
           thinking_retention,
           thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
           max_request_mb, request_body_timeout_s, max_header_kb, recorder_stuck_after_s, default_temperature, default_frequency_penalty, tool_choice_default,
-          default_max_tokens, grammar_max_string, otlp_endpoint, worker_name, log_level, print_config):
+          default_max_tokens, grammar_max_string, otlp_endpoint, worker_name, fixes, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
@@ -252,7 +267,7 @@ def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream
                           tool_choice_default=tool_choice_default,
                           grammar_max_string=grammar_max_string, default_max_tokens=default_max_tokens,
                           otlp_endpoint=otlp_endpoint,
-                          worker_name=worker_name,
+                          worker_name=worker_name, fixes=fixes,
                           allowed_hosts=None if allowed_hosts is None else
                           [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
 
@@ -324,11 +339,14 @@ def models(model, as_json):
               help="Price re-prefilled tokens in seconds in the summary.")
 @click.option("--exe", "executable", metavar="PATH", help="The harness's executable (default: found on PATH).")
 @click.option("--session", metavar="ID", help="The session id to record under (default: run-HARNESS-TIME-RANDOM).")
+@click.option("--fix", "fixes", metavar="NAME[,NAME...]", multiple=True, callback=_fix_names,
+              help="The started proxy repairs each request with these fixes (`serve --fix`, docs/FIXES.md); a proxy "
+                   "already answering at --url keeps its own.")
 @click.argument("harness", type=click.Choice(["pi", "claude", "codex", "opencode", "qwen", "aider", "llm",
                                               "claude-code", "qwen-code"]))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @_library_errors
-def run(url, db, upstreams, serve_args, model, prefill_rate, executable, session, harness, args):
+def run(url, db, upstreams, serve_args, model, prefill_rate, executable, session, fixes, harness, args):
     """Launch a coding-agent harness through the proxy and summarise its session.
 
     Points HARNESS (pi, claude, codex, opencode, qwen, aider, llm) at the proxy through a
@@ -347,6 +365,8 @@ def run(url, db, upstreams, serve_args, model, prefill_rate, executable, session
     extra = shlex.split(serve_args)
     for upstream in upstreams:
         extra += ["--upstream", upstream]
+    if fixes:
+        extra += ["--fix", ",".join(fixes)]
     config_file = click.get_current_context().find_root().meta.get("prefixtrace.config_file")
     if config_file is not None:  # the started serve reads the same config file
         os.environ[CONFIG_ENV] = str(config_file)

@@ -141,8 +141,14 @@ def one_line(text: str) -> str:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), callback=output_path,
               help="Write the report here: JSON, or a self-contained HTML page when the name ends in .html.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole report as JSON instead of the table.")
+@click.option("--fix", "fixes", metavar="NAME[,NAME...]", multiple=True,
+              help="Prove these fixes: each session is sent as recorded and as fixed to the one --target, "
+                   "alternating, and the two are compared (docs/FIXES.md \"Paired replay\").")
+@click.option("--min-gain", default=0.05, show_default=True, type=FiniteFloatRange(min=-1, max=1), metavar="SHARE",
+              help="With --fix: the hit-rate gain (0.05 = 5 points) the fixed variant must reach to pass.")
+@click.option("--price-model", metavar="MODEL", help="With --fix: price both variants' prompts as this model.")
 @library_errors
-def replay(src, targets, session, concurrency, pace, max_gap, model, out, as_json):
+def replay(src, targets, session, concurrency, pace, max_gap, model, out, as_json, fixes, min_gain, price_model):
     """Re-send recorded requests (database, JSONL or HAR), in order per
     session, to one or more servers, and measure each turn.
 
@@ -159,6 +165,8 @@ def replay(src, targets, session, concurrency, pace, max_gap, model, out, as_jso
     from recorder.sources import load_turns
 
     turns = load_turns(src, session=session)
+    if fixes:
+        return _paired_replay(turns, targets, fixes, min_gain, model, price_model, out, as_json)
     total = sum(1 for t in turns if isinstance(t.request_body, dict) and isinstance(t.request_body.get("messages"), list))
     with progress("replaying", total=total * len(targets)) as advance:
         report = run_replay(turns, list(targets), concurrency=concurrency, pace=pace, model=model,
@@ -172,6 +180,23 @@ def replay(src, targets, session, concurrency, pace, max_gap, model, out, as_jso
         echo(f"Error: {target['error']}", err=True)
     if failed:
         sys.exit(1)
+
+
+def _paired_replay(turns, targets, fixes, min_gain, model, price_model, out, as_json) -> None:
+    from analyzer.fixes import parse_fix_names
+    from prefixtrace.fix_replay import format_paired, paired_replay, write_paired
+
+    names = parse_fix_names(list(fixes))
+    if len(targets) != 1:
+        raise click.UsageError("--fix replays each session twice against one server: give one --target")
+    total = sum(1 for t in turns if isinstance(t.request_body, dict))
+    with progress("replaying as recorded and as fixed", total=2 * total) as advance:
+        report = paired_replay(turns, targets[0], names, min_gain=min_gain, model=model, price_model=price_model,
+                               progress=lambda: advance(1))
+    echo(json.dumps(report, indent=2) if as_json else format_paired(report))
+    if out:
+        write_paired(report, out)
+        click.echo(f"wrote {out}", err=True)
 
 
 @click.group()

@@ -21,6 +21,7 @@ from common.errors import EngineError
 from common.urls import display_url
 from prefixtrace.preflight import check_database_writable, claim_port, ready_banner
 from proxy.app import create_app
+from analyzer.fixes.sessions import FixSessions
 from proxy.connections import (HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_KB, open_file_limit_not_lowered,
                                raise_open_file_limit, with_head_timeout)
 from proxy.guard import LOOPBACK_HOSTS
@@ -87,6 +88,7 @@ class ServeConfig:
     allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
     otlp_endpoint: str | None = None  # OTLP/HTTP collector: one span per turn (prefixtrace/otel.py)
     worker_name: str | None = None  # X-Prefixtrace-Worker on every response; None: host:port (docs/FLEET.md)
+    fixes: list[str] = field(default_factory=list)  # --fix: the fixes applied to every request (docs/FIXES.md)
 
 
 def allowed_hosts(config: ServeConfig) -> list[str]:
@@ -292,7 +294,8 @@ def _serve_on(listener, config: ServeConfig) -> None:
                 feed = LiveFeed(TurnSpans.open(config.otlp_endpoint))
                 log.info("exporting one span per turn to %s (OTLP/HTTP)", display_url(feed.spans.url))
             app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config), max_request_mb=config.max_request_mb,
-                             turn_feed=feed, worker_name=worker_name(config, listener))
+                             turn_feed=feed, worker_name=worker_name(config, listener),
+                             fixes=FixSessions(config.fixes) if config.fixes else None)
             app.state.request_body_timeout_s = config.request_body_timeout_s  # proxy/request_limits.py
             raise_open_file_limit(_NOFILE_BEFORE_MLX)
             server = uvicorn.Server(uvicorn_config(app, config.host, listener.getsockname()[1], config.log_level,

@@ -25,6 +25,8 @@ from proxy.fallback import add_fallback_routes
 from proxy.backend import Backend
 from proxy.chat_completions import CHAT_PATH, add_chat_route
 from proxy.guard import RequestGuard, refusal_recorder
+from proxy.live_fixes import FixLearningSink, reasoning_probe
+from analyzer.fixes.sessions import FixSessions
 from proxy.relay import TurnSink, record_durably
 from proxy.dashboard import observe
 from proxy.disconnect import CancelOnDisconnect
@@ -38,12 +40,14 @@ TURN_PATHS = (CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH, COMPL
 
 
 def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str] | None = None,
-               max_request_mb: float = DEFAULT_MAX_REQUEST_MB, turn_feed=None, worker_name: str | None = None) -> FastAPI:
+               max_request_mb: float = DEFAULT_MAX_REQUEST_MB, turn_feed=None, worker_name: str | None = None,
+               fixes: FixSessions | None = None) -> FastAPI:
     """`allowed_hosts`: names the Host header may carry (None: loopback only; "*": any), see proxy/guard.py;
     `max_request_mb`: the largest body accepted (proxy/request_limits.py); `turn_feed`: every analysed
     turn also goes there (`serve --otlp-endpoint`, prefixtrace/otel.py LiveFeed); `worker_name`: sent as
     `X-Prefixtrace-Worker` on every response, so a proxy in front of a router records which worker
-    served each turn (`served_by`, docs/FLEET.md)."""
+    served each turn (`served_by`, docs/FLEET.md); `fixes`: `serve --fix`, applied to every request
+    (proxy/live_fixes.py, docs/FIXES.md)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -56,6 +60,11 @@ def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str]
     # /ui, /metrics (and OTLP): every turn also feeds them; a `/s/<id>/` URL files its turns under <id>
     # (proxy/run_session.py)
     recorder = SessionTagSink(observe(app, backend, recorder, turn_feed))
+    app.state.fixes = fixes
+    if fixes is not None:  # each reply's tool calls and reasoning, for the fixes of later requests
+        recorder = FixLearningSink(recorder, fixes)
+        if backend.embedded and fixes.reasoning_probe is None:
+            fixes.reasoning_probe = reasoning_probe(backend)
     # A loopback Host on every request and JSON on every POST; refused turns are recorded.
     error_bodies = {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error}
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts,
