@@ -17,7 +17,8 @@ import click
 
 from prefixtrace import cli_analyze, cli_recorder
 from prefixtrace.cli_common import JSON_OPTION, FiniteFloatRange, echo_json, library_errors as _library_errors
-from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved
+from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved, user_config_path
+from prefixtrace.config_trust import announcement, is_trusted, screen
 from proxy.upstream_timeouts import UpstreamTimeouts
 from common.urls import display_url
 
@@ -42,8 +43,15 @@ def cli(ctx, config_file):
     """
     path = find_config(config_file)
     ctx.meta["prefixtrace.config_file"] = path
+    ctx.meta["prefixtrace.config_trusted"] = path is not None and is_trusted(path, config_file is not None,
+                                                                             user_config_path())
     if path is not None:
         ctx.default_map = load_default_map(path, cli)
+        if not ctx.meta["prefixtrace.config_trusted"]:  # found in the working directory: docs/CONFIG.md "Trust"
+            screened = screen(ctx.default_map, cli)
+            ctx.default_map = screened.default_map
+            for line in announcement(path, screened):
+                click.echo(line, err=True)
 
 
 def _layer_indices(value) -> tuple[int, ...]:
@@ -347,11 +355,12 @@ def run(url, db, upstreams, serve_args, model, prefill_rate, executable, session
     extra = shlex.split(serve_args)
     for upstream in upstreams:
         extra += ["--upstream", upstream]
-    config_file = click.get_current_context().find_root().meta.get("prefixtrace.config_file")
-    if config_file is not None:  # the started serve reads the same config file
-        os.environ[CONFIG_ENV] = str(config_file)
+    root = click.get_current_context().find_root().meta
+    if root.get("prefixtrace.config_trusted"):  # the started serve reads the same config file, trusted as here
+        os.environ[CONFIG_ENV] = str(root["prefixtrace.config_file"])
+    url_given = click.get_current_context().get_parameter_source("url") != click.core.ParameterSource.DEFAULT
     code = run_harness(harness, list(args), url=url, db=db, serve_args=extra, model=model,
-                       prefill_rate=prefill_rate, executable=executable, session=session)
+                       prefill_rate=prefill_rate, executable=executable, session=session, url_given=url_given)
     sys.exit(code)
 
 

@@ -17,6 +17,7 @@ from uvicorn.main import STARTUP_FAILURE
 
 from common.errors import EngineError
 from common.urls import display_url
+from prefixtrace.instance_key import remove_key, write_key
 from prefixtrace.preflight import check_database_writable, claim_port, ready_banner
 from proxy.app import create_app
 from proxy.connections import (HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_KB, open_file_limit_not_lowered,
@@ -253,12 +254,24 @@ def worker_name(config: ServeConfig, listener) -> str:
     return f"{host}:{listener.getsockname()[1]}"
 
 
+def _keep_instance_key(app, listener, db: Path) -> tuple[Path, bytes] | None:
+    """The secret `prefixtrace run` checks this proxy by (common/instance_proof.py), kept in the
+    user's private directory for as long as it serves; without one, `run` does not reuse it."""
+    try:
+        path, secret = write_key(listener.getsockname()[1], db.resolve())
+    except OSError as exc:
+        log.warning("no instance key (%s): `prefixtrace run` will not reuse this proxy unless given --url", exc)
+        return None
+    app.state.instance_secret = (secret, str(db.resolve()))
+    return path, secret
+
+
 def _serve_on(listener, config: ServeConfig) -> None:
     backend = build_backend(config)
     engine = None if config.upstreams else backend.engine
     try:
         recorder = Recorder(config.db, stuck_after_s=config.recorder_stuck_after_s)
-        feed = None
+        feed = key = None
         try:
             log.info("recording to %s", config.db.resolve())
             if config.otlp_endpoint:
@@ -269,6 +282,7 @@ def _serve_on(listener, config: ServeConfig) -> None:
             app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config), max_request_mb=config.max_request_mb,
                              turn_feed=feed, worker_name=worker_name(config, listener))
             app.state.request_body_timeout_s = config.request_body_timeout_s  # proxy/request_limits.py
+            key = _keep_instance_key(app, listener, config.db)
             raise_open_file_limit(_NOFILE_BEFORE_MLX)
             server = uvicorn.Server(uvicorn_config(app, config.host, listener.getsockname()[1], config.log_level,
                                                    max_head_kb=config.max_header_kb))
@@ -286,6 +300,8 @@ def _serve_on(listener, config: ServeConfig) -> None:
             if not server.started:
                 sys.exit(STARTUP_FAILURE)
         finally:
+            if key is not None:
+                remove_key(*key)
             recorder.close(timeout=RECORDER_CLOSE_S)  # bounded: a stuck writer must not keep the process up
             if feed is not None:
                 feed.close(RECORDER_CLOSE_S)  # the last turns' spans, bounded as the recorder is
