@@ -38,7 +38,7 @@ def capturing_app(seen: list[dict]) -> Starlette:
     """Answers like an OpenAI-compatible server that is healthy, and keeps every request it gets."""
 
     async def anything(request: Request):
-        seen.append({"path": request.url.path, "headers": dict(request.headers),
+        seen.append({"path": request.url.path, "query": request.url.query, "headers": dict(request.headers),
                      "body": (await request.body()).decode(errors="replace")})
         if request.url.path == "/health":
             return JSONResponse({"status": "ok", "backend": "impostor"})
