@@ -50,6 +50,7 @@ def cli(ctx, config_file):
         if not ctx.meta["prefixtrace.config_trusted"]:  # found in the working directory: docs/CONFIG.md "Trust"
             screened = screen(ctx.default_map, cli)
             ctx.default_map = screened.default_map
+            ctx.meta["prefixtrace.config_withheld"] = screened.withheld
             for line in announcement(path, screened):
                 click.echo(line, err=True)
 
@@ -214,7 +215,9 @@ def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream
         options["upstreams"]["value"] = [display_url(u) for u in options["upstreams"]["value"] or ()]
         if options["otlp_endpoint"]["value"]:
             options["otlp_endpoint"]["value"] = display_url(options["otlp_endpoint"]["value"])
-        echo_json({"config_file": ctx.find_root().meta.get("prefixtrace.config_file"), "options": options})
+        root = ctx.find_root().meta
+        echo_json({"config_file": root.get("prefixtrace.config_file"), "options": options,
+                   "withheld_from_config": root.get("prefixtrace.config_withheld", [])})
         return
     if model is not None and upstreams:
         raise click.UsageError("--model serves a model with the embedded engine and --upstream forwards to another "

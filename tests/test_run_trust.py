@@ -118,7 +118,9 @@ def test_the_user_named_config_is_applied(tmp_path, private_keys):
     assert options["host"] == {"value": "0.0.0.0", "source": "config"}
     (tmp_path / "prefixtrace.toml").write_text(cfg.read_text())
     found = run_cli(tmp_path, ["serve", "--print-config"])
-    assert json.loads(found.stdout)["options"]["host"] == {"value": "127.0.0.1", "source": "default"}
+    printed = json.loads(found.stdout)
+    assert printed["options"]["host"] == {"value": "127.0.0.1", "source": "default"}
+    assert printed["withheld_from_config"] == ["[serve] host", "[serve] allowed-hosts"]
     assert "not applied from it: [serve] host, [serve] allowed-hosts" in found.stderr
 
 
@@ -195,3 +197,16 @@ def test_a_proof_from_the_wrong_secret_is_refused(tmp_path, private_keys):
     assert not verify(secret, "n" * 32, "b.db", proof(secret, "n" * 32, "a.db"))  # the database is bound in
     path.chmod(0o644)
     assert read_key(9) is None  # readable by others: not a secret any more
+
+
+def test_every_withheld_option_exists():
+    """A renamed option must not silently leave the list of what a found file may not set."""
+    from prefixtrace.cli import cli
+    from prefixtrace.config_trust import SENSITIVE, WRITTEN_PATHS
+
+    for table in (SENSITIVE, WRITTEN_PATHS):
+        for path, names in table.items():
+            command = cli
+            for part in path:
+                command = command.commands[part]
+            assert names <= {p.name for p in command.params}, (path, names)
