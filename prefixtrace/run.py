@@ -10,6 +10,7 @@ the harness's exit code.
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import signal
@@ -28,6 +29,7 @@ import httpx
 from prefixtrace import harnesses
 from prefixtrace.instance_key import key_dir, proven_db
 from prefixtrace.run_children import Reaper, run_in_own_group
+from prefixtrace.run_defaults import small_model_args
 from common.errors import PrefixtraceError
 
 HEALTH_TIMEOUT_S = 600.0  # a first `serve` converts the bundled model and loads it
@@ -117,6 +119,11 @@ def find_or_start_proxy(url: str, db: Path, serve_args: Sequence[str], workdir: 
             f"in {key_dir()}, or a wrong answer): it gets nothing; starting a proxy for this run instead")
     port = _free_port()
     log = workdir / "serve.log"
+    added = small_model_args(serve_args)
+    if added:
+        say(f"the bundled model is small: its serve runs with {' '.join(added)} so the harness's loop can finish "
+            "(--serve-args overrides them)")
+        serve_args = [*serve_args, *added]
     cmd = [sys.executable, "-m", "prefixtrace.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--db", str(db), *serve_args]
     with open(log, "w") as out:
@@ -153,10 +160,11 @@ def new_session_id(harness: str) -> str:
     return f"run-{harness}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
-def run_harness(cmd: list[str], env: dict[str, str], reaper: Reaper | None = None) -> int:
+def run_harness(cmd: list[str], env: dict[str, str], reaper: Reaper | None = None,
+                tail: collections.deque | None = None) -> int:
     """The harness on this process's own stdin/stdout/terminal; its exit code (128+N for signal N)."""
     try:
-        return run_in_own_group(cmd, env, reaper)
+        return run_in_own_group(cmd, env, reaper, tail)
     except OSError as exc:
         raise RunError(f"cannot start {cmd[0]}: {exc}") from exc
 
@@ -200,7 +208,13 @@ def format_summary(summary: dict) -> str:
     if summary.get("note"):
         lines.append(f"  {summary['note']}")
     if not summary["requests"]:
-        lines.append("  nothing was recorded under this session (a reused proxy recording elsewhere? give --db)")
+        if summary.get("harness"):
+            last = summary.get("last_lines")
+            lines.append(f"  {summary['harness']} exited {summary['exit_code']} before sending any request through "
+                         "the proxy" + (", its last lines:" if last else " (its output is above)"))
+            lines += [f"    | {line}" for line in last or ()]
+        else:
+            lines.append("  nothing was recorded under this session")
         return "\n".join(lines)
     breaks = summary["breaks"]
     extra = f", {summary['side_requests']} side request chain(s)" if summary.get("side_requests") else ""
@@ -238,6 +252,7 @@ def run(harness: str, args: Sequence[str], *, url: str = DEFAULT_URL, db: Path =
     session = session or new_session_id(name)
     db = Path(db).resolve()
     scratch = Path(tempfile.mkdtemp(prefix=f"prefixtrace-run-{name}-"))
+    tail: collections.deque = collections.deque(maxlen=8)
     reaper = Reaper(scratch)  # stops what run started and removes scratch (its keys) if run is killed
     proxy = None
     try:
@@ -251,11 +266,13 @@ def run(harness: str, args: Sequence[str], *, url: str = DEFAULT_URL, db: Path =
         launch = harnesses.configure(name, target, scratch / "config")
         env = {**os.environ, **launch.env}
         say(f"session {session}: {name} -> {target.base_url}")
-        code = run_harness([exe, *launch.args, *args], env, reaper)
+        code = run_harness([exe, *launch.args, *args], env, reaper, tail)
     finally:
         if proxy is not None:
             proxy.stop()
         shutil.rmtree(scratch, ignore_errors=True)
         reaper.done()
-    say(format_summary(summarize(db, session, prefill_rate)))
+    summary = summarize(db, session, prefill_rate)
+    summary.update(harness=name, exit_code=code, last_lines=list(tail))
+    say(format_summary(summary))
     return code

@@ -5,11 +5,13 @@ and removes its scratch directory once run is gone, however it went."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -63,11 +65,14 @@ def _give_terminal(fd: int, pgid: int) -> None:
         signal.signal(signal.SIGTTOU, old)
 
 
-def run_in_own_group(cmd: list[str], env: dict[str, str], reaper: Reaper | None) -> int:
+def run_in_own_group(cmd: list[str], env: dict[str, str], reaper: Reaper | None,
+                     tail: collections.deque | None = None) -> int:
     """`cmd` on this terminal in a process group of its own, dying with this process; its exit
     code (128+N for signal N). INT, TERM and HUP sent to run go to the whole group; the terminal's
-    ^C reaches it directly, as its group is the terminal's foreground."""
+    ^C reaches it directly, as its group is the terminal's foreground. `tail` gets the last lines
+    of its stderr where that is not a terminal (on one, the user sees them)."""
     parent, tty = os.getpid(), _terminal()
+    teed = tail is not None and not os.isatty(2)
 
     def child_setup():
         os.setpgid(0, 0)
@@ -77,19 +82,38 @@ def run_in_own_group(cmd: list[str], env: dict[str, str], reaper: Reaper | None)
 
     forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     old = {sig: signal.getsignal(sig) for sig in forwarded}
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=child_setup)  # OSError: the caller says which
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=child_setup,  # OSError: the caller says which
+                            stderr=subprocess.PIPE if teed else None)
+    copier = _tee(proc.stderr, tail) if teed else None
     try:
         if reaper is not None:
             reaper.watch(proc.pid)
         for sig in forwarded:
             signal.signal(sig, lambda signum, frame: _signal_group(proc.pid, signum))
         code = proc.wait()
+        if copier is not None:
+            copier.join(5)
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
         if tty is not None:
             _give_terminal(tty, os.getpgrp())
     return 128 - code if code < 0 else code
+
+
+def _tee(pipe, tail: collections.deque) -> threading.Thread:
+    """Copies the harness's stderr to run's as it comes, keeping its last lines."""
+
+    def copy():
+        out = sys.stderr.buffer
+        for line in pipe:
+            out.write(line)
+            out.flush()
+            tail.append(line.decode(errors="replace").rstrip())
+
+    thread = threading.Thread(target=copy, name="prefixtrace-run-stderr", daemon=True)
+    thread.start()
+    return thread
 
 
 def _signal_group(pgid: int, sig: int) -> None:
