@@ -143,7 +143,7 @@ def _engine_backend(config: ServeConfig):
         **({} if config.block_size is None else {"block_size": config.block_size}),
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
-    log.info("render policies: %s", engine.render_policy.describe())
+    log.debug("render policies: %s", engine.render_policy.describe())
     if config.tool_choice_default != "auto":
         log.warning("--tool-choice-default %s: requests with tools whose last message is a user turn are forced to "
                     "call one (a test aid for small models, docs/TOOLS.md)", config.tool_choice_default)
@@ -273,7 +273,7 @@ def _serve_on(listener, config: ServeConfig) -> None:
         recorder = Recorder(config.db, stuck_after_s=config.recorder_stuck_after_s)
         feed = key = None
         try:
-            log.info("recording to %s", config.db.resolve())
+            log.debug("recording to %s", config.db.resolve())  # the ready line says it
             if config.otlp_endpoint:
                 from prefixtrace.otel import LiveFeed, TurnSpans
 
@@ -287,6 +287,8 @@ def _serve_on(listener, config: ServeConfig) -> None:
             server = uvicorn.Server(uvicorn_config(app, config.host, listener.getsockname()[1], config.log_level,
                                                    max_head_kb=config.max_header_kb))
             logging.getLogger("uvicorn.access").addFilter(QueryValuesMasked())
+            if config.log_level == "info":  # uvicorn's start and stop lines say nothing a user acts on
+                logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
             failures: list[EngineError] = []
             if engine is not None:
                 _stop_if_the_model_fails_to_load(engine, server, failures)
