@@ -6,6 +6,7 @@ import io
 import json
 
 from analyzer.results import Report
+from recorder.redact import DEFAULT_REDACTOR
 
 
 def to_json(report: Report) -> str:
@@ -69,6 +70,7 @@ def _plain(line: str) -> str:
 
 
 def _clip(text: str, limit: int, left: bool) -> str:
+    text = DEFAULT_REDACTOR.text(text)  # before the cut: a cut secret matches no pattern
     if len(text) <= limit:
         return text
     return "…" + text[len(text) - limit + 1:] if left else text[: limit - 1] + "…"
