@@ -320,11 +320,12 @@ def models(model, as_json):
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--url", default="http://127.0.0.1:8765", show_default=True,
-              help="Use the proxy answering /health here; if none does, start `prefixtrace serve` on a free port "
-                   "for the harness's run (stopped when it exits).")
+              help="Use the proxy answering /health here when it proves it is your own prefixtrace serve (a URL you "
+                   "give is used even unproven); else start `prefixtrace serve` on a free port for the harness's "
+                   "run (stopped when it exits). See docs/HARNESSES.md.")
 @click.option("--db", default="prefixtrace.db", show_default=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Database the started proxy records to, and where the summary reads the session back (for a "
-                   "proxy already running: the --db it was started with).")
+              help="Database the started proxy records to, and where the summary reads the session back (a "
+                   "running proxy that proves itself names its own; for an unproven one: the --db it was started with).")
 @click.option("--upstream", "upstreams", metavar="URL", multiple=True, callback=_upstream_urls,
               help="A started proxy forwards to this server instead of the embedded engine (repeatable).")
 @click.option("--serve-args", metavar="ARGS", default="",

@@ -94,13 +94,22 @@ def _inside(value: Any, cwd: Path) -> bool:
     return resolved == cwd or cwd in resolved.parents
 
 
+def grouped(keys: list[str]) -> str:
+    """`[serve] port, host; [run] url` from `[serve] port`, `[serve] host`, `[run] url`."""
+    tables: dict[str, list[str]] = {}
+    for key in keys:
+        table, _, name = key.partition("] ")
+        tables.setdefault(table + "]", []).append(name)
+    return "; ".join(f"{table} {', '.join(names)}" for table, names in tables.items())
+
+
 def announcement(path: Path, screened: Screened) -> list[str]:
     """What to say on stderr about a config file nobody named."""
     lines = [f"prefixtrace: using {path} from the working directory (not given with --config); "
-             f"it sets {', '.join(screened.keys) or 'nothing'}"]
+             f"it sets {grouped(screened.keys) or 'nothing'}"]
     if screened.withheld:
-        lines.append(f"prefixtrace: not applied from it: {', '.join(screened.withheld)} (these could send your "
-                     "prompts or keys elsewhere, widen who can reach the proxy, run what the file points at, or "
-                     f"write outside this directory); to accept them: prefixtrace --config {path} ..., or give "
-                     "them as flags")
+        lines.append(f"prefixtrace: not applied from it: {grouped(screened.withheld)}: these could send your prompts "
+                     "or keys elsewhere, widen who can reach the proxy, run what the file names, or write outside "
+                     "this directory")
+        lines.append(f"prefixtrace: to apply them: prefixtrace --config {path} <command> ..., or give them as flags")
     return lines
