@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import httpx
 
 from prefixtrace import harnesses
-from prefixtrace.instance_key import key_dir, proven_db
+from prefixtrace.instance_key import key_dir, proven_db, read_key
 from prefixtrace.run_children import Reaper, run_in_own_group
 from prefixtrace.run_defaults import small_model_args
 from common.errors import PrefixtraceError
@@ -135,6 +135,11 @@ def find_or_start_proxy(url: str, db: Path, serve_args: Sequence[str], workdir: 
     say(f"starting prefixtrace serve on {proxy_url} (database {db}, log {log})")
     try:
         health, headers = _wait_healthy(proxy_url, proc, log, timeout)
+        # Between choosing the port and serve binding it, another process could have taken it: the one
+        # answering must hold the secret serve wrote for that port (where serve could write one).
+        if read_key(port) is not None and proven_db(proxy_url) != str(db):
+            raise RunError(f"the process answering on {proxy_url} is not the prefixtrace serve run started "
+                           f"(it did not prove it); nothing was sent to it")
     except BaseException:
         Proxy(proxy_url, proc, {}).stop()
         raise
