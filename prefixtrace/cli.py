@@ -17,7 +17,8 @@ import click
 
 from prefixtrace import cli_analyze, cli_recorder
 from prefixtrace.cli_common import JSON_OPTION, FiniteFloatRange, echo_json, library_errors as _library_errors
-from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved
+from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved, user_config_path
+from prefixtrace.config_trust import announcement, is_trusted, screen
 from proxy.upstream_timeouts import UpstreamTimeouts
 from common.urls import display_url
 
@@ -42,8 +43,16 @@ def cli(ctx, config_file):
     """
     path = find_config(config_file)
     ctx.meta["prefixtrace.config_file"] = path
+    ctx.meta["prefixtrace.config_trusted"] = path is not None and is_trusted(path, config_file is not None,
+                                                                             user_config_path())
     if path is not None:
         ctx.default_map = load_default_map(path, cli)
+        if not ctx.meta["prefixtrace.config_trusted"]:  # found in the working directory: docs/CONFIG.md "Trust"
+            screened = screen(ctx.default_map, cli)
+            ctx.default_map = screened.default_map
+            ctx.meta["prefixtrace.config_withheld"] = screened.withheld
+            for line in announcement(path, screened):
+                click.echo(line, err=True)
 
 
 def _layer_indices(value) -> tuple[int, ...]:
@@ -221,7 +230,9 @@ def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream
         options["upstreams"]["value"] = [display_url(u) for u in options["upstreams"]["value"] or ()]
         if options["otlp_endpoint"]["value"]:
             options["otlp_endpoint"]["value"] = display_url(options["otlp_endpoint"]["value"])
-        echo_json({"config_file": ctx.find_root().meta.get("prefixtrace.config_file"), "options": options})
+        root = ctx.find_root().meta
+        echo_json({"config_file": root.get("prefixtrace.config_file"), "options": options,
+                   "withheld_from_config": root.get("prefixtrace.config_withheld", [])})
         return
     if model is not None and upstreams:
         raise click.UsageError("--model serves a model with the embedded engine and --upstream forwards to another "
@@ -324,11 +335,12 @@ def models(model, as_json):
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--url", default="http://127.0.0.1:8765", show_default=True,
-              help="Use the proxy answering /health here; if none does, start `prefixtrace serve` on a free port "
-                   "for the harness's run (stopped when it exits).")
+              help="Use the proxy answering /health here when it proves it is your own prefixtrace serve (a URL you "
+                   "give is used even unproven); else start `prefixtrace serve` on a free port for the harness's "
+                   "run (stopped when it exits). See docs/HARNESSES.md.")
 @click.option("--db", default="prefixtrace.db", show_default=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Database the started proxy records to, and where the summary reads the session back (for a "
-                   "proxy already running: the --db it was started with).")
+              help="Database the started proxy records to, and where the summary reads the session back (a "
+                   "running proxy that proves itself names its own; for an unproven one: the --db it was started with).")
 @click.option("--upstream", "upstreams", metavar="URL", multiple=True, callback=_upstream_urls,
               help="A started proxy forwards to this server instead of the embedded engine (repeatable).")
 @click.option("--serve-args", metavar="ARGS", default="",
@@ -367,11 +379,12 @@ def run(url, db, upstreams, serve_args, model, prefill_rate, executable, session
         extra += ["--upstream", upstream]
     if fixes:
         extra += ["--fix", ",".join(fixes)]
-    config_file = click.get_current_context().find_root().meta.get("prefixtrace.config_file")
-    if config_file is not None:  # the started serve reads the same config file
-        os.environ[CONFIG_ENV] = str(config_file)
+    root = click.get_current_context().find_root().meta
+    if root.get("prefixtrace.config_trusted"):  # the started serve reads the same config file, trusted as here
+        os.environ[CONFIG_ENV] = str(root["prefixtrace.config_file"])
+    url_given = click.get_current_context().get_parameter_source("url") != click.core.ParameterSource.DEFAULT
     code = run_harness(harness, list(args), url=url, db=db, serve_args=extra, model=model,
-                       prefill_rate=prefill_rate, executable=executable, session=session)
+                       prefill_rate=prefill_rate, executable=executable, session=session, url_given=url_given)
     sys.exit(code)
 
 

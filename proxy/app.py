@@ -32,6 +32,7 @@ from proxy.dashboard import observe
 from proxy.disconnect import CancelOnDisconnect
 from proxy.request_limits import DEFAULT_MAX_REQUEST_MB
 from proxy.turn_routes import TurnRoutes
+from common.instance_proof import PROOF_PATH, proof
 from proxy.run_session import SessionTagSink, strip_session_prefix
 from wire.messages import COUNT_TOKENS_PATH
 
@@ -91,6 +92,16 @@ def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str]
                 body["engine"] = await backend.capacity()
             return body
         return JSONResponse({"status": "loading", "backend": backend.label}, status_code=503)
+
+    @app.get(PROOF_PATH)
+    async def instance_proof(nonce: str = ""):
+        """The answer `prefixtrace run` checks before reusing this proxy (common/instance_proof.py);
+        404 where serve keeps no secret (an app built without one, as tests build it)."""
+        kept = getattr(app.state, "instance_secret", None)
+        if kept is None or not 16 <= len(nonce) <= 128:
+            return JSONResponse({"error": {"message": "no instance proof here", "type": "not_found"}}, status_code=404)
+        secret, db = kept
+        return {"proof": proof(secret, nonce, db), "db": db}
 
     @app.get("/v1/capacity")
     async def capacity():

@@ -121,6 +121,7 @@ async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recor
         req = parse(body, turn.request_headers)
         if req.body is body:
             req.raw = raw
+        req.query = request.scope.get("query_string", b"").decode("latin-1")  # forwarded upstream
         turn.session_id, turn.stream = req.session_id, req.stream
         chat = await open_reply(req, builder, turn.request_headers)
     except asyncio.CancelledError:
