@@ -25,7 +25,7 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
             prefill_rate: float | None = None, renderer=None, workers: int | None = None,
             what_if: list[str] | str | None = None, kv_budget: int | None = None,
             price_model: str | None = None, price_provider: str | None = None,
-            min_partial_loss: int = PARTIAL_LOSS_MIN) -> Report:
+            min_partial_loss: int = PARTIAL_LOSS_MIN, propose_fixes: bool = True) -> Report:
     """Analyses a recorder database, a JSONL file, or an iterable of request
     bodies / Requests / recorder Turns.
 
@@ -45,6 +45,8 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
         price_provider: the provider whose price of `price_model` to use (default: genai-prices' match).
         min_partial_loss: a server-side loss of this many tokens or more, by the server's own counts, is
             a `server_miss` whatever its share of the prompt (analyzer/server_counts.py).
+        propose_fixes: for each cause found, apply the fix that addresses it and analyse again
+            (analyzer/fix_report.py): what it would have saved.
     """
     given = renderer is not None or template is not None or model is not None
     renderer = renderer or make_renderer(template, model)
@@ -74,5 +76,22 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
     if sheet is not None:
         report.pricing = sheet.to_dict()
         dollars_of_breaks(report, sheet)
+    _fixes(report, loaded.requests, analyzer, sheet, propose_fixes)
     return report
+
+
+def _fixes(report: Report, requests: list, analyzer: Analyzer, sheet, propose: bool) -> None:
+    """The fixes the proxy applied, and (`propose`) each addressing fix measured by re-analysis."""
+    from analyzer.fix_report import propose_fixes, proxy_fix_summary, renders_earlier_reasoning
+
+    def reanalyse(fixed: list) -> Report:
+        again = analyzer.run(fixed, [])
+        if sheet is not None:
+            dollars_of_breaks(again, sheet)
+        return again
+
+    report.proxy_fixes = proxy_fix_summary(requests)
+    if propose:
+        report.fix_proposals = propose_fixes(report, requests, reanalyse,
+                                             renders_earlier_reasoning(analyzer.renderer))
 

@@ -62,6 +62,8 @@ class Request:
     cache_miss_reason: str | None = None  # Anthropic cache diagnostics, when the response carried them
     cache_ttl_1h: bool = False  # an Anthropic request that asked for the 1 hour cache lifetime
     transcript: dict | None = None  # rebuilt from a harness transcript: harness, file, what was not rebuilt
+    proxy_fixes: list[dict] | None = None  # `serve --fix`: the fixes that fired on it (analyzer/fixes)
+    reply: dict | None = None  # {"text", "reasoning", "tool_calls"} as the server answered (the fixes' record)
 
 
 @dataclass
@@ -78,6 +80,10 @@ def _server_facts(req: Request, render: Any, usage: Any, served_by: Any = None, 
         if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
             req.reply_token_ids = ids
         req.cache_evictions = _int_or_none(render.get("cache_evictions"))
+        fixes = render.get("fixes")
+        if isinstance(fixes, list):
+            req.proxy_fixes = [f for f in fixes if isinstance(f, dict) and f.get("fired") is True
+                               and isinstance(f.get("name"), str) and isinstance(f.get("note"), str)] or None
     if isinstance(usage, dict):
         req.usage = usage
         diagnostics = usage.get("diagnostics")
@@ -211,6 +217,7 @@ def request_from_record(obj: Any, lineno: int, source: str) -> Request:
         ts is not None,
     )
     req.ttft_s = ttft
+    req.reply = _reply(response.get("text"), response.get("reasoning"), response.get("tool_calls"))
     render = obj.get("render")
     if isinstance(render, dict) and isinstance(render.get("transcript"), dict):  # exported from a transcript import
         req.transcript = render["transcript"]
@@ -374,9 +381,20 @@ def _from_turns(turns: Iterable[Any]) -> Loaded:
                       ttft_s=getattr(t, "ttft_s", None), transcript=_transcript_of(t))
         req.upstream = getattr(t, "upstream", None)
         req.total_s = getattr(t, "total_s", None)
+        req.reply = _reply(getattr(t, "response_text", None), getattr(t, "reasoning_text", None),
+                           getattr(t, "tool_calls", None))
         out.requests.append(_server_facts(req, getattr(t, "render", None), getattr(t, "usage", None),
                                           getattr(t, "served_by", None), getattr(t, "renderer_id", None)))
     return out
+
+
+def _reply(text: Any, reasoning: Any, tool_calls: Any) -> dict | None:
+    """What the server answered, for the fixes' record of the session (analyzer/fix_report.py)."""
+    calls = [c for c in tool_calls if isinstance(c, dict)] if isinstance(tool_calls, list) else None
+    if not (isinstance(text, str) and text) and not (isinstance(reasoning, str) and reasoning) and not calls:
+        return None
+    return {"text": text if isinstance(text, str) else "", "reasoning": reasoning if isinstance(reasoning, str) else "",
+            "tool_calls": calls or None}
 
 
 def _transcript_of(turn: Any) -> dict | None:
@@ -434,8 +452,9 @@ def load(source: str | Path | Iterable[Any]) -> Loaded:
     time (stable, so file order breaks ties)."""
     if isinstance(source, (str, Path)):
         path = Path(source)
-        if path.exists() and not path.is_file():  # a FIFO would block the open, a device read without end
-            raise InvalidRequest(f"cannot read {path}: not a regular file")
+        from recorder.transcripts.store import refuse_special
+
+        refuse_special(path)  # a FIFO or device would block the read below
         try:
             with open(path, "rb") as fh:
                 head = fh.read(4096)
@@ -446,9 +465,12 @@ def load(source: str | Path | Iterable[Any]) -> Loaded:
             raise InvalidRequest(f"{path} is neither a recorder database nor a JSONL or HAR file: it holds binary "
                                  "data (a database whose header is damaged?)")
         from recorder.transcripts import sniff_transcript, transcript_turns
+        from recorder.transcripts.store import refuse_poorly_rebuilt
 
         if sniff_transcript(path) is not None:  # a harness's own session file: rebuilt, not recorded
-            loaded = _from_turns(transcript_turns(path)[0])
+            turns, transcripts = transcript_turns(path)
+            refuse_poorly_rebuilt(transcripts)
+            loaded = _from_turns(turns)
         elif magic == SQLITE_MAGIC:
             from recorder.reader import iter_turns, read_renderers  # the recorder is only needed for databases
 

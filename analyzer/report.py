@@ -6,6 +6,7 @@ import io
 import json
 
 from analyzer.results import Report
+from analyzer.fix_report import fix_lines
 from analyzer.server_counts import TOKEN_BASES, cached_text
 from recorder.redact import DEFAULT_REDACTOR
 
@@ -128,6 +129,8 @@ def format_text(report: Report, width: int = 140) -> str:
         console.print(f"({report.renderer_note})")
     elif report.renderer == "generic-chatml":
         console.print("(no chat template given: generic ChatML-like renderer, see docs/ANALYZER.md)")
+    for line in fix_lines(report):  # fixed by the proxy; fixes proposed (analyzer/fix_report.py)
+        console.print(line)
     for skipped in report.skipped:
         console.print(f"skipped line {skipped['line']}: {skipped['error']}", markup=False)
     if report.failed:
@@ -145,7 +148,8 @@ def format_text(report: Report, width: int = 140) -> str:
         buf.write(_plain(f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
                          f"{len(breaks)} break(s){cost}") + "\n")
         if s.transcript:
-            buf.write(_plain(f"  rebuilt from a transcript of {s.transcript.get('harness')} ({s.transcript.get('file')}); "
+            version = f" {s.transcript['version']}" if s.transcript.get("version") else ""  # the file's format version
+            buf.write(_plain(f"  rebuilt from a transcript of {s.transcript.get('harness')}{version} ({s.transcript.get('file')}); "
                              f"not rebuilt: {'; '.join(s.transcript.get('not_rebuilt') or []) or 'nothing'}") + "\n")
         table = Table()
         for col in ("turn", "prompt", "predicted cached", "server prompt", "server cached", "TTFT", "lost",

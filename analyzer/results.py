@@ -180,6 +180,10 @@ class Report:
     # on fallback with how to give the right one (docs/ANALYZER.md "The server's renderer").
     renderer_source: str = "fallback"
     renderer_note: str = ""
+    # analyzer/fix_report.py: the fixes `serve --fix` applied ({"name", "note", "turns"}), and what each
+    # fix would have saved on this recording (`analyze --propose-fixes`)
+    proxy_fixes: list[dict] = field(default_factory=list)
+    fix_proposals: list[dict] = field(default_factory=list)
 
     @property
     def breaks(self) -> list[tuple[SessionResult, TurnResult]]:
@@ -249,6 +253,8 @@ class Report:
                             "lost_seconds_basis": t.lost_seconds_basis} for s, t in self.top_breaks()],
             **({"what_if": self.what_if} if self.what_if else {}),
             **({"pricing": self.pricing} if self.pricing else {}),
+            **({"proxy_fixes": self.proxy_fixes} if self.proxy_fixes else {}),
+            **({"fix_proposals": self.fix_proposals} if self.fix_proposals else {}),
         }
 
 

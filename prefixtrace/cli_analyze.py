@@ -70,9 +70,12 @@ def _kwargs(template, model, tokenizer_spec, block_size, prefill_rate, min_parti
               help="Also export one OpenTelemetry span per turn (its recorded time, GenAI attributes, the break's "
                    "cause, cost and fix) over OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318; needs "
                    "pip install 'prefixtrace[otel]' (docs/OBSERVABILITY.md).")
+@click.option("--no-fix-proposals", is_flag=True,
+              help="Skip measuring, for each cause found, what its fix would have saved (a second analysis of the "
+                   "sessions concerned, docs/FIXES.md).")
 @library_errors
 def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, min_partial_loss, fmt, as_json, out,
-            max_unreadable, what_if, kv_budget, price_model, price_provider, otlp_endpoint):
+            max_unreadable, what_if, kv_budget, price_model, price_provider, otlp_endpoint, no_fix_proposals):
     """Per session and turn: did the prompt extend the previous one; if not, what
     it cost (seconds from the recorded timings, then tokens; dollars with --price-model),
     where it broke (message, char inside it, token offset, the differing characters
@@ -97,7 +100,7 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, min_
         require_sdk()
     with progress(f"analyzing {src.name}"):
         report = run_analyze(src, what_if=what_if, kv_budget=kv_budget, price_model=price_model,
-                             price_provider=price_provider,
+                             price_provider=price_provider, propose_fixes=not no_fix_proposals,
                              **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate, min_partial_loss))
     too_much = report.too_much_unread(max_unreadable)
     text = {"text": format_text, "json": to_json, "html": to_html, "markdown": to_markdown}["json" if as_json else fmt](report)

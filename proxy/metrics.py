@@ -56,11 +56,15 @@ class Metrics:
         self.latency: dict[str, Histogram] = {}
         self.usage_unusable = 0  # turns whose backend reported a usage count that is none (NaN, 1e29)
         self.usage_impossible = 0  # turns whose backend reported more cached than prompt tokens (clamped)
+        self.fixes: dict[tuple[str, str], int] = defaultdict(int)  # (fix, "applied" | "failed"): serve --fix
 
     def observe(self, turn: Turn) -> None:
         """Count one finished turn (called with every recorded turn). A reported count that is
         no count (NaN, Infinity, 1e29: recorder/numbers.py) is left out, never summed."""
         self.requests[(turn.endpoint, turn.upstream, str(turn.status))] += 1
+        for entry in turn.fixes or []:
+            if entry.get("fired") or entry.get("error"):
+                self.fixes[(entry.get("name", "?"), "applied" if entry.get("fired") else "failed")] += 1
         prompt, generated, cached = count(turn.prompt_tokens), count(turn.completion_tokens), count(turn.cached_tokens)
         if prompt:
             self.tokens[("prompt", turn.upstream)] += prompt
@@ -125,6 +129,9 @@ class Metrics:
         family("prefixtrace_reprefill_tokens_total", "counter",
                "Tokens re-prefilled after a prefix break, by the analyzer's cause (analysis tokenizer).",
                (_sample("prefixtrace_reprefill_tokens_total", {"cause": c}, n) for c, n in sorted(self.reprefill.items())))
+        family("prefixtrace_fixes_total", "counter",
+               "Requests a `serve --fix` fix changed (outcome=applied) or failed on and left as sent (outcome=failed).",
+               (_sample("prefixtrace_fixes_total", {"fix": f, "outcome": o}, n) for (f, o), n in sorted(self.fixes.items())))
         family("prefixtrace_prefix_breaks_total", "counter", "Prefix breaks found by the live analysis, by cause.",
                (_sample("prefixtrace_prefix_breaks_total", {"cause": c}, n) for c, n in sorted(self.breaks.items())))
         family("prefixtrace_ttft_seconds", "histogram", "Time to the first content token.",

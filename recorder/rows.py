@@ -290,7 +290,8 @@ def redacted_row(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR,
         "ttft_s": numbers.seconds(turn.ttft_s),
         "total_s": numbers.seconds(turn.total_s),
         "chunk_times": _dumps(list(turn.chunk_times or [])),
-        "render": None if turn.render is None else _dumps(turn.render),
+        "render": None if turn.render is None and not turn.fixes else _dumps(
+            {**(turn.render or {}), **({"fixes": turn.fixes} if turn.fixes else {})}),  # serve --fix entries
         "renderer_id": turn.renderer_id,
         "served_by": turn.served_by,
     }

@@ -11,4 +11,5 @@ scripts through the repository root they put on sys.path. tests/test_bench_tests
     redact_bodies  ordinary and adversarial bodies for the redactor's linear-time bound
     synthetic_log  the field-report-shaped synthetic recording
     otlp_receiver  an OTLP/HTTP trace receiver on loopback
+    volatile_session  a session whose system prompt carries a per-turn timestamp, played against a proxy
 """
