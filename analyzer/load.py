@@ -367,6 +367,8 @@ def read_jsonl(path: Path) -> Loaded:
                 out.skipped.append({"line": lineno, "error": f"not valid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}"})
             except InvalidRequest as exc:
                 out.skipped.append({"line": lineno, "error": exc.message})
+            except RecursionError:  # nesting past the parser's recursion limit: one line, like any bad line
+                out.skipped.append({"line": lineno, "error": "not readable: JSON nested too deeply"})
     return out
 
 
@@ -416,6 +418,8 @@ def read_har(path: Path) -> Loaded:
         raise InvalidRequest(f"cannot read {path}: {exc}") from exc
     except json.JSONDecodeError as exc:
         raise InvalidRequest(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
+    except RecursionError:
+        raise InvalidRequest(f"{path}: not readable: its JSON is nested too deeply") from None
     entries = doc.get("log", {}).get("entries") if isinstance(doc, dict) and isinstance(doc.get("log"), dict) else None
     if not isinstance(entries, list):
         raise InvalidRequest(f"{path}: not a HAR file (no log.entries list)")

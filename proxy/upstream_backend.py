@@ -30,6 +30,7 @@ from proxy.upstream_query import masked, merged, split_query, with_query
 from wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
 from wire import sse
 from proxy.relay import UPSTREAM_BODY
+from proxy.reply_bounds import MAX_PROPS_BYTES, ReplyTooLarge, bounded, read_bounded
 from proxy.upstream_http import WORKER_HEADER, UpstreamConnections
 from recorder.turn_builder import TurnBuilder
 from recorder import renderers
@@ -152,12 +153,14 @@ class UpstreamBackend:
             return
         self._asked_props = True
         try:
-            response = await self.client.get(with_query("/props", self.query), timeout=3.0)
-            props = response.json() if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
+            async with self.client.stream("GET", with_query("/props", self.query), timeout=3.0) as response:
+                data = await read_bounded(response, MAX_PROPS_BYTES) if response.status_code == 200 else None
+            props = json.loads(data) if data is not None else None
+        except (httpx.HTTPError, ValueError, RecursionError):
             return
         template = props.get("chat_template") if isinstance(props, dict) else None
-        if isinstance(template, str) and template:
+        # A template past the bound is none a server renders with: not recorded (recorder/renderers.py).
+        if isinstance(template, str) and template and len(template) <= renderers.MAX_TEMPLATE_CHARS:
             name = props.get("model_alias") or str(props.get("model_path") or self.base_url).rsplit("/", 1)[-1]
             special = {k: props[k] for k in ("bos_token", "eos_token") if isinstance(props.get(k), str)}
             PUBLISHED_RENDERERS[self.base_url] = renderers.register(
@@ -349,9 +352,9 @@ class Relayed:
         those that one read of the upstream completed together in one list. An event that grows
         without end is the upstream's fault (`UpstreamError`), not a buffer without bound."""
         try:
-            async for batch in sse.iter_event_batches(self.response.aiter_bytes()):
+            async for batch in sse.iter_event_batches(bounded(self.response.aiter_bytes())):
                 yield batch
-        except sse.EventTooLarge as exc:
+        except (sse.EventTooLarge, ReplyTooLarge) as exc:
             raise UpstreamError(f"upstream {self.url} {exc}", upstream=self.url) from exc
 
     async def read(self) -> tuple[bytes, dict | None]:
@@ -360,7 +363,9 @@ class Relayed:
         502 naming it, not a 200 with an empty reply."""
         try:
             with map_httpx_errors(self.url):
-                data = await self.response.aread()
+                data = b"".join([chunk async for chunk in bounded(self.response.aiter_bytes())])
+        except ReplyTooLarge as exc:
+            raise UpstreamError(f"upstream {self.url} {exc}", upstream=self.url) from exc
         finally:
             await self.response.aclose()
         try:

@@ -31,6 +31,11 @@ from recorder.turn import Turn
 JSON_COLUMNS = ("request_headers", "tool_calls", "usage", "chunk_times", "render")
 # Writer-side id caches are dropped past this many entries; a miss only costs a lookup.
 _CACHE_LIMIT = 500_000
+# Read bounds (docs/CONFIG.md "Reading recordings"): one rebuilt body (twice the largest request
+# `serve --max-request-mb` takes by default), the messages of one chain, and all bodies one read rebuilds.
+MAX_BODY_CHARS = 64 << 20
+MAX_CHAIN_MESSAGES = 100_000
+MAX_READ_CHARS = 2 << 30
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -101,6 +106,7 @@ class BodyStore:
         self._prefix_rows: dict[int, tuple[int, int]] = {}
         self._message_bodies: dict[int, str] = {}
         self.renderer_ids: set[str] = set()  # `renderers` rows known to be stored
+        self.read_chars = 0  # characters of the bodies rebuilt so far (bounded: MAX_READ_CHARS)
         # The previous body's message hashes and the prefix id after each: the next turn of a session
         # repeats them, so only its new messages are looked up (a long session's turns cost their new
         # messages, not their whole history).
@@ -184,15 +190,35 @@ class BodyStore:
     # -- read -----------------------------------------------------------------
 
     def text(self, row: dict[str, Any]) -> str:
-        """The stored body text of a `turn_log` row."""
+        """The stored body text of a `turn_log` row. A body that would rebuild past MAX_BODY_CHARS,
+        or bodies past MAX_READ_CHARS in all, raise RecorderError: a crafted file can name one big
+        message thousands of times in a chain (a few KB of rows that rebuild gigabytes)."""
         head = self._part(row["body_head"])
         if row["body_prefix"] is None:
-            return head
-        return head + row["body_sep"].join(self._messages(row["body_prefix"])) + self._part(row["body_tail"])
+            return self._counted(head, row)
+        sep, tail = row["body_sep"] or "", self._part(row["body_tail"])
+        messages = self._messages(row["body_prefix"])
+        size = len(head) + len(tail) + sum(map(len, messages)) + len(sep) * max(len(messages) - 1, 0)
+        if size > MAX_BODY_CHARS:
+            raise RecorderError(f"turn {row.get('request_id')!r}: its body would rebuild to {size:,} characters, "
+                                f"over the {MAX_BODY_CHARS:,} a recorded body can have (the file is damaged or crafted)")
+        return self._counted(head + sep.join(messages) + tail, row)
+
+    def _counted(self, text: str, row: dict[str, Any]) -> str:
+        self.read_chars += len(text)
+        if self.read_chars > MAX_READ_CHARS:
+            raise RecorderError(f"the bodies read pass {MAX_READ_CHARS:,} characters in all at turn "
+                                f"{row.get('request_id')!r}: read one session at a time (--session)")
+        return text
 
     def _messages(self, prefix: int) -> list[str]:
         ids = []
+        seen = set()
         while prefix:
+            if prefix in seen or len(ids) >= MAX_CHAIN_MESSAGES:
+                what = "loops back on itself" if prefix in seen else f"is over {MAX_CHAIN_MESSAGES:,} messages long"
+                raise RecorderError(f"database is inconsistent: message prefix chain {prefix} {what}")
+            seen.add(prefix)
             if prefix not in self._prefix_rows:
                 self._load_prefix_chain(prefix)
             prefix, message_id = self._prefix_rows[prefix]
@@ -212,7 +238,8 @@ class BodyStore:
 
     def _load_prefix_chain(self, prefix: int) -> None:
         rows = self.db.execute(
-            "WITH RECURSIVE walk(id) AS (SELECT ? UNION ALL SELECT p.parent FROM walk JOIN prefixes p"
+            # UNION, not UNION ALL: a chain that loops (a crafted file) ends the walk at the repeat.
+            "WITH RECURSIVE walk(id) AS (SELECT ? UNION SELECT p.parent FROM walk JOIN prefixes p"
             " ON p.id = walk.id WHERE p.parent != 0) SELECT p.id, p.parent, p.message_id FROM walk"
             " JOIN prefixes p ON p.id = walk.id",
             [prefix],

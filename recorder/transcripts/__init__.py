@@ -42,7 +42,7 @@ def _head_objects(path: Path) -> list[dict]:
                     continue
                 try:
                     obj = json.loads(raw.decode("utf-8-sig"))
-                except (UnicodeDecodeError, ValueError):
+                except (UnicodeDecodeError, ValueError, RecursionError):
                     if not raw.strip():
                         continue
                     break  # not JSON lines: stop looking
