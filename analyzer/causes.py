@@ -334,13 +334,15 @@ def payload_cause(prev: Payload, next: Payload) -> Cause | None:
     nm = canonical_message(next.messages[k]) if k < len(next.messages) else None
     path = first_path(pm, nm, f"$.messages[{k}]") if nm is not None else f"$.messages[{k}]"
     head = _leading_head(prev.messages)
+    # Compaction first: a harness that compacts may rewrite or drop its developer/system messages with
+    # the history (Codex's remote compaction does); the summary is the cause, not the system head.
+    if is_compaction(prev.keys, next.keys, head, _leading_head(next.messages)):
+        return Cause("compaction", None, k, path)
     if k < head or (k == head and isinstance(nm, dict) and nm.get("role") in HEAD_ROLES):
         a = str(pm.get("content", "")) if isinstance(pm, dict) else ""
         b = str(nm.get("content", "")) if isinstance(nm, dict) else ""
         v = volatile_change(a, b) if a != b else (volatile_between(pm, nm) if nm is not None else None)
         return Cause("system_rewrite", _volatile_subtype(v, "content"), k, path, volatile=v)
-    if is_compaction(prev.keys, next.keys, head, _leading_head(next.messages)):
-        return Cause("compaction", None, k, path)
     rest = prev.keys[k + 1 :]
     if (rest and next.keys[k : k + len(rest)] == rest) or _dropped(prev.keys, next.keys, k):
         role = _role(pm)
@@ -364,6 +366,14 @@ def payload_cause(prev: Payload, next: Payload) -> Cause | None:
         if isinstance(a, str) and isinstance(b, str) and len(b) < len(a):
             subtype = "truncated"
     return Cause("history_edit", _volatile_subtype(v, subtype), k, path, volatile=v)
+
+
+def marked_compaction(req: Any) -> bool:
+    """The request is the first after a compaction its harness wrote down (a transcript's compact
+    boundary, compaction entry or `compacted` line: recorder/transcripts): whatever the payload
+    shows, the history was replaced by a summary."""
+    origin = getattr(req, "transcript", None)
+    return isinstance(origin, dict) and origin.get("compacted") is True
 
 
 def render_cause(prev_r, next_r, next: Payload, message_index: int | None) -> Cause:

@@ -19,7 +19,7 @@ from typing import Any
 
 from analyzer.advice import SIDE_REQUEST, suggestion
 from analyzer.canon import Canonicalizer, Payload, first_changed, flatten_content
-from analyzer.causes import Cause, classify, payload_cause, server_facts, server_miss
+from analyzer.causes import Cause, classify, marked_compaction, payload_cause, server_facts, server_miss
 from analyzer.costing import price_breaks
 from analyzer.divergence import SegmentCounter, common_prefix_len, compare, diff_window
 from analyzer.load import Request, share_prefix
@@ -113,7 +113,7 @@ class Analyzer:
         for s in sessions:
             found = next((origins[t.request_id] for t in s.turns if t.request_id in origins), None)
             if found is not None:
-                s.transcript = {k: found.get(k) for k in ("harness", "file", "not_rebuilt")}
+                s.transcript = {k: found.get(k) for k in ("harness", "file", "version", "not_rebuilt")}
         for s in sessions:
             if s.parent is not None and s.turns:
                 first = s.turns[0]
@@ -155,6 +155,9 @@ class Analyzer:
                 turn.note, turn.common_prefix_tokens = "first", 0
             else:
                 self._compare(turn, prev, payload, rendered, req.body)
+                if turn.brk is not None and marked_compaction(req) and turn.brk.cause != "compaction":
+                    turn.brk.cause, turn.brk.subtype, turn.brk.volatile = "compaction", None, None
+                    turn.brk.suggestion = suggestion("compaction", None, None, turn.brk.location())
                 if turn.brk is None:  # the shared prefix reaches into what the previous turn left cached
                     turn.common_prefix_tokens += self._reach(prev, rendered)
             turn.reprefill_tokens = tokens - turn.common_prefix_tokens

@@ -430,6 +430,9 @@ def load(source: str | Path | Iterable[Any]) -> Loaded:
     time (stable, so file order breaks ties)."""
     if isinstance(source, (str, Path)):
         path = Path(source)
+        from recorder.transcripts.store import refuse_special
+
+        refuse_special(path)  # a FIFO or device would block the read below
         try:
             with open(path, "rb") as fh:
                 head = fh.read(4096)
@@ -440,9 +443,12 @@ def load(source: str | Path | Iterable[Any]) -> Loaded:
             raise InvalidRequest(f"{path} is neither a recorder database nor a JSONL or HAR file: it holds binary "
                                  "data (a database whose header is damaged?)")
         from recorder.transcripts import sniff_transcript, transcript_turns
+        from recorder.transcripts.store import refuse_poorly_rebuilt
 
         if sniff_transcript(path) is not None:  # a harness's own session file: rebuilt, not recorded
-            loaded = _from_turns(transcript_turns(path)[0])
+            turns, transcripts = transcript_turns(path)
+            refuse_poorly_rebuilt(transcripts)
+            loaded = _from_turns(turns)
         elif magic == SQLITE_MAGIC:
             from recorder.reader import iter_turns, read_renderers  # the recorder is only needed for databases
 

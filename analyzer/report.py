@@ -145,7 +145,8 @@ def format_text(report: Report, width: int = 140) -> str:
         buf.write(_plain(f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
                          f"{len(breaks)} break(s){cost}") + "\n")
         if s.transcript:
-            buf.write(_plain(f"  rebuilt from a transcript of {s.transcript.get('harness')} ({s.transcript.get('file')}); "
+            version = f" {s.transcript['version']}" if s.transcript.get("version") else ""  # the file's format version
+            buf.write(_plain(f"  rebuilt from a transcript of {s.transcript.get('harness')}{version} ({s.transcript.get('file')}); "
                              f"not rebuilt: {'; '.join(s.transcript.get('not_rebuilt') or []) or 'nothing'}") + "\n")
         table = Table()
         for col in ("turn", "prompt", "predicted cached", "server prompt", "server cached", "TTFT", "lost",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from common.escaping import visible
 from prefixtrace.cli_common import (JSON_OPTION, FiniteFloatRange, echo, echo_json, library_errors, output_path,
                                     progress, write_or_echo)
 
@@ -83,8 +84,12 @@ def import_(file, db, as_json):
     file holds it; what it does not hold is printed per session and kept on
     the turns (docs/FORMATS.md "Transcripts").
 
-    All or nothing: a malformed line or entry is reported with its number and
-    nothing is written.
+    Each session says the format version read and how many of its calls were
+    rebuilt; a call whose history is not in the file is left out, and a file
+    that rebuilt fewer than half its calls makes import exit 1 (after storing
+    what it rebuilt). A directory's other files are listed as skipped, with
+    why. All or nothing per file: a malformed line or entry is reported with
+    its number and nothing of that file is written.
 
     Example: prefixtrace import ~/.claude/projects --db prefixtrace.db
     """
@@ -92,18 +97,34 @@ def import_(file, db, as_json):
 
     with progress(f"importing {file.name}"):
         count, transcripts = import_path(file, db)
+    skipped = getattr(transcripts, "skipped", [])
+    poor = transcripts.poorly_rebuilt() if transcripts else []
     if as_json:
         summary = {"imported": count, "file": str(file), "db": str(db)}
         if transcripts:  # what each rebuilt session lacks (JSONL and HAR imports print as before)
-            summary["sessions"] = [{"harness": t.harness, "session": t.session_id, "source": t.source,
-                                    "turns": len(t.turns), "not_rebuilt": t.notes} for t in transcripts]
+            summary["sessions"] = [{"harness": t.harness, "version": t.version, "session": t.session_id,
+                                    "source": t.source, "calls": t.calls, "turns": len(t.turns),
+                                    "not_rebuilt": t.notes} for t in transcripts]
+            summary["skipped"] = [{"file": f, "why": why} for f, why in skipped]
         echo_json(summary)
-        return
-    for t in transcripts:
-        click.echo(f"{t.harness} session {t.session_id}: {len(t.turns)} turn(s) rebuilt from {t.source}")
-        for note in t.notes:
-            click.echo(f"  not rebuilt: {note}")
-    click.echo(f"imported {count} turn(s) into {db}")
+    else:
+        for t in transcripts:
+            echo(one_line(f"{t.harness} session {t.session_id} ({t.version or 'version not written'}): "
+                          f"{len(t.turns)} of {t.calls} call(s) rebuilt from {t.source}"))
+            for note in t.notes:
+                echo(one_line(f"  not rebuilt: {note}"))
+        for f, why in skipped:
+            echo(one_line(f"skipped {f}: {why}"))
+        click.echo(f"imported {count} turn(s) into {db}")
+    if poor:
+        raise click.ClickException("; ".join(visible(one_line(
+            f"{t.source} ({t.harness} {t.version}) rebuilt {len(t.turns)} of its {t.calls} call(s): fewer than half, "
+            "so an analysis of it would answer for calls it does not have")) for t in poor))
+
+
+def one_line(text: str) -> str:
+    """Client text (session ids, file names) kept on its line: a newline in it cannot forge another."""
+    return text.replace("\n", "\\n")
 
 
 @click.command()
