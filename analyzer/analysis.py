@@ -15,6 +15,7 @@ from analyzer.hashed import blind
 from analyzer.load import load
 from analyzer.render import make_renderer
 from analyzer.results import Report
+from analyzer.server_counts import PARTIAL_LOSS_MIN
 from analyzer.tokens import Tokenizer
 from analyzer.write_waste import write_waste
 from common.errors import InvalidRequest
@@ -25,7 +26,8 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
             tokenizer: Tokenizer | str | None = None, block_size: int | None = None,
             prefill_rate: float | None = None, renderer=None, workers: int | None = None,
             what_if: list[str] | str | None = None, kv_budget: int | None = None,
-            price_model: str | None = None, price_provider: str | None = None) -> Report:
+            price_model: str | None = None, price_provider: str | None = None,
+            min_partial_loss: int = PARTIAL_LOSS_MIN, propose_fixes: bool = True) -> Report:
     """Analyses a recorder database, a JSONL file, or an iterable of request
     bodies / Requests / recorder Turns.
 
@@ -43,6 +45,10 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
         price_model: price in dollars as this model ("claude-sonnet-4-5", "gpt-5"; genai-prices'
             data, analyzer/pricing.py): each break's lost tokens and each what-if policy.
         price_provider: the provider whose price of `price_model` to use (default: genai-prices' match).
+        min_partial_loss: a server-side loss of this many tokens or more, by the server's own counts, is
+            a `server_miss` whatever its share of the prompt (analyzer/server_counts.py).
+        propose_fixes: for each cause found, apply the fix that addresses it and analyse again
+            (analyzer/fix_report.py): what it would have saved.
     """
     given = renderer is not None or template is not None or model is not None
     renderer = renderer or make_renderer(template, model)
@@ -63,7 +69,7 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
 
     choice = choose_renderer(loaded, renderer if given else None, tokenizer)
     analyzer = Analyzer(choice.renderer, choice.tokenizer, block_size=block_size, prefill_rate=prefill_rate,
-                        workers=workers)
+                        workers=workers, min_partial_loss=min_partial_loss)
     analyzer.exact_counts = choice.exact
     report = analyzer.run(loaded.requests, loaded.skipped)
     report.renderer_source, report.renderer_note = choice.source, choice.note
@@ -74,5 +80,22 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
         dollars_of_breaks(report, sheet)
     report.write_waste = write_waste(report, {r.id: r for r in loaded.requests}, sheet)
     blind(report, {r.id for r in loaded.requests if r.hashed})
+    _fixes(report, loaded.requests, analyzer, sheet, propose_fixes)
     return report
+
+
+def _fixes(report: Report, requests: list, analyzer: Analyzer, sheet, propose: bool) -> None:
+    """The fixes the proxy applied, and (`propose`) each addressing fix measured by re-analysis."""
+    from analyzer.fix_report import propose_fixes, proxy_fix_summary, renders_earlier_reasoning
+
+    def reanalyse(fixed: list) -> Report:
+        again = analyzer.run(fixed, [])
+        if sheet is not None:
+            dollars_of_breaks(again, sheet)
+        return again
+
+    report.proxy_fixes = proxy_fix_summary(requests)
+    if propose:
+        report.fix_proposals = propose_fixes(report, requests, reanalyse,
+                                             renders_earlier_reasoning(analyzer.renderer))
 

@@ -68,6 +68,8 @@ class Request:
     harness: str | None = None  # analyzer/versions.harness_version: who sent it, at which version
     harness_version: str | None = None
     hashed: bool = False  # recorded with `serve --store hashes` (analyzer/hashed.py)
+    proxy_fixes: list[dict] | None = None  # `serve --fix`: the fixes that fired on it (analyzer/fixes)
+    reply: dict | None = None  # {"text", "reasoning", "tool_calls"} as the server answered (the fixes' record)
 
 
 @dataclass
@@ -84,6 +86,10 @@ def _server_facts(req: Request, render: Any, usage: Any, served_by: Any = None, 
         if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
             req.reply_token_ids = ids
         req.cache_evictions = _int_or_none(render.get("cache_evictions"))
+        fixes = render.get("fixes")
+        if isinstance(fixes, list):
+            req.proxy_fixes = [f for f in fixes if isinstance(f, dict) and f.get("fired") is True
+                               and isinstance(f.get("name"), str) and isinstance(f.get("note"), str)] or None
     if isinstance(usage, dict):
         req.usage = usage
         diagnostics = usage.get("diagnostics")
@@ -217,6 +223,7 @@ def request_from_record(obj: Any, lineno: int, source: str) -> Request:
         ts is not None,
     )
     req.ttft_s = ttft
+    req.reply = _reply(response.get("text"), response.get("reasoning"), response.get("tool_calls"))
     render = obj.get("render")
     if isinstance(render, dict) and isinstance(render.get("transcript"), dict):  # exported from a transcript import
         req.transcript = render["transcript"]
@@ -367,6 +374,8 @@ def read_jsonl(path: Path) -> Loaded:
                 out.skipped.append({"line": lineno, "error": f"not valid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}"})
             except InvalidRequest as exc:
                 out.skipped.append({"line": lineno, "error": exc.message})
+            except RecursionError:  # nesting past the parser's recursion limit: one line, like any bad line
+                out.skipped.append({"line": lineno, "error": "not readable: JSON nested too deeply"})
     return out
 
 
@@ -381,9 +390,20 @@ def _from_turns(turns: Iterable[Any]) -> Loaded:
         headers = getattr(t, "request_headers", None)
         req.headers = headers if isinstance(headers, dict) else None
         req.total_s = getattr(t, "total_s", None)
+        req.reply = _reply(getattr(t, "response_text", None), getattr(t, "reasoning_text", None),
+                           getattr(t, "tool_calls", None))
         out.requests.append(_server_facts(req, getattr(t, "render", None), getattr(t, "usage", None),
                                           getattr(t, "served_by", None), getattr(t, "renderer_id", None)))
     return out
+
+
+def _reply(text: Any, reasoning: Any, tool_calls: Any) -> dict | None:
+    """What the server answered, for the fixes' record of the session (analyzer/fix_report.py)."""
+    calls = [c for c in tool_calls if isinstance(c, dict)] if isinstance(tool_calls, list) else None
+    if not (isinstance(text, str) and text) and not (isinstance(reasoning, str) and reasoning) and not calls:
+        return None
+    return {"text": text if isinstance(text, str) else "", "reasoning": reasoning if isinstance(reasoning, str) else "",
+            "tool_calls": calls or None}
 
 
 def _transcript_of(turn: Any) -> dict | None:
@@ -407,6 +427,8 @@ def read_har(path: Path) -> Loaded:
         raise InvalidRequest(f"cannot read {path}: {exc}") from exc
     except json.JSONDecodeError as exc:
         raise InvalidRequest(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
+    except RecursionError:
+        raise InvalidRequest(f"{path}: not readable: its JSON is nested too deeply") from None
     entries = doc.get("log", {}).get("entries") if isinstance(doc, dict) and isinstance(doc.get("log"), dict) else None
     if not isinstance(entries, list):
         raise InvalidRequest(f"{path}: not a HAR file (no log.entries list)")
@@ -439,6 +461,9 @@ def load(source: str | Path | Iterable[Any]) -> Loaded:
     time (stable, so file order breaks ties)."""
     if isinstance(source, (str, Path)):
         path = Path(source)
+        from recorder.transcripts.store import refuse_special
+
+        refuse_special(path)  # a FIFO or device would block the read below
         try:
             with open(path, "rb") as fh:
                 head = fh.read(4096)
@@ -449,9 +474,12 @@ def load(source: str | Path | Iterable[Any]) -> Loaded:
             raise InvalidRequest(f"{path} is neither a recorder database nor a JSONL or HAR file: it holds binary "
                                  "data (a database whose header is damaged?)")
         from recorder.transcripts import sniff_transcript, transcript_turns
+        from recorder.transcripts.store import refuse_poorly_rebuilt
 
         if sniff_transcript(path) is not None:  # a harness's own session file: rebuilt, not recorded
-            loaded = _from_turns(transcript_turns(path)[0])
+            turns, transcripts = transcript_turns(path)
+            refuse_poorly_rebuilt(transcripts)
+            loaded = _from_turns(turns)
         elif magic == SQLITE_MAGIC:
             from recorder.reader import iter_turns, read_renderers  # the recorder is only needed for databases
 

@@ -29,7 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from analyzer.canon import flatten_content, messages_of, strip_ignored
+from analyzer.template_worker import TemplateBudgetError, shared_worker
+from common.bounded_read import read_regular_text
 from common.errors import InvalidRequest
+from recorder.renderers import MAX_TEMPLATE_CHARS, MAX_TOKENIZER_BYTES
 from wire.normalize import template_message
 
 START, END = "<|im_start|>", "<|im_end|>\n"
@@ -116,75 +119,16 @@ class GenericRenderer:
         return out
 
 
-_TOJSON_MEMO: dict[tuple, tuple[Any, str]] = {}
-
-
-def _hf_tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-               sort_keys: bool = False) -> str:
-    # transformers' version: no key sorting, no HTML escaping (jinja's own tojson does both).
-    if type(x) is dict or type(x) is list:
-        # Tool-call arguments are objects once parsed (as servers do, wire/normalize.py) and
-        # live in cached message skeletons, so the same object is dumped again every later turn: memoise
-        # by identity (the object is kept in the memo, so its id cannot be reused while the entry lives).
-        key = (id(x), ensure_ascii, indent, None if separators is None else tuple(separators), sort_keys)
-        hit = _TOJSON_MEMO.get(key)
-        if hit is not None and hit[0] is x:
-            return hit[1]
-        text = json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-        if len(_TOJSON_MEMO) > 200_000:
-            _TOJSON_MEMO.clear()
-        _TOJSON_MEMO[key] = (x, text)
-        return text
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _sandbox_class():
-    from jinja2.runtime import LoopContext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    from jinja2.utils import Namespace
-
-    dict_attrs = frozenset(dir(dict))  # `m.items` etc. stay methods, checked by the sandbox
-
-    class FastSandbox(ImmutableSandboxedEnvironment):
-        """The sandbox's attribute check costs ~2 us per `message.role`;
-        a plain key of a plain dict (our messages) is data, not code, so it
-        skips the check. Everything else goes through the sandbox."""
-
-        def getattr(self, obj, attribute):
-            t = type(obj)
-            if t is dict and attribute not in dict_attrs:
-                try:
-                    return obj[attribute]
-                except (KeyError, TypeError):
-                    return self.undefined(obj=obj, name=attribute)
-            if (t is LoopContext or t is Namespace) and type(attribute) is str and not attribute.startswith("_"):
-                try:
-                    return getattr(obj, attribute)
-                except AttributeError:
-                    pass
-            return super().getattr(obj, attribute)
-
-    return FastSandbox
-
-
-def _raise(message: str) -> None:
-    raise RenderError(f"template: {message}")
-
-
 class TemplateRenderer:
     """A Jinja chat template. `special` holds bos_token/eos_token etc."""
 
     def __init__(self, source: str, name: str, special: dict[str, str] | None = None):
-        from jinja2.exceptions import TemplateError
-
-        env = _sandbox_class()(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _hf_tojson
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: "1970-01-01"  # fixed: the analysis must be reproducible
-        try:
-            self.template = env.from_string(source)
-        except TemplateError as exc:
-            raise InvalidRequest(f"cannot load chat template {name}: {exc}") from exc
+        if len(source) > MAX_TEMPLATE_CHARS:
+            raise InvalidRequest(f"cannot load chat template {name}: {len(source):,} characters, over the "
+                                 f"{MAX_TEMPLATE_CHARS:,} a chat template may have")
+        # Rendered in a bounded child process (analyzer/template_worker.py): the template may come from
+        # a recording or an upstream, and a template is a program.
+        self.worker = shared_worker(source, name)
         self.name = name
         self.special = special or {}
         self.generation_prompt = True  # also render the generation prompt: the server counts it
@@ -196,23 +140,23 @@ class TemplateRenderer:
     @classmethod
     def from_file(cls, path: str | Path) -> TemplateRenderer:
         p = Path(path)
-        try:
-            return cls(p.read_text(encoding="utf-8"), f"template:{p.name}")
-        except OSError as exc:
-            raise InvalidRequest(f"cannot read template {p}: {exc}") from exc
+        return cls(read_regular_text(p, MAX_TEMPLATE_CHARS, "template"), f"template:{p.name}")
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> TemplateRenderer:
         p = Path(path)
+        config_text = read_regular_text(p / "tokenizer_config.json", MAX_TOKENIZER_BYTES, "model file")
         try:
-            config = json.loads((p / "tokenizer_config.json").read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise InvalidRequest(f"cannot read {p / 'tokenizer_config.json'}: {exc}") from exc
+            config = json.loads(config_text)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidRequest(f"cannot read {p / 'tokenizer_config.json'}: not valid JSON") from exc
+        if not isinstance(config, dict):
+            raise InvalidRequest(f"cannot read {p / 'tokenizer_config.json'}: not a JSON object")
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         if not template and (p / "chat_template.jinja").is_file():
-            template = (p / "chat_template.jinja").read_text(encoding="utf-8")
+            template = read_regular_text(p / "chat_template.jinja", MAX_TEMPLATE_CHARS, "template")
         if not isinstance(template, str) or not template:
             raise InvalidRequest(f"{p} has no chat_template")
         special = {}
@@ -234,12 +178,13 @@ class TemplateRenderer:
                 owner_of[sid] = i
         kwargs = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else {}
         tools = strip_ignored(body.get("tools")) or None
-        try:
-            text = self._render_text(skeleton, tools, kwargs)
-        except RenderError as exc:
-            raise RenderError(f"{exc.message}{self._where(skeleton, tools, kwargs)}") from exc
+        # Both renderings (without and with the generation prompt) in one round trip to the worker.
+        texts = self._render_texts(skeleton, tools, kwargs, (False, True) if self.generation_prompt else (False,))
+        text = texts[0]
+        if isinstance(text, RenderError):
+            raise RenderError(f"{text.message}{self._where(skeleton, tools, kwargs)}")
         out = Rendered([], [], [], self.name, len(messages), [str(m.get("role", "")) for m in messages])
-        out.generation = self._generation(skeleton, tools, kwargs, text)
+        out.generation = self._generation(text, texts[1] if len(texts) > 1 else None)
         parts = _SENTINEL_RE.split(text)
         pending: list[str] = []  # literal text waiting for the owner of the next content
         for j, part in enumerate(parts):
@@ -259,29 +204,38 @@ class TemplateRenderer:
             out.segments.append(lit), out.owners.append(last), out.kinds.append("")
         return out
 
-    def _generation(self, skeleton: list, tools: Any, kwargs: dict, text: str) -> str:
+    @staticmethod
+    def _generation(text: str, full: str | RenderError | None) -> str:
         """The generation prompt the server appends (rendered with `add_generation_prompt`, minus the
         rendering without it); "" when the template adds none or renders the rest differently too."""
-        if not self.generation_prompt:
-            return ""
-        try:
-            full = self._render_text(skeleton, tools, kwargs, generation=True)
-        except RenderError:
+        if not isinstance(full, str):
             return ""
         suffix = full[len(text):] if full.startswith(text) else ""
         return "" if _SENTINEL_RE.search(suffix) else suffix
 
-    def _render_text(self, skeleton: list, tools: Any, kwargs: dict, *, generation: bool = False) -> str:
-        from jinja2.exceptions import TemplateError
-
+    def _render_texts(self, skeleton: list, tools: Any, kwargs: dict,
+                      generations: tuple[bool, ...]) -> list[str | RenderError]:
+        """The template's text for each `add_generation_prompt` value, or the RenderError it gave."""
+        context = {**self.special, **kwargs, "messages": skeleton, "tools": tools}
         try:
-            return self.template.render(
-                **{**self.special, **kwargs}, messages=skeleton, tools=tools, add_generation_prompt=generation
-            )
-        except RenderError:
-            raise
-        except (TemplateError, TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
-            raise RenderError(f"template {self.name} failed: {type(exc).__name__}: {exc}") from exc
+            replies = self.worker.render(context, generations)
+        except TemplateBudgetError as exc:
+            return [RenderError(exc.message)] * len(generations)
+        out: list[str | RenderError] = []
+        for reply in replies:
+            if "error" not in reply:
+                out.append(reply["text"])
+            elif reply.get("raised"):
+                out.append(RenderError(f"template: {reply['error']}"))
+            else:
+                out.append(RenderError(f"template {self.name} failed: {reply['error'][:300]}"))
+        return out
+
+    def _render_text(self, skeleton: list, tools: Any, kwargs: dict) -> str:
+        text = self._render_texts(skeleton, tools, kwargs, (False,))[0]
+        if isinstance(text, RenderError):
+            raise text
+        return text
 
     def _where(self, skeleton: list, tools: Any, kwargs: dict) -> str:
         """", at message K (role)": the shortest prefix of the messages that the template refuses

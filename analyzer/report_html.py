@@ -18,7 +18,9 @@ import math
 from typing import Any
 
 from analyzer import report_view as rv
+from analyzer.fix_report import lines_for
 from analyzer.report_assets import CSS, JS
+from analyzer.server_counts import TOKEN_BASES
 from common.escaping import script_json
 
 esc = html.escape
@@ -154,6 +156,8 @@ def _break_detail(b: dict[str, Any], sessions: list[dict], open_: bool) -> str:
         facts.append(f"{rv.dollars_text(b['lost_dollars'])} at the priced model's rates")
     if b["basis"]:
         facts.append(f"seconds from {b['basis']}")
+    if b.get("tokens_basis") in TOKEN_BASES:
+        facts.append(f"tokens: {TOKEN_BASES[b['tokens_basis']]}")
     if b["ttft"] is not None:
         facts.append(f"TTFT {rv.seconds_text(b['ttft'])}")
     if b["token_offset"] is not None:
@@ -277,6 +281,10 @@ def _table(v: dict[str, Any]) -> str:
 
 def _extras(d: dict[str, Any]) -> str:
     out = []
+    fixes = lines_for(d.get("proxy_fixes"), d.get("fix_proposals"))  # analyzer/fix_report.py
+    if fixes:
+        out.append('<section class="panel" id="proxy-fixes"><h2>Fixes: applied and proposed</h2><ul>'
+                   + "".join(f"<li>{esc(line)}</li>" for line in fixes) + "</ul></section>")
     if d.get("what_if"):
         out.append('<section class="panel" id="what-if"><h2>What if another cache served this</h2>'
                    '<table class="data what-if"><tr><th class="l">cache</th><th class="l">rules</th><th>cached</th>'

@@ -3,9 +3,7 @@ recorded it, else a named fallback (docs/ANALYZER.md "The server's renderer").""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from analyzer.render import GenericRenderer, recorded_renderer
@@ -23,19 +21,19 @@ class RendererChoice:
 
 
 def _recorded_tokenizer(info) -> tuple[Tokenizer | None, str]:
-    """The recorded renderer's tokenizer: its stored tokenizer.json, else the file at its recorded path
-    while its hash still matches; (None, why) when neither."""
+    """The recorded renderer's tokenizer: its stored tokenizer.json; (None, why) when there is none.
+    A recorded `tokenizer_path` is never opened: the database may come from anyone, and the path
+    could name a FIFO, /dev/zero or any file of the reader's (the user passes --tokenizer instead)."""
     name = f"recorded:{info.model}"
     if info.tokenizer_json is not None:
-        return tokenizer_from_json(info.tokenizer_json, name), ""
-    if info.tokenizer_path:
         try:
-            data = Path(info.tokenizer_path).read_bytes()
-        except OSError:
-            return None, f"its tokenizer ({info.tokenizer_path}) was too big to store and is gone"
-        if info.tokenizer_sha256 and hashlib.sha256(data).hexdigest() != info.tokenizer_sha256:
-            return None, f"its tokenizer ({info.tokenizer_path}) was too big to store and has changed since"
-        return tokenizer_from_json(data.decode("utf-8"), name), ""
+            return tokenizer_from_json(info.tokenizer_json, name), ""
+        except InvalidRequest:
+            return None, "its stored tokenizer cannot be loaded"
+    if info.tokenizer_problem:
+        return None, info.tokenizer_problem
+    if info.tokenizer_path:
+        return None, f"its tokenizer ({info.tokenizer_path}) was too big to store"
     return None, "no tokenizer was recorded with it"
 
 

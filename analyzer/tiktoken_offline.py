@@ -15,6 +15,11 @@ import hashlib
 import os
 from pathlib import Path
 
+from common.bounded_read import read_regular
+from common.errors import InvalidRequest
+
+MAX_ENCODING_BYTES = 16 << 20  # o200k_base is 3.6 MB
+
 # The official file URLs and sha256 digests, as in tiktoken_ext/openai_public.py.
 ENCODINGS = {
     "o200k_base": ("https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken",
@@ -41,8 +46,11 @@ def install(name: str) -> str | None:
         return f"no offline copy of {name}"
     url, sha256 = ENCODINGS[name]
     target = cache_dir() / hashlib.sha1(url.encode()).hexdigest()
-    if target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == sha256:
-        return None
+    try:  # bounded and never blocking: TIKTOKEN_CACHE_DIR may name a directory others write to
+        if hashlib.sha256(read_regular(target, MAX_ENCODING_BYTES, "tiktoken cache")).hexdigest() == sha256:
+            return None
+    except InvalidRequest:
+        pass  # missing, planted or damaged: replaced below (os.replace renames over a FIFO or a link too)
     try:
         from importlib.resources import files
 

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from common.bounded_read import read_regular_text
 from common.errors import InvalidRequest
+from recorder.renderers import MAX_TOKENIZER_BYTES
 
 _WORD_RE = re.compile(r"\w+|[^\w\s]|\s+")
 
@@ -85,14 +87,16 @@ def load_tokenizer(spec: str | None = None) -> Tokenizer:
     path = Path(spec)
     if path.is_dir():
         path = path / "tokenizer.json"
-    if not path.is_file():
+    if not path.exists():
         raise InvalidRequest(f"unknown tokenizer {spec!r}: not 'regex', 'tiktoken:NAME' or a tokenizer.json")
+    # Read here, bounded and only from a regular file (a FIFO or /dev/zero would hang or fill memory).
+    text = read_regular_text(path, MAX_TOKENIZER_BYTES, "tokenizer")
     try:
         from tokenizers import Tokenizer as HFTokenizer
 
-        hf = HFTokenizer.from_file(str(path))
+        hf = HFTokenizer.from_str(text)
     except Exception as exc:
-        raise InvalidRequest(f"cannot load tokenizer {path}: {exc}") from exc
+        raise InvalidRequest(f"cannot load tokenizer {path}: {str(exc)[:200]}") from exc
     return Tokenizer(f"hf:{path}", lambda text: hf.encode(text, add_special_tokens=False).ids)
 
 
@@ -103,7 +107,7 @@ def tokenizer_from_json(text: str, name: str) -> Tokenizer:
 
         hf = HFTokenizer.from_str(text)
     except Exception as exc:
-        raise InvalidRequest(f"cannot load tokenizer {name}: {exc}") from exc
+        raise InvalidRequest(f"cannot load tokenizer {name}: {str(exc)[:200]}") from exc
     return Tokenizer(name, lambda s: hf.encode(s, add_special_tokens=False).ids)
 
 

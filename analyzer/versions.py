@@ -27,7 +27,7 @@ def _header(headers: dict | None, name: str) -> str | None:
 def harness_version(headers: dict | None, body: Any, transcript: dict | None = None) -> tuple[str | None, str | None]:
     """(harness, version), either None when it cannot be told."""
     if transcript:
-        version = transcript.get("version")
+        version = transcript.get("harness_version")
         return transcript.get("harness"), version if isinstance(version, str) else None
     agent = _header(headers, "user-agent")
     harness = client_of(agent, body)

@@ -24,6 +24,7 @@ from bench.bench_scheduler import bench_model_dir  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.sequence import Failed, Finished, Sequence, TextDelta  # noqa: E402
+from testsupport.forced_pauses import forced_pauses  # noqa: E402
 
 
 def one(engine: Engine, context: int, pause_after: int = 16) -> dict:
@@ -37,8 +38,8 @@ def one(engine: Engine, context: int, pause_after: int = 16) -> dict:
             times.append(time.perf_counter())
         events.put(event)
 
-    seq = Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=pause_after * 2, ignore_eos=True), emit,
-                   pause_at=frozenset({pause_after}))
+    seq = Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=pause_after * 2, ignore_eos=True), emit)
+    forced_pauses(engine).add(seq, pause_at={pause_after})
     before = engine.scheduler.spill.bytes_written
     engine.submit(seq)
     while not isinstance(event := events.get(timeout=3600), (Finished, Failed)):

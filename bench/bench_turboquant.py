@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.tq_cache import BatchTurboQuantKVCache, TurboQuantKVCache  # noqa: E402
 from engine.tq_config import make_tq_cache, to_turboquant  # noqa: E402
 from engine.turboquant import get_codec  # noqa: E402
-from engine.tq_quality import (  # noqa: E402
+from testsupport.tq_quality import (  # noqa: E402
     GAUSSIAN_LLOYD_MAX, PAPER_D_MSE, Bfloat16KVCache, SplitCache, attention_error, compare_logprobs,
     continuation_logits, distortion, kv_bytes_per_token, kv_bytes_ratio, layer_inputs, load, next_token_agreement,
     used_nbytes,

@@ -1,4 +1,4 @@
-"""Write or print every kernel string's sha256 (engine/kernels/inventory.py says what and why).
+"""Write or print every kernel string's sha256 (testsupport/kernel_inventory.py says what and why).
 
     python bench/kernel_strings.py [out.json]     # prints the JSON when no path is given
 """
@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
-from engine.kernels.inventory import kernel_strings
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # testsupport/ is not installed
+
+from testsupport.kernel_inventory import kernel_strings  # noqa: E402
 
 if __name__ == "__main__":
     text = json.dumps(kernel_strings(), indent=1) + "\n"

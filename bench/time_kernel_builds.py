@@ -5,7 +5,7 @@
 A CUDA engine compiles `mx.fast.cuda_kernel`s with NVRTC the first time a template (here
 CHUNK, which grows with the context) runs. NVRTC is not on this VM; nvcc is, and does the same
 front end and ptxas work for sm_90 plus a process start, which the empty kernel's time gives.
-Each kernel is rendered as MLX renders it (engine/kernels/render.py) at
+Each kernel is rendered as MLX renders it (testsupport/kernel_render.py) at
 Qwen3-8B's decode shape (bf16, head 128, G 4, 4 bits, the default load width), one file each.
 MLX's own header (cuda::std, its device utilities) is not in these files: NVRTC on the GPU
 host parses it once per build as well. Prints JSON (seconds)."""
@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.kernels import common, tq_split  # noqa: E402
-from engine.kernels.render import PRELUDE as _PRELUDE  # noqa: E402
-from engine.kernels.render import TQ_INPUTS as _TQ_INPUTS  # noqa: E402
-from engine.kernels.render import render  # noqa: E402
+from testsupport.kernel_render import PRELUDE as _PRELUDE  # noqa: E402
+from testsupport.kernel_render import TQ_INPUTS as _TQ_INPUTS  # noqa: E402
+from testsupport.kernel_render import render  # noqa: E402
 
 
 def build_s(work: Path, name: str, body: str) -> float:

@@ -1,26 +1,22 @@
-"""Admission and prefill: a waiting sequence is admitted onto its prefix-cache hit,
-prefilled in chunks (or with same-length companions as one wave) and handed to the
-decode batch when its prompt is in.
-
-A part of `Scheduler` (engine/scheduler.py), which owns the queues these methods read
-and write: `waiting`, `prefill` (the one sequence prefilling), `rows`, `paused`.
+"""Admission and prefill: the waiting queue and the one prefill job. A waiting sequence is admitted
+onto its prefix-cache hit and prefilled in chunks (or with same-length companions as one wave); when
+its prompt is in, the scheduler (engine/scheduler.py) hands it to the decode batch.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 
 from engine import dense_prefill
 from engine.batch_cache import RowBatchKVCache
 from engine.cache_blocks import is_dense
-from engine.decode_batch import Row, batch_of_one
-from engine.sampling import make_sampler
 from engine.sequence import Sequence
-from engine.stop_strings import StopMatcher
 
 log = logging.getLogger("prefixtrace.scheduler")
 
@@ -41,31 +37,57 @@ class PrefillJob:
     in_chunk: bool = False
 
 
+@dataclass(eq=False)
+class Prefilled:
+    """Jobs whose prompt is in, ready to decode: one on its own cache (`layers` None), or a wave
+    on the batched cache it was prefilled on."""
+
+    jobs: list[PrefillJob]
+    layers: list | None = None
+
+
 class Admission:
-    """Admit, prefill chunk by chunk or as a wave, start decoding."""
+    """Admit, prefill chunk by chunk or as a wave."""
 
-    def _admit(self) -> None:
-        while self.prefill is None and self.waiting and len(self.rows) < self.max_batch and not self.paused:
-            if self.memory is not None and self._active() and not self._fits(self._prompt_need(self.waiting[0])):
-                return  # wait for memory; paused requests and running rows go first
-            seq = self.waiting.popleft()  # cancelled ones were reaped at the start of this step
-            hit = self.prefix_cache.lookup(seq.prompt_ids, room=seq.num_prompt_tokens + KV_ROOM_STEP)
-            seq.num_cached_tokens = hit.num_cached
-            seq.stage = "prefilling"
-            self.prefill = PrefillJob(seq, self.adapt_cache(hit.cache), hit.num_cached)
-            dense_prefill.plan(self.prefill, self.prefill_chunk, self._fits if self.memory is not None else None,
-                               cold_dense=self.cold_dense_prefill)
+    # Sequences a wave may look at beyond the one finishing its prompt: bounds the
+    # scan of a long queue, and how far a companion may overtake the ones it skips.
+    WAVE_SCAN = 32
 
-    def _prefill_chunk(self) -> None:
+    def __init__(self, model, prefix_cache, *, prefill_chunk: int, adapt_cache, cold_dense_prefill: bool):
+        self.model = model
+        self.prefix_cache = prefix_cache
+        self.prefill_chunk = prefill_chunk
+        # Turns a prefix-cache hit into the caches prefill runs on (e.g. engine.tq_cache.to_turboquant).
+        self.adapt_cache = adapt_cache
+        self.cold_dense_prefill = cold_dense_prefill  # engine/dense_prefill.py `plan`
+        self.waiting: deque[Sequence] = deque()
+        self.prefill: PrefillJob | None = None
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def admit(self, fits: Callable[[int], bool] | None) -> None:
+        """The head of the queue starts prefilling on its prefix-cache hit (`fits`: the memory
+        check its plan may consult; None without a memory model)."""
+        seq = self.waiting.popleft()  # cancelled ones were reaped at the start of this step
+        hit = self.prefix_cache.lookup(seq.prompt_ids, room=seq.num_prompt_tokens + KV_ROOM_STEP)
+        seq.num_cached_tokens = hit.num_cached
+        seq.stage = "prefilling"
+        self.prefill = PrefillJob(seq, self.adapt_cache(hit.cache), hit.num_cached)
+        dense_prefill.plan(self.prefill, self.prefill_chunk, fits, cold_dense=self.cold_dense_prefill)
+
+    def run_chunk(self, room: int, wave_fits: Callable[[list[Sequence]], bool] | None) -> Prefilled | None:
+        """Prefill one chunk; what is ready to decode once the prompt is in. `room`: rows the decode
+        batch can take beside this one (0: no wave); `wave_fits`: whether the companions' prompts
+        fit in memory together (None without a memory model)."""
         job = self.prefill
         prompt = job.seq.prompt_ids
         # The last prompt token is fed by the first decode step, which samples from it.
         n = min(self.prefill_chunk, len(prompt) - 1 - job.pos)
         if n > 0 and n == len(prompt) - 1 - job.pos:
-            wave = self._companions(job, n)
+            wave = self._companions(job, n, room, wave_fits)
             if wave:
-                self._prefill_wave([job, *wave], n)
-                return
+                return self._prefill_wave([job, *wave], n)
         if n > 0:
             job.in_chunk = True
             self.model(mx.array(prompt[job.pos : job.pos + n])[None], cache=job.cache)
@@ -82,30 +104,45 @@ class Admission:
             if job.final_cache is not None:
                 dense_prefill.finish(job)
                 self.prefix_cache.commit(prompt[: job.pos], job.cache)
-            self._start_decoding([job])
-        elif job.seq.park_at is not None and job.pos >= job.seq.park_at and not job.seq.num_pauses:
-            self._park_prefill()
+            return Prefilled([job])
+        return None
 
-    # Sequences a wave may look at beyond the one finishing its prompt: bounds the
-    # scan of a long queue, and how far a companion may overtake the ones it skips.
-    WAVE_SCAN = 32
+    def take_prefill(self) -> PrefillJob:
+        """The prefill job leaves admission (parked, or cancelled); its stand-in caches converted."""
+        job, self.prefill = self.prefill, None
+        dense_prefill.finish(job)
+        return job
 
-    def _companions(self, job: PrefillJob, n: int) -> list[PrefillJob]:
+    def take_cancelled(self) -> list[Sequence]:
+        """Waiting sequences cancelled wherever they are in the queue (one may sit behind paused
+        ones or a memory check for long)."""
+        cancelled = [s for s in self.waiting if s.cancelled]
+        for seq in cancelled:
+            self.waiting.remove(seq)
+        return cancelled
+
+    def clear(self) -> PrefillJob | None:
+        """Forget the queue and the prefill (a failed step); the prefill job that was running."""
+        job, self.prefill = self.prefill, None
+        self.waiting.clear()
+        return job
+
+    def _companions(self, job: PrefillJob, n: int, room: int, wave_fits) -> list[PrefillJob]:
         """Waiting sequences that can prefill their last `n` prompt tokens in the same
         forward pass as `job`, with no padding: same prompt length, same cached prefix
         length, dense caches. Rows that arrive together then also decode unpadded
         (the fused attention kernel, no mask), instead of joining one by one at
         different lengths. At most one prefill chunk of tokens in all."""
-        room = min(self.max_batch - len(self.rows) - 1, self.prefill_chunk // n - 1)
-        if room <= 0 or not self.waiting or self.paused or not is_dense(job.cache) or job.final_cache is not None:
+        room = min(room, self.prefill_chunk // n - 1)
+        if room <= 0 or not self.waiting or not is_dense(job.cache) or job.final_cache is not None:
             return []
-        wave, skipped, need = [], [], 0
+        wave, skipped = [], []
         while self.waiting and len(wave) < room and len(skipped) < self.WAVE_SCAN:
             seq = self.waiting.popleft()
-            if seq.cancelled or seq.num_prompt_tokens != job.seq.num_prompt_tokens or seq.park_at is not None:
+            if seq.cancelled or seq.num_prompt_tokens != job.seq.num_prompt_tokens:
                 skipped.append(seq)
                 continue
-            if self.memory is not None and not self._fits(need + self._prompt_need(seq)):
+            if wave_fits is not None and not wave_fits([*(j.seq for j in wave), seq]):
                 skipped.append(seq)
                 break
             hit = self.prefix_cache.lookup(seq.prompt_ids)
@@ -115,15 +152,12 @@ class Admission:
                 continue
             seq.num_cached_tokens = hit.num_cached
             seq.stage = "prefilling"
-            if self.memory is not None:
-                need += self._prompt_need(seq)
             wave.append(PrefillJob(seq, cache, hit.num_cached))
         self.waiting.extendleft(reversed(skipped))
         return wave
 
-    def _prefill_wave(self, jobs: list[PrefillJob], n: int) -> None:
-        """Prefill the last `n` prompt tokens of several equal-length sequences as one
-        batch and start them decoding together."""
+    def _prefill_wave(self, jobs: list[PrefillJob], n: int) -> Prefilled:
+        """Prefill the last `n` prompt tokens of several equal-length sequences as one batch."""
         self.prefill = None
         pos = jobs[0].pos
         layers = [RowBatchKVCache.merge([job.cache[i] for job in jobs]) for i in range(len(jobs[0].cache))]
@@ -132,27 +166,10 @@ class Admission:
         for index, job in enumerate(jobs):
             job.pos = pos + n
             self.prefix_cache.commit(job.seq.prompt_ids[: job.pos], [c.extract(index) for c in layers])
-        self._start_decoding(jobs, layers)
-        self.stats["waves"] += 1
         log.debug("prefilled %d sequences of %d tokens as one wave", len(jobs), n)
+        return Prefilled(jobs, layers)
 
-    def _start_decoding(self, jobs: list[PrefillJob], layers: list | None = None) -> None:
-        """Rows join the decode batch: one sequence on its own cache (`layers` None), or a
-        wave on the batched cache it was prefilled on."""
-        seqs = [j.seq for j in jobs]
-        for seq in seqs:
-            seq.stage = "decoding"
-        self._join(seqs, [seq.prompt_ids[-1] for seq in seqs],
-                   layers if layers is not None else [batch_of_one(layer) for layer in jobs[0].cache],
-                   [list(seq.prompt_ids[:-1]) for seq in seqs], [make_sampler(seq.params) for seq in seqs],
-                   [self._max_tokens(seq) for seq in seqs])
-        self.stats["peak_batch"] = max(self.stats["peak_batch"], len(self.batch))
-        for j in jobs:
-            params = j.seq.params
-            self.rows[j.seq.seq_id] = Row(j.seq, self.tokenizer.detokenizer, StopMatcher(params.stop),
-                                           started_at=j.started_at)
-
-    def _keep_failed_prefill(self, job: PrefillJob | None) -> None:
+    def keep_failed_prefill(self, job: PrefillJob | None) -> None:
         """What a prefill on dense caches had done when a step failed goes to the prefix cache,
         converted, as a cancel's is (a re-sent request then resumes from it): nothing of it
         was committed yet (a stand-in's chunks are not in the final caches' block format),

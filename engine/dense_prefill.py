@@ -30,12 +30,12 @@ def plan(job, chunk: int, fits=None, *, cold_dense: bool = True) -> None:
     A cold prefill (nothing restored) of more than one chunk runs the same way on fresh
     dense caches and is quantised once when the prompt is done, instead of every chunk
     attending over the decoded codes of all chunks before it (docs/TURBOQUANT.md). Its
-    dense KV is what the memory model already charges for the prompt: the scheduler's
-    `_prompt_need` and `_used_bytes` count dense bytes per token for a TurboQuant engine
+    dense KV is what the memory model already charges for the prompt: the memory
+    pressure's `prompt_need` and `used_bytes` count dense bytes per token for a TurboQuant engine
     too, and `append_suffix` frees each dense layer as it is encoded. Its blocks reach the
     prefix cache once, quantised, at the end (a dense chunk is not in the TurboQuant block
     format: `PrefixCache.pageable`); a cancel or park quantises what was done first, and so
-    does a step that fails between two chunks (`Scheduler._keep_failed_prefill`); one that
+    does a step that fails between two chunks (`Admission.keep_failed_prefill`); one that
     fails inside a chunk loses the chunks done.
 
     `cold_dense=False` (the engine's `cold_dense_prefill`) runs a cold prefill's chunks on the

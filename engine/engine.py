@@ -278,20 +278,20 @@ class Engine:
             self.context_length = int(config.get("max_position_embeddings") or 4096)
             self.reply_format = ReplyFormat.for_tokenizer(self.tokenizer)
             self.grammar = GrammarCompiler(self.tokenizer, int(config.get("vocab_size") or len(self.tokenizer)))
-            log.info("reply format: tool calls %s%s, reasoning %s", self.reply_format.tool_parser_name,
+            log.debug("reply format: tool calls %s%s, reasoning %s", self.reply_format.tool_parser_name,
                      " (Hermes assumed: the tokenizer names no tool format)" if self.reply_format.fallback else "",
                      self.reply_format.think_start or "none")
             traits = TemplateTraits.from_tokenizer(self.tokenizer)
             self._token_bound = token_bound(self.tokenizer)  # engine/chat_render.py: huge prompts refused early
-            log.info("prompt size bound: %s", f"a token spans at most {self._token_bound.max_units} "
+            log.debug("prompt size bound: %s", f"a token spans at most {self._token_bound.max_units} "
                      f"{self._token_bound.unit}" if self._token_bound else "none (counted in chunks)")
             self._bound_policy = BoundPolicy(self.render_policy, traits, self._count_reasoning)
-            log.info("render policies: %s; template renders later system messages in place: %s, honours "
+            log.debug("render policies: %s; template renders later system messages in place: %s, honours "
                      "preserve_thinking: %s", self.render_policy.describe(), traits.inline_system,
                      traits.preserve_thinking)
             if self.cache_bytes is None:
                 self.cache_bytes = default_cache_bytes(weights_bytes(self.model))
-                log.info("prefix cache memory tier: %.1f GB (%.0f%% of the memory left after the weights)",
+                log.debug("prefix cache memory tier: %.1f GB (%.0f%% of the memory left after the weights)",
                          self.cache_bytes / 1e9, 100 * CACHE_FRACTION)
             self.prefix_cache = PrefixCache(
                 self.model, max_bytes=self.cache_bytes, block_size=self.block_size, cache_dir=self.cache_dir,

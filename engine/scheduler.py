@@ -22,30 +22,30 @@ Where we depart from mlx-lm's `BatchGenerator`, and why:
 * Stop strings are matched on text (`StopMatcher`), eos/max_tokens by
   `GenerationBatch`; cancellation removes a row at the next step.
 
-The scheduler's parts, each a module of one job mixed into `Scheduler`:
-`engine/admission.py` (admission, chunked and wave prefill), `engine/decode_batch.py`
-(the decode batch), `engine/memory_pressure.py` (KV accounting, pause/park/resume,
-abort) and `engine/dense_prefill.py` (the dense stand-in a TurboQuant prefill runs on,
-the only place the prefill path looks at a cache's kind). This module owns the state
-they share, one step's order, and how a sequence ends.
+The scheduler composes three parts, each owning its state behind a small interface it asks and
+then tells (the way nano-vllm's scheduler asks its block manager `can_allocate` before `allocate`):
+`Admission` (engine/admission.py: the waiting queue and the one prefill job, chunked and wave
+prefill), `DecodeBatch` (engine/decode_batch.py: mlx-lm's batch and its rows) and `MemoryPressure`
+(engine/memory_pressure.py: the KV budget, the paused sequences, the spill store).
+engine/dense_prefill.py holds the dense stand-in a TurboQuant prefill runs on (the only place the
+prefill path looks at a cache's kind). This module owns one step's order, the moves of a sequence
+between the parts, and how a sequence ends.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 
-from mlx_lm.generate import GenerationBatch, StopSequences
-
-from engine import dense_prefill
-from engine.admission import Admission, PrefillJob
-from engine.decode_batch import Decoding, Row
-from engine.memory import MemoryModel
+from engine.admission import Admission, Prefilled
+from engine.decode_batch import DecodeBatch, Ended, Row, batch_of_one
+from engine.memory import SOFT_WATERMARK, MemoryModel
 from engine.memory_pressure import MemoryPressure, Paused
 from engine.prefix_cache import PrefixCache
+from engine.sampling import make_sampler
 from engine.sequence import Failed, Finished, Sequence
 from engine.spill import SpillStore
+from engine.stop_strings import StopMatcher
 from common.errors import EngineError
 
 log = logging.getLogger("prefixtrace.scheduler")
@@ -60,7 +60,7 @@ log = logging.getLogger("prefixtrace.scheduler")
 DECODE_PER_PREFILL_S = 2.0
 
 
-class Scheduler(Admission, Decoding, MemoryPressure):
+class Scheduler:
     def __init__(
         self,
         model,
@@ -77,53 +77,72 @@ class Scheduler(Admission, Decoding, MemoryPressure):
         cold_dense_prefill: bool = True,
     ):
         self.model = model
-        self.cold_dense_prefill = cold_dense_prefill  # engine/dense_prefill.py `plan`
-        # Turns a prefix-cache hit into the caches prefill runs on (e.g. engine.tq_cache.to_turboquant).
-        self.adapt_cache = adapt_cache or (lambda cache: cache)
-        self.memory = memory
-        self.spill = spill or SpillStore()
-        self.paused: deque[Paused] = deque()
-        self._just_resumed: set[int] = set()
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         self.context_length = context_length
         self.max_batch = max_batch
-        self.prefill_chunk = prefill_chunk
-        self.default_max_tokens = default_max_tokens
-        self._eos = set(tokenizer.eos_token_ids)
-        self._eos_stops = StopSequences([[t] for t in sorted(self._eos)])
-        self.waiting: deque[Sequence] = deque()
+        # Turns a prefix-cache hit into the caches prefill runs on (e.g. engine.tq_cache.to_turboquant).
+        self.adapt_cache = adapt_cache or (lambda cache: cache)
+        self.admission = Admission(model, prefix_cache, prefill_chunk=prefill_chunk, adapt_cache=self.adapt_cache,
+                                   cold_dense_prefill=cold_dense_prefill)
+        self.decode = DecodeBatch(model, tokenizer.eos_token_ids)
+        self.pressure = MemoryPressure(memory, spill or SpillStore(), prefix_cache, self.adapt_cache,
+                                       context_length=context_length, default_max_tokens=default_max_tokens)
         self._inflight: dict[int, Sequence] = {}  # added and not yet ended, wherever it is
-        self.prefill: PrefillJob | None = None
-        self.batch: GenerationBatch | None = None
-        self.rows: dict[int, Row] = {}
         self._decode_s_since_prefill = 0.0
         self._last_prefill_s = 0.0
         self.stats = {"requests": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
                       "peak_batch": 0, "pauses": 0, "parks": 0, "resumes": 0, "aborts": 0, "waves": 0}
 
+    # The parts' settings and state, by the names the engine, the tests and the benches use.
+
+    @property
+    def memory(self) -> MemoryModel | None:
+        return self.pressure.memory
+
+    @property
+    def spill(self) -> SpillStore:
+        return self.pressure.spill
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.admission.prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, tokens: int) -> None:  # bench/bench_engine_speed.py, while the engine is idle
+        self.admission.prefill_chunk = tokens
+
+    @property
+    def prefill(self):
+        return self.admission.prefill
+
+    @property
+    def paused(self):
+        return self.pressure.paused
+
     # --- asking ------------------------------------------------------------------
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefill or self.rows or self.paused)
+        return bool(self.admission.waiting or self.admission.prefill or self.decode.rows or self.pressure.paused)
 
     def status(self) -> dict:
+        """Read from other threads too (`Engine.capacity`)."""
         return {
-            "running": len(self.rows),
-            "prefilling": int(self.prefill is not None),
-            "waiting": len(self.waiting),
-            "paused": len(self.paused),
+            "running": len(self.decode),
+            "prefilling": int(self.admission.prefill is not None),
+            "waiting": len(self.admission.waiting),
+            "paused": len(self.pressure.paused),
             "kv_bytes_in_use": self._used_bytes() if self.memory else None,
         }
 
     @property
     def num_running(self) -> int:
-        return len(self.rows)
+        return len(self.decode)
 
     def add(self, seq: Sequence) -> None:
         self._inflight[seq.seq_id] = seq
-        self.waiting.append(seq)
+        self.admission.add(seq)
 
     # --- one step ----------------------------------------------------------------
 
@@ -133,12 +152,12 @@ class Scheduler(Admission, Decoding, MemoryPressure):
             self._relieve_pressure()
         self._resume()
         self._admit()
-        if self.rows:
+        if self.decode.rows:
             t0 = time.perf_counter()
             self._decode()
             self._decode_s_since_prefill += time.perf_counter() - t0
-        if self.prefill is not None and (
-            not self.rows or self._decode_s_since_prefill >= self._last_prefill_s * DECODE_PER_PREFILL_S
+        if self.admission.prefill is not None and (
+            not self.decode.rows or self._decode_s_since_prefill >= self._last_prefill_s * DECODE_PER_PREFILL_S
         ):
             t0 = time.perf_counter()
             self._prefill_chunk()
@@ -150,14 +169,153 @@ class Scheduler(Admission, Decoding, MemoryPressure):
         one the step had taken out of every queue (between prefill and the decode batch, or
         popped into a wave) when it failed: such a sequence would otherwise wait forever."""
         seqs, self._inflight = list(self._inflight.values()), {}
-        self.waiting.clear()
-        while self.paused:  # their spill files and pins go with them
-            self._release(self.paused.popleft())
-        job = self.prefill
-        self.prefill, self.batch, self.rows = None, None, {}
-        self._keep_failed_prefill(job)  # before the errors: a request re-sent on its error finds it
+        self.pressure.release_all()  # their spill files and pins go with them
+        job = self.admission.clear()
+        self.decode.clear()
+        self.admission.keep_failed_prefill(job)  # before the errors: a request re-sent on its error finds it
         for seq in seqs:
             seq.emit(error_event)
+
+    # --- memory: the parts' numbers together ---------------------------------------
+
+    def _active(self) -> int:
+        return len(self.decode) + (self.admission.prefill is not None)
+
+    def _used_bytes(self) -> int:
+        # read `prefill` once: other threads call this too
+        return self.pressure.used_bytes(self.decode.kv_tokens(), self.admission.prefill)
+
+    def _fits(self, need: int, watermark: float = SOFT_WATERMARK) -> bool:
+        return self.pressure.fits(self._used_bytes(), need, watermark)
+
+    def _wave_fits(self, seqs: list[Sequence]) -> bool:
+        return self._fits(sum(self.pressure.prompt_need(seq) for seq in seqs))
+
+    # --- admission and prefill -------------------------------------------------------
+
+    def _admit(self) -> None:
+        admission, pressure = self.admission, self.pressure
+        while (admission.prefill is None and admission.waiting and len(self.decode) < self.max_batch
+               and not pressure.paused):
+            if self.memory is not None and self._active() and not self._fits(pressure.prompt_need(admission.waiting[0])):
+                return  # wait for memory; paused requests and running rows go first
+            admission.admit(self._fits if self.memory is not None else None)
+
+    def _prefill_chunk(self) -> None:
+        room = 0 if self.pressure.paused else self.max_batch - len(self.decode) - 1
+        ready = self.admission.run_chunk(room, self._wave_fits if self.memory is not None else None)
+        if ready is not None:
+            self._start_decoding(ready)
+
+    def _start_decoding(self, ready: Prefilled) -> None:
+        """Rows join the decode batch: one sequence on its own cache, or a wave on the batched
+        cache it was prefilled on."""
+        jobs = ready.jobs
+        seqs = [j.seq for j in jobs]
+        for seq in seqs:
+            seq.stage = "decoding"
+        rows = [Row(j.seq, self.tokenizer.detokenizer, StopMatcher(j.seq.params.stop), started_at=j.started_at)
+                for j in jobs]
+        layers = ready.layers if ready.layers is not None else [batch_of_one(layer) for layer in jobs[0].cache]
+        size = self._join(rows, [seq.prompt_ids[-1] for seq in seqs], layers,
+                          [list(seq.prompt_ids[:-1]) for seq in seqs], [make_sampler(seq.params) for seq in seqs],
+                          [self.pressure.max_tokens(seq) for seq in seqs])
+        self.stats["peak_batch"] = max(self.stats["peak_batch"], size)
+        if ready.layers is not None:
+            self.stats["waves"] += 1
+
+    def _join(self, rows: list[Row], *args) -> int:
+        return self.decode.join(rows, *args)
+
+    # --- decoding ----------------------------------------------------------------------
+
+    def _decode(self) -> None:
+        for ended in self.decode.step():
+            self._finish(ended)
+        # Every row in the batch decoded a token: each resumed one has made progress.
+        self.pressure.just_resumed.clear()
+
+    # --- memory pressure ----------------------------------------------------------------
+
+    def _relieve_pressure(self) -> None:
+        """Above the hard watermark, pause (or park) the newest sequence that has made
+        progress since it last resumed; a lone sequence always runs (it fits alone)."""
+        while self._active() > 1 and self.pressure.over_hard_watermark(self._used_bytes()):
+            victim = self.pressure.victim(self.decode.rows, self.admission.prefill)
+            if victim is None:
+                self._abort_one()
+                return
+            if self.admission.prefill is not None and victim is self.admission.prefill.seq:
+                self._park_prefill()
+            else:
+                self._pause_row(victim.seq_id, reason="hard memory pressure")
+
+    def _pause_row(self, uid: int, *, reason: str) -> None:
+        """Take a decoding row out of the batch with its exact state; its KV is pinned or spilled."""
+        taken = self.decode.take_out(uid)
+        if isinstance(taken, Ended):  # the token sampled ahead ended it
+            self._finish(taken)
+            return
+        row, n_cached = taken.row, len(taken.cached_ids)
+        try:
+            paused = self.pressure.hold_row(taken)
+        except EngineError as exc:  # this request ends; the others are not touched
+            self._fail(row.seq, exc)
+            return
+        self.stats["pauses"] += 1
+        log.info("paused request %d after %d output tokens (%s): %d KV tokens %s",
+                 uid, len(row.seq.output_ids), reason, n_cached,
+                 "pinned in the prefix cache" if paused.pinned is not None else "spilled")
+
+    def _park_prefill(self) -> None:
+        """Free the prefill's live KV; it resumes from what it had computed."""
+        job = self.admission.take_prefill()
+        paused = self.pressure.park(job)
+        self.stats["parks"] += 1
+        log.info("parked prefill of request %d at %d/%d prompt tokens (hard memory pressure; %s)",
+                 job.seq.seq_id, job.pos, job.seq.num_prompt_tokens,
+                 "pinned in the prefix cache" if paused.path is None else "spilled")
+
+    def _resume(self) -> None:
+        """Paused sequences resume first-in first-out, before any new admission, once the
+        memory they need at their final length is free; never under hard pressure."""
+        pressure = self.pressure
+        while pressure.paused:
+            head = pressure.paused[0]
+            if head.row is None and self.admission.prefill is not None:
+                return
+            if head.row is not None and len(self.decode) >= self.max_batch:
+                return
+            if self.memory is not None and self._active() and not self._fits(pressure.final_need(head.seq)):
+                return
+            pressure.paused.popleft()
+            if head.row is None:
+                self.admission.prefill = pressure.unpark(head)
+            else:
+                try:
+                    cache = pressure.restore_row(head)
+                except EngineError as exc:  # this request ends; the others are not touched
+                    self._fail(head.seq, exc)
+                    continue
+                self._rejoin(head, cache)
+            self.stats["resumes"] += 1
+            log.info("resumed request %d (%s)", head.seq.seq_id, "prefill" if head.row is None else "decode")
+
+    def _rejoin(self, paused: Paused, cache: list) -> None:
+        self._join([paused.row], [paused.pending], [batch_of_one(layer) for layer in cache], [paused.cached_ids],
+                   [paused.sampler], [paused.remaining])
+        self.pressure.just_resumed.add(paused.seq.seq_id)
+
+    def _abort_one(self) -> None:
+        """Nothing can be paused: fail one request (largest live KV, newest on ties), never all."""
+        rows = self.decode.rows
+        sizes = {uid: len(r.seq.prompt_ids) + len(r.seq.output_ids) for uid, r in rows.items()}
+        uid = max(sizes, key=lambda u: (sizes[u], rows[u].seq.arrived_at))
+        row = self.decode.drop(uid)
+        self._retire(row.seq, "aborted")
+        self.stats["aborts"] += 1
+        log.warning("aborted request %d under memory pressure (%d KV tokens)", uid, sizes[uid])
+        row.seq.emit(Failed(EngineError("aborted under memory pressure; retry later", retryable=True)))
 
     # --- endings ------------------------------------------------------------------
 
@@ -169,38 +327,32 @@ class Scheduler(Admission, Decoding, MemoryPressure):
         seq.emit(Failed(error))
 
     def _reap_cancelled(self) -> None:
-        if self.prefill is not None and self.prefill.seq.cancelled:
-            job, self.prefill = self.prefill, None
-            dense_prefill.finish(job)
+        prefill = self.admission.prefill
+        if prefill is not None and prefill.seq.cancelled:
+            job = self.admission.take_prefill()
             self.prefix_cache.store(job.seq.prompt_ids, job.cache)  # keep what was prefilled
             self._retire(job.seq, "cancelled")
             job.seq.emit(Finished("cancelled", job.seq.num_prompt_tokens, 0, job.seq.num_cached_tokens, 0.0, 0.0))
-        for paused in [p for p in self.paused if p.seq.cancelled]:
-            self.paused.remove(paused)
-            self._release(paused)
+        for paused in self.pressure.take_cancelled():
             self._retire(paused.seq, "cancelled")
             paused.seq.emit(Finished("cancelled", paused.seq.num_prompt_tokens, paused.seq.num_completion_tokens,
                                      paused.seq.num_cached_tokens, 0.0, 0.0))
-        cancelled = {uid: "cancelled" for uid, row in self.rows.items() if row.seq.cancelled}
+        cancelled = {uid: "cancelled" for uid, row in self.decode.rows.items() if row.seq.cancelled}
         if cancelled:
-            self._remove(cancelled)
-        # Waiting requests too, wherever they are in the queue (one may sit behind paused ones
-        # or a memory check for long).
-        for seq in [s for s in self.waiting if s.cancelled]:
-            self.waiting.remove(seq)
+            for ended in self.decode.remove(cancelled):
+                self._finish(ended)
+        for seq in self.admission.take_cancelled():
             self._retire(seq, "cancelled")
             seq.emit(Finished("cancelled", seq.num_prompt_tokens, 0, 0, 0.0, 0.0))
 
-    def _finish(self, row: Row, finish: str, cache: list, cached_ids: list[int]) -> None:
-        self.rows.pop(row.seq.seq_id, None)
-        if finish == "length":
-            self._flush_text(row)
-        self.prefix_cache.store(cached_ids, cache)
+    def _finish(self, ended: Ended) -> None:
+        self.prefix_cache.store(ended.cached_ids, ended.cache)
         end = time.perf_counter()
+        row = ended.row
         first = row.first_token_at or end
         seq = row.seq
-        self._retire(seq, finish)
-        seq.emit(Finished(finish, seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens,
+        self._retire(seq, ended.finish)
+        seq.emit(Finished(ended.finish, seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens,
                           prefill_s=first - row.started_at, decode_s=end - first))
 
     def _retire(self, seq: Sequence, finish: str) -> None:

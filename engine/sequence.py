@@ -53,8 +53,6 @@ class Sequence:
     arrived_at: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
-    pause_at: frozenset[int] = frozenset()  # test hook: pause when the output reaches these lengths
-    park_at: int | None = None  # test hook: park the prefill once this many prompt tokens are in
     # When set, each output token's logprob and its top-1/top-2 margin are kept (identity tests, benchmarks).
     record_logprobs: bool = False
     token_logprobs: list[float] = field(default_factory=list)

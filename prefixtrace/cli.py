@@ -17,7 +17,8 @@ import click
 
 from prefixtrace import cli_analyze, cli_compare, cli_recorder
 from prefixtrace.cli_common import JSON_OPTION, FiniteFloatRange, echo_json, library_errors as _library_errors
-from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved
+from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved, user_config_path
+from prefixtrace.config_trust import announcement, is_trusted, screen
 from proxy.upstream_timeouts import UpstreamTimeouts
 from common.urls import display_url
 
@@ -42,8 +43,16 @@ def cli(ctx, config_file):
     """
     path = find_config(config_file)
     ctx.meta["prefixtrace.config_file"] = path
+    ctx.meta["prefixtrace.config_trusted"] = path is not None and is_trusted(path, config_file is not None,
+                                                                             user_config_path())
     if path is not None:
         ctx.default_map = load_default_map(path, cli)
+        if not ctx.meta["prefixtrace.config_trusted"]:  # found in the working directory: docs/CONFIG.md "Trust"
+            screened = screen(ctx.default_map, cli)
+            ctx.default_map = screened.default_map
+            ctx.meta["prefixtrace.config_withheld"] = screened.withheld
+            for line in announcement(path, screened):
+                click.echo(line, err=True)
 
 
 def _layer_indices(value) -> tuple[int, ...]:
@@ -57,6 +66,17 @@ def _layer_indices(value) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise click.BadParameter(f"expected comma-separated layer indices or 'none', got {value!r}") from None
+
+
+def _fix_names(ctx, param, value) -> list[str]:
+    """`--fix a,b --fix c` as known fix names; an unknown one is a one-line usage error listing them."""
+    from analyzer.fixes import parse_fix_names
+    from common.errors import PrefixtraceError
+
+    try:
+        return parse_fix_names(list(value or ()))
+    except PrefixtraceError as exc:
+        raise click.BadParameter(exc.message) from None
 
 
 def _upstream_urls(ctx, param, values):
@@ -183,6 +203,10 @@ def _upstream_urls(ctx, param, values):
               help="How this server names itself in the X-Prefixtrace-Worker header of every response, which a "
                    "prefixtrace in front of a router records as the worker that served each turn. Default: "
                    "host:port (docs/FLEET.md).")
+@click.option("--fix", "fixes", metavar="NAME[,NAME...]", multiple=True, callback=_fix_names,
+              help="Repair each request in flight with these fixes, each off unless named: volatile, tool-order, "
+                   "tool-args, thinking, breakpoints, session-key (docs/FIXES.md). A request no fix changes goes on "
+                   "byte for byte; each fix that fires is recorded with its turn.")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--print-config", is_flag=True,
               help="Print each option's value and where it came from (flag, env, config, default) as JSON; start nothing.")
@@ -193,7 +217,7 @@ def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream
           thinking_retention,
           thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
           max_request_mb, request_body_timeout_s, max_header_kb, recorder_stuck_after_s, default_temperature, default_frequency_penalty, tool_choice_default,
-          default_max_tokens, grammar_max_string, store, otlp_endpoint, worker_name, log_level, print_config):
+          default_max_tokens, grammar_max_string, store, otlp_endpoint, worker_name, fixes, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
@@ -210,7 +234,9 @@ def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream
         options["upstreams"]["value"] = [display_url(u) for u in options["upstreams"]["value"] or ()]
         if options["otlp_endpoint"]["value"]:
             options["otlp_endpoint"]["value"] = display_url(options["otlp_endpoint"]["value"])
-        echo_json({"config_file": ctx.find_root().meta.get("prefixtrace.config_file"), "options": options})
+        root = ctx.find_root().meta
+        echo_json({"config_file": root.get("prefixtrace.config_file"), "options": options,
+                   "withheld_from_config": root.get("prefixtrace.config_withheld", [])})
         return
     if model is not None and upstreams:
         raise click.UsageError("--model serves a model with the embedded engine and --upstream forwards to another "
@@ -256,7 +282,7 @@ def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream
                           tool_choice_default=tool_choice_default,
                           grammar_max_string=grammar_max_string, default_max_tokens=default_max_tokens,
                           otlp_endpoint=otlp_endpoint, store=store,
-                          worker_name=worker_name,
+                          worker_name=worker_name, fixes=fixes,
                           allowed_hosts=None if allowed_hosts is None else
                           [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
 
@@ -313,11 +339,12 @@ def models(model, as_json):
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--url", default="http://127.0.0.1:8765", show_default=True,
-              help="Use the proxy answering /health here; if none does, start `prefixtrace serve` on a free port "
-                   "for the harness's run (stopped when it exits).")
+              help="Use the proxy answering /health here when it proves it is your own prefixtrace serve (a URL you "
+                   "give is used even unproven); else start `prefixtrace serve` on a free port for the harness's "
+                   "run (stopped when it exits). See docs/HARNESSES.md.")
 @click.option("--db", default="prefixtrace.db", show_default=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Database the started proxy records to, and where the summary reads the session back (for a "
-                   "proxy already running: the --db it was started with).")
+              help="Database the started proxy records to, and where the summary reads the session back (a "
+                   "running proxy that proves itself names its own; for an unproven one: the --db it was started with).")
 @click.option("--upstream", "upstreams", metavar="URL", multiple=True, callback=_upstream_urls,
               help="A started proxy forwards to this server instead of the embedded engine (repeatable).")
 @click.option("--serve-args", metavar="ARGS", default="",
@@ -328,11 +355,14 @@ def models(model, as_json):
               help="Price re-prefilled tokens in seconds in the summary.")
 @click.option("--exe", "executable", metavar="PATH", help="The harness's executable (default: found on PATH).")
 @click.option("--session", metavar="ID", help="The session id to record under (default: run-HARNESS-TIME-RANDOM).")
+@click.option("--fix", "fixes", metavar="NAME[,NAME...]", multiple=True, callback=_fix_names,
+              help="The started proxy repairs each request with these fixes (`serve --fix`, docs/FIXES.md); a proxy "
+                   "already answering at --url keeps its own.")
 @click.argument("harness", type=click.Choice(["pi", "claude", "codex", "opencode", "qwen", "aider", "llm",
                                               "claude-code", "qwen-code"]))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @_library_errors
-def run(url, db, upstreams, serve_args, model, prefill_rate, executable, session, harness, args):
+def run(url, db, upstreams, serve_args, model, prefill_rate, executable, session, fixes, harness, args):
     """Launch a coding-agent harness through the proxy and summarise its session.
 
     Points HARNESS (pi, claude, codex, opencode, qwen, aider, llm) at the proxy through a
@@ -351,11 +381,14 @@ def run(url, db, upstreams, serve_args, model, prefill_rate, executable, session
     extra = shlex.split(serve_args)
     for upstream in upstreams:
         extra += ["--upstream", upstream]
-    config_file = click.get_current_context().find_root().meta.get("prefixtrace.config_file")
-    if config_file is not None:  # the started serve reads the same config file
-        os.environ[CONFIG_ENV] = str(config_file)
+    if fixes:
+        extra += ["--fix", ",".join(fixes)]
+    root = click.get_current_context().find_root().meta
+    if root.get("prefixtrace.config_trusted"):  # the started serve reads the same config file, trusted as here
+        os.environ[CONFIG_ENV] = str(root["prefixtrace.config_file"])
+    url_given = click.get_current_context().get_parameter_source("url") != click.core.ParameterSource.DEFAULT
     code = run_harness(harness, list(args), url=url, db=db, serve_args=extra, model=model,
-                       prefill_rate=prefill_rate, executable=executable, session=session)
+                       prefill_rate=prefill_rate, executable=executable, session=session, url_given=url_given)
     sys.exit(code)
 
 

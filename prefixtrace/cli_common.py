@@ -30,6 +30,9 @@ def library_errors(fn):
         except OSError as exc:  # an output file that cannot be written, a disk that filled up...
             where = f"{exc.filename}: " if exc.filename else ""
             raise click.ClickException(visible(f"{where}{exc.strerror or exc}")) from exc
+        except RecursionError as exc:  # JSON (or another input) nested past the parser's recursion limit
+            raise click.ClickException("the input is nested too deeply to read (past the JSON parser's "
+                                       "recursion limit): the file is damaged or crafted") from exc
         except sqlite3.Error as exc:  # not a database, a damaged one, a locked one...
             raise click.ClickException(f"cannot read the database: {visible(str(exc))} "
                                        f"({type(exc).__name__})") from exc

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from common.escaping import visible
 from prefixtrace.cli_common import (JSON_OPTION, FiniteFloatRange, echo, echo_json, library_errors, output_path,
                                     progress, write_or_echo)
 
@@ -108,8 +109,12 @@ def import_(file, db, as_json):
     file holds it; what it does not hold is printed per session and kept on
     the turns (docs/FORMATS.md "Transcripts").
 
-    All or nothing: a malformed line or entry is reported with its number and
-    nothing is written.
+    Each session says the format version read and how many of its calls were
+    rebuilt; a call whose history is not in the file is left out, and a file
+    that rebuilt fewer than half its calls makes import exit 1 (after storing
+    what it rebuilt). A directory's other files are listed as skipped, with
+    why. All or nothing per file: a malformed line or entry is reported with
+    its number and nothing of that file is written.
 
     Example: prefixtrace import ~/.claude/projects --db prefixtrace.db
     """
@@ -117,18 +122,34 @@ def import_(file, db, as_json):
 
     with progress(f"importing {file.name}"):
         count, transcripts = import_path(file, db)
+    skipped = getattr(transcripts, "skipped", [])
+    poor = transcripts.poorly_rebuilt() if transcripts else []
     if as_json:
         summary = {"imported": count, "file": str(file), "db": str(db)}
         if transcripts:  # what each rebuilt session lacks (JSONL and HAR imports print as before)
-            summary["sessions"] = [{"harness": t.harness, "session": t.session_id, "source": t.source,
-                                    "turns": len(t.turns), "not_rebuilt": t.notes} for t in transcripts]
+            summary["sessions"] = [{"harness": t.harness, "version": t.version, "session": t.session_id,
+                                    "source": t.source, "calls": t.calls, "turns": len(t.turns),
+                                    "not_rebuilt": t.notes} for t in transcripts]
+            summary["skipped"] = [{"file": f, "why": why} for f, why in skipped]
         echo_json(summary)
-        return
-    for t in transcripts:
-        click.echo(f"{t.harness} session {t.session_id}: {len(t.turns)} turn(s) rebuilt from {t.source}")
-        for note in t.notes:
-            click.echo(f"  not rebuilt: {note}")
-    click.echo(f"imported {count} turn(s) into {db}")
+    else:
+        for t in transcripts:
+            echo(one_line(f"{t.harness} session {t.session_id} ({t.version or 'version not written'}): "
+                          f"{len(t.turns)} of {t.calls} call(s) rebuilt from {t.source}"))
+            for note in t.notes:
+                echo(one_line(f"  not rebuilt: {note}"))
+        for f, why in skipped:
+            echo(one_line(f"skipped {f}: {why}"))
+        click.echo(f"imported {count} turn(s) into {db}")
+    if poor:
+        raise click.ClickException("; ".join(visible(one_line(
+            f"{t.source} ({t.harness} {t.version}) rebuilt {len(t.turns)} of its {t.calls} call(s): fewer than half, "
+            "so an analysis of it would answer for calls it does not have")) for t in poor))
+
+
+def one_line(text: str) -> str:
+    """Client text (session ids, file names) kept on its line: a newline in it cannot forge another."""
+    return text.replace("\n", "\\n")
 
 
 @click.command()
@@ -145,8 +166,14 @@ def import_(file, db, as_json):
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), callback=output_path,
               help="Write the report here: JSON, or a self-contained HTML page when the name ends in .html.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole report as JSON instead of the table.")
+@click.option("--fix", "fixes", metavar="NAME[,NAME...]", multiple=True,
+              help="Prove these fixes: each session is sent as recorded and as fixed to the one --target, "
+                   "alternating, and the two are compared (docs/FIXES.md \"Paired replay\").")
+@click.option("--min-gain", default=0.05, show_default=True, type=FiniteFloatRange(min=-1, max=1), metavar="SHARE",
+              help="With --fix: the hit-rate gain (0.05 = 5 points) the fixed variant must reach to pass.")
+@click.option("--price-model", metavar="MODEL", help="With --fix: price both variants' prompts as this model.")
 @library_errors
-def replay(src, targets, session, concurrency, pace, max_gap, model, out, as_json):
+def replay(src, targets, session, concurrency, pace, max_gap, model, out, as_json, fixes, min_gain, price_model):
     """Re-send recorded requests (database, JSONL or HAR), in order per
     session, to one or more servers, and measure each turn.
 
@@ -163,6 +190,8 @@ def replay(src, targets, session, concurrency, pace, max_gap, model, out, as_jso
     from recorder.sources import load_turns
 
     turns = load_turns(src, session=session)
+    if fixes:
+        return _paired_replay(turns, targets, fixes, min_gain, model, price_model, out, as_json)
     total = sum(1 for t in turns if isinstance(t.request_body, dict) and isinstance(t.request_body.get("messages"), list))
     with progress("replaying", total=total * len(targets)) as advance:
         report = run_replay(turns, list(targets), concurrency=concurrency, pace=pace, model=model,
@@ -176,6 +205,23 @@ def replay(src, targets, session, concurrency, pace, max_gap, model, out, as_jso
         echo(f"Error: {target['error']}", err=True)
     if failed:
         sys.exit(1)
+
+
+def _paired_replay(turns, targets, fixes, min_gain, model, price_model, out, as_json) -> None:
+    from analyzer.fixes import parse_fix_names
+    from prefixtrace.fix_replay import format_paired, paired_replay, write_paired
+
+    names = parse_fix_names(list(fixes))
+    if len(targets) != 1:
+        raise click.UsageError("--fix replays each session twice against one server: give one --target")
+    total = sum(1 for t in turns if isinstance(t.request_body, dict))
+    with progress("replaying as recorded and as fixed", total=2 * total) as advance:
+        report = paired_replay(turns, targets[0], names, min_gain=min_gain, model=model, price_model=price_model,
+                               progress=lambda: advance(1))
+    echo(json.dumps(report, indent=2) if as_json else format_paired(report))
+    if out:
+        write_paired(report, out)
+        click.echo(f"wrote {out}", err=True)
 
 
 @click.group()

@@ -10,6 +10,7 @@ the harness's exit code.
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import signal
@@ -26,6 +27,9 @@ from typing import Callable, Sequence
 import httpx
 
 from prefixtrace import harnesses
+from prefixtrace.instance_key import key_dir, proven_db, read_key
+from prefixtrace.run_children import Reaper, run_in_own_group
+from prefixtrace.run_defaults import small_model_args
 from common.errors import PrefixtraceError
 
 HEALTH_TIMEOUT_S = 600.0  # a first `serve` converts the bundled model and loads it
@@ -43,6 +47,7 @@ class Proxy:
     health: dict
     log: Path | None = None
     context_tokens: int | None = None
+    db: Path | None = None  # where its turns are recorded
 
     def stop(self) -> None:
         proc = self.started
@@ -90,29 +95,55 @@ def _wait_healthy(url: str, proc: subprocess.Popen | None, log: Path | None, tim
 
 
 def find_or_start_proxy(url: str, db: Path, serve_args: Sequence[str], workdir: Path,
-                        say: Callable[[str], None], timeout: float = HEALTH_TIMEOUT_S) -> Proxy:
+                        say: Callable[[str], None], timeout: float = HEALTH_TIMEOUT_S, *,
+                        url_given: bool = False, reaper: Reaper | None = None) -> Proxy:
     """The prefixtrace proxy answering /health at `url`, or a `prefixtrace serve --db db` started
-    on a free loopback port (its output in `workdir/serve.log`)."""
+    on a free loopback port (its output in `workdir/serve.log`).
+
+    A proxy found there is reused only when it proves it is this user's prefixtrace (the answer to a
+    nonce, common/instance_proof.py), which also names its database; or, unproven, when the user gave
+    `url` themselves. Anything else answering there gets none of the harness's credentials."""
     found = _health(url)
     if found is not None and found[1].get("status") in ("ok", "loading"):
-        health, headers = _wait_healthy(url, None, None, timeout)
-        say(f"using the proxy at {url} ({health.get('backend')}); its turns are read back from {db}")
-        return Proxy(url.rstrip("/"), None, health, None, _context(headers))
+        proven = proven_db(url)
+        if proven is not None or url_given:
+            health, headers = _wait_healthy(url, None, None, timeout)
+            if proven is not None:
+                db = Path(proven)
+                say(f"using your prefixtrace at {url} ({health.get('backend')}), recording to {db}")
+            else:
+                say(f"using the proxy at {url} ({health.get('backend')}) as --url asked; it did not prove it is "
+                    f"a prefixtrace serve of yours, so its turns are read back from {db}")
+            return Proxy(url.rstrip("/"), None, health, None, _context(headers), db)
+        say(f"{url} answers /health but did not prove it is a prefixtrace serve of yours (no key of its port "
+            f"in {key_dir()}, or a wrong answer): it gets nothing; starting a proxy for this run instead")
     port = _free_port()
     log = workdir / "serve.log"
+    added = small_model_args(serve_args)
+    if added:
+        say(f"the bundled model is small: its serve runs with {' '.join(added)} so the harness's loop can finish "
+            "(--serve-args overrides them)")
+        serve_args = [*serve_args, *added]
     cmd = [sys.executable, "-m", "prefixtrace.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--db", str(db), *serve_args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # the terminal's ^C is the harness's, not the proxy's
+    if reaper is not None:
+        reaper.watch(proc.pid)
     proxy_url = f"http://127.0.0.1:{port}"
     say(f"starting prefixtrace serve on {proxy_url} (database {db}, log {log})")
     try:
         health, headers = _wait_healthy(proxy_url, proc, log, timeout)
+        # Between choosing the port and serve binding it, another process could have taken it: the one
+        # answering must hold the secret serve wrote for that port (where serve could write one).
+        if read_key(port) is not None and proven_db(proxy_url) != str(db):
+            raise RunError(f"the process answering on {proxy_url} is not the prefixtrace serve run started "
+                           f"(it did not prove it); nothing was sent to it")
     except BaseException:
         Proxy(proxy_url, proc, {}).stop()
         raise
-    return Proxy(proxy_url, proc, health, log, _context(headers))
+    return Proxy(proxy_url, proc, health, log, _context(headers), db)
 
 
 def _context(headers: httpx.Headers) -> int | None:
@@ -134,24 +165,13 @@ def new_session_id(harness: str) -> str:
     return f"run-{harness}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
-def run_harness(cmd: list[str], env: dict[str, str]) -> int:
-    """The harness on this process's own stdin/stdout/terminal; its exit code (128+N for signal N).
-    ^C goes to the harness (it shares the terminal's process group): this process waits it out."""
-    forwarded = (signal.SIGTERM, signal.SIGHUP)
-    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *forwarded)}
+def run_harness(cmd: list[str], env: dict[str, str], reaper: Reaper | None = None,
+                tail: collections.deque | None = None) -> int:
+    """The harness on this process's own stdin/stdout/terminal; its exit code (128+N for signal N)."""
     try:
-        proc = subprocess.Popen(cmd, env=env)
+        return run_in_own_group(cmd, env, reaper, tail)
     except OSError as exc:
         raise RunError(f"cannot start {cmd[0]}: {exc}") from exc
-    try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for sig in forwarded:
-            signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
-        code = proc.wait()
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-    return 128 - code if code < 0 else code
 
 
 def summarize(db: Path, session: str, prefill_rate: float | None = None) -> dict:
@@ -193,7 +213,13 @@ def format_summary(summary: dict) -> str:
     if summary.get("note"):
         lines.append(f"  {summary['note']}")
     if not summary["requests"]:
-        lines.append("  nothing was recorded under this session (a reused proxy recording elsewhere? give --db)")
+        if summary.get("harness"):
+            last = summary.get("last_lines")
+            lines.append(f"  {summary['harness']} exited {summary['exit_code']} before sending any request through "
+                         "the proxy" + (", its last lines:" if last else " (its output is above)"))
+            lines += [f"    | {line}" for line in last or ()]
+        else:
+            lines.append("  nothing was recorded under this session")
         return "\n".join(lines)
     breaks = summary["breaks"]
     extra = f", {summary['side_requests']} side request chain(s)" if summary.get("side_requests") else ""
@@ -217,7 +243,7 @@ def format_summary(summary: dict) -> str:
 
 def run(harness: str, args: Sequence[str], *, url: str = DEFAULT_URL, db: Path = Path("prefixtrace.db"),
         serve_args: Sequence[str] = (), model: str | None = None, prefill_rate: float | None = None,
-        executable: str | None = None, session: str | None = None,
+        executable: str | None = None, session: str | None = None, url_given: bool = False,
         say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> int:
     """Run `harness` with `args` through a proxy; returns the harness's exit code."""
     name = harnesses.ALIASES.get(harness, harness)
@@ -231,9 +257,12 @@ def run(harness: str, args: Sequence[str], *, url: str = DEFAULT_URL, db: Path =
     session = session or new_session_id(name)
     db = Path(db).resolve()
     scratch = Path(tempfile.mkdtemp(prefix=f"prefixtrace-run-{name}-"))
+    tail: collections.deque = collections.deque(maxlen=8)
+    reaper = Reaper(scratch)  # stops what run started and removes scratch (its keys) if run is killed
     proxy = None
     try:
-        proxy = find_or_start_proxy(url, db, serve_args, scratch, say)
+        proxy = find_or_start_proxy(url, db, serve_args, scratch, say, url_given=url_given, reaper=reaper)
+        db = proxy.db or db
         engine = "engine" in proxy.health
         target = harnesses.Target(base_url=f"{proxy.url}/s/{session}",
                                   model=model or served_model(proxy),
@@ -242,10 +271,13 @@ def run(harness: str, args: Sequence[str], *, url: str = DEFAULT_URL, db: Path =
         launch = harnesses.configure(name, target, scratch / "config")
         env = {**os.environ, **launch.env}
         say(f"session {session}: {name} -> {target.base_url}")
-        code = run_harness([exe, *launch.args, *args], env)
+        code = run_harness([exe, *launch.args, *args], env, reaper, tail)
     finally:
         if proxy is not None:
             proxy.stop()
         shutil.rmtree(scratch, ignore_errors=True)
-    say(format_summary(summarize(db, session, prefill_rate)))
+        reaper.done()
+    summary = summarize(db, session, prefill_rate)
+    summary.update(harness=name, exit_code=code, last_lines=list(tail))
+    say(format_summary(summary))
     return code

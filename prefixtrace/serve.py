@@ -19,8 +19,10 @@ from uvicorn.main import STARTUP_FAILURE
 
 from common.errors import EngineError
 from common.urls import display_url
+from prefixtrace.instance_key import remove_key, write_key
 from prefixtrace.preflight import check_database_writable, claim_port, ready_banner
 from proxy.app import create_app
+from analyzer.fixes.sessions import FixSessions
 from proxy.connections import (HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_KB, open_file_limit_not_lowered,
                                raise_open_file_limit, with_head_timeout)
 from proxy.guard import LOOPBACK_HOSTS
@@ -88,6 +90,7 @@ class ServeConfig:
     otlp_endpoint: str | None = None  # OTLP/HTTP collector: one span per turn (prefixtrace/otel.py)
     store: str = "full"  # "hashes": no text recorded (recorder/hashing.py)
     worker_name: str | None = None  # X-Prefixtrace-Worker on every response; None: host:port (docs/FLEET.md)
+    fixes: list[str] = field(default_factory=list)  # --fix: the fixes applied to every request (docs/FIXES.md)
 
 
 def allowed_hosts(config: ServeConfig) -> list[str]:
@@ -145,7 +148,7 @@ def _engine_backend(config: ServeConfig):
         **({} if config.block_size is None else {"block_size": config.block_size}),
     ).start()
     log.info("loading model from %s (dtype %s)", model_dir, config.dtype or "as stored")
-    log.info("render policies: %s", engine.render_policy.describe())
+    log.debug("render policies: %s", engine.render_policy.describe())
     if config.tool_choice_default != "auto":
         log.warning("--tool-choice-default %s: requests with tools whose last message is a user turn are forced to "
                     "call one (a test aid for small models, docs/TOOLS.md)", config.tool_choice_default)
@@ -256,6 +259,18 @@ def worker_name(config: ServeConfig, listener) -> str:
     return f"{host}:{listener.getsockname()[1]}"
 
 
+def _keep_instance_key(app, listener, db: Path) -> tuple[Path, bytes] | None:
+    """The secret `prefixtrace run` checks this proxy by (common/instance_proof.py), kept in the
+    user's private directory for as long as it serves; without one, `run` does not reuse it."""
+    try:
+        path, secret = write_key(listener.getsockname()[1], db.resolve())
+    except OSError as exc:
+        log.warning("no instance key (%s): `prefixtrace run` will not reuse this proxy unless given --url", exc)
+        return None
+    app.state.instance_secret = (secret, str(db.resolve()))
+    return path, secret
+
+
 class Terminated(Exception):
     """SIGTERM, as an exception in the main thread."""
 
@@ -284,21 +299,25 @@ def _serve_on(listener, config: ServeConfig) -> None:
     engine = None if config.upstreams else backend.engine
     try:
         recorder = Recorder(config.db, stuck_after_s=config.recorder_stuck_after_s, hasher=_hasher(config))
-        feed = None
+        feed = key = None
         try:
-            log.info("recording to %s", config.db.resolve())
+            log.debug("recording to %s", config.db.resolve())  # the ready line says it
             if config.otlp_endpoint:
                 from prefixtrace.otel import LiveFeed, TurnSpans
 
                 feed = LiveFeed(TurnSpans.open(config.otlp_endpoint))
                 log.info("exporting one span per turn to %s (OTLP/HTTP)", display_url(feed.spans.url))
             app = create_app(backend, recorder, allowed_hosts=allowed_hosts(config), max_request_mb=config.max_request_mb,
-                             turn_feed=feed, worker_name=worker_name(config, listener))
+                             turn_feed=feed, worker_name=worker_name(config, listener),
+                             fixes=FixSessions(config.fixes) if config.fixes else None)
             app.state.request_body_timeout_s = config.request_body_timeout_s  # proxy/request_limits.py
+            key = _keep_instance_key(app, listener, config.db)
             raise_open_file_limit(_NOFILE_BEFORE_MLX)
             server = uvicorn.Server(uvicorn_config(app, config.host, listener.getsockname()[1], config.log_level,
                                                    max_head_kb=config.max_header_kb))
             logging.getLogger("uvicorn.access").addFilter(QueryValuesMasked())
+            if config.log_level == "info":  # uvicorn's start and stop lines say nothing a user acts on
+                logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
             failures: list[EngineError] = []
             if engine is not None:
                 _stop_if_the_model_fails_to_load(engine, server, failures)
@@ -313,6 +332,8 @@ def _serve_on(listener, config: ServeConfig) -> None:
             if not server.started:
                 sys.exit(STARTUP_FAILURE)
         finally:
+            if key is not None:
+                remove_key(*key)
             recorder.close(timeout=RECORDER_CLOSE_S)  # bounded: a stuck writer must not keep the process up
             if feed is not None:
                 feed.close(RECORDER_CLOSE_S)  # the last turns' spans, bounded as the recorder is

@@ -33,6 +33,7 @@ from wire import messages as messages_wire
 from wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
 from wire.messages import record_usage, to_anthropic_error  # noqa: F401 (the route's error shape)
 from wire import sse
+from proxy.upstream_query import with_query
 from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.backend import Backend
 from proxy.relay import TurnSink, serve_turn, stream_and_record
@@ -295,7 +296,7 @@ async def open_messages(backend: Backend, req: ChatRequest, builder: TurnBuilder
     if backend.embedded:
         return EngineMessages(await backend.open(req, builder, headers), req, builder,
                               backend.engine.tokenizer)
-    response, url = await backend.post(MESSAGES_PATH, req.body, headers, session_id=req.session_id, raw=req.raw)
+    response, url = await backend.post(with_query(MESSAGES_PATH, req.query), req.body, headers, session_id=req.session_id, raw=req.raw)
     return UpstreamMessages(response, builder, url)
 
 
@@ -340,7 +341,7 @@ class TokenCount:
 
 async def open_count(backend: Backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
     if not backend.embedded:
-        response, url = await backend.post(messages_wire.COUNT_TOKENS_PATH, req.body, headers,
+        response, url = await backend.post(with_query(messages_wire.COUNT_TOKENS_PATH, req.query), req.body, headers,
                                            session_id=req.session_id, raw=req.raw)
         return UpstreamCount(response, builder, url)
     req.stream = False

@@ -25,11 +25,14 @@ from proxy.fallback import add_fallback_routes
 from proxy.backend import Backend
 from proxy.chat_completions import CHAT_PATH, add_chat_route
 from proxy.guard import RequestGuard, refusal_recorder
+from proxy.live_fixes import FixLearningSink, reasoning_probe
+from analyzer.fixes.sessions import FixSessions
 from proxy.relay import TurnSink, record_durably
 from proxy.dashboard import observe
 from proxy.disconnect import CancelOnDisconnect
 from proxy.request_limits import DEFAULT_MAX_REQUEST_MB
 from proxy.turn_routes import TurnRoutes
+from common.instance_proof import PROOF_PATH, proof
 from proxy.run_session import SessionTagSink, strip_session_prefix
 from wire.messages import COUNT_TOKENS_PATH
 
@@ -38,12 +41,14 @@ TURN_PATHS = (CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH, COMPL
 
 
 def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str] | None = None,
-               max_request_mb: float = DEFAULT_MAX_REQUEST_MB, turn_feed=None, worker_name: str | None = None) -> FastAPI:
+               max_request_mb: float = DEFAULT_MAX_REQUEST_MB, turn_feed=None, worker_name: str | None = None,
+               fixes: FixSessions | None = None) -> FastAPI:
     """`allowed_hosts`: names the Host header may carry (None: loopback only; "*": any), see proxy/guard.py;
     `max_request_mb`: the largest body accepted (proxy/request_limits.py); `turn_feed`: every analysed
     turn also goes there (`serve --otlp-endpoint`, prefixtrace/otel.py LiveFeed); `worker_name`: sent as
     `X-Prefixtrace-Worker` on every response, so a proxy in front of a router records which worker
-    served each turn (`served_by`, docs/FLEET.md)."""
+    served each turn (`served_by`, docs/FLEET.md); `fixes`: `serve --fix`, applied to every request
+    (proxy/live_fixes.py, docs/FIXES.md)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -56,6 +61,11 @@ def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str]
     # /ui, /metrics (and OTLP): every turn also feeds them; a `/s/<id>/` URL files its turns under <id>
     # (proxy/run_session.py)
     recorder = SessionTagSink(observe(app, backend, recorder, turn_feed))
+    app.state.fixes = fixes
+    if fixes is not None:  # each reply's tool calls and reasoning, for the fixes of later requests
+        recorder = FixLearningSink(recorder, fixes)
+        if backend.embedded and fixes.reasoning_probe is None:
+            fixes.reasoning_probe = reasoning_probe(backend)
     # A loopback Host on every request and JSON on every POST; refused turns are recorded.
     error_bodies = {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error}
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts,
@@ -82,6 +92,16 @@ def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str]
                 body["engine"] = await backend.capacity()
             return body
         return JSONResponse({"status": "loading", "backend": backend.label}, status_code=503)
+
+    @app.get(PROOF_PATH)
+    async def instance_proof(nonce: str = ""):
+        """The answer `prefixtrace run` checks before reusing this proxy (common/instance_proof.py);
+        404 where serve keeps no secret (an app built without one, as tests build it)."""
+        kept = getattr(app.state, "instance_secret", None)
+        if kept is None or not 16 <= len(nonce) <= 128:
+            return JSONResponse({"error": {"message": "no instance proof here", "type": "not_found"}}, status_code=404)
+        secret, db = kept
+        return {"proof": proof(secret, nonce, db), "db": db}
 
     @app.get("/v1/capacity")
     async def capacity():

@@ -30,6 +30,7 @@ from wire import sse
 from wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
 from wire.http import map_httpx_errors
 from recorder.turn_builder import TurnBuilder
+from proxy.upstream_query import with_query
 from proxy.backend import Backend, ForwardingBackend
 from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.relay import TurnSink, serve_turn, stream_and_record
@@ -176,7 +177,7 @@ async def open_upstream(backend: ForwardingBackend, req: ChatRequest, builder: T
         body = {**body, "stream_options": {**(options or {}), "include_usage": True}}
         # The client's bytes with the option added, when it had none (no re-encoding).
         raw = _with_member(raw, USAGE_OPTION) if "stream_options" not in req.body and req.body else None
-    response, url = await backend.post(path, body, headers, session_id=req.session_id, raw=raw)
+    response, url = await backend.post(with_query(path, req.query), body, headers, session_id=req.session_id, raw=raw)
     return UpstreamChat(req, builder, response, url)
 
 

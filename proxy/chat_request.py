@@ -32,6 +32,8 @@ class ChatRequest:
     # `body` as the client's bytes (set by `proxy.relay.serve_turn` when `body` is the parsed request
     # as it came): an upstream is sent these rather than `body` encoded again.
     raw: bytes | None = None
+    # The client's query string (`api-version=...`), forwarded upstream with the body (proxy/upstream_query.py).
+    query: str = ""
 
 
 def parse_chat_request(body: dict, headers: dict[str, str] | None = None) -> ChatRequest:

@@ -477,7 +477,7 @@ def raise_open_file_limit(before_mlx: tuple[int, int] | None = None) -> tuple[in
         except (ValueError, OSError):
             continue
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    log.info("open files: up to %d (hard limit %s); idle connections close after %d s, a request head is "
+    log.debug("open files: up to %d (hard limit %s); idle connections close after %d s, a request head is "
              "due within %.0f s", soft, "unlimited" if hard == resource.RLIM_INFINITY else hard,
              KEEP_ALIVE_S, HEAD_TIMEOUT_S)
     return soft, hard

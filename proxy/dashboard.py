@@ -114,7 +114,8 @@ def observe(app: FastAPI, backend, recorder, turn_feed=None):
             **sessions,
             **backend_state(),
             "proxy": {"cache_hit_ratio": metrics.cache_hit_ratio, "requests": sum(metrics.requests.values()),
-                      "reported_prompt_tokens": metrics.reported_prompt_tokens},
+                      "reported_prompt_tokens": metrics.reported_prompt_tokens,
+                      "fixes": {f: n for (f, outcome), n in metrics.fixes.items() if outcome == "applied"}},
             "colours": {**COLOURS, "cached": CACHED, "appended": APPEND},
             "labels": LABELS,
         }

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from engine.chat_render import thinking_kwargs
 from engine.constraints import TOOL_CHOICE_DEFAULTS, ReplyPlan, plan_reply
@@ -30,6 +32,14 @@ from recorder.turn_builder import TurnBuilder
 from recorder import renderers
 
 DEFAULT_ALIAS = "default"
+# Client templates rendering at once (each a child process, engine/template_sandbox.py): few, so their
+# children cannot take the cores from everything else either.
+CLIENT_TEMPLATE_RENDERS = 2
+
+
+@functools.lru_cache(maxsize=1)
+def _client_template_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(CLIENT_TEMPLATE_RENDERS, thread_name_prefix="prefixtrace-client-template")
 
 
 MAX_TOKENS_POLICIES = ("clamp", "reject")
@@ -134,10 +144,17 @@ class EngineBackend:
         self._check_model(req)
         kwargs = thinking_kwargs(req.chat_template_kwargs, req.reasoning_effort)
         count_up_to = COUNT_FACTOR * self.engine.memory.max_context_tokens if count_only and self.engine.ready else None
+        # A client's own template (`--allow-client-templates`) renders in a child that may take its whole
+        # budget (engine/template_sandbox.py): those renders wait on threads of their own, so 16 looping
+        # templates hold up each other, never the thread pool every other request renders on.
+        client_template = isinstance(kwargs, dict) and "chat_template" in kwargs and self.engine.allow_client_templates
+        render = functools.partial(self.engine.render, req.messages, tools=req.tools, chat_template_kwargs=kwargs,
+                                   count_up_to=count_up_to)
         try:
-            rendered = await asyncio.to_thread(
-                self.engine.render, req.messages, tools=req.tools, chat_template_kwargs=kwargs, count_up_to=count_up_to
-            )
+            if client_template:
+                rendered = await asyncio.get_running_loop().run_in_executor(_client_template_pool(), render)
+            else:
+                rendered = await asyncio.to_thread(render)
         except (TypeError, ValueError) as exc:  # the tokenizer refuses text it cannot encode (lone surrogates)
             if _has_lone_surrogate(req.messages) or _has_lone_surrogate(req.tools):
                 raise InvalidRequest("the messages contain invalid Unicode (a lone UTF-16 surrogate)",

@@ -55,17 +55,25 @@ class Metrics:
         self.ttft: dict[str, Histogram] = {}
         self.latency: dict[str, Histogram] = {}
         self.usage_unusable = 0  # turns whose backend reported a usage count that is none (NaN, 1e29)
+        self.usage_impossible = 0  # turns whose backend reported more cached than prompt tokens (clamped)
+        self.fixes: dict[tuple[str, str], int] = defaultdict(int)  # (fix, "applied" | "failed"): serve --fix
 
     def observe(self, turn: Turn) -> None:
         """Count one finished turn (called with every recorded turn). A reported count that is
         no count (NaN, Infinity, 1e29: recorder/numbers.py) is left out, never summed."""
         self.requests[(turn.endpoint, turn.upstream, str(turn.status))] += 1
+        for entry in turn.fixes or []:
+            if entry.get("fired") or entry.get("error"):
+                self.fixes[(entry.get("name", "?"), "applied" if entry.get("fired") else "failed")] += 1
         prompt, generated, cached = count(turn.prompt_tokens), count(turn.completion_tokens), count(turn.cached_tokens)
         if prompt:
             self.tokens[("prompt", turn.upstream)] += prompt
         if generated:
             self.tokens[("generated", turn.upstream)] += generated
         if cached is not None and prompt:
+            if cached > prompt:  # more served from cache than was sent: impossible; counted as all cached, flagged
+                self.usage_impossible += 1
+                cached = prompt
             self.tokens[("cached", turn.upstream)] += cached
             self.reported_prompt_tokens += prompt
         if turn.status < 400:
@@ -87,7 +95,7 @@ class Metrics:
     @property
     def cache_hit_ratio(self) -> float:
         cached = sum(v for (kind, _), v in self.tokens.items() if kind == "cached")
-        return cached / self.reported_prompt_tokens if self.reported_prompt_tokens else 0.0
+        return min(1.0, cached / self.reported_prompt_tokens) if self.reported_prompt_tokens else 0.0
 
     def render(self, *, engine=None, upstreams: list[dict] | None = None, recorder: dict | None = None) -> str:
         """`recorder`: the recorder's `spool_state()` (whether the database takes writes, spooled and dropped turns)."""
@@ -114,9 +122,16 @@ class Metrics:
                "Turns whose backend reported a usage count that is no count (NaN, Infinity, negative, past 2**63);"
                " recorded as unknown, the usage kept as sent.",
                [_sample("prefixtrace_usage_unusable_total", {}, self.usage_unusable)])
+        family("prefixtrace_usage_impossible_total", "counter",
+               "Turns whose backend reported more cached tokens than prompt tokens; counted as wholly cached"
+               " (the ratio above stays within 0..1), the usage kept as sent.",
+               [_sample("prefixtrace_usage_impossible_total", {}, self.usage_impossible)])
         family("prefixtrace_reprefill_tokens_total", "counter",
                "Tokens re-prefilled after a prefix break, by the analyzer's cause (analysis tokenizer).",
                (_sample("prefixtrace_reprefill_tokens_total", {"cause": c}, n) for c, n in sorted(self.reprefill.items())))
+        family("prefixtrace_fixes_total", "counter",
+               "Requests a `serve --fix` fix changed (outcome=applied) or failed on and left as sent (outcome=failed).",
+               (_sample("prefixtrace_fixes_total", {"fix": f, "outcome": o}, n) for (f, o), n in sorted(self.fixes.items())))
         family("prefixtrace_prefix_breaks_total", "counter", "Prefix breaks found by the live analysis, by cause.",
                (_sample("prefixtrace_prefix_breaks_total", {"cause": c}, n) for c, n in sorted(self.breaks.items())))
         family("prefixtrace_ttft_seconds", "histogram", "Time to the first content token.",
@@ -151,7 +166,7 @@ def engine_state(engine) -> dict[str, Any]:
         "capacity": capacity,
         "stats": stats,
         "prefix_cache": cache if isinstance(cache, dict) else {},
-        "cache_hit_ratio": stats.get("cached_tokens", 0) / prompt if prompt else 0.0,
+        "cache_hit_ratio": min(1.0, stats.get("cached_tokens", 0) / prompt) if prompt else 0.0,
         "memory_bytes": capacity["weights_bytes"] + (capacity.get("kv_bytes_in_use") or 0),
         "memory_ceiling_bytes": capacity["ceiling_bytes"],
     }

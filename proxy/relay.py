@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from common.errors import PrefixtraceError, http_status
 from wire.request import session_id
 from proxy.backend import Backend
+from proxy.live_fixes import fix_request
 from proxy.request_limits import parse_body, read_request_body
 from proxy.turn_routes import WATCHED
 from recorder.turn_builder import TurnBuilder
@@ -115,10 +116,12 @@ async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recor
     try:
         raw = await read_request_body(request, turn)  # 413 past --max-request-mb
         body = parse_body(raw)
+        body, raw = fix_request(getattr(request.app.state, "fixes", None), endpoint, body, raw, turn)  # serve --fix
         turn.request_body, turn.request_raw = body, raw.decode("utf-8", errors="replace")
         req = parse(body, turn.request_headers)
         if req.body is body:
             req.raw = raw
+        req.query = request.scope.get("query_string", b"").decode("latin-1")  # forwarded upstream
         turn.session_id, turn.stream = req.session_id, req.stream
         chat = await open_reply(req, builder, turn.request_headers)
     except asyncio.CancelledError:

@@ -35,6 +35,7 @@ from wire import sse
 from wire.events import ReplyDone
 from wire.responses_stream import TERMINAL, ResponsesReader, ResponsesWriter, encode
 from recorder.turn_builder import TurnBuilder
+from proxy.upstream_query import with_query
 from proxy.chat_request import ChatRequest, parse_chat_request, passthrough_request
 from proxy.backend import Backend
 from proxy.relay import TurnSink, serve_turn, stream_and_record
@@ -221,7 +222,7 @@ def add_responses_route(app: FastAPI, backend: Backend, recorder: TurnSink) -> N
             # counts from the request), and an engine failure after that is response.failed in-band.
             chat = await backend.open(req, builder, headers, wait_first=not req.stream)
             return EngineResponses(chat, req, builder, store)
-        response, url = await backend.post(RESPONSES_PATH, req.body, headers, session_id=req.session_id,
+        response, url = await backend.post(with_query(RESPONSES_PATH, req.query), req.body, headers, session_id=req.session_id,
                                            raw=req.raw)
         return UpstreamResponses(response, builder, url)
 

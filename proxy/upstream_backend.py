@@ -26,9 +26,11 @@ import httpx
 from proxy.upstream_timeouts import UpstreamTimeouts
 from common.errors import UpstreamError
 from common.urls import credentials, display_url, without_credentials
+from proxy.upstream_query import masked, merged, split_query, with_query
 from wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
 from wire import sse
 from proxy.relay import UPSTREAM_BODY
+from proxy.reply_bounds import MAX_PROPS_BYTES, ReplyTooLarge, bounded, read_bounded
 from proxy.upstream_http import WORKER_HEADER, UpstreamConnections
 from recorder.turn_builder import TurnBuilder
 from recorder import renderers
@@ -65,10 +67,11 @@ class UpstreamBackend:
         if timeouts is None:
             timeouts = UpstreamTimeouts() if timeout is None else UpstreamTimeouts(first_byte_s=timeout, idle_s=timeout)
         self.timeouts = timeouts
-        url = normalize_base_url(base_url)
+        url, self.query = split_query(base_url)  # sent with every request (proxy/upstream_query.py)
+        url = normalize_base_url(url)
         # `base_url` names the upstream everywhere (label, errors, the recorded turn):
         # its credentials, if any, only reach the client, as Basic auth (common/urls.py).
-        self.base_url = display_url(url)
+        self.base_url = display_url(url) + (f"?{masked(self.query)}" if self.query else "")
         auth = credentials(url)
         self.client = httpx.AsyncClient(
             base_url=without_credentials(url),
@@ -121,7 +124,7 @@ class UpstreamBackend:
 
     async def ready(self) -> bool:
         try:
-            response = await self.client.get("/v1/models", timeout=5.0)
+            response = await self.client.get(with_query("/v1/models", self.query), timeout=5.0)
         except httpx.HTTPError:
             return False
         return response.status_code < 500
@@ -130,14 +133,14 @@ class UpstreamBackend:
 
     async def capacity(self) -> dict:
         with map_httpx_errors(self.base_url):
-            response = await self.client.get("/v1/capacity")
+            response = await self.client.get(with_query("/v1/capacity", self.query))
         if response.status_code >= 400:
             raise UpstreamError(f"upstream {self.base_url} has no capacity endpoint ({response.status_code})")
         return response.json()
 
     async def models(self) -> dict:
         with map_httpx_errors(self.base_url):
-            response = await self.client.get("/v1/models")
+            response = await self.client.get(with_query("/v1/models", self.query))
         if response.status_code >= 400:
             raise UpstreamError(f"upstream {self.base_url} answered {response.status_code} to /v1/models")
         return response.json()
@@ -150,12 +153,14 @@ class UpstreamBackend:
             return
         self._asked_props = True
         try:
-            response = await self.client.get("/props", timeout=3.0)
-            props = response.json() if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
+            async with self.client.stream("GET", with_query("/props", self.query), timeout=3.0) as response:
+                data = await read_bounded(response, MAX_PROPS_BYTES) if response.status_code == 200 else None
+            props = json.loads(data) if data is not None else None
+        except (httpx.HTTPError, ValueError, RecursionError):
             return
         template = props.get("chat_template") if isinstance(props, dict) else None
-        if isinstance(template, str) and template:
+        # A template past the bound is none a server renders with: not recorded (recorder/renderers.py).
+        if isinstance(template, str) and template and len(template) <= renderers.MAX_TEMPLATE_CHARS:
             name = props.get("model_alias") or str(props.get("model_path") or self.base_url).rsplit("/", 1)[-1]
             special = {k: props[k] for k in ("bos_token", "eos_token") if isinstance(props.get(k), str)}
             PUBLISHED_RENDERERS[self.base_url] = renderers.register(
@@ -163,10 +168,13 @@ class UpstreamBackend:
 
     async def post(self, path: str, body: dict, headers: dict[str, str], *,
                    session_id: str | None = None, raw: bytes | None = None) -> tuple[httpx.Response, str]:
-        """POST `body` to `path`, response streamed; returns it with the URL that answered
-        (`UpstreamPool` picks one of several by session; one upstream ignores `session_id`).
-        `raw`: `body` as the client's bytes, sent as they are when they are plain UTF-8 JSON."""
+        """POST `body` to `path` (with the client's query string, if any), response streamed; returns
+        it with the URL that answered (`UpstreamPool` picks one of several by session; one upstream
+        ignores `session_id`). `raw`: `body` as the client's bytes, sent as they are when they are
+        plain UTF-8 JSON."""
         await self.published_renderer()
+        path, client_query = split_query(path)
+        path = with_query(path, merged(self.query, client_query))
         forward = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
         if not any(k.lower() == "content-type" for k in forward):
             forward["content-type"] = "application/json"
@@ -193,6 +201,8 @@ class UpstreamBackend:
     def _head(self, path: str, headers: dict[str, str], length: int) -> bytes:
         """The request line and headers for `_direct_connections`: what httpx would have sent (its
         defaults where the client sent none, the credentials' Basic header), asking for no compression."""
+        if _NOT_IN_A_HEADER.search(path) or " " in path:
+            raise httpx.LocalProtocolError("the request target holds a space, line break or NUL")
         lines = [b"POST " + self._target_prefix + path.encode() + b" HTTP/1.1\r\nhost: " + self._host]
         seen = set()
         for name, value in headers.items():
@@ -342,9 +352,9 @@ class Relayed:
         those that one read of the upstream completed together in one list. An event that grows
         without end is the upstream's fault (`UpstreamError`), not a buffer without bound."""
         try:
-            async for batch in sse.iter_event_batches(self.response.aiter_bytes()):
+            async for batch in sse.iter_event_batches(bounded(self.response.aiter_bytes())):
                 yield batch
-        except sse.EventTooLarge as exc:
+        except (sse.EventTooLarge, ReplyTooLarge) as exc:
             raise UpstreamError(f"upstream {self.url} {exc}", upstream=self.url) from exc
 
     async def read(self) -> tuple[bytes, dict | None]:
@@ -353,7 +363,9 @@ class Relayed:
         502 naming it, not a 200 with an empty reply."""
         try:
             with map_httpx_errors(self.url):
-                data = await self.response.aread()
+                data = b"".join([chunk async for chunk in bounded(self.response.aiter_bytes())])
+        except ReplyTooLarge as exc:
+            raise UpstreamError(f"upstream {self.url} {exc}", upstream=self.url) from exc
         finally:
             await self.response.aclose()
         try:

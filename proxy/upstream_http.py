@@ -34,6 +34,8 @@ from typing import AsyncIterator
 import httptools
 import httpx
 
+from proxy.reply_bounds import MAX_REPLY_BYTES, ReplyTooLarge
+
 # The header a `prefixtrace serve` worker names itself in (prefixtrace/serve.py), lowercased as
 # compared here; a front proxy records it as the turn's `served_by` (docs/FLEET.md).
 WORKER_HEADER = b"x-prefixtrace-worker"
@@ -316,10 +318,15 @@ class UpstreamResponse:
                 await self._wait()
 
     def _decode(self, chunk: bytes) -> bytes:
+        # Inflated at most to the reply bound plus one byte: a small body that inflates to gigabytes
+        # is stopped here, before it is in memory (the reader, `reply_bounds.bounded`, says so).
         try:
-            return self._decoder.decompress(chunk)
+            out = self._decoder.decompress(chunk, MAX_REPLY_BYTES + 1)
         except zlib.error as exc:
             raise httpx.DecodingError(f"the upstream's compressed body is broken: {exc}") from exc
+        if getattr(self._decoder, "unconsumed_tail", b""):
+            raise ReplyTooLarge(MAX_REPLY_BYTES)
+        return out
 
     async def aread(self) -> bytes:
         return b"".join([chunk async for chunk in self.aiter_bytes()])
@@ -340,7 +347,7 @@ class _Undecodable:
     def __init__(self, coding: str):
         self.coding = coding
 
-    def decompress(self, chunk: bytes) -> bytes:
+    def decompress(self, chunk: bytes, max_length: int = 0) -> bytes:
         raise zlib.error(f"{self.coding!r} is not a coding this proxy decodes (it asks for identity)")
 
     def flush(self) -> bytes:

@@ -16,7 +16,7 @@ from typing import Any
 
 from common.errors import RecorderError
 from recorder.rows import BodyStore, row_to_turn
-from recorder.schema import open_db
+from recorder.readonly import open_db_readonly
 from recorder.turn import Turn
 
 
@@ -25,7 +25,7 @@ def iter_turns(db_path: str | Path, session: str | None = None) -> Iterator[Turn
     are stable). With `session`, only turns recorded with that session_id."""
     # Opened eagerly (not inside the generator) so a missing or foreign file
     # fails at the call, not at the first next().
-    db = open_db(db_path, create=False)
+    db = open_db_readonly(db_path)
     return _iter_rows(db, session, Path(db_path))
 
 
@@ -42,9 +42,12 @@ def _iter_rows(db, session: str | None, path: Path) -> Iterator[Turn]:
                 turn = row_to_turn(row, bodies)
             except sqlite3.DatabaseError as exc:
                 raise RecorderError(damaged(path, exc)) from exc
+            except RecursionError as exc:  # JSON nested past the parser's recursion limit
+                raise RecorderError(f"{path}: turn {row.get('request_id')!r} cannot be read: its JSON is nested "
+                                    "too deeply (the file is damaged or crafted)") from exc
             except (ValueError, TypeError, KeyError) as exc:  # a stored JSON text that no longer parses
                 raise RecorderError(f"{path}: turn {row.get('request_id')!r} cannot be read: "
-                                    f"{type(exc).__name__}: {exc} (the file is damaged?)") from exc
+                                    f"{type(exc).__name__}: {str(exc)[:200]} (the file is damaged?)") from exc
             yield turn
     finally:
         db.close()
@@ -65,7 +68,7 @@ def damaged(path: Path, exc: sqlite3.Error) -> str:
 def session_ids(db_path: str | Path) -> list[str]:
     """The session ids stored in a database (inferred sessions are not stored: the analyzer names them)."""
     p = Path(db_path)
-    db = open_db(p, create=False)
+    db = open_db_readonly(p)
     try:
         return [row[0] for row in db.execute("select distinct session_id from turn_log where session_id is not null"
                                              " order by session_id")]
@@ -75,7 +78,7 @@ def read_renderers(db_path: str | Path) -> dict:
     """The database's recorded renderers by id (recorder/renderers.py); none in an older database."""
     from recorder.renderers import load_all
 
-    db = open_db(db_path, create=False)
+    db = open_db_readonly(db_path)
     try:
         return load_all(db)
     except sqlite3.DatabaseError as exc:
@@ -101,7 +104,7 @@ def db_info(db_path: str | Path) -> dict[str, Any]:
     many messages all stored requests list: what raw bodies would repeat).
     """
     p = Path(db_path)
-    db = open_db(p, create=False)
+    db = open_db_readonly(p)
     try:
         return _db_info(db, p)
     except sqlite3.DatabaseError as exc:

@@ -17,8 +17,8 @@ that built the prompt, and the database keeps each renderer once:
 Why the tokenizer's content and not only its path: the database is what people copy to another machine
 to analyse, and a model cache may be gone by then. A tokenizer.json is 2-11 MB (SmolLM2 2.1 MB, Qwen3
 11 MB) and compresses to about a quarter; once per model that is small next to a day's traffic. Past
-MAX_TOKENIZER_BYTES only the path and hash are kept; the analyzer loads the file from the path when its
-hash still matches and says so when it does not.
+MAX_TOKENIZER_BYTES only the path and hash are kept, for a person to read: the analyzer never opens a
+recorded path (a database may come from anyone, and the path could name a FIFO or /dev/zero).
 
 The proxy registers a renderer in this process (`register`); the writer stores its row the first time a
 turn names its id (`ensure_stored`, in the turn's transaction). Turns carry only the id.
@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 MAX_TOKENIZER_BYTES = 64 << 20
+# A chat template is a few KB (the largest published ones ~100 KB); past this it is not stored or used.
+MAX_TEMPLATE_CHARS = 1 << 20
 
 
 @dataclass
@@ -48,6 +50,7 @@ class RendererInfo:
     tokenizer_sha256: str | None = None
     tokenizer_path: str | None = None
     id: str = ""
+    tokenizer_problem: str | None = None  # why a stored tokenizer could not be read back (load_all)
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -120,6 +123,35 @@ def load_all(db) -> dict[str, RendererInfo]:
     for row in db.execute("SELECT id, source, model, chat_template, special, tokenizer, tokenizer_sha256,"
                           " tokenizer_path FROM renderers").fetchall():
         rid, source, model, template, special, blob, digest, path = row
-        text = zlib.decompress(blob).decode("utf-8") if blob is not None else None
-        out[rid] = RendererInfo(source, model, template, json.loads(special or "{}"), text, digest, path, rid)
+        text, problem = _tokenizer_text(blob)
+        try:
+            specials = json.loads(special or "{}")
+        except (ValueError, RecursionError):
+            specials = None
+        if not isinstance(specials, dict):
+            specials = {}
+        specials = {k: v for k, v in specials.items() if isinstance(k, str) and isinstance(v, str)}
+        if template is not None and (not isinstance(template, str) or len(template) > MAX_TEMPLATE_CHARS):
+            template = None  # a template past the bound is not one a server renders with: "no chat template"
+        out[rid] = RendererInfo(str(source), str(model), template, specials, text, digest, path, str(rid), problem)
     return out
+
+
+def _tokenizer_text(blob: Any) -> tuple[str | None, str | None]:
+    """A stored tokenizer's text, inflated to at most MAX_TOKENIZER_BYTES (a small blob can inflate to
+    gigabytes); (None, why) when it is past that or not zlib-compressed UTF-8."""
+    if blob is None:
+        return None, None
+    if not isinstance(blob, bytes):
+        return None, "the stored tokenizer is not a compressed file"
+    inflater = zlib.decompressobj()
+    try:
+        data = inflater.decompress(blob, MAX_TOKENIZER_BYTES + 1)
+    except zlib.error:
+        return None, "the stored tokenizer is damaged"
+    if len(data) > MAX_TOKENIZER_BYTES or inflater.unconsumed_tail:
+        return None, f"the stored tokenizer inflates past {MAX_TOKENIZER_BYTES >> 20} MiB"
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError:
+        return None, "the stored tokenizer is not UTF-8 text"

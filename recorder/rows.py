@@ -22,7 +22,8 @@ import sqlite_utils
 
 from common.errors import RecorderError
 from recorder import numbers
-from recorder.bodies import message_hash, split_body
+from recorder.bodies import SplitBody, message_hash, split_body
+from recorder.item_texts import SharedItemTexts
 from recorder.redact import DEFAULT_REDACTOR, Redactor
 from recorder.renderers import ensure_stored
 from recorder.turn import Turn
@@ -30,6 +31,11 @@ from recorder.turn import Turn
 JSON_COLUMNS = ("request_headers", "tool_calls", "usage", "chunk_times", "render")
 # Writer-side id caches are dropped past this many entries; a miss only costs a lookup.
 _CACHE_LIMIT = 500_000
+# Read bounds (docs/CONFIG.md "Reading recordings"): one rebuilt body (twice the largest request
+# `serve --max-request-mb` takes by default), the messages of one chain, and all bodies one read rebuilds.
+MAX_BODY_CHARS = 64 << 20
+MAX_CHAIN_MESSAGES = 100_000
+MAX_READ_CHARS = 2 << 30
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -100,6 +106,12 @@ class BodyStore:
         self._prefix_rows: dict[int, tuple[int, int]] = {}
         self._message_bodies: dict[int, str] = {}
         self.renderer_ids: set[str] = set()  # `renderers` rows known to be stored
+        self.read_chars = 0  # characters of the bodies rebuilt so far (bounded: MAX_READ_CHARS)
+        # The previous body's message hashes and the prefix id after each: the next turn of a session
+        # repeats them, so only its new messages are looked up (a long session's turns cost their new
+        # messages, not their whole history).
+        self._last_hashes: list[bytes] = []
+        self._last_prefixes: list[int] = []
 
     def reset(self) -> None:
         self._message_ids.clear()
@@ -109,25 +121,35 @@ class BodyStore:
         self._prefix_rows.clear()
         self._message_bodies.clear()
         self.renderer_ids.clear()
+        self._last_hashes, self._last_prefixes = [], []
 
     # -- write ----------------------------------------------------------------
 
-    def put(self, text: str, *, is_json: bool) -> dict[str, Any]:
-        """Stores the messages of `text`; returns the turn's body columns."""
-        split = split_body(text) if is_json else None
+    def put(self, text: str | SplitBody, *, is_json: bool) -> dict[str, Any]:
+        """Stores the messages of `text` (or of a body already split); returns the turn's body columns."""
+        split = text if isinstance(text, SplitBody) else split_body(text) if is_json else None
         if split is None:
             return {"body_json": int(is_json), "body_head": self._text_id("body_parts", self._part_ids, text),
                     "body_sep": None, "body_tail": None, "body_prefix": None}
-        prefix = 0
-        for message in split.messages:
-            prefix = self._prefix_id(prefix, self._text_id("messages", self._message_ids, message))
+        hashes = split.hashes or [message_hash(m) for m in split.messages]
+        last = self._last_hashes
+        if len(hashes) >= len(last) and hashes[: len(last)] == last:
+            k = len(last)  # the common case, compared in C
+        else:
+            k = next((i for i, (a, b) in enumerate(zip(hashes, last)) if a != b), min(len(hashes), len(last)))
+        prefixes = self._last_prefixes[:k]
+        prefix = prefixes[-1] if prefixes else 0
+        for message, digest in zip(split.messages[k:], hashes[k:]):
+            prefix = self._prefix_id(prefix, self._text_id("messages", self._message_ids, message, digest))
+            prefixes.append(prefix)
+        self._last_hashes, self._last_prefixes = hashes, prefixes
         return {"body_json": 1, "body_head": self._text_id("body_parts", self._part_ids, split.head),
                 "body_sep": split.sep, "body_tail": self._text_id("body_parts", self._part_ids, split.tail),
                 "body_prefix": prefix}
 
-    def _text_id(self, table: str, cache: dict[bytes, int], text: str) -> int:
+    def _text_id(self, table: str, cache: dict[bytes, int], text: str, digest: bytes | None = None) -> int:
         """Id of `text` in a content-addressed table (`messages` or `body_parts`), stored if new."""
-        digest = message_hash(text)
+        digest = digest or message_hash(text)
         found = cache.get(digest)
         if found is None:
             row = self.db.execute(f"SELECT id FROM {table} WHERE hash = ?", [digest]).fetchone()
@@ -168,15 +190,35 @@ class BodyStore:
     # -- read -----------------------------------------------------------------
 
     def text(self, row: dict[str, Any]) -> str:
-        """The stored body text of a `turn_log` row."""
+        """The stored body text of a `turn_log` row. A body that would rebuild past MAX_BODY_CHARS,
+        or bodies past MAX_READ_CHARS in all, raise RecorderError: a crafted file can name one big
+        message thousands of times in a chain (a few KB of rows that rebuild gigabytes)."""
         head = self._part(row["body_head"])
         if row["body_prefix"] is None:
-            return head
-        return head + row["body_sep"].join(self._messages(row["body_prefix"])) + self._part(row["body_tail"])
+            return self._counted(head, row)
+        sep, tail = row["body_sep"] or "", self._part(row["body_tail"])
+        messages = self._messages(row["body_prefix"])
+        size = len(head) + len(tail) + sum(map(len, messages)) + len(sep) * max(len(messages) - 1, 0)
+        if size > MAX_BODY_CHARS:
+            raise RecorderError(f"turn {row.get('request_id')!r}: its body would rebuild to {size:,} characters, "
+                                f"over the {MAX_BODY_CHARS:,} a recorded body can have (the file is damaged or crafted)")
+        return self._counted(head + sep.join(messages) + tail, row)
+
+    def _counted(self, text: str, row: dict[str, Any]) -> str:
+        self.read_chars += len(text)
+        if self.read_chars > MAX_READ_CHARS:
+            raise RecorderError(f"the bodies read pass {MAX_READ_CHARS:,} characters in all at turn "
+                                f"{row.get('request_id')!r}: read one session at a time (--session)")
+        return text
 
     def _messages(self, prefix: int) -> list[str]:
         ids = []
+        seen = set()
         while prefix:
+            if prefix in seen or len(ids) >= MAX_CHAIN_MESSAGES:
+                what = "loops back on itself" if prefix in seen else f"is over {MAX_CHAIN_MESSAGES:,} messages long"
+                raise RecorderError(f"database is inconsistent: message prefix chain {prefix} {what}")
+            seen.add(prefix)
             if prefix not in self._prefix_rows:
                 self._load_prefix_chain(prefix)
             prefix, message_id = self._prefix_rows[prefix]
@@ -196,7 +238,8 @@ class BodyStore:
 
     def _load_prefix_chain(self, prefix: int) -> None:
         rows = self.db.execute(
-            "WITH RECURSIVE walk(id) AS (SELECT ? UNION ALL SELECT p.parent FROM walk JOIN prefixes p"
+            # UNION, not UNION ALL: a chain that loops (a crafted file) ends the walk at the repeat.
+            "WITH RECURSIVE walk(id) AS (SELECT ? UNION SELECT p.parent FROM walk JOIN prefixes p"
             " ON p.id = walk.id WHERE p.parent != 0) SELECT p.id, p.parent, p.message_id FROM walk"
             " JOIN prefixes p ON p.id = walk.id",
             [prefix],
@@ -212,11 +255,14 @@ def turn_to_row(turn: Turn, bodies: BodyStore, redactor: Redactor = DEFAULT_REDA
     return store_row(redacted_row(turn, redactor), bodies)
 
 
-def redacted_row(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> dict[str, Any]:
+def redacted_row(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR,
+                 shared: SharedItemTexts | None = None) -> dict[str, Any]:
     """`turn`'s row, redacted, with its body still as text (`_body`, `_body_json`):
     no database access, so the writer does this before its transaction begins.
-    Everything stored passes through here, so this is the one place secrets are stopped."""
-    text, is_json = body_text(turn, redactor)
+    Everything stored passes through here, so this is the one place secrets are stopped.
+    `shared`: turns whose bodies share item objects (an import) redact each item once."""
+    split = shared.split(turn.request_body, _utf8) if shared is not None and turn.request_raw is None else None
+    text, is_json = (split, True) if split is not None else body_text(turn, redactor)
     body = turn.request_body
     model = redactor.value(body.get("model")) if isinstance(body, dict) else None
     row = {
@@ -244,12 +290,13 @@ def redacted_row(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> dict[str,
         "ttft_s": numbers.seconds(turn.ttft_s),
         "total_s": numbers.seconds(turn.total_s),
         "chunk_times": _dumps(list(turn.chunk_times or [])),
-        "render": None if turn.render is None else _dumps(turn.render),
+        "render": None if turn.render is None and not turn.fixes else _dumps(
+            {**(turn.render or {}), **({"fixes": turn.fixes} if turn.fixes else {})}),  # serve --fix entries
         "renderer_id": turn.renderer_id,
         "served_by": turn.served_by,
     }
     row = {k: _utf8(v) if isinstance(v, str) else v for k, v in row.items()}
-    row["_body"], row["_body_json"] = _utf8(text), is_json
+    row["_body"], row["_body_json"] = (text if isinstance(text, SplitBody) else _utf8(text)), is_json
     return row
 
 
@@ -295,8 +342,12 @@ def write_turns(
     bodies: BodyStore | None = None,
 ) -> None:
     """Writes `turns` in one transaction (all or nothing). A request_id that is
-    already stored is replaced, so re-importing a file is idempotent."""
-    write_rows(db, [redacted_row(t, redactor) for t in turns], bodies)  # the CPU work, outside the transaction
+    already stored is replaced, so re-importing a file is idempotent. Items the
+    turns' bodies share (a rebuilt transcript's history) are redacted and
+    serialised once."""
+    shared = SharedItemTexts(redactor)
+    # The CPU work, outside the transaction.
+    write_rows(db, [redacted_row(t, redactor, shared) for t in turns], bodies)
 
 
 def write_rows(db: sqlite_utils.Database, prepared: list[dict[str, Any]], bodies: BodyStore | None = None) -> None:

@@ -128,6 +128,11 @@ def _m002_content_addressed(db: sqlite_utils.Database) -> None:
     db.execute("DROP TABLE turns")
     db.execute("CREATE INDEX idx_turn_log_session_started ON turn_log (session_id, started_at)")
     db.execute("CREATE INDEX idx_turn_log_started ON turn_log (started_at)")
+    create_turns_view(db)
+
+
+def create_turns_view(db) -> None:
+    """The version-1 `turns` view over `turn_log` (a sqlite3 connection or a sqlite-utils Database)."""
     meta = ", ".join(f"t.{c}" for c in META_COLUMNS)
     rest = ", ".join(f"t.{c}" for c in RESULT_COLUMNS)
     db.execute(f"CREATE VIEW turns AS SELECT {meta}, {_VIEW_BODY} AS request_body, {rest} FROM turn_log t")

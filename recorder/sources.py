@@ -45,6 +45,9 @@ def load_turns(source: str | Path, session: str | None = None) -> list[Turn]:
     With `session`, only turns recorded with that session id."""
     from recorder.transcripts import sniff_transcript, transcript_turns
 
+    from recorder.transcripts.store import refuse_special
+
+    refuse_special(Path(source))
     if Path(source).is_dir() or sniff_transcript(source) is not None:
         turns = transcript_turns(source)[0]
     elif (kind := sniff(source)) == "sqlite":
@@ -87,10 +90,14 @@ def import_path(path: str | Path, db_path: str | Path, *, redact_patterns: list[
     rebuilt into turns first. Returns (turns imported, the transcripts read; empty for JSONL/HAR)."""
     from recorder.transcripts import sniff_transcript, transcript_turns
 
+    from recorder.transcripts.store import refuse_special, store_transcript_turns
+
     p = Path(path)
-    if p.is_dir() or sniff_transcript(p) is not None:
+    refuse_special(p)
+    # opencode's database by name too: a damaged one is then said to be that, not "a database"
+    if p.is_dir() or p.name == "opencode.db" or sniff_transcript(p) is not None:
         turns, transcripts = transcript_turns(p)
-        return store_turns(db_path, turns, redact_patterns), transcripts
+        return store_transcript_turns(db_path, turns, redact_patterns), transcripts
     return import_file(p, db_path, redact_patterns=redact_patterns), []
 
 

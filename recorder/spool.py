@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
+import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +38,33 @@ DEFAULT_MAX_FILE_BYTES = 1 << 30
 def spool_path(db_path: str | Path) -> Path:
     p = Path(db_path)
     return p.with_name(p.name + ".spool")
+
+
+# The keys of a spooled row (recorder/rows.py `redacted_row`) that must be there, and their types;
+# every value is a plain JSON scalar.
+_REQUIRED = {"request_id": str, "started_at": (int, float), "endpoint": str, "upstream": str, "_body": str,
+             "_body_json": (bool, int)}
+
+
+def parse_row(line: bytes) -> tuple[dict[str, Any] | None, str]:
+    """A spool line as the row it holds, or (None, why): not UTF-8, not JSON (or nested past the
+    parser's limit), not an object of plain values with the keys every row has."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+    except RecursionError:
+        return None, "nested too deeply"
+    except ValueError:
+        return None, "not JSON"
+    if not isinstance(row, dict):
+        return None, f"a JSON {type(row).__name__}, not a row"
+    for key, kind in _REQUIRED.items():
+        if not isinstance(row.get(key), kind):
+            return None, f"no valid {key!r}"
+    if not all(v is None or isinstance(v, (str, int, float, bool)) for v in row.values()):
+        return None, "a value that is not a plain one"
+    return row, ""
 
 
 def _size(row: dict[str, Any]) -> int:
@@ -62,19 +91,64 @@ class Spool:
 
     def _adopt_file(self) -> None:
         """A spool file left by a server that stopped before it could write it: its rows are
-        written at the first chance, like any spooled row."""
+        written at the first chance, like any spooled row. What is there but is no spool this
+        recorder wrote is moved aside with one warning, never read in a loop: a special file (a
+        FIFO would block the start, a symlink to /dev/zero read without end), or a file with lines
+        that are not rows (its valid rows are kept in a fresh spool file)."""
         try:
-            with open(self.path, "rb") as fh:
-                self.file_rows = sum(1 for line in fh if line.strip())
-                self.file_bytes = fh.tell()
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             return
-        except OSError as exc:
-            log.error("cannot read the recorder spool %s: %s", self.path, exc)
+        except OSError as exc:  # ELOOP: a symlink (O_NOFOLLOW); or unreadable
+            self._move_aside("refused", f"it cannot be opened as a file ({exc.strerror or exc})")
             return
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                self._move_aside("refused", "it is not a regular file")
+                return
+            if os.fstat(fd).st_size > self.max_file_bytes:
+                self._move_aside("refused", f"it is larger than the spool's {self.max_file_bytes:,} bytes")
+                return
+            os.set_blocking(fd, True)
+            valid, damaged = [], []
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                row, why = parse_row(line)
+                if row is None:
+                    damaged.append(f"line {lineno}: {why}")
+                else:
+                    valid.append(line if line.endswith(b"\n") else line + b"\n")
+        if damaged:
+            aside = self._move_aside("damaged", f"{len(damaged)} line(s) are not spooled turns ({damaged[0]})",
+                                     f"; its {len(valid)} valid turn(s) are kept")
+            if aside is not None and valid:
+                try:
+                    with open_private(self.path, "wb") as out:
+                        out.write(b"".join(valid))
+                except OSError as exc:
+                    log.error("cannot rewrite the recorder spool %s: %s; its turns stay in %s", self.path, exc, aside)
+                    return
+            elif aside is None:
+                return
+        self.file_rows = len(valid)
+        self.file_bytes = sum(map(len, valid))
         if self.file_rows:
             log.warning("found %d spooled turn(s) in %s from an earlier run; writing them to the database",
                         self.file_rows, self.path)
+
+    def _move_aside(self, why_kind: str, why: str, then: str = "") -> Path | None:
+        """Renames the spool path to `<db>.spool.<kind>-<time>` (a link is moved, not followed)."""
+        aside = self.path.with_name(f"{self.path.name}.{why_kind}-{int(time.time())}")
+        try:
+            os.rename(self.path, aside)
+        except OSError as exc:
+            log.error("the recorder spool %s is unusable (%s) and cannot be moved aside (%s); no spool file is used",
+                      self.path, why, exc.strerror or exc)
+            self.max_file_bytes = 0  # nothing is appended to it
+            return None
+        log.warning("the recorder spool %s was moved aside to %s: %s%s", self.path, aside.name, why, then)
+        return aside
 
     def add(self, row: dict[str, Any]) -> bool:
         """Keeps `row`; False when it fit nowhere (counted in `dropped`, logged)."""
@@ -133,13 +207,12 @@ class Spool:
             log.error("the recorder spool %s is gone; %d turn(s) in it are lost", self.path, self.file_rows)
             self.file_rows = self.file_bytes = 0
             return
-        with open(self.path, encoding="utf-8") as fh:
+        with open(self.path, "rb") as fh:
             for line in fh:
                 if not line.strip():
                     continue
-                try:
-                    row = json.loads(line)
-                except ValueError:
+                row, _ = parse_row(line)
+                if row is None:
                     self.dropped += 1
                     log.error("a line of the recorder spool %s is damaged; its turn is lost", self.path)
                     continue

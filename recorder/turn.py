@@ -40,6 +40,9 @@ class Turn:
     # publishes no template, or a turn recorded before this was kept).
     renderer_id: str | None = None
     served_by: str | None = None  # the upstream member URL or engine that answered (a pool names one of several)
+    # `serve --fix`: one entry per named fix ({"name", "fired", "note", "bytes_before", "bytes_after"},
+    # analyzer/fixes); `request_body` is then the body as sent upstream. Stored inside `render`.
+    fixes: list[dict] | None = None
     # The body's exact JSON text when known (JSONL/HAR import, or a proxy that
     # passes it on): the recorder stores it byte for byte when it parses to
     # `request_body`. Not part of equality: it is another spelling of the body.

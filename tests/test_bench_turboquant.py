@@ -1,4 +1,4 @@
-"""The trained-model quality measures of engine/tq_quality.py (bench/bench_turboquant.py reports them), on the tiny fixture."""
+"""The trained-model quality measures of testsupport/tq_quality.py (bench/bench_turboquant.py reports them), on the tiny fixture."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from engine.tq_quality import (
+from testsupport.tq_quality import (
     Bfloat16KVCache,
     SplitCache,
     compare_logprobs,

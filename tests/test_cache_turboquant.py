@@ -397,8 +397,8 @@ def test_a_step_failing_inside_a_chunk_keeps_nothing_of_it():
     finally:
         e.shutdown()
     e = tq_engine(prefill_step_size=32)
-    sched = e.scheduler
-    model = sched.model
+    admission = e.scheduler.admission  # runs the prefill chunks
+    model = admission.model
     calls = []
 
     def broken(*args, **kwargs):
@@ -408,12 +408,12 @@ def test_a_step_failing_inside_a_chunk_keeps_nothing_of_it():
         return model(*args, **kwargs)
 
     try:
-        sched.model = broken
+        admission.model = broken
         events = queue.Queue()
         e.submit(Sequence(ids, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), events.put))
         event = _ended(events)
         assert isinstance(event, Failed) and "inside a chunk" in str(event.error)
-        sched.model = model
+        admission.model = model
         got, finished = generate(e, ids, max_tokens=6)
         assert finished.cached_tokens == 0 and got == want
     finally:

@@ -80,7 +80,7 @@ def test_user_config_then_working_directory_config_then_config_flag(tmp_path, cl
 
 
 def test_flag_beats_env_beats_config_beats_default(clean_env):
-    write(clean_env / "prefixtrace.toml",
+    write(clean_env.parent / "home" / ".config" / "prefixtrace" / "prefixtrace.toml",  # the user's own
           '[serve]\nport = 9100\nhost = "0.0.0.0"\ncache-memory-gb = 3\nupstream = "http://a:1"\n')
     printed = serve_options("serve", env={"PREFIXTRACE_PORT": "9200", "PREFIXTRACE_HOST": "127.0.0.2"})
     assert option(printed, "cache_memory_gb") == (3.0, "config")

@@ -170,7 +170,10 @@ def test_analyze_and_replay_reject_meaningless_numbers(args, word):
 # --- the config file: a wrong type is rejected like the same value typed as a flag ------------
 
 def config(clean_env, text: str) -> None:
-    (clean_env / "prefixtrace.toml").write_text(text)
+    """The user's own config file (one found in the working directory may set fewer keys: test_run_trust.py)."""
+    path = clean_env.parent / "home" / ".config" / "prefixtrace" / "prefixtrace.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
 @pytest.mark.parametrize("text, code, words", [

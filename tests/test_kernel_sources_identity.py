@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.kernels import common
-from engine.kernels.inventory import captured, kernel_strings
+from testsupport.kernel_inventory import captured, kernel_strings
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -15,6 +15,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import Failed, Finished, Sequence, TextDelta
 from common.errors import ContextExceedsCapacity
 from tests.conftest import TINY_MODEL
+from testsupport.forced_pauses import forced_pauses
 
 
 def engine_with(**kwargs) -> Engine:
@@ -25,7 +26,8 @@ def engine_with(**kwargs) -> Engine:
 
 def submit(engine: Engine, prompt_ids, params: SamplingParams, pause_at=()):
     events: queue.Queue = queue.Queue()
-    seq = Sequence(list(prompt_ids), params, events.put, pause_at=frozenset(pause_at), record_logprobs=True)
+    seq = Sequence(list(prompt_ids), params, events.put, record_logprobs=True)
+    forced_pauses(engine).add(seq, pause_at=pause_at)
     engine.submit(seq)
     return seq, events
 
@@ -148,7 +150,8 @@ def test_parked_prefill_resumes_from_what_it_computed(cache_bytes, caplog):
     engine = engine_with(prefill_step_size=16, cache_bytes=cache_bytes)
     caplog.set_level("INFO", logger="prefixtrace.scheduler")
     events: queue.Queue = queue.Queue()
-    seq = Sequence(list(ids), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), events.put, park_at=64)
+    seq = Sequence(list(ids), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), events.put)
+    forced_pauses(engine).add(seq, park_at=64)
     engine.submit(seq)
     _, done = wait(events)
     stats = dict(engine.stats)

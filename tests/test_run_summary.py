@@ -3,6 +3,7 @@ breaks of the run's own session only, read back from a real database."""
 
 from __future__ import annotations
 
+import pytest
 from click.testing import CliRunner
 
 from analyzer import analyze
@@ -50,3 +51,39 @@ def test_run_refuses_a_harness_it_cannot_start_before_starting_anything(tmp_path
     unknown = CliRunner().invoke(cli, ["run", "vim"])
     assert unknown.exit_code == 2
     assert not (tmp_path / "prefixtrace.db").exists()  # no proxy was started
+
+
+def test_a_started_proxy_on_the_bundled_model_gets_the_small_model_settings():
+    from prefixtrace.run_defaults import small_model_args
+
+    added = small_model_args([])
+    assert added == ["--default-temperature", "0", "--default-frequency-penalty", "0.5", "--default-max-tokens", "128",
+                     "--tool-choice-default", "required-until-tool-result"]
+    assert "--default-max-tokens" not in small_model_args(["--default-max-tokens=512"])  # the user's own stands
+    assert small_model_args(["--upstream", "http://x:1"]) == [] and small_model_args(["--model", "m"]) == []
+
+
+@pytest.mark.slow
+def test_a_harness_that_sends_nothing_is_said_plainly(tmp_path):
+    """The harness fails before its first request (llm with a broken plugin, say): run names its exit
+    code and last lines, not a database it guessed wrong."""
+    import os
+    import subprocess
+    import sys
+
+    from testsupport.servers import ROOT, running_server
+    from tests.test_run_trust import capturing_app
+
+    exe = tmp_path / "llm"
+    exe.write_text(f"#!{sys.executable}\nimport sys\nprint('Traceback (most recent call last):', file=sys.stderr)\n"
+                   "print(\"ModuleNotFoundError: No module named 'llama_cpp'\", file=sys.stderr)\nsys.exit(1)\n")
+    exe.chmod(0o755)
+    with running_server(capturing_app([])) as upstream:
+        result = subprocess.run([sys.executable, "-m", "prefixtrace.cli", "run", "--url", "http://127.0.0.1:9",
+                                 "--db", str(tmp_path / "t.db"), "--exe", str(exe), "--upstream", f"{upstream}/v1",
+                                 "llm", "Say hi"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "PYTHONPATH": str(ROOT), "XDG_RUNTIME_DIR": str(tmp_path)})
+    assert result.returncode == 1
+    assert "llm exited 1 before sending any request through the proxy, its last lines:" in result.stderr
+    assert "    | ModuleNotFoundError: No module named 'llama_cpp'" in result.stderr
+    assert "a reused proxy" not in result.stderr

@@ -366,7 +366,7 @@ def test_prebuild_builds_the_fallbacks_kernel_where_the_fused_one_cannot_map_the
 def test_fused_kernel_compiles_for_the_h200_within_its_register_budget(tmp_path):
     """nvcc for sm_90 at every shape the fused kernel maps: no spills or stack frame, at most `V7_REGS` registers
     (4 blocks of 4 warps per SM at 128) and `v7_shared_bytes` of static shared memory."""
-    from engine.kernels.render import TQ_INPUTS, ptxas_report, render
+    from testsupport.kernel_render import TQ_INPUTS, ptxas_report, render
 
     shapes = []
     for dtype, dim, g in (("bfloat16", 128, 4), ("float16", 128, 4), ("bfloat16", 128, 8), ("bfloat16", 64, 3),

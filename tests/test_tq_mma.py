@@ -368,7 +368,7 @@ def test_mma_kernel_compiles_for_the_h200_within_its_occupancy_model(tmp_path):
     """nvcc for sm_90: no spills or stack frame, the static shared memory `v5_shared_bytes` counts (at most,
     within 128 bytes), and at most `v5_regs` registers (`V5_REGS`): the figures `split5`'s blocks per SM
     come from."""
-    from engine.kernels.render import TQ_INPUTS, ptxas_report, render
+    from testsupport.kernel_render import TQ_INPUTS, ptxas_report, render
 
     shapes = []
     for dtype, dim, g in (("bfloat16", 128, 4), ("float16", 128, 4), ("bfloat16", 128, 8), ("bfloat16", 64, 3),

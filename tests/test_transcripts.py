@@ -28,7 +28,7 @@ FIX = ROOT / "fixtures" / "transcripts"
 
 
 def session_file(harness: str) -> Path:
-    files = [p for p in (FIX / harness).iterdir() if p.name not in ("recording.jsonl", "README.md")]
+    files = [p for p in (FIX / harness).iterdir() if p.name not in ("recording.jsonl", "README.md", "real")]
     assert len(files) == 1, files
     return files[0]
 
@@ -305,7 +305,7 @@ def test_not_a_transcript_is_refused_with_a_reason(tmp_path):
     (empty / "opencode" / "storage" / "session").mkdir(parents=True)
     (empty / "opencode" / "storage" / "message").mkdir()
     proc = cli("import", str(empty), "--db", str(tmp_path / "t.db"))
-    assert proc.returncode != 0 and "older opencode's JSON storage" in proc.stderr
+    assert proc.returncode != 0 and "opencode's JSON storage, holding no session with a model call" in proc.stderr
     broken = tmp_path / "cut.jsonl"
     text = session_file("pi").read_text()
     broken.write_text(text + text.splitlines()[-1][:40] + "\n")  # a half-written last line (a live session)

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from engine.tq_quality import (
+from testsupport.tq_quality import (
     GAUSSIAN_LLOYD_MAX,
     PAPER_D_MSE,
     attention_error,

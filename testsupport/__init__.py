@@ -11,4 +11,9 @@ scripts through the repository root they put on sys.path. tests/test_bench_tests
     redact_bodies  ordinary and adversarial bodies for the redactor's linear-time bound
     synthetic_log  the field-report-shaped synthetic recording
     otlp_receiver  an OTLP/HTTP trace receiver on loopback
+    volatile_session  a session whose system prompt carries a per-turn timestamp, played against a proxy
+    kernel_render  a kernel body as MLX renders it, and nvcc's report on it (CUDA checks without a GPU)
+    kernel_inventory  every kernel string the engine hands to MLX, as sha256s (bench/kernel_strings.py)
+    tq_quality     how close a TurboQuant cache comes to the dense one (bench/bench_turboquant.py)
+    forced_pauses  pauses and parks forced at chosen points, a seam around the scheduler's steps
 """

@@ -52,6 +52,7 @@ def read(path: Path) -> list[Transcript]:
     `parentUuid` links from its reply back to the conversation's root (or to a compact boundary),
     so a rewound or branched conversation gives each call the history it really had."""
     lines = [obj for _, obj in read_jsonl_lines(path)]
+    linear = _link_linear(lines)
     by_uuid = {o["uuid"]: o for o in lines if isinstance(o.get("uuid"), str)}
     replies: dict[tuple[str, str], list[dict]] = {}  # (session, message id) -> its lines, in file order
     order: list[tuple[str, str]] = []
@@ -62,13 +63,15 @@ def read(path: Path) -> list[Transcript]:
             continue
         if sid not in sessions:
             t = sessions[sid] = Transcript(HARNESS, sid, str(path))
+            if sid in linear:
+                t.note("no parentUuid links in the file: each message's history is the messages before it")
             t.note("system prompt not in the transcript")
             t.note("tool definitions not recorded")
             t.note("request parameters (max_tokens, thinking, metadata) not recorded")
             t.note("the <system-reminder> context Claude Code adds to the first user message is not in the transcript")
         t = sessions[sid]
         if isinstance(obj.get("version"), str):  # Claude Code stamps each line with its version
-            t.version = obj["version"]
+            t.harness_version = obj["version"]
         if obj.get("isSidechain"):
             t.note("sub-agent (sidechain) messages skipped: their requests are another conversation")
             continue
@@ -92,7 +95,38 @@ def read(path: Path) -> list[Transcript]:
         sent = parse_time(parent.get("timestamp")) if parent else None
         _emit(t, _merged(replies[(sid, mid)]), sent if sent is not None else parse_time(first.get("timestamp")),
               history)
+        t.call_keys[t.turns[-1].request_id] = mid  # the reply's id: the same call in another file is the same
+    versions = _versions(lines)
+    for t in sessions.values():
+        t.version = versions.get(t.session_id, "")
     return [t.finish() for t in sessions.values() if t.turns]
+
+
+def _versions(lines: list[dict]) -> dict[str, str]:
+    """Per session, the Claude Code versions that wrote it ("2.0.46", or "1.0.0 to 1.0.24" for a
+    session resumed by a newer one); "" where lines carry none."""
+    seen: dict[str, set[str]] = {}
+    for o in lines:
+        if isinstance(o.get("sessionId"), str) and isinstance(o.get("version"), str):
+            seen.setdefault(o["sessionId"], set()).add(o["version"])
+
+    def key(v: str) -> tuple:
+        return tuple(int(x) if x.isdigit() else 0 for x in v.split("."))
+    return {sid: " to ".join(dict.fromkeys([min(vs, key=key), max(vs, key=key)])) for sid, vs in seen.items()}
+
+
+def _link_linear(lines: list[dict]) -> set[str]:
+    """Sessions whose messages carry no `parentUuid` at all (early or hand-written files): each of
+    their message lines is linked to the message line before it in the same session, so its history
+    is what the file holds before it. Returns those sessions."""
+    linked = {o.get("sessionId") for o in lines if isinstance(o.get("uuid"), str) and o.get("parentUuid")}
+    last: dict[str, str | None] = {}
+    for o in lines:
+        sid = o.get("sessionId")
+        if _is_message(o) and isinstance(o.get("uuid"), str) and isinstance(sid, str) and sid not in linked:
+            o["parentUuid"] = last.get(sid)
+            last[sid] = o["uuid"]
+    return set(last)
 
 
 def _merged(lines: list[dict]) -> dict:
@@ -144,6 +178,7 @@ class _Histories:
         lines.reverse()
         if lines and parent is None and lines[0].get("type") == "system" and lines[0].get("subtype") == "compact_boundary":
             t.note("compacted: the history before the compact boundary was replaced by its summary, as sent")
+            t.mark_compacted()
         messages, stop = list(base[0]), base[1]
         i = 0
         while i < len(lines):
@@ -176,7 +211,25 @@ class _Histories:
             t.note(MAX_TOKENS_NOTE)
         if isinstance(key, str):
             self.known[key] = (messages, stop)
+        return _without_concurrent(t, messages, stop)
+
+
+CONCURRENT_NOTE = ("replies to concurrent requests are interleaved in the file (one reply's parent is another "
+                   "reply): each request rebuilt without the replies that came back while it was in flight")
+
+
+def _without_concurrent(t: Transcript, messages: list[dict], stop: str | None) -> list[dict]:
+    """Claude Code never sends a request ending with an assistant message (but after a reply cut by
+    max_tokens, whose follow-up is not in the file). A chain ending with one is a reply to a request
+    sent at the same time, written before this one's: it was not part of this request."""
+    end = len(messages)
+    if stop == "max_tokens":
         return list(messages)
+    while end and messages[end - 1]["role"] == "assistant":
+        end -= 1
+    if end < len(messages):
+        t.note(CONCURRENT_NOTE)
+    return messages[:end]
 
 
 def _blocks(content) -> list[dict]:

@@ -6,7 +6,10 @@ effort, sandbox), `token_usage_record` lines (one per call, as it completes, wit
 `event_msg` lines (UI events, `token_count`) and one `response_item` line per item of the
 conversation, in the Responses API's own shape and with the ids Codex sends: `message` (developer /
 user / assistant), `reasoning`, `function_call`, `function_call_output`, … Items a call returned are
-written after it; everything before them is that call's `input`.
+written after it; everything before them is that call's `input`. A `compacted` line (Codex's
+remote compaction) replaces the history with its `replacement_history`. Rollouts written before
+`session_meta` existed hold a bare `{id, timestamp, instructions}` header, then bare items: read
+the same way.
 
 What it does not hold: the base-instructions message codex-cli 0.171 sends as the first `input`
 item (a developer message composed from `session_meta.base_instructions` less the sections of
@@ -27,8 +30,35 @@ ENDPOINT = "/v1/responses"
 OUTPUT_TYPES = ("reasoning", "function_call", "custom_tool_call", "local_shell_call", "web_search_call")
 
 
+ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output", "custom_tool_call",
+              "custom_tool_call_output", "local_shell_call", "web_search_call")
+
+
 def looks_like(objs: list[dict]) -> bool:
-    return any(o.get("type") == "session_meta" and isinstance(o.get("payload"), dict) for o in objs)
+    return any(o.get("type") == "session_meta" and isinstance(o.get("payload"), dict) for o in objs) \
+        or _legacy(objs)
+
+
+def _legacy(objs: list[dict]) -> bool:
+    """A rollout written before `session_meta` (codex-cli of mid 2025): a bare header line
+    `{id, timestamp, instructions?, git?}`, then `{"record_type": "state"}` markers and bare items."""
+    if not objs or "type" in objs[0] or "payload" in objs[0]:
+        return False
+    head = objs[0]
+    if not (isinstance(head.get("id"), str) and isinstance(head.get("timestamp"), str)):
+        return False
+    rest = objs[1:]
+    return not rest or any(o.get("record_type") == "state" or o.get("type") in ITEM_TYPES for o in rest)
+
+
+def _wrapped(lines: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+    """A legacy rollout's lines in the current shape: the header as `session_meta`, each bare item
+    as a `response_item` (state markers dropped)."""
+    out = [(lines[0][0], {"type": "session_meta", "timestamp": lines[0][1].get("timestamp"), "payload": lines[0][1]})]
+    for lineno, obj in lines[1:]:
+        if obj.get("type") in ITEM_TYPES or (isinstance(obj.get("type"), str) and "record_type" not in obj):
+            out.append((lineno, {"type": "response_item", "timestamp": obj.get("timestamp"), "payload": obj}))
+    return out
 
 
 def _is_output(item: dict) -> bool:
@@ -53,9 +83,17 @@ def _effort(turn_context: dict) -> str | None:
 
 def read(path: Path) -> list[Transcript]:
     lines = read_jsonl_lines(path)
+    legacy = _legacy([o for _, o in lines[:2]])
+    if legacy:
+        lines = _wrapped(lines)
     meta = next((o["payload"] for _, o in lines if o.get("type") == "session_meta"), {})
-    t = Transcript(HARNESS, str(meta.get("id") or path.stem), str(path))
-    t.version = meta.get("cli_version") if isinstance(meta.get("cli_version"), str) else None
+    version = "rollout before session_meta" if legacy else \
+        f"rollout of {meta.get('originator') or 'codex'} {meta.get('cli_version') or '(version not written)'}"
+    t = Transcript(HARNESS, str(meta.get("id") or path.stem), str(path), version=version)
+    if legacy:
+        t.note("a rollout before session_meta: no token usage and no model recorded; user instructions "
+               "(the header's `instructions`) are not rebuilt")
+    t.harness_version = meta.get("cli_version") if isinstance(meta.get("cli_version"), str) else None
     # session_meta's base_instructions are the model's defaults, not what was sent: Codex drops the
     # sections of disabled tools (the fixture's run sent 17k of its 21k characters). Not guessed.
     t.note("system prompt not in the transcript: the base-instructions message Codex sends first is "
@@ -105,6 +143,7 @@ def read(path: Path) -> list[Transcript]:
         elif kind == "compacted":
             emit()
             t.note("compacted: Codex replaced the history with a summary; items after it rebuilt from there")
+            t.mark_compacted()
             replacement = payload.get("replacement_history")
             items = [_as_sent(i) for i in replacement if isinstance(i, dict)] if isinstance(replacement, list) else []
         elif kind == "token_usage_record":  # written as a call completes, right after its output

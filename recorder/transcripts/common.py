@@ -32,19 +32,69 @@ class Transcript:
     source: str  # the file (or storage directory) it was read from
     turns: list[Turn] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what could not be rebuilt, once per session
-    version: str | None = None  # the harness's own version, where its file records it
+    version: str = ""  # the format version read, as each reader names it ("session format v1", "2.0.46", …)
+    calls: int = 0  # model calls the file holds (turns rebuilt plus those left out)
+    compacted: set[int] = field(default_factory=set)  # turn numbers sent right after a compaction
+    # request id -> what names the call across files (Claude Code: the reply's message id), where known
+    call_keys: dict[str, str] = field(default_factory=dict)
+    harness_version: str | None = None  # the harness's own version number, where its file records it
 
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
 
+    def mark_compacted(self) -> None:
+        """The next call this transcript emits is the first after a compaction (the harness replaced
+        the history with a summary): the analyzer names its break `compaction` whatever else changed."""
+        self.compacted.add(len(self.turns) + 1)
+
+    @property
+    def left_out(self) -> int:
+        return self.calls - len(self.turns)
+
     def finish(self) -> "Transcript":
-        """Stamps every turn with the session's notes (known only once the whole file is read)."""
-        for turn in self.turns:
-            turn.render = {"transcript": {"harness": self.harness, "file": Path(self.source).name,
-                                          "session": self.session_id, "not_rebuilt": list(self.notes),
-                                          **({"version": self.version} if self.version else {})}}
+        """Leaves out the calls whose history is not in the file (an empty request says nothing of what
+        was sent: analysing it would report a break that never happened), keeps the file's order in the
+        turns' times, and stamps every turn with the session's notes (known only once the whole file is
+        read)."""
+        kept, empty, compacted = [], 0, set()
+        for n, turn in enumerate(self.turns, start=1):
+            if _history_of(turn.request_body):
+                kept.append(turn)
+                if n in self.compacted:
+                    compacted.add(len(kept))
+            else:
+                empty += 1
+        self.calls += len(self.turns)
+        if empty:
+            self.note(f"{empty} call(s) left out: their history (the messages sent) is not in the file")
+        self.turns, self.compacted = kept, compacted
+        _keep_file_order(self.turns)
+        for n, turn in enumerate(self.turns, start=1):
+            origin = {"harness": self.harness, "file": Path(self.source).name, "session": self.session_id,
+                      "version": self.version, "not_rebuilt": list(self.notes)}
+            if self.harness_version:
+                origin["harness_version"] = self.harness_version
+            if n in self.compacted:
+                origin["compacted"] = True
+            turn.render = {"transcript": origin}
         return self
+
+
+def _history_of(body: dict) -> list:
+    value = body.get("messages", body.get("input")) if isinstance(body, dict) else None
+    return value if isinstance(value, list) else []
+
+
+def _keep_file_order(turns: list[Turn]) -> None:
+    """Turns are ordered by time downstream; a file's times are not monotonic (a resumed Claude Code
+    session rewrites many lines to one timestamp, pi's entry and message clocks differ), and the file's
+    order is the call order. A time that goes backwards is raised to just after the previous one."""
+    last = None
+    for turn in turns:
+        if last is not None and turn.started_at <= last:
+            turn.started_at = last + 1e-6
+        last = turn.started_at
 
 
 def parse_time(value: Any) -> float | None:
@@ -85,10 +135,11 @@ def make_turn(t: Transcript, n: int, ts: float | None, endpoint: str, body: dict
               reasoning: str = "", tool_calls: list[dict] | None = None, finish_reason: str | None = None,
               prompt_tokens: int | None = None, completion_tokens: int | None = None,
               cached_tokens: int | None = None, usage: dict | None = None) -> Turn:
-    """Model call number `n` of the session as a Turn. The id is derived from the session and `n`,
-    so importing the same transcript again (or a longer copy of a live session) replaces, never
-    duplicates; `ts` falls back to keeping file order."""
-    digest = hashlib.sha256(f"{t.harness}\0{t.session_id}".encode()).hexdigest()[:12]
+    """Model call number `n` of the session as a Turn. The id is derived from the session, its file's
+    name and `n`, so importing the same transcript again (or a longer copy of a live session) replaces,
+    never duplicates, and a session id found in two files (Claude Code writes a resumed session's id
+    into the new file) never overwrites the other file's calls; `ts` falls back to keeping file order."""
+    digest = hashlib.sha256(f"{t.harness}\0{t.session_id}\0{Path(t.source).name}".encode()).hexdigest()[:12]
     return Turn(
         request_id=f"transcript-{t.harness}-{digest}-{n:04d}",
         started_at=ts if ts is not None else float(n),

@@ -1,7 +1,7 @@
 """opencode: one SQLite database, `~/.local/share/opencode/opencode.db` ($XDG_DATA_HOME/opencode/).
 
-opencode 1.18 keeps every session there (earlier versions wrote JSON files under `storage/`, which
-are not read here). Tables read:
+opencode 1.18 keeps every session there (earlier versions wrote JSON files under `storage/`:
+opencode_json.py reads those with the same rebuild). Tables read:
 `session` (id, directory, title, parent_id for a sub-agent's session), `message` (one row per
 message, `data` JSON: role, `time.created`, `tokens`, `finish`, `modelID`/`providerID`) and `part`
 (one row per part of a message, `data` JSON: `text`, `reasoning`, `tool` with its call id, input and
@@ -98,17 +98,35 @@ def read(p: Path) -> list[Transcript]:
         by_session.setdefault(sid, []).append((mid, ts, _json(data)))
     out = []
     for sid, parent in sessions:
-        t = Transcript(HARNESS, sid, str(db))
-        t.note("system prompt not in the transcript")
-        t.note("tool definitions not recorded")
-        t.note("request parameters (max_tokens, tool_choice) not recorded")
-        t.note("the title-generation side request is not in the transcript")
+        t = Transcript(HARNESS, sid, str(db), version=f"opencode.db ({_written_by(db)})")
+        for note in SESSION_NOTES:
+            t.note(note)
         if parent:
             t.note(f"a sub-agent session of {parent}")
-        _session(t, by_session.get(sid, []), by_message)
+        rebuild_session(t, by_session.get(sid, []), by_message)
         if t.turns:
             out.append(t.finish())
     return out
+
+
+SESSION_NOTES = ("system prompt not in the transcript", "tool definitions not recorded",
+                 "request parameters (max_tokens, tool_choice) not recorded",
+                 "the title-generation side request is not in the transcript")
+
+
+def _written_by(db: Path) -> str:
+    """The opencode version the sessions name (`session.version`), else that the database says none."""
+    try:
+        con = _connect(db)
+        try:
+            cols = {r[1] for r in con.execute("pragma table_info(session)")}
+            found = con.execute("select distinct version from session").fetchall() if "version" in cols else []
+        finally:
+            con.close()
+    except sqlite3.Error:
+        found = []
+    versions = sorted(str(v) for (v,) in found if v)
+    return "opencode " + ", ".join(versions) if versions else "version not written"
 
 
 def _json(text: str) -> dict:
@@ -129,7 +147,7 @@ def _steps(parts: list[dict]) -> list[list[dict]]:
     return steps
 
 
-def _session(t: Transcript, messages: list[tuple[str, int, dict]], by_message: dict[str, list[dict]]) -> None:
+def rebuild_session(t: Transcript, messages: list[tuple[str, int, dict]], by_message: dict[str, list[dict]]) -> None:
     history: list[dict] = []
     for mid, created, info in messages:
         parts = by_message.get(mid, [])

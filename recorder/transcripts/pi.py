@@ -3,8 +3,11 @@
 What it holds: a `session` header line (`id`, `cwd`, `timestamp`), settings changes (`model_change`,
 `thinking_level_change`) and one `message` line per conversation message in pi's own shape: `user`
 (text and image parts), `assistant` (`text`, `thinking` and `toolCall` parts, the `api` and
-`model` it was sent with, `usage`, `stopReason`), `toolResult` (`toolCallId`, text parts). Lines
-link by `id`/`parentId` (a tree: pi can branch a session); a call's history is its chain of parents.
+`model` it was sent with, `usage`, `stopReason`), `toolResult` (`toolCallId`, text parts),
+`bashExecution` (a `!` command the user ran), `compaction` entries (a summary and the first entry
+kept). Lines link by `id`/`parentId` (a tree: pi can branch a session); a call's history is its
+chain of parents. The header's `version` names the format: 1 (absent; entries without ids, one
+linear chain, compactions naming a line index), 2 (ids), 3 (role `hookMessage` renamed `custom`).
 
 Rebuilt for the `openai-completions` API the way pi-ai's `convertMessages` writes it (default
 compat): user text parts as content parts, assistant text as one string with `tool_calls`
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from common.errors import InvalidRequest
 from recorder.transcripts.common import (Transcript, int_or_none, make_turn, openai_call, parse_time,
                                          read_jsonl_lines)
 
@@ -26,24 +30,44 @@ ENDPOINT = "/v1/chat/completions"  # every call is rebuilt in this API's form (a
 STOP = {"stop": "stop", "length": "length", "toolUse": "tool_calls", "aborted": "cancelled"}
 
 
+SUPPORTED_VERSIONS = (1, 2, 3)
+# pi's own texts for the messages it adds (packages/coding-agent/src/core/messages.ts)
+COMPACTION_PREFIX = "The conversation history before this point was compacted into the following summary:\n\n<summary>\n"
+COMPACTION_SUFFIX = "\n</summary>"
+BRANCH_PREFIX = "The following is a summary of a branch that this conversation came back from:\n\n<summary>\n"
+BRANCH_SUFFIX = "</summary>"
+
+
 def looks_like(objs: list[dict]) -> bool:
     return bool(objs) and objs[0].get("type") == "session" and "id" in objs[0] and "cwd" in objs[0]
 
 
+def format_version(header: dict) -> int | None:
+    """The header's `version` (absent in the first format: version 1); None when it is not a number."""
+    v = header.get("version", 1)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def read(path: Path) -> list[Transcript]:
     """One model call per assistant entry, in file order; its history is the chain of `parentId`
-    links back to the root, so a session pi branched (`/tree`, `/fork`) gives each call its own."""
+    links back to the root, so a session pi branched (`/tree`, `/fork`) gives each call its own.
+    A version-1 file (no entry ids: one linear chain, compactions pointing at a line index) is
+    linked the way pi's own migration links it."""
     lines = [obj for _, obj in read_jsonl_lines(path)]
     header = lines[0] if lines else {}
-    t = Transcript(HARNESS, str(header.get("id") or path.stem), str(path))
+    version = format_version(header)
+    if version not in SUPPORTED_VERSIONS:
+        raise InvalidRequest(f"{path}: pi session format version {header.get('version')!r} is not supported "
+                             f"(read: versions {', '.join(map(str, SUPPORTED_VERSIONS))})")
+    t = Transcript(HARNESS, str(header.get("id") or path.stem), str(path), version=f"session format v{version}")
     t.note("system prompt not in the transcript")
     t.note("tool definitions not recorded")
     t.note("request parameters (max_tokens, stream_options) not recorded")
+    if version == 1:
+        _link_linear(lines)
     by_id = {o["id"]: o for o in lines if isinstance(o.get("id"), str) and o.get("type") != "session"}
     known: dict[str, list[dict]] = {}  # entry id -> the messages up to and including it
     for obj in lines:
-        if obj.get("type") in ("custom_message", "branch_summary"):
-            t.note(f"{obj['type']} entries not rebuilt")
         msg = obj.get("message")
         if obj.get("type") != "message" or not isinstance(msg, dict) or msg.get("role") != "assistant":
             continue
@@ -56,10 +80,26 @@ def read(path: Path) -> list[Transcript]:
     return [t.finish()] if t.turns else []
 
 
+def _link_linear(lines: list[dict]) -> None:
+    """Version 1 to the tree form, as pi's `migrateV1ToV2` does: each entry's parent is the entry
+    before it, and a compaction's `firstKeptEntryIndex` (an index into the file's lines, the header
+    being 0) becomes `firstKeptEntryId`."""
+    prev = None
+    for i, obj in enumerate(lines):
+        if obj.get("type") == "session":
+            continue
+        obj["id"], obj["parentId"] = f"line-{i + 1}", prev
+        prev = obj["id"]
+    for obj in lines:
+        index = obj.get("firstKeptEntryIndex")
+        if obj.get("type") == "compaction" and isinstance(index, int) and 0 < index < len(lines):
+            obj["firstKeptEntryId"] = lines[index].get("id")
+
+
 def _history(t: Transcript, obj: dict, by_id: dict[str, dict], known: dict[str, list[dict]]) -> list[dict]:
-    """The messages on the chain of parents of `obj`. The walk stops at the first entry whose
-    history is known (usually the previous call's), so a session costs linear time and every call's
-    list shares the converted message objects."""
+    """The messages on the chain of parents of `obj`, as pi's `buildSessionContext` makes them. The
+    walk stops at the first entry whose history is known (usually the previous call's), so a session
+    costs linear time and every call's list shares the converted message objects."""
     chain: list[dict] = []
     seen = {obj.get("id")}
     key = parent = obj.get("parentId")
@@ -77,6 +117,10 @@ def _history(t: Transcript, obj: dict, by_id: dict[str, dict], known: dict[str, 
         parent = entry.get("parentId")
     history = list(base)
     for entry in reversed(chain):
+        if entry.get("type") == "compaction":
+            history = _compacted(t, entry, by_id)
+            t.mark_compacted()
+            continue
         converted = _convert(t, entry)
         if converted is not None:
             history.append(converted)
@@ -85,18 +129,51 @@ def _history(t: Transcript, obj: dict, by_id: dict[str, dict], known: dict[str, 
     return list(history)
 
 
+def _compacted(t: Transcript, entry: dict, by_id: dict[str, dict]) -> list[dict]:
+    """The history right after a compaction: its summary, then the entries it kept (from
+    `firstKeptEntryId` up to the compaction), converted again."""
+    t.note("compacted: pi's compaction summary replaced the earlier history (rebuilt as pi sends it)")
+    summary = {"role": "user", "content": [{"type": "text", "text": COMPACTION_PREFIX + str(entry.get("summary", ""))
+                                            + COMPACTION_SUFFIX}]}
+    kept: list[dict] = []
+    first, parent, seen, found = entry.get("firstKeptEntryId"), entry.get("parentId"), set(), False
+    while isinstance(parent, str) and parent not in seen and first is not None and parent in by_id:
+        seen.add(parent)
+        kept.append(by_id[parent])
+        if parent == first:
+            found = True
+            break
+        parent = by_id[parent].get("parentId")
+    if not found:  # the first kept entry is not on this chain: pi then sends the summary alone
+        kept = []
+    out = [summary]
+    for e in reversed(kept):
+        if e.get("type") == "compaction":
+            continue
+        converted = _convert(t, e)
+        if converted is not None:
+            out.append(converted)
+    return out
+
+
 def _convert(t: Transcript, obj: dict) -> dict | None:
-    if obj.get("type") == "compaction":
-        t.note("compacted: pi's compaction summary replaces the earlier history; not rebuilt")
-        return None
+    kind = obj.get("type")
+    if kind == "branch_summary" and obj.get("summary"):
+        return {"role": "user", "content": [{"type": "text", "text": BRANCH_PREFIX + str(obj["summary"]) + BRANCH_SUFFIX}]}
+    if kind == "custom_message":
+        return _user({"content": obj.get("content")})
     msg = obj.get("message")
-    if obj.get("type") != "message" or not isinstance(msg, dict):
+    if kind != "message" or not isinstance(msg, dict):
         return None
     role = msg.get("role")
     if role == "assistant":
         return _assistant(msg)
-    if role == "user":
+    if role in ("user", "custom", "hookMessage"):  # extensions' messages travel as user messages
         return _user(msg)
+    if role == "bashExecution":  # a `!` command the user ran: sent as a user message
+        if msg.get("excludeFromContext"):
+            return None
+        return {"role": "user", "content": [{"type": "text", "text": _bash_text(msg)}]}
     if role == "toolResult":
         parts = [p for p in msg.get("content") or [] if isinstance(p, dict)]
         text = "\n".join(p.get("text", "") for p in parts if p.get("type") == "text")
@@ -105,6 +182,19 @@ def _convert(t: Transcript, obj: dict) -> dict | None:
         return {"role": "tool", "content": text or "(see attached image)", "tool_call_id": msg.get("toolCallId")}
     t.note(f"messages with role {role!r} not rebuilt")
     return None
+
+
+def _bash_text(msg: dict) -> str:
+    """pi's `bashExecutionToText`."""
+    text = f"Ran `{msg.get('command')}`\n"
+    text += f"```\n{msg['output']}\n```" if msg.get("output") else "(no output)"
+    if msg.get("cancelled"):
+        text += "\n\n(command cancelled)"
+    elif msg.get("exitCode") not in (None, 0):
+        text += f"\n\nCommand exited with code {msg.get('exitCode')}"
+    if msg.get("truncated") and msg.get("fullOutputPath"):
+        text += f"\n\n[Output truncated. Full output: {msg.get('fullOutputPath')}]"
+    return text
 
 
 def _user(msg: dict) -> dict | None:

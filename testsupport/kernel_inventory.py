@@ -9,8 +9,8 @@ launch), so the source and header are everything the sources' files decide.
 
     python bench/kernel_strings.py [out.json]     # prints the JSON when no path is given
 
-It lives in the package (not in bench/) so tests/test_kernel_sources_identity.py and the bench script share
-it without importing each other.
+It lives in testsupport/ (not in the wheel) so tests/test_kernel_sources_identity.py and the bench script
+share it without importing each other.
 """
 
 from __future__ import annotations

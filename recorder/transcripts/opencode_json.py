@@ -1,0 +1,65 @@
+"""opencode before its SQLite database: JSON files under `~/.local/share/opencode/storage/`.
+
+What it holds: `session/<project id>/<session id>.json` (the session's info: `id`, `parentID`,
+`time.created`; opencode 0.x kept them in `session/info/`), `message/<session id>/<message
+id>.json` (a message's info, as the database's `message.data` holds it plus `id` and `sessionID`)
+and `part/<message id>/<part id>.json` (one part, as `part.data` plus its ids). Some 0.x versions
+kept a message's parts inside its file (`parts`): read too. The calls are rebuilt by the same code
+as the database's (`opencode.py`), so both forms give the same requests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from common.errors import InvalidRequest
+from recorder.transcripts import opencode
+from recorder.transcripts.common import Transcript
+
+VERSION = "JSON storage (opencode before opencode.db)"
+
+
+def find_storage(p: Path) -> Path | None:
+    """`p` itself or the first `storage` directory below it holding `session/` and `message/`."""
+    for d in (p, *sorted(p.rglob("storage"))):
+        if d.is_dir() and (d / "session").is_dir() and (d / "message").is_dir():
+            return d
+    return None
+
+
+def _load(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InvalidRequest(f"cannot read opencode's {path}: {exc}") from exc
+    return value if isinstance(value, dict) else {}
+
+
+def _created(info: dict) -> float:
+    created = (info.get("time") or {}).get("created") if isinstance(info.get("time"), dict) else None
+    return created if isinstance(created, (int, float)) else 0
+
+
+def read(storage: Path) -> list[Transcript]:
+    sessions = [_load(f) for f in sorted((storage / "session").rglob("*.json"))]
+    sessions = sorted((s for s in sessions if isinstance(s.get("id"), str)), key=lambda s: (_created(s), s["id"]))
+    out = []
+    for info in sessions:
+        sid = info["id"]
+        messages = [_load(f) for f in sorted((storage / "message" / sid).glob("*.json"))]
+        messages = sorted((m for m in messages if isinstance(m.get("id"), str)), key=lambda m: (_created(m), m["id"]))
+        by_message: dict[str, list[dict]] = {}
+        for m in messages:
+            parts = m.get("parts") if isinstance(m.get("parts"), list) else \
+                [_load(f) for f in sorted((storage / "part" / m["id"]).glob("*.json"))]
+            by_message[m["id"]] = sorted((p for p in parts if isinstance(p, dict)), key=lambda p: str(p.get("id", "")))
+        t = Transcript(opencode.HARNESS, sid, str(storage), version=VERSION)
+        for note in opencode.SESSION_NOTES:
+            t.note(note)
+        if info.get("parentID"):
+            t.note(f"a sub-agent session of {info['parentID']}")
+        opencode.rebuild_session(t, [(m["id"], _created(m), m) for m in messages], by_message)
+        if t.turns:
+            out.append(t.finish())
+    return out
