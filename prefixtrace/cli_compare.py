@@ -27,7 +27,8 @@ SOURCE = click.Path(exists=True, dir_okay=False, path_type=Path)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), callback=output_path,
               help="Write the comparison here instead of stdout.")
 @library_errors
-def compare(a, b, by, template, model, tokenizer_spec, block_size, prefill_rate, max_regression, price_model, fmt, out):
+def compare(a, b, by, template, model, tokenizer_spec, block_size, prefill_rate, min_partial_loss, max_regression,
+            price_model, fmt, out):
     """Hit rate, misses per cause and per what opened the turn, seconds and dollars lost: two
     recordings (or transcripts) side by side, or one grouped with --by, with the deltas. With
     --max-regression, exits 1 when a miss rate rose past it (docs/ANALYZER.md "Comparing recordings").
@@ -39,7 +40,8 @@ def compare(a, b, by, template, model, tokenizer_spec, block_size, prefill_rate,
 
     if (b is None) == (by is None):
         raise click.UsageError("give two sources (A B), or one with --by version|harness|model")
-    kwargs = dict(price_model=price_model, **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
+    kwargs = dict(price_model=price_model,
+                  **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate, min_partial_loss))
     with progress(f"analyzing {a.name}"):
         first = analyze(a, **kwargs)
     if by is not None:
