@@ -11,11 +11,13 @@ from typing import Any
 
 from analyzer.chains import Analyzer
 from analyzer.costing import dollars_of_breaks
+from analyzer.hashed import blind
 from analyzer.load import load
 from analyzer.render import make_renderer
 from analyzer.results import Report
 from analyzer.server_counts import PARTIAL_LOSS_MIN
 from analyzer.tokens import Tokenizer
+from analyzer.write_waste import write_waste
 from common.errors import InvalidRequest
 
 
@@ -76,6 +78,8 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
     if sheet is not None:
         report.pricing = sheet.to_dict()
         dollars_of_breaks(report, sheet)
+    report.write_waste = write_waste(report, {r.id: r for r in loaded.requests}, sheet)
+    blind(report, {r.id for r in loaded.requests if r.hashed})
     _fixes(report, loaded.requests, analyzer, sheet, propose_fixes)
     return report
 

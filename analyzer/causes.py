@@ -18,6 +18,10 @@
     serialization       same meaning, different bytes (JSON re-serialised,
                         key order, whitespace; subtype `template` when only
                         the rendering differs)
+    lookback            Anthropic: the breakpoint lies more than 20 blocks past the
+                        session's newest cache write (analyzer/lookback.py)
+    concurrent          sent before the session's previous request's first token
+                        (analyzer/race.py)
     server_miss         the prompt only grew, but the server cached less of it
                         than predicted (subtype eviction, routing, ttl, unknown;
                         see the end of this module)
@@ -41,6 +45,7 @@ from analyzer.canon import REASONING_KEYS, Payload, canonical_message, first_cha
 CAUSES = (
     "append_only", "system_rewrite", "system_fold", "thinking_strip", "tools_change", "history_edit",
     "compaction", "dropped_message", "request_local_tail", "param_change", "serialization", "server_miss",
+    "lookback", "concurrent",  # analyzer/lookback.py, analyzer/race.py: the cache's rules, not a payload change
 )
 HEAD_ROLES = ("system", "developer")
 COMPACTION_SHRINK = 0.7  # next payload at most this fraction of prev's

@@ -25,6 +25,7 @@ from analyzer.divergence import SegmentCounter, common_prefix_len, compare, diff
 from analyzer.load import Request, share_prefix
 from analyzer.render import GenericRenderer, Rendered
 from analyzer.results import Break, Report, SessionResult, TurnResult
+from analyzer.rule_breaks import RuleBreaks, request_facts
 from analyzer.server_counts import (PARTIAL_LOSS_MIN, asked_long_lifetime, input_fell, reasoning_drop_text,
                                     server_lost, too_short_to_cache)
 from analyzer.sessions import SessionGrouper
@@ -79,6 +80,7 @@ class Analyzer:
         skipped = list(skipped or [])
         readable = []
         for i, req in enumerate(requests):
+            request_facts(req)  # what only the body as sent and its headers say (analyzer/rule_breaks.py)
             try:
                 req.body = self.wire.to_chat(req.body, req.endpoint)
             except UnreadableBody as exc:  # reported per line with the reason, like a malformed line
@@ -128,6 +130,7 @@ class Analyzer:
         """The turns of one session, in order."""
         turns: list[TurnResult] = []
         prev: _State | None = None
+        rules = RuleBreaks(self.tokenizer)  # the providers' rules past the rendered prompt, per session
         counted: Request | None = None  # the latest request the server counted (usage with a prompt)
         for req, payload in zip(requests, payloads):
             if req.reported_prompt_tokens == 0:
@@ -136,6 +139,7 @@ class Analyzer:
             turn = TurnResult(len(turns), req.id, req.ts if req.ts_given else None, req.line, None, None, None,
                               req.reported_prompt_tokens, req.reported_cached_tokens)
             turn.ttft_s = req.ttft_s
+            turn.harness, turn.harness_version = req.harness, req.harness_version
             turns.append(turn)
             try:
                 if payload is None:
@@ -160,6 +164,8 @@ class Analyzer:
                     turn.brk.suggestion = suggestion("compaction", None, None, turn.brk.location())
                 if turn.brk is None:  # the shared prefix reaches into what the previous turn left cached
                     turn.common_prefix_tokens += self._reach(prev, rendered)
+                rules.name(turn, prev, turns[-2], payload, rendered, req)
+            rules.after(turn, prev, payload, req)
             turn.reprefill_tokens = tokens - turn.common_prefix_tokens
             self._cost(turn)
             if rebuilt:  # a rebuilt prompt lacks the system prompt and tools: its share is not the server's

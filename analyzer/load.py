@@ -62,6 +62,12 @@ class Request:
     cache_miss_reason: str | None = None  # Anthropic cache diagnostics, when the response carried them
     cache_ttl_1h: bool = False  # an Anthropic request that asked for the 1 hour cache lifetime
     transcript: dict | None = None  # rebuilt from a harness transcript: harness, file, what was not rebuilt
+    headers: dict | None = None  # the recorded request headers (credentials already dropped by the recorder)
+    cache_params: dict | None = None  # analyzer/param_breakers.cache_params of the body as sent
+    cache_blocks: Any = None  # analyzer/lookback.cache_blocks of a Messages body as sent
+    harness: str | None = None  # analyzer/versions.harness_version: who sent it, at which version
+    harness_version: str | None = None
+    hashed: bool = False  # recorded with `serve --store hashes` (analyzer/hashed.py)
     proxy_fixes: list[dict] | None = None  # `serve --fix`: the fixes that fired on it (analyzer/fixes)
     reply: dict | None = None  # {"text", "reasoning", "tool_calls"} as the server answered (the fixes' record)
 
@@ -222,6 +228,7 @@ def request_from_record(obj: Any, lineno: int, source: str) -> Request:
     if isinstance(render, dict) and isinstance(render.get("transcript"), dict):  # exported from a transcript import
         req.transcript = render["transcript"]
     req.upstream = obj.get("upstream") if isinstance(obj.get("upstream"), str) else None
+    req.headers = obj.get("request_headers") if isinstance(obj.get("request_headers"), dict) else None
     timing = obj.get("timing") if isinstance(obj.get("timing"), dict) else {}
     total = timing.get("total_s")
     req.total_s = float(total) if isinstance(total, (int, float)) and not isinstance(total, bool) else None
@@ -380,6 +387,8 @@ def _from_turns(turns: Iterable[Any]) -> Loaded:
                       getattr(t, "status", None) or None, getattr(t, "error", None),
                       ttft_s=getattr(t, "ttft_s", None), transcript=_transcript_of(t))
         req.upstream = getattr(t, "upstream", None)
+        headers = getattr(t, "request_headers", None)
+        req.headers = headers if isinstance(headers, dict) else None
         req.total_s = getattr(t, "total_s", None)
         req.reply = _reply(getattr(t, "response_text", None), getattr(t, "reasoning_text", None),
                            getattr(t, "tool_calls", None))

@@ -6,6 +6,9 @@ import io
 import json
 
 from analyzer.results import Report
+from analyzer.turn_kinds import miss_rates
+from analyzer.turn_kinds import text_line as kinds_line
+from analyzer.write_waste import text_lines as waste_lines
 from analyzer.fix_report import fix_lines
 from analyzer.server_counts import TOKEN_BASES, cached_text
 from recorder.redact import DEFAULT_REDACTOR
@@ -223,6 +226,11 @@ def format_text(report: Report, width: int = 140) -> str:
                       + " (genai-prices)")
         lost = sum(t.lost_dollars or 0 for s in report.sessions for t in s.turns)
         console.print(f"breaks cost {_usd(lost)} over reading those tokens from the cache")
+    for line in waste_lines(report.write_waste):
+        console.print(line)
+    kinds = kinds_line(miss_rates(t for s in report.sessions for t in s.turns))
+    if kinds:
+        console.print(kinds)
     console.print("(lost = what a cache would have served had the request only extended the previous one, in seconds "
                   "from the recorded timings, then tokens: docs/ANALYZER.md \"Cost\"; "
                   "'!' = the server's cached tokens disagree with the prediction by more than 10 points)")

@@ -28,6 +28,8 @@ PALETTE = ("#9aa5b1", "#d64545", "#e8833a", "#8e44ad", "#2d7dd2", "#f2c14e", "#3
            "#c2185b", "#00897b", "#6d4c41", "#546e7a")
 COLOURS = dict(zip(CAUSES, PALETTE))
 COLOURS.setdefault("server_miss", "#0b7285")
+COLOURS.setdefault("lookback", "#5c6bc0")
+COLOURS.setdefault("concurrent", "#ad1457")
 OTHER_COLOUR = "#37474f"
 CACHED = "#cfd8dc"
 APPEND = "#9ec5e8"  # tokens a turn appended: re-prefilled, but no cache could have served them
@@ -46,6 +48,8 @@ LABELS = {
     "param_change": "request parameter changed",
     "serialization": "same content, other bytes",
     "server_miss": "server did not serve its cached prefix",
+    "lookback": "breakpoint past the 20-block lookback",
+    "concurrent": "sent before the previous reply's first token",
 }
 
 

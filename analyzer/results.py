@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from analyzer.turn_kinds import miss_rates
 from common.errors import InvalidRequest
 
 
@@ -36,6 +37,10 @@ class Break:
         """"message 2 (user)", "tools[0] (read)", "the request parameters"."""
         if self.cause == "server_miss":
             return "the server's cache"
+        if self.cause == "lookback":
+            return "the cache breakpoints"
+        if self.cause == "concurrent":
+            return "the send time"
         if self.tool_index is not None or self.cause == "tools_change":
             return f"tools[{self.tool_index}] ({self.tool_name})"
         if self.message_index is None and self.role == "system":
@@ -51,7 +56,10 @@ class Break:
         return self.where()
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        if self.cause in ("lookback", "concurrent"):  # not a place in the prompt: said for the pages' own `where`
+            d["where"] = self.where()
+        return d
 
 
 @dataclass
@@ -86,6 +94,10 @@ class TurnResult:
     # tokenizer and renderer) or "estimate" (the rebuilt prompt counted by the analysis's tokenizer).
     lost_tokens_basis: str | None = None
     ttft_s: float | None = None  # the turn's recorded time to first token
+    blocks: int | None = None  # a Messages request's content blocks as sent (Anthropic's lookback counts them)
+    opened_by: str | None = None  # what opened the turn: user, tool_result, subagent, … (analyzer/turn_kinds.py)
+    harness: str | None = None  # who sent it and at which version (analyzer/versions.py)
+    harness_version: str | None = None
 
     @property
     def number(self) -> int:
@@ -180,6 +192,8 @@ class Report:
     # on fallback with how to give the right one (docs/ANALYZER.md "The server's renderer").
     renderer_source: str = "fallback"
     renderer_note: str = ""
+    write_waste: dict | None = None  # analyzer/write_waste.py: provider cache writes never read
+    hashed_note: str = ""  # analyzer/hashed.py: what a hash-only recording cannot tell
     # analyzer/fix_report.py: the fixes `serve --fix` applied ({"name", "note", "turns"}), and what each
     # fix would have saved on this recording (`analyze --propose-fixes`)
     proxy_fixes: list[dict] = field(default_factory=list)
@@ -218,6 +232,8 @@ class Report:
                 out.append(f"first: {first}")
         elif c["analysed"] == 0:
             out.append(f"all {c['failed_requests']} request(s) failed (status >= 400): no prompt to analyse")
+        if self.hashed_note:
+            out.append(self.hashed_note)
         rebuilt = [s for s in self.sessions if s.transcript]
         if rebuilt:
             out.append(f"{len(rebuilt)} session(s) rebuilt from harness transcripts, not recorded traffic: "
@@ -253,6 +269,8 @@ class Report:
                             "lost_seconds_basis": t.lost_seconds_basis} for s, t in self.top_breaks()],
             **({"what_if": self.what_if} if self.what_if else {}),
             **({"pricing": self.pricing} if self.pricing else {}),
+            **({"cache_write_waste": self.write_waste} if self.write_waste else {}),
+            "opened_by": miss_rates(t for s in self.sessions for t in s.turns),
             **({"proxy_fixes": self.proxy_fixes} if self.proxy_fixes else {}),
             **({"fix_proposals": self.fix_proposals} if self.fix_proposals else {}),
         }

@@ -13,6 +13,8 @@ would serve, by the rules its documentation states (sources in docs/ANALYZER.md 
   reads the longest live entry its prompt still starts with, provided it reaches the model's minimum
   cacheable length; an entry lives 5 minutes from its last use. Harnesses mark the last message of
   each request (or use automatic caching, which does the same), so each turn's prompt end is an entry.
+  The lookup walks back at most 20 content blocks from the breakpoint (analyzer/lookback.py): an entry
+  further behind is not found (`lost_to.lookback`).
 - `openai`: automatic for prompts of 1,024 tokens or more, hits in increments of 128 tokens from the
   start, requests routed by a hash of the prompt's first ~256 tokens (a change there lands elsewhere:
   a miss), entries evicted after about 5-10 minutes of inactivity (5 minutes used here).
@@ -29,6 +31,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from analyzer.lookback import LOOKBACK_BLOCKS
 from analyzer.pricing import PriceSheet
 
 POLICIES = ("vllm", "sglang", "anthropic", "openai")
@@ -56,6 +59,7 @@ class _Turn:
     common: int
     cause: str | None
     model: str | None
+    blocks: int | None = None  # a Messages request's content blocks (Anthropic's 20-block lookback)
 
 
 class _LRU:
@@ -87,6 +91,13 @@ class _LRU:
                 del self.resident[victim]
 
 
+def _shared(t) -> int:
+    """The prefix the session's previous prompt could give: a `lookback` break's analysis already applied
+    Anthropic's rule to `common_prefix_tokens`, which each policy here applies (or not) itself."""
+    common = t.common_prefix_tokens or 0
+    return common + t.brk.saves_tokens if t.brk is not None and t.brk.cause == "lookback" else common
+
+
 def _turns(report) -> list[_Turn]:
     out = []
     for s in report.sessions:
@@ -94,7 +105,8 @@ def _turns(report) -> list[_Turn]:
             if t.prompt_tokens is None:
                 continue
             out.append(_Turn(s.id, t.ts, t.line if t.line is not None else len(out), t.prompt_tokens,
-                             t.common_prefix_tokens or 0, t.brk.cause if t.brk else None, t.model))
+                             _shared(t), t.brk.cause if t.brk else None, t.model,
+                             getattr(t, "blocks", None)))
     out.sort(key=lambda t: (t.ts if t.ts is not None else float("-inf"), t.order))
     return out
 
@@ -110,9 +122,10 @@ def price(report, policy: str, *, block_size: int | None = None, kv_budget: int 
     cache = _LRU(kv_budget if policy in ("vllm", "sglang") else None)
     unit = block_size or (VLLM_BLOCK if policy == "vllm" else 1)
     last_ts: dict[str, float] = {}
-    entries: dict[str, list[tuple[int, float | None]]] = {}  # anthropic: (prompt end, last use)
+    entries: dict[str, list[tuple[int, float | None, int | None]]] = {}  # anthropic: (prompt end, last use, blocks)
     # Tokens the exact-prefix ideal (the analysis' common prefix) would have served and this cache does not.
-    lost = {"block_rounding": 0, "breakpoints": 0, "eviction": 0, "ttl": 0, "min_length": 0, "routing": 0}
+    lost = {"block_rounding": 0, "breakpoints": 0, "eviction": 0, "ttl": 0, "min_length": 0, "routing": 0,
+            "lookback": 0}
     ideal = 0
     by_cause: dict[str, int] = {}
     total = cached_total = 0
@@ -136,20 +149,27 @@ def price(report, policy: str, *, block_size: int | None = None, kv_budget: int 
         elif policy == "anthropic":
             floor = min_cacheable or anthropic_min(t.model)
             mine = entries.get(t.session, [])
-            live = [(end, used) for end, used in mine
+            live = [(end, used, at) for end, used, at in mine
                     if not (t.ts is not None and used is not None and t.ts - used > ANTHROPIC_TTL_S)]
-            cached = max((end for end, _ in live if floor <= end <= shared), default=0)
+            # The lookup walks back at most LOOKBACK_BLOCKS content blocks from this request's breakpoint.
+            seen = [e for e in live if e[2] is None or t.blocks is None or t.blocks - e[2] <= LOOKBACK_BLOCKS]
+            cached = max((end for end, _, _ in seen if floor <= end <= shared), default=0)
+            reachable = max((end for end, _, _ in live if floor <= end <= shared), default=0)
+            if reachable > cached:
+                lost["lookback"] += reachable - cached
             if cached:
-                lost["breakpoints"] += shared - cached  # the prefix past the last entry it reaches
-            elif shared:
-                if any(floor <= end <= shared for end, _ in mine):
+                lost["breakpoints"] += shared - max(cached, reachable)  # the prefix past the last entry it reaches
+            elif shared and not reachable:
+                if any(floor <= end <= shared for end, _, _ in mine):
                     lost["ttl"] += shared
-                elif shared < floor or any(end <= shared for end, _ in mine):
+                elif shared < floor or any(end <= shared for end, _, _ in mine):
                     lost["min_length"] += shared
                 else:
                     lost["breakpoints"] += shared
-            live = [(end, t.ts if end == cached else used) for end, used in live]
-            live.append((t.prompt, t.ts))
+            elif shared:
+                lost["breakpoints"] += shared - reachable
+            live = [(end, t.ts if end == cached else used, at) for end, used, at in live]
+            live.append((t.prompt, t.ts, t.blocks))
             entries[t.session] = live[-32:]
         else:  # openai
             floor = min_cacheable or OPENAI_MIN
@@ -195,7 +215,7 @@ def _rules(policy: str, unit: int, budget: int | None, floor: int | None) -> str
         return f"radix tree, page size {unit}, LRU leaf eviction" + (f" under a {budget:,}-token KV budget" if budget else " (no budget: nothing evicted)")
     if policy == "anthropic":
         return (f"breakpoint at each request's last message, minimum {floor or 'per model (1,024-4,096)'} tokens, "
-                f"{ANTHROPIC_TTL_S / 60:.0f}-minute TTL from last use")
+                f"{ANTHROPIC_TTL_S / 60:.0f}-minute TTL from last use, {LOOKBACK_BLOCKS}-block lookback")
     return (f"automatic from {floor or OPENAI_MIN:,} tokens, {OPENAI_STEP}-token increments, routing on the first "
             f"~{OPENAI_ROUTE} tokens, {OPENAI_TTL_S / 60:.0f}-minute inactivity eviction")
 

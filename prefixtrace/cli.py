@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import click
 
-from prefixtrace import cli_analyze, cli_recorder
+from prefixtrace import cli_analyze, cli_compare, cli_recorder
 from prefixtrace.cli_common import JSON_OPTION, FiniteFloatRange, echo_json, library_errors as _library_errors
 from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved, user_config_path
 from prefixtrace.config_trust import announcement, is_trusted, screen
@@ -191,6 +191,10 @@ def _upstream_urls(ctx, param, values):
               help="Longest string a grammar-forced reply (tool_choice required or named, response_format "
                    "json_schema) may write where the schema sets no maxLength, so a model repeating itself "
                    "inside a value still closes it (docs/TOOLS.md).")
+@click.option("--store", "store", default="full", show_default=True, type=click.Choice(["full", "hashes"]),
+              help="hashes: record no text, only a keyed hash and token count of each text (message, tool, reply), "
+                   "the structure and the parameters; the analysis still finds where prompts part and what it cost "
+                   "(docs/SECURITY.md 'Hash-only recording').")
 @click.option("--otlp-endpoint", metavar="URL",
               help="Export one OpenTelemetry span per turn (GenAI attributes, the cache break's cause, cost and fix) "
                    "over OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318 (/v1/traces is added to a bare "
@@ -213,7 +217,7 @@ def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream
           thinking_retention,
           thinking_retention_guard_tokens, notice_pattern, max_tokens_policy, allow_client_templates, allowed_hosts,
           max_request_mb, request_body_timeout_s, max_header_kb, recorder_stuck_after_s, default_temperature, default_frequency_penalty, tool_choice_default,
-          default_max_tokens, grammar_max_string, otlp_endpoint, worker_name, fixes, log_level, print_config):
+          default_max_tokens, grammar_max_string, store, otlp_endpoint, worker_name, fixes, log_level, print_config):
     """Run the OpenAI-compatible proxy and record every turn.
 
     Endpoints: POST /v1/chat/completions, POST /v1/responses (OpenAI Responses),
@@ -277,7 +281,7 @@ def serve(host, port, db, model, upstreams, upstream_connect_timeout_s, upstream
                           default_temperature=default_temperature, default_frequency_penalty=default_frequency_penalty,
                           tool_choice_default=tool_choice_default,
                           grammar_max_string=grammar_max_string, default_max_tokens=default_max_tokens,
-                          otlp_endpoint=otlp_endpoint,
+                          otlp_endpoint=otlp_endpoint, store=store,
                           worker_name=worker_name, fixes=fixes,
                           allowed_hosts=None if allowed_hosts is None else
                           [h.strip() for h in allowed_hosts.split(",") if h.strip()]))
@@ -388,7 +392,7 @@ def run(url, db, upstreams, serve_args, model, prefill_rate, executable, session
     sys.exit(code)
 
 
-for _command in (cli_analyze.analyze, cli_analyze.check, *cli_recorder.COMMANDS):
+for _command in (cli_analyze.analyze, cli_analyze.check, cli_compare.compare, *cli_recorder.COMMANDS):
     cli.add_command(_command)
 mirror_env(cli)  # PREFIXTRACE_<COMMAND>_<FLAG> for every option; serve's also PREFIXTRACE_<FLAG>
 

@@ -17,16 +17,21 @@ DB = click.argument("db", type=click.Path(exists=True, dir_okay=False, path_type
 
 @click.command()
 @DB
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "har"]), default="jsonl", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "har", "mooncake", "weka"]), default="jsonl",
+              show_default=True, help="mooncake, weka: block-hash traces for replay tools (no text).")
 @click.option("--session", help="Only this session: a recorded session id, or an inferred name as `analyze` prints "
                                  "it (inferred-2).")
+@click.option("--block-size", type=click.IntRange(min=1), default=512, show_default=True,
+              help="mooncake, weka: tokens per hashed block.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), callback=output_path,
               help="Output file (default: stdout).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the summary as a JSON object: on stdout with --out, else on stderr after the data.")
 @library_errors
-def export(db, fmt, session, out, as_json):
-    """Export recorded turns as JSONL (one wrapped record per line) or HAR 1.2.
+def export(db, fmt, session, block_size, out, as_json):
+    """Export recorded turns as JSONL (one wrapped record per line) or HAR 1.2, or
+    as block-hash traces for replay tools (mooncake, weka: lengths and one
+    id per block of prompt tokens, no text; docs/FORMATS.md "Block-hash traces").
 
     Request bodies are written byte for byte as they were stored; see
     docs/FORMATS.md. A file given with --out appears only once complete.
@@ -34,6 +39,10 @@ def export(db, fmt, session, out, as_json):
     Example: prefixtrace export prefixtrace.db --format har --session s1 --out s1.har
     """
     from recorder.sources import export as run_export
+
+    if fmt in ("mooncake", "weka"):
+        _export_trace(db, fmt, session, block_size, out, as_json)
+        return
 
     request_ids = None if session is None else _inferred_session_requests(db, session)
     count = run_export(db, out if out else sys.stdout, fmt, session=None if request_ids is not None else session,
@@ -43,6 +52,22 @@ def export(db, fmt, session, out, as_json):
         click.echo(json.dumps(summary), err=out is None)
     else:
         click.echo(f"exported {count} turn(s)", err=True)
+
+
+def _export_trace(db: Path, fmt: str, session: str | None, block_size: int, out: Path | None, as_json: bool) -> None:
+    """A block-hash trace of `db` (analyzer/block_traces.py), written whole or not at all."""
+    import io
+
+    from analyzer.block_traces import export_trace
+
+    if session is not None:
+        raise click.UsageError("--session is not supported with --format mooncake or weka")
+    buf = io.StringIO()
+    count = export_trace(db, buf, fmt, block_size=block_size)
+    write_or_echo(buf.getvalue().rstrip("\n"), out)
+    summary = {"exported": count, "db": str(db), "format": fmt, "block_size": block_size,
+               "out": str(out) if out else None}
+    click.echo(json.dumps(summary) if as_json else f"exported {count} request(s)", err=out is None or not as_json)
 
 
 def _inferred_session_requests(db: Path, session: str) -> list[str] | None:

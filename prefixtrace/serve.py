@@ -88,6 +88,7 @@ class ServeConfig:
     allow_client_templates: bool = False  # chat_template_kwargs.chat_template, sandboxed (docs/SECURITY.md)
     allowed_hosts: list[str] | None = None  # Host header names; None: loopback + `host` (proxy/guard.py)
     otlp_endpoint: str | None = None  # OTLP/HTTP collector: one span per turn (prefixtrace/otel.py)
+    store: str = "full"  # "hashes": no text recorded (recorder/hashing.py)
     worker_name: str | None = None  # X-Prefixtrace-Worker on every response; None: host:port (docs/FLEET.md)
     fixes: list[str] = field(default_factory=list)  # --fix: the fixes applied to every request (docs/FIXES.md)
 
@@ -297,7 +298,7 @@ def _serve_on(listener, config: ServeConfig) -> None:
     backend = build_backend(config)
     engine = None if config.upstreams else backend.engine
     try:
-        recorder = Recorder(config.db, stuck_after_s=config.recorder_stuck_after_s)
+        recorder = Recorder(config.db, stuck_after_s=config.recorder_stuck_after_s, hasher=_hasher(config))
         feed = key = None
         try:
             log.debug("recording to %s", config.db.resolve())  # the ready line says it
@@ -339,3 +340,14 @@ def _serve_on(listener, config: ServeConfig) -> None:
     finally:
         if engine is not None:
             engine.shutdown()
+
+
+def _hasher(config: ServeConfig):
+    """`--store hashes`: the recorder's hasher, counting tokens as the analysis does by default."""
+    if config.store != "hashes":
+        return None
+    from analyzer.tokens import as_tokenizer
+    from recorder.hashing import Hasher, load_key
+
+    tokenizer = as_tokenizer(None)
+    return Hasher(load_key(config.db), lambda text: len(tokenizer(text)))

@@ -50,7 +50,7 @@ _NOT_IN_A_HEADER = re.compile("[\r\n\0]")
 # The session id goes out as the routing key of the routers users put in front of a fleet, so a
 # session's turns stay on the worker that holds its prefix (docs/FLEET.md): sglang-router's `manual`
 # policy reads X-SMG-Routing-Key, vllm-router's `consistent_hash` and `sticky_least_loaded` X-Session-Id.
-ROUTING_KEY_HEADERS = ("x-smg-routing-key", "x-session-id")
+ROUTING_KEY_HEADERS = ("x-smg-routing-key", "x-session-id", "x-dynamo-session-id")
 # What reading a reply of the wrong shape raises (the turn builder's `ValueError`s, and the
 # readers' `.get` on a string): the upstream's fault, not the proxy's.
 UNREADABLE = (ValueError, TypeError, AttributeError, KeyError, IndexError)

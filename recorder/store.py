@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
+from typing import Any
 
 from common.errors import RecorderError
 from common.heap import trim_heap
@@ -129,6 +130,7 @@ class Recorder:
         spool_memory_bytes: int = DEFAULT_MAX_MEMORY_BYTES,
         spool_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         retry_s: float = 1.0,
+        hasher: Any = None,
     ):
         if max_queue < 1:
             raise RecorderError(f"max_queue must be >= 1, got {max_queue}")
@@ -137,6 +139,7 @@ class Recorder:
         self.stuck_after_s = float(stuck_after_s)
         self.path = Path(path)
         self.redactor = Redactor(redact_patterns)  # also what the live dashboard masks its output with
+        self.hasher = hasher  # recorder/hashing.Hasher: `serve --store hashes` stores no text
         self._tracer = tracer
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         # Progress counters, guarded by `_cond`: flush() waits for `_done` to
@@ -360,7 +363,8 @@ class Recorder:
         rows: list[tuple[int, dict]] = []
         for i, (turn, _) in enumerate(batch):
             try:  # the CPU work (redaction, serialising), outside the transaction; a bad turn fails alone
-                rows.append((i, redacted_row(turn, self.redactor)))
+                stored = self.hasher.turn(turn) if self.hasher is not None else turn
+                rows.append((i, redacted_row(stored, self.redactor)))
             except Exception as exc:
                 results[i] = exc if isinstance(exc, RecorderError) else RecorderError(
                     f"writing turns failed: {type(exc).__name__}: {exc}")

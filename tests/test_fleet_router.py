@@ -199,7 +199,7 @@ def test_every_upstream_turn_names_the_worker_that_answered(fleet, tmp_path):
         recorded = rows(rec)
     assert [(t["endpoint"], t["served_by"]) for t in recorded] == [(p, name) for p, _ in asks for _ in (0, 1)]
     sent = [h for h in worker_headers(fleet) if str(h.get("x-session-id", "")).startswith("zeta")]
-    assert len(sent) == 8 and all(h["x-smg-routing-key"] == h["x-session-id"] for h in sent)
+    assert len(sent) == 8 and all(h["x-smg-routing-key"] == h["x-session-id"] == h["x-dynamo-session-id"] for h in sent)
 
 
 def test_worker_name_must_fit_in_a_header(clean_env):

@@ -70,6 +70,8 @@ def read(path: Path) -> list[Transcript]:
             t.note("request parameters (max_tokens, thinking, metadata) not recorded")
             t.note("the <system-reminder> context Claude Code adds to the first user message is not in the transcript")
         t = sessions[sid]
+        if isinstance(obj.get("version"), str):  # Claude Code stamps each line with its version
+            t.harness_version = obj["version"]
         if obj.get("isSidechain"):
             t.note("sub-agent (sidechain) messages skipped: their requests are another conversation")
             continue

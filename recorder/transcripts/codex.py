@@ -74,6 +74,13 @@ def _as_sent(item: dict) -> dict:
     return {k: v for k, v in item.items() if k not in ROLLOUT_ONLY_KEYS}
 
 
+def _effort(turn_context: dict) -> str | None:
+    """The reasoning effort a turn_context names (`effort`, or its collaboration mode's setting)."""
+    settings = (turn_context.get("collaboration_mode") or {}).get("settings")
+    effort = turn_context.get("effort") or (settings.get("reasoning_effort") if isinstance(settings, dict) else None)
+    return effort if isinstance(effort, str) else None
+
+
 def read(path: Path) -> list[Transcript]:
     lines = read_jsonl_lines(path)
     legacy = _legacy([o for _, o in lines[:2]])
@@ -86,6 +93,7 @@ def read(path: Path) -> list[Transcript]:
     if legacy:
         t.note("a rollout before session_meta: no token usage and no model recorded; user instructions "
                "(the header's `instructions`) are not rebuilt")
+    t.harness_version = meta.get("cli_version") if isinstance(meta.get("cli_version"), str) else None
     # session_meta's base_instructions are the model's defaults, not what was sent: Codex drops the
     # sections of disabled tools (the fixture's run sent 17k of its 21k characters). Not guessed.
     t.note("system prompt not in the transcript: the base-instructions message Codex sends first is "
@@ -93,7 +101,7 @@ def read(path: Path) -> list[Transcript]:
     t.note("tool definitions not recorded")
     t.note("request parameters (tool_choice, parallel_tool_calls, reasoning, include, store, prompt_cache_key, "
            "client_metadata) not recorded")
-    model = None
+    model = effort = None
     items: list[dict] = []
     out: list[dict] = []  # the current call's output items
     sent: float | None = None  # when the current call's input was complete
@@ -106,6 +114,8 @@ def read(path: Path) -> list[Transcript]:
             usage = None
             return
         body: dict = {"model": model, "input": items[: len(items) - len(out)]}
+        if effort:  # the turn's reasoning effort: a cache-relevant parameter (analyzer/param_breakers.py)
+            body["reasoning"] = {"effort": effort}
         calls = [openai_call(i.get("call_id"), i.get("name"), i.get("arguments", i.get("input", "")))
                  for i in out if i.get("type") in ("function_call", "custom_tool_call")]
         text = "".join(c.get("text", "") for i in out if i.get("type") == "message"
@@ -127,8 +137,9 @@ def read(path: Path) -> list[Transcript]:
         ts = parse_time(obj.get("timestamp"))
         if not isinstance(payload, dict):
             continue
-        if kind == "turn_context" and payload.get("model"):
-            model = payload["model"]
+        if kind == "turn_context":
+            model = payload.get("model") or model
+            effort = _effort(payload)
         elif kind == "compacted":
             emit()
             t.note("compacted: Codex replaced the history with a summary; items after it rebuilt from there")

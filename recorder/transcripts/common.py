@@ -37,6 +37,7 @@ class Transcript:
     compacted: set[int] = field(default_factory=set)  # turn numbers sent right after a compaction
     # request id -> what names the call across files (Claude Code: the reply's message id), where known
     call_keys: dict[str, str] = field(default_factory=dict)
+    harness_version: str | None = None  # the harness's own version number, where its file records it
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -72,6 +73,8 @@ class Transcript:
         for n, turn in enumerate(self.turns, start=1):
             origin = {"harness": self.harness, "file": Path(self.source).name, "session": self.session_id,
                       "version": self.version, "not_rebuilt": list(self.notes)}
+            if self.harness_version:
+                origin["harness_version"] = self.harness_version
             if n in self.compacted:
                 origin["compacted"] = True
             turn.render = {"transcript": origin}
