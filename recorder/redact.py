@@ -56,7 +56,9 @@ DROPPED_HEADERS = frozenset(
 CREDENTIAL_HEADER_NAME = re.compile(r"token|secret|passw|api-?key|auth|cookie|session-key|subscription-key|credential"
                                     r"|(?:^|[-_])key$|signature")
 # Header names matched above that carry no secret and are worth keeping.
-KEPT_HEADERS = frozenset({"x-session-id", "idempotency-key"})
+KEPT_HEADERS = frozenset({"x-session-id", "idempotency-key",
+                          # a router's session affinity key (sglang-router, docs/FLEET.md): an id, no secret
+                          "x-smg-routing-key", "x-routing-key", "x-session-affinity-key"})
 
 DEFAULT_PATTERNS: tuple[str, ...] = (
     # OpenAI (sk-..., sk-proj-...) and Anthropic (sk-ant-api03-...) keys. The
