@@ -333,6 +333,8 @@ class Analyzer:
             if reported / max(1, total) >= predicted / max(1, turn.prompt_tokens or 1) - DISAGREE_FRACTION:
                 return
             short = max(0, predicted - round(reported * (turn.prompt_tokens or 0) / max(1, total)))
+        if short <= 1:  # an engine always computes the last prompt token again (it needs its logits): an
+            return      # identical prompt is served n-1 tokens from cache, which is no miss
         subtype, why = server_miss(prev_req, req, ttl_1h=req.cache_ttl_1h)
         # What it cost is what the server re-prefilled past what it kept, not the prediction's tail.
         turn.reprefill_tokens = (turn.prompt_tokens or 0) - (predicted - short)
