@@ -143,6 +143,9 @@ def _side_reason(side: Session, main: Session) -> str:
     return "replaces " + " and ".join(what) if what else "does not extend the main chain's prefix"
 
 
+side_reason = _side_reason  # the live dashboard names its side requests as `analyze` does
+
+
 class SessionGrouper:
     """Feed requests in time order with `add`; `sessions` in order of first request.
 
