@@ -355,12 +355,26 @@ def read_jsonl(path: Path) -> Loaded:
                 continue
             try:
                 obj = parser.loads(line)
+                if isinstance(obj, dict) and "renderer" in obj and "request" not in obj:  # an export's renderer
+                    _renderer_line(out, obj["renderer"], lineno)
+                    continue
                 out.requests.append(request_from_record(obj, lineno, path.name))
             except json.JSONDecodeError as exc:
                 out.skipped.append({"line": lineno, "error": f"not valid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}"})
             except InvalidRequest as exc:
                 out.skipped.append({"line": lineno, "error": exc.message})
     return out
+
+
+def _renderer_line(out: Loaded, obj: Any, lineno: int) -> None:
+    """A renderer an export carries (recorder/renderers.py `to_record`), kept as a database's would be."""
+    from recorder.renderers import from_record
+
+    info = from_record(obj)
+    if info is None:
+        out.skipped.append({"line": lineno, "error": "a renderer line without its id and model"})
+    else:
+        out.renderers[info.id] = info
 
 
 def _from_turns(turns: Iterable[Any]) -> Loaded:
@@ -402,6 +416,9 @@ def read_har(path: Path) -> Loaded:
     if not isinstance(entries, list):
         raise InvalidRequest(f"{path}: not a HAR file (no log.entries list)")
     out = Loaded()
+    from recorder.har import har_renderers
+
+    out.renderers = har_renderers(doc["log"])
     for index, entry in enumerate(entries):
         try:
             turn = entry_to_turn(entry, index=index, source=path.name)

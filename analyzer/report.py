@@ -112,6 +112,8 @@ def format_text(report: Report, width: int = 140) -> str:
     console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False, markup=False)
     for warning in report.warnings():
         console.print(f"WARNING: {warning}")
+    if not report.coverage()["analysed"] and not report.failed:
+        return buf.getvalue() + _nothing_read(report)
     # The answer first, as the Markdown and HTML reports open: what to fix, one line per cause and fix,
     # costliest first; the session tables below run for screens on a long recording and refer to it.
     fixes = fix_lines(report)
@@ -189,8 +191,10 @@ def format_text(report: Report, width: int = 140) -> str:
             for s, t in top:
                 console.print(f"  {cost_text(t.lost_seconds, t.lost_tokens)}: session {s.id} turn {t.number}, "
                               f"{t.brk.cause}{'/' + t.brk.subtype if t.brk.subtype else ''} at {t.brk.location()}")
-    else:
+    elif report.coverage()["analysed"]:
         console.print("overall: no break: every turn extended its session's previous prompt")
+    else:  # the warning above said why; "no break" would claim a result there is none of
+        console.print("overall: nothing analysed, so nothing to say about breaks")
     console.print(f"prompt tokens: {totals['prompt_tokens']:,}, of which {totals['reprefill_tokens']:,} not served by "
                   f"the prefix cache (new turns' own tokens included)" + _minutes(totals["reprefill_seconds"]))
     for w in report.what_if:
@@ -214,6 +218,17 @@ def format_text(report: Report, width: int = 140) -> str:
                   "from the recorded timings, then tokens: docs/ANALYZER.md \"Cost\"; "
                   "'!' = the server's cached tokens disagree with the prediction by more than 10 points)")
     return buf.getvalue()
+
+
+def _nothing_read(report: Report) -> str:
+    """The one thing to say when no request could be read (a text file, an empty one): the first reasons
+    and what the input should be; no renderer, totals or "no break" that would claim a result."""
+    lines = [_plain(f"skipped line {s['line']}: {s['error']}") for s in report.skipped[:3]]
+    if len(report.skipped) > 3:
+        lines.append(f"… and {plural(len(report.skipped) - 3, 'more line')} like these")
+    lines.append("not analysed: give a recorder database, a JSONL or HAR file (docs/FORMATS.md) or a harness "
+                 "session file")
+    return "\n".join(lines) + "\n"
 
 
 def break_lines(t, indent: str = "  ", said: dict[str, int] | None = None) -> list[str]:

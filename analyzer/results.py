@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import InvalidRequest
+from common.words import plural
 
 
 @dataclass
@@ -195,18 +196,20 @@ class Report:
         if c["input"] == 0:
             out.append("no request found in the input: nothing was analysed")
         elif c["not_analysed"]:
-            out.append(f"{c['not_analysed']} of {c['input']} request(s) not analysed: {c['skipped_lines']} line(s) "
-                       f"could not be read, {c['unrenderable_turns']} turn(s) could not be rendered")
+            out.append(f"{c['not_analysed']} of {plural(c['input'], 'request')} not analysed: "
+                       f"{plural(c['skipped_lines'], 'line')} could not be read, "
+                       f"{plural(c['unrenderable_turns'], 'turn')} could not be rendered")
             # Skipped lines are listed one by one by every format; an unrenderable turn only in its table row.
             if not self.skipped:
                 first = next((f"session {s.id} turn {t.number} (line {t.line}): {t.note}" for s in self.sessions
                               for t in s.turns if t.note.startswith("unrenderable")), "")
                 out.append(f"first: {first}")
         elif c["analysed"] == 0:
-            out.append(f"all {c['failed_requests']} request(s) failed (status >= 400): no prompt to analyse")
+            out.append(f"{'the' if c['failed_requests'] == 1 else 'all'} {plural(c['failed_requests'], 'request')} "
+                       "failed (status >= 400): no prompt to analyse")
         rebuilt = [s for s in self.sessions if s.transcript]
         if rebuilt:
-            out.append(f"{len(rebuilt)} session(s) rebuilt from harness transcripts, not recorded traffic: "
+            out.append(f"{plural(len(rebuilt), 'session')} rebuilt from harness transcripts, not recorded traffic: "
                        "each lists what its transcript does not hold")
         return out
 
