@@ -285,7 +285,7 @@ class LiveSessions:
             result.note = (f"side request of {session.parent}: re-prefilled {result.reprefill_tokens or 0:,} tokens "
                            f"because it {session.side_reason}; {SIDE_REQUEST}")
         session.recent.append(result)
-        if result.brk is not None:  # seconds lost, as `analyze` prices them, over the session's recent turns
+        if any(r.brk is not None for r in session.recent):  # seconds lost, as `analyze` prices them
             price_breaks([SessionResult(session.id, session.inferred, list(session.recent))], None)
         if payload is not None and turn.status < 400:
             session.last = (request, payload)
@@ -294,11 +294,22 @@ class LiveSessions:
             turn.prompt_tokens, turn.cached_tokens, turn.completion_tokens, turn.ttft_s, turn.total_s,
             self.redactor.value(result.to_dict()), (turn.render or {}).get("policy"),
         ))
+        self._repriced(session)
         session.updated_at = time.time()
         if result.brk is not None and self.on_break is not None:
             self.on_break(result.brk.cause, result.reprefill_tokens or 0)
         for listener in self.listeners:
             listener(turn, result, session.id, session.inferred)
+
+    @staticmethod
+    def _repriced(session: LiveSession) -> None:
+        """Earlier breaks' seconds as the turns since price them (a later cache hit nearest in size is what
+        `analyze` compares a break's TTFT with), so the page shows what `analyze` says of the same turns."""
+        for r in session.recent:
+            if r.brk is not None and r.index < len(session.turns):
+                a = session.turns[r.index].analysis
+                a["lost_seconds"], a["lost_seconds_basis"], a["lost_tokens"] = \
+                    r.lost_seconds, r.lost_seconds_basis, r.lost_tokens
 
     def _compare(self, session: LiveSession, request: Request, payload: Payload | None) -> TurnResult:
         if payload is None or session.last is None:
