@@ -65,6 +65,7 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
     analyzer.exact_counts = choice.exact
     report = analyzer.run(loaded.requests, loaded.skipped)
     report.renderer_source, report.renderer_note = choice.source, choice.note
+    report.replayed = loaded.replayed
     if policies:
         report.what_if = price_all(report, policies, block_size=block_size, kv_budget=kv_budget, sheet=sheet)
     if sheet is not None:

@@ -69,6 +69,7 @@ class Loaded:
     requests: list[Request] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)  # {"line": N, "error": "..."}
     renderers: dict[str, Any] = field(default_factory=dict)  # id -> recorder.renderers.RendererInfo (databases)
+    replayed: int = 0  # turns `prefixtrace replay` sent (recorder/replay_mark.py): left out, counted
 
 
 def _server_facts(req: Request, render: Any, usage: Any, served_by: Any = None, renderer_id: Any = None) -> Request:
@@ -338,6 +339,8 @@ def read_jsonl(path: Path) -> Loaded:
     Read as bytes and decoded line by line, so a line that is not UTF-8 (or a
     file that is not text at all, like a damaged database) is reported with its
     number and the rest still read."""
+    from recorder.replay_mark import is_replay
+
     out = Loaded()
     parser = IncrementalParser()
     try:
@@ -357,6 +360,9 @@ def read_jsonl(path: Path) -> Loaded:
                 obj = parser.loads(line)
                 if isinstance(obj, dict) and "renderer" in obj and "request" not in obj:  # an export's renderer
                     _renderer_line(out, obj["renderer"], lineno)
+                    continue
+                if isinstance(obj, dict) and is_replay(obj.get("request_headers")):  # a replay's, not the user's
+                    out.replayed += 1
                     continue
                 out.requests.append(request_from_record(obj, lineno, path.name))
             except json.JSONDecodeError as exc:
@@ -378,8 +384,13 @@ def _renderer_line(out: Loaded, obj: Any, lineno: int) -> None:
 
 
 def _from_turns(turns: Iterable[Any]) -> Loaded:
+    from recorder.replay_mark import is_replay
+
     out = Loaded()
     for t in turns:
+        if is_replay(getattr(t, "request_headers", None)):  # a replay's measurement, not the user's traffic
+            out.replayed += 1
+            continue
         req = Request(t.request_id, t.started_at, t.request_body, session_of(t.session_id), None,
                       t.prompt_tokens, t.cached_tokens, getattr(t, "endpoint", None),
                       getattr(t, "status", None) or None, getattr(t, "error", None),

@@ -171,6 +171,7 @@ class Report:
     # on fallback with how to give the right one (docs/ANALYZER.md "The server's renderer").
     renderer_source: str = "fallback"
     renderer_note: str = ""
+    replayed: int = 0  # requests `prefixtrace replay` sent through the proxy: left out of the analysis
 
     @property
     def breaks(self) -> list[tuple[SessionResult, TurnResult]]:
@@ -207,6 +208,9 @@ class Report:
         elif c["analysed"] == 0:
             out.append(f"{'the' if c['failed_requests'] == 1 else 'all'} {plural(c['failed_requests'], 'request')} "
                        "failed (status >= 400): no prompt to analyse")
+        if self.replayed:
+            out.append(f"{plural(self.replayed, 'replayed request')} left out: `prefixtrace replay` sent "
+                       f"{'it' if self.replayed == 1 else 'them'} (marked X-Prefixtrace-Replay), not the client")
         rebuilt = [s for s in self.sessions if s.transcript]
         if rebuilt:
             out.append(f"{plural(len(rebuilt), 'session')} rebuilt from harness transcripts, not recorded traffic: "
@@ -235,6 +239,7 @@ class Report:
             "prefill_rate": self.prefill_rate,
             "skipped_lines": self.skipped,
             "failed_requests": self.failed,
+            "replayed_requests": self.replayed,
             "sessions": [s.to_dict(self.prefill_rate) for s in self.sessions],
             "totals": _totals((t for s in self.sessions for t in s.turns), self.prefill_rate),
             "top_breaks": [{"session": s.id, "turn": t.number, "cause": t.brk.cause, "subtype": t.brk.subtype,

@@ -33,6 +33,7 @@ from analyzer.advice import SIDE_REQUEST
 from analyzer.server_renderer import recorded_choice
 from analyzer.sessions import SessionGrouper, side_reason
 from recorder.renderers import registered
+from recorder.replay_mark import is_replay
 from recorder.redact import DEFAULT_REDACTOR, Redactor
 from recorder.turn import Turn
 
@@ -141,6 +142,8 @@ class LiveSessions:
         polling, they are analysed in a thread of their own (issue 25: without a dashboard open, every
         turn stayed in memory, a 30 MB prompt as ~60 MB for good). A body over `LIVE_MAX_BODY_CHARS` is not
         kept at all: the turn is listed without a prompt comparison (analysing it would cost ~15x its size)."""
+        if is_replay(turn.request_headers):  # `prefixtrace replay`'s measurement, not the user's traffic
+            return
         chars = len(turn.request_raw) if isinstance(turn.request_raw, str) else 0
         if chars > LIVE_MAX_BODY_CHARS:
             turn, chars = dataclasses.replace(turn, request_body=None, request_raw=None), 0
