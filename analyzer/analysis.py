@@ -12,6 +12,7 @@ from typing import Any
 from analyzer.chains import Analyzer
 from analyzer.costing import dollars_of_breaks
 from analyzer.load import load
+from analyzer.merged_sessions import mark_merged
 from analyzer.render import make_renderer
 from analyzer.results import Report
 from analyzer.tokens import Tokenizer
@@ -66,6 +67,7 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
     report = analyzer.run(loaded.requests, loaded.skipped)
     report.renderer_source, report.renderer_note = choice.source, choice.note
     report.replayed = loaded.replayed
+    mark_merged(report)
     if policies:
         report.what_if = price_all(report, policies, block_size=block_size, kv_budget=kv_budget, sheet=sheet)
     if sheet is not None:
