@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from common.words import plural
 from prefixtrace.cli_common import (JSON_OPTION, FiniteFloatRange, echo, echo_json, library_errors, output_path,
                                     progress, write_or_echo)
 
@@ -41,7 +42,7 @@ def export(db, fmt, session, out, as_json):
         summary = {"exported": count, "db": str(db), "format": fmt, "session": session, "out": str(out) if out else None}
         click.echo(json.dumps(summary), err=out is None)
     else:
-        click.echo(f"exported {count} turn(s)", err=True)
+        click.echo(f"exported {plural(count, 'turn')}", err=True)
 
 
 def _inferred_session_requests(db: Path, session: str) -> list[str] | None:
@@ -100,10 +101,10 @@ def import_(file, db, as_json):
         echo_json(summary)
         return
     for t in transcripts:
-        click.echo(f"{t.harness} session {t.session_id}: {len(t.turns)} turn(s) rebuilt from {t.source}")
+        click.echo(f"{t.harness} session {t.session_id}: {plural(len(t.turns), 'turn')} rebuilt from {t.source}")
         for note in t.notes:
             click.echo(f"  not rebuilt: {note}")
-    click.echo(f"imported {count} turn(s) into {db}")
+    click.echo(f"imported {plural(count, 'turn')} into {db}")
 
 
 @click.command()
