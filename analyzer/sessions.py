@@ -32,6 +32,7 @@ that session's.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from analyzer.canon import first_changed
@@ -122,14 +123,21 @@ def _score(s: Session, keys: list[str], roles: list[str]) -> tuple[int, int] | N
     return None
 
 
+# A system prompt that says it is a harness's side request (analyzer/clients.py names the same ones).
+_SIDE_HEAD = re.compile(r"title generator|generate a (?:short |brief )?title|summari[sz]ation assistant"
+                        r"|summari[sz]e (?:this|the) conversation|(?:write|generate) a (?:short )?commit message", re.I)
+
+
 def _related_head(s: Session, keys: list[str], roles: list[str], tools: str | None) -> bool:
     """Whether a request that shares the conversation but not the system prompt is the same agent
     rewriting its system prompt (same tools, or a system prompt that mostly starts the same) rather
     than a side request that replaces it (memory extraction, title generation, summaries)."""
-    if tools == s.latest_tools:
-        return True
     a = "".join(s.latest_keys[:_head(s.latest_roles)])
     b = "".join(keys[:_head(roles)])
+    if _SIDE_HEAD.search(b) and not _SIDE_HEAD.search(a):  # a title, summary or commit-message call, even
+        return False                                      # with the same (or no) tools
+    if tools == s.latest_tools:
+        return True
     if not a or not b:
         return False
     skip = a.find('"content": ') + len('"content": ') if '"content": ' in a else 0  # the key's fixed preamble
