@@ -5,6 +5,8 @@ template effect never gets a client-side fix."""
 
 from __future__ import annotations
 
+from recorder.redact import DEFAULT_REDACTOR
+
 _ADVICE = {
     ("system_rewrite", "volatile"): "the system prompt carries a ticking value (counter, time, date, id): "
                                     "move it out of the system prompt into a short note appended at the end of the "
@@ -66,6 +68,10 @@ VOLATILE_NAMES = {
 
 
 def _short(value: str, limit: int = 40) -> str:
+    """`value` quoted, cut to `limit`. Redacted first: a cut secret no longer matches its pattern
+    (a GitHub token cut to 39 characters is too short for `ghp_` + 36), so whatever redacts the fix
+    text later (the dashboard, OTLP spans) would let its first 39 characters through."""
+    value = DEFAULT_REDACTOR.text(value)
     return repr(value if len(value) <= limit else value[: limit - 1] + "…")
 
 

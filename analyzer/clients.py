@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from recorder.redact import DEFAULT_REDACTOR
+
 _BY_AGENT = (  # (User-Agent pattern, client)
     (re.compile(r"claude-cli|claude-code", re.I), "claude-code"),
     (re.compile(r"^opencode/", re.I), "opencode"),
@@ -96,5 +98,6 @@ def title_of(body: Any, limit: int = TITLE_CHARS) -> str | None:
             text = " ".join(_text(m.get("content"), skip_reminders=True).split()).strip("\"“”")
             if not text:
                 continue
+            text = DEFAULT_REDACTOR.text(text)  # before the cut: a cut secret matches no pattern
             return text if len(text) <= limit else text[:limit - 1].rstrip() + "…"
     return None

@@ -14,9 +14,11 @@ from typing import Any
 from analyzer import report_view as rv
 from analyzer.results import Report
 from common.words import plural
+from recorder.redact import DEFAULT_REDACTOR
 
 DIFF_CONTEXT = 40  # chars kept either side of the differing span
 DIFF_SPAN = 160  # most chars of the differing span shown
+REDACT_MARGIN = 512  # chars beyond each cut redacted with it: longer than any secret format but a PEM body
 
 
 def _cell(text: Any) -> str:
@@ -30,13 +32,18 @@ def _fence(text: str) -> str:
 
 
 def _short(text: str, start: int, end: int) -> str:
-    """The differing span with a little context, on one side of the diff."""
+    """The differing span with a little context, on one side of the diff. Each piece is redacted with
+    a margin beyond what is shown, before it is cut: a secret that straddles the cut becomes
+    `[REDACTED]` as a whole instead of showing a tail no pattern would match."""
+    margin = REDACT_MARGIN
     lo = max(0, start - DIFF_CONTEXT)
-    span = text[start:end]
+    head = DEFAULT_REDACTOR.text(text[max(0, lo - margin):start])
+    head = head[-(start - lo):] if start > lo else ""
+    span = DEFAULT_REDACTOR.text(text[start:end])
     if len(span) > DIFF_SPAN:
         span = span[:DIFF_SPAN] + "…"
-    tail = text[end:end + DIFF_CONTEXT]
-    return ("…" if lo else "") + text[lo:start] + span + tail + ("…" if end + DIFF_CONTEXT < len(text) else "")
+    tail = DEFAULT_REDACTOR.text(text[end:end + DIFF_CONTEXT + margin])[:DIFF_CONTEXT]
+    return ("…" if lo else "") + head + span + tail + ("…" if end + DIFF_CONTEXT < len(text) else "")
 
 
 def diff_block(diff: tuple[str, str, int, int, int]) -> str:

@@ -8,6 +8,7 @@ import json
 from analyzer import report_view as rv
 from analyzer.results import Report
 from common.words import plural
+from recorder.redact import DEFAULT_REDACTOR
 
 
 def to_json(report: Report) -> str:
@@ -72,6 +73,7 @@ def _plain(line: str) -> str:
 
 
 def _clip(text: str, limit: int, left: bool) -> str:
+    text = DEFAULT_REDACTOR.text(text)  # before the cut: a cut secret matches no pattern
     if len(text) <= limit:
         return text
     return "…" + text[len(text) - limit + 1:] if left else text[: limit - 1] + "…"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 
 # The official file URLs and sha256 digests, as in tiktoken_ext/openai_public.py.
@@ -26,11 +25,12 @@ ENCODINGS = {
 
 
 def cache_dir() -> Path:
-    """tiktoken's cache directory, setting `TIKTOKEN_CACHE_DIR` when unset
-    (tiktoken's own default is not writable everywhere and we want to know
-    where we put the file)."""
+    """tiktoken's cache directory, setting `TIKTOKEN_CACHE_DIR` when unset: prefixtrace's own cache
+    ($PREFIXTRACE_CACHE_DIR, else ~/.cache/prefixtrace, as the models'), not tiktoken's default in the
+    temp dir (not writable everywhere, and left there by every run)."""
     if "TIKTOKEN_CACHE_DIR" not in os.environ and "DATA_GYM_CACHE_DIR" not in os.environ:
-        os.environ["TIKTOKEN_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / "data-gym-cache")
+        root = Path(os.environ.get("PREFIXTRACE_CACHE_DIR") or Path.home() / ".cache" / "prefixtrace")
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(root / "tiktoken")
     return Path(os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ["DATA_GYM_CACHE_DIR"])
 
 

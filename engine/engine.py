@@ -344,6 +344,7 @@ class Engine:
                 mx.synchronize()
         self.scheduler.fail_all(Failed(EngineNotReady("the engine is shutting down")))
         self.prefix_cache.close()  # queued disk blocks land before shutdown() returns
+        self.scheduler.spill.close()  # paused requests' KV went with fail_all: nothing left in the temp dir
 
     def _take_requests(self, block: bool) -> bool:
         """Move queued sequences into the scheduler; False once shutdown was asked."""

@@ -22,12 +22,32 @@ from common.errors import EngineError
 
 
 class SpillStore:
+    """`spill_dir`: where the files go; None, a private temporary directory made on the first spill
+    (most servers never spill, and one made at start was left empty by every stopped `serve`) and
+    removed by `close()`, which the engine calls as its thread ends."""
+
     def __init__(self, spill_dir: str | Path | None = None):
-        if spill_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="prefixtrace-spill-")
-            spill_dir = self._tmp.name
-        self.dir = private_dir(Path(spill_dir))  # spilled KV holds prompt content: owner-only
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._dir = private_dir(Path(spill_dir)) if spill_dir is not None else None  # prompt content: owner-only
         self.bytes_written = 0
+
+    @property
+    def dir(self) -> Path:
+        if self._dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="prefixtrace-spill-")
+            self._dir = private_dir(Path(self._tmp.name))
+        return self._dir
+
+    @dir.setter
+    def dir(self, path: Path) -> None:
+        self._dir = Path(path)
+
+    def close(self) -> None:
+        """Removes the temporary directory this store made, with any file still in it (a paused
+        request's KV is worthless once the engine stops); a directory the caller gave is left."""
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp, self._dir = None, None
 
     def spill(self, key: str, cache: list) -> Path:
         arrays, meta = {}, {"layers": str(len(cache))}

@@ -24,12 +24,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 from common.errors import InvalidRequest
 from common.urls import display_url
+from recorder.redact import DEFAULT_REDACTOR
 
 log = logging.getLogger("prefixtrace.otel")
 
 INSTALL_HINT = "pip install 'prefixtrace[otel]'"
 TRACES_PATH = "/v1/traces"
 SCOPE = "prefixtrace"
+NOTE_CHARS = 300  # a note is cut to this, after redaction (a cut secret matches no pattern)
 FLUSH_EVERY = 512  # analyze: spans handed over between two flushes
 
 OPERATIONS = {  # gen_ai.operation.name by recorded endpoint
@@ -139,7 +141,7 @@ def result_attributes(result: Any) -> dict[str, Any]:
         if (value := _number(value)) is not None:
             attrs[name] = value
     if result.note:
-        attrs["prefixtrace.note"] = result.note[:300]
+        attrs["prefixtrace.note"] = result.note  # cut to NOTE_CHARS once redacted (emit)
     brk = result.brk
     if brk is None:
         return attrs
@@ -225,6 +227,10 @@ class TurnSpans:
     def __init__(self, provider, tracer, exporter: _CountingExporter, url: str):
         self.provider, self.tracer, self.exporter, self.url = provider, tracer, exporter, url
         self.emitted = 0
+        # Every string a span carries passes through it (the model name, the fix text, the error): the
+        # live path hands over turns unredacted, and a collector is one more place secrets must not go.
+        # serve's LiveFeed swaps in the recorder's own (its configured patterns).
+        self.redactor = DEFAULT_REDACTOR
 
     @classmethod
     def open(cls, endpoint: str, *, service_name: str = "prefixtrace", timeout_s: float = 10.0,
@@ -249,12 +255,16 @@ class TurnSpans:
     def emit(self, turn: Any, result: Any | None, conversation_id: str | None, *, inferred: bool = False) -> None:
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
-        attrs = turn_attributes(turn, result, conversation_id, inferred=inferred)
+        redact = self.redactor.text
+        attrs = {name: redact(value) if isinstance(value, str) else value
+                 for name, value in turn_attributes(turn, result, conversation_id, inferred=inferred).items()}
+        if "prefixtrace.note" in attrs:
+            attrs["prefixtrace.note"] = attrs["prefixtrace.note"][:NOTE_CHARS]
         start, end = span_times(turn.started_at, turn.total_s, turn.ttft_s)
         kind = SpanKind.INTERNAL if (turn.upstream or "").startswith("embedded:") else SpanKind.CLIENT
         span = self.tracer.start_span(span_name(attrs), kind=kind, attributes=attrs, start_time=start)
         if turn.status >= 400 or turn.error:
-            span.set_status(Status(StatusCode.ERROR, (turn.error or f"HTTP {turn.status}")[:300]))
+            span.set_status(Status(StatusCode.ERROR, redact(turn.error or f"HTTP {turn.status}")[:300]))
         span.end(end_time=end)
         self.emitted += 1
 
@@ -294,6 +304,7 @@ class LiveFeed:
     def attach(self, live) -> None:
         self._live = live
         self._redactor = live.redactor  # turns reach the live analysis unredacted; an error text may quote a body
+        self.spans.redactor = live.redactor
         live.listeners.append(self._on_analysed)
         self._thread = threading.Thread(target=self._run, name="prefixtrace-otel-feed", daemon=True)
         self._thread.start()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import re
 import resource
+import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -253,6 +255,29 @@ def worker_name(config: ServeConfig, listener) -> str:
     return f"{host}:{listener.getsockname()[1]}"
 
 
+class Terminated(Exception):
+    """SIGTERM, as an exception in the main thread."""
+
+
+@contextmanager
+def _terminate_as_exception():
+    """uvicorn stops gracefully on SIGTERM, then raises the signal again with the handler it found.
+    The default one ended the process there, before the recorder was closed and the engine stopped
+    (a spill directory left in the temp dir, the last queued turns given no time): with this handler
+    the signal becomes `Terminated`, and the `finally` blocks run as they do for Ctrl-C."""
+    def raise_terminated(signum, frame):
+        raise Terminated()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _serve_on(listener, config: ServeConfig) -> None:
     backend = build_backend(config)
     engine = None if config.upstreams else backend.engine
@@ -278,8 +303,9 @@ def _serve_on(listener, config: ServeConfig) -> None:
                 _stop_if_the_model_fails_to_load(engine, server, failures)
             _announce_when_ready(server, engine, _base_url(listener, config.host), config.db.resolve())
             try:
-                server.run(sockets=[listener])
-            except KeyboardInterrupt:
+                with _terminate_as_exception():
+                    server.run(sockets=[listener])
+            except (KeyboardInterrupt, Terminated):
                 pass
             if failures:
                 raise failures[0]

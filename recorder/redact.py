@@ -51,9 +51,12 @@ DROPPED_HEADERS = frozenset(
 )
 # Any other header whose name says it carries a credential is dropped too: a
 # dropped header cannot leak through a value regex that missed its format.
-CREDENTIAL_HEADER_NAME = re.compile(r"token|secret|passw|api-?key|auth|cookie|session-key|subscription-key|credential")
+# A name ending in `key` (X-Key, X-Master-Key, X-Access-Key, DD-Application-Key) or carrying a
+# signature (Signature, X-Hub-Signature-256) is a credential header too.
+CREDENTIAL_HEADER_NAME = re.compile(r"token|secret|passw|api-?key|auth|cookie|session-key|subscription-key|credential"
+                                    r"|(?:^|[-_])key$|signature")
 # Header names matched above that carry no secret and are worth keeping.
-KEPT_HEADERS = frozenset({"x-session-id"})
+KEPT_HEADERS = frozenset({"x-session-id", "idempotency-key"})
 
 DEFAULT_PATTERNS: tuple[str, ...] = (
     # OpenAI (sk-..., sk-proj-...) and Anthropic (sk-ant-api03-...) keys. The
@@ -106,7 +109,58 @@ DEFAULT_PATTERNS: tuple[str, ...] = (
     # footer scanned the rest of the body from each of 10,000 unterminated headers.
     r"-----BEGIN [A-Z0-9 ]{0,40}PRIVATE KEY-----(?:[A-Za-z0-9+/=\s\\:,]|-(?!----))*+"
     r"(?:-----END [A-Z0-9 ]{0,40}PRIVATE KEY-----)?",
+    # Prefixed service tokens a coding agent meets in .env files, CI settings and shell history, each
+    # documented by its vendor with its prefix; the length floors sit below each format's real length
+    # and above what prose or code identifiers (`gsk_test`, `key-value`) reach.
+    r"whsec_(?<!\wwhsec_)[A-Za-z0-9+/=]{24,}",  # Stripe webhook signing secrets
+    # GitLab runner, deploy, pipeline-trigger, CI-job, incoming-mail, OAuth-app, SCIM and feed tokens.
+    *(rf"{p}-(?<![\w\-]{p}-)[A-Za-z0-9_\-]{{20,}}" for p in ("glrt", "gldt", "glptt", "glcbt", "glimt", "gloas", "glsoat", "glft")),
+    # DigitalOcean personal, OAuth and refresh tokens; Shopify access tokens and shared secrets. One
+    # pattern per prefix: a long leading literal lets a body without it skip the scan.
+    *(rf"{p}_v1_(?<!\w{p}_v1_)[a-f0-9]{{64}}" for p in ("dop", "doo", "dor")),
+    *(rf"{p}_(?<!\w{p}_)[a-fA-F0-9]{{32}}" for p in ("shpat", "shpss", "shpca", "shppa")),
+    r"GOCSPX-(?<!\wGOCSPX-)[A-Za-z0-9_\-]{24,}",  # Google OAuth client secrets
+    r"ATATT3(?<!\wATATT3)[A-Za-z0-9_\-=]{32,}",  # Atlassian API tokens
+    r"ATCTT3(?<!\wATCTT3)[A-Za-z0-9_\-=]{32,}",  # Atlassian Connect tokens
+    r"lin_api_(?<!\wlin_api_)[A-Za-z0-9]{32,}",  # Linear API keys
+    r"gsk_(?<!\wgsk_)[A-Za-z0-9]{40,}",  # Groq API keys
+    r"xai-(?<!\wxai-)[A-Za-z0-9]{64,}",  # xAI API keys
+    r"r8_(?<!\wr8_)[A-Za-z0-9]{30,}",  # Replicate API tokens
+    r"xapp-(?<!\wxapp-)[0-9]-[A-Za-z0-9\-]{20,}",  # Slack app-level tokens
+    r"glsa_(?<!\wglsa_)[A-Za-z0-9]{32}_[A-Fa-f0-9]{8}",  # Grafana service-account tokens
+    r"glc_(?<!\wglc_)[A-Za-z0-9+/=]{32,}",  # Grafana Cloud access-policy tokens
+    r"dapi(?<!\wdapi)[a-f0-9]{32}(?:-[0-9]+)?(?![A-Za-z0-9])",  # Databricks personal access tokens
+    r"PMAK-(?<!\wPMAK-)[a-f0-9]{24}-[a-f0-9]{34}",  # Postman API keys
+    r"key-(?<!\wkey-)[a-f0-9]{32}(?![A-Za-z0-9])",  # Mailgun API keys (the old format)
+    # AWS temporary session tokens have no prefix of their own but always open with the base64 of the
+    # same serialised header (`\x17\n\x06zerr/aws...` before 2019, `!\n\torigin_ec...` since).
+    r"FwoGZXIvYXdzE(?<!\wFwoGZXIvYXdzE)[A-Za-z0-9+/=]{40,}",
+    r"IQoJb3JpZ2luX2Vj(?<!\wIQoJb3JpZ2luX2Vj)[A-Za-z0-9+/=]{40,}",
+    # age secret keys: the bech32 alphabet, 58 characters after the human-readable part.
+    r"AGE-SECRET-KEY-1(?<!\wAGE-SECRET-KEY-1)[QPZRY9X8GF2TVDW0S3JN54KHCE6MUA7L]{58}",
+    # Discord webhooks: the path after the id is the credential (discord.com and discordapp.com).
+    r"discord(?:app)?\.com/api/webhooks/[0-9]{5,}/(?P<secret_discord_hook>[A-Za-z0-9_\-]{20,})",
+    # Sentry DSNs, https://<public key>[:<secret key>]@o1.ingest.sentry.io/2: the key is what lets anyone send
+    # events to the project. 32 hex characters are the only user part a DSN has.
+    r"://(?P<secret_dsn>[a-f0-9]{32}(?::[a-f0-9]{32})?)@",
+    # Firebase Cloud Messaging legacy server keys: AAAA<7>:APA91b<134>.
+    r"AAAA(?<![\w\-]AAAA)[A-Za-z0-9_\-]{7}:APA91b[A-Za-z0-9_\-]{100,}",
+    # Terraform Cloud / Enterprise API tokens, <14>.atlasv1.<60+>: from the marker on (a leading literal
+    # keeps the scan cheap; the 14-character id before it is left, like Discord's user id).
+    r"atlasv1\.(?<=[A-Za-z0-9]{14}\.atlasv1\.)[A-Za-z0-9_\-=]{60,}",
 )
+
+
+
+def _also_after_json_escapes(pattern: str) -> str:
+    """`pattern` with each word-boundary look-behind (`(?<!\\wsk-)`: no word character right before the
+    prefix) also accepting a JSON escape there: in a raw body a key at the start of a line reads
+    `\\nsk-...`, and the `n` of the escape is a word character."""
+    return re.sub(r"\(\?<!(\\w|\[\\w\\-\])([^()]*)\)",
+                  lambda m: f"(?:(?<!{m.group(1)}{m.group(2)})|(?<=\\\\[nrtbf]{m.group(2)}))", pattern)
+
+
+DEFAULT_PATTERNS = tuple(_also_after_json_escapes(p) for p in DEFAULT_PATTERNS)
 
 # Key names whose value is a credential wherever they appear, lower case: `password: x`,
 # `"apiKey": "x"`, `DB_PASSWORD=x`, `aws_secret_access_key = x` (an AWS secret key has
@@ -122,6 +176,8 @@ SECRET_KEY_NAMES: tuple[str, ...] = (
     r"identity[_-]?token",  # Docker's config.json
     r"account[_-]?key",  # Azure storage connection strings: AccountKey=...
     r"shared[_-]?access[_-]?key",  # Azure Service Bus / Event Hubs: SharedAccessKey=...
+    r"session[_-]?token",  # AWS_SESSION_TOKEN=..., aws_session_token = ... (any provider's, too)
+    r"client[_-]?key[_-]?data",  # kubeconfig: client-key-data is the user's private key, base64
 )
 # After the name: its closing quote (JSON escapes it inside a string), `:` or `=`,
 # then a quoted value up to its quote, or a bare one up to white space or punctuation.

@@ -45,7 +45,49 @@ FORMATS = [
     ("netrc-lines", "machine api.example.com\n  login bob\n  password N3trcS3cretPw78\n", "N3trcS3cretPw78"),
     ("docker-auth", '{"auths": {"registry.example.com": {"auth": "RG9ja2VyVXNlcjpEb2NrZXJQdzc3"}}}',
      "RG9ja2VyVXNlcjpEb2NrZXJQdzc3"),
+    # Vendor-prefixed tokens (each a made-up value in the vendor's documented shape).
+    ("stripe-whsec", "STRIPE_WEBHOOK_SECRET=whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"),
+    ("gitlab-glrt", "gitlab-runner register --token glrt-t3_AbCdEfGhIjKlMnOpQrStUv", "t3_AbCdEfGhIjKlMnOpQrStUv"),
+    ("gitlab-gldt", "git clone https://gitlab+deploy-token-1:gldt-AbCdEfGhIjKlMnOpQrSt@gitlab.com/g/p.git",
+     "AbCdEfGhIjKlMnOpQrSt"),
+    ("digitalocean", "doctl auth init -t dop_v1_" + "0123456789abcdef" * 4, "0123456789abcdef" * 4),
+    ("shopify", "X-Shopify-Access-Token value shpat_0123456789abcdef0123456789abcdef", "0123456789abcdef0123456789abcdef"),
+    ("google-client-secret", '"client_secret_value": "GOCSPX-AbCdEfGhIjKlMnOpQrStUvWxYz12"', "AbCdEfGhIjKlMnOpQrStUvWxYz12"),
+    ("atlassian", "JIRA token ATATT3xFfGF0AbCdEfGhIjKlMnOpQrStUvWxYz0123456789=ABCD1234",
+     "xFfGF0AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"),
+    ("linear", "LINEAR lin_api_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789AbCd", "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789AbCd"),
+    ("groq", "GROQ gsk_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789AbCdEfGhIjKlMnOp", "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789AbCdEf"),
+    ("xai", "XAI xai-" + "AbCdEfGhIjKlMnOpQrStUvWxYz012345" * 3, "AbCdEfGhIjKlMnOpQrStUvWxYz012345" * 2),
+    ("replicate", "REPLICATE r8_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789a", "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789a"),
+    ("slack-xapp", "SLACK_APP xapp-1-A0123ABCDEF-1234567890123-0123456789abcdef0123456789abcdef",
+     "A0123ABCDEF-1234567890123-0123456789abcdef"),
+    ("aws-session-token", "aws sts: FwoGZXIvYXdzEBYaDAbCdEfGhIjKlMnOpQrStUvWxYz0123456789+/AbCdEfGhIjKlMnOp==",
+     "EBYaDAbCdEfGhIjKlMnOpQrStUvWxYz0123456789"),
+    ("aws-session-token-new", "IQoJb3JpZ2luX2VjEAbCdEfGhIjKlMnOpQrStUvWxYz0123456789+/AbCdEfGhIjKlMn",
+     "EAbCdEfGhIjKlMnOpQrStUvWxYz0123456789"),
+    ("aws-session-token-env", "export AWS_SESSION_TOKEN=SessTok3nValueWithoutAPrefix0123456789",
+     "SessTok3nValueWithoutAPrefix0123456789"),
+    ("age", "# created: 2026\nAGE-SECRET-KEY-1" + "QPZRY9X8GF2TVDW0S3JN54KHCE6MUA7L"[:29] * 2,
+     "QPZRY9X8GF2TVDW0S3JN54KHCE6MUQPZRY9X8GF2TVDW0S3JN54KHCE6MU"),
+    ("databricks", "DATABRICKS dapi0123456789abcdef0123456789abcdef-2", "dapi0123456789abcdef0123456789abcdef"),
+    ("postman", "POSTMAN PMAK-0123456789abcdef01234567-0123456789abcdef0123456789abcdef01",
+     "0123456789abcdef01234567-0123456789abcdef0123456789abcdef01"),
+    ("discord-webhook", "https://discord.com/api/webhooks/123456789012345678/DiscordHookS3cret0123456789abcdefgh",
+     "DiscordHookS3cret0123456789abcdefgh"),
+    ("sentry-dsn", "SENTRY_DSN=https://0123456789abcdef0123456789abcdef@o123456.ingest.sentry.io/1234567",
+     "0123456789abcdef0123456789abcdef"),
+    ("mailgun", "MAILGUN key-0123456789abcdef0123456789abcdef end", "0123456789abcdef0123456789abcdef"),
+    ("grafana", "GRAFANA glsa_AbCdEfGhIjKlMnOpQrStUvWxYz012345_0123abcd", "AbCdEfGhIjKlMnOpQrStUvWxYz012345"),
+    ("kubeconfig", "users:\n- name: admin\n  user:\n    client-key-data: LS0tLS1CRUdJTiBSU0EgUFJJVkFURSBLRVktLS0tLQo=\n",
+     "LS0tLS1CRUdJTiBSU0EgUFJJVkFURSBLRVktLS0tLQo"),
+    ("fcm-server-key", "FCM AAAAbCdEfGh:APA91b" + "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789_-" * 4,
+     "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789_-AbCdEfGhIjKlMnOpQrStUvWxYz0123456789_-"),
+    ("terraform", "TFE_TOKEN AbCdEfGhIjKlMn.atlasv1." + "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789" * 2,
+     "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789AbCdEfGhIjKlMnOpQrStUvWxYz"),
 ]
+
+# Credential header names outside the dropped list that say they carry one.
+CREDENTIAL_HEADERS = ["DD-APPLICATION-KEY", "X-Master-Key", "X-Access-Key", "X-Key", "Signature"]
 
 # Ordinary code and prose that looks a little like the above and must come back unchanged.
 NEGATIVES = [
@@ -63,6 +105,17 @@ NEGATIVES = [
     "git@github.com:org/repo.git and ssh://git@github.com/org/repo.git",
     "version 1.2.3 of module.sub.attr",
     "for i in range(10): print(i)",
+    # Near the new formats: words and identifiers that share a prefix but are no token.
+    "a key-value store; monkey-patch the key-0123 field",
+    "whsec_ is Stripe's webhook prefix; gsk_test and r8_abc are placeholders",
+    "the glrt- prefix marks runner tokens; see dop_v1_ in the docs",
+    "import discord; discord.com/api/webhooks is documented",
+    "Sentry DSN https://public@sentry.example.com/1",
+    "AAAA records map a name to an IPv6 address",
+    "aws_session_token: str = None",
+    "client-key-data: <base64 of your key>",
+    "the app.atlasv1 module and xai-grok docs",
+    "Idempotency-Key headers make retries safe",
 ]
 
 
@@ -113,6 +166,15 @@ def test_a_credential_header_is_dropped_everywhere(tmp_path):
         assert b"XCredHeaderS3cret7" not in data
 
 
+@pytest.mark.parametrize("name", CREDENTIAL_HEADERS)
+def test_each_credential_header_name_is_dropped_everywhere(tmp_path, name):
+    headers = {name: "HdrCredS3cretValue77", "Idempotency-Key": "retry-1", "Content-Type": "application/json"}
+    assert Redactor().headers(headers) == {"Idempotency-Key": "retry-1", "Content-Type": "application/json"}
+    db, jsonl, har = _record_and_export(tmp_path, [_turn(0, "hi", headers)])
+    for data in (db, jsonl, har):
+        assert b"HdrCredS3cretValue77" not in data
+
+
 def test_credentials_inside_structured_json_are_redacted(tmp_path):
     """An Anthropic tool_use input is a JSON object, not text: a credential header or Docker's
     `auth` in it has its key and value apart, where no text pattern sees them together."""
@@ -127,6 +189,17 @@ def test_credentials_inside_structured_json_are_redacted(tmp_path):
     for data in (db, jsonl, har):
         for secret in (b"U3RydWN0VXNlcjpTdHJ1Y3RQdzc3", b"StructCredS3cret77", b"RG9ja2VyU3RydWN0UHc3Nw"):
             assert secret not in data
+
+
+@pytest.mark.parametrize("token", [
+    "sk-proj-AbCdEfGhIjKlMnOpQrSt0123", "ghp_" + "a1B2" * 9, "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+    "gsk_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789AbCdEfGhIjKlMnOp", "AKIAABCDEFGHIJKLMNOP", "dapi0123456789abcdef0123456789abcdef"])
+def test_a_token_at_the_start_of_a_line_is_redacted_in_the_raw_json_too(token):
+    """In a raw body a token opening a line (or after a tab) follows the escape `\\n`, whose `n` is a
+    word character: the prefix's word-boundary check must not take it for part of a word."""
+    for sep in ("\n", "\t", "\r\n"):
+        raw = json.dumps({"content": f"line one{sep}{token} and more"})
+        assert token not in Redactor().text(raw), (sep, raw)
 
 
 @pytest.mark.parametrize("text", NEGATIVES)
@@ -162,8 +235,10 @@ def test_redaction_stays_linear_on_the_new_formats_near_misses():
     new_units = {k: v for k, v in ADVERSARIAL_UNITS.items()
                  if k in ("url_userinfo_no_at", "url_colon_chain", "sig_near_misses", "sendgrid_one_dot",
                           "discord_dots", "digit_colons", "telegram_near_misses", "docker_auth_runs",
-                          "basic_after_header", "netrc_login_runs", "bearer_lower_spaces")}
-    assert len(new_units) == 11
+                          "basic_after_header", "netrc_login_runs", "bearer_lower_spaces",
+                          "whsec_short", "gitlab_dash_runs", "key_dash_hex_short", "dapi_short", "aaaa_runs",
+                          "fcm_no_tail", "atlasv1_short", "dsn_hex_no_at", "discord_hook_short", "age_short")}
+    assert len(new_units) == 21
     r = Redactor()
     size = 64_000
     ordinary = _best(r.text, ordinary_body(size))

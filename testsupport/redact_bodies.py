@@ -43,6 +43,17 @@ ADVERSARIAL_UNITS = {
     "basic_after_header": "authorization: basic ",
     "netrc_login_runs": "login bob\n",
     "bearer_lower_spaces": "bearer " + " " * 40,
+    # Near misses of the vendor-prefixed formats: each prefix with one character too few after it.
+    "whsec_short": "whsec_" + "a" * 23 + " ",
+    "gitlab_dash_runs": "glrt-" + "-" * 19 + " ",
+    "key_dash_hex_short": "key-" + "a" * 31 + " ",
+    "dapi_short": "dapi" + "0" * 31 + " ",
+    "aaaa_runs": "AAAA",
+    "fcm_no_tail": "AAAAbcdefgh:APA91b" + "x" * 99 + " ",
+    "atlasv1_short": "abcdefghijklmn.atlasv1." + "x" * 59 + " ",
+    "dsn_hex_no_at": "://" + "a" * 32 + ":",
+    "discord_hook_short": "discord.com/api/webhooks/123456/" + "x" * 19 + " ",
+    "age_short": "AGE-SECRET-KEY-1" + "Q" * 57 + " ",
 }
 
 

@@ -24,7 +24,7 @@ from unittest import mock
 
 import mlx.core as mx
 
-MODULES = ["common", "dense", "skinny_gemm", "tq_decode", "tq_encode", "tq_fused", "tq_mma", "tq_split",
+MODULES = ["common", "dense", "gemv", "skinny_gemm", "tq_decode", "tq_encode", "tq_fused", "tq_mma", "tq_split",
            "prebuild"]
 
 

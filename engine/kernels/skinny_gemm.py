@@ -20,6 +20,8 @@ chain (cuBLAS 1.61x; bench/bench_skinny_gemm.py --only step). The other
 each warp `RW` weight rows and multiplies every 16-byte load with each row of
 x; above 4 rows its FMAs become the limit.
 
+One row goes to engine/kernels/gemv.py's GEMV where PREFIXTRACE_GEMV=1 (stacks included).
+
 `install(model)` swaps the model's `nn.Linear` layers for `SkinnyLinear`,
 which takes this path only on a CUDA device for 2..8 rows of bf16/fp16 with
 K a multiple of 256 and falls back to the layer's own matmul otherwise (so on
@@ -37,6 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from engine.kernels import gemv
 from engine.kernels.common import available, source
 
 __all__ = ["SkinnyLinear", "install", "skinny_matmul", "skinny_matmul_mma", "available", "enabled",
@@ -214,6 +217,21 @@ class _Stack:
             return part
         return project(flat, member.weight)
 
+    def take_one(self, member: "SkinnyLinear", x: mx.array) -> mx.array:
+        """The one-row form of `take`, through the GEMV (gemv.py): one launch for the stack."""
+        if member.stack_index == 0:
+            self.source = None
+            if gemv.usable(self.weight.shape[0], self.weight.shape[1], self.weight.dtype):
+                self.parts = gemv.gemv(x, self.weight, parts=self.widths)
+                self.source = x
+                return self.parts[0]
+        elif self.source is x:
+            part = self.parts[member.stack_index]
+            if member.stack_index == len(self.widths) - 1:
+                self.source, self.parts = None, []
+            return part
+        return gemv.gemv(x, member.weight)
+
 
 class SkinnyLinear(nn.Linear):
     """`nn.Linear` whose 2..8-row products go through the skinny kernels on CUDA."""
@@ -232,6 +250,10 @@ class SkinnyLinear(nn.Linear):
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
+        if rows == 1 and gemv.enabled() and gemv.usable(*self.weight.shape, self.weight.dtype):
+            y = self.stack.take_one(self, x) if self.stack else gemv.gemv(x, self.weight)
+            y = y.reshape(*x.shape[:-1], -1)
+            return y + self.bias if "bias" in self else y
         if 2 <= rows <= MAX_ROWS and available() and _fits(self.weight):
             flat = x.reshape(rows, x.shape[-1])
             y = self.stack.take(self, x, flat) if self.stack else project(flat, self.weight)
