@@ -119,8 +119,8 @@ def format_text(report: Report, width: int = 140) -> str:
     # The answer first, as the Markdown and HTML reports open: what to fix, one line per cause and fix,
     # costliest first; the session tables below run for screens on a long recording and refer to it.
     fixes = fix_lines(report)
-    for line in fixes:
-        buf.write(_plain(line) + "\n")
+    for line in fixes:  # values a volatile break took are client text: redacted as the diffs are
+        buf.write(_plain(DEFAULT_REDACTOR.text(line)) + "\n")
     said = {g["fix"]: i for i, g in enumerate(_fix_groups(report), 1) if g["fix"]}
     console.print(f"renderer: {report.renderer}    tokenizer: {report.tokenizer}"
                   + (f"    block size: {report.block_size}" if report.block_size else "")
