@@ -174,6 +174,15 @@ class SessionGrouper:
         self._chains: dict[str, list[Session]] = {}  # family -> its chains, most recently active last
         self._last: Session | None = None
 
+    def drop(self, ids: set[str]) -> None:
+        """Forgets these sessions and their last prompts (the live dashboard's oldest, past its bound)."""
+        self.sessions = [x for x in self.sessions if x.id not in ids]
+        self._inferred = [x for x in self._inferred if x.id not in ids]
+        self._explicit = {k: x for k, x in self._explicit.items() if x.id not in ids}
+        self._chains = {k: kept for k, pool in self._chains.items() if (kept := [x for x in pool if x.id not in ids])}
+        if self._last is not None and self._last.id in ids:
+            self._last = None
+
     def _named(self, name: str, index: int, *, inferred: bool) -> Session:
         s = self._explicit.get(name)
         if s is None:

@@ -325,10 +325,13 @@ class LiveSessions:
 
     def _trim(self) -> None:
         total = sum(len(s.turns) for s in self.sessions.values())
+        dropped: set[str] = set()
         while total > self.max_turns and len(self.sessions) > 1:
-            oldest = min(self.sessions.values(), key=lambda s: s.updated_at)
-            total -= len(oldest.turns)
-            del self.sessions[oldest.id]
+            key = min(self.sessions, key=lambda k: self.sessions[k].updated_at)  # by key: the id shown is redacted
+            total -= len(self.sessions.pop(key).turns)
+            dropped.add(key)
+        if dropped:  # the grouper keeps each chain's last prompt: forget those too, or memory grows for good
+            self.grouper.drop(dropped)
         # Per-message caches: keep only what the live comparisons still need.
         self.analyzer.canon.forget([s.last[1] for s in self.sessions.values() if s.last])
         if len(self.analyzer.counter._cache) > _COUNTER_CACHE_MAX:
