@@ -52,7 +52,14 @@ _ADVICE = {
     ("server_miss", "routing"): "the client kept the prefix; another upstream served this turn and does not hold it: "
                                 "pin a session to one upstream (send X-Session-Id or prompt_cache_key)",
     ("server_miss", "ttl"): "the client kept the prefix; it expired on the provider between turns: use the 1 hour "
-                            "cache lifetime (Anthropic cache_control ttl \"1h\") for sessions with long pauses",
+                            "cache lifetime (Anthropic cache_control ttl \"1h\"; OpenAI prompt_cache_retention "
+                            "\"24h\") for sessions with long pauses",
+    ("server_miss", "reasoning_drop"): "the client kept the prefix; the provider removed earlier reasoning from the "
+                                       "prompt it built (its input count fell), so everything after the first dropped "
+                                       "reasoning item was prefilled again: nothing to change in the harness; pass the "
+                                       "reasoning back in full (e.g. encrypted reasoning content with store: false) "
+                                       "where the provider keeps it across user turns, or count this cost as the "
+                                       "provider's",
     ("server_miss", None): "the client kept the prefix; the server did not serve it from cache: nothing to change in "
                            "the harness; look at the server's cache size, routing and lifetime",
     ("serialization", None): "same content, other bytes (key order, whitespace): resend earlier messages exactly as "

@@ -15,6 +15,7 @@ from analyzer.load import load
 from analyzer.merged_sessions import mark_merged
 from analyzer.render import make_renderer
 from analyzer.results import Report
+from analyzer.server_counts import PARTIAL_LOSS_MIN
 from analyzer.tokens import Tokenizer
 from common.errors import InvalidRequest
 
@@ -24,7 +25,8 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
             tokenizer: Tokenizer | str | None = None, block_size: int | None = None,
             prefill_rate: float | None = None, renderer=None, workers: int | None = None,
             what_if: list[str] | str | None = None, kv_budget: int | None = None,
-            price_model: str | None = None, price_provider: str | None = None) -> Report:
+            price_model: str | None = None, price_provider: str | None = None,
+            min_partial_loss: int = PARTIAL_LOSS_MIN) -> Report:
     """Analyses a recorder database, a JSONL file, or an iterable of request
     bodies / Requests / recorder Turns.
 
@@ -42,6 +44,8 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
         price_model: price in dollars as this model ("claude-sonnet-4-5", "gpt-5"; genai-prices'
             data, analyzer/pricing.py): each break's lost tokens and each what-if policy.
         price_provider: the provider whose price of `price_model` to use (default: genai-prices' match).
+        min_partial_loss: a server-side loss of this many tokens or more, by the server's own counts, is
+            a `server_miss` whatever its share of the prompt (analyzer/server_counts.py).
     """
     given = renderer is not None or template is not None or model is not None
     renderer = renderer or make_renderer(template, model)
@@ -62,7 +66,7 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
 
     choice = choose_renderer(loaded, renderer if given else None, tokenizer)
     analyzer = Analyzer(choice.renderer, choice.tokenizer, block_size=block_size, prefill_rate=prefill_rate,
-                        workers=workers)
+                        workers=workers, min_partial_loss=min_partial_loss)
     analyzer.exact_counts = choice.exact
     report = analyzer.run(loaded.requests, loaded.skipped)
     report.renderer_source, report.renderer_note = choice.source, choice.note

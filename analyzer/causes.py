@@ -436,17 +436,26 @@ def classify(prev: Payload, next: Payload, prev_r, next_r, render_break_index: i
 
 # Provider -> (seconds a cached prefix lives unused, as the provider documents it). The gap is measured
 # from the end of the previous turn (a hit refreshes the lifetime) to the start of this one.
+# Sources (docs/ANALYZER.md "Server-side misses" has the table): Anthropic
+# https://docs.anthropic.com/en/docs/build-with-claude/prompt-caching ("cache lifetime"), OpenAI
+# https://platform.openai.com/docs/guides/prompt-caching ("prompt cache retention").
 PROVIDER_TTLS: dict[str, tuple[int, str]] = {
     "anthropic": (300, "Anthropic prompt caching: 5 minutes, refreshed by each hit"),
     "anthropic-1h": (3600, "Anthropic prompt caching with cache_control ttl \"1h\": 1 hour"),
     "openai": (300, "OpenAI prompt caching: 5-10 minutes of inactivity (up to 1 hour off-peak); 5 min assumed"),
+    "openai-24h": (86400, "OpenAI extended prompt cache retention (prompt_cache_retention \"24h\"): 24 hours"),
 }
-SERVER_MISS_SUBTYPES = ("eviction", "routing", "ttl", "unknown")
+SERVER_MISS_SUBTYPES = ("eviction", "routing", "reasoning_drop", "ttl", "unknown")
 
 
-def provider_of(upstream: str | None) -> str | None:
-    """The cache provider whose lifetime applies to `upstream` (a URL), None for servers without a TTL
-    (the embedded engine, vLLM, llama.cpp: they evict for room, not for time)."""
+def provider_of(upstream: str | None, model: str | None = None) -> str | None:
+    """The cache provider whose lifetime applies to `upstream` (a URL, or the harness of a rebuilt
+    transcript), None for servers without a TTL (the embedded engine, vLLM, llama.cpp: they evict for
+    room, not for time)."""
+    from analyzer.server_counts import transcript_provider
+
+    if (by_transcript := transcript_provider(upstream, model)) is not None:
+        return by_transcript
     u = (upstream or "").lower()
     if "anthropic.com" in u:
         return "anthropic"
@@ -462,6 +471,7 @@ def server_facts(turn, req) -> None:
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     details = details if isinstance(details, dict) else {}
     read = num(usage.get("cache_read_input_tokens"))
+    read = read if read is not None else num(usage.get("cached_input_tokens"))  # Codex's rollout usage
     turn.reported_cache_read_tokens = read if read is not None else num(details.get("cached_tokens"))
     write = num(usage.get("cache_creation_input_tokens"))
     turn.reported_cache_write_tokens = write if write is not None else num(details.get("cache_write_tokens"))
@@ -479,11 +489,16 @@ def server_miss(prev_req, req, *, ttl_1h: bool = False) -> tuple[str, str]:
     b = getattr(req, "served_by", None) or getattr(req, "upstream", None)
     if a and b and a != b:
         return "routing", f"served by {b}, the previous turn by {a}"
-    provider = provider_of(b)
+    from analyzer.server_counts import gap_text
+
+    model = req.body.get("model") if isinstance(getattr(req, "body", None), dict) else None
+    provider = provider_of(b, model if isinstance(model, str) else None)
     if provider is not None and prev_req is not None:
-        key = "anthropic-1h" if provider == "anthropic" and ttl_1h else provider
+        key = f"{provider}-1h" if provider == "anthropic" and ttl_1h else \
+            f"{provider}-24h" if provider == "openai" and ttl_1h else provider
         ttl, source = PROVIDER_TTLS[key]
         gap = req.ts - (prev_req.ts + (getattr(prev_req, "total_s", None) or 0.0))
-        if gap > ttl:
-            return "ttl", f"{gap:,.0f} s since the previous turn ended, past the cache lifetime ({source})"
+        if gap > ttl and getattr(req, "ts_given", True) and getattr(prev_req, "ts_given", True):
+            return "ttl", (f"{gap:,.0f} s since the previous turn ended ({gap_text(gap)}), past the cache lifetime "
+                           f"({source})")
     return "unknown", "the server kept less of the prefix than it was sent; the recording does not say why"

@@ -25,6 +25,8 @@ from analyzer.divergence import SegmentCounter, common_prefix_len, compare, diff
 from analyzer.load import Request, share_prefix
 from analyzer.render import GenericRenderer, Rendered
 from analyzer.results import Break, Report, SessionResult, TurnResult
+from analyzer.server_counts import (PARTIAL_LOSS_MIN, asked_long_lifetime, input_fell, reasoning_drop_text,
+                                    server_lost, too_short_to_cache)
 from analyzer.sessions import SessionGrouper
 from analyzer.tokens import Tokenizer, as_tokenizer
 from common.errors import InvalidRequest
@@ -47,9 +49,13 @@ class Analyzer:
     """Holds the per-run caches; `run(requests)` returns a Report."""
 
     def __init__(self, renderer=None, tokenizer: Tokenizer | str | None = None, *, block_size: int | None = None,
-                 prefill_rate: float | None = None, workers: int | None = None):
+                 prefill_rate: float | None = None, workers: int | None = None,
+                 min_partial_loss: int = PARTIAL_LOSS_MIN):
         if block_size is not None and block_size <= 0:
             raise InvalidRequest("--block-size must be positive")
+        if min_partial_loss < 0:
+            raise InvalidRequest("--min-partial-loss must not be negative")
+        self.min_partial_loss = min_partial_loss
         if prefill_rate is not None and prefill_rate <= 0:
             raise InvalidRequest("--prefill-rate must be positive")
         self.renderer = renderer or GenericRenderer()
@@ -122,7 +128,11 @@ class Analyzer:
         """The turns of one session, in order."""
         turns: list[TurnResult] = []
         prev: _State | None = None
+        counted: Request | None = None  # the latest request the server counted (usage with a prompt)
         for req, payload in zip(requests, payloads):
+            if req.reported_prompt_tokens == 0:
+                # A failed or aborted call's usage (all zeros), not a prompt the server counted.
+                req.reported_prompt_tokens = req.reported_cached_tokens = None
             turn = TurnResult(len(turns), req.id, req.ts if req.ts_given else None, req.line, None, None, None,
                               req.reported_prompt_tokens, req.reported_cached_tokens)
             turn.ttft_s = req.ttft_s
@@ -140,6 +150,7 @@ class Analyzer:
             model = payload.params.get("model")
             turn.model = model if isinstance(model, str) else None
             server_facts(turn, req)
+            rebuilt = req.transcript is not None or (req.upstream or "").startswith("transcript:")
             if prev is None:
                 turn.note, turn.common_prefix_tokens = "first", 0
             else:
@@ -148,9 +159,16 @@ class Analyzer:
                     turn.common_prefix_tokens += self._reach(prev, rendered)
             turn.reprefill_tokens = tokens - turn.common_prefix_tokens
             self._cost(turn)
+            if rebuilt:  # a rebuilt prompt lacks the system prompt and tools: its share is not the server's
+                turn.cached_disagrees = None
             if prev is not None and turn.brk is None:
-                self._server_miss(turn, prev.req, req)
+                self._server_miss(turn, prev, req, payload, counted)
+            elif prev is not None and not self.exact_counts and (lost := server_lost(counted, req)) is not None:
+                # The server's own counts win over the rebuilt prompt's (docs/ANALYZER.md "Cost").
+                turn.lost_tokens, turn.lost_tokens_basis = lost, "server"
             prev = _State(payload, rendered, tokens, req)
+            # A break the server did not count (a failed compaction call) leaves nothing to compare with.
+            counted = req if req.reported_prompt_tokens is not None else None if turn.brk is not None else counted
         return turns
 
     SHARED_START_CANDIDATES = 8  # earlier sessions a new session's first prompt is compared with
@@ -316,30 +334,60 @@ class Analyzer:
             return payload
         return Payload(messages, keys, payload.tools, payload.tools_key, payload.params, payload.chars)
 
-    def _server_miss(self, turn: TurnResult, prev_req: Request | None, req: Request) -> None:
+    def _server_miss(self, turn: TurnResult, prev: _State, req: Request, payload: Payload,
+                     counted: Request | None = None) -> None:
         """An append-only turn whose reported cached tokens fall short of the prediction lost its prefix on
         the server: a `server_miss` break (analyzer/causes.py names the subtype). Counts compare as numbers
-        when the tokenizer is the server's and this turn's prompt counts agree; otherwise as shares of the prompt, by more than
-        DISAGREE_FRACTION (another tokenizer's counts differ by a few percent)."""
-        reported, predicted = turn.reported_cached_tokens, turn.predicted_cached_tokens
+        when the tokenizer is the server's and this turn's prompt counts agree; otherwise as shares of the
+        prompt, by more than DISAGREE_FRACTION (another tokenizer's counts differ by a few percent). Where
+        both requests carry the server's own counts, a loss of `min_partial_loss` tokens or more by those
+        counts is a miss whatever its share, and what it cost is that count."""
+        reported, predicted, prev_req = turn.reported_cached_tokens, turn.predicted_cached_tokens, prev.req
         if reported is None or not predicted or prev_req is None:
             return
-        if self.exact_counts and turn.prompt_tokens == turn.reported_prompt_tokens:
+        exact = self.exact_counts and turn.prompt_tokens == turn.reported_prompt_tokens
+        # The server's tokenizer and renderer count the same tokens and also see the reply's (`_reach`).
+        # `counted`: the latest earlier request with the server's counts (a failed call between reports none).
+        by_server = None if exact else server_lost(counted, req)
+        if by_server is not None and too_short_to_cache(counted, req):
+            return
+        if exact:
             short = predicted - reported
-            if short <= 0:
-                return
+        elif by_server is not None:
+            # The server's own counts decide: a loss of over DISAGREE_FRACTION of its prompt, or of
+            # `min_partial_loss` tokens or more, whatever its share.
+            share = by_server / max(1, turn.reported_prompt_tokens or 1)
+            short = by_server if by_server >= max(1, self.min_partial_loss) or share > DISAGREE_FRACTION else 0
         else:
             total = turn.reported_prompt_tokens or turn.prompt_tokens or 1
-            if reported / max(1, total) >= predicted / max(1, turn.prompt_tokens or 1) - DISAGREE_FRACTION:
-                return
-            short = max(0, predicted - round(reported * (turn.prompt_tokens or 0) / max(1, total)))
+            beyond_share = reported / max(1, total) < predicted / max(1, turn.prompt_tokens or 1) - DISAGREE_FRACTION
+            short = max(0, predicted - round(reported * (turn.prompt_tokens or 0) / max(1, total))) \
+                if beyond_share else 0
         if short <= 1:  # an engine always computes the last prompt token again (it needs its logits): an
             return      # identical prompt is served n-1 tokens from cache, which is no miss
-        subtype, why = server_miss(prev_req, req, ttl_1h=req.cache_ttl_1h)
-        # What it cost is what the server re-prefilled past what it kept, not the prediction's tail.
-        turn.reprefill_tokens = (turn.prompt_tokens or 0) - (predicted - short)
-        turn.brk = Break("server_miss", subtype, None, None, 0, reported, f"predicted cached: {predicted:,} tokens",
-                         f"reported cached: {reported:,} tokens",
+        appended = payload.messages[len(prev.payload.messages):]
+        fell = input_fell(counted, req)
+        if fell is not None and by_server:
+            new_user = any(isinstance(m, dict) and m.get("role") == "user" for m in appended)
+            subtype, why = "reasoning_drop", reasoning_drop_text(fell, new_user)
+        else:
+            subtype, why = server_miss(prev_req, req, ttl_1h=asked_long_lifetime(req) or asked_long_lifetime(prev_req))
+        if by_server is not None:
+            turn.lost_tokens_basis = "server"
+            short = by_server
+            # The re-prefill in the analysis's own tokens: the server's lost share of this prompt.
+            kept = round((reported / max(1, turn.reported_prompt_tokens or 1)) * (turn.prompt_tokens or 0))
+            turn.reprefill_tokens = max(0, (turn.prompt_tokens or 0) - kept)
+        else:
+            turn.lost_tokens_basis = "exact" if exact else "estimate"
+            # What it cost is what the server re-prefilled past what it kept, not the prediction's tail.
+            turn.reprefill_tokens = (turn.prompt_tokens or 0) - (predicted - short)
+        # The two sides in one unit: the server's own counts where it gave them.
+        before, after = (f"previous prompt, by the server's count: {counted.reported_prompt_tokens:,} tokens",
+                         f"read from cache, by the server's count: {reported:,} tokens") if by_server is not None \
+            else (f"predicted cached (the analysis' tokens): {predicted:,} tokens",
+                  f"reported cached (the server's tokens): {reported:,} tokens")
+        turn.brk = Break("server_miss", subtype, None, None, 0, reported, before, after,
                          suggestion=suggestion("server_miss", subtype), saves_tokens=short, detail=why)
 
     def _cost(self, turn: TurnResult) -> None:
@@ -355,6 +403,7 @@ class Analyzer:
             if self.block_size:
                 ideal = ideal // self.block_size * self.block_size
             turn.lost_tokens = max(0, ideal - predicted)
+            turn.lost_tokens_basis = "exact" if self.exact_counts else "estimate"
         if self.prefill_rate:
             turn.reprefill_seconds = round((turn.block_reprefill_tokens or turn.reprefill_tokens) / self.prefill_rate, 2)
         if turn.reported_cached_tokens is not None:

@@ -7,6 +7,7 @@ import json
 
 from analyzer import report_view as rv
 from analyzer.results import Report
+from analyzer.server_counts import TOKEN_BASES, cached_text
 from common.words import plural
 from recorder.redact import DEFAULT_REDACTOR
 
@@ -149,7 +150,8 @@ def format_text(report: Report, width: int = 140) -> str:
             buf.write(_plain(f"  rebuilt from a transcript of {s.transcript.get('harness')} ({s.transcript.get('file')}); "
                              f"not rebuilt: {'; '.join(s.transcript.get('not_rebuilt') or []) or 'nothing'}") + "\n")
         table = Table()
-        for col in ("turn", "prompt", "predicted cached", "server cached", "TTFT", "lost", "what happened"):
+        for col in ("turn", "prompt", "predicted cached", "server prompt", "server cached", "TTFT", "lost",
+                    "what happened"):
             table.add_column(col, justify="left" if col == "what happened" else "right")
         for t in s.turns:
             if t.brk:
@@ -161,7 +163,7 @@ def format_text(report: Report, width: int = 140) -> str:
                     what = what.split(" because ")[0].split(": ", 1)[-1] + " (side request: see below)"
             flag = " !" if t.cached_disagrees else ""
             table.add_row(str(t.number), _q(t.prompt_tokens), _q(t.predicted_cached_tokens),
-                          f"{_q(t.reported_cached_tokens)}{flag}",
+                          _q(t.reported_prompt_tokens), f"{_q(t.reported_cached_tokens)}{flag}",
                           "" if t.ttft_s is None else seconds_text(t.ttft_s), lost, what)
         console.print(table)
         for t in s.turns:
@@ -170,9 +172,10 @@ def format_text(report: Report, width: int = 140) -> str:
         for t in breaks:
             if t.brk.cause == "server_miss":  # nothing differs in the prompt: say what the server did
                 console.print(f"  turn {t.number} server_miss/{t.brk.subtype}: lost "
-                              f"{cost_text(t.lost_seconds, t.lost_tokens)}: the server cached "
-                              f"{_q(t.reported_cached_tokens)} of the {_q(t.predicted_cached_tokens)} predicted: "
+                              f"{cost_text(t.lost_seconds, t.lost_tokens)}: {cached_text(t)}: "
                               f"{t.brk.detail}" + _provider_cache(t))
+                if t.lost_tokens_basis in TOKEN_BASES:
+                    console.print(f"    tokens: {TOKEN_BASES[t.lost_tokens_basis]}")
                 console.print(f"    fix: {_fix_ref(t.brk.suggestion, said)}")
                 continue
             _print_break(buf, console, t, said)
@@ -199,6 +202,10 @@ def format_text(report: Report, width: int = 140) -> str:
         console.print("overall: nothing analysed, so nothing to say about breaks")
     console.print(f"prompt tokens: {totals['prompt_tokens']:,}, of which {totals['reprefill_tokens']:,} not served by "
                   f"the prefix cache (new turns' own tokens included)" + _minutes(totals["reprefill_seconds"]))
+    if totals["server_counted_turns"]:
+        console.print(f"by the server's own counts: {totals['server_prompt_tokens']:,} prompt tokens over "
+                      f"{totals['server_counted_turns']:,} turn(s), {totals['server_cached_tokens']:,} of them read "
+                      f"from cache")
     for w in report.what_if:
         console.print(f"what if {w['policy']} ({w['rules']}): {w['cached_tokens']:,} of {w['prompt_tokens']:,} "
                       f"prompt tokens cached ({(w['hit_rate'] or 0) * 100:.1f} %), {w['reprefill_tokens']:,} re-prefilled; "
@@ -242,6 +249,8 @@ def break_lines(t, indent: str = "  ", said: dict[str, int] | None = None) -> li
     lines = [f"{indent}turn {t.number}: {name} at {b.location()}: lost {cost_text(t.lost_seconds, t.lost_tokens)}{dollars}"]
     if t.lost_seconds_basis and t.lost_seconds is not None:  # unpriced: "(no timings)" above says it
         lines.append(f"{indent}  seconds: {t.lost_seconds_basis}")
+    if getattr(t, "lost_tokens_basis", None) in TOKEN_BASES:
+        lines.append(f"{indent}  tokens: {TOKEN_BASES[t.lost_tokens_basis]}")
     where = [f"prompt token {b.token_offset:,}", f"char {b.char_offset:,} of the rendered prompt"]
     if b.path:
         where.append(f"payload {b.path}")

@@ -19,6 +19,7 @@ from typing import Any
 
 from analyzer import report_view as rv
 from analyzer.report_assets import CSS, JS
+from analyzer.server_counts import TOKEN_BASES
 from common.escaping import script_json
 from common.words import plural
 
@@ -155,6 +156,8 @@ def _break_detail(b: dict[str, Any], sessions: list[dict], open_: bool) -> str:
         facts.append(f"{rv.dollars_text(b['lost_dollars'])} at the priced model's rates")
     if b["basis"]:
         facts.append(f"seconds from {b['basis']}")
+    if b.get("tokens_basis") in TOKEN_BASES:
+        facts.append(f"tokens: {TOKEN_BASES[b['tokens_basis']]}")
     if b["ttft"] is not None:
         facts.append(f"TTFT {rv.seconds_text(b['ttft'])}")
     if b["token_offset"] is not None:

@@ -197,6 +197,7 @@ def build(d: dict[str, Any], top_n: int = 10) -> dict[str, Any]:
                     "diff": (b, a, start, bend, aend), "volatile": brk.get("volatile"), "ttft": row["ttft"],
                     "path": brk.get("path"), "served_by": t.get("served_by"), "lost_dollars": _num(t.get("lost_dollars")),
                     "server_miss_reason": t.get("server_miss_reason"),
+                    "tokens_basis": t.get("lost_tokens_basis"),
                 })
             elif re:
                 append_total += int(re)

@@ -83,6 +83,9 @@ class TurnResult:
     lost_seconds: float | None = None  # THE cost of this turn's break in seconds, from the recorded timings by default
     lost_seconds_basis: str | None = None  # how `lost_seconds` was found (or why it could not be)
     lost_tokens: int | None = None  # the same cost in tokens (docs/ANALYZER.md "Cost")
+    # Whose count `lost_tokens` is: "server" (the provider's usage: its own tokens), "exact" (the server's
+    # tokenizer and renderer) or "estimate" (the rebuilt prompt counted by the analysis's tokenizer).
+    lost_tokens_basis: str | None = None
     ttft_s: float | None = None  # the turn's recorded time to first token
 
     @property
@@ -103,9 +106,14 @@ def _totals(turns: Iterable[TurnResult], rate: float | None) -> dict[str, Any]:
     included) and, with --prefill-rate, `seconds` / `reprefill_seconds` are details."""
     by_cause: dict[str, dict[str, Any]] = {}
     total = reprefill = lost = breaks = priced = 0
+    server_prompt = server_cached = server_turns = 0
     seconds = lost_s = 0.0
     for t in turns:
         total += t.prompt_tokens or 0
+        if t.reported_prompt_tokens is not None:  # the server's own counts, summed apart (another unit)
+            server_turns += 1
+            server_prompt += t.reported_prompt_tokens
+            server_cached += t.reported_cached_tokens or 0
         reprefill += t.reprefill_tokens or 0
         seconds += t.reprefill_seconds or 0.0
         if t.brk:
@@ -126,7 +134,9 @@ def _totals(turns: Iterable[TurnResult], rate: float | None) -> dict[str, Any]:
     order = sorted(by_cause.items(), key=lambda kv: (-(kv[1]["lost_seconds"] or 0.0), -kv[1]["lost_tokens"]))
     return {"breaks": breaks, "lost_seconds": round(lost_s, 2) if priced else None, "lost_tokens": lost,
             "priced": priced, "prompt_tokens": total, "reprefill_tokens": reprefill,
-            "reprefill_seconds": round(seconds, 1) if rate else None, "by_cause": dict(order)}
+            "reprefill_seconds": round(seconds, 1) if rate else None, "by_cause": dict(order),
+            "server_counted_turns": server_turns, "server_prompt_tokens": server_prompt,
+            "server_cached_tokens": server_cached}
 
 
 def break_order(t: TurnResult) -> tuple[float, int]:

@@ -10,6 +10,9 @@ import click
 from common.words import plural
 from prefixtrace.cli_common import FiniteFloatRange, echo, library_errors, output_path, progress, write_or_echo
 
+# analyzer.server_counts.PARTIAL_LOSS_MIN, spelled here so the CLI starts without importing the analyzer
+# (tests/test_server_counts.py checks they agree).
+PARTIAL_LOSS_MIN = 5000
 SRC = click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 
 
@@ -25,6 +28,10 @@ def _render_options(fn):
         click.option("--prefill-rate", type=FiniteFloatRange(), metavar="TOK_PER_S",
                      help="Price lost tokens at this rate instead of the recorded timings (TTFT against the "
                           "session's cache hits, else a prefill rate measured from its turns)."),
+        click.option("--min-partial-loss", type=click.IntRange(min=0), default=PARTIAL_LOSS_MIN, show_default=True,
+                     metavar="TOKENS",
+                     help="Report a server-side loss of this many tokens or more (by the server's own counts) "
+                          "as a server_miss, whatever its share of the prompt."),
     ]):
         fn = option(fn)
     return fn
@@ -36,9 +43,9 @@ MAX_UNREADABLE = click.option(
     help="Exit 1 when more than this many (or this share) of the requests could not be read or rendered.")
 
 
-def _kwargs(template, model, tokenizer_spec, block_size, prefill_rate) -> dict:
+def _kwargs(template, model, tokenizer_spec, block_size, prefill_rate, min_partial_loss=PARTIAL_LOSS_MIN) -> dict:
     return dict(template=template, model=model, tokenizer=tokenizer_spec, block_size=block_size,
-                prefill_rate=prefill_rate)
+                prefill_rate=prefill_rate, min_partial_loss=min_partial_loss)
 
 
 @click.command()
@@ -65,8 +72,8 @@ def _kwargs(template, model, tokenizer_spec, block_size, prefill_rate) -> dict:
                    "cause, cost and fix) over OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318; needs "
                    "pip install 'prefixtrace[otel]' (docs/OBSERVABILITY.md).")
 @library_errors
-def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt, as_json, out, max_unreadable,
-            what_if, kv_budget, price_model, price_provider, otlp_endpoint):
+def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, min_partial_loss, fmt, as_json, out,
+            max_unreadable, what_if, kv_budget, price_model, price_provider, otlp_endpoint):
     """Per session and turn: did the prompt extend the previous one; if not, what
     it cost (seconds from the recorded timings, then tokens; dollars with --price-model),
     where it broke (message, char inside it, token offset, the differing characters
@@ -92,7 +99,7 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, fmt,
     with progress(f"analyzing {src.name}"):
         report = run_analyze(src, what_if=what_if, kv_budget=kv_budget, price_model=price_model,
                              price_provider=price_provider,
-                             **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
+                             **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate, min_partial_loss))
     too_much = report.too_much_unread(max_unreadable)
     text = {"text": format_text, "json": to_json, "html": to_html, "markdown": to_markdown}["json" if as_json else fmt](report)
     write_or_echo(text, out)
@@ -137,8 +144,8 @@ def _export_spans(src: Path, report, endpoint: str) -> None:
 @JSON_FORMAT
 @MAX_UNREADABLE
 @library_errors
-def check(src, allow, fail_on, template, model, tokenizer_spec, block_size, prefill_rate, junit, fmt, as_json,
-          max_unreadable):
+def check(src, allow, fail_on, template, model, tokenizer_spec, block_size, prefill_rate, min_partial_loss, junit,
+          fmt, as_json, max_unreadable):
     """Exit 0 when every transition of every session is append-only or of an
     allowed cause, else 1, naming the first offending turn, its cause, what it
     cost (seconds, tokens), where and its diff.
@@ -151,7 +158,7 @@ def check(src, allow, fail_on, template, model, tokenizer_spec, block_size, pref
     from analyzer import check as run_check, to_junit
 
     with progress(f"checking {src.name}"):
-        result = run_check(src, allow=allow, fail_on=fail_on, max_unreadable=max_unreadable, **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate))
+        result = run_check(src, allow=allow, fail_on=fail_on, max_unreadable=max_unreadable, **_kwargs(template, model, tokenizer_spec, block_size, prefill_rate, min_partial_loss))
     if junit:
         to_junit(result, junit)
     if fmt == "json" or as_json:

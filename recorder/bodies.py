@@ -2,7 +2,9 @@
 
 Agent traffic resends the whole conversation every turn, so the recorder keeps
 each distinct message once (by hash) and a request as "everything but the
-messages" plus a reference to its ordered message list. For the original body
+messages" plus a reference to its ordered message list. The conversation is the
+`messages` array (Chat Completions, Anthropic Messages) or the `input` array of
+items (Responses: Codex resends every item each call, like `messages`). For the original body
 to come back byte for byte, the split works on the JSON *text*, never on a
 re-serialised object: a message is the exact slice of the text between the
 array's brackets and separators, and `head + sep.join(messages) + tail`
@@ -30,6 +32,7 @@ class SplitBody:
     messages: list[str]  # each message's exact text, in order
     sep: str  # text between consecutive messages ("" when fewer than two)
     tail: str  # text after the last message
+    hashes: list[bytes] | None = None  # each message's `message_hash`, when already known
 
     def join(self) -> str:
         return self.head + self.sep.join(self.messages) + self.tail
@@ -113,17 +116,24 @@ def _array_items(text: str, start: int) -> list[tuple[int, int]] | None:
         i = _ws(text, i + 1)
 
 
+# The keys whose array is a request's conversation, in the order they are looked for.
+CONVERSATION_KEYS = ("messages", "input")
+
+
 def split_body(text: str) -> SplitBody | None:
-    """The messages of a chat request body and the text around them.
+    """The messages (or Responses `input` items) of a request body and the text around them.
 
     None when there is nothing to share: not a JSON object, no non-empty
-    `messages` array, or separators that differ between elements (a
+    `messages` or `input` array, or separators that differ between elements (a
     hand-edited body; it is then stored whole, still byte for byte).
     """
     scanned = scan_object(text)
-    if scanned is None or not isinstance(scanned[0].get("messages"), list):
+    if scanned is None:
         return None
-    start, _ = scanned[1]["messages"]
+    key = next((k for k in CONVERSATION_KEYS if isinstance(scanned[0].get(k), list)), None)
+    if key is None:
+        return None
+    start, _ = scanned[1][key]
     try:
         items = _array_items(text, start)
     except (ValueError, IndexError):

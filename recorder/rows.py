@@ -22,7 +22,8 @@ import sqlite_utils
 
 from common.errors import RecorderError
 from recorder import numbers
-from recorder.bodies import message_hash, split_body
+from recorder.bodies import SplitBody, message_hash, split_body
+from recorder.item_texts import SharedItemTexts
 from recorder.redact import DEFAULT_REDACTOR, Redactor
 from recorder.renderers import ensure_stored
 from recorder.turn import Turn
@@ -100,6 +101,11 @@ class BodyStore:
         self._prefix_rows: dict[int, tuple[int, int]] = {}
         self._message_bodies: dict[int, str] = {}
         self.renderer_ids: set[str] = set()  # `renderers` rows known to be stored
+        # The previous body's message hashes and the prefix id after each: the next turn of a session
+        # repeats them, so only its new messages are looked up (a long session's turns cost their new
+        # messages, not their whole history).
+        self._last_hashes: list[bytes] = []
+        self._last_prefixes: list[int] = []
 
     def reset(self) -> None:
         self._message_ids.clear()
@@ -109,25 +115,35 @@ class BodyStore:
         self._prefix_rows.clear()
         self._message_bodies.clear()
         self.renderer_ids.clear()
+        self._last_hashes, self._last_prefixes = [], []
 
     # -- write ----------------------------------------------------------------
 
-    def put(self, text: str, *, is_json: bool) -> dict[str, Any]:
-        """Stores the messages of `text`; returns the turn's body columns."""
-        split = split_body(text) if is_json else None
+    def put(self, text: str | SplitBody, *, is_json: bool) -> dict[str, Any]:
+        """Stores the messages of `text` (or of a body already split); returns the turn's body columns."""
+        split = text if isinstance(text, SplitBody) else split_body(text) if is_json else None
         if split is None:
             return {"body_json": int(is_json), "body_head": self._text_id("body_parts", self._part_ids, text),
                     "body_sep": None, "body_tail": None, "body_prefix": None}
-        prefix = 0
-        for message in split.messages:
-            prefix = self._prefix_id(prefix, self._text_id("messages", self._message_ids, message))
+        hashes = split.hashes or [message_hash(m) for m in split.messages]
+        last = self._last_hashes
+        if len(hashes) >= len(last) and hashes[: len(last)] == last:
+            k = len(last)  # the common case, compared in C
+        else:
+            k = next((i for i, (a, b) in enumerate(zip(hashes, last)) if a != b), min(len(hashes), len(last)))
+        prefixes = self._last_prefixes[:k]
+        prefix = prefixes[-1] if prefixes else 0
+        for message, digest in zip(split.messages[k:], hashes[k:]):
+            prefix = self._prefix_id(prefix, self._text_id("messages", self._message_ids, message, digest))
+            prefixes.append(prefix)
+        self._last_hashes, self._last_prefixes = hashes, prefixes
         return {"body_json": 1, "body_head": self._text_id("body_parts", self._part_ids, split.head),
                 "body_sep": split.sep, "body_tail": self._text_id("body_parts", self._part_ids, split.tail),
                 "body_prefix": prefix}
 
-    def _text_id(self, table: str, cache: dict[bytes, int], text: str) -> int:
+    def _text_id(self, table: str, cache: dict[bytes, int], text: str, digest: bytes | None = None) -> int:
         """Id of `text` in a content-addressed table (`messages` or `body_parts`), stored if new."""
-        digest = message_hash(text)
+        digest = digest or message_hash(text)
         found = cache.get(digest)
         if found is None:
             row = self.db.execute(f"SELECT id FROM {table} WHERE hash = ?", [digest]).fetchone()
@@ -212,11 +228,14 @@ def turn_to_row(turn: Turn, bodies: BodyStore, redactor: Redactor = DEFAULT_REDA
     return store_row(redacted_row(turn, redactor), bodies)
 
 
-def redacted_row(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> dict[str, Any]:
+def redacted_row(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR,
+                 shared: SharedItemTexts | None = None) -> dict[str, Any]:
     """`turn`'s row, redacted, with its body still as text (`_body`, `_body_json`):
     no database access, so the writer does this before its transaction begins.
-    Everything stored passes through here, so this is the one place secrets are stopped."""
-    text, is_json = body_text(turn, redactor)
+    Everything stored passes through here, so this is the one place secrets are stopped.
+    `shared`: turns whose bodies share item objects (an import) redact each item once."""
+    split = shared.split(turn.request_body, _utf8) if shared is not None and turn.request_raw is None else None
+    text, is_json = (split, True) if split is not None else body_text(turn, redactor)
     body = turn.request_body
     model = redactor.value(body.get("model")) if isinstance(body, dict) else None
     row = {
@@ -249,7 +268,7 @@ def redacted_row(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR) -> dict[str,
         "served_by": turn.served_by,
     }
     row = {k: _utf8(v) if isinstance(v, str) else v for k, v in row.items()}
-    row["_body"], row["_body_json"] = _utf8(text), is_json
+    row["_body"], row["_body_json"] = (text if isinstance(text, SplitBody) else _utf8(text)), is_json
     return row
 
 
@@ -295,8 +314,12 @@ def write_turns(
     bodies: BodyStore | None = None,
 ) -> None:
     """Writes `turns` in one transaction (all or nothing). A request_id that is
-    already stored is replaced, so re-importing a file is idempotent."""
-    write_rows(db, [redacted_row(t, redactor) for t in turns], bodies)  # the CPU work, outside the transaction
+    already stored is replaced, so re-importing a file is idempotent. Items the
+    turns' bodies share (a rebuilt transcript's history) are redacted and
+    serialised once."""
+    shared = SharedItemTexts(redactor)
+    # The CPU work, outside the transaction.
+    write_rows(db, [redacted_row(t, redactor, shared) for t in turns], bodies)
 
 
 def write_rows(db: sqlite_utils.Database, prepared: list[dict[str, Any]], bodies: BodyStore | None = None) -> None:

@@ -22,11 +22,13 @@ TRAFFIC = ROOT / "fixtures" / "traffic"
 QWEN3 = str(ROOT / "fixtures" / "qwen3.jinja")
 
 
-def _pi_one_session(tmp_path: Path) -> Path:
+def _pi_one_session(tmp_path: Path, usage: bool = True) -> Path:
     """pi_tiny under one session id: its Messages conversation is then a tools_change of the chat one
-    (4: TTFT 1.82 s) beside cache hits of 0.13-0.27 s."""
-    src = tmp_path / "pi.jsonl"
-    src.write_text("".join(json.dumps({**json.loads(line), "session": "pi"}) + "\n"
+    (4: TTFT 1.82 s) beside cache hits of 0.13-0.27 s. `usage=False`: the server's counts left out."""
+    src = tmp_path / ("pi.jsonl" if usage else "pi-no-usage.jsonl")
+    drop = () if usage else ("usage", "tokens")
+    src.write_text("".join(json.dumps({**{k: v for k, v in json.loads(line).items() if k not in drop},
+                                       "session": "pi"}) + "\n"
                            for line in (TRAFFIC / "pi_tiny.jsonl").read_text().splitlines()))
     return src
 
@@ -50,11 +52,17 @@ def test_lost_seconds_come_from_the_recorded_ttft_against_the_sessions_cache_hit
 def test_one_cost_in_tokens_what_a_cache_would_have_served_had_the_prompt_only_grown(tmp_path):
     report = analyze(_pi_one_session(tmp_path), template=QWEN3)
     prev, t = report.sessions[0].turns[2], report.sessions[0].turns[3]
-    assert t.lost_tokens == min(prev.prompt_tokens, t.prompt_tokens) - t.common_prefix_tokens
+    # The server's own counts win: what it would have read had the prompt only grown, less what it read.
+    assert t.lost_tokens == min(prev.reported_prompt_tokens, t.reported_prompt_tokens) - t.reported_cached_tokens
+    assert t.lost_tokens_basis == "server" and t.lost_tokens > t.prompt_tokens  # the rebuilt prompt counts low
     # The other figures are details: re-prefilled includes the new turn's own tokens.
     assert t.reprefill_tokens == t.prompt_tokens - t.common_prefix_tokens
-    blocks = analyze(_pi_one_session(tmp_path), template=QWEN3, block_size=16).sessions[0].turns[3]
-    ideal = min(prev.prompt_tokens, t.prompt_tokens) // 16 * 16
+    # Without the server's counts, the rebuilt prompt's, labelled an estimate.
+    bare = analyze(_pi_one_session(tmp_path, usage=False), template=QWEN3).sessions[0].turns
+    assert bare[3].lost_tokens == min(bare[2].prompt_tokens, bare[3].prompt_tokens) - bare[3].common_prefix_tokens
+    assert bare[3].lost_tokens_basis == "estimate"
+    blocks = analyze(_pi_one_session(tmp_path, usage=False), template=QWEN3, block_size=16).sessions[0].turns[3]
+    ideal = min(bare[2].prompt_tokens, bare[3].prompt_tokens) // 16 * 16
     assert blocks.lost_tokens == ideal - blocks.predicted_cached_tokens
     d = report.to_dict()
     totals = d["totals"]

@@ -167,7 +167,7 @@ def _openai(prompt: int, cached: int) -> dict:
 @pytest.mark.parametrize("gap, subtype", [(PROVIDER_TTLS["openai"][0] + 120, "ttl"), (30, "unknown")])
 def test_a_gap_past_the_providers_ttl_is_named(tmp_path, gap, subtype):
     records = _records("https://api.openai.com/v1", [0, 10, gap],
-                       [_openai(200, 0), _openai(220, 200), _openai(240, 0)])
+                       [_openai(2000, 0), _openai(2200, 2000), _openai(2400, 0)])  # cacheable: over 1,024
     turns = analyze(_write(tmp_path / "t.jsonl", records)).sessions[0].turns
     assert turns[1].brk is None  # cached as predicted (by share: another tokenizer)
     assert turns[2].brk is not None and (turns[2].brk.cause, turns[2].brk.subtype) == ("server_miss", subtype)
@@ -178,8 +178,8 @@ def test_a_gap_past_the_providers_ttl_is_named(tmp_path, gap, subtype):
 
 def test_anthropic_one_hour_cache_lifetime_is_honoured(tmp_path):
     records = _records("https://api.anthropic.com", [0, 1200], [
-        {"input_tokens": 10, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 190},
-        {"input_tokens": 30, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 190}], "/v1/messages")
+        {"input_tokens": 100, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 1900},
+        {"input_tokens": 300, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 1900}], "/v1/messages")
     for r in records:
         r["request"] = {"model": "claude", "max_tokens": 100, "system": [
             {"type": "text", "text": r["request"]["messages"][0]["content"], "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
