@@ -11,7 +11,7 @@ HIT_SHARE = 0.5  # a turn served at least this share of its prompt from cache is
 MIN_PREFILL = 64  # uncached tokens a turn must prefill to measure a prefill rate from its TTFT
 # A break's TTFT over its cache hits' that prices it below this share of its tokens at the measured
 # prefill rate is not believed (the hits queued longer, under load): the rate prices it instead.
-TTFT_TRUST = 0.5
+TTFT_TRUST = 0.1
 
 
 def price_breaks(sessions: list[SessionResult], prefill_rate: float | None) -> None:
