@@ -13,6 +13,7 @@ from analyzer.chains import Analyzer
 from analyzer.costing import dollars_of_breaks
 from analyzer.hashed import blind
 from analyzer.load import load
+from analyzer.merged_sessions import mark_merged
 from analyzer.render import make_renderer
 from analyzer.results import Report
 from analyzer.server_counts import PARTIAL_LOSS_MIN
@@ -73,6 +74,8 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
     analyzer.exact_counts = choice.exact
     report = analyzer.run(loaded.requests, loaded.skipped)
     report.renderer_source, report.renderer_note = choice.source, choice.note
+    report.replayed = loaded.replayed
+    mark_merged(report)
     if policies:
         report.what_if = price_all(report, policies, block_size=block_size, kv_budget=kv_budget, sheet=sheet)
     if sheet is not None:

@@ -372,8 +372,8 @@ class Analyzer:
             beyond_share = reported / max(1, total) < predicted / max(1, turn.prompt_tokens or 1) - DISAGREE_FRACTION
             short = max(0, predicted - round(reported * (turn.prompt_tokens or 0) / max(1, total))) \
                 if beyond_share else 0
-        if short <= 0:
-            return
+        if short <= 1:  # an engine always computes the last prompt token again (it needs its logits): an
+            return      # identical prompt is served n-1 tokens from cache, which is no miss
         appended = payload.messages[len(prev.payload.messages):]
         fell = input_fell(counted, req)
         if fell is not None and by_server:

@@ -18,6 +18,7 @@ from analyzer.causes import CAUSES
 from analyzer.results import Report, SessionResult, TurnResult
 from common.errors import InvalidRequest
 from common.escaping import xml_text
+from common.words import plural
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,14 @@ class CheckResult:
                     + "".join(f"\n- {p}" for p in self.problems))
         if self.ok:
             n = sum(len(s.turns) for s in self.report.sessions)
-            return (f"ok: {n} request(s), every transition append-only or allowed "
+            return (f"ok: {plural(n, 'request')}, every transition append-only or allowed "
                     f"({', '.join(sorted(self.allow)) or 'none allowed'})" + skipped)
         if not self.problems:
-            return (f"{cov['not_analysed']} of {cov['input']} request(s) could not be analysed "
+            return (f"{cov['not_analysed']} of {plural(cov['input'], 'request')} could not be analysed "
                     f"(more than --max-unreadable {self.max_unreadable})" + skipped)
         first = self.problems[0]
-        return f"{len(self.problems)} transition(s) break the prefix; first: {first}" + skipped
+        return (f"{plural(len(self.problems), 'transition')} {'breaks' if len(self.problems) == 1 else 'break'} "
+                f"the prefix; first: {first}" + skipped)
 
 
 def parse_allow(allow: str | Iterable[str] | None) -> frozenset[str]:

@@ -9,6 +9,9 @@ from analyzer.results import Report, SessionResult, TurnResult
 
 HIT_SHARE = 0.5  # a turn served at least this share of its prompt from cache is a cache hit (seconds, "Cost")
 MIN_PREFILL = 64  # uncached tokens a turn must prefill to measure a prefill rate from its TTFT
+# A break's TTFT over its cache hits' that prices it below this share of its tokens at the measured
+# prefill rate is not believed (the hits queued longer, under load): the rate prices it instead.
+TTFT_TRUST = 0.1
 
 
 def price_breaks(sessions: list[SessionResult], prefill_rate: float | None) -> None:
@@ -16,7 +19,9 @@ def price_breaks(sessions: list[SessionResult], prefill_rate: float | None) -> N
 
     1. `--prefill-rate`: lost_tokens / that rate;
     2. the turn's recorded TTFT against the median TTFT of (up to 3 of) this session's cache hits
-       nearest in prompt size (append-only turns served mostly from cache): the extra wait;
+       nearest in prompt size (append-only turns served mostly from cache): the extra wait; unless that
+       is below TTFT_TRUST of its tokens at the rate of 3 (else 4), as under load when the hits queued
+       longer: then that rate prices it (a floor, so a real miss never shows 0 s);
     3. a prefill rate measured from this session's own turns (median of uncached tokens / TTFT over
        turns that prefilled at least MIN_PREFILL tokens): lost_tokens / that rate;
     4. the same rate measured from every session of the same model in the input;
@@ -45,6 +50,12 @@ def price_breaks(sessions: list[SessionResult], prefill_rate: float | None) -> N
         return (t.predicted_cached_tokens or 0) >= HIT_SHARE * t.prompt_tokens
 
     by_model: dict[str | None, float | None] = {}
+
+    def model_rate(model: str | None) -> float | None:
+        if model not in by_model:
+            by_model[model] = rate_of([u for x in sessions for u in x.turns if u.model == model])
+        return by_model[model]
+
     for s in sessions:
         for t in s.turns:
             if t.brk is not None and t.lost_tokens is None:
@@ -69,14 +80,23 @@ def price_breaks(sessions: list[SessionResult], prefill_rate: float | None) -> N
                 hits_text = "cache hit" if len(near) == 1 else f"{len(near)} cache hits"
                 t.lost_seconds_basis = (f"TTFT {t.ttft_s:.2f} s against {base:.2f} s, the median TTFT of this "
                                         f"session's {hits_text} nearest in size")
+                # Under load a miss's TTFT can fall below its neighbours' (they queued longer): far below
+                # what its tokens take at the prefill rate measured from the turns, the comparison says
+                # nothing and the rate prices it (3, else 4), never 0 s.
+                rate, where = (session_rate, "this session's turns") if session_rate else \
+                    (model_rate(t.model), "all recorded turns of this model")
+                if rate and t.lost_seconds < TTFT_TRUST * t.lost_tokens / rate:
+                    t.lost_seconds = round(t.lost_tokens / rate, 2)
+                    t.lost_seconds_basis = (f"prefill rate {rate:,.0f} tok/s measured from {where}: its TTFT "
+                                            f"({t.ttft_s:.2f} s) against the median of this session's {hits_text} "
+                                            f"nearest in size ({base:.2f} s) says less than {TTFT_TRUST:.0%} of that, "
+                                            "as under load, when the turns around it waited longer")
                 continue
             if session_rate:
                 t.lost_seconds = round(t.lost_tokens / session_rate, 2)
                 t.lost_seconds_basis = f"prefill rate {session_rate:,.0f} tok/s measured from this session's turns"
                 continue
-            if t.model not in by_model:
-                by_model[t.model] = rate_of([u for x in sessions for u in x.turns if u.model == t.model])
-            rate = by_model[t.model]
+            rate = model_rate(t.model)
             if rate:
                 t.lost_seconds = round(t.lost_tokens / rate, 2)
                 t.lost_seconds_basis = f"prefill rate {rate:,.0f} tok/s measured from all recorded turns of this model"

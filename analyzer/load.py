@@ -77,6 +77,7 @@ class Loaded:
     requests: list[Request] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)  # {"line": N, "error": "..."}
     renderers: dict[str, Any] = field(default_factory=dict)  # id -> recorder.renderers.RendererInfo (databases)
+    replayed: int = 0  # turns `prefixtrace replay` sent (recorder/replay_mark.py): left out, counted
 
 
 def _server_facts(req: Request, render: Any, usage: Any, served_by: Any = None, renderer_id: Any = None) -> Request:
@@ -352,6 +353,8 @@ def read_jsonl(path: Path) -> Loaded:
     Read as bytes and decoded line by line, so a line that is not UTF-8 (or a
     file that is not text at all, like a damaged database) is reported with its
     number and the rest still read."""
+    from recorder.replay_mark import is_replay
+
     out = Loaded()
     parser = IncrementalParser()
     try:
@@ -369,6 +372,12 @@ def read_jsonl(path: Path) -> Loaded:
                 continue
             try:
                 obj = parser.loads(line)
+                if isinstance(obj, dict) and "renderer" in obj and "request" not in obj:  # an export's renderer
+                    _renderer_line(out, obj["renderer"], lineno)
+                    continue
+                if isinstance(obj, dict) and is_replay(obj.get("request_headers")):  # a replay's, not the user's
+                    out.replayed += 1
+                    continue
                 out.requests.append(request_from_record(obj, lineno, path.name))
             except json.JSONDecodeError as exc:
                 out.skipped.append({"line": lineno, "error": f"not valid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}"})
@@ -379,9 +388,25 @@ def read_jsonl(path: Path) -> Loaded:
     return out
 
 
+def _renderer_line(out: Loaded, obj: Any, lineno: int) -> None:
+    """A renderer an export carries (recorder/renderers.py `to_record`), kept as a database's would be."""
+    from recorder.renderers import from_record
+
+    info = from_record(obj)
+    if info is None:
+        out.skipped.append({"line": lineno, "error": "a renderer line without its id and model"})
+    else:
+        out.renderers[info.id] = info
+
+
 def _from_turns(turns: Iterable[Any]) -> Loaded:
+    from recorder.replay_mark import is_replay
+
     out = Loaded()
     for t in turns:
+        if is_replay(getattr(t, "request_headers", None)):  # a replay's measurement, not the user's traffic
+            out.replayed += 1
+            continue
         req = Request(t.request_id, t.started_at, t.request_body, session_of(t.session_id), None,
                       t.prompt_tokens, t.cached_tokens, getattr(t, "endpoint", None),
                       getattr(t, "status", None) or None, getattr(t, "error", None),
@@ -433,6 +458,9 @@ def read_har(path: Path) -> Loaded:
     if not isinstance(entries, list):
         raise InvalidRequest(f"{path}: not a HAR file (no log.entries list)")
     out = Loaded()
+    from recorder.har import har_renderers
+
+    out.renderers = har_renderers(doc["log"])
     for index, entry in enumerate(entries):
         try:
             turn = entry_to_turn(entry, index=index, source=path.name)

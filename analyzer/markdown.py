@@ -13,6 +13,7 @@ from typing import Any
 
 from analyzer import report_view as rv
 from analyzer.results import Report
+from common.words import plural
 from recorder.redact import DEFAULT_REDACTOR
 
 DIFF_CONTEXT = 40  # chars kept either side of the differing span
@@ -71,7 +72,7 @@ def render(d: dict[str, Any], top_n: int = 5) -> str:
     else:
         out.append("**No cache break**: every turn only appended to the previous prompt.")
     out += ["", f"Besides, {h['appended_tokens']:,} new tokens were appended (no cache could have served them). "
-                f"{h['turns']:,} turns in {h['sessions']:,} session(s); renderer `{_cell(d.get('renderer'))}`, "
+                f"{plural(h['turns'], 'turn')} in {plural(h['sessions'], 'session')}; renderer `{_cell(d.get('renderer'))}`, "
                 f"tokenizer `{_cell(d.get('tokenizer'))}`."
             + (f" {_cell(d['renderer_note'])}" if d.get("renderer_note") else ""), ""]
     if v["by_cause"]:
@@ -84,7 +85,7 @@ def render(d: dict[str, Any], top_n: int = 5) -> str:
         out += ["### What to fix", ""]
         for g in v["groups"]:
             turns = ", ".join(f"{b['number']:,}" for b in g["breaks"][:30]) + (" …" if len(g["breaks"]) > 30 else "")
-            out.append(f"- **{_cell(g['label'])}** (`{g['kind']}`): {len(g['breaks']):,} break(s), "
+            out.append(f"- **{_cell(g['label'])}** (`{g['kind']}`): {plural(len(g['breaks']), 'break')}, "
                        f"{_cost(g['lost_seconds'], g['lost_tokens'])}; turns {turns}")
             if g["fix"]:
                 out.append(f"  - fix: {_cell(g['fix'])}")

@@ -5,12 +5,14 @@ from __future__ import annotations
 import io
 import json
 
+from analyzer import report_view as rv
 from analyzer.results import Report
 from analyzer.turn_kinds import miss_rates
 from analyzer.turn_kinds import text_line as kinds_line
 from analyzer.write_waste import text_lines as waste_lines
 from analyzer.fix_report import fix_lines
 from analyzer.server_counts import TOKEN_BASES, cached_text
+from common.words import plural
 from recorder.redact import DEFAULT_REDACTOR
 
 
@@ -44,9 +46,10 @@ def seconds_text(seconds: float | None) -> str:
 def cost_text(seconds: float | None, tokens: int | None) -> str:
     """The one cost of a break (or a sum of them), seconds first: "1.63 s, 700 tokens"; "700 tokens (no
     timings)" when it could not be priced in seconds."""
+    counted = plural(tokens, "token") if isinstance(tokens, int) else f"{_q(tokens)} tokens"
     if seconds is None:
-        return f"{_q(tokens)} tokens (no timings)"
-    return f"{seconds_text(seconds)}, {_q(tokens)} tokens"
+        return f"{counted} (no timings)"
+    return f"{seconds_text(seconds)}, {counted}"
 
 
 def _escape(text: str) -> str:
@@ -116,15 +119,14 @@ def format_text(report: Report, width: int = 140) -> str:
     console = Console(file=buf, width=width, no_color=True, highlight=False, soft_wrap=False, markup=False)
     for warning in report.warnings():
         console.print(f"WARNING: {warning}")
-    # The answer first: on a long recording the session tables below run for screens.
-    breaks = report.top_breaks(3)
-    if breaks:
-        totals = report.to_dict()["totals"]
-        console.print(f"{totals['breaks']} cache break(s) cost {cost_text(totals['lost_seconds'], totals['lost_tokens'])}; "
-                      "the costliest (details and fixes below):")
-        for s, t in breaks:
-            console.print(f"  {cost_text(t.lost_seconds, t.lost_tokens)}: session {s.id} turn {t.number}, "
-                          f"{t.brk.cause}{'/' + t.brk.subtype if t.brk.subtype else ''} at {t.brk.location()}")
+    if not report.coverage()["analysed"] and not report.failed:
+        return buf.getvalue() + _nothing_read(report)
+    # The answer first, as the Markdown and HTML reports open: what to fix, one line per cause and fix,
+    # costliest first; the session tables below run for screens on a long recording and refer to it.
+    fixes = fix_lines(report)
+    for line in fixes:  # values a volatile break took are client text: redacted as the diffs are
+        buf.write(_plain(DEFAULT_REDACTOR.text(line)) + "\n")
+    said = {g["fix"]: i for i, g in enumerate(_fix_groups(report), 1) if g["fix"]}
     console.print(f"renderer: {report.renderer}    tokenizer: {report.tokenizer}"
                   + (f"    block size: {report.block_size}" if report.block_size else "")
                   + (f"    prefill rate: {report.prefill_rate:g} tok/s" if report.prefill_rate else ""))
@@ -137,7 +139,7 @@ def format_text(report: Report, width: int = 140) -> str:
     for skipped in report.skipped:
         console.print(f"skipped line {skipped['line']}: {skipped['error']}", markup=False)
     if report.failed:
-        console.print(f"{len(report.failed)} failed request(s) (listed, not chained):", markup=False)
+        console.print(f"{plural(len(report.failed), 'failed request')} (listed, not chained):", markup=False)
         for f in report.failed:
             console.print(f"  line {f['line']} status {f['status']} session {f['session']}: {f['error'][:120]}",
                           markup=False)
@@ -148,8 +150,8 @@ def format_text(report: Report, width: int = 140) -> str:
         st = d["totals"]
         cost = f", costing {cost_text(st['lost_seconds'], st['lost_tokens'])}" if breaks else ""
         # The title on its own line: as a table title, rich wraps it to the table's width.
-        buf.write(_plain(f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): {len(s.turns)} turns, "
-                         f"{len(breaks)} break(s){cost}") + "\n")
+        buf.write(_plain(f"session {s.id} ({kind}{'inferred' if s.inferred else 'explicit'}): "
+                         f"{plural(len(s.turns), 'turn')}, {plural(len(breaks), 'break')}{cost}") + "\n")
         if s.transcript:
             version = f" {s.transcript['version']}" if s.transcript.get("version") else ""  # the file's format version
             buf.write(_plain(f"  rebuilt from a transcript of {s.transcript.get('harness')}{version} ({s.transcript.get('file')}); "
@@ -181,28 +183,30 @@ def format_text(report: Report, width: int = 140) -> str:
                               f"{t.brk.detail}" + _provider_cache(t))
                 if t.lost_tokens_basis in TOKEN_BASES:
                     console.print(f"    tokens: {TOKEN_BASES[t.lost_tokens_basis]}")
-                console.print(f"    fix: {t.brk.suggestion}")
+                console.print(f"    fix: {_fix_ref(t.brk.suggestion, said)}")
                 continue
-            _print_break(buf, console, t)
+            _print_break(buf, console, t, said)
         for cause, c in st["by_cause"].items():
-            console.print(f"  {cause}: {c['breaks']} break(s) cost {cost_text(c['lost_seconds'], c['lost_tokens'])}")
+            console.print(f"  {cause}: {plural(c['breaks'], 'break')} cost {cost_text(c['lost_seconds'], c['lost_tokens'])}")
         console.print("")
     totals = report.to_dict()["totals"]
     if totals["breaks"]:
         unpriced = totals["breaks"] - totals["priced"]
-        console.print(f"overall: {totals['breaks']} break(s) cost {cost_text(totals['lost_seconds'], totals['lost_tokens'])}"
+        console.print(f"overall: {plural(totals['breaks'], 'break')} cost {cost_text(totals['lost_seconds'], totals['lost_tokens'])}"
                       + (f" ({unpriced} not priced in seconds: no timings recorded; give --prefill-rate)"
                          if unpriced else ""))
         for cause, c in totals["by_cause"].items():
-            console.print(f"  {cause} cost {cost_text(c['lost_seconds'], c['lost_tokens'])} over {c['breaks']} break(s)")
+            console.print(f"  {cause} cost {cost_text(c['lost_seconds'], c['lost_tokens'])} over {plural(c['breaks'], 'break')}")
         top = report.top_breaks(5)
         if len(report.breaks) > 1:
             console.print("costliest breaks:")
             for s, t in top:
                 console.print(f"  {cost_text(t.lost_seconds, t.lost_tokens)}: session {s.id} turn {t.number}, "
                               f"{t.brk.cause}{'/' + t.brk.subtype if t.brk.subtype else ''} at {t.brk.location()}")
-    else:
+    elif report.coverage()["analysed"]:
         console.print("overall: no break: every turn extended its session's previous prompt")
+    else:  # the warning above said why; "no break" would claim a result there is none of
+        console.print("overall: nothing analysed, so nothing to say about breaks")
     console.print(f"prompt tokens: {totals['prompt_tokens']:,}, of which {totals['reprefill_tokens']:,} not served by "
                   f"the prefix cache (new turns' own tokens included)" + _minutes(totals["reprefill_seconds"]))
     if totals["server_counted_turns"]:
@@ -237,7 +241,18 @@ def format_text(report: Report, width: int = 140) -> str:
     return buf.getvalue()
 
 
-def break_lines(t, indent: str = "  ") -> list[str]:
+def _nothing_read(report: Report) -> str:
+    """The one thing to say when no request could be read (a text file, an empty one): the first reasons
+    and what the input should be; no renderer, totals or "no break" that would claim a result."""
+    lines = [_plain(f"skipped line {s['line']}: {s['error']}") for s in report.skipped[:3]]
+    if len(report.skipped) > 3:
+        lines.append(f"… and {plural(len(report.skipped) - 3, 'more line')} like these")
+    lines.append("not analysed: give a recorder database, a JSONL or HAR file (docs/FORMATS.md) or a harness "
+                 "session file")
+    return "\n".join(lines) + "\n"
+
+
+def break_lines(t, indent: str = "  ", said: dict[str, int] | None = None) -> list[str]:
     """One break as a person reads it: cost (seconds first) and how it was priced, where (message, char
     inside it, token of the prompt), the two sides with a caret line, the fix."""
     b = t.brk
@@ -259,11 +274,55 @@ def break_lines(t, indent: str = "  ") -> list[str]:
     else:
         lines += [f"{indent}  - {b.before!r}", f"{indent}  + {b.after!r}"]
     if b.suggestion:
-        lines.append(f"{indent}  fix: {b.suggestion}")
+        lines.append(f"{indent}  fix: {_fix_ref(b.suggestion, said)}")
     return [_plain(line) for line in lines]
 
 
-def _print_break(buf, console, t) -> None:
+def _print_break(buf, console, t, said: dict[str, int] | None = None) -> None:
     console.file.flush() if hasattr(console.file, "flush") else None
-    for line in break_lines(t):
+    for line in break_lines(t, said=said):
         buf.write(line + "\n")  # not through rich: its wrapping would misalign the caret line
+
+
+def _fix_groups(report: Report) -> list[dict]:
+    """The breaks grouped by cause and fix, costliest first: the groups the Markdown and HTML reports'
+    "What to fix" lists (analyzer/report_view.py), so every format names the same fixes."""
+    return rv.build(report.to_dict())["groups"]
+
+
+def _turns_text(breaks: list[dict]) -> str:
+    """"session agent-1 turns 2, 3, 4; session b turn 7": where a fix applies, per session."""
+    by_session: dict[str, list[int]] = {}
+    for b in breaks:
+        by_session.setdefault(str(b["session"]), []).append(b["number"])
+    parts = []
+    for session, numbers in list(by_session.items())[:4]:
+        numbers = sorted(numbers)
+        shown = ", ".join(f"{n:,}" for n in numbers[:12]) + (" …" if len(numbers) > 12 else "")
+        parts.append(f"session {session} turn{'s' * (len(numbers) != 1)} {shown}")
+    return "; ".join(parts) + (f"; {len(by_session) - 4} more sessions" if len(by_session) > 4 else "")
+
+
+def fix_lines(report: Report) -> list[str]:
+    """What the text report opens with: the total, then one line per cause and fix (its cost, the
+    turns it hit, the fix itself, once), costliest first; "no break" when there is none."""
+    groups = _fix_groups(report)
+    if not groups:
+        return []
+    totals = report.to_dict()["totals"]
+    lines = [f"What to fix: {plural(totals['breaks'], 'cache break')} cost "
+             f"{cost_text(totals['lost_seconds'], totals['lost_tokens'])}"]
+    for i, g in enumerate(groups, 1):
+        values = f" (values seen: {', '.join(g['values'][:4])}{' …' if len(g['values']) > 4 else ''})" \
+            if g["values"] else ""
+        lines.append(f"  {i}. {cost_text(g['lost_seconds'], g['lost_tokens'])}, {plural(len(g['breaks']), 'break')}: "
+                     f"{g['label']} at {g['breaks'][0]['where']}{values} in {_turns_text(g['breaks'])}: "
+                     f"fix: {g['fix'] or 'none known'}")
+    lines.append("")
+    return lines
+
+
+def _fix_ref(fix: str, said: dict[str, int] | None) -> str:
+    """A fix the report opened with is named by its number there, not said again."""
+    number = (said or {}).get(rv.generic_fix(fix or ""))
+    return f"#{number} above" if number else fix

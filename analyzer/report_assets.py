@@ -66,7 +66,9 @@ svg.timeline a:hover .marker{stroke:#1f2933;stroke-width:1.5}
 .controls select{padding:3px}
 .scroll{overflow-x:auto}
 #turn-table td:first-child{max-width:220px;overflow:hidden;text-overflow:ellipsis}
-#turn-table th{cursor:pointer;user-select:none}
+#turn-table th{cursor:pointer;user-select:none;white-space:normal;vertical-align:bottom}
+#turn-table{width:100%}
+#turn-table td.l{white-space:normal;overflow-wrap:anywhere;min-width:9em}
 #turn-table th[aria-sort=ascending]::after{content:" ▲"}
 #turn-table th[aria-sort=descending]::after{content:" ▼"}
 #turn-table tr.brk td{background:#fff8f0}

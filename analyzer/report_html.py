@@ -22,6 +22,7 @@ from analyzer.fix_report import lines_for
 from analyzer.report_assets import CSS, JS
 from analyzer.server_counts import TOKEN_BASES
 from common.escaping import script_json
+from common.words import plural
 
 esc = html.escape
 W, H = 960, 210  # the timeline's viewBox; it scales to the page width
@@ -188,8 +189,8 @@ def _summary(v: dict[str, Any]) -> str:
         head = '<p class="headline" id="headline">No cache break: every turn only appended to the previous prompt.</p>'
     reuse = h["cached_tokens"] / h["prompt_tokens"] if h["prompt_tokens"] else 0
     parts = [head, f'<p class="sub">Apart from that, {h["appended_tokens"]:,} new tokens were appended '
-                   f"(prefilled too, but no cache could have served them). {h['turns']:,} turns in "
-                   f"{h['sessions']:,} session(s); {h['cached_tokens']:,} of {h['prompt_tokens']:,} prompt tokens "
+                   f"(prefilled too, but no cache could have served them). {plural(h['turns'], 'turn')} in "
+                   f"{plural(h['sessions'], 'session')}; {h['cached_tokens']:,} of {h['prompt_tokens']:,} prompt tokens "
                    f"({reuse:.0%}) were a prefix of the previous turn's prompt.</p>"]
     if h["breaks"] and h["lost_seconds"] is None:
         parts.append('<p class="sub">No timing for the breaks: record TTFT through the proxy, or pass '
@@ -254,8 +255,8 @@ def _sessions(v: dict[str, Any]) -> str:
         causes = sorted({r["cause"].split("/")[0] for r in s["rows"] if r["cause"]})
         side = f", side request of {s['parent']}: {s['side_reason']}" if s.get("parent") else ""
         out.append(f'<section class="session" data-session="{esc(str(s["id"]))}" id="s{s["index"]}">'
-                   f'<h3>{esc(rv.session_name(s))}</h3><p class="meta">{len(s["rows"]):,} turns, '
-                   f'{s["breaks"]:,} break(s)'
+                   f'<h3>{esc(rv.session_name(s))}</h3><p class="meta">{plural(len(s["rows"]), "turn")}, '
+                   f'{plural(s["breaks"], "break")}'
                    + (f' costing {esc(cost_text(s["lost_seconds"], s["lost_tokens"]))}' if s["breaks"] else "")
                    + f'{esc(side)}</p>{_transcript(s)}{timeline(s)}{_legend(causes)}</section>')
     out.append("</section>")

@@ -11,6 +11,7 @@ from typing import Any
 
 from analyzer.turn_kinds import miss_rates
 from common.errors import InvalidRequest
+from common.words import plural
 
 
 @dataclass
@@ -198,6 +199,7 @@ class Report:
     # fix would have saved on this recording (`analyze --propose-fixes`)
     proxy_fixes: list[dict] = field(default_factory=list)
     fix_proposals: list[dict] = field(default_factory=list)
+    replayed: int = 0  # requests `prefixtrace replay` sent through the proxy: left out of the analysis
 
     @property
     def breaks(self) -> list[tuple[SessionResult, TurnResult]]:
@@ -223,20 +225,25 @@ class Report:
         if c["input"] == 0:
             out.append("no request found in the input: nothing was analysed")
         elif c["not_analysed"]:
-            out.append(f"{c['not_analysed']} of {c['input']} request(s) not analysed: {c['skipped_lines']} line(s) "
-                       f"could not be read, {c['unrenderable_turns']} turn(s) could not be rendered")
+            out.append(f"{c['not_analysed']} of {plural(c['input'], 'request')} not analysed: "
+                       f"{plural(c['skipped_lines'], 'line')} could not be read, "
+                       f"{plural(c['unrenderable_turns'], 'turn')} could not be rendered")
             # Skipped lines are listed one by one by every format; an unrenderable turn only in its table row.
             if not self.skipped:
                 first = next((f"session {s.id} turn {t.number} (line {t.line}): {t.note}" for s in self.sessions
                               for t in s.turns if t.note.startswith("unrenderable")), "")
                 out.append(f"first: {first}")
         elif c["analysed"] == 0:
-            out.append(f"all {c['failed_requests']} request(s) failed (status >= 400): no prompt to analyse")
+            out.append(f"{'the' if c['failed_requests'] == 1 else 'all'} {plural(c['failed_requests'], 'request')} "
+                       "failed (status >= 400): no prompt to analyse")
         if self.hashed_note:
             out.append(self.hashed_note)
+        if self.replayed:
+            out.append(f"{plural(self.replayed, 'replayed request')} left out: `prefixtrace replay` sent "
+                       f"{'it' if self.replayed == 1 else 'them'} (marked X-Prefixtrace-Replay), not the client")
         rebuilt = [s for s in self.sessions if s.transcript]
         if rebuilt:
-            out.append(f"{len(rebuilt)} session(s) rebuilt from harness transcripts, not recorded traffic: "
+            out.append(f"{plural(len(rebuilt), 'session')} rebuilt from harness transcripts, not recorded traffic: "
                        "each lists what its transcript does not hold")
         return out
 
@@ -262,6 +269,7 @@ class Report:
             "prefill_rate": self.prefill_rate,
             "skipped_lines": self.skipped,
             "failed_requests": self.failed,
+            "replayed_requests": self.replayed,
             "sessions": [s.to_dict(self.prefill_rate) for s in self.sessions],
             "totals": _totals((t for s in self.sessions for t in s.turns), self.prefill_rate),
             "top_breaks": [{"session": s.id, "turn": t.number, "cause": t.brk.cause, "subtype": t.brk.subtype,

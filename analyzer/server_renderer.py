@@ -89,3 +89,19 @@ def choose_renderer(loaded, renderer, tokenizer) -> RendererChoice:
     note = (f"{why}: fell back to the generic ChatML renderer and {tok.name}, so token counts and offsets are "
             f"estimates, not the server's; {where}")
     return RendererChoice(GenericRenderer(), tok, "fallback", note, False)
+
+
+def recorded_choice(info) -> RendererChoice | None:
+    """The renderer and tokenizer of one recorded renderer (recorder/renderers.py RendererInfo), as
+    `choose_renderer` would pick them for its requests; None when its template cannot be used. The
+    live dashboard counts with it, so its numbers are `analyze`'s."""
+    try:
+        renderer = recorded_renderer(info)
+    except InvalidRequest:
+        return None
+    tok, problem = _recorded_tokenizer(info)
+    tok = tok or as_tokenizer(None)
+    whose = "the upstream published" if info.source == "upstream" else "the server recorded"
+    note = f"rendered with the chat template and counted with the tokenizer {whose} for {info.model}" if not problem else \
+        f"rendered with the chat template {whose} for {info.model}, counted with {tok.name} ({problem})"
+    return RendererChoice(renderer, tok, "recorded", note, not problem)

@@ -32,6 +32,7 @@ that session's.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from analyzer.canon import first_changed
@@ -122,14 +123,21 @@ def _score(s: Session, keys: list[str], roles: list[str]) -> tuple[int, int] | N
     return None
 
 
+# A system prompt that says it is a harness's side request (analyzer/clients.py names the same ones).
+_SIDE_HEAD = re.compile(r"title generator|generate a (?:short |brief )?title|summari[sz]ation assistant"
+                        r"|summari[sz]e (?:this|the) conversation|(?:write|generate) a (?:short )?commit message", re.I)
+
+
 def _related_head(s: Session, keys: list[str], roles: list[str], tools: str | None) -> bool:
     """Whether a request that shares the conversation but not the system prompt is the same agent
     rewriting its system prompt (same tools, or a system prompt that mostly starts the same) rather
     than a side request that replaces it (memory extraction, title generation, summaries)."""
-    if tools == s.latest_tools:
-        return True
     a = "".join(s.latest_keys[:_head(s.latest_roles)])
     b = "".join(keys[:_head(roles)])
+    if _SIDE_HEAD.search(b) and not _SIDE_HEAD.search(a):  # a title, summary or commit-message call, even
+        return False                                      # with the same (or no) tools
+    if tools == s.latest_tools:
+        return True
     if not a or not b:
         return False
     skip = a.find('"content": ') + len('"content": ') if '"content": ' in a else 0  # the key's fixed preamble
@@ -141,6 +149,9 @@ def _side_reason(side: Session, main: Session) -> str:
     what = [w for w, differs in (("the system prompt", head_a != head_b),
                                  ("the tools", side.first_tools != main.first_tools)) if differs]
     return "replaces " + " and ".join(what) if what else "does not extend the main chain's prefix"
+
+
+side_reason = _side_reason  # the live dashboard names its side requests as `analyze` does
 
 
 class SessionGrouper:
@@ -162,6 +173,15 @@ class SessionGrouper:
         self.split_forks = split_forks
         self._chains: dict[str, list[Session]] = {}  # family -> its chains, most recently active last
         self._last: Session | None = None
+
+    def drop(self, ids: set[str]) -> None:
+        """Forgets these sessions and their last prompts (the live dashboard's oldest, past its bound)."""
+        self.sessions = [x for x in self.sessions if x.id not in ids]
+        self._inferred = [x for x in self._inferred if x.id not in ids]
+        self._explicit = {k: x for k, x in self._explicit.items() if x.id not in ids}
+        self._chains = {k: kept for k, pool in self._chains.items() if (kept := [x for x in pool if x.id not in ids])}
+        if self._last is not None and self._last.id in ids:
+            self._last = None
 
     def _named(self, name: str, index: int, *, inferred: bool) -> Session:
         s = self._explicit.get(name)

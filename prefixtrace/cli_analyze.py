@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from common.words import plural
 from prefixtrace.cli_common import FiniteFloatRange, echo, library_errors, output_path, progress, write_or_echo
 
 # analyzer.server_counts.PARTIAL_LOSS_MIN, spelled here so the CLI starts without importing the analyzer
@@ -129,9 +130,9 @@ def _export_spans(src: Path, report, endpoint: str) -> None:
         spans.close(timeout_s=30.0)
     exporter = spans.exporter
     if exporter.failed or exporter.exported < count:
-        raise click.ClickException(f"{exporter.failed or count - exporter.exported} of {count} span(s) could not be "
+        raise click.ClickException(f"{exporter.failed or count - exporter.exported} of {plural(count, 'span')} could not be "
                                    f"exported to {display_url(spans.url)} (is an OTLP/HTTP collector listening there?)")
-    click.echo(f"exported {count} span(s) to {display_url(spans.url)}", err=True)
+    click.echo(f"exported {plural(count, 'span')} to {display_url(spans.url)}", err=True)
 
 
 @click.command()

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from common.escaping import visible
+from common.words import plural
 from prefixtrace.cli_common import (JSON_OPTION, FiniteFloatRange, echo, echo_json, library_errors, output_path,
                                     progress, write_or_echo)
 
@@ -51,7 +52,7 @@ def export(db, fmt, session, block_size, out, as_json):
         summary = {"exported": count, "db": str(db), "format": fmt, "session": session, "out": str(out) if out else None}
         click.echo(json.dumps(summary), err=out is None)
     else:
-        click.echo(f"exported {count} turn(s)", err=True)
+        click.echo(f"exported {plural(count, 'turn')}", err=True)
 
 
 def _export_trace(db: Path, fmt: str, session: str | None, block_size: int, out: Path | None, as_json: bool) -> None:
@@ -140,7 +141,7 @@ def import_(file, db, as_json):
                 echo(one_line(f"  not rebuilt: {note}"))
         for f, why in skipped:
             echo(one_line(f"skipped {f}: {why}"))
-        click.echo(f"imported {count} turn(s) into {db}")
+        click.echo(f"imported {plural(count, 'turn')} into {db}")
     if poor:
         raise click.ClickException("; ".join(visible(one_line(
             f"{t.source} ({t.harness} {t.version}) rebuilt {len(t.turns)} of its {t.calls} call(s): fewer than half, "

@@ -160,6 +160,7 @@ def _report_dict(session: dict[str, Any], live: LiveSessions) -> dict[str, Any]:
         a["index"] = t["index"]
         turns.append(a)
     return {"renderer": live.analyzer.renderer.name, "tokenizer": live.analyzer.tokenizer.name,
-            "prefill_rate": None, "warnings": [],
+            "renderer_note": live.renderer_note, "prefill_rate": None, "warnings": [],
             "sessions": [{"id": session["id"], "client": session.get("client"), "title": session.get("title"),
+                          "parent": session.get("parent"), "side_reason": session.get("side_reason"),
                           "turns": turns}]}

@@ -29,7 +29,11 @@ from analyzer.costing import price_breaks
 from analyzer.divergence import SegmentCounter
 from analyzer.load import Request
 from analyzer.results import SessionResult, TurnResult
-from analyzer.sessions import SessionGrouper
+from analyzer.advice import SIDE_REQUEST
+from analyzer.server_renderer import recorded_choice
+from analyzer.sessions import SessionGrouper, side_reason
+from recorder.renderers import registered
+from recorder.replay_mark import is_replay
 from recorder.redact import DEFAULT_REDACTOR, Redactor
 from recorder.turn import Turn
 
@@ -74,11 +78,23 @@ class LiveSession:
     title: str | None = None  # its first user message, trimmed and redacted
     title_from_side: bool = False  # the title came from a side request: the main chain's replaces it
     recent: deque = field(default_factory=lambda: deque(maxlen=_PRICED_TURNS))  # TurnResults, for lost_seconds
+    parent: str | None = None  # a side request chain (a title, a summary) of this session, as `analyze` names it
+    side_reason: str | None = None
+
+    def cost(self) -> tuple[float, int, int]:
+        """(seconds, tokens, breaks) its kept breaks lost: what orders the dashboard's sessions."""
+        breaks = [t.analysis for t in self.turns if t.analysis.get("break")]
+        return (round(sum(b.get("lost_seconds") or 0 for b in breaks), 2),
+                sum(b.get("lost_tokens") or 0 for b in breaks), len(breaks))
 
     def to_dict(self, max_turns: int | None = None) -> dict[str, Any]:
         turns = self.turns if max_turns is None else self.turns[-max_turns:]
+        seconds, tokens, breaks = self.cost()
         return {"id": self.id, "inferred": self.inferred, "updated_at": self.updated_at, "client": self.client,
-                "title": self.title, "turn_count": len(self.turns), "turns": [t.to_dict() for t in turns]}
+                "title": self.title, "parent": self.parent, "side_reason": self.side_reason,
+                "lost_seconds": seconds, "lost_tokens": tokens, "breaks": breaks,
+                "failed": sum(1 for t in self.turns if t.status >= 400),
+                "turn_count": len(self.turns), "turns": [t.to_dict() for t in turns]}
 
 
 def _header(headers: dict[str, str] | None, name: str) -> str | None:
@@ -102,8 +118,12 @@ class LiveSessions:
     def __init__(self, *, max_turns: int = 2000, on_break: Callable[[str, int], None] | None = None,
                  redactor: Redactor | None = None):
         self.analyzer = Analyzer(workers=1)
+        self.renderer_id: str | None = None  # the recorded renderer the analyzer counts with (None: generic)
+        self.renderer_note = "no renderer recorded yet: generic ChatML and tiktoken o200k_base, estimates"
         self.redactor = redactor or DEFAULT_REDACTOR
-        self.grouper = SessionGrouper()
+        # Forks split as `analyze` splits them: a harness's title or summary request under the session's
+        # id is a side request of it, never a break of its main chain.
+        self.grouper = SessionGrouper(split_forks=True)
         self.sessions: OrderedDict[str, LiveSession] = OrderedDict()
         self.max_turns = max_turns
         self.on_break = on_break
@@ -122,6 +142,8 @@ class LiveSessions:
         polling, they are analysed in a thread of their own (issue 25: without a dashboard open, every
         turn stayed in memory, a 30 MB prompt as ~60 MB for good). A body over `LIVE_MAX_BODY_CHARS` is not
         kept at all: the turn is listed without a prompt comparison (analysing it would cost ~15x its size)."""
+        if is_replay(turn.request_headers):  # `prefixtrace replay`'s measurement, not the user's traffic
+            return
         chars = len(turn.request_raw) if isinstance(turn.request_raw, str) else 0
         if chars > LIVE_MAX_BODY_CHARS:
             turn, chars = dataclasses.replace(turn, request_body=None, request_raw=None), 0
@@ -164,25 +186,50 @@ class LiveSessions:
             return len(turns)
 
     def snapshot(self, since: float = 0.0) -> dict[str, Any]:
-        """Sessions (most recently updated first) updated after `since`."""
+        """Sessions (costliest first) updated after `since`."""
         with self._lock:
-            sessions = sorted(self.sessions.values(), key=lambda s: -s.updated_at)
             return {
                 "version": self.version,
                 "renderer": self.analyzer.renderer.name,
                 "tokenizer": self.analyzer.tokenizer.name,
-                "sessions": [s.to_dict() for s in sessions if s.updated_at > since],
+                "sessions": [s.to_dict() for s in self._by_cost() if s.updated_at > since],
             }
 
     def page(self, offset: int = 0, limit: int = 25, max_turns: int = 200, since: float = 0.0) -> dict[str, Any]:
-        """One page of sessions (most recently updated first), each with its last `max_turns` turns:
-        what a poll costs stays bounded however many sessions the proxy has seen."""
+        """One page of sessions (costliest first: seconds lost, then tokens, then the most recent), each with
+        its last `max_turns` turns, and the headline over all of them: what a poll costs stays bounded
+        however many sessions the proxy has seen."""
         with self._lock:
-            sessions = sorted((s for s in self.sessions.values() if s.updated_at > since), key=lambda s: -s.updated_at)
+            sessions = [s for s in self._by_cost() if s.updated_at > since]
             return {"version": self.version, "renderer": self.analyzer.renderer.name,
-                    "tokenizer": self.analyzer.tokenizer.name, "total_sessions": len(sessions),
-                    "offset": offset, "limit": limit,
+                    "tokenizer": self.analyzer.tokenizer.name, "renderer_note": self.renderer_note,
+                    "headline": self._headline(), "total_sessions": len(sessions), "offset": offset, "limit": limit,
                     "sessions": [s.to_dict(max_turns) for s in sessions[offset:offset + limit]]}
+
+    def _by_cost(self) -> list[LiveSession]:
+        return sorted(self.sessions.values(), key=lambda s: (-s.cost()[0], -s.cost()[1], -s.updated_at))
+
+    def _headline(self) -> dict[str, Any] | None:
+        """What cost the most, and where: the breaks' total, the costliest cause and the session and turn of
+        its costliest break (None before the first break)."""
+        breaks = [(s, t) for s in self.sessions.values() for t in s.turns if t.analysis.get("break")]
+        if not breaks:
+            return None
+        by_cause: dict[str, list[float]] = {}
+        for _, t in breaks:
+            c = by_cause.setdefault(t.analysis["break"]["cause"], [0.0, 0, 0])
+            c[0] += t.analysis.get("lost_seconds") or 0
+            c[1] += t.analysis.get("lost_tokens") or 0
+            c[2] += 1
+        cause = max(by_cause, key=lambda k: (by_cause[k][0], by_cause[k][1]))
+        s, t = max(((s, t) for s, t in breaks if t.analysis["break"]["cause"] == cause),
+                   key=lambda st: (st[1].analysis.get("lost_seconds") or 0, st[1].analysis.get("lost_tokens") or 0))
+        return {"breaks": len(breaks), "lost_seconds": round(sum(v[0] for v in by_cause.values()), 2),
+                "lost_tokens": sum(v[1] for v in by_cause.values()), "cause": cause,
+                "cause_seconds": round(by_cause[cause][0], 2), "cause_tokens": by_cause[cause][1],
+                "cause_breaks": by_cause[cause][2], "session": s.id, "title": s.title, "client": s.client,
+                "turn": t.analysis.get("number") or t.index + 1, "where": t.analysis["break"].get("where"),
+                "brk": t.analysis["break"], "fix": t.analysis["break"].get("suggestion")}
 
     def find(self, session_id: str) -> dict[str, Any] | None:
         """One session, all its kept turns (the dashboard's per-session report)."""
@@ -192,17 +239,39 @@ class LiveSessions:
 
     # --- analysis (under self._lock) ---------------------------------------------
 
+    def _use_renderer(self, renderer_id: str | None) -> None:
+        """Counts with the renderer the server recorded for its turns (its chat template and tokenizer), as
+        `analyze` does on the database, so the dashboard's numbers are the CLI's; the first one seen stays
+        (one proxy serves one model; `analyze` too picks one renderer for a recording)."""
+        if renderer_id is None or self.renderer_id is not None:
+            return
+        info = registered(renderer_id)
+        choice = recorded_choice(info) if info is not None else None
+        if choice is None:
+            return
+        self.renderer_id = renderer_id
+        self.analyzer = Analyzer(choice.renderer, choice.tokenizer, workers=1)
+        self.analyzer.exact_counts = choice.exact
+        self.renderer_note = choice.note
+        for s in self.sessions.values():  # payloads came from the old analyzer's canonicaliser
+            s.last = None
+
     def _add(self, turn: Turn) -> None:
         self._seen += 1
+        self._use_renderer(turn.renderer_id)
         body = turn.request_body if isinstance(turn.request_body, dict) else None
         payload = self.analyzer.canon.payload(body) if body is not None else None
         roles = None
-        if payload is not None and turn.session_id is None:
+        if payload is not None:
             roles = [str(m.get("role")) if isinstance(m, dict) else "" for m in payload.messages]
-        grouped = self.grouper.add(self._seen, turn.session_id, payload.keys if payload else None, roles)
+        grouped = self.grouper.add(self._seen, turn.session_id, payload.keys if payload else None, roles,
+                                   payload.tools_key if payload else None, payload.chars if payload else 0)
         session = self.sessions.get(grouped.id)
         if session is None:
             session = self.sessions[grouped.id] = LiveSession(self.redactor.text(grouped.id), grouped.inferred)
+            main = next((g for g in self.grouper.sessions if grouped.family and g.id == grouped.family), None)
+            if main is not None and main is not grouped:
+                session.parent, session.side_reason = self.redactor.text(main.id), side_reason(grouped, main)
         if session.client not in KNOWN:  # a side request's SDK name gives way to the harness's
             session.client = client_of(_header(turn.request_headers, "user-agent"), body) or session.client
         # The first request names the session, unless it was a side request (a title generator that
@@ -215,8 +284,11 @@ class LiveSessions:
         request = Request(turn.request_id, turn.started_at, body, turn.session_id, None,
                           turn.prompt_tokens, turn.cached_tokens, ttft_s=turn.ttft_s)
         result = self._compare(session, request, payload)
+        if session.parent is not None and result.note == "first":  # as `analyze` words it (analyzer/chains.py)
+            result.note = (f"side request of {session.parent}: re-prefilled {result.reprefill_tokens or 0:,} tokens "
+                           f"because it {session.side_reason}; {SIDE_REQUEST}")
         session.recent.append(result)
-        if result.brk is not None:  # seconds lost, as `analyze` prices them, over the session's recent turns
+        if any(r.brk is not None for r in session.recent):  # seconds lost, as `analyze` prices them
             price_breaks([SessionResult(session.id, session.inferred, list(session.recent))], None)
         if payload is not None and turn.status < 400:
             session.last = (request, payload)
@@ -225,11 +297,22 @@ class LiveSessions:
             turn.prompt_tokens, turn.cached_tokens, turn.completion_tokens, turn.ttft_s, turn.total_s,
             self.redactor.value(result.to_dict()), (turn.render or {}).get("policy"),
         ))
+        self._repriced(session)
         session.updated_at = time.time()
         if result.brk is not None and self.on_break is not None:
             self.on_break(result.brk.cause, result.reprefill_tokens or 0)
         for listener in self.listeners:
             listener(turn, result, session.id, session.inferred)
+
+    @staticmethod
+    def _repriced(session: LiveSession) -> None:
+        """Earlier breaks' seconds as the turns since price them (a later cache hit nearest in size is what
+        `analyze` compares a break's TTFT with), so the page shows what `analyze` says of the same turns."""
+        for r in session.recent:
+            if r.brk is not None and r.index < len(session.turns):
+                a = session.turns[r.index].analysis
+                a["lost_seconds"], a["lost_seconds_basis"], a["lost_tokens"] = \
+                    r.lost_seconds, r.lost_seconds_basis, r.lost_tokens
 
     def _compare(self, session: LiveSession, request: Request, payload: Payload | None) -> TurnResult:
         if payload is None or session.last is None:
@@ -242,10 +325,13 @@ class LiveSessions:
 
     def _trim(self) -> None:
         total = sum(len(s.turns) for s in self.sessions.values())
+        dropped: set[str] = set()
         while total > self.max_turns and len(self.sessions) > 1:
-            oldest = min(self.sessions.values(), key=lambda s: s.updated_at)
-            total -= len(oldest.turns)
-            del self.sessions[oldest.id]
+            key = min(self.sessions, key=lambda k: self.sessions[k].updated_at)  # by key: the id shown is redacted
+            total -= len(self.sessions.pop(key).turns)
+            dropped.add(key)
+        if dropped:  # the grouper keeps each chain's last prompt: forget those too, or memory grows for good
+            self.grouper.drop(dropped)
         # Per-message caches: keep only what the live comparisons still need.
         self.analyzer.canon.forget([s.last[1] for s in self.sessions.values() if s.last])
         if len(self.analyzer.counter._cache) > _COUNTER_CACHE_MAX:

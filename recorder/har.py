@@ -36,10 +36,12 @@ from wire.responses_stream import TERMINAL, ResponsesReader
 from recorder.jsonl import DEFAULT_ENDPOINT, record_to_turn, turn_to_record
 from recorder import numbers
 from recorder.turn import Turn
+from recorder.renderers import from_record, register, to_record
 from recorder.turn_builder import TurnBuilder
 
 CREATOR = {"name": "prefixtrace", "version": "1"}
 _EXTRA = "_prefixtrace"
+_RENDERERS = "_prefixtrace_renderers"
 _NO_HOST = "http://prefixtrace.invalid"  # URL base for turns whose upstream is not a URL (embedded engine)
 
 
@@ -109,9 +111,13 @@ def turn_to_entry(turn: Turn) -> dict[str, Any]:
     }
 
 
-def write_har(turns: Iterator[Turn], fh: IO[str]) -> int:
-    """Streams a HAR document (entries one by one: a database can be large)."""
-    fh.write(numbers.dumps({"log": {"version": "1.2", "creator": CREATOR}}, ensure_ascii=False)[:-2])
+def write_har(turns: Iterator[Turn], fh: IO[str], renderers: dict | None = None) -> int:
+    """Streams a HAR document (entries one by one: a database can be large). The database's recorded
+    renderers go in `log._prefixtrace_renderers`, so `analyze`/`check` on the file count as on the database."""
+    head: dict[str, Any] = {"version": "1.2", "creator": CREATOR}
+    if renderers:
+        head[_RENDERERS] = [to_record(info) for info in renderers.values()]
+    fh.write(numbers.dumps({"log": head}, ensure_ascii=False)[:-2])
     fh.write(', "entries": [')
     n = 0
     for turn in turns:
@@ -137,6 +143,8 @@ def read_har(path: str | Path) -> list[Turn]:
     entries = log.get("entries") if isinstance(log, dict) else None
     if not isinstance(entries, list):
         raise InvalidRequest(f"{p}: not a HAR file (no log.entries list)")
+    for info in har_renderers(log).values():
+        register(info)  # the writer stores it with the first turn that names it (recorder/renderers.py)
     turns = []
     for index, entry in enumerate(entries):
         try:
@@ -146,6 +154,13 @@ def read_har(path: str | Path) -> list[Turn]:
         if turn is not None:
             turns.append(turn)
     return turns
+
+
+def har_renderers(log: Any) -> dict:
+    """The renderers a HAR export carries, by id (none in another tool's HAR)."""
+    items = log.get(_RENDERERS) if isinstance(log, dict) else None
+    infos = [from_record(item) for item in items] if isinstance(items, list) else []
+    return {info.id: info for info in infos if info is not None}
 
 
 def _text(content: dict) -> str:

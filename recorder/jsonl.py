@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from common.errors import InvalidRequest
-from recorder.reader import iter_turns
+from recorder.reader import iter_turns, read_renderers
+from recorder.renderers import RECORD_KEY, from_record, register, to_record
 from recorder.redact import Redactor
 from recorder.bodies import scan_object
 from recorder.files import open_private
@@ -40,6 +41,8 @@ def turn_to_record(turn: Turn) -> dict[str, Any]:
     record = _record(turn)
     if turn.served_by is not None:
         record["served_by"] = turn.served_by
+    if turn.renderer_id is not None:  # what rendered and counted it: a `renderer` line of the same file
+        record["renderer_id"] = turn.renderer_id
     return record
 
 
@@ -99,15 +102,24 @@ def export_jsonl(db_path: str | Path, out: str | Path | IO[str], session: str | 
     """Writes one line per stored turn (ordered by time) to `out`, a path or
     an open text file. Returns the number of lines written."""
     turns = iter_turns(db_path, session=session)
+    renderers = read_renderers(db_path)
     if hasattr(out, "write"):
-        return _write(turns, out)
+        return _write(turns, out, renderers)
     with open_private(out) as fh:
-        return _write(turns, fh)
+        return _write(turns, fh, renderers)
 
 
-def _write(turns: Iterator[Turn], fh: IO[str]) -> int:
+def _write(turns: Iterator[Turn], fh: IO[str], renderers: dict | None = None) -> int:
+    """The turns' lines; before the first turn that names a recorded renderer, that renderer's own line
+    (`{"renderer": {...}}`), so `analyze`/`check` on the file count as on the database. Returns the
+    number of turns written."""
     n = 0
+    written: set[str] = set()
     for turn in turns:
+        rid = turn.renderer_id
+        if rid is not None and rid not in written and renderers and rid in renderers:
+            fh.write(numbers.dumps({RECORD_KEY: to_record(renderers[rid])}, ensure_ascii=False) + "\n")
+            written.add(rid)
         fh.write(record_line(turn) + "\n")
         n += 1
     return n
@@ -152,6 +164,12 @@ def read_jsonl(path: str | Path, *, base_ts: float | None = None) -> list[Turn]:
     base = time.time() if base_ts is None else base_ts
     turns = []
     for lineno, line, obj in json_lines(text, p):
+        if isinstance(obj, dict) and RECORD_KEY in obj and "request" not in obj:
+            info = from_record(obj[RECORD_KEY])
+            if info is None:
+                raise InvalidRequest(f"{p}:{lineno}: a renderer line without its id and model", line=lineno)
+            register(info)  # the writer stores it with the first turn that names it (recorder/renderers.py)
+            continue
         try:
             turn = record_to_turn(obj, lineno=lineno, base_ts=base, source=p.name)
         except InvalidRequest as exc:
@@ -289,4 +307,5 @@ def record_to_turn(obj: Any, *, lineno: int = 0, base_ts: float = 0.0, source: s
         chunk_times=chunk_times,
         render=_get(obj, "render", (dict,)),
         served_by=_get(obj, "served_by", (str,)),
+        renderer_id=_get(obj, "renderer_id", (str,)),
     )

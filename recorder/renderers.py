@@ -155,3 +155,28 @@ def _tokenizer_text(blob: Any) -> tuple[str | None, str | None]:
         return data.decode("utf-8"), None
     except UnicodeDecodeError:
         return None, "the stored tokenizer is not UTF-8 text"
+
+
+RECORD_KEY = "renderer"  # a JSONL line {"renderer": {...}}, and HAR's log._prefixtrace_renderers list
+
+
+def to_record(info: RendererInfo) -> dict[str, Any]:
+    """A renderer as exports carry it (docs/FORMATS.md): what `analyze` needs to count an exported file
+    as it counts the database, the tokenizer.json as text (null when too big to store)."""
+    return {"id": info.id, "source": info.source, "model": info.model, "chat_template": info.chat_template,
+            "special": info.special, "tokenizer_json": info.tokenizer_json, "tokenizer_sha256": info.tokenizer_sha256}
+
+
+def from_record(obj: Any) -> RendererInfo | None:
+    """An exported renderer, None when it is not one. The path of a tokenizer too big to store is not
+    taken from a file: a file is not to name what the reader's machine opens."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("id"), str) or not isinstance(obj.get("model"), str):
+        return None
+    template, tok = obj.get("chat_template"), obj.get("tokenizer_json")
+    special = obj.get("special") if isinstance(obj.get("special"), dict) else {}
+    digest = obj.get("tokenizer_sha256")
+    return RendererInfo(str(obj.get("source") or "embedded"), obj["model"],
+                        template if isinstance(template, str) else None,
+                        {k: v for k, v in special.items() if isinstance(k, str) and isinstance(v, str)},
+                        tok if isinstance(tok, str) else None, digest if isinstance(digest, str) else None,
+                        None, obj["id"])

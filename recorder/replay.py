@@ -31,6 +31,7 @@ from wire import sse
 from wire.request import protocol_of
 from wire.http import map_httpx_errors, normalize_base_url
 from recorder.replay_report import format_replay, summarise, write_report  # noqa: F401 (re-exported)
+from recorder.replay_mark import REPLAY_HEADER
 from recorder.turn import Turn
 
 # Per-request fields that change between a recording and a replay and would
@@ -111,7 +112,7 @@ async def replay_turn(client: httpx.AsyncClient, turn: Turn, index: int, model: 
     try:
         with map_httpx_errors(str(client.base_url)):
             async with client.stream("POST", ENDPOINTS[protocol], content=content,
-                                     headers={"content-type": "application/json"}) as response:
+                                     headers={"content-type": "application/json", REPLAY_HEADER: "1"}) as response:
                 status = response.status_code
                 if status >= 400:
                     error = (await response.aread()).decode(errors="replace")[:500]

@@ -17,7 +17,7 @@ from recorder.files import open_private
 from recorder.har import read_har, write_har
 from recorder.jsonl import _write as write_jsonl_lines
 from recorder.jsonl import read_jsonl, store_turns
-from recorder.reader import iter_turns
+from recorder.reader import iter_turns, read_renderers
 from recorder.turn import Turn
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -72,13 +72,14 @@ def export(db_path: str | Path, out: str | Path | IO[str], fmt: str = "jsonl", s
     if request_ids is not None:
         wanted = set(request_ids)
         turns = (t for t in turns if t.request_id in wanted)
+    renderers = read_renderers(db_path)  # carried along, so the file is counted as the database is
     if hasattr(out, "write"):
-        return writer(turns, out)
+        return writer(turns, out, renderers)
     target = Path(out)
     tmp = target.with_name(f".{target.name}.partial")
     try:
         with open_private(tmp) as fh:  # 0600, like the database it comes from
-            count = writer(turns, fh)
+            count = writer(turns, fh, renderers)
         tmp.replace(target)
     finally:
         tmp.unlink(missing_ok=True)

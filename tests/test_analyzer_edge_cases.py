@@ -142,10 +142,10 @@ def test_check_fails_on_a_skipped_line_unless_the_threshold_allows_it(tmp_path):
     src.write_text(json.dumps(good[0]) + "\n{broken\n" + json.dumps(good[1]) + "\n")
     result = CliRunner().invoke(cli, ["check", str(src)])
     assert result.exit_code == 1, result.output
-    assert "1 of 3 request(s) could not be analysed" in result.output and "skipped line 2" in result.output
+    assert "1 of 3 requests could not be analysed" in result.output and "skipped line 2" in result.output
     result = CliRunner().invoke(cli, ["check", str(src), "--max-unreadable", "1"])
     assert result.exit_code == 0, result.output
-    assert result.output.startswith("ok: 2 request(s)") and "skipped line 2" in result.output
+    assert result.output.startswith("ok: 2 requests") and "skipped line 2" in result.output
     result = CliRunner().invoke(cli, ["check", str(src), "--max-unreadable", "50%"])
     assert result.exit_code == 0, result.output
 

@@ -236,9 +236,9 @@ def test_unread_input_is_said_at_the_top_of_every_format_and_exits_non_zero(tmp_
         assert list(d)[:3] == ["version", "warnings", "coverage"]
         assert d["coverage"]["skipped_lines"] == 1 and d["coverage"]["input"] == 3 and d["warnings"]
     elif fmt == "text":
-        assert text.startswith("WARNING: 1 of 3 request(s) not analysed")
+        assert text.startswith("WARNING: 1 of 3 requests not analysed")
     else:
-        assert text.index("1 of 3 request(s) not analysed") < text.index("<h1>")
+        assert text.index("1 of 3 requests not analysed") < text.index("<h1>")
     ok = CliRunner().invoke(cli, ["analyze", str(src), "--format", fmt, "--out", str(out), "--max-unreadable", "1"])
     assert ok.exit_code == 0, ok.output
 
@@ -258,7 +258,7 @@ def test_unrenderable_turns_count_against_the_threshold(tmp_path):
     src = _write(tmp_path, "u.jsonl", [{"session": "s", "ts": i, "request": b} for i, b in enumerate(bodies)])
     tpl = str(ROOT / "fixtures" / "templates" / "qwen35_style.jinja")
     result = CliRunner().invoke(cli, ["analyze", str(src), "--template", tpl])
-    assert result.exit_code == 1 and "1 turn(s) could not be rendered" in result.output
+    assert result.exit_code == 1 and "1 turn could not be rendered" in result.output
 
 
 def test_interleaved_sessions_without_ids_reuse_their_own_parsed_history():

@@ -84,10 +84,10 @@ def test_text_json_and_check_show_the_same_one_cost_seconds_first(tmp_path):
     text = CliRunner().invoke(cli, ["analyze", str(src), "--template", QWEN3]).output
     assert f"lost {cost}" in text  # the break's own line
     assert f"costing {cost}" in text  # the session's title
-    assert f"tools_change cost {cost} over 1 break(s)" in text  # the totals
+    assert f"tools_change cost {cost} over 1 break" in text  # the totals
     assert "fix (saves" not in text and "re-prefilled" not in text.split("prompt tokens:")[0]
     # Nothing else competes with it: no second cost in the break's lines.
-    block = text[text.index("  turn 4: "):text.index("  tools_change: 1 break(s)")]
+    block = text[text.index("  turn 4: "):text.index("  tools_change: 1 break cost")]
     assert re.findall(r"\d[\d,]* tokens", block) == [f"{t.lost_tokens:,} tokens"]
     result = CliRunner().invoke(cli, ["check", str(src), "--template", QWEN3])
     assert result.exit_code == 1 and "session pi turn 4 " in result.output and f"lost {cost}" in result.output

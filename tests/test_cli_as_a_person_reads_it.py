@@ -113,7 +113,7 @@ def test_an_inferred_session_is_exported_by_its_name(tmp_path):
     assert done.returncode == 0, done.stderr
     exported = [json.loads(line)["id"] for line in done.stdout.splitlines()]
     assert exported == ["b1", "b3", "b5"]
-    assert "exported 3 turn(s)" in done.stderr
+    assert "exported 3 turns" in done.stderr
 
 
 def test_exporting_a_session_that_is_not_there_says_so(tmp_path):

@@ -168,7 +168,7 @@ def test_the_costliest_break_comes_first_not_the_newest(proxy, browser):  # noqa
     shown = [b.get_attribute("data-turn") for b in page.query_selector_all('.session[data-session="pi-costs"] .break')]
     assert shown == ["2", "4"], shown  # the head rewrite (turn 3) before the newer, cheaper edit (turn 5)
     meta = page.text_content('.session[data-session="pi-costs"] .meta')
-    assert re.search(r"2 break\(s\) costing [\d.]+ (ms|s), [\d,]+ tokens re-prefilled", meta), meta
+    assert re.search(r"2 breaks costing [\d.]+ (ms|s), [\d,]+ tokens re-prefilled", meta), meta
     page.close()
 
 

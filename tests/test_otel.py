@@ -180,7 +180,7 @@ def test_analyze_exports_the_recording(served):
                                     ["analyze", str(db), "--format", "json", "--out", str(out),
                                      "--otlp-endpoint", receiver.url])
         assert result.exit_code == 0, result.output
-        assert f"exported 4 span(s) to {receiver.url}/v1/traces" in result.output
+        assert f"exported 4 spans to {receiver.url}/v1/traces" in result.output
         spans = receiver.by_request_id()
     assert set(spans) == {t.request_id for t in turns}
     report = json.loads(out.read_text())
@@ -218,7 +218,7 @@ def test_analyze_says_when_nothing_could_be_exported(served, tmp_path):
     result = CliRunner().invoke(cli, ["analyze", str(served["db"]), "--format", "json", "--out",
                                       str(tmp_path / "r.json"), "--otlp-endpoint", f"http://127.0.0.1:{port}"])
     assert result.exit_code == 1
-    assert f"4 of 4 span(s) could not be exported to http://127.0.0.1:{port}/v1/traces" in result.output
+    assert f"4 of 4 spans could not be exported to http://127.0.0.1:{port}/v1/traces" in result.output
 
 
 BLOCK_OTEL = ("import sys; sys.modules['opentelemetry'] = None; from prefixtrace.cli import main; "
@@ -393,7 +393,7 @@ def test_analyze_of_bare_bodies_exports_only_what_has_a_time(tmp_path):
     with OtlpReceiver() as receiver:
         result = CliRunner().invoke(cli, ["analyze", str(src), "--json", "--otlp-endpoint", receiver.url])
         assert result.exit_code == 0, result.output
-        assert "exported 1 span(s)" in result.output
+        assert "exported 1 span" in result.output
         spans = receiver.by_request_id()
     assert list(spans) == ["r2"]
     assert spans["r2"]["start_ns"] == int(1_700_000_000.5 * 1e9)
