@@ -10,7 +10,7 @@ from analyzer.results import Report
 from analyzer.turn_kinds import miss_rates
 from analyzer.turn_kinds import text_line as kinds_line
 from analyzer.write_waste import text_lines as waste_lines
-from analyzer.fix_report import fix_lines
+from analyzer.fix_report import fix_lines as proxy_fix_lines
 from analyzer.server_counts import TOKEN_BASES, cached_text
 from common.words import plural
 from recorder.redact import DEFAULT_REDACTOR
@@ -134,7 +134,7 @@ def format_text(report: Report, width: int = 140) -> str:
         console.print(f"({report.renderer_note})")
     elif report.renderer == "generic-chatml":
         console.print("(no chat template given: generic ChatML-like renderer, see docs/ANALYZER.md)")
-    for line in fix_lines(report):  # fixed by the proxy; fixes proposed (analyzer/fix_report.py)
+    for line in proxy_fix_lines(report):  # fixed by the proxy; fixes proposed (analyzer/fix_report.py)
         console.print(line)
     for skipped in report.skipped:
         console.print(f"skipped line {skipped['line']}: {skipped['error']}", markup=False)

@@ -105,7 +105,7 @@ def test_import_exits_non_zero_when_a_file_rebuilt_under_half_its_calls_and_keep
     out = cli("import", str(REAL / "claude" / "real" / "edge_cases.jsonl"), "--db", str(db))
     assert out.returncode == 1
     assert "rebuilt 0 of its 1 call(s): fewer than half" in out.stderr
-    assert "imported 3 turn(s)" in out.stdout  # the other session of the file is stored
+    assert "imported 3 turns" in out.stdout  # the other session of the file is stored
     analyzed = cli("analyze", str(REAL / "claude" / "real" / "edge_cases.jsonl"))
     assert analyzed.returncode == 1 and "fewer than half" in analyzed.stderr
 

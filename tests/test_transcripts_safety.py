@@ -43,7 +43,7 @@ def test_a_fifo_in_a_session_directory_is_passed_over_with_a_word(tmp_path):
     out = cli("import", str(tmp_path), "--db", str(tmp_path / "t.db"), timeout=60)
     assert out.returncode == 0, out.stderr
     assert f"skipped {tmp_path / 'pipe.jsonl'}: a FIFO (named pipe), not a file" in out.stdout
-    assert "imported 4 turn(s)" in out.stdout
+    assert "imported 4 turns" in out.stdout
 
 
 def test_a_fifo_given_as_the_input_is_refused_by_import_and_analyze(tmp_path):
