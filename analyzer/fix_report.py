@@ -18,6 +18,7 @@ from analyzer.fixes import FIXES
 from analyzer.fixes.sessions import FixSessions
 from analyzer.load import Request
 from analyzer.results import Break, Report
+from common.words import plural
 
 # Which breaks each fix addresses. breakpoints and session-key change no prompt text: an offline
 # analysis cannot see what they save (`replay --fix` measures them against a server).
@@ -148,9 +149,9 @@ def fix_lines(report: Report) -> list[str]:
 
 def lines_for(proxy_fixes: list[dict] | None, proposals: list[dict] | None) -> list[str]:
     """`fix_lines` from the report's JSON (`proxy_fixes`, `fix_proposals`)."""
-    lines = [f"fixed by the proxy: {f['note']} ({f['turns']} turn(s))" for f in proxy_fixes or []]
+    lines = [f"fixed by the proxy: {f['note']} ({plural(f['turns'], 'turn')})" for f in proxy_fixes or []]
     for p in proposals or []:
-        head = f"fix proposed: --fix {p['fix']} for {p['breaks']} {p['cause']} break(s)"
+        head = f"fix proposed: --fix {p['fix']} for {plural(p['breaks'], p['cause'] + ' break')}"
         if "note" in p:
             lines.append(f"{head}: {p['note']}")
             continue
@@ -160,5 +161,5 @@ def lines_for(proxy_fixes: list[dict] | None, proposals: list[dict] | None) -> l
         if p.get("saved_dollars") is not None:
             saved += f", ${p['saved_dollars']:.4f}"
         lines.append(f"{head}: {saved} (breaks removed {p['breaks_removed']}, caused {p['breaks_caused']}; "
-                     f"measured by re-analysing the {p['requests_changed']} fixed request(s))")
+                     f"measured by re-analysing the {plural(p['requests_changed'], 'fixed request')})")
     return lines

@@ -32,7 +32,7 @@ def test_volatile_proposal_is_measured_by_reanalysis(tmp_path):
     assert proposal["fix"] == "volatile" and proposal["breaks"] == proposal["breaks_removed"] == 4
     assert proposal["breaks_caused"] == 0 and proposal["saved_tokens"] > 0 and proposal["requests_changed"] == 5
     text = format_text(report)
-    assert "fix proposed: --fix volatile for 4 system_rewrite break(s): would have saved" in text
+    assert "fix proposed: --fix volatile for 4 system_rewrite breaks: would have saved" in text
     assert json.loads(json.dumps(report.to_dict()))["fix_proposals"][0]["fix"] == "volatile"
 
 
@@ -61,4 +61,4 @@ def test_turns_the_proxy_fixed_are_named(tmp_path):
                 "request": {"model": "m", "messages": [{"role": "user", "content": "x" * (i + 1)}]}} for i in range(2)]
     report = analyze(write(tmp_path / "f.jsonl", records))
     assert report.proxy_fixes == [{"name": "volatile", "note": "volatile timestamp moved", "turns": 2}]
-    assert "fixed by the proxy: volatile timestamp moved (2 turn(s))" in format_text(report)
+    assert "fixed by the proxy: volatile timestamp moved (2 turns)" in format_text(report)

@@ -40,5 +40,5 @@ def test_fix_volatile_takes_the_cached_share_of_later_turns_past_80_percent(tmp_
     assert proposal["saved_tokens"] > 0
     fixed = analyze(fixed_db)
     assert fixed.proxy_fixes == [{"name": "volatile", "note": "volatile timestamp moved", "turns": 6}]
-    assert "fixed by the proxy: volatile timestamp moved (6 turn(s))" in fix_lines(fixed)
+    assert "fixed by the proxy: volatile timestamp moved (6 turns)" in fix_lines(fixed)
     assert not [b for _, b in fixed.breaks if (b.brk.subtype or "").startswith("volatile")]
