@@ -19,7 +19,7 @@ from analyzer.results import Report
 from analyzer.server_counts import PARTIAL_LOSS_MIN
 from analyzer.tokens import Tokenizer
 from analyzer.write_waste import write_waste
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 
 

@@ -26,7 +26,7 @@ from analyzer.chains import Analyzer
 from analyzer.load import load
 from analyzer.render import make_renderer
 from analyzer.server_renderer import choose_renderer
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 FORMATS = ("mooncake", "weka")
 DEFAULT_BLOCK = 512  # AIPerf's and Mooncake's block size

@@ -30,8 +30,8 @@ from analyzer.server_counts import (PARTIAL_LOSS_MIN, asked_long_lifetime, input
                                     server_lost, too_short_to_cache)
 from analyzer.sessions import SessionGrouper
 from analyzer.tokens import Tokenizer, as_tokenizer
-from common.errors import InvalidRequest
-from wire.normalize import ChatNormalizer, UnreadableBody
+from prefixtrace.common.errors import InvalidRequest
+from prefixtrace.wire.normalize import ChatNormalizer, UnreadableBody
 
 DISAGREE_FRACTION = 0.10  # reported vs predicted cached share of the prompt
 _MAX_UNRENDERED = 32  # unrendered message changes put back per break before giving up (one render each)
@@ -71,7 +71,7 @@ class Analyzer:
 
     def run(self, requests: list[Request], skipped: list[dict] | None = None) -> Report:
         # Phase 0: requests the server refused are listed, not chained (no prompt was cached for them),
-        # and every body is read into the one chat shape (wire/normalize.py).
+        # and every body is read into the one chat shape (prefixtrace/wire/normalize.py).
         failed = [{"request_id": r.id, "line": r.line, "ts": r.ts if r.ts_given else None, "status": r.status,
                    "session": r.session, "endpoint": r.endpoint, "error": (r.error or "")[:300]}
                   for r in requests if r.status is not None and r.status >= 400]

@@ -16,9 +16,9 @@ from typing import Any
 from analyzer.analysis import analyze
 from analyzer.causes import CAUSES
 from analyzer.results import Report, SessionResult, TurnResult
-from common.errors import InvalidRequest
-from common.escaping import xml_text
-from common.words import plural
+from prefixtrace.common.errors import InvalidRequest
+from prefixtrace.common.escaping import xml_text
+from prefixtrace.common.words import plural
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ def _version_key(name: str) -> tuple:
 def group(report, by: str) -> list[Side]:
     """One report's turns grouped by `by` ("version", "harness", "model"), in version/name order."""
     if by not in BY:
-        from common.errors import InvalidRequest
+        from prefixtrace.common.errors import InvalidRequest
 
         raise InvalidRequest(f"--by must be one of {', '.join(BY)}, got {by!r}")
     sides: dict[str, Side] = {}

@@ -18,7 +18,7 @@ from analyzer.fixes import FIXES
 from analyzer.fixes.sessions import FixSessions
 from analyzer.load import Request
 from analyzer.results import Break, Report
-from common.words import plural
+from prefixtrace.common.words import plural
 
 # Which breaks each fix addresses. breakpoints and session-key change no prompt text: an offline
 # analysis cannot see what they save (`replay --fix` measures them against a server).

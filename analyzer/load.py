@@ -24,8 +24,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from common.errors import InvalidRequest
-from wire.messages import plain_session_id
+from prefixtrace.common.errors import InvalidRequest
+from prefixtrace.wire.messages import plain_session_id
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 _MESSAGES_KEY = '"messages":'
@@ -145,7 +145,7 @@ def parse_ts(value: Any) -> float | None:
 
 def session_of(value: Any) -> str | None:
     """A session id as harnesses send it: Claude Code's JSON `metadata.user_id` (recorded as the
-    session) names its conversation by `session_id` (wire.messages.plain_session_id)."""
+    session) names its conversation by `session_id` (prefixtrace.wire.messages.plain_session_id)."""
     if value is None:
         return None
     return plain_session_id(str(value))

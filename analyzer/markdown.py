@@ -13,7 +13,7 @@ from typing import Any
 
 from analyzer import report_view as rv
 from analyzer.results import Report
-from common.words import plural
+from prefixtrace.common.words import plural
 from recorder.redact import DEFAULT_REDACTOR
 
 DIFF_CONTEXT = 40  # chars kept either side of the differing span

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from decimal import Decimal
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 PER_TOKEN = 1e-6  # the library's prices are per million tokens
 

@@ -30,10 +30,10 @@ from typing import Any
 
 from analyzer.canon import flatten_content, messages_of, strip_ignored
 from analyzer.template_worker import TemplateBudgetError, shared_worker
-from common.bounded_read import read_regular_text
-from common.errors import InvalidRequest
+from prefixtrace.common.bounded_read import read_regular_text
+from prefixtrace.common.errors import InvalidRequest
 from recorder.renderers import MAX_TEMPLATE_CHARS, MAX_TOKENIZER_BYTES
-from wire.normalize import template_message
+from prefixtrace.wire.normalize import template_message
 
 START, END = "<|im_start|>", "<|im_end|>\n"
 HEAD = -1  # owner of segments before the first message (tools, template preamble)
@@ -262,7 +262,7 @@ class TemplateRenderer:
             return hit[1], hit[2]
         if not isinstance(msg, dict):
             raise InvalidRequest(f"message {index} is not an object")
-        # What servers do before the template (wire/normalize.py), then our flattening.
+        # What servers do before the template (prefixtrace/wire/normalize.py), then our flattening.
         out = dict(template_message(msg))
         out["content"] = flatten_content(out.get("content"))
         sids = []

@@ -12,7 +12,7 @@ from analyzer.turn_kinds import text_line as kinds_line
 from analyzer.write_waste import text_lines as waste_lines
 from analyzer.fix_report import fix_lines as proxy_fix_lines
 from analyzer.server_counts import TOKEN_BASES, cached_text
-from common.words import plural
+from prefixtrace.common.words import plural
 from recorder.redact import DEFAULT_REDACTOR
 
 
@@ -70,9 +70,9 @@ def _escape(text: str) -> str:
 
 def _plain(line: str) -> str:
     """A line of client text (ids, roles, tool names, notes) written past rich: what a terminal would act
-    on shown as `\\uXXXX` (common/escaping.py, as the CLI's own output), so a hostile id cannot move
+    on shown as `\\uXXXX` (prefixtrace/common/escaping.py, as the CLI's own output), so a hostile id cannot move
     the cursor or colour the terminal."""
-    from common.escaping import visible
+    from prefixtrace.common.escaping import visible
 
     return visible(line)
 

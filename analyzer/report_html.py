@@ -21,8 +21,8 @@ from analyzer import report_view as rv
 from analyzer.fix_report import lines_for
 from analyzer.report_assets import CSS, JS
 from analyzer.server_counts import TOKEN_BASES
-from common.escaping import script_json
-from common.words import plural
+from prefixtrace.common.escaping import script_json
+from prefixtrace.common.words import plural
 
 esc = html.escape
 W, H = 960, 210  # the timeline's viewBox; it scales to the page width

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from analyzer.turn_kinds import miss_rates
-from common.errors import InvalidRequest
-from common.words import plural
+from prefixtrace.common.errors import InvalidRequest
+from prefixtrace.common.words import plural
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any
 
 from analyzer.render import GenericRenderer, recorded_renderer
 from analyzer.tokens import Tokenizer, as_tokenizer, tokenizer_from_json
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 
 @dataclass

@@ -26,7 +26,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 RENDER_TIMEOUT_S = 5.0  # one render; a real template renders a long session in milliseconds
 START_TIMEOUT_S = 15.0  # the child's start and the template's compile (a loaded machine is slow to start)

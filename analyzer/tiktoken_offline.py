@@ -15,8 +15,8 @@ import hashlib
 import os
 from pathlib import Path
 
-from common.bounded_read import read_regular
-from common.errors import InvalidRequest
+from prefixtrace.common.bounded_read import read_regular
+from prefixtrace.common.errors import InvalidRequest
 
 MAX_ENCODING_BYTES = 16 << 20  # o200k_base is 3.6 MB
 

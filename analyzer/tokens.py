@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from common.bounded_read import read_regular_text
-from common.errors import InvalidRequest
+from prefixtrace.common.bounded_read import read_regular_text
+from prefixtrace.common.errors import InvalidRequest
 from recorder.renderers import MAX_TOKENIZER_BYTES
 
 _WORD_RE = re.compile(r"\w+|[^\w\s]|\s+")

@@ -230,7 +230,7 @@ def parse_policies(value: str | None) -> list[str]:
     names = [v.strip().lower() for v in value.split(",") if v.strip()]
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
-        from common.errors import InvalidRequest
+        from prefixtrace.common.errors import InvalidRequest
 
         raise InvalidRequest(f"unknown --what-if policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
     return names

@@ -35,7 +35,7 @@ def main() -> None:
     from engine.engine import Engine
     from engine.sampling import SamplingParams
     from engine.sequence import Failed, Finished, Sequence, TextDelta
-    from wire.messages import to_chat_body
+    from prefixtrace.wire.messages import to_chat_body
 
     body = json.loads((ROOT / "fixtures/traffic/claude_code_read_answer_smol.json").read_text())
     chat = to_chat_body(body)  # what proxy/anthropic.py hands the engine

@@ -14,8 +14,8 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from common.errors import InvalidRequest
-from wire.normalize import template_message
+from prefixtrace.common.errors import InvalidRequest
+from prefixtrace.wire.normalize import template_message
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 

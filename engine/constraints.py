@@ -32,7 +32,7 @@ from typing import Any
 
 from engine.grammar import DEFAULT_LIMITS, GrammarLimits
 from engine.reply_parser import ReplyFormat
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 TOOL_CHOICE_DEFAULTS = ("auto", "required-after-user", "required-until-tool-result")
 log = logging.getLogger("prefixtrace.constraints")

@@ -204,7 +204,7 @@ def load_model(path: str | Path, dtype: str | None = None, *, dequantize: bool |
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model, load
 
-    from common.errors import EngineError
+    from prefixtrace.common.errors import EngineError
 
     dtype = dtype or default_dtype()
     if dtype not in SUPPORTED_DTYPES:

@@ -54,7 +54,7 @@ import numpy as np
 from engine.block_hash import chain_hash
 from engine.cache_blocks import FlatBlock, host_view
 from engine.private_files import open_private, private_dir
-from common.errors import EngineError
+from prefixtrace.common.errors import EngineError
 
 log = logging.getLogger("prefixtrace.cache")
 

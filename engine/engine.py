@@ -28,7 +28,7 @@ from engine.scheduler import Scheduler
 from engine.attention_hook import install_attention_hook
 from engine.tq_config import TQConfig
 from engine.sequence import Failed, Sequence
-from common.errors import ContextExceedsCapacity, EngineError, EngineNotReady, PrefixtraceError
+from prefixtrace.common.errors import ContextExceedsCapacity, EngineError, EngineNotReady, PrefixtraceError
 
 log = logging.getLogger("prefixtrace.engine")
 

@@ -30,7 +30,7 @@ import mlx.core as mx
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from engine.block_hash import file_digest
-from common.errors import EngineError
+from prefixtrace.common.errors import EngineError
 
 # Bump when the output format changes: default_model reconverts stale caches.
 CONVERTER_VERSION = 1

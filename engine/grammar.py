@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 log = logging.getLogger("prefixtrace.grammar")
 

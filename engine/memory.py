@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from common.errors import ContextExceedsCapacity
+from prefixtrace.common.errors import ContextExceedsCapacity
 
 DEFAULT_CEILING_FRACTION = 0.75  # of the machine's (or accelerator's) memory
 SOFT_WATERMARK = 0.85  # of capacity: stop admitting new work

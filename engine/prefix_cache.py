@@ -42,7 +42,7 @@ from engine.disk_cache import DiskCache
 from engine.memory_cache import MemoryCache
 from engine.tq_config import TQConfig
 from engine.turboquant import get_codec
-from common.errors import EngineError
+from prefixtrace.common.errors import EngineError
 
 log = logging.getLogger("prefixtrace.cache")
 

@@ -51,8 +51,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from common.errors import EngineError, InvalidRequest
-from wire.request import joined_text as _text
+from prefixtrace.common.errors import EngineError, InvalidRequest
+from prefixtrace.wire.request import joined_text as _text
 
 log = logging.getLogger("prefixtrace.engine")
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 from mlx_lm.generate import TextStateMachine
 
-from wire.events import ContentDelta, ReasoningDelta, ReplyEvent, ToolCallArgsDelta, ToolCallStart
+from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyEvent, ToolCallArgsDelta, ToolCallStart
 
 log = logging.getLogger("prefixtrace.reply")
 

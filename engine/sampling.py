@@ -1,5 +1,5 @@
 """The sampler and the penalty processors of one row, built from its request's `SamplingParams`
-(wire/sampling.py: the settings and their ranges, checked where the request is parsed)."""
+(prefixtrace/wire/sampling.py: the settings and their ranges, checked where the request is parsed)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p, make_logits_processors
 from mlx_lm.sample_utils import make_sampler as make_mlx_sampler
 
-from wire.sampling import SamplingParams
+from prefixtrace.wire.sampling import SamplingParams
 
 __all__ = ["SamplingParams", "make_sampler", "make_penalties", "GeneratedTokenPenalties", "GREEDY", "SeededSampler"]
 

@@ -46,7 +46,7 @@ from engine.sampling import make_sampler
 from engine.sequence import Failed, Finished, Sequence
 from engine.spill import SpillStore
 from engine.stop_strings import StopMatcher
-from common.errors import EngineError
+from prefixtrace.common.errors import EngineError
 
 log = logging.getLogger("prefixtrace.scheduler")
 

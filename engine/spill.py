@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from engine.private_files import make_private, private_dir
-from common.errors import EngineError
+from prefixtrace.common.errors import EngineError
 
 
 class SpillStore:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from typing import Any
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 TIMEOUT_S = 10.0
 MEMORY_BYTES = 256 << 20  # the child's address space, plus 8 bytes per byte of the request's JSON

@@ -20,7 +20,7 @@ from prefixtrace.cli_common import JSON_OPTION, FiniteFloatRange, echo_json, lib
 from prefixtrace.config import CONFIG_ENV, find_config, load_default_map, mirror_env, resolved, user_config_path
 from prefixtrace.config_trust import announcement, is_trusted, screen
 from proxy.upstream_timeouts import UpstreamTimeouts
-from common.urls import display_url
+from prefixtrace.common.urls import display_url
 
 
 @click.group()
@@ -71,7 +71,7 @@ def _layer_indices(value) -> tuple[int, ...]:
 def _fix_names(ctx, param, value) -> list[str]:
     """`--fix a,b --fix c` as known fix names; an unknown one is a one-line usage error listing them."""
     from analyzer.fixes import parse_fix_names
-    from common.errors import PrefixtraceError
+    from prefixtrace.common.errors import PrefixtraceError
 
     try:
         return parse_fix_names(list(value or ()))

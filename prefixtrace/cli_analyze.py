@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from common.words import plural
+from prefixtrace.common.words import plural
 from prefixtrace.cli_common import FiniteFloatRange, echo, library_errors, output_path, progress, write_or_echo
 
 # analyzer.server_counts.PARTIAL_LOSS_MIN, spelled here so the CLI starts without importing the analyzer
@@ -115,9 +115,9 @@ def analyze(src, template, model, tokenizer_spec, block_size, prefill_rate, min_
 
 
 def _export_spans(src: Path, report, endpoint: str) -> None:
-    from common.errors import InvalidRequest, RecorderError
+    from prefixtrace.common.errors import InvalidRequest, RecorderError
     from prefixtrace.otel import TurnSpans, export_report
-    from common.urls import display_url
+    from prefixtrace.common.urls import display_url
     from recorder.sources import load_turns
 
     try:

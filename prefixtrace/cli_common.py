@@ -13,8 +13,8 @@ from pathlib import Path
 
 import click
 
-from common.errors import PrefixtraceError
-from common.escaping import visible
+from prefixtrace.common.errors import PrefixtraceError
+from prefixtrace.common.escaping import visible
 
 
 def library_errors(fn):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from common.escaping import visible
-from common.words import plural
+from prefixtrace.common.escaping import visible
+from prefixtrace.common.words import plural
 from prefixtrace.cli_common import (JSON_OPTION, FiniteFloatRange, echo, echo_json, library_errors, output_path,
                                     progress, write_or_echo)
 

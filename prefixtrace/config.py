@@ -25,7 +25,7 @@ from typing import Any
 
 import click
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 ENV_PREFIX = "PREFIXTRACE"
 CONFIG_NAME = "prefixtrace.toml"

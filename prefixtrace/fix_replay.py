@@ -22,9 +22,9 @@ from typing import Any, Callable
 import httpx
 
 from analyzer.fixes.sessions import FixSessions
-from common.errors import InvalidRequest
-from common.escaping import xml_text
-from common.urls import credentials, display_url, without_credentials
+from prefixtrace.common.errors import InvalidRequest
+from prefixtrace.common.escaping import xml_text
+from prefixtrace.common.urls import credentials, display_url, without_credentials
 from recorder.replay import group_sessions, normalize_base_url, replay_turn  # the replay's own URL rule
 from recorder.turn import Turn
 

@@ -1,5 +1,5 @@
 """The per-instance secret a `prefixtrace serve` keeps for `prefixtrace run` to check it by
-(common/instance_proof.py): one 0600 file per port in a directory only the user can enter,
+(prefixtrace/common/instance_proof.py): one 0600 file per port in a directory only the user can enter,
 `$XDG_RUNTIME_DIR/prefixtrace/` (else `~/.local/state/prefixtrace/instances/`)."""
 
 from __future__ import annotations
@@ -76,10 +76,10 @@ def remove_key(path: Path, secret: bytes) -> None:
 
 def proven_db(url: str, timeout: float = 5.0) -> str | None:
     """The database of the `prefixtrace serve` at `url` when it proves it holds the secret this
-    user's serve keeps for that port (common/instance_proof.py); None for anything else."""
+    user's serve keeps for that port (prefixtrace/common/instance_proof.py); None for anything else."""
     import httpx
 
-    from common.instance_proof import PROOF_PATH, verify
+    from prefixtrace.common.instance_proof import PROOF_PATH, verify
 
     try:
         port = httpx.URL(url).port or (443 if url.startswith("https") else 80)

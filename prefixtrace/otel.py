@@ -22,8 +22,8 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from common.errors import InvalidRequest
-from common.urls import display_url
+from prefixtrace.common.errors import InvalidRequest
+from prefixtrace.common.urls import display_url
 from recorder.redact import DEFAULT_REDACTOR
 
 log = logging.getLogger("prefixtrace.otel")
@@ -112,7 +112,7 @@ def turn_attributes(turn: Any, result: Any | None, conversation_id: str | None, 
         attrs["session.id"] = conversation_id  # OpenInference's name: Phoenix and Langfuse group sessions by it
         attrs["prefixtrace.session.inferred"] = bool(inferred)
     # Input tokens include the cached ones (the recorded prompt_tokens already does, Messages' too:
-    # wire/messages.py adds cache reads and writes to input_tokens).
+    # prefixtrace/wire/messages.py adds cache reads and writes to input_tokens).
     usage = turn.usage if isinstance(turn.usage, dict) else {}
     for name, value in (("gen_ai.usage.input_tokens", turn.prompt_tokens),
                         ("gen_ai.usage.output_tokens", turn.completion_tokens),

@@ -15,7 +15,7 @@ import os
 import socket
 from pathlib import Path
 
-from common.errors import ServeRefused
+from prefixtrace.common.errors import ServeRefused
 
 
 def claim_port(host: str, port: int) -> socket.socket:

@@ -30,7 +30,7 @@ from prefixtrace import harnesses
 from prefixtrace.instance_key import key_dir, proven_db, read_key
 from prefixtrace.run_children import Reaper, run_in_own_group
 from prefixtrace.run_defaults import small_model_args
-from common.errors import PrefixtraceError
+from prefixtrace.common.errors import PrefixtraceError
 
 HEALTH_TIMEOUT_S = 600.0  # a first `serve` converts the bundled model and loads it
 DEFAULT_URL = "http://127.0.0.1:8765"
@@ -101,7 +101,7 @@ def find_or_start_proxy(url: str, db: Path, serve_args: Sequence[str], workdir: 
     on a free loopback port (its output in `workdir/serve.log`).
 
     A proxy found there is reused only when it proves it is this user's prefixtrace (the answer to a
-    nonce, common/instance_proof.py), which also names its database; or, unproven, when the user gave
+    nonce, prefixtrace/common/instance_proof.py), which also names its database; or, unproven, when the user gave
     `url` themselves. Anything else answering there gets none of the harness's credentials."""
     found = _health(url)
     if found is not None and found[1].get("status") in ("ok", "loading"):

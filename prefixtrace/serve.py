@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import uvicorn
 from uvicorn.main import STARTUP_FAILURE
 
-from common.errors import EngineError
-from common.urls import display_url
+from prefixtrace.common.errors import EngineError
+from prefixtrace.common.urls import display_url
 from prefixtrace.instance_key import remove_key, write_key
 from prefixtrace.preflight import check_database_writable, claim_port, ready_banner
 from proxy.app import create_app
@@ -260,7 +260,7 @@ def worker_name(config: ServeConfig, listener) -> str:
 
 
 def _keep_instance_key(app, listener, db: Path) -> tuple[Path, bytes] | None:
-    """The secret `prefixtrace run` checks this proxy by (common/instance_proof.py), kept in the
+    """The secret `prefixtrace run` checks this proxy by (prefixtrace/common/instance_proof.py), kept in the
     user's private directory for as long as it serves; without one, `run` does not reuse it."""
     try:
         path, secret = write_key(listener.getsockname()[1], db.resolve())

@@ -28,11 +28,11 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 
-from common.errors import InvalidRequest, PrefixtraceError
-from wire import messages as messages_wire
-from wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
-from wire.messages import record_usage, to_anthropic_error  # noqa: F401 (the route's error shape)
-from wire import sse
+from prefixtrace.common.errors import InvalidRequest, PrefixtraceError
+from prefixtrace.wire import messages as messages_wire
+from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
+from prefixtrace.wire.messages import record_usage, to_anthropic_error  # noqa: F401 (the route's error shape)
+from prefixtrace.wire import sse
 from proxy.upstream_query import with_query
 from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.backend import Backend
@@ -44,7 +44,7 @@ MESSAGES_PATH = messages_wire.PATH
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn", "tool_calls": "tool_use"}
 
 
-# --- translation (wire/messages.py) -----------------------------------
+# --- translation (prefixtrace/wire/messages.py) -----------------------------------
 
 
 def to_chat_request(body: dict, headers: dict[str, str]) -> ChatRequest:

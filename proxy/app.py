@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.datastructures import MutableHeaders
 
-from common.errors import PrefixtraceError, http_status, to_openai_error
+from prefixtrace.common.errors import PrefixtraceError, http_status, to_openai_error
 from proxy.anthropic import MESSAGES_PATH, add_messages_route, to_anthropic_error
 from proxy.responses import RESPONSES_PATH, add_responses_route
 from proxy.completions import COMPLETIONS_PATH, add_completions_route
@@ -32,9 +32,9 @@ from proxy.dashboard import observe
 from proxy.disconnect import CancelOnDisconnect
 from proxy.request_limits import DEFAULT_MAX_REQUEST_MB
 from proxy.turn_routes import TurnRoutes
-from common.instance_proof import PROOF_PATH, proof
+from prefixtrace.common.instance_proof import PROOF_PATH, proof
 from proxy.run_session import SessionTagSink, strip_session_prefix
-from wire.messages import COUNT_TOKENS_PATH
+from prefixtrace.wire.messages import COUNT_TOKENS_PATH
 
 log = logging.getLogger("prefixtrace.proxy")
 TURN_PATHS = (CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH, COMPLETIONS_PATH)
@@ -95,7 +95,7 @@ def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str]
 
     @app.get(PROOF_PATH)
     async def instance_proof(nonce: str = ""):
-        """The answer `prefixtrace run` checks before reusing this proxy (common/instance_proof.py);
+        """The answer `prefixtrace run` checks before reusing this proxy (prefixtrace/common/instance_proof.py);
         404 where serve keeps no secret (an app built without one, as tests build it)."""
         kept = getattr(app.state, "instance_secret", None)
         if kept is None or not 16 <= len(nonce) <= 128:

@@ -25,10 +25,10 @@ from typing import AsyncIterator, Callable
 import httpx
 from fastapi import FastAPI, Request
 
-from common.errors import PrefixtraceError, UpstreamError, to_openai_error
-from wire import sse
-from wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
-from wire.http import map_httpx_errors
+from prefixtrace.common.errors import PrefixtraceError, UpstreamError, to_openai_error
+from prefixtrace.wire import sse
+from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
+from prefixtrace.wire.http import map_httpx_errors
 from recorder.turn_builder import TurnBuilder
 from proxy.upstream_query import with_query
 from proxy.backend import Backend, ForwardingBackend

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from wire.sampling import SamplingParams
-from common.errors import InvalidRequest
+from prefixtrace.wire.sampling import SamplingParams
+from prefixtrace.common.errors import InvalidRequest
 
 
 @dataclass(slots=True)

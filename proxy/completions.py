@@ -17,10 +17,10 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 
-from common.errors import InvalidRequest, to_openai_error
-from wire import completions as wire
-from wire import sse
-from wire.events import ContentDelta, ReplyDone
+from prefixtrace.common.errors import InvalidRequest, to_openai_error
+from prefixtrace.wire import completions as wire
+from prefixtrace.wire import sse
+from prefixtrace.wire.events import ContentDelta, ReplyDone
 from recorder.turn_builder import TurnBuilder
 from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.backend import Backend

@@ -45,7 +45,7 @@ import resource
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from common import heap
+from prefixtrace.common import heap
 
 log = logging.getLogger("prefixtrace.serve")
 

@@ -22,7 +22,7 @@ from fastapi.responses import HTMLResponse, Response
 
 from analyzer.report_html import render as render_report
 from analyzer.report_view import APPEND, CACHED, COLOURS, LABELS
-from common.errors import PrefixtraceError
+from prefixtrace.common.errors import PrefixtraceError
 from proxy.live import LiveSessions
 from proxy.metrics import CONTENT_TYPE, Metrics, engine_state
 from recorder import numbers

@@ -3,7 +3,7 @@
 `EngineBackend` renders a request with the model's template, checks that it fits, plans a
 constrained reply where one is asked for, and submits a `Sequence` to the engine thread. The
 engine thread emits events for the sequence; `EngineChat` hops them onto the asyncio loop and
-turns the output text into reply events (`wire.events`: answer text, reasoning and
+turns the output text into reply events (`prefixtrace.wire.events`: answer text, reasoning and
 tool calls, separated by `engine.reply_parser` in the model family's format). Each protocol
 adapter writes those events in its own shape (chat completions: proxy/chat_completions.py).
 """
@@ -24,8 +24,8 @@ from engine.engine import Engine
 from engine.reply_parser import ReplyParser, final_finish_reason
 from engine.sequence import Failed, Finished, Sequence, TextDelta
 from proxy.sampling_defaults import NO_DEFAULTS, SamplingDefaults
-from common.errors import ContextExceedsCapacity, EngineError, EngineNotReady, InvalidRequest, ModelNotFound, PrefixtraceError
-from wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
+from prefixtrace.common.errors import ContextExceedsCapacity, EngineError, EngineNotReady, InvalidRequest, ModelNotFound, PrefixtraceError
+from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
 from proxy.chat_request import ChatRequest
 from proxy.relay import QUEUED, hang_up_error
 from recorder.turn_builder import TurnBuilder
@@ -233,7 +233,7 @@ class EngineBackend:
 
 
 class EngineChat:
-    """One request's stream of engine events, as reply events (`wire.events`): what
+    """One request's stream of engine events, as reply events (`prefixtrace.wire.events`): what
     every protocol adapter writes in its own shape (proxy/chat_completions.py, anthropic.py,
     responses.py, completions.py)."""
 
@@ -284,7 +284,7 @@ class EngineChat:
             event = await self._events.get()
 
     async def reply_events(self):
-        """The reply as `wire.events`, ending with ReplyDone; an engine failure is raised
+        """The reply as `prefixtrace.wire.events`, ending with ReplyDone; an engine failure is raised
         (a PrefixtraceError)."""
         async for event in self.events():
             if isinstance(event, TextDelta):

@@ -17,9 +17,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from common.errors import MethodNotAllowed, PrefixtraceError, UnknownEndpoint, http_status, to_openai_error
-from wire.messages import to_anthropic_error
-from wire.messages import PATH as MESSAGES_PREFIX  # /v1/messages and everything under it
+from prefixtrace.common.errors import MethodNotAllowed, PrefixtraceError, UnknownEndpoint, http_status, to_openai_error
+from prefixtrace.wire.messages import to_anthropic_error
+from prefixtrace.wire.messages import PATH as MESSAGES_PREFIX  # /v1/messages and everything under it
 from recorder.turn_builder import TurnBuilder
 from proxy.relay import TurnSink, record_durably
 from proxy.request_limits import read_request_body

@@ -31,9 +31,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from proxy.connections import HEAD_REFUSED
-from common.errors import (ForbiddenHost, PrefixtraceError, RequestHeadersTooLarge, UnsupportedMediaType,
+from prefixtrace.common.errors import (ForbiddenHost, PrefixtraceError, RequestHeadersTooLarge, UnsupportedMediaType,
                                 UnsupportedTransferCoding, http_status, to_openai_error)
-from wire.request import session_id
+from prefixtrace.wire.request import session_id
 from proxy.request_limits import parse_body, read_request_body
 from recorder.turn import Turn
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from analyzer.fixes.sessions import FixSessions
 from proxy.run_session import session_of
 from recorder.turn import Turn
-from wire.request import session_id
+from prefixtrace.wire.request import session_id
 
 log = logging.getLogger("prefixtrace.proxy")
 

@@ -12,8 +12,8 @@ from typing import AsyncIterator, Callable, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from common.errors import PrefixtraceError, http_status
-from wire.request import session_id
+from prefixtrace.common.errors import PrefixtraceError, http_status
+from prefixtrace.wire.request import session_id
 from proxy.backend import Backend
 from proxy.live_fixes import fix_request
 from proxy.request_limits import parse_body, read_request_body

@@ -15,7 +15,7 @@ from typing import AsyncIterator
 
 import httpx
 
-MAX_REPLY_BYTES = 64 << 20  # as wire/sse.py's MAX_EVENT_BYTES: far above any real reply
+MAX_REPLY_BYTES = 64 << 20  # as prefixtrace/wire/sse.py's MAX_EVENT_BYTES: far above any real reply
 MAX_PROPS_BYTES = 4 << 20  # a /props document: its template is bounded again (recorder/renderers.py)
 
 

@@ -35,7 +35,7 @@ from typing import Any
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from common.errors import (ClientGaveUp, InvalidRequest, RequestTimeout, RequestTooLarge,
+from prefixtrace.common.errors import (ClientGaveUp, InvalidRequest, RequestTimeout, RequestTooLarge,
                            UnsupportedMediaType)
 from recorder.turn import Turn
 

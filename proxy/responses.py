@@ -1,8 +1,8 @@
 """OpenAI's Responses API (`POST /v1/responses`), to the embedded engine or passed through upstream.
 
-Embedded engine: the request is translated into chat messages (wire/responses.py) and
+Embedded engine: the request is translated into chat messages (prefixtrace/wire/responses.py) and
 rendered like any other; the engine's reply events are written back as a Response object or its
-event stream (wire/responses_stream.py). `store` (true unless the client says false,
+event stream (prefixtrace/wire/responses_stream.py). `store` (true unless the client says false,
 as on OpenAI) keeps the conversation in memory under the response id so that a later request can
 continue it with `previous_response_id`; an id this process does not hold (never stored, stored
 with `store: false`, or from before a restart) is a 400 naming it; `GET /v1/responses/{id}` returns
@@ -28,12 +28,12 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from common.errors import (InvalidRequest, PrefixtraceError, UnknownEndpoint, UpstreamError, http_status,
+from prefixtrace.common.errors import (InvalidRequest, PrefixtraceError, UnknownEndpoint, UpstreamError, http_status,
                            to_openai_error)
-from wire import responses as wire
-from wire import sse
-from wire.events import ReplyDone
-from wire.responses_stream import TERMINAL, ResponsesReader, ResponsesWriter, encode
+from prefixtrace.wire import responses as wire
+from prefixtrace.wire import sse
+from prefixtrace.wire.events import ReplyDone
+from prefixtrace.wire.responses_stream import TERMINAL, ResponsesReader, ResponsesWriter, encode
 from recorder.turn_builder import TurnBuilder
 from proxy.upstream_query import with_query
 from proxy.chat_request import ChatRequest, parse_chat_request, passthrough_request

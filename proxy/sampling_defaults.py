@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from wire.sampling import SamplingParams
+from prefixtrace.wire.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

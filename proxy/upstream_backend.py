@@ -24,11 +24,11 @@ from typing import Any, AsyncIterator, Callable
 import httpx
 
 from proxy.upstream_timeouts import UpstreamTimeouts
-from common.errors import UpstreamError
-from common.urls import credentials, display_url, without_credentials
+from prefixtrace.common.errors import UpstreamError
+from prefixtrace.common.urls import credentials, display_url, without_credentials
 from proxy.upstream_query import masked, merged, split_query, with_query
-from wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
-from wire import sse
+from prefixtrace.wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
+from prefixtrace.wire import sse
 from proxy.relay import UPSTREAM_BODY
 from proxy.reply_bounds import MAX_PROPS_BYTES, ReplyTooLarge, bounded, read_bounded
 from proxy.upstream_http import WORKER_HEADER, UpstreamConnections
@@ -70,7 +70,7 @@ class UpstreamBackend:
         url, self.query = split_query(base_url)  # sent with every request (proxy/upstream_query.py)
         url = normalize_base_url(url)
         # `base_url` names the upstream everywhere (label, errors, the recorded turn):
-        # its credentials, if any, only reach the client, as Basic auth (common/urls.py).
+        # its credentials, if any, only reach the client, as Basic auth (prefixtrace/common/urls.py).
         self.base_url = display_url(url) + (f"?{masked(self.query)}" if self.query else "")
         auth = credentials(url)
         self.client = httpx.AsyncClient(
@@ -348,7 +348,7 @@ class Relayed:
         pass  # closing the response (in `sse`'s finally) is what tells the upstream
 
     async def event_batches(self) -> AsyncIterator[list[bytes]]:
-        """The response's SSE events as they arrive, split on the bytes (wire/sse.py),
+        """The response's SSE events as they arrive, split on the bytes (prefixtrace/wire/sse.py),
         those that one read of the upstream completed together in one list. An event that grows
         without end is the upstream's fault (`UpstreamError`), not a buffer without bound."""
         try:

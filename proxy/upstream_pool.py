@@ -33,7 +33,7 @@ import httpx
 from analyzer.canon import canonical_message, messages_of
 from analyzer.causes import HEAD_ROLES
 from proxy.upstream_timeouts import UpstreamTimeouts
-from common.errors import UpstreamError
+from prefixtrace.common.errors import UpstreamError
 from proxy.upstream_backend import UpstreamBackend
 
 log = logging.getLogger("prefixtrace.upstreams")

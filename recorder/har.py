@@ -14,7 +14,7 @@ request of an API the proxy serves (chat completions or Messages with a
 told apart by the URL's path) becomes a turn; other entries (pages, assets,
 GETs) are skipped. Without `_prefixtrace`, the reply, usage and finish reason
 are read back from the response content, SSE or JSON, by that API's reader
-(wire/), the same the proxy records an upstream's reply with.
+(prefixtrace/wire/), the same the proxy records an upstream's reply with.
 Import is all or nothing, like JSONL.
 """
 
@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
-from common.errors import InvalidRequest
-from wire import messages as messages_wire
-from wire.request import protocol_of, session_id
-from wire.responses_stream import TERMINAL, ResponsesReader
+from prefixtrace.common.errors import InvalidRequest
+from prefixtrace.wire import messages as messages_wire
+from prefixtrace.wire.request import protocol_of, session_id
+from prefixtrace.wire.responses_stream import TERMINAL, ResponsesReader
 from recorder.jsonl import DEFAULT_ENDPOINT, record_to_turn, turn_to_record
 from recorder import numbers
 from recorder.turn import Turn
@@ -271,7 +271,7 @@ def _foreign_turn(entry: dict, body: dict, body_text: str, headers: dict, index:
 
 class _ReplyReader:
     """A recorded reply (stream events or a whole body) read into the turn by its API's reader,
-    as the proxy reads an upstream's (wire/)."""
+    as the proxy reads an upstream's (prefixtrace/wire/)."""
 
     def __init__(self, protocol: str, builder):
         self.protocol, self.builder = protocol, builder

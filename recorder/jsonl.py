@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from recorder.reader import iter_turns, read_renderers
 from recorder.renderers import RECORD_KEY, from_record, register, to_record
 from recorder.redact import Redactor

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from common.errors import RecorderError
+from prefixtrace.common.errors import RecorderError
 from recorder.rows import BodyStore, row_to_turn
 from recorder.readonly import open_db_readonly
 from recorder.turn import Turn

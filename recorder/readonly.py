@@ -24,7 +24,7 @@ from urllib.parse import quote
 
 import sqlite_utils
 
-from common.errors import RecorderError
+from prefixtrace.common.errors import RecorderError
 from recorder.schema import SCHEMA_VERSION, migrate
 
 # The tables each schema version reads from; all must be plain tables.

@@ -39,7 +39,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 REDACTED = "[REDACTED]"
 

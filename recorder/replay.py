@@ -3,7 +3,7 @@
 Each target is replayed in turn (one after another, so two builds never
 compete for the same machine); within a target, each session's requests go in
 recorded order, sessions in parallel up to `concurrency`. Every request goes
-back to the endpoint it was recorded on (`wire.request.protocol_of`:
+back to the endpoint it was recorded on (`prefixtrace.wire.request.protocol_of`:
 chat completions with `stream_options.include_usage`, Anthropic's `/v1/messages`,
 OpenAI's `/v1/responses`, legacy `/v1/completions`), streamed, so TTFT and usage are
 measured the same way for every server, and cached prompt tokens are
@@ -25,11 +25,11 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from common.errors import InvalidRequest, UpstreamError
-from common.urls import credentials, display_url, without_credentials
-from wire import sse
-from wire.request import protocol_of
-from wire.http import map_httpx_errors, normalize_base_url
+from prefixtrace.common.errors import InvalidRequest, UpstreamError
+from prefixtrace.common.urls import credentials, display_url, without_credentials
+from prefixtrace.wire import sse
+from prefixtrace.wire.request import protocol_of
+from prefixtrace.wire.http import map_httpx_errors, normalize_base_url
 from recorder.replay_report import format_replay, summarise, write_report  # noqa: F401 (re-exported)
 from recorder.replay_mark import REPLAY_HEADER
 from recorder.turn import Turn

@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from common.escaping import script_json
+from prefixtrace.common.escaping import script_json
 from recorder.files import write_private_text
 
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b")

@@ -20,7 +20,7 @@ from typing import Any
 
 import sqlite_utils
 
-from common.errors import RecorderError
+from prefixtrace.common.errors import RecorderError
 from recorder import numbers
 from recorder.bodies import SplitBody, message_hash, split_body
 from recorder.item_texts import SharedItemTexts

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import sqlite_utils
 
-from common.errors import RecorderError
+from prefixtrace.common.errors import RecorderError
 
 # Metadata columns shared by v1 `turns` and v2 `turn_log`, in v1 order.
 META_COLUMNS = (

@@ -12,7 +12,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import IO
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from recorder.files import open_private
 from recorder.har import read_har, write_har
 from recorder.jsonl import _write as write_jsonl_lines

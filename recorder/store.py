@@ -52,8 +52,8 @@ from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import Any
 
-from common.errors import RecorderError
-from common.heap import trim_heap
+from prefixtrace.common.errors import RecorderError
+from prefixtrace.common.heap import trim_heap
 from recorder.redact import Redactor
 from recorder.rows import BodyStore, redacted_row, write_rows
 from recorder.schema import open_db

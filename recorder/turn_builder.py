@@ -1,6 +1,6 @@
 """Fill a recorder `Turn` from what the client is sent, whichever backend made it.
 
-The turn is built from what goes out: reply events (`on_event`, wire/events.py),
+The turn is built from what goes out: reply events (`on_event`, prefixtrace/wire/events.py),
 which every protocol's writer consumes and every upstream reader produces, or chat-completions
 chunks and bodies as they are (`on_chunk`, `on_response`). What is recorded is what the client saw.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from wire.events import (ContentDelta, ReasoningDelta, ReplyDone, ReplyEvent, ToolCallArgsDelta,
+from prefixtrace.wire.events import (ContentDelta, ReasoningDelta, ReplyDone, ReplyEvent, ToolCallArgsDelta,
                          ToolCallStart)
 from recorder.turn import Turn
 

@@ -12,7 +12,7 @@ from analyzer import CAUSES, analyze, assert_prefix_stable, check, format_text, 
 from analyzer.causes import is_volatile
 from analyzer.load import IncrementalParser
 from analyzer.render import TemplateRenderer
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 SESSIONS = ROOT / "fixtures" / "sessions"

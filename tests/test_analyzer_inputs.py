@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from analyzer import analyze, check
 from analyzer.load import load, parse_ts
 from prefixtrace.cli import cli
-from common.errors import InvalidRequest
-from wire.normalize import ChatNormalizer, chat_tool, template_message
+from prefixtrace.common.errors import InvalidRequest
+from prefixtrace.wire.normalize import ChatNormalizer, chat_tool, template_message
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAFFIC = ROOT / "fixtures" / "traffic"

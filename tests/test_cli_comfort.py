@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from prefixtrace.cli import cli
 from prefixtrace.config import RESERVED_ENV, load_default_map
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from tests.conftest import ROOT
 
 SESSIONS = ROOT / "fixtures" / "sessions"

@@ -16,7 +16,7 @@ from mlx_lm.tokenizer_utils import load
 
 from engine.constraints import after_user_turn, forced_by_default, parse_tool_choice, response_schema
 from engine.grammar import GrammarCompiler, apply_bitmask
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 from recorder.store import Recorder

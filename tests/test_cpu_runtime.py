@@ -145,7 +145,7 @@ def test_load_model_casts_floats_but_not_packed_weights(tmp_path):
 
 
 def test_load_model_rejects_unknown_dtype():
-    from common.errors import EngineError
+    from prefixtrace.common.errors import EngineError
 
     with pytest.raises(EngineError, match="float64"):
         cpu_runtime.load_model(TINY_MODEL, "float64")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from proxy.request_limits import parse_body
 from proxy.request_limits import MAX_JSON_DEPTH, check_depth
 

@@ -35,7 +35,7 @@ def mentions() -> list[tuple[str, str, int]]:
 
 def test_the_scan_finds_the_paths_the_docs_name():
     named = {path for path, _, _ in mentions()}
-    assert {"proxy/relay.py", "engine/scheduler.py", "tests/test_package_graph.py", "wire/sse.py"} <= named
+    assert {"proxy/relay.py", "engine/scheduler.py", "tests/test_package_graph.py", "prefixtrace/wire/sse.py"} <= named
 
 
 def test_every_file_the_docs_name_exists():

@@ -103,7 +103,7 @@ def test_cancel_stops_generation_and_keeps_the_computed_prefix(tiny_engine):
 
 
 def test_prompt_longer_than_the_context_is_rejected_with_numbers(tiny_engine):
-    from common.errors import ContextExceedsCapacity
+    from prefixtrace.common.errors import ContextExceedsCapacity
 
     with pytest.raises(ContextExceedsCapacity) as info:
         tiny_engine.check_fits(tiny_engine.context_length, 10)

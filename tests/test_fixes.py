@@ -11,7 +11,7 @@ import pytest
 from analyzer.fixes import FIXES, SessionRecord, apply_fixes, parse_fix_names
 from analyzer.fixes.breakpoints import count_breakpoints
 from analyzer.fixes.sessions import FixSessions
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 SYSTEM = "You are a coding agent. Current time: 2026-12-04 22:{m:02d}:10 UTC. Working directory: /repo."
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from recorder import Recorder, Turn, iter_turns
 from recorder.sources import export, import_file, load_turns, sniff
 

@@ -23,7 +23,7 @@ import pytest
 from analyzer import analyze
 from analyzer.load import load
 from analyzer.server_renderer import choose_renderer
-from common.errors import InvalidRequest, RecorderError
+from prefixtrace.common.errors import InvalidRequest, RecorderError
 from recorder.reader import iter_turns
 from recorder.rows import write_turns
 from recorder.schema import open_db

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from recorder import Recorder, Turn, db_info, export_jsonl, import_jsonl, iter_turns, read_jsonl
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sessions"

@@ -13,7 +13,7 @@ from engine.engine import Engine
 from engine.memory import MemoryModel
 from engine.sampling import SamplingParams
 from engine.sequence import Failed, Finished, Sequence, TextDelta
-from common.errors import ContextExceedsCapacity
+from prefixtrace.common.errors import ContextExceedsCapacity
 from tests.conftest import TINY_MODEL
 from testsupport.forced_pauses import forced_pauses
 

@@ -338,7 +338,7 @@ def test_phoenix_receives_the_spans(served, tmp_path):
 
 def test_an_upstream_messages_turn_reads_as_anthropic_with_cache_writes():
     """Attributes of a turn an Anthropic-shaped upstream answered: the recorded prompt_tokens already
-    include cache reads and writes (wire/messages.py), the writes come from its usage, the
+    include cache reads and writes (prefixtrace/wire/messages.py), the writes come from its usage, the
     provider is the protocol's, and the upstream URL's credentials stay hidden."""
     from prefixtrace.otel import span_name, turn_attributes
     from recorder.turn import Turn

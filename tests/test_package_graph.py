@@ -179,8 +179,8 @@ def third_party(package: str) -> dict[str, list[str]]:
 
 
 def test_the_floor_imports_only_the_standard_library_and_the_wire_httpx():
-    assert third_party("common") == {}
-    assert set(third_party("wire")) <= {"httpx"}, third_party("wire")
+    assert third_party("prefixtrace/common") == {}
+    assert set(third_party("prefixtrace/wire")) <= {"httpx"}, third_party("prefixtrace/wire")
 
 
 @pytest.mark.parametrize("package", sorted(product_packages() - {"engine"}))

@@ -17,7 +17,7 @@ from genai_prices import Usage, calc_price
 
 from analyzer import analyze
 from analyzer.pricing import price_sheet
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from tests.conftest import ROOT
 
 TRAFFIC = ROOT / "fixtures" / "traffic"

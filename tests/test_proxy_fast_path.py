@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from wire import sse
+from prefixtrace.wire import sse
 from proxy.app import create_app
 from proxy.upstream_backend import UpstreamBackend
 from recorder.store import Recorder

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import RecorderError
+from prefixtrace.common.errors import RecorderError
 from recorder import SCHEMA_VERSION, Recorder, Turn, db_info, iter_turns
 
 REPO = Path(__file__).resolve().parents[1]

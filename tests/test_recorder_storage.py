@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import sqlite_utils
 
-from common.errors import RecorderError
+from prefixtrace.common.errors import RecorderError
 from recorder import SCHEMA_VERSION, Recorder, Turn, db_info, export_jsonl, import_jsonl, iter_turns, read_jsonl
 from recorder.bodies import scan_object, split_body
 from recorder.schema import MIGRATIONS

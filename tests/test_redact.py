@@ -3,7 +3,7 @@ import sqlite3
 
 import pytest
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from recorder import REDACTED, Recorder, Redactor, Turn, iter_turns
 
 OPENAI_KEY = "sk-proj-AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"

@@ -18,7 +18,7 @@ from engine.engine import Engine
 from engine.render_policy import (
     SYSTEM_NOTE_HEADER, BoundPolicy, NoticeRule, PolicyAnalyzerRenderer, RenderPolicy, TemplateTraits,
 )
-from common.errors import EngineError, InvalidRequest
+from prefixtrace.common.errors import EngineError, InvalidRequest
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 from tests.conftest import TINY_MODEL, running_server

@@ -284,8 +284,8 @@ def test_the_stream_says_created_before_its_prefill(tmp_path):
 def test_parallel_tool_calls_false_keeps_only_the_first_call():
     """The writer's rule (the engine adapter drops what it refuses before recording, so the turn is
     what the client saw): a model that writes two calls under parallel_tool_calls: false returns one."""
-    from wire.events import ReplyDone, ToolCallArgsDelta, ToolCallStart
-    from wire.responses_stream import ResponsesWriter
+    from prefixtrace.wire.events import ReplyDone, ToolCallArgsDelta, ToolCallStart
+    from prefixtrace.wire.responses_stream import ResponsesWriter
 
     events = [ToolCallStart(0, "call_a", "ls"), ToolCallArgsDelta(0, "{}"), ToolCallStart(1, "call_b", "pwd"),
               ToolCallArgsDelta(1, "{}"), ReplyDone("tool_calls", 5, 9, 0)]

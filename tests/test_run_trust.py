@@ -1,7 +1,7 @@
 """Where `prefixtrace run` sends a harness's credentials, tested from outside: a planted
 `prefixtrace.toml` in the working directory (prefixtrace/config_trust.py), a foreign process
 answering /health where run looks for a proxy, and a genuine serve that proves it is the user's
-(common/instance_proof.py), all real servers on loopback and real `run` / `serve` processes."""
+(prefixtrace/common/instance_proof.py), all real servers on loopback and real `run` / `serve` processes."""
 
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def test_a_proven_serve_is_reused_and_names_its_database(tmp_path, private_keys,
 
 def test_a_proof_from_the_wrong_secret_is_refused(tmp_path, private_keys):
     """A stale or copied key file does not help a stranger: the answer must be made with the secret."""
-    from common.instance_proof import proof, verify
+    from prefixtrace.common.instance_proof import proof, verify
     from prefixtrace.instance_key import key_file, read_key, write_key
 
     path, secret = write_key(9, tmp_path / "a.db")

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ("analyzer", "engine", "prefixtrace", "proxy", "recorder", "common", "wire")
+PRODUCT = ("analyzer", "engine", "prefixtrace", "proxy", "recorder")
 NAME = re.compile(r"\bPREFIXTRACE_[A-Z0-9_]*[A-Z0-9]\b")
 
 

@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load
 
 from engine.reply_parser import ReplyFormat, ReplyParser
-from wire.events import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
+from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from tests.conftest import TINY_MODEL, rows
 
 # Bounded schemas: a random model inside an unbounded string could write until max_tokens.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from recorder.reader import iter_turns
 from recorder.sources import import_path
 from recorder.transcripts import read_transcripts, sniff_transcript, transcript_turns

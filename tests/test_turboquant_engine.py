@@ -8,7 +8,7 @@ import pytest
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.tq_cache import TurboQuantKVCache
-from common.errors import EngineError
+from prefixtrace.common.errors import EngineError
 from tests.conftest import TINY_MODEL
 from tests.test_batching import PROMPTS, submit, wait
 

@@ -19,7 +19,7 @@ import pytest
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
-from common.urls import credentials, display_url, without_credentials
+from prefixtrace.common.urls import credentials, display_url, without_credentials
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 from tests.conftest import ROOT, free_port, running_server

@@ -318,7 +318,7 @@ def test_an_upstream_that_does_not_take_the_connection_is_a_504_after_the_connec
 def test_an_event_that_never_ends_is_an_error_event_not_a_buffer_without_bound(monkeypatch):
     """An upstream that streams one event forever (no blank line ever comes): the proxy buffered
     it all, the client got nothing and memory grew until the upstream stopped."""
-    from wire import sse
+    from prefixtrace.wire import sse
 
     monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 1 << 20)  # the proxy runs in this process
 

@@ -13,7 +13,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from common.errors import UpstreamError, http_status
+from prefixtrace.common.errors import UpstreamError, http_status
 from proxy.app import create_app
 from proxy.upstream_pool import HashRing, UpstreamPool, session_key
 from recorder.store import Recorder
@@ -23,7 +23,7 @@ from tests.conftest import ROOT, TINY_MODEL, free_port, rows, running_server
 UPSTREAM = """
 import sys, uvicorn
 from engine.engine import Engine
-from common.errors import UpstreamError, http_status
+from prefixtrace.common.errors import UpstreamError, http_status
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
 from recorder.store import Recorder

@@ -24,7 +24,7 @@ import setuptools
 ROOT = Path(__file__).resolve().parent.parent
 
 # Today's installed names; docs/ARCHITECTURE.md ("One name in site-packages") says where this is going.
-TOP_LEVEL = {"analyzer", "common", "engine", "prefixtrace", "proxy", "recorder", "wire"}
+TOP_LEVEL = {"analyzer", "engine", "prefixtrace", "proxy", "recorder"}
 TEST_TOOLING = {"unittest", "pytest", "testsupport"}
 # The pytest plugin is a product feature (pyproject's pytest11 entry point: the `assert_prefix_stable`
 # fixture for a harness's own suite); only pytest loads it, so it may import pytest and nothing else may.

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from proxy.chat_request import parse_chat_request
-from wire import completions, messages, responses
-from wire.request import protocol_of
+from prefixtrace.wire import completions, messages, responses
+from prefixtrace.wire.request import protocol_of
 
 def engine_chat(endpoint: str, body) -> dict:
     """The chat body the engine renders for `body` sent to `endpoint`, as its adapter builds it."""
@@ -77,9 +77,9 @@ def test_completions_keep_the_raw_prompt_and_bad_bodies_are_invalid():
 
 
 def test_the_analyzers_reading_is_the_engines_for_every_protocol():
-    """wire.normalize (lenient, for analysis) renders what the adapters (strict) hand the engine:
+    """prefixtrace.wire.normalize (lenient, for analysis) renders what the adapters (strict) hand the engine:
     same messages, same tools, key order included."""
-    from wire.normalize import ChatNormalizer
+    from prefixtrace.wire.normalize import ChatNormalizer
 
     bodies = {
         "/v1/responses": {"instructions": "You are Codex.", "tools": [

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from analyzer.fixes import breakpoints, session_key, thinking, tool_args, tool_order, volatile
 from analyzer.fixes.base import Fix, Outcome, SessionRecord, reply_key
 

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from analyzer.fixes import Applied, SessionRecord, apply_fixes, reply_key
-from wire.request import protocol_of
+from prefixtrace.wire.request import protocol_of
 
 MAX_SESSIONS = 256
 MAX_ENTRIES = 4096  # tool calls / replies remembered per session

@@ -15,7 +15,7 @@ import copy
 
 from analyzer.fixes import shape
 from analyzer.fixes.base import Outcome, SessionRecord, reply_key, stands_aside
-from wire.request import joined_text
+from prefixtrace.wire.request import joined_text
 
 NAME = "thinking"
 REASONING_KEYS = ("reasoning_content", "reasoning")

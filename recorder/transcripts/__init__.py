@@ -13,7 +13,7 @@ import json
 import stat
 from pathlib import Path
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from recorder.transcripts import claude_code, codex, opencode, opencode_json, pi
 from recorder.transcripts.common import UPSTREAM_PREFIX, Transcript
 

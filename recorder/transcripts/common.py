@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from recorder.jsonl import json_lines
 from recorder.turn import Turn
 

@@ -23,7 +23,7 @@ import json
 import sqlite3
 from pathlib import Path
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from recorder.transcripts.common import Transcript, int_or_none, make_turn, openai_call, parse_time
 
 HARNESS = "opencode"

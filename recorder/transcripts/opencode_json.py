@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from recorder.transcripts import opencode
 from recorder.transcripts.common import Transcript
 

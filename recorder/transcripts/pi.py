@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from recorder.transcripts.common import (Transcript, int_or_none, make_turn, openai_call, parse_time,
                                          read_jsonl_lines)
 

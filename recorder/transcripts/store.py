@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 from recorder.redact import Redactor
 from recorder.rows import write_turns
 from recorder.schema import open_db

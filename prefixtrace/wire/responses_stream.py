@@ -1,6 +1,6 @@
 """Responses API replies: reply events → Response objects and stream events, and back.
 
-`ResponsesWriter` is fed reply events (wire/events.py) and returns the stream events
+`ResponsesWriter` is fed reply events (prefixtrace/wire/events.py) and returns the stream events
 each one means, in the standard order: `response.created`, `response.in_progress`, then per output
 item `response.output_item.added`, its parts and deltas (`response.content_part.added`,
 `response.output_text.delta` … `.done`, `response.reasoning_text.delta` … `.done`,
@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any, Iterator
 
-from wire.events import (ContentDelta, ReasoningDelta, ReplyDone, ReplyEvent, ToolCallArgsDelta,
+from prefixtrace.wire.events import (ContentDelta, ReasoningDelta, ReplyDone, ReplyEvent, ToolCallArgsDelta,
                          ToolCallStart)
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")

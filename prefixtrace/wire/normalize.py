@@ -5,7 +5,7 @@ Two jobs, both protocol-independent (no server, engine or FastAPI imports):
 1. `ChatNormalizer.to_chat(body, endpoint)`: a chat-completions, Anthropic Messages or OpenAI
    Responses body as one chat-shaped request (`messages` with the system prompt first, chat-shaped
    `tools`, the parameters that decide the prompt). The translation itself is the protocol adapters'
-   (wire/messages.py, responses.py: the one the proxy applies before its engine renders),
+   (prefixtrace/wire/messages.py, responses.py: the one the proxy applies before its engine renders),
    so the analyzer predicts the prompt the engine builds. What this adds is what an analysis of a
    long recording needs and a server does not:
    - speed: Messages bodies are translated message by message, cached by the identity of the
@@ -37,9 +37,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from common.errors import InvalidRequest
-from wire import messages as wire_messages
-from wire import responses as wire_responses
+from prefixtrace.common.errors import InvalidRequest
+from prefixtrace.wire import messages as wire_messages
+from prefixtrace.wire import responses as wire_responses
 
 TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "summary_text", "reasoning_text"})
 API_CHAT, API_MESSAGES, API_RESPONSES = "chat", "messages", "responses"

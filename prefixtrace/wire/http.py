@@ -8,7 +8,7 @@ import contextlib
 
 import httpx
 
-from common.errors import UpstreamError, UpstreamTimeout
+from prefixtrace.common.errors import UpstreamError, UpstreamTimeout
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@ one stream of reply events.
 
 Each wire protocol (chat completions, Anthropic Messages, OpenAI Responses, legacy completions) is a
 thin translation into and out of these, so the proxy, the recorder (replay, HAR import), the analyzer's
-loader and the engine see every protocol the same way. It stands on `common/` alone (and httpx):
+loader and the engine see every protocol the same way. It stands on `prefixtrace/common/` alone (and httpx):
 nothing here imports the recorder, the server (`proxy/`), the engine or FastAPI (docs/ARCHITECTURE.md,
 "Package graph").
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 PATH = "/v1/completions"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from wire import completions, messages, responses
+from prefixtrace.wire import completions, messages, responses
 
 CHAT_PATH = "/v1/chat/completions"
 

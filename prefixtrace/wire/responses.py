@@ -10,7 +10,7 @@ tools are flat here (`{type: function, name, parameters}`) and nested in chat; o
 prompt, logged once. `text.format` json_schema becomes `response_format`.
 
 Out: `ResponsesWriter` (proxy side, over reply events) and `ResponsesReader` (an upstream's
-stream or body back into reply events) live in `wire.responses_stream`.
+stream or body back into reply events) live in `prefixtrace.wire.responses_stream`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 log = logging.getLogger("prefixtrace.wire")
 PATH = "/v1/responses"
@@ -116,7 +116,7 @@ def to_chat_tools(tools: Any) -> list[dict] | None:
             continue
         if not isinstance(tool.get("name"), str):
             raise InvalidRequest(f"tools[{j}] must have a string 'name'", param="tools")
-        # Key order as chat clients send it, as in wire/messages.py (templates dump tools as JSON).
+        # Key order as chat clients send it, as in prefixtrace/wire/messages.py (templates dump tools as JSON).
         fn: dict[str, Any] = {"name": tool["name"]}
         if tool.get("description"):
             fn["description"] = tool["description"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 
 @dataclass(slots=True)

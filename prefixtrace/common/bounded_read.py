@@ -11,7 +11,7 @@ import os
 import stat
 from pathlib import Path
 
-from common.errors import InvalidRequest
+from prefixtrace.common.errors import InvalidRequest
 
 
 def read_regular(path: str | Path, max_bytes: int, what: str = "file") -> bytes:

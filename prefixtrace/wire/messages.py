@@ -17,8 +17,8 @@ import json
 import logging
 from typing import Any
 
-from common.errors import InvalidRequest, PrefixtraceError, http_status
-from wire.events import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
+from prefixtrace.common.errors import InvalidRequest, PrefixtraceError, http_status
+from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 
 log = logging.getLogger("prefixtrace.wire")
 PATH = "/v1/messages"
