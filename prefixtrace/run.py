@@ -209,7 +209,8 @@ def summarize(db: Path, session: str, prefill_rate: float | None = None) -> dict
 
 def format_summary(summary: dict) -> str:
     from analyzer.report import cost_text
-    lines = [f"prefixtrace: session {summary['session']}: {summary['requests']} request(s) recorded in {summary['db']}"]
+    from prefixtrace.common.words import plural
+    lines = [f"prefixtrace: session {summary['session']}: {plural(summary['requests'], 'request')} recorded in {summary['db']}"]
     if summary.get("note"):
         lines.append(f"  {summary['note']}")
     if not summary["requests"]:
@@ -222,9 +223,9 @@ def format_summary(summary: dict) -> str:
             lines.append("  nothing was recorded under this session")
         return "\n".join(lines)
     breaks = summary["breaks"]
-    extra = f", {summary['side_requests']} side request chain(s)" if summary.get("side_requests") else ""
+    extra = f", {plural(summary['side_requests'], 'side request chain')}" if summary.get("side_requests") else ""
     failed = f", {summary['failed']} refused" if summary.get("failed") else ""
-    lines.append(f"  {summary['chains']} main chain(s){extra}{failed}; {len(breaks)} cache break(s)")
+    lines.append(f"  {plural(summary['chains'], 'main chain')}{extra}{failed}; {plural(len(breaks), 'cache break')}")
     last_fix = None
     for b in breaks:
         cause = b["cause"] + (f"/{b['subtype']}" if b.get("subtype") else "")

@@ -30,7 +30,7 @@ def test_summary_is_the_sessions_breaks_with_their_cost(tmp_path):
     assert summary["lost_tokens"] == sum(t.lost_tokens for _, t in report.breaks) > 0
     assert summary["lost_seconds"] == round(sum(t.lost_seconds for _, t in report.breaks), 2) > 0
     text = format_summary(summary)
-    assert "3 cache break(s)" in text and "system_rewrite" in text and "message 0 (system)" in text
+    assert "3 cache breaks" in text and "system_rewrite" in text and "message 0 (system)" in text
     assert f"lost: {cost_text(summary['lost_seconds'], summary['lost_tokens'])}" in text
     assert text.count("fix:") == 1  # the same advice once
 

@@ -102,7 +102,7 @@ def test_a_planted_config_cannot_send_the_harness_elsewhere(tmp_path, private_ke
     assert "it sets [run] url; [serve] upstream, host, allowed-hosts, otlp-endpoint, max-batch" in err
     assert "not applied from it: [run] url; [serve] upstream, host, allowed-hosts, otlp-endpoint:" in err
     assert f"to apply them: prefixtrace --config {repo / 'prefixtrace.toml'} <command>" in err
-    assert "1 request(s) recorded" in err  # it went to run's own proxy instead
+    assert "1 request recorded" in err  # it went to run's own proxy instead
 
 
 def test_the_user_named_config_is_applied(tmp_path, private_keys):
@@ -177,7 +177,7 @@ def test_a_proven_serve_is_reused_and_names_its_database(tmp_path, private_keys,
             stop(proc)
     assert code == 0, said
     assert any(f"using your prefixtrace at {url}" in line for line in said), said
-    assert "1 request(s) recorded in " + str(tmp_path / "serve" / "its.db") in said[-1]
+    assert "1 request recorded in " + str(tmp_path / "serve" / "its.db") in said[-1]
     assert not (tmp_path / "guess.db").exists()
     assert not list(private_keys.glob("prefixtrace/serve-*.json"))  # serve removed its key on exit
 
