@@ -140,11 +140,11 @@ def import_jsonl(
     return store_turns(db_path, read_jsonl(path, base_ts=base_ts), redact_patterns)
 
 
-def store_turns(db_path: str | Path, turns: list[Turn], redact_patterns=None) -> int:
-    """Write `turns` into the database in one transaction (redacted); how many."""
+def store_turns(db_path: str | Path, turns: list[Turn], redact_patterns=None, redactor: Redactor | None = None) -> int:
+    """Write `turns` into the database in one transaction (redacted, by `redactor` if given); how many."""
     db = open_db(db_path)
     try:
-        write_turns(db, turns, Redactor(redact_patterns))
+        write_turns(db, turns, redactor or Redactor(redact_patterns))
     finally:
         db.close()
     return len(turns)

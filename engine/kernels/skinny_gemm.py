@@ -204,33 +204,34 @@ class _Stack:
         self.parts: list[mx.array] = []
 
     def take(self, member: "SkinnyLinear", x: mx.array, flat: mx.array) -> mx.array | None:
-        if member.stack_index == 0:
-            self.source = None
-            if use_mma(self.weight.shape[0], self.weight.dtype):
-                self.parts = skinny_matmul_mma(flat, self.weight, parts=self.widths)
-                self.source = x
-                return self.parts[0]
-        elif self.source is x:
-            part = self.parts[member.stack_index]
-            if member.stack_index == len(self.widths) - 1:
-                self.source, self.parts = None, []
-            return part
-        return project(flat, member.weight)
+        def stack():
+            return skinny_matmul_mma(flat, self.weight, parts=self.widths) if use_mma(
+                self.weight.shape[0], self.weight.dtype) else None
+        return self._take(member, x, stack, lambda: project(flat, member.weight))
 
     def take_one(self, member: "SkinnyLinear", x: mx.array) -> mx.array:
         """The one-row form of `take`, through the GEMV (gemv.py): one launch for the stack."""
+        def stack():
+            return gemv.gemv(x, self.weight, parts=self.widths) if gemv.usable(
+                self.weight.shape[0], self.weight.shape[1], self.weight.dtype) else None
+        return self._take(member, x, stack, lambda: gemv.gemv(x, member.weight))
+
+    def _take(self, member: "SkinnyLinear", x: mx.array, stack, alone) -> mx.array:
+        """The stack's first member launches once for all (`stack()`: the parts, or None where the kernel
+        does not serve this shape); the others take their part while `x` is the same input; otherwise
+        `alone()`, the member's own product."""
         if member.stack_index == 0:
             self.source = None
-            if gemv.usable(self.weight.shape[0], self.weight.shape[1], self.weight.dtype):
-                self.parts = gemv.gemv(x, self.weight, parts=self.widths)
-                self.source = x
-                return self.parts[0]
+            parts = stack()
+            if parts is not None:
+                self.parts, self.source = parts, x
+                return parts[0]
         elif self.source is x:
             part = self.parts[member.stack_index]
             if member.stack_index == len(self.widths) - 1:
                 self.source, self.parts = None, []
             return part
-        return gemv.gemv(x, member.weight)
+        return alone()
 
 
 class SkinnyLinear(nn.Linear):

@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from prefixtrace.common.errors import InvalidRequest
+from recorder.jsonl import store_turns
 from recorder.redact import Redactor
-from recorder.rows import write_turns
-from recorder.schema import open_db
 
 
 class RedactOnce(Redactor):
@@ -39,12 +38,7 @@ class RedactOnce(Redactor):
 
 def store_transcript_turns(db_path: str | Path, turns: list, redact_patterns=None) -> int:
     """`store_turns` for rebuilt turns: one transaction, each shared message redacted once."""
-    db = open_db(db_path)
-    try:
-        write_turns(db, turns, RedactOnce(redact_patterns))
-    finally:
-        db.close()
-    return len(turns)
+    return store_turns(db_path, turns, redactor=RedactOnce(redact_patterns))
 
 
 def refuse_special(p: Path) -> None:
