@@ -301,7 +301,10 @@ def export_records(db: Path, out: Path) -> list[dict]:
                            "--out", str(out)], capture_output=True, text=True, env=server_env(), timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"prefixtrace export failed: {proc.stderr}")
-    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    from recorder.renderers import RECORD_KEY
+
+    lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return [r for r in lines if RECORD_KEY not in r]  # the renderer's own line (docs/FORMATS.md) is no turn
 
 
 def call_name(call: dict) -> str | None:

@@ -178,7 +178,10 @@ def session_records(db: Path, session: str, out: Path) -> list[dict]:
                            "--session", session, "--out", str(out)], capture_output=True, text=True,
                           env=hs.server_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr
-    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    from recorder.renderers import RECORD_KEY
+
+    lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return [r for r in lines if RECORD_KEY not in r]  # the renderer's own line is no turn
 
 
 @pytest.mark.parametrize("harness", list(CASES))
