@@ -26,9 +26,11 @@ from analyzer.chains import Analyzer
 from analyzer.load import load
 from analyzer.render import make_renderer
 from analyzer.server_renderer import choose_renderer
+from analyzer.trace_links import links
 from prefixtrace.common.errors import InvalidRequest
 
-FORMATS = ("mooncake", "weka")
+FORMATS = ("mooncake", "agentic-mooncake", "weka")
+AGENTIC_SCHEMA, AGENTIC_VERSION = "dynamo.agentic_mooncake", 2  # Dynamo's AGENTIC_MOONCAKE_SCHEMA, _VERSION
 DEFAULT_BLOCK = 512  # AIPerf's and Mooncake's block size
 
 
@@ -69,11 +71,14 @@ def turns(source: Any, *, block_size: int = DEFAULT_BLOCK, template=None, model=
     analyzer = Analyzer(choice.renderer, choice.tokenizer, workers=1)
     report = analyzer.run(loaded.requests, loaded.skipped)  # reads every body into the one chat shape
     session_of = {t.request_id: s.id for s in report.sessions for t in s.turns if t.prompt_tokens is not None}
+    parent_of = {s.id: s.parent for s in report.sessions}  # a side request's main chain
     ids = BlockIds(block_size)
     for req in sorted((r for r in loaded.requests if r.id in session_of), key=lambda r: r.ts):
         rendered = choice.renderer.render(req.body)
         tokens = list(choice.tokenizer(rendered.text + rendered.generation))
-        yield {"session": session_of[req.id], "ts": req.ts, "input_length": len(tokens),
+        end = req.ts + req.total_s if req.total_s is not None else None
+        yield {"id": req.id, "session": session_of[req.id], "parent_session": parent_of[session_of[req.id]],
+               "ts": req.ts, "end": end, "input_length": len(tokens),
                "output_length": _output_length(req.usage), "hash_ids": ids.of(tokens),
                "model": req.body.get("model") if isinstance(req.body.get("model"), str) else None,
                "stream": bool(req.body.get("stream"))}
@@ -81,12 +86,41 @@ def turns(source: Any, *, block_size: int = DEFAULT_BLOCK, template=None, model=
 
 def mooncake_rows(rows: list[dict]) -> Iterator[dict]:
     start = min((r["ts"] for r in rows), default=0.0)
+    linked = links(rows)
     for r in rows:
-        row = {"session_id": r["session"], "timestamp": round((r["ts"] - start) * 1000),
+        row = {"request_id": r["id"], "session_id": r["session"], "timestamp": round((r["ts"] - start) * 1000),
                "input_length": r["input_length"], "hash_ids": r["hash_ids"]}
         if r["output_length"] is not None:
             row["output_length"] = r["output_length"]
+        link = linked.get(r["id"])
+        if link is not None and link.relation == "sequence" and link.trigger == "completion":
+            row["delay"] = link.delay_ms  # the think/tool time after the session's previous request ended
         yield row
+
+
+def agentic_mooncake(rows: list[dict], block_size: int) -> Iterator[dict]:
+    """Dynamo's agentic Mooncake v2: a header, then one row per request with its typed dependencies."""
+    start = min((r["ts"] for r in rows), default=0.0)
+    linked = links(rows)
+    body = []
+    for r in rows:
+        row = {"request_id": r["id"], "play_id": r["parent_session"] or r["session"], "session_id": r["session"],
+               "model": r["model"] or "unknown", "input_length": r["input_length"],
+               "output_length": r["output_length"] or 0, "hash_ids": r["hash_ids"],
+               "not_before_ms": round((r["ts"] - start) * 1000, 3)}
+        if r["end"] is not None:
+            row["recorded_api_time_ms"] = round((r["end"] - r["ts"]) * 1000, 3)
+        if r["id"] in linked:
+            # As Dynamo's own request-trace lowering does: a dependent request starts from its parent
+            # (plus the wait), not at its recorded time, so a faster replay runs the session faster.
+            row["dependencies"] = [linked[r["id"]].to_dict()]
+            row["not_before_ms"] = 0.0
+        body.append(json.dumps(row))
+    digest = hashlib.sha256("\n".join(body).encode()).hexdigest()
+    yield {"schema": AGENTIC_SCHEMA, "version": AGENTIC_VERSION, "block_size": block_size,
+           "hash_id_scope": "local", "source": {"format": "prefixtrace", "digest": digest}}
+    for line in body:
+        yield json.loads(line)
 
 
 def weka_traces(rows: list[dict], block_size: int) -> Iterator[dict]:
@@ -109,6 +143,9 @@ def export_trace(source: str | Path, out, fmt: str, *, block_size: int = DEFAULT
     rows = list(turns(source, block_size=block_size, **render))
     if fmt == "mooncake":
         for row in mooncake_rows(rows):
+            out.write(json.dumps(row) + "\n")
+    elif fmt == "agentic-mooncake":
+        for row in agentic_mooncake(rows, block_size):
             out.write(json.dumps(row) + "\n")
     else:
         for trace in weka_traces(rows, block_size):

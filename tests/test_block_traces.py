@@ -24,7 +24,8 @@ def _rows(name: str, fmt: str = "mooncake", block_size: int = 64) -> list[dict]:
 
 def test_mooncake_rows_of_real_claude_code_traffic():
     rows = _rows("claude_tiny")
-    assert rows and all(set(r) <= {"session_id", "timestamp", "input_length", "output_length", "hash_ids"} for r in rows)
+    assert rows and all(set(r) <= {"request_id", "session_id", "timestamp", "delay", "input_length", "output_length",
+                                   "hash_ids"} for r in rows)
     assert all(len(r["hash_ids"]) == math.ceil(r["input_length"] / 64) for r in rows)
     assert [r["timestamp"] for r in rows] == sorted(r["timestamp"] for r in rows) and rows[0]["timestamp"] == 0
     # A session's next turn repeats the blocks its prompt shares with the previous one (the full ones).
