@@ -29,6 +29,7 @@ from analyzer.costing import price_breaks
 from analyzer.divergence import SegmentCounter
 from analyzer.load import Request
 from analyzer.results import SessionResult, TurnResult
+from analyzer.rule_breaks import request_facts
 from analyzer.advice import SIDE_REQUEST
 from analyzer.server_renderer import recorded_choice
 from analyzer.sessions import SessionGrouper, side_reason
@@ -260,6 +261,13 @@ class LiveSessions:
         self._seen += 1
         self._use_renderer(turn.renderer_id)
         body = turn.request_body if isinstance(turn.request_body, dict) else None
+        # What only the body as sent and its headers say (the parameters a provider keys its cache on, the
+        # Messages blocks and their breakpoints), read as `analyze` reads it, before anything else does.
+        request = Request(turn.request_id, turn.started_at, body, turn.session_id, None,
+                          turn.prompt_tokens, turn.cached_tokens, endpoint=turn.endpoint, ttft_s=turn.ttft_s,
+                          upstream=turn.upstream, total_s=turn.total_s, headers=turn.request_headers)
+        request_facts(request)
+        body = request.body if isinstance(request.body, dict) else None
         payload = self.analyzer.canon.payload(body) if body is not None else None
         roles = None
         if payload is not None:
@@ -281,8 +289,6 @@ class LiveSessions:
             title = title_of(body)
             if title:
                 session.title, session.title_from_side = self.redactor.text(title), is_side_request(body)
-        request = Request(turn.request_id, turn.started_at, body, turn.session_id, None,
-                          turn.prompt_tokens, turn.cached_tokens, ttft_s=turn.ttft_s)
         result = self._compare(session, request, payload)
         if session.parent is not None and result.note == "first":  # as `analyze` words it (analyzer/chains.py)
             result.note = (f"side request of {session.parent}: re-prefilled {result.reprefill_tokens or 0:,} tokens "
