@@ -85,16 +85,16 @@ def turns(source: Any, *, block_size: int = DEFAULT_BLOCK, template=None, model=
 
 
 def mooncake_rows(rows: list[dict]) -> Iterator[dict]:
+    """Each request self-contained: its whole prompt's blocks at its recorded time. No `session_id`:
+    AIPerf replays rows sharing one as deltas of one conversation (each prompt appended to the previous
+    ones and their live replies), which would resend every recorded prompt on top of its predecessors;
+    identical ids already make the replay's cache see the session's reuse, and its breaks too."""
     start = min((r["ts"] for r in rows), default=0.0)
-    linked = links(rows)
     for r in rows:
-        row = {"request_id": r["id"], "session_id": r["session"], "timestamp": round((r["ts"] - start) * 1000),
+        row = {"request_id": r["id"], "timestamp": round((r["ts"] - start) * 1000),
                "input_length": r["input_length"], "hash_ids": r["hash_ids"]}
         if r["output_length"] is not None:
             row["output_length"] = r["output_length"]
-        link = linked.get(r["id"])
-        if link is not None and link.relation == "sequence" and link.trigger == "completion":
-            row["delay"] = link.delay_ms  # the think/tool time after the session's previous request ended
         yield row
 
 

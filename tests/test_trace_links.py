@@ -63,18 +63,22 @@ def test_request_sent_before_its_parent_ended_waits_on_the_dispatch():
                    "d": {"request_id": "c", "trigger": "dispatch", "delay_ms": 1000.0, "relation": "sequence"}}
 
 
-def test_mooncake_rows_carry_request_id_and_the_wait_after_the_previous_turn():
-    rows = _export("claude_tiny", "mooncake")
+def test_each_turn_waits_the_recorded_gap_after_its_sessions_previous_turn():
+    rows = _export("claude_tiny", "agentic-mooncake")[1:]
     rec = _recorded("claude_tiny")
     by_session: dict[str, list[dict]] = {}
     for r in rows:
         by_session.setdefault(r["session_id"], []).append(r)
+    assert len(by_session) == 2
     for turns in by_session.values():
-        assert "delay" not in turns[0]  # a session's first request has nothing to wait for
+        assert "dependencies" not in turns[0]  # a session's first request waits for nothing
         for prev, row in zip(turns, turns[1:]):
+            [dep] = row["dependencies"]
+            assert (dep["request_id"], dep["relation"], dep["trigger"]) == (prev["request_id"], "sequence", "completion")
             wait = (rec[row["request_id"]]["start"] - rec[prev["request_id"]]["end"]) * 1000
-            assert row["delay"] == pytest.approx(wait, abs=0.01)
-    assert any(r.get("delay", 0) > 20_000 for r in rows)  # the resume, half a minute after the session paused
+            assert dep["delay_ms"] == pytest.approx(wait, abs=0.01)
+    # The resume (`claude -r`), half a minute after the conversation paused, waits on its last turn.
+    assert max(d["delay_ms"] for r in rows for d in r.get("dependencies", [])) > 20_000
 
 
 # Dynamo's agentic Mooncake v2, as ai-dynamo/dynamo declares it (lib/mocker/src/loadgen/types.rs:
