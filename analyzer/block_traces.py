@@ -1,14 +1,17 @@
 """Recorded traffic as the block-hash traces replay tools load (`prefixtrace export --format mooncake|
-weka`, docs/FORMATS.md "Block-hash traces").
+agentic-mooncake|weka`, docs/FORMATS.md "Block-hash traces").
 
 No text leaves: each request becomes its input and output lengths and one id per block of its prompt's
 tokens, rendered and tokenized as the analysis does. A block's id stands for its tokens *and every token
 before it* (a chained hash, as a paged prefix cache keys its blocks), numbered in order of first
 appearance, so identical prefixes give identical ids and a replay tool's cache sees the same reuse.
 
-- `mooncake`: Mooncake's trace rows as AIPerf's `mooncake_trace` dataset reads them (one JSON object a
-  line): `session_id`, `timestamp` (ms since the first request), `input_length`, `output_length`,
-  `hash_ids` (the last, partial block included: ceil(input_length / block_size) ids).
+- `mooncake`: Mooncake's trace rows as AIPerf's `mooncake_trace` dataset and Dynamo's `mooncake` format
+  read them (one JSON object a line), each request self-contained: `request_id`, `timestamp` (ms since
+  the first request), `input_length`, `output_length`, `hash_ids` (the last, partial block included:
+  ceil(input_length / block_size) ids).
+- `agentic-mooncake`: Dynamo's agentic Mooncake v2 (a header line, then rows with `play_id`, `session_id`,
+  `not_before_ms` and typed `dependencies`: each request's parent and wait, analyzer/trace_links.py).
 - `weka`: the Weka kv-cache-tester agentic trace AIPerf loads (its `WekaTrace`), one object per session:
   `id`, `models`, `block_size`, `hash_id_scope: "local"`, `requests` of `t` (s since the session's first
   request), `type` ("s" streamed, "n" not), `model`, `in`, `out`, `hash_ids`.
@@ -115,12 +118,11 @@ def agentic_mooncake(rows: list[dict], block_size: int) -> Iterator[dict]:
             # (plus the wait), not at its recorded time, so a faster replay runs the session faster.
             row["dependencies"] = [linked[r["id"]].to_dict()]
             row["not_before_ms"] = 0.0
-        body.append(json.dumps(row))
-    digest = hashlib.sha256("\n".join(body).encode()).hexdigest()
+        body.append(row)
+    digest = hashlib.sha256("\n".join(json.dumps(row) for row in body).encode()).hexdigest()
     yield {"schema": AGENTIC_SCHEMA, "version": AGENTIC_VERSION, "block_size": block_size,
            "hash_id_scope": "local", "source": {"format": "prefixtrace", "digest": digest}}
-    for line in body:
-        yield json.loads(line)
+    yield from body
 
 
 def weka_traces(rows: list[dict], block_size: int) -> Iterator[dict]:
