@@ -3,9 +3,9 @@
 served, and the proxy records the prefix hits the shared block ids predict.
 
 AIPerf is not a test dependency (docs/FORMATS.md "Block-hash traces": 142 packages, 1.2 GB, among them
-transformers, datasets, pandas, kubernetes and dash): the test runs the `aiperf` found in
-`PREFIXTRACE_AIPERF` or on PATH (`python -m venv V && V/bin/pip install aiperf==0.13.0`, then
-`PREFIXTRACE_AIPERF=V/bin/aiperf`) and is skipped without one."""
+transformers, datasets, pandas, kubernetes and dash): the test runs the `aiperf` named by
+`PREFIXTRACE_AIPERF` or found on PATH (`python -m venv V && V/bin/pip install aiperf==0.13.0`, then
+`PREFIXTRACE_AIPERF=V/bin/aiperf`; .ci/run does so) and is skipped without one."""
 
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,18 +112,32 @@ def test_agentic_mooncake_has_dynamos_shape(name):
     assert "README" not in json.dumps(rows)  # still no text
 
 
+REPLAY = """
+import json, sys
+from dynamo._core import run_mocker_trace_replay
+result = run_mocker_trace_replay([sys.argv[1]], trace_format="agentic_mooncake", trace_block_size=64,
+                                 report_jsonl_path=sys.argv[2], execution_model="default")
+print(json.dumps({"completed": result.summary["completed_requests"]}))
+"""
+
+
 def test_dynamo_replays_the_export_along_its_links(tmp_path):
     """The real loader and simulator (ai-dynamo-runtime 1.6.1's `run_mocker_trace_replay`, the function
-    `python -m dynamo.replay --trace-format agentic_mooncake` calls). Not a dependency of prefixtrace
-    (a 226 MB native module): run with its wheel's files on PYTHONPATH (docs/FORMATS.md)."""
-    core = pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is not installed")
+    `python -m dynamo.replay --trace-format agentic_mooncake` calls), in an interpreter of its own. Not a
+    dependency of prefixtrace: the folder `pip install --no-deps --target DIR ai-dynamo-runtime==1.6.1`
+    made, named by PREFIXTRACE_DYNAMO_RUNTIME (.ci/run makes one; docs/FORMATS.md)."""
+    runtime = os.environ.get("PREFIXTRACE_DYNAMO_RUNTIME")
+    if not runtime or not (Path(runtime) / "dynamo").is_dir():
+        pytest.skip("ai-dynamo-runtime is not installed (set PREFIXTRACE_DYNAMO_RUNTIME to its folder)")
     trace, report = tmp_path / "trace.jsonl", tmp_path / "report.jsonl"
-    trace.write_text("\n".join(json.dumps(r) for r in _export("qwen_tiny", "agentic-mooncake")) + "\n")
-    result = core.run_mocker_trace_replay([str(trace)], trace_format="agentic_mooncake", trace_block_size=64,
-                                          report_jsonl_path=str(report), execution_model="default")
-    assert result.summary["completed_requests"] == 4
+    rows = _export("qwen_tiny", "agentic-mooncake")
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = subprocess.run([sys.executable, "-c", REPLAY, str(trace), str(report)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": runtime})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.splitlines()[-1])["completed"] == 4
     done = {r["request_id"]: r for r in map(json.loads, report.read_text().splitlines())}
-    for row in _export("qwen_tiny", "agentic-mooncake")[1:]:
+    for row in rows[1:]:
         for dep in row.get("dependencies", []):
             parent = done[dep["request_id"]]
             base = parent["terminal_time_ms"] if dep["trigger"] == "completion" else parent["dispatched_at_ms"]
