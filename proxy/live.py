@@ -29,7 +29,7 @@ from analyzer.costing import price_breaks
 from analyzer.divergence import SegmentCounter
 from analyzer.load import Request
 from analyzer.results import SessionResult, TurnResult
-from analyzer.rule_breaks import request_facts
+from analyzer.rule_breaks import RuleBreaks, request_facts
 from analyzer.advice import SIDE_REQUEST
 from analyzer.server_renderer import recorded_choice
 from analyzer.sessions import SessionGrouper, side_reason
@@ -74,6 +74,7 @@ class LiveSession:
     inferred: bool
     turns: list[LiveTurn] = field(default_factory=list)
     last: tuple[Request, Payload] | None = None
+    rules: RuleBreaks | None = None  # the session's cache writes, kept across its pairs of turns (lookback)
     updated_at: float = 0.0
     client: str | None = None  # the harness, from its User-Agent (analyzer/clients.py)
     title: str | None = None  # its first user message, trimmed and redacted
@@ -255,7 +256,7 @@ class LiveSessions:
         self.analyzer.exact_counts = choice.exact
         self.renderer_note = choice.note
         for s in self.sessions.values():  # payloads came from the old analyzer's canonicaliser
-            s.last = None
+            s.last, s.rules = None, None
 
     def _add(self, turn: Turn) -> None:
         self._seen += 1
@@ -321,11 +322,12 @@ class LiveSessions:
                     r.lost_seconds, r.lost_seconds_basis, r.lost_tokens
 
     def _compare(self, session: LiveSession, request: Request, payload: Payload | None) -> TurnResult:
+        session.rules = session.rules or RuleBreaks(self.analyzer.tokenizer)
         if payload is None or session.last is None:
-            result = self.analyzer.walk([request], [payload])[0]
+            result = self.analyzer.walk([request], [payload], session.rules)[0]
         else:
             prev_request, prev_payload = session.last
-            result = self.analyzer.walk([prev_request, request], [prev_payload, payload])[1]
+            result = self.analyzer.walk([prev_request, request], [prev_payload, payload], session.rules)[1]
         result.index = len(session.turns)
         return result
 

@@ -66,8 +66,21 @@ def _lookback_session() -> list[dict]:
             for messages in ([opening], second)]
 
 
+def _lookback_after_a_turn_without_breakpoint() -> list[dict]:
+    """The newest write is two requests back: the middle request marks no block (the session's write
+    stays where the first left it, after block 3), the third's breakpoint is 27 blocks past it."""
+    first, batch = _lookback_session()
+    asked = [{"role": "user", "content": [_text("Read every module under src/")]},
+             {"role": "assistant", "content": [_text("All of them?")]},
+             {"role": "user", "content": [_text("Yes, all.")]}]
+    middle = {**first, "messages": asked}
+    last = {**first, "messages": [*asked, *batch["messages"][1:]]}
+    return [first, middle, last]
+
+
 def _drive(url: str) -> dict[str, dict]:
-    for session, bodies in (("thinking-1", _thinking_session()), ("lookback-1", _lookback_session())):
+    for session, bodies in (("thinking-1", _thinking_session()), ("lookback-1", _lookback_session()),
+                            ("lookback-2", _lookback_after_a_turn_without_breakpoint())):
         for body in bodies:
             r = httpx.post(url + "/v1/messages", json=body, headers={"X-Claude-Code-Session-Id": session, "User-Agent": CLAUDE_CODE},
                            timeout=30)
@@ -87,6 +100,9 @@ def test_live_analysis_names_param_change_and_lookback(recorder):
     brk = sessions["lookback-1"]["turns"][1]["analysis"]["break"]
     assert brk["cause"] == "lookback" and "25 blocks later" in brk["after"], brk
     assert "Anthropic looks back only 20" in brk["suggestion"]
+    # The write two requests back still counts, as `analyze` keeps it (the session's writes, not the pair's).
+    turns = sessions["lookback-2"]["turns"]
+    assert turns[2]["analysis"]["break"]["cause"] == "lookback", turns[2]["analysis"]
 
 
 @pytest.mark.slow
