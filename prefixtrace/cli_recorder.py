@@ -34,8 +34,9 @@ DB = click.argument("db", type=click.Path(exists=True, dir_okay=False, path_type
 def export(db, fmt, session, block_size, out, as_json):
     """Export recorded turns as JSONL (one wrapped record per line) or HAR 1.2, or
     as block-hash traces for replay tools (mooncake, agentic-mooncake, weka:
-    lengths and one id per block of prompt tokens, each request's parent and
-    wait, no text; docs/FORMATS.md "Block-hash traces").
+    lengths and one id per block of prompt tokens, no text; agentic-mooncake,
+    Dynamo's, also each request's parent and wait; docs/FORMATS.md
+    "Block-hash traces").
 
     Request bodies are written byte for byte as they were stored; see
     docs/FORMATS.md. A file given with --out appears only once complete.
