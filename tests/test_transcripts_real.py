@@ -233,3 +233,30 @@ def test_a_resumed_claude_code_session_repeating_another_files_calls_counts_each
                               f"every call of session {found[0].session_id} is also in a.jsonl")]
     assert found.poorly_rebuilt() == []
     assert check([turn for t in found for turn in t.turns]).ok
+
+
+# --- opencode JSON storage, written here by opencode 1.1.65 (the last minor before opencode.db) ----
+
+OPENCODE_JSON = REAL / "opencode" / "real" / "json-storage-1.1.65"
+
+
+def test_opencode_json_storage_written_by_opencode_rebuilds_the_requests_it_sent():
+    """Two `opencode run` calls (the second `-c`) against a prefixtrace serve, which recorded what
+    opencode sent: the storage's rebuild is those requests, less the system prompt the notes name."""
+    turns, [t] = transcript_turns(OPENCODE_JSON / "storage")
+    assert t.version == "JSON storage (opencode 1.1.65)"
+    recorded = [json.loads(line) for line in (OPENCODE_JSON / "recording.jsonl").read_text().splitlines()]
+    loop = [r for r in recorded if r["request"].get("tools")]  # the rest are title requests (noted)
+    assert len(turns) == len(loop) == 3 and len(recorded) == 6
+    for turn, rec in zip(turns, loop, strict=True):
+        assert turn.request_body["messages"] == [m for m in rec["request"]["messages"] if m["role"] != "system"]
+        assert turn.response_text == rec["response"]["text"]
+        assert (turn.prompt_tokens, turn.cached_tokens) == (rec["tokens"]["prompt"], rec["tokens"]["cached"])
+    # the `-c` run continued the same session: one session, append-only, no break
+    assert causes(analyze(turns)) == []
+
+
+def test_opencode_json_storage_imports_from_the_data_directory(tmp_path):
+    r = cli("import", str(OPENCODE_JSON), "--db", str(tmp_path / "x.db"))
+    assert r.returncode == 0, r.stderr
+    assert "JSON storage (opencode 1.1.65)): 3 of 3 call(s) rebuilt" in r.stdout
