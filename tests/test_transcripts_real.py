@@ -14,6 +14,7 @@ import pytest
 
 from analyzer import analyze, check
 from recorder.transcripts import read_transcripts, transcript_turns
+from recorder.transcripts.common import parse_time
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = ROOT / "fixtures" / "transcripts"
@@ -70,6 +71,30 @@ def test_check_allow_compaction_passes_a_pi_session_whose_only_client_breaks_are
     path = REAL / "pi" / "real" / "before-compaction.jsonl"
     assert check(path, allow="compaction").ok
     assert not check(path).ok
+
+
+def test_pi_session_with_two_entries_glued_on_one_line_reads_both():
+    """pi appended an entry to a line that had lost its newline (line 440 of this real file): both
+    entries were in the session pi sent, so both are read, and the notes say so."""
+    path = REAL / "pi" / "real" / "session-glued-line.jsonl"
+    [t] = read_transcripts(path)
+    assert t.version == "session format v1" and t.calls == len(t.turns) == 212
+    assert any("1 line(s) held two entries" in n for n in t.notes)
+    # the user's "ok" glued after an assistant reply is in the next call's history
+    after = [turn for turn in t.turns if turn.started_at > parse_time("2025-12-17T21:20:35Z")][0]
+    assert any(m["role"] == "user" and json.dumps(m["content"]) in ('"ok"', '[{"type": "text", "text": "ok"}]')
+               for m in history(after))
+    # every break the analyzer finds is one the provider's usage shows: 4 full misses
+    assert causes(analyze(path)) == ["server_miss"] * 4
+
+
+def test_pi_session_with_a_compaction_and_misses_names_each_as_the_usage_shows():
+    path = REAL / "pi" / "real" / "compact.jsonl"
+    [t] = read_transcripts(path)
+    assert t.version == "session format v1" and t.calls == len(t.turns) == 348
+    assert len(t.compacted) == 1
+    found = causes(analyze(path))
+    assert sorted(found) == ["compaction"] + ["server_miss"] * 10
 
 
 def test_pi_session_format_newer_than_any_shipped_is_refused_in_one_line_naming_it(tmp_path):
