@@ -285,3 +285,15 @@ def test_opencode_json_storage_imports_from_the_data_directory(tmp_path):
     r = cli("import", str(OPENCODE_JSON), "--db", str(tmp_path / "x.db"))
     assert r.returncode == 0, r.stderr
     assert "JSON storage (opencode 1.1.65)): 3 of 3 call(s) rebuilt" in r.stdout
+
+
+# --- Codex local compaction, written here by codex-cli 0.171.0 --------------------------------------
+
+def test_codex_rollout_with_local_compactions_names_each_compaction_and_passes_check_allow_compaction():
+    path = next((REAL / "codex" / "real").glob("rollout-2026-12-05T03-17-27-*.jsonl"))
+    [t] = read_transcripts(path)
+    assert t.version == "rollout of codex_exec 0.171.0" and t.calls == len(t.turns) == 7
+    assert sorted(t.compacted) == [3, 5, 7]  # the call after each of the 3 `compacted` lines
+    assert all(history(turn) for turn in t.turns)
+    assert causes(analyze(path)) == ["compaction"] * 3
+    assert check(path, allow="compaction").ok and not check(path).ok
