@@ -289,11 +289,22 @@ def test_opencode_json_storage_imports_from_the_data_directory(tmp_path):
 
 # --- Codex local compaction, written here by codex-cli 0.171.0 --------------------------------------
 
-def test_codex_rollout_with_local_compactions_names_each_compaction_and_passes_check_allow_compaction():
-    path = next((REAL / "codex" / "real").glob("rollout-2026-12-05T03-17-27-*.jsonl"))
+def test_codex_rollout_with_local_compactions_rebuilds_the_loop_and_leaves_the_summary_calls_out():
+    """Codex wrote each summarisation call (reply + usage) before its `compacted` line: those 3 calls
+    are left out (their prompt is Codex's own), and the 4 calls of the loop are exactly what the proxy
+    recorded of the same run, less the base-instructions message the notes name."""
+    real = REAL / "codex" / "real"
+    path = next(real.glob("rollout-2026-12-05T03-17-27-*.jsonl"))
     [t] = read_transcripts(path)
-    assert t.version == "rollout of codex_exec 0.171.0" and t.calls == len(t.turns) == 7
-    assert sorted(t.compacted) == [3, 5, 7]  # the call after each of the 3 `compacted` lines
-    assert all(history(turn) for turn in t.turns)
-    assert causes(analyze(path)) == ["compaction"] * 3
+    assert t.version == "rollout of codex_exec 0.171.0" and t.calls == 7 and len(t.turns) == 4
+    assert "3 compaction request(s) left out: Codex's summarisation prompt is not in the file" in t.notes
+    assert sorted(t.compacted) == [2, 3, 4]  # each call after a `compacted` line
+    recorded = [json.loads(line) for line in (real / "recording-local-compaction.jsonl").read_text().splitlines()]
+    loop = [r for r in recorded if r["request"].get("tools")]  # the rest are the summarisation calls
+    for turn, rec in zip(t.turns, loop, strict=True):
+        sent = [{k: v for k, v in i.items() if k != "internal_chat_message_metadata_passthrough"}
+                for i in rec["request"]["input"][1:]]
+        assert turn.request_body["input"] == sent
+        assert (turn.prompt_tokens, turn.cached_tokens) == (rec["tokens"]["prompt"], rec["tokens"]["cached"])
+    assert causes(analyze(path)) == ["compaction"]  # the later two kept the compacted prefix
     assert check(path, allow="compaction").ok and not check(path).ok

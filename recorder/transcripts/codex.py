@@ -81,6 +81,14 @@ def _effort(turn_context: dict) -> str | None:
     return effort if isinstance(effort, str) else None
 
 
+def _is_summary_call(t: Transcript, compacted: dict) -> bool:
+    """Whether the last call read is the one whose reply a local compaction's `message` quotes (Codex
+    writes the summary's reply and usage, then the `compacted` line holding it)."""
+    message, last = compacted.get("message"), t.turns[-1] if t.turns else None
+    return isinstance(message, str) and last is not None and bool(last.response_text.strip()) \
+        and last.response_text.strip() in message
+
+
 def read(path: Path) -> list[Transcript]:
     lines = read_jsonl_lines(path)
     legacy = _legacy([o for _, o in lines[:2]])
@@ -107,6 +115,7 @@ def read(path: Path) -> list[Transcript]:
     sent: float | None = None  # when the current call's input was complete
     input_ts: float | None = None  # time of the last input item written
     usage: dict | None = None
+    summaries = 0
 
     def emit() -> None:
         nonlocal out, usage
@@ -142,6 +151,12 @@ def read(path: Path) -> list[Transcript]:
             effort = _effort(payload)
         elif kind == "compacted":
             emit()
+            if _is_summary_call(t, payload):
+                # a local compaction: the call just read was the summarisation request (its last input
+                # item is Codex's own compaction prompt, not in the file); not a call of the loop
+                t.turns.pop()
+                t.calls += 1
+                summaries += 1
             t.note("compacted: Codex replaced the history with a summary; items after it rebuilt from there")
             t.mark_compacted()
             replacement = payload.get("replacement_history")
@@ -164,4 +179,6 @@ def read(path: Path) -> list[Transcript]:
                 input_ts = ts if ts is not None else input_ts
             items.append(_as_sent(payload))
     emit()
+    if summaries:
+        t.note(f"{summaries} compaction request(s) left out: Codex's summarisation prompt is not in the file")
     return [t.finish()] if t.turns else []
