@@ -92,6 +92,13 @@ class EngineMessages:
     def streams_events(self) -> bool:
         return self.req.stream
 
+    url = None  # served here, by no upstream
+    on_final = None  # the engine's turn is complete at its end marker
+
+    @property
+    def stage(self) -> str | None:
+        return self.chat.stage  # the engine's stage of the chat this adapter wraps
+
     def cancel(self) -> None:
         self.chat.cancel()
 
@@ -108,7 +115,7 @@ class EngineMessages:
         stop string; the output tokens tell which stop string it was (the emitted text never
         contains one, so the first one in the decoded output is the one that matched)."""
         stops = self.req.sampling.stop
-        seq = getattr(self.chat, "seq", None)
+        seq = self.chat.seq
         if finish_reason == "stop" and stops and self.tokenizer is not None and seq is not None:
             text = self.tokenizer.decode(list(seq.output_ids))
             hits = [(text.find(s), k) for k, s in enumerate(stops) if s in text]
@@ -328,6 +335,9 @@ class TokenCount:
 
     status = 200
     streams_events = False
+    url = None
+    on_final = None
+    stage = None  # counted at once: no stage a client could leave in
 
     def __init__(self, count: int):
         self.count = count
