@@ -129,14 +129,14 @@ def import_(file, db, as_json):
         summary = {"imported": count, "file": str(file), "db": str(db)}
         if transcripts:  # what each rebuilt session lacks (JSONL and HAR imports print as before)
             summary["sessions"] = [{"harness": t.harness, "version": t.version, "session": t.session_id,
-                                    "source": t.source, "calls": t.calls, "turns": len(t.turns),
+                                    "source": t.source, "calls": t.calls, "turns": t.rebuilt_count,
                                     "not_rebuilt": t.notes} for t in transcripts]
             summary["skipped"] = [{"file": f, "why": why} for f, why in skipped]
         echo_json(summary)
     else:
         for t in transcripts:
             echo(one_line(f"{t.harness} session {t.session_id} ({t.version or 'version not written'}): "
-                          f"{len(t.turns)} of {t.calls} call(s) rebuilt from {t.source}"))
+                          f"{t.rebuilt_count} of {t.calls} call(s) rebuilt from {t.source}"))
             for note in t.notes:
                 echo(one_line(f"  not rebuilt: {note}"))
         for f, why in skipped:
@@ -144,7 +144,7 @@ def import_(file, db, as_json):
         click.echo(f"imported {plural(count, 'turn')} into {db}")
     if poor:
         raise click.ClickException("; ".join(visible(one_line(
-            f"{t.source} ({t.harness} {t.version}) rebuilt {len(t.turns)} of its {t.calls} call(s): fewer than half, "
+            f"{t.source} ({t.harness} {t.version}) rebuilt {t.rebuilt_count} of its {t.calls} call(s): fewer than half, "
             "so an analysis of it would answer for calls it does not have")) for t in poor))
 
 

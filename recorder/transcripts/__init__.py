@@ -92,7 +92,7 @@ class Transcripts(list):
     def poorly_rebuilt(self) -> list[Transcript]:
         """Sessions that rebuilt fewer than half of the calls their file holds: an analysis of them
         would answer for calls it does not have."""
-        return [t for t in self if t.calls and len(t.turns) * 2 < t.calls]
+        return [t for t in self if t.calls and t.rebuilt_count * 2 < t.calls]
 
 
 def _special(p: Path) -> str | None:

@@ -91,8 +91,10 @@ def read(path: Path) -> list[Transcript]:
     t, turns = stream(path, JsonLines(path))
     t.turns = list(turns)
     t.end_stream()
-    for turn in t.turns:  # notes written after a turn was rebuilt (a compaction) travel on every turn
+    for n, turn in enumerate(t.turns, start=1):  # notes written after a turn was rebuilt travel on every turn
         turn.render["transcript"]["not_rebuilt"] = list(t.notes)
+        if turn.render["transcript"].get("compacted"):
+            t.compacted.add(n)
     return [t] if t.turns else []
 
 
