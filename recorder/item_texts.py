@@ -21,7 +21,7 @@ SEP = ", "  # json.dumps's item separator (and its key separator is ": ")
 # Past this many characters of remembered item texts, the memo keeps only the current body's items: a
 # streamed import of a multi-GB rollout (recorder/transcripts/streamed.py) must not hold every item
 # it ever saw. Only a cost: an item met again after that is redacted and serialised again.
-SEEN_CHARS_LIMIT = 64 << 20
+SEEN_CHARS_LIMIT = 16 << 20
 
 
 def _dumps(value: Any) -> str:

@@ -28,6 +28,9 @@ class RedactOnce(Redactor):
         self._done: dict[int, tuple[Any, Any]] = {}
         self.limit = limit
 
+    def forget(self) -> None:
+        self._done.clear()
+
     def value(self, value: Any, skip: frozenset = frozenset()) -> Any:
         if skip or not isinstance(value, dict):
             return super().value(value, skip)

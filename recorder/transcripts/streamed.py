@@ -35,6 +35,7 @@ from recorder.turn import Turn
 
 BATCH_TURNS = 64
 BATCH_BYTES = 32 << 20  # of file read: a batch of few calls with huge outputs is still written soon
+BODY_CACHE_ENTRIES = 50_000  # per body-id cache: a miss costs one indexed lookup, a hit saves it
 STREAMED = {codex.HARNESS: codex.stream}  # harnesses whose reader yields turns as it reads
 
 
@@ -82,11 +83,13 @@ class BatchWriter:
         self.redactor = RedactOnce(redact_patterns)
         self.shared = SharedItemTexts(self.redactor)
         self.bodies = BodyStore(self.db)
+        self.bodies.cache_limit = BODY_CACHE_ENTRIES
         self.written = 0
 
     def write(self, turns: list[Turn], before: Callable[[], None] | None = None) -> None:
         """One transaction: `before` (e.g. forgetting older ids), then the turns."""
         rows = [redacted_row(t, self.redactor, self.shared) for t in turns]
+        self.redactor.forget()  # the batch's objects: later calls' shared items are the item-text memo's
         with self.db.atomic():
             if before is not None:
                 before()
