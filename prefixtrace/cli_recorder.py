@@ -114,15 +114,29 @@ def import_(file, db, as_json):
     rebuilt; a call whose history is not in the file is left out, and a file
     that rebuilt fewer than half its calls makes import exit 1 (after storing
     what it rebuilt). A directory's other files are listed as skipped, with
-    why. All or nothing per file: a malformed line or entry is reported with
-    its number and nothing of that file is written.
+    why. A JSONL or HAR file, or a directory, is all or nothing: a malformed
+    line or entry is reported with its number and nothing of it is written.
+
+    One session file is read as a stream and written in batches: memory stays
+    bounded however large the file (a Codex rollout of GBs), a progress line
+    shows on a terminal, and a bad line, Ctrl-C or SIGTERM stops it keeping
+    what it wrote, saying where; importing the same file again redoes it
+    without duplicating a turn (docs/FORMATS.md "Streamed import").
 
     Example: prefixtrace import ~/.claude/projects --db prefixtrace.db
     """
+    from prefixtrace.cli_import_progress import import_progress, sigterm_as_interrupt
     from recorder.sources import import_path
+    from recorder.transcripts.streamed import ImportStopped
 
-    with progress(f"importing {file.name}"):
-        count, transcripts = import_path(file, db)
+    try:
+        with sigterm_as_interrupt(), import_progress(file.name) as on_progress:
+            count, transcripts = import_path(file, db, on_progress=on_progress)
+    except ImportStopped as exc:
+        if not exc.interrupted:
+            raise
+        click.echo(f"Error: {visible(exc.message)}", err=True)
+        raise SystemExit(130) from exc  # as a shell reports a command stopped by a signal
     skipped = getattr(transcripts, "skipped", [])
     poor = transcripts.poorly_rebuilt() if transcripts else []
     if as_json:
