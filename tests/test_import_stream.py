@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import pty
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -88,10 +89,29 @@ def test_a_rollout_cut_off_mid_line_keeps_the_batches_written_and_a_rerun_comple
     assert len(stored_ids(db)) == count
 
 
+def test_a_cut_off_rollout_in_a_directory_is_named_with_what_it_kept(tmp_path):
+    full = long_rollout(tmp_path, 1.5)
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
+    data = full.read_bytes()
+    (sessions / full.name).write_bytes(data[: len(data) // 2] + b"\x00\xff")
+    shutil.copy(CLAUDE, sessions / CLAUDE.name)
+    db = tmp_path / "t.db"
+    count, found = import_path(sessions, db)
+    [(name, why)] = found.skipped
+    assert name == str(sessions / full.name) and "not UTF-8 text" in why and "turn(s) of session" in why
+    kept = int(why.split("; ")[-2].split(" turn(s)")[0])
+    assert kept > 0 and len(stored_ids(db)) == count == kept + len(read_transcripts(CLAUDE)[0].turns)
+
+
+@pytest.mark.parametrize("as_dir", [False, True], ids=["file", "directory"])
 @pytest.mark.parametrize("fixture", [ROLLOUT, CLAUDE], ids=["codex", "claude-code"])
-def test_reimport_over_an_older_prefixtraces_ids_does_not_duplicate(fixture, tmp_path):
+def test_reimport_over_an_older_prefixtraces_ids_does_not_duplicate(fixture, as_dir, tmp_path):
     """Before ids named the file, a turn's id was the session's hash and the call number: a
     database written then is rebuilt here the way that code stored it."""
+    if as_dir:
+        (tmp_path / "sessions").mkdir()
+        fixture = Path(shutil.copy(fixture, tmp_path / "sessions" / fixture.name))
     [t] = read_transcripts(fixture)
     digest = hashlib.sha256(f"{t.harness}\0{t.session_id}".encode()).hexdigest()[:12]
     older = [turn for turn in t.turns]
@@ -103,11 +123,11 @@ def test_reimport_over_an_older_prefixtraces_ids_does_not_duplicate(fixture, tmp
     other.request_id = f"transcript-{t.harness}-{digest}-9999"
     other.render["transcript"]["file"] = "another-file.jsonl"
     store_turns(db, [other])
-    count, _ = import_path(fixture, db)
+    count, _ = import_path(fixture.parent if as_dir else fixture, db)
     ids = stored_ids(db)
     assert len(ids) == count + 1 == len(t.turns) + 1
     assert [i for i in ids if digest in i] == [other.request_id]
-    import_path(fixture, db)
+    import_path(fixture.parent if as_dir else fixture, db)
     assert len(stored_ids(db)) == count + 1
 
 

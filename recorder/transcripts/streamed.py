@@ -27,7 +27,7 @@ from prefixtrace.common.errors import InvalidRequest, PrefixtraceError
 from recorder.item_texts import SharedItemTexts
 from recorder.rows import BodyStore, redacted_row, write_rows
 from recorder.schema import open_db
-from recorder.transcripts import HARNESSES, codex
+from recorder.transcripts import HARNESSES, Transcripts, codex, read_transcripts
 from recorder.transcripts.common import Transcript
 from recorder.transcripts.lines import JsonLines
 from recorder.transcripts.store import RedactOnce
@@ -125,6 +125,58 @@ def import_transcript_file(path: Path, harness: str, db_path: str | Path, *, red
         return writer.written, transcripts
     finally:
         writer.close()
+
+
+def import_read(transcripts: Transcripts, db_path: str | Path, *, redact_patterns=None) -> int:
+    """Sessions already read whole (opencode's database) written session by session, in batches."""
+    writer = BatchWriter(db_path, redact_patterns)
+    try:
+        for t in transcripts:
+            _write_batches(writer, t, iter(t.turns), lambda: 0, lambda: None, None, 0)
+    finally:
+        writer.close()
+    return writer.written
+
+
+def import_directory(path: Path, db_path: str | Path, *, redact_patterns=None,
+                     on_progress: Callable[[Progress], None] | None = None) -> tuple[int, Transcripts]:
+    """Every session under the directory `path`: those read whole written in batches, then each
+    streamed harness's file streamed. A file that stops partway (a bad line) keeps what it wrote and
+    is listed in `skipped` with where it stopped; an interrupt stops the whole import."""
+    found = read_transcripts(path, defer=frozenset(STREAMED))
+    writer = BatchWriter(db_path, redact_patterns)
+    total = sum(f.stat().st_size for f, _ in found.deferred)
+    done = 0
+
+    def moved(p: Progress) -> None:
+        if on_progress is not None:
+            on_progress(Progress(done + p.read_bytes, total, p.turns))
+
+    try:
+        for t in found:
+            _write_batches(writer, t, iter(t.turns), lambda: done, lambda: None, moved, total)
+        for f, harness in found.deferred:
+            lines = JsonLines(f)
+            try:
+                t, turns = STREAMED[harness](f, lines)
+                _write_stream(writer, t, turns, lines, moved)
+            except ImportStopped as exc:
+                if exc.interrupted:
+                    raise
+                found.skipped.append((str(f), exc.message))
+            except InvalidRequest as exc:  # before its first turn: nothing of it written
+                found.skipped.append((str(f), exc.message))
+            else:
+                if t.rebuilt_count:
+                    found.append(t)
+            done += lines.size
+    finally:
+        writer.close()
+    if not found:
+        why = f"; passed over {len(found.skipped)} file(s), e.g. {found.skipped[0][0]}: {found.skipped[0][1]}" \
+            if found.skipped else ""
+        raise InvalidRequest(f"no Claude Code, Codex, pi or opencode session with a model call found under {path}{why}")
+    return writer.written, found
 
 
 def _write_stream(writer: BatchWriter, t: Transcript, turns: Iterator[Turn], lines: JsonLines,
