@@ -116,24 +116,36 @@ def write_long_rollout(path: Path, megabytes: float) -> None:
                 history = 0
 
 
-def measure_child(megabytes: float, tmp: Path) -> dict:
-    """Writes a rollout of `megabytes`, imports it with `prefixtrace import` in a child process."""
-    src, db = tmp / f"rollout-{megabytes:g}mb.jsonl", tmp / f"rollout-{megabytes:g}mb.db"
-    write_long_rollout(src, megabytes)
+def import_in_child(src: Path, db: Path, repo: Path) -> dict:
+    """`prefixtrace import` of `src` run from the checkout `repo`: seconds, its peak RSS (wait4), db size."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "prefixtrace.cli", "import", str(src), "--db", str(db), "--json"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = proc.stdout.read(), proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - start
-    if status != 0:
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:  # files: wait4 must reap the child
+        proc = subprocess.Popen([sys.executable, "-m", "prefixtrace.cli", "import", str(src), "--db", str(db),
+                                 "--json"], cwd=repo, env=env, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        seconds = time.perf_counter() - start
+        out.seek(0), err.seek(0)
+        out, err = out.read(), err.read()
+    if proc.returncode:
         raise SystemExit(f"import of {src} failed: {err.decode()[-500:]}")
-    size = sum(p.stat().st_size for p in tmp.glob(f"{db.name}*"))
-    result = {"rollout_mb": round(src.stat().st_size / 1e6, 1), "turns": json.loads(out)["imported"],
-              "import_s": round(seconds, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
-              "db_mb": round(size / 1e6, 1), "db_to_rollout": round(size / src.stat().st_size, 2)}
-    for p in [src, *tmp.glob(f"{db.name}*")]:
+    size = sum(p.stat().st_size for p in db.parent.glob(f"{db.name}*"))
+    for p in db.parent.glob(f"{db.name}*"):
         p.unlink()
+    return {"turns": json.loads(out)["imported"], "import_s": round(seconds, 1),
+            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+            "db_to_rollout": round(size / src.stat().st_size, 2)}
+
+
+def measure_child(megabytes: float, tmp: Path, baseline: Path | None = None) -> dict:
+    """Writes a rollout of `megabytes`, imports it in a child (and with the `baseline` checkout)."""
+    src = tmp / f"rollout-{megabytes:g}mb.jsonl"
+    write_long_rollout(src, megabytes)
+    result = {"rollout_mb": round(src.stat().st_size / 1e6, 1), **import_in_child(src, tmp / "this.db", ROOT)}
+    if baseline is not None:
+        result["baseline"] = import_in_child(src, tmp / "baseline.db", baseline)
+    src.unlink()
     return result
 
 
@@ -144,12 +156,14 @@ def main() -> None:
     ap.add_argument("--sizes", help="comma-separated rollout sizes in MB (e.g. 50,500,2000): long-session "
                                     "rollouts imported in a child, with peak RSS")
     ap.add_argument("--tmp", help="directory for the rollouts and databases (default: the system's)")
+    ap.add_argument("--baseline", type=Path, help="with --sizes, also import each rollout with this checkout "
+                                                   "(e.g. the main branch's), side by side")
     args = ap.parse_args()
     if args.sizes:
         results = []
         with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
             for mb in (float(x) for x in args.sizes.split(",")):
-                results.append(measure_child(mb, Path(tmp)))
+                results.append(measure_child(mb, Path(tmp), args.baseline))
                 print(json.dumps(results[-1]), flush=True)
         print(json.dumps({"peak_rss_largest_to_smallest": round(results[-1]["peak_rss_mb"] / results[0]["peak_rss_mb"], 2),
                           "rollout_largest_to_smallest": round(results[-1]["rollout_mb"] / results[0]["rollout_mb"], 1)}))
