@@ -96,13 +96,15 @@ class BatchWriter:
             write_rows(self.db, rows, self.bodies)
         self.written += len(turns)
 
-    def restamp_notes(self, t: Transcript, ids: Iterable[str]) -> None:
-        """The session's final notes on turns written before the last note was known."""
-        notes = json.dumps(t.notes, ensure_ascii=False)
+    def restamp_notes(self, t: Transcript, first_id: str) -> None:
+        """The session's final notes on its turns written before the last note was known: every id
+        of this session and file (today's form: `first_id` less its call number), by key range."""
+        prefix = first_id.rsplit("-", 1)[0] + "-"
         with self.db.atomic():
-            self.db.conn.executemany(
+            self.db.execute(
                 "UPDATE turn_log SET render = json_set(render, '$.transcript.not_rebuilt', json(?)) "
-                "WHERE request_id = ?", [(notes, i) for i in ids])
+                "WHERE request_id >= ? AND request_id < ?",
+                [json.dumps(t.notes, ensure_ascii=False), prefix, prefix[:-1] + chr(ord("-") + 1)])
 
     def close(self) -> None:
         self.db.close()
@@ -181,25 +183,29 @@ def import_directory(path: Path, db_path: str | Path, *, redact_patterns=None,
 
 def _write_stream(writer: BatchWriter, t: Transcript, turns: Iterator[Turn], lines: JsonLines,
                   on_progress: Callable[[Progress], None] | None) -> None:
-    ids = _write_batches(writer, t, turns, lambda: lines.position, lambda: lines.lineno, on_progress, lines.size)
+    stamped = list(t.notes)
+    first = _write_batches(writer, t, turns, lambda: lines.position, lambda: lines.lineno, on_progress, lines.size)
     t.end_stream()
-    if ids:
-        writer.restamp_notes(t, ids)
+    if first is not None and t.notes != stamped:
+        writer.restamp_notes(t, first)
 
 
 def _write_batches(writer: BatchWriter, t: Transcript, turns: Iterator[Turn], position: Callable[[], int],
-                   lineno: Callable[[], int | None], on_progress, total: int) -> list[str]:
-    """Writes `turns` in batches; a stop (bad line, interrupt) raises ImportStopped saying what was kept."""
-    ids: list[str] = []
+                   lineno: Callable[[], int | None], on_progress, total: int) -> str | None:
+    """Writes `turns` in batches; returns the first turn's id (None: none). A stop (bad line,
+    interrupt) raises ImportStopped saying what was kept."""
+    kept = 0
+    first_id: str | None = None
     batch: list[Turn] = []
     first = True
     mark = 0
 
     def flush() -> None:
-        nonlocal batch, first, mark
+        nonlocal batch, first, mark, kept, first_id
         if batch or first:
             writer.write(batch, (lambda: forget_older_ids(writer.db, t)) if first else None)
-            ids.extend(turn.request_id for turn in batch)
+            kept += len(batch)
+            first_id = first_id or (batch[0].request_id if batch else None)
             batch, first, mark = [], False, position()
         if on_progress is not None:
             on_progress(Progress(position(), total, writer.written))
@@ -211,14 +217,14 @@ def _write_batches(writer: BatchWriter, t: Transcript, turns: Iterator[Turn], po
                 flush()
         flush()
     except InvalidRequest as exc:
-        raise ImportStopped(f"{exc.message}; {_kept(writer, t, ids)}") from exc
+        raise ImportStopped(f"{exc.message}; {_kept(t, kept)}") from exc
     except KeyboardInterrupt as exc:
         where = f"line {lineno()}, " if lineno() else ""
         raise ImportStopped(f"import of {t.source} interrupted at {where}{position() / 1e6:,.1f} of "
-                            f"{total / 1e6:,.1f} MB read; {_kept(writer, t, ids)}", interrupted=True) from exc
-    return ids
+                            f"{total / 1e6:,.1f} MB read; {_kept(t, kept)}", interrupted=True) from exc
+    return first_id
 
 
-def _kept(writer: BatchWriter, t: Transcript, ids: list[str]) -> str:
-    return (f"{len(ids)} turn(s) of session {t.session_id} written before it are kept; running the same "
+def _kept(t: Transcript, kept: int) -> str:
+    return (f"{kept} turn(s) of session {t.session_id} written before it are kept; running the same "
             "import again redoes the file safely (its turns are replaced, never duplicated)")
