@@ -83,7 +83,7 @@ def test_a_rollout_cut_off_mid_line_keeps_the_batches_written_and_a_rerun_comple
     assert kept and kept % BATCH_TURNS == 0
     lines = data[: int(len(data) * 0.8)].count(b"\n") + 1
     assert f"{cut}:{lines}: not valid JSON (the line is cut off" in err.value.message
-    assert f"{kept} turn(s) of session" in err.value.message and "never duplicated" in err.value.message
+    assert f"{kept:,} turn(s) of session" in err.value.message and "never duplicated" in err.value.message
     count, _ = import_path(full, db)  # the whole file (same name): the cut import's turns replaced
     assert sorted(stored_ids(db)) == sorted(t.request_id for t in read_transcripts(full)[0].turns)
     assert len(stored_ids(db)) == count
@@ -100,7 +100,7 @@ def test_a_cut_off_rollout_in_a_directory_is_named_with_what_it_kept(tmp_path):
     count, found = import_path(sessions, db)
     [(name, why)] = found.skipped
     assert name == str(sessions / full.name) and "not UTF-8 text" in why and "turn(s) of session" in why
-    kept = int(why.split("; ")[-2].split(" turn(s)")[0])
+    kept = int(why.split("; ")[-2].split(" turn(s)")[0].replace(",", ""))
     assert kept > 0 and len(stored_ids(db)) == count == kept + len(read_transcripts(CLAUDE)[0].turns)
 
 
@@ -156,7 +156,7 @@ def test_a_signal_mid_import_keeps_what_was_committed_and_says_where(signum, tmp
     assert proc.returncode == 130, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     kept = len(stored_ids(db))
-    assert f"interrupted at line " in err and f"{kept} turn(s) of session" in err and " MB read" in err
+    assert f"interrupted at line " in err and f"{kept:,} turn(s) of session" in err and " MB read" in err
     assert 0 < kept < len(read_transcripts(src)[0].turns)
     done = subprocess.run([sys.executable, "-m", "prefixtrace.cli", "import", str(src), "--db", str(db), "--json"],
                           capture_output=True, text=True, env=env(), timeout=300)

@@ -219,12 +219,12 @@ def _write_batches(writer: BatchWriter, t: Transcript, turns: Iterator[Turn], po
     except InvalidRequest as exc:
         raise ImportStopped(f"{exc.message}; {_kept(t, kept)}") from exc
     except KeyboardInterrupt as exc:
-        where = f"line {lineno()}, " if lineno() else ""
+        where = f"line {lineno():,}, " if lineno() else ""
         raise ImportStopped(f"import of {t.source} interrupted at {where}{position() / 1e6:,.1f} of "
                             f"{total / 1e6:,.1f} MB read; {_kept(t, kept)}", interrupted=True) from exc
     return first_id
 
 
 def _kept(t: Transcript, kept: int) -> str:
-    return (f"{kept} turn(s) of session {t.session_id} written before it are kept; running the same "
+    return (f"{kept:,} turn(s) of session {t.session_id} written before it are kept; running the same "
             "import again redoes the file safely (its turns are replaced, never duplicated)")
