@@ -126,11 +126,13 @@ class Analyzer:
         return Report(self.tokenizer.name, self.renderer.name, self.block_size, self.prefill_rate, sessions,
                       skipped, failed)
 
-    def walk(self, requests: list[Request], payloads: list[Payload | None]) -> list[TurnResult]:
-        """The turns of one session, in order."""
+    def walk(self, requests: list[Request], payloads: list[Payload | None],
+             rules: RuleBreaks | None = None) -> list[TurnResult]:
+        """The turns of one session, in order. `rules`: the session's walk of the providers' rules when it
+        goes on from an earlier call (the live dashboard walks a session a pair of turns at a time)."""
         turns: list[TurnResult] = []
         prev: _State | None = None
-        rules = RuleBreaks(self.tokenizer)  # the providers' rules past the rendered prompt, per session
+        rules = rules or RuleBreaks(self.tokenizer)  # the providers' rules past the rendered prompt, per session
         counted: Request | None = None  # the latest request the server counted (usage with a prompt)
         for req, payload in zip(requests, payloads):
             if req.reported_prompt_tokens == 0:

@@ -62,7 +62,10 @@ class RuleBreaks:
         blocks = req.cache_blocks
         if blocks is not None:
             turn.blocks = blocks.total
-            self.writes = (self.writes + blocks.breakpoints)[-MAX_WRITES:]
+            # Each boundary once, newest last: the live dashboard walks a session a pair of turns at a time,
+            # so it sees each turn twice.
+            fresh = blocks.breakpoints
+            self.writes = ([w for w in self.writes if w not in fresh] + fresh)[-MAX_WRITES:]
         prev_req = prev.req if prev is not None else None
         gap = req.ts - (prev_req.ts + (prev_req.total_s or 0.0)) if prev_req is not None and req.ts_given \
             and prev_req.ts_given else None

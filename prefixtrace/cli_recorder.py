@@ -18,12 +18,14 @@ DB = click.argument("db", type=click.Path(exists=True, dir_okay=False, path_type
 
 @click.command()
 @DB
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "har", "mooncake", "weka"]), default="jsonl",
-              show_default=True, help="mooncake, weka: block-hash traces for replay tools (no text).")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "har", "mooncake", "agentic-mooncake", "weka"]),
+              default="jsonl", show_default=True,
+              help="mooncake, agentic-mooncake (Dynamo's, with parent/wait links), weka: block-hash traces for "
+                   "replay tools (no text).")
 @click.option("--session", help="Only this session: a recorded session id, or an inferred name as `analyze` prints "
                                  "it (inferred-2).")
 @click.option("--block-size", type=click.IntRange(min=1), default=512, show_default=True,
-              help="mooncake, weka: tokens per hashed block.")
+              help="mooncake, agentic-mooncake, weka: tokens per hashed block.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), callback=output_path,
               help="Output file (default: stdout).")
 @click.option("--json", "as_json", is_flag=True,
@@ -31,8 +33,10 @@ DB = click.argument("db", type=click.Path(exists=True, dir_okay=False, path_type
 @library_errors
 def export(db, fmt, session, block_size, out, as_json):
     """Export recorded turns as JSONL (one wrapped record per line) or HAR 1.2, or
-    as block-hash traces for replay tools (mooncake, weka: lengths and one
-    id per block of prompt tokens, no text; docs/FORMATS.md "Block-hash traces").
+    as block-hash traces for replay tools (mooncake, agentic-mooncake, weka:
+    lengths and one id per block of prompt tokens, no text; agentic-mooncake,
+    Dynamo's, also each request's parent and wait; docs/FORMATS.md
+    "Block-hash traces").
 
     Request bodies are written byte for byte as they were stored; see
     docs/FORMATS.md. A file given with --out appears only once complete.
@@ -41,7 +45,7 @@ def export(db, fmt, session, block_size, out, as_json):
     """
     from recorder.sources import export as run_export
 
-    if fmt in ("mooncake", "weka"):
+    if fmt in ("mooncake", "agentic-mooncake", "weka"):
         _export_trace(db, fmt, session, block_size, out, as_json)
         return
 
@@ -62,7 +66,7 @@ def _export_trace(db: Path, fmt: str, session: str | None, block_size: int, out:
     from analyzer.block_traces import export_trace
 
     if session is not None:
-        raise click.UsageError("--session is not supported with --format mooncake or weka")
+        raise click.UsageError(f"--session is not supported with --format {fmt}")
     buf = io.StringIO()
     count = export_trace(db, buf, fmt, block_size=block_size)
     write_or_echo(buf.getvalue().rstrip("\n"), out)

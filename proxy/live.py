@@ -29,6 +29,7 @@ from analyzer.costing import price_breaks
 from analyzer.divergence import SegmentCounter
 from analyzer.load import Request
 from analyzer.results import SessionResult, TurnResult
+from analyzer.rule_breaks import RuleBreaks, request_facts
 from analyzer.advice import SIDE_REQUEST
 from analyzer.server_renderer import recorded_choice
 from analyzer.sessions import SessionGrouper, side_reason
@@ -73,6 +74,7 @@ class LiveSession:
     inferred: bool
     turns: list[LiveTurn] = field(default_factory=list)
     last: tuple[Request, Payload] | None = None
+    rules: RuleBreaks | None = None  # the session's cache writes, kept across its pairs of turns (lookback)
     updated_at: float = 0.0
     client: str | None = None  # the harness, from its User-Agent (analyzer/clients.py)
     title: str | None = None  # its first user message, trimmed and redacted
@@ -254,12 +256,19 @@ class LiveSessions:
         self.analyzer.exact_counts = choice.exact
         self.renderer_note = choice.note
         for s in self.sessions.values():  # payloads came from the old analyzer's canonicaliser
-            s.last = None
+            s.last, s.rules = None, None
 
     def _add(self, turn: Turn) -> None:
         self._seen += 1
         self._use_renderer(turn.renderer_id)
         body = turn.request_body if isinstance(turn.request_body, dict) else None
+        # What only the body as sent and its headers say (the parameters a provider keys its cache on, the
+        # Messages blocks and their breakpoints), read as `analyze` reads it, before anything else does.
+        request = Request(turn.request_id, turn.started_at, body, turn.session_id, None,
+                          turn.prompt_tokens, turn.cached_tokens, endpoint=turn.endpoint, ttft_s=turn.ttft_s,
+                          upstream=turn.upstream, total_s=turn.total_s, headers=turn.request_headers)
+        request_facts(request)
+        body = request.body if isinstance(request.body, dict) else None
         payload = self.analyzer.canon.payload(body) if body is not None else None
         roles = None
         if payload is not None:
@@ -281,8 +290,6 @@ class LiveSessions:
             title = title_of(body)
             if title:
                 session.title, session.title_from_side = self.redactor.text(title), is_side_request(body)
-        request = Request(turn.request_id, turn.started_at, body, turn.session_id, None,
-                          turn.prompt_tokens, turn.cached_tokens, ttft_s=turn.ttft_s)
         result = self._compare(session, request, payload)
         if session.parent is not None and result.note == "first":  # as `analyze` words it (analyzer/chains.py)
             result.note = (f"side request of {session.parent}: re-prefilled {result.reprefill_tokens or 0:,} tokens "
@@ -315,11 +322,12 @@ class LiveSessions:
                     r.lost_seconds, r.lost_seconds_basis, r.lost_tokens
 
     def _compare(self, session: LiveSession, request: Request, payload: Payload | None) -> TurnResult:
+        session.rules = session.rules or RuleBreaks(self.analyzer.tokenizer)
         if payload is None or session.last is None:
-            result = self.analyzer.walk([request], [payload])[0]
+            result = self.analyzer.walk([request], [payload], session.rules)[0]
         else:
             prev_request, prev_payload = session.last
-            result = self.analyzer.walk([prev_request, request], [prev_payload, payload])[1]
+            result = self.analyzer.walk([prev_request, request], [prev_payload, payload], session.rules)[1]
         result.index = len(session.turns)
         return result
 

@@ -29,6 +29,8 @@ from prefixtrace.common.urls import credentials, display_url, without_credential
 from proxy.upstream_query import masked, merged, split_query, with_query
 from prefixtrace.wire.http import map_httpx_errors, normalize_base_url  # noqa: F401 (used here and by proxy/)
 from prefixtrace.wire import sse
+from prefixtrace.wire.dynamo_identity import PARENT_HEADER as DYNAMO_PARENT, SESSION_HEADER as DYNAMO_SESSION, \
+    dynamo_identity
 from proxy.relay import UPSTREAM_BODY
 from proxy.reply_bounds import MAX_PROPS_BYTES, ReplyTooLarge, bounded, read_bounded
 from proxy.upstream_http import WORKER_HEADER, UpstreamConnections
@@ -179,8 +181,15 @@ class UpstreamBackend:
         if not any(k.lower() == "content-type" for k in forward):
             forward["content-type"] = "application/json"
         if session_id and not _NOT_IN_A_HEADER.search(session_id) and session_id.isascii():
-            forward = {k: v for k, v in forward.items() if k.lower() not in ROUTING_KEY_HEADERS}
+            forward = {k: v for k, v in forward.items() if k.lower() not in ROUTING_KEY_HEADERS + (DYNAMO_PARENT,)}
             forward.update(dict.fromkeys(ROUTING_KEY_HEADERS, session_id))
+            # Dynamo reads only its own headers once its session header is there: say the harness's
+            # sub-agent identity in them, as Dynamo itself would have read it (docs/FLEET.md).
+            identity = dynamo_identity(headers)
+            if identity is not None:
+                forward[DYNAMO_SESSION] = identity.session
+                if identity.parent is not None:
+                    forward[DYNAMO_PARENT] = identity.parent
         content = raw if raw is not None and plain_json_object(raw) else _json_bytes(body)
         with map_httpx_errors(self.base_url):
             if self.connections is not None:
