@@ -37,14 +37,9 @@ def hang_up_error(stage: str | None) -> str:
 
 
 def stage_of(chat) -> str | None:
-    """The stage an opened reply has reached: its own `stage`, or that of the chat it wraps
-    (the Messages, Responses and completions adapters wrap the engine's `EngineChat`)."""
-    while chat is not None:
-        stage = getattr(chat, "stage", None)
-        if stage is not None:
-            return stage
-        chat = getattr(chat, "chat", None)
-    return None
+    """The stage an opened reply has reached (the adapters that wrap the engine's `EngineChat`
+    report its stage as their own)."""
+    return chat.stage
 
 
 def abandoned(chat, builder: TurnBuilder) -> Turn:
@@ -149,7 +144,7 @@ async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recor
         status = http_status(exc)
         await record_refusal(recorder, builder.finish(status, exc.message), len(raw))
         return JSONResponse(error_body(exc), status_code=status)
-    turn.upstream = getattr(chat, "url", None) or turn.upstream  # the upstream (or pool member) that answered
+    turn.upstream = chat.url or turn.upstream  # the upstream (or pool member) that answered
     return await respond(chat, builder, recorder, stream(chat, builder, recorder), error_body)
 
 
@@ -178,8 +173,7 @@ async def stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink, *, i
         if not recorded:
             early_commit = asyncio.ensure_future(record_durably(recorder, finish()))
 
-    if hasattr(chat, "on_final"):  # a reply that can tell its turn is complete before the end marker
-        chat.on_final = commit_now
+    chat.on_final = commit_now  # a reply that can tell its turn is complete before the end marker calls it
     try:
         async for event in chat.sse():
             if on_event is not None:
