@@ -124,3 +124,35 @@ def _turn(request_id: str) -> Turn:
 async def _enqueue_and_wait(sink, turn):
     done = await sink.enqueue(turn)
     await asyncio.wrap_future(done)
+
+
+class _BrokenFeed:
+    """An OTLP feed (the third dashboard observer) whose wake raises on every turn."""
+
+    def attach(self, live) -> None:
+        pass
+
+    def wake(self, turn) -> None:
+        raise RuntimeError("feed bug")
+
+
+def test_a_failing_observer_costs_no_response_and_no_turn_through_the_app(tmp_path):
+    import httpx
+
+    from proxy.app import create_app
+    from tests.conftest import rows, running_server
+    from tests.test_proxy_fast_path import scripted_stream
+
+    chunks = [{"id": "x", "object": "chat.completion.chunk",
+               "choices": [{"index": 0, "delta": {"content": "hello"}, "finish_reason": "stop"}]}]
+    with Recorder(tmp_path / "a.db") as rec:
+        with running_server(create_app(scripted_stream(chunks), rec, turn_feed=_BrokenFeed())) as url:
+            r = httpx.post(url + "/s/run-1/v1/chat/completions", timeout=10,
+                           json={"stream": True, "messages": [{"role": "user", "content": "hi"}]})
+            metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert r.status_code == 200 and "hello" in r.text
+        recorded = rows(rec)
+    assert [(t["status"], t["session_id"]) for t in recorded] == [(200, "run-1")]
+    # the observers before the broken one still saw the turn
+    assert any(line.startswith("prefixtrace_requests_total{") and 'status="200"' in line and line.endswith(" 1")
+               for line in metrics.splitlines())
