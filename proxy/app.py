@@ -59,8 +59,8 @@ def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str]
     app.state.backend = backend
     app.state.recorder = recorder
     app.state.max_request_mb = max_request_mb  # proxy/request_limits.py
-    # Every turn passes these taps, in this order, before it is recorded (docs/ARCHITECTURE.md "Who owns
-    # which state"): a `/s/<id>/` URL files its turns under <id> (proxy/run_session.py); each reply's tool
+    # Every turn passes these taps, in this order, before it is recorded (docs/ARCHITECTURE.md "Where state
+    # lives"): a `/s/<id>/` URL files its turns under <id> (proxy/run_session.py); each reply's tool
     # calls and reasoning, for the fixes of later requests (serve --fix); /ui, /metrics (and OTLP).
     taps = [tag_session]
     app.state.fixes = fixes
