@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable, Protocol
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -18,6 +18,7 @@ from proxy.backend import Backend
 from proxy.live_fixes import fix_request
 from proxy.request_limits import parse_body, read_request_body
 from proxy.turn_routes import WATCHED
+from recorder.sink import TurnSink  # the adapters import it from here
 from recorder.turn_builder import TurnBuilder
 from recorder.turn import Turn
 
@@ -52,20 +53,12 @@ def abandoned(chat, builder: TurnBuilder) -> Turn:
     return builder.finish(499, hang_up_error(stage_of(chat)))
 
 
-class TurnSink(Protocol):
-    def record(self, turn: Turn) -> None: ...
-
-
 async def record_durably(recorder: TurnSink, turn: Turn) -> None:
     """Hands `turn` over and waits until it is committed, so a client that has
     seen the end of its response can rely on the turn surviving a crash of the
     proxy. Only this response waits, for its own commit; the event loop does
     not (`Recorder.record_async` waits for queue room in a worker thread)."""
-    record_async = getattr(recorder, "record_async", None)
-    if record_async is None:
-        recorder.record(turn)
-    else:
-        await record_async(turn)
+    await recorder.record_async(turn)
 
 
 # A refused request whose body is over this many bytes is answered without waiting for its
@@ -83,11 +76,7 @@ async def record_refusal(recorder: TurnSink, turn: Turn, body_bytes: int) -> Non
     if body_bytes <= REFUSAL_COMMIT_WAIT_BYTES:
         await record_durably(recorder, turn)
         return
-    enqueue = getattr(recorder, "enqueue", None)
-    if enqueue is None:
-        recorder.record(turn)
-    else:
-        await enqueue(turn)
+    await recorder.enqueue(turn)
 
 
 async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recorder: TurnSink, parse, open_reply,
