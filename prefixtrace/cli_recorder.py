@@ -118,29 +118,43 @@ def import_(file, db, as_json):
     rebuilt; a call whose history is not in the file is left out, and a file
     that rebuilt fewer than half its calls makes import exit 1 (after storing
     what it rebuilt). A directory's other files are listed as skipped, with
-    why. All or nothing per file: a malformed line or entry is reported with
-    its number and nothing of that file is written.
+    why. A JSONL or HAR file, or a directory, is all or nothing: a malformed
+    line or entry is reported with its number and nothing of it is written.
+
+    One session file is read as a stream and written in batches: memory stays
+    bounded however large the file (a Codex rollout of GBs), a progress line
+    shows on a terminal, and a bad line, Ctrl-C or SIGTERM stops it keeping
+    what it wrote, saying where; importing the same file again redoes it
+    without duplicating a turn (docs/FORMATS.md "Streamed import").
 
     Example: prefixtrace import ~/.claude/projects --db prefixtrace.db
     """
+    from prefixtrace.cli_import_progress import import_progress, sigterm_as_interrupt
     from recorder.sources import import_path
+    from recorder.transcripts.streamed import ImportStopped
 
-    with progress(f"importing {file.name}"):
-        count, transcripts = import_path(file, db)
+    try:
+        with sigterm_as_interrupt(), import_progress(file.name) as on_progress:
+            count, transcripts = import_path(file, db, on_progress=on_progress)
+    except ImportStopped as exc:
+        if not exc.interrupted:
+            raise
+        click.echo(f"Error: {visible(exc.message)}", err=True)
+        raise SystemExit(130) from exc  # as a shell reports a command stopped by a signal
     skipped = getattr(transcripts, "skipped", [])
     poor = transcripts.poorly_rebuilt() if transcripts else []
     if as_json:
         summary = {"imported": count, "file": str(file), "db": str(db)}
         if transcripts:  # what each rebuilt session lacks (JSONL and HAR imports print as before)
             summary["sessions"] = [{"harness": t.harness, "version": t.version, "session": t.session_id,
-                                    "source": t.source, "calls": t.calls, "turns": len(t.turns),
+                                    "source": t.source, "calls": t.calls, "turns": t.rebuilt_count,
                                     "not_rebuilt": t.notes} for t in transcripts]
             summary["skipped"] = [{"file": f, "why": why} for f, why in skipped]
         echo_json(summary)
     else:
         for t in transcripts:
             echo(one_line(f"{t.harness} session {t.session_id} ({t.version or 'version not written'}): "
-                          f"{len(t.turns)} of {t.calls} call(s) rebuilt from {t.source}"))
+                          f"{t.rebuilt_count} of {t.calls} call(s) rebuilt from {t.source}"))
             for note in t.notes:
                 echo(one_line(f"  not rebuilt: {note}"))
         for f, why in skipped:
@@ -148,7 +162,7 @@ def import_(file, db, as_json):
         click.echo(f"imported {plural(count, 'turn')} into {db}")
     if poor:
         raise click.ClickException("; ".join(visible(one_line(
-            f"{t.source} ({t.harness} {t.version}) rebuilt {len(t.turns)} of its {t.calls} call(s): fewer than half, "
+            f"{t.source} ({t.harness} {t.version}) rebuilt {t.rebuilt_count} of its {t.calls} call(s): fewer than half, "
             "so an analysis of it would answer for calls it does not have")) for t in poor))
 
 

@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from prefixtrace.common.errors import InvalidRequest, PrefixtraceError
 from prefixtrace.wire import messages as messages_wire
 from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
-from prefixtrace.wire.messages import record_usage, to_anthropic_error  # noqa: F401 (the route's error shape)
+from prefixtrace.wire.messages import to_anthropic_error, usage_counts  # noqa: F401 (the route's error shape)
 from prefixtrace.wire import sse
 from proxy.upstream_query import with_query
 from proxy.chat_request import ChatRequest, parse_chat_request
@@ -92,6 +92,13 @@ class EngineMessages:
     def streams_events(self) -> bool:
         return self.req.stream
 
+    url = None  # served here, by no upstream
+    on_final = None  # the engine's turn is complete at its end marker
+
+    @property
+    def stage(self) -> str | None:
+        return self.chat.stage  # the engine's stage of the chat this adapter wraps
+
     def cancel(self) -> None:
         self.chat.cancel()
 
@@ -108,7 +115,7 @@ class EngineMessages:
         stop string; the output tokens tell which stop string it was (the emitted text never
         contains one, so the first one in the decoded output is the one that matched)."""
         stops = self.req.sampling.stop
-        seq = getattr(self.chat, "seq", None)
+        seq = self.chat.seq
         if finish_reason == "stop" and stops and self.tokenizer is not None and seq is not None:
             text = self.tokenizer.decode(list(seq.output_ids))
             hits = [(text.find(s), k) for k, s in enumerate(stops) if s in text]
@@ -145,7 +152,7 @@ class EngineMessages:
                     "type": "input_json_delta", "partial_json": event.text}})
             elif isinstance(event, ReplyDone):
                 usage = self._usage(event.prompt_tokens, event.cached_tokens, event.completion_tokens)
-                record_usage(self.builder, usage)
+                self.builder.on_counts(usage_counts(usage))
                 self.builder.turn.finish_reason = event.finish_reason
                 stop_reason, stop_sequence = self._stop(event.finish_reason)
                 for out in blocks.close(empty_text=True):
@@ -174,7 +181,7 @@ class EngineMessages:
         turn.tool_calls = reply.tool_calls or None
         if done.completion_tokens:
             turn.ttft_s = self.chat.finished.prefill_s
-        record_usage(self.builder, usage)
+        self.builder.on_counts(usage_counts(usage))
         return json.dumps(body).encode(), "application/json"
 
 
@@ -276,7 +283,7 @@ class UpstreamMessages(Relayed):
     def _merge_usage(self, usage: dict) -> None:
         # message_delta counts are cumulative: they overwrite, and absent ones keep message_start's.
         self._usage.update({k: v for k, v in usage.items() if v is not None})
-        record_usage(self.builder, self._usage)
+        self.builder.on_counts(usage_counts(self._usage))
 
     async def whole(self) -> tuple[bytes, str]:
         data, body = await self.read()
@@ -286,7 +293,7 @@ class UpstreamMessages(Relayed):
                 self.builder.on_whole(self.reader.whole(body))
                 turn.finish_reason = messages_wire.finish_reason(body.get("stop_reason"))
                 diagnostics = {"diagnostics": body["diagnostics"]} if isinstance(body.get("diagnostics"), dict) else {}
-                record_usage(self.builder, {**(body.get("usage") or {}), **diagnostics})
+                self.builder.on_counts(usage_counts({**(body.get("usage") or {}), **diagnostics}))
         elif self.status >= 400:
             turn.error = (str(body.get("error", body)) if body is not None else data.decode(errors="replace"))[:2000]
         return data, self.content_type
@@ -328,6 +335,9 @@ class TokenCount:
 
     status = 200
     streams_events = False
+    url = None
+    on_final = None
+    stage = None  # counted at once: no stage a client could leave in
 
     def __init__(self, count: int):
         self.count = count

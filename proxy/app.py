@@ -25,15 +25,16 @@ from proxy.fallback import add_fallback_routes
 from proxy.backend import Backend
 from proxy.chat_completions import CHAT_PATH, add_chat_route
 from proxy.guard import RequestGuard, refusal_recorder
-from proxy.live_fixes import FixLearningSink, reasoning_probe
+from proxy.live_fixes import FixLearner, reasoning_probe
 from analyzer.fixes.sessions import FixSessions
-from proxy.relay import TurnSink, record_durably
+from proxy.relay import record_durably
 from proxy.dashboard import observe
+from recorder.sink import TappedSink, TurnSink
 from proxy.disconnect import CancelOnDisconnect
 from proxy.request_limits import DEFAULT_MAX_REQUEST_MB
 from proxy.turn_routes import TurnRoutes
 from prefixtrace.common.instance_proof import PROOF_PATH, proof
-from proxy.run_session import SessionTagSink, strip_session_prefix
+from proxy.run_session import strip_session_prefix, tag_session
 from prefixtrace.wire.messages import COUNT_TOKENS_PATH
 
 log = logging.getLogger("prefixtrace.proxy")
@@ -58,14 +59,17 @@ def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str]
     app.state.backend = backend
     app.state.recorder = recorder
     app.state.max_request_mb = max_request_mb  # proxy/request_limits.py
-    # /ui, /metrics (and OTLP): every turn also feeds them; a `/s/<id>/` URL files its turns under <id>
-    # (proxy/run_session.py)
-    recorder = SessionTagSink(observe(app, backend, recorder, turn_feed))
+    # Every turn passes these taps, in this order, before it is recorded (docs/ARCHITECTURE.md "Where state
+    # lives"): a `/s/<id>/` URL files its turns under <id> (proxy/run_session.py); each reply's tool
+    # calls and reasoning, for the fixes of later requests (serve --fix); /ui, /metrics (and OTLP).
+    taps = [tag_session]
     app.state.fixes = fixes
-    if fixes is not None:  # each reply's tool calls and reasoning, for the fixes of later requests
-        recorder = FixLearningSink(recorder, fixes)
+    if fixes is not None:
+        taps.append(FixLearner(fixes))
         if backend.embedded and fixes.reasoning_probe is None:
             fixes.reasoning_probe = reasoning_probe(backend)
+    taps.append(observe(app, backend, recorder, turn_feed))
+    recorder = TappedSink(recorder, taps)
     # A loopback Host on every request and JSON on every POST; refused turns are recorded.
     error_bodies = {CHAT_PATH: to_openai_error, RESPONSES_PATH: to_openai_error, MESSAGES_PATH: to_anthropic_error}
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts,
@@ -84,9 +88,8 @@ def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str]
             return stalled
         if await backend.ready():
             body = {"status": "ok", "backend": backend.label}
-            spool = getattr(app.state.recorder, "spool_state", None)
-            spool = spool() if spool is not None else None
-            if spool is not None and spool["dropped"]:  # turns lost to a full spool stay reported
+            spool = app.state.recorder.spool_state()
+            if spool["dropped"]:  # turns lost to a full spool stay reported
                 body["recorder"] = spool
             if backend.embedded:
                 body["engine"] = await backend.capacity()
@@ -192,22 +195,16 @@ class MaxContextHeader:
             headers["X-Prefixtrace-Worker"] = self.worker
 
 
-def recorder_trouble(recorder) -> JSONResponse | None:
+def recorder_trouble(recorder: TurnSink) -> JSONResponse | None:
     """A 503 naming the reason when the recorder cannot record (writer stuck,
     gone or closed): a proxy that answers but stores nothing must not look healthy."""
-    health = getattr(recorder, "health", None)
-    if health is None:
-        return None
-    ok, reason = health()
+    ok, reason = recorder.health()
     if ok:
         return None
-    spool = getattr(recorder, "spool_state", None)
-    spool = spool() if spool is not None else None
-    if spool is not None and not spool["writable"]:
+    spool = recorder.spool_state()
+    if not spool["writable"]:
         status = "recorder_unwritable"  # turns are kept in the recorder's spool until the database takes writes
     else:
         status = "recorder_stuck" if "stuck" in (reason or "") else "recorder_down"
-    body = {"status": status, "reason": reason, "pending": getattr(recorder, "pending", None)}
-    if spool is not None:
-        body["recorder"] = spool
+    body = {"status": status, "reason": reason, "pending": recorder.pending, "recorder": spool}
     return JSONResponse(body, status_code=503)

@@ -16,7 +16,7 @@ to guess which kind they hold.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # typing only: upstream mode never imports the engine (nor MLX)
     import httpx
@@ -31,11 +31,23 @@ class Reply(Protocol):
     """An opened reply, whatever the protocol (proxy/relay.py `respond` sends it)."""
 
     status: int
+    # The upstream (or pool member) that answered; None on the engine.
+    url: str | None
+    # Set by the relay: called by a reply that can tell its turn is complete before the end marker
+    # (an upstream's usage chunk); a reply that never can simply never calls it.
+    on_final: Callable[[], None] | None
 
     @property
     def streams_events(self) -> bool: ...
 
+    @property
+    def stage(self) -> str | None:
+        """How far the request got (queued, prefilling, decoding, upstream_body); None: not known."""
+
     def cancel(self) -> None: ...
+
+    def sse(self) -> AsyncIterator[bytes]:
+        """The streamed reply's SSE events as sent (only called when `streams_events`)."""
 
     async def whole(self) -> tuple[bytes, str]: ...
 

@@ -57,6 +57,13 @@ class EngineCompletion:
     def streams_events(self) -> bool:
         return self.req.stream
 
+    url = None  # served here, by no upstream
+    on_final = None  # the engine's turn is complete at its end marker
+
+    @property
+    def stage(self) -> str | None:
+        return self.chat.stage  # the engine's stage of the chat this adapter wraps
+
     def cancel(self) -> None:
         self.chat.cancel()
 

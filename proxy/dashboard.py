@@ -1,10 +1,10 @@
 """Observability routes: `GET /ui` (live dashboard), `GET /ui/api/sessions` (its JSON, a page of
 sessions at a time), `GET /ui/report/<session>` (one session's full HTML report), `GET /metrics`.
 
-`observe(app, backend, recorder)` wires them in: it wraps the recorder so
-every recorded turn also reaches the live analysis (`proxy/live.py`) and the
-metrics (`proxy/metrics.py`), and returns the wrapped recorder for the chat
-routes to use. The page (`proxy/static/dashboard.html`, plain HTML/JS, no
+`observe(app, backend, recorder)` wires them in: it returns the tap
+(`TurnObservers`) that the app puts in front of the recorder, so every recorded
+turn also reaches the live analysis (`proxy/live.py`) and the metrics
+(`proxy/metrics.py`). The page (`proxy/static/dashboard.html`, plain HTML/JS, no
 build step) polls the JSON endpoint; analysis runs on the poll, in a worker
 thread, over the turns recorded since the previous poll only.
 """
@@ -26,6 +26,7 @@ from prefixtrace.common.errors import PrefixtraceError
 from proxy.live import LiveSessions
 from proxy.metrics import CONTENT_TYPE, Metrics, engine_state
 from recorder import numbers
+from recorder.sink import TurnSink
 from recorder.turn import Turn
 
 log = logging.getLogger("prefixtrace.dashboard")
@@ -34,21 +35,19 @@ MAX_PAGE = 100  # sessions per poll at most: 2,000 sessions in one answer took 1
 MAX_TURNS = 500  # turns per session per poll at most (the session's report has them all)
 
 
-class ObservedSink:
-    """A recorder that also hands every turn to observers (cheap callables, run on the event loop).
+class TurnObservers:
+    """A tap on the recorder (recorder/sink.py `TappedSink`) that hands every turn to observers (cheap
+    callables, run on the event loop, in the order given).
 
     Observers see the turn's counts as numbers they can add up: a usage count a backend
     reported as NaN, Infinity or 1e29 reaches them as None (unknown), and `on_unusable` hears
     of it (the recorder stores the same: NULL counts, the usage as sent; recorder/numbers.py)."""
 
-    def __init__(self, sink, observers, on_unusable=None):
-        self.sink = sink
+    def __init__(self, observers, on_unusable=None):
         self.observers = list(observers)
         self.on_unusable = on_unusable
-        if hasattr(sink, "record_async"):
-            self.record_async = self._record_async
 
-    def _observe(self, turn: Turn) -> None:
+    def __call__(self, turn: Turn) -> None:
         seen = numbers.usable(turn)
         if seen is not turn:
             bad = numbers.unusable_counts(turn)
@@ -63,24 +62,13 @@ class ObservedSink:
             except Exception:  # observability must never cost a response or a recorded turn
                 log.exception("observer %r failed on turn %s", observer, turn.request_id)
 
-    def record(self, turn: Turn):
-        self._observe(turn)
-        return self.sink.record(turn)
 
-    async def _record_async(self, turn: Turn) -> None:
-        self._observe(turn)
-        await self.sink.record_async(turn)
-
-    def __getattr__(self, name: str):
-        return getattr(self.sink, name)
-
-
-def observe(app: FastAPI, backend, recorder, turn_feed=None):
-    """Add /ui, /ui/api/sessions and /metrics to `app`; returns the recorder the routes must record through.
+def observe(app: FastAPI, backend, recorder: TurnSink, turn_feed=None) -> TurnObservers:
+    """Add /ui, /ui/api/sessions and /metrics to `app`; returns the tap every recorded turn must pass.
     `turn_feed` (prefixtrace/otel.py LiveFeed, with `serve --otlp-endpoint`): attached to the live
     analysis, and woken by every recorded turn."""
     metrics = Metrics()
-    live = LiveSessions(on_break=metrics.on_break, redactor=getattr(recorder, "redactor", None))
+    live = LiveSessions(on_break=metrics.on_break, redactor=recorder.redactor)
     observers = [metrics.observe, live.observe]
     if turn_feed is not None:
         turn_feed.attach(live)
@@ -140,11 +128,10 @@ def observe(app: FastAPI, backend, recorder, turn_feed=None):
         if live.pending:
             await asyncio.to_thread(live.refresh)
         upstreams = backend.stats()
-        spool = getattr(recorder, "spool_state", None)
-        text = metrics.render(engine=engine, upstreams=upstreams, recorder=spool() if spool is not None else None)
+        text = metrics.render(engine=engine, upstreams=upstreams, recorder=recorder.spool_state())
         return Response(text, media_type=CONTENT_TYPE)
 
-    return ObservedSink(recorder, observers, on_unusable=metrics.on_unusable_usage)
+    return TurnObservers(observers, on_unusable=metrics.on_unusable_usage)
 
 
 def _report_dict(session: dict[str, Any], live: LiveSessions) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 `fix_request` runs once per turn, after the body is read and before the adapter parses it: a request no
 fix touches goes on as the very bytes the client sent; a fixed one goes on re-serialised, and its turn
 records the body as sent upstream with one entry per fix (name, fired or why not, bytes before and
-after). `FixLearningSink` sits in front of the recorder and feeds each finished turn's reply (tool
+after). `FixLearner`, a tap on the recorder, feeds each finished turn's reply (tool
 calls, reasoning) to the fixes' session records, which `tool-args` and `thinking` read.
 """
 
@@ -74,26 +74,13 @@ def reasoning_probe(backend) -> Callable[[], bool | None]:
     return probe
 
 
-class FixLearningSink:
-    """A recorder that also tells the fixes what each finished reply said."""
+class FixLearner:
+    """A tap on the recorder (recorder/sink.py `TappedSink`): tells the fixes what each finished reply said."""
 
-    def __init__(self, sink, fixes: FixSessions):
-        self.sink, self.fixes = sink, fixes
-        if hasattr(sink, "record_async"):
-            self.record_async = self._record_async
+    def __init__(self, fixes: FixSessions):
+        self.fixes = fixes
 
-    def _learn(self, turn: Turn) -> None:
+    def __call__(self, turn: Turn) -> None:
         if turn.status and turn.status < 400:
             session = session_of(turn.request_headers) or turn.session_id
             self.fixes.learn(session, turn.response_text, turn.reasoning_text, turn.tool_calls)
-
-    def record(self, turn: Turn):
-        self._learn(turn)
-        return self.sink.record(turn)
-
-    async def _record_async(self, turn: Turn) -> None:
-        self._learn(turn)
-        await self.sink.record_async(turn)
-
-    def __getattr__(self, name: str):
-        return getattr(self.sink, name)

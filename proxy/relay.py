@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable, Protocol
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -18,6 +18,7 @@ from proxy.backend import Backend
 from proxy.live_fixes import fix_request
 from proxy.request_limits import parse_body, read_request_body
 from proxy.turn_routes import WATCHED
+from recorder.sink import TurnSink  # the adapters import it from here
 from recorder.turn_builder import TurnBuilder
 from recorder.turn import Turn
 
@@ -37,14 +38,9 @@ def hang_up_error(stage: str | None) -> str:
 
 
 def stage_of(chat) -> str | None:
-    """The stage an opened reply has reached: its own `stage`, or that of the chat it wraps
-    (the Messages, Responses and completions adapters wrap the engine's `EngineChat`)."""
-    while chat is not None:
-        stage = getattr(chat, "stage", None)
-        if stage is not None:
-            return stage
-        chat = getattr(chat, "chat", None)
-    return None
+    """The stage an opened reply has reached (the adapters that wrap the engine's `EngineChat`
+    report its stage as their own)."""
+    return chat.stage
 
 
 def abandoned(chat, builder: TurnBuilder) -> Turn:
@@ -57,20 +53,12 @@ def abandoned(chat, builder: TurnBuilder) -> Turn:
     return builder.finish(499, hang_up_error(stage_of(chat)))
 
 
-class TurnSink(Protocol):
-    def record(self, turn: Turn) -> None: ...
-
-
 async def record_durably(recorder: TurnSink, turn: Turn) -> None:
     """Hands `turn` over and waits until it is committed, so a client that has
     seen the end of its response can rely on the turn surviving a crash of the
     proxy. Only this response waits, for its own commit; the event loop does
     not (`Recorder.record_async` waits for queue room in a worker thread)."""
-    record_async = getattr(recorder, "record_async", None)
-    if record_async is None:
-        recorder.record(turn)
-    else:
-        await record_async(turn)
+    await recorder.record_async(turn)
 
 
 # A refused request whose body is over this many bytes is answered without waiting for its
@@ -88,11 +76,7 @@ async def record_refusal(recorder: TurnSink, turn: Turn, body_bytes: int) -> Non
     if body_bytes <= REFUSAL_COMMIT_WAIT_BYTES:
         await record_durably(recorder, turn)
         return
-    enqueue = getattr(recorder, "enqueue", None)
-    if enqueue is None:
-        recorder.record(turn)
-    else:
-        await enqueue(turn)
+    await recorder.enqueue(turn)
 
 
 async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recorder: TurnSink, parse, open_reply,
@@ -149,7 +133,7 @@ async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recor
         status = http_status(exc)
         await record_refusal(recorder, builder.finish(status, exc.message), len(raw))
         return JSONResponse(error_body(exc), status_code=status)
-    turn.upstream = getattr(chat, "url", None) or turn.upstream  # the upstream (or pool member) that answered
+    turn.upstream = chat.url or turn.upstream  # the upstream (or pool member) that answered
     return await respond(chat, builder, recorder, stream(chat, builder, recorder), error_body)
 
 
@@ -178,8 +162,7 @@ async def stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink, *, i
         if not recorded:
             early_commit = asyncio.ensure_future(record_durably(recorder, finish()))
 
-    if hasattr(chat, "on_final"):  # a reply that can tell its turn is complete before the end marker
-        chat.on_final = commit_now
+    chat.on_final = commit_now  # a reply that can tell its turn is complete before the end marker calls it
     try:
         async for event in chat.sse():
             if on_event is not None:

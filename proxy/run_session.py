@@ -6,7 +6,7 @@ recorded under `<id>`.
 made to send a header, and each sends its own session id (or none) in its own place. The
 prefix is taken off before routing, so every route (turns, `/v1/models`, `HEAD /`, the
 fallback) serves it unchanged, and the id rides along as the `X-Prefixtrace-Session` request
-header, which a client may also send itself. `SessionTagSink` records it as the turn's session
+header, which a client may also send itself. `tag_session` (a tap on the recorder) records it as the turn's session
 id, ahead of the one the client sent (the run is the session the user asked about).
 """
 
@@ -46,27 +46,9 @@ def session_of(headers: dict | None) -> str | None:
     return None
 
 
-class SessionTagSink:
-    """A recorder that files a turn carrying the session header under that session."""
-
-    def __init__(self, sink):
-        self.sink = sink
-        if hasattr(sink, "record_async"):
-            self.record_async = self._record_async
-
-    @staticmethod
-    def _tag(turn) -> None:
-        sid = session_of(getattr(turn, "request_headers", None))
-        if sid is not None:
-            turn.session_id = sid
-
-    def record(self, turn):
-        self._tag(turn)
-        return self.sink.record(turn)
-
-    async def _record_async(self, turn) -> None:
-        self._tag(turn)
-        await self.sink.record_async(turn)
-
-    def __getattr__(self, name: str):
-        return getattr(self.sink, name)
+def tag_session(turn) -> None:
+    """A tap on the recorder (recorder/sink.py `TappedSink`): files a turn carrying the session
+    header under that session, ahead of any session id the client sent."""
+    sid = session_of(turn.request_headers)
+    if sid is not None:
+        turn.session_id = sid

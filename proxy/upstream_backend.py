@@ -275,8 +275,18 @@ class _Paced:
         self._timeouts = timeouts
         self._first_byte_deadline = None if timeouts.first_byte_s is None else started + timeouts.first_byte_s
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._response, name)
+    # The members the relay and adapters read, forwarded by name (no __getattr__: a reply's
+    # surface is declared, proxy/backend.py `Reply`).
+    @property
+    def status_code(self) -> int:
+        return self._response.status_code
+
+    @property
+    def headers(self) -> httpx.Headers:
+        return self._response.headers
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         chunks = self._response.aiter_bytes().__aiter__()
@@ -352,6 +362,7 @@ class Relayed:
         return self.status < 400 and self.content_type.startswith("text/event-stream")
 
     stage = UPSTREAM_BODY  # a client that leaves now is recorded as abandoned while the body came
+    on_final: Callable[[], None] | None = None  # only a chat stream tells its turn complete early
 
     def cancel(self) -> None:
         pass  # closing the response (in `sse`'s finally) is what tells the upstream

@@ -287,7 +287,7 @@ class _ReplyReader:
             usage = (data.get("message") or {}).get("usage") if kind == "message_start" else data.get("usage")
             if kind in ("message_start", "message_delta") and isinstance(usage, dict):
                 self._usage.update({k: v for k, v in usage.items() if v is not None})
-                messages_wire.record_usage(self.builder, self._usage)
+                self.builder.on_counts(messages_wire.usage_counts(self._usage))
             if kind == "message_delta":
                 reason = messages_wire.finish_reason((data.get("delta") or {}).get("stop_reason"))
                 self.builder.turn.finish_reason = reason or self.builder.turn.finish_reason

@@ -18,6 +18,10 @@ from recorder.bodies import CONVERSATION_KEYS, SplitBody, message_hash
 from recorder.redact import Redactor
 
 SEP = ", "  # json.dumps's item separator (and its key separator is ": ")
+# Past this many characters of remembered item texts, the memo keeps only the current body's items: a
+# streamed import of a multi-GB rollout (recorder/transcripts/streamed.py) must not hold every item
+# it ever saw. Only a cost: an item met again after that is redacted and serialised again.
+SEEN_CHARS_LIMIT = 16 << 20
 
 
 def _dumps(value: Any) -> str:
@@ -32,8 +36,13 @@ class SharedItemTexts:
     def __init__(self, redactor: Redactor):
         self.redactor = redactor
         self._seen: dict[int, tuple[Any, str, bytes]] = {}
+        self._seen_chars = 0
         # The previous body's items, texts and hashes: the next call's items begin with the same objects.
         self._last: tuple[list, list[str], list[bytes]] = ([], [], [])
+
+    def _forget_all_but(self, conversation: list) -> None:
+        self._seen = {id(i): self._seen[id(i)] for i in conversation if id(i) in self._seen}
+        self._seen_chars = sum(len(v[1]) for v in self._seen.values())
 
     def split(self, body: Any, utf8=lambda s: s) -> SplitBody | None:
         """`body`'s redacted text, split around its `messages` / `input` items (`utf8` makes each
@@ -54,6 +63,7 @@ class SharedItemTexts:
             if seen is None or seen[0] is not item:
                 text = utf8(_dumps(self.redactor.value(item)))
                 seen = self._seen[id(item)] = (item, text, message_hash(text))
+                self._seen_chars += len(text)
             items.append(seen[1])
             hashes.append(seen[2])
         rest = self.redactor.value({k: v for k, v in body.items() if k != key})
@@ -68,4 +78,6 @@ class SharedItemTexts:
         opening = "{" + "".join(p + SEP for p in head) + f"{_dumps(key)}: ["
         closing = "]" + "".join(SEP + p for p in tail) + "}"
         self._last = (list(conversation), items, hashes)
+        if self._seen_chars > SEEN_CHARS_LIMIT:
+            self._forget_all_but(conversation)
         return SplitBody(utf8(opening), items, SEP, utf8(closing), hashes)

@@ -107,6 +107,7 @@ class BodyStore:
         self._message_bodies: dict[int, str] = {}
         self.renderer_ids: set[str] = set()  # `renderers` rows known to be stored
         self.read_chars = 0  # characters of the bodies rebuilt so far (bounded: MAX_READ_CHARS)
+        self.cache_limit = _CACHE_LIMIT  # entries per id cache (a streamed import sets fewer)
         # The previous body's message hashes and the prefix id after each: the next turn of a session
         # repeats them, so only its new messages are looked up (a long session's turns cost their new
         # messages, not their whole history).
@@ -157,7 +158,7 @@ class BodyStore:
                 found = self.db.execute(f"INSERT INTO {table} (hash, body) VALUES (?, ?)", [digest, text]).lastrowid
             else:
                 found = row[0]
-            if len(cache) > _CACHE_LIMIT:
+            if len(cache) > self.cache_limit:
                 cache.clear()
             cache[digest] = found
         return found
@@ -182,7 +183,7 @@ class BodyStore:
                 found = self.db.execute("INSERT INTO prefixes (parent, message_id) VALUES (?, ?)", key).lastrowid
             else:
                 found = row[0]
-            if len(self._prefix_ids) > _CACHE_LIMIT:
+            if len(self._prefix_ids) > self.cache_limit:
                 self._prefix_ids.clear()
             self._prefix_ids[key] = found
         return found

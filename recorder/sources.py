@@ -86,19 +86,29 @@ def export(db_path: str | Path, out: str | Path | IO[str], fmt: str = "jsonl", s
     return count
 
 
-def import_path(path: str | Path, db_path: str | Path, *, redact_patterns: list[str] | None = None):
+def import_path(path: str | Path, db_path: str | Path, *, redact_patterns: list[str] | None = None,
+                on_progress=None):
     """`import_file` for JSONL and HAR; a harness transcript (a file, or a directory of them) is
-    rebuilt into turns first. Returns (turns imported, the transcripts read; empty for JSONL/HAR)."""
-    from recorder.transcripts import sniff_transcript, transcript_turns
-
-    from recorder.transcripts.store import refuse_special, store_transcript_turns
+    rebuilt into turns first. One session file is imported as a stream, in batches, `on_progress`
+    called after each (recorder/transcripts/streamed.py). Returns (turns imported, the transcripts
+    read; empty for JSONL/HAR)."""
+    from recorder.transcripts import HARNESSES, Transcripts, read_transcripts, sniff_transcript
+    from recorder.transcripts.store import refuse_special
+    from recorder.transcripts.streamed import import_directory, import_read, import_transcript_file
 
     p = Path(path)
     refuse_special(p)
+    harness = None if p.is_dir() else sniff_transcript(p)
+    if harness in HARNESSES:  # one session file: written in batches as it is read (a rollout may be GBs)
+        count, transcripts = import_transcript_file(p, harness, db_path, redact_patterns=redact_patterns,
+                                                    on_progress=on_progress)
+        return count, Transcripts(transcripts)
+    if p.is_dir():  # each session in batches, each streamed harness's file streamed
+        return import_directory(p, db_path, redact_patterns=redact_patterns, on_progress=on_progress)
     # opencode's database by name too: a damaged one is then said to be that, not "a database"
-    if p.is_dir() or p.name == "opencode.db" or sniff_transcript(p) is not None:
-        turns, transcripts = transcript_turns(p)
-        return store_transcript_turns(db_path, turns, redact_patterns), transcripts
+    if p.name == "opencode.db" or harness is not None:
+        transcripts = read_transcripts(p)
+        return import_read(transcripts, db_path, redact_patterns=redact_patterns), transcripts
     return import_file(p, db_path, redact_patterns=redact_patterns), []
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prefixtrace.wire.events import (ContentDelta, ReasoningDelta, ReplyDone, ReplyEvent, ToolCallArgsDelta,
+from prefixtrace.wire.events import (ContentDelta, ReasoningDelta, ReplyDone, ReplyEvent, ToolCallArgsDelta, Usage,
                          ToolCallStart)
 from recorder.turn import Turn
 
@@ -86,8 +86,7 @@ class TurnBuilder:
         elif isinstance(event, ReplyDone):
             self.text_so_far()  # the reply is whole: its writers may read the text now
             turn.finish_reason = event.finish_reason
-            turn.prompt_tokens, turn.completion_tokens = event.prompt_tokens, event.completion_tokens
-            turn.cached_tokens = event.cached_tokens
+            self.on_counts(Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens))
 
     def on_whole(self, events) -> None:
         """The reply events of a whole (non-streamed) body: no first token was seen apart from
@@ -124,15 +123,24 @@ class TurnBuilder:
             self.on_usage(_object(usage, "usage"))
 
     def on_usage(self, usage: dict[str, Any]) -> None:
-        turn = self.turn
-        turn.usage = usage
-        turn.prompt_tokens = usage.get("prompt_tokens")
-        turn.completion_tokens = usage.get("completion_tokens")
+        """An OpenAI usage object (a chat chunk's or a whole body's)."""
         details = usage.get("prompt_tokens_details") or {}
         # Unknown stays None: an upstream that does not report cached tokens
         # must not look like one that reported a cache miss.
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        turn.cached_tokens = cached if isinstance(cached, int) else None
+        self.on_counts(Usage(usage.get("prompt_tokens"), usage.get("completion_tokens"),
+                             cached if isinstance(cached, int) else None, as_sent=usage))
+
+    def on_counts(self, usage: Usage) -> None:
+        """The reply's token counts, whatever protocol told them: the only writer of `cached_tokens`."""
+        turn = self.turn
+        if usage.as_sent is not None:
+            turn.usage = usage.as_sent
+        if usage.prompt_tokens is not None:
+            turn.prompt_tokens = usage.prompt_tokens
+        if usage.completion_tokens is not None:
+            turn.completion_tokens = usage.completion_tokens
+        turn.cached_tokens = usage.cached_tokens
 
     def finish(self, status: int, error: str | None = None) -> Turn:
         self.turn.status = status

@@ -68,19 +68,16 @@ def test_no_module_in_proxy_guesses_a_backend_by_its_attributes():
     assert guesses == []
 
 
-class _Sink:
-    def record(self, turn) -> None:
-        pass
-
-
-def test_each_protocol_is_served_by_its_own_adapter_module():
+def test_each_protocol_is_served_by_its_own_adapter_module(tmp_path):
     """A request's route function lives in its protocol's adapter (docs/ARCHITECTURE.md "The path of
     one request"), not in the app that assembles them."""
     from proxy.app import TURN_PATHS, create_app
+    from recorder.store import Recorder
     from proxy.turn_routes import TurnRoutes
 
     backend = UpstreamBackend("http://upstream.test", transport=_mock())
-    app = create_app(backend, _Sink())
+    with Recorder(tmp_path / "r.db") as rec:
+        app = create_app(backend, rec)
     handlers = TurnRoutes(fastapi_app=app, paths=TURN_PATHS)._find()
     assert {path: fn.__module__ for path, fn in handlers.items()} == {
         "/v1/chat/completions": "proxy.chat_completions",

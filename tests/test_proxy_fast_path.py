@@ -172,15 +172,16 @@ def test_an_upstream_that_never_answers_is_a_timeout_with_a_reason(tmp_path):
 # --- the turn routes without FastAPI's router (proxy/turn_routes.py) ------------------------------
 
 
-def test_every_turn_route_is_on_the_fast_path_in_both_modes(tiny_engine):
+def test_every_turn_route_is_on_the_fast_path_in_both_modes(tiny_engine, tmp_path):
     """A route function that stopped matching `async def f(request)` would silently fall back to
     FastAPI's stack: every turn endpoint must be found, on an upstream and on the engine."""
     from proxy.app import TURN_PATHS
     from proxy.engine_backend import EngineBackend
     from proxy.turn_routes import TurnRoutes
 
-    for backend in (UpstreamBackend("http://127.0.0.1:9"), EngineBackend(tiny_engine)):
-        app = create_app(backend, Recorder.__new__(Recorder))
+    for n, backend in enumerate((UpstreamBackend("http://127.0.0.1:9"), EngineBackend(tiny_engine))):
+        with Recorder(tmp_path / f"{n}.db") as rec:
+            app = create_app(backend, rec)
         assert set(TurnRoutes(fastapi_app=app, paths=TURN_PATHS)._find()) == set(TURN_PATHS)
 
 

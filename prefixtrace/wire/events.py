@@ -48,4 +48,16 @@ class ReplyDone:
     stop_sequence: str | None = None
 
 
+@dataclass(slots=True)
+class Usage:
+    """The token counts a reply reports, in whichever protocol: the one way counts (and
+    `cached_tokens`) reach a recorded turn. None for prompt/completion: not told here (a count
+    told earlier stands); None for cached: not reported (unknown, not a cache miss).
+    `as_sent`: the protocol's usage object, kept on the turn as it came (None: none was sent)."""
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_tokens: int | None
+    as_sent: dict | None = None
+
+
 ReplyEvent = ContentDelta | ReasoningDelta | ToolCallStart | ToolCallArgsDelta | ReplyDone

@@ -18,7 +18,7 @@ import logging
 from typing import Any
 
 from prefixtrace.common.errors import InvalidRequest, PrefixtraceError, http_status
-from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
+from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart, Usage
 
 log = logging.getLogger("prefixtrace.wire")
 PATH = "/v1/messages"
@@ -70,18 +70,14 @@ def plain_session_id(user_id: str) -> str:
     return user_id
 
 
-def record_usage(builder, usage: dict) -> None:
-    """Fill a `TurnBuilder`'s turn from an Anthropic usage object (kept as sent in `turn.usage`):
+def usage_counts(usage: dict) -> Usage:
+    """An Anthropic usage object as the reply's counts (kept as sent in `turn.usage`):
     `prompt_tokens = input + cache read + cache creation`, `cached_tokens = cache read`."""
-    turn = builder.turn
     read, created = usage.get("cache_read_input_tokens"), usage.get("cache_creation_input_tokens")
-    if isinstance(usage.get("input_tokens"), int):
-        turn.prompt_tokens = usage["input_tokens"] + (read or 0) + (created or 0)
-    if isinstance(usage.get("output_tokens"), int):
-        turn.completion_tokens = usage["output_tokens"]
+    prompt = usage["input_tokens"] + (read or 0) + (created or 0) if isinstance(usage.get("input_tokens"), int) else None
+    completion = usage["output_tokens"] if isinstance(usage.get("output_tokens"), int) else None
     # Unknown stays None: an upstream that does not report cache reads is not a miss.
-    turn.cached_tokens = read if isinstance(read, int) else None
-    turn.usage = dict(usage)
+    return Usage(prompt, completion, read if isinstance(read, int) else None, as_sent=dict(usage))
 
 
 def to_chat_body(body: dict) -> dict:
@@ -235,7 +231,7 @@ def _translate_tool(tool: Any, j: int) -> dict:
 
 class MessagesReader:
     """A Messages event stream (an upstream's, or a HAR's) → reply events for the turn. Usage and
-    stop_reason stay in Anthropic's terms and are read by the caller (`record_usage`)."""
+    stop_reason stay in Anthropic's terms and are read by the caller (`usage_counts`)."""
 
     def __init__(self):
         self._tools: dict[int, int] = {}  # content block index → tool-call index

@@ -88,11 +88,12 @@ class Transcripts(list):
     def __init__(self, items=(), skipped: list[tuple[str, str]] | None = None):
         super().__init__(items)
         self.skipped = skipped or []
+        self.deferred: list[tuple[Path, str]] = []  # (file, harness) left to the caller to stream
 
     def poorly_rebuilt(self) -> list[Transcript]:
         """Sessions that rebuilt fewer than half of the calls their file holds: an analysis of them
         would answer for calls it does not have."""
-        return [t for t in self if t.calls and len(t.turns) * 2 < t.calls]
+        return [t for t in self if t.calls and t.rebuilt_count * 2 < t.calls]
 
 
 def _special(p: Path) -> str | None:
@@ -107,10 +108,12 @@ def _special(p: Path) -> str | None:
     return None
 
 
-def read_transcripts(path: str | Path) -> Transcripts:
+def read_transcripts(path: str | Path, defer: frozenset[str] = frozenset()) -> Transcripts:
     """Every session under `path`: one transcript file, a harness's session directory (searched
     recursively for session files), or opencode's storage. Raises InvalidRequest when nothing
-    there is a transcript of a known harness; a directory's other files are listed in `skipped`."""
+    there is a transcript of a known harness; a directory's other files are listed in `skipped`.
+    A directory's session files of a harness in `defer` are not read but listed in `deferred`
+    (an import streams them one by one: recorder/transcripts/streamed.py)."""
     p = Path(path)
     if not p.exists() and not p.is_symlink():
         raise InvalidRequest(f"{p} does not exist")
@@ -119,6 +122,7 @@ def read_transcripts(path: str | Path) -> Transcripts:
     if p.is_dir():
         found: list[Transcript] = []
         skipped: list[tuple[str, str]] = []
+        deferred: list[tuple[Path, str]] = []
         for db in sorted(p.rglob(opencode.DB_NAME)):
             if _special(db) is None and opencode.looks_like_file(db):
                 found.extend(opencode.read(db))
@@ -135,12 +139,17 @@ def read_transcripts(path: str | Path) -> Transcripts:
             if name not in HARNESSES:
                 skipped.append((str(f), "not a session file of Claude Code, Codex or pi"))
                 continue
+            if name in defer:
+                deferred.append((f, name))
+                continue
             try:
                 found.extend(HARNESSES[name].read(f))
             except InvalidRequest as exc:  # one bad file does not hide the others: it is named
                 skipped.append((str(f), exc.message))
-        if found:
-            return Transcripts(_once(found, skipped), skipped)
+        if found or deferred:
+            out = Transcripts(_once(found, skipped), skipped)
+            out.deferred = deferred
+            return out
         hint = f" ({storage}: opencode's JSON storage, holding no session with a model call)" if storage else ""
         hint += f"; passed over {len(skipped)} file(s), e.g. {skipped[0][0]}: {skipped[0][1]}" if skipped else ""
         raise InvalidRequest(f"no Claude Code, Codex, pi or opencode session found under {p}{hint}")

@@ -20,10 +20,13 @@ an `internal_chat_message_metadata_passthrough` object that is not sent: it is d
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from recorder.transcripts.common import (Transcript, int_or_none, make_turn, openai_call, parse_time,
-                                         read_jsonl_lines)
+from recorder.transcripts.common import Transcript, int_or_none, make_turn, openai_call, parse_time
+from recorder.transcripts.lines import JsonLines
+from recorder.turn import Turn
 
 HARNESS = "codex"
 ENDPOINT = "/v1/responses"
@@ -51,14 +54,16 @@ def _legacy(objs: list[dict]) -> bool:
     return not rest or any(o.get("record_type") == "state" or o.get("type") in ITEM_TYPES for o in rest)
 
 
-def _wrapped(lines: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+def _wrapped(lines: Iterable[tuple[int, dict]]) -> Iterator[tuple[int, dict]]:
     """A legacy rollout's lines in the current shape: the header as `session_meta`, each bare item
     as a `response_item` (state markers dropped)."""
-    out = [(lines[0][0], {"type": "session_meta", "timestamp": lines[0][1].get("timestamp"), "payload": lines[0][1]})]
-    for lineno, obj in lines[1:]:
+    lines = iter(lines)
+    for lineno, head in lines:
+        yield lineno, {"type": "session_meta", "timestamp": head.get("timestamp"), "payload": head}
+        break
+    for lineno, obj in lines:
         if obj.get("type") in ITEM_TYPES or (isinstance(obj.get("type"), str) and "record_type" not in obj):
-            out.append((lineno, {"type": "response_item", "timestamp": obj.get("timestamp"), "payload": obj}))
-    return out
+            yield lineno, {"type": "response_item", "timestamp": obj.get("timestamp"), "payload": obj}
 
 
 def _is_output(item: dict) -> bool:
@@ -81,20 +86,32 @@ def _effort(turn_context: dict) -> str | None:
     return effort if isinstance(effort, str) else None
 
 
-def _is_summary_call(t: Transcript, compacted: dict) -> bool:
-    """Whether the last call read is the one whose reply a local compaction's `message` quotes (Codex
-    writes the summary's reply and usage, then the `compacted` line holding it)."""
-    message, last = compacted.get("message"), t.turns[-1] if t.turns else None
-    return isinstance(message, str) and last is not None and bool(last.response_text.strip()) \
-        and last.response_text.strip() in message
-
-
 def read(path: Path) -> list[Transcript]:
-    lines = read_jsonl_lines(path)
-    legacy = _legacy([o for _, o in lines[:2]])
+    """The rollout's session, its turns held (as every reader gives them)."""
+    t, turns = stream(path, JsonLines(path))
+    t.turns = list(turns)
+    t.end_stream()
+    for n, turn in enumerate(t.turns, start=1):  # notes written after a turn was rebuilt travel on every turn
+        turn.render["transcript"]["not_rebuilt"] = list(t.notes)
+        if turn.render["transcript"].get("compacted"):
+            t.compacted.add(n)
+    return [t] if t.turns else []
+
+
+def stream(path: Path, source: Iterable[tuple[int, dict]]) -> tuple[Transcript, Iterator[Turn]]:
+    """The rollout's session and an iterator of its rebuilt turns, read line by line from `source`
+    (bounded memory: the running history is held once, as Codex holds it, and each turn's `input` is
+    a list of the same item objects). The session's notes are complete once the iterator is spent."""
+    source = iter(source)
+    head = list(itertools.islice(source, 2))
+    legacy = _legacy([o for _, o in head])
+    lines: Iterator[tuple[int, dict]] = itertools.chain(head, source)
     if legacy:
         lines = _wrapped(lines)
-    meta = next((o["payload"] for _, o in lines if o.get("type") == "session_meta"), {})
+        head = list(itertools.islice(lines, 1))
+        lines = itertools.chain(head, lines)
+    meta = next((o["payload"] for _, o in head if o.get("type") == "session_meta"
+                 and isinstance(o.get("payload"), dict)), {})
     version = "rollout before session_meta" if legacy else \
         f"rollout of {meta.get('originator') or 'codex'} {meta.get('cli_version') or '(version not written)'}"
     t = Transcript(HARNESS, str(meta.get("id") or path.stem), str(path), version=version)
@@ -109,19 +126,24 @@ def read(path: Path) -> list[Transcript]:
     t.note("tool definitions not recorded")
     t.note("request parameters (tool_choice, parallel_tool_calls, reasoning, include, store, prompt_cache_key, "
            "client_metadata) not recorded")
+    return t, _turns(t, lines)
+
+
+def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn]:
     model = effort = None
+    n = 0  # calls emitted (the turn id's number)
+    compacted = False  # the next call is the first after a compaction
     items: list[dict] = []
     out: list[dict] = []  # the current call's output items
     sent: float | None = None  # when the current call's input was complete
     input_ts: float | None = None  # time of the last input item written
     usage: dict | None = None
-    summaries = 0
 
-    def emit() -> None:
-        nonlocal out, usage
+    def emit() -> Turn | None:
+        nonlocal out, usage, n, compacted
         if not out:
             usage = None
-            return
+            return None
         body: dict = {"model": model, "input": items[: len(items) - len(out)]}
         if effort:  # the turn's reasoning effort: a cache-relevant parameter (analyzer/param_breakers.py)
             body["reasoning"] = {"effort": effort}
@@ -135,11 +157,14 @@ def read(path: Path) -> list[Transcript]:
         if usage:
             prompt, completion = int_or_none(usage.get("input_tokens")), int_or_none(usage.get("output_tokens"))
             cached = int_or_none(usage.get("cached_input_tokens"))
-        t.turns.append(make_turn(t, len(t.turns) + 1, sent, ENDPOINT, body, text=text, reasoning=reasoning,
-                                 tool_calls=calls, finish_reason="tool_calls" if calls else "stop",
-                                 prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
-                                 usage=usage))
+        n += 1
+        turn = make_turn(t, n, sent, ENDPOINT, body, text=text, reasoning=reasoning,
+                         tool_calls=calls, finish_reason="tool_calls" if calls else "stop",
+                         prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached, usage=usage)
         out, usage = [], None
+        kept = t.keep(turn, compacted=compacted)
+        compacted = compacted and not kept
+        return turn if kept else None
 
     for _lineno, obj in lines:
         kind, payload = obj.get("type"), obj.get("payload")
@@ -150,35 +175,31 @@ def read(path: Path) -> list[Transcript]:
             model = payload.get("model") or model
             effort = _effort(payload)
         elif kind == "compacted":
-            emit()
-            if _is_summary_call(t, payload):
-                # a local compaction: the call just read was the summarisation request (its last input
-                # item is Codex's own compaction prompt, not in the file); not a call of the loop
-                t.turns.pop()
-                t.calls += 1
-                summaries += 1
+            if (turn := emit()) is not None:
+                yield turn
             t.note("compacted: Codex replaced the history with a summary; items after it rebuilt from there")
-            t.mark_compacted()
+            compacted = True
             replacement = payload.get("replacement_history")
             items = [_as_sent(i) for i in replacement if isinstance(i, dict)] if isinstance(replacement, list) else []
         elif kind == "token_usage_record":  # written as a call completes, right after its output
             usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else None
-            emit()
+            if (turn := emit()) is not None:
+                yield turn
         elif kind == "event_msg" and payload.get("type") == "token_count" and out:
             info = payload.get("info")
             if isinstance(info, dict) and isinstance(info.get("last_token_usage"), dict):
                 usage = info["last_token_usage"]
-            emit()
+            if (turn := emit()) is not None:
+                yield turn
         elif kind == "response_item":
             if _is_output(payload):
                 if not out:
                     sent = input_ts
                 out.append(payload)
             else:
-                emit()
+                if (turn := emit()) is not None:
+                    yield turn
                 input_ts = ts if ts is not None else input_ts
             items.append(_as_sent(payload))
-    emit()
-    if summaries:
-        t.note(f"{summaries} compaction request(s) left out: Codex's summarisation prompt is not in the file")
-    return [t.finish()] if t.turns else []
+    if (turn := emit()) is not None:
+        yield turn

@@ -16,8 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from prefixtrace.common.errors import InvalidRequest
-from recorder.jsonl import json_lines
+from recorder.transcripts.lines import JsonLines
 from recorder.turn import Turn
 
 UPSTREAM_PREFIX = "transcript:"
@@ -38,6 +37,10 @@ class Transcript:
     # request id -> what names the call across files (Claude Code: the reply's message id), where known
     call_keys: dict[str, str] = field(default_factory=dict)
     harness_version: str | None = None  # the harness's own version number, where its file records it
+    # Read as a stream (turns handed on as they are rebuilt, not held): counts `finish` would take from `turns`.
+    rebuilt: int = 0
+    empty: int = 0
+    _last_started: float | None = None
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -51,6 +54,41 @@ class Transcript:
     @property
     def left_out(self) -> int:
         return self.calls - len(self.turns)
+
+    def keep(self, turn: Turn, *, compacted: bool = False) -> bool:
+        """`finish` for one turn of a transcript read as a stream (recorder/transcripts/streamed.py): the
+        turn is counted, stamped and kept (True), or left out when its history is not in the file. The
+        notes stamped are those known so far; the import rewrites them once the file is read."""
+        self.calls += 1
+        if not _history_of(turn.request_body):
+            self.empty += 1
+            return False
+        self.rebuilt += 1
+        if self._last_started is not None and turn.started_at <= self._last_started:
+            turn.started_at = self._last_started + 1e-6
+        self._last_started = turn.started_at
+        turn.render = {"transcript": self.origin(compacted)}
+        return True
+
+    def end_stream(self) -> None:
+        """The note a streamed read can only write at its end: how many calls were left out."""
+        if self.empty:
+            self.note(f"{self.empty} call(s) left out: their history (the messages sent) is not in the file")
+
+    def origin(self, compacted: bool = False) -> dict:
+        """What a turn's `render["transcript"]` says of where it came from."""
+        origin = {"harness": self.harness, "file": Path(self.source).name, "session": self.session_id,
+                  "version": self.version, "not_rebuilt": list(self.notes)}
+        if self.harness_version:
+            origin["harness_version"] = self.harness_version
+        if compacted:
+            origin["compacted"] = True
+        return origin
+
+    @property
+    def rebuilt_count(self) -> int:
+        """Calls rebuilt: the turns held, or, read as a stream, those already handed on."""
+        return max(self.rebuilt, len(self.turns))
 
     def finish(self) -> "Transcript":
         """Leaves out the calls whose history is not in the file (an empty request says nothing of what
@@ -71,13 +109,7 @@ class Transcript:
         self.turns, self.compacted = kept, compacted
         _keep_file_order(self.turns)
         for n, turn in enumerate(self.turns, start=1):
-            origin = {"harness": self.harness, "file": Path(self.source).name, "session": self.session_id,
-                      "version": self.version, "not_rebuilt": list(self.notes)}
-            if self.harness_version:
-                origin["harness_version"] = self.harness_version
-            if n in self.compacted:
-                origin["compacted"] = True
-            turn.render = {"transcript": origin}
+            turn.render = {"transcript": self.origin(n in self.compacted)}
         return self
 
 
@@ -115,14 +147,10 @@ def parse_time(value: Any) -> float | None:
 
 
 def read_jsonl_lines(path: Path) -> list[tuple[int, dict]]:
-    """(line number, object) of every JSON-object line; a line that does not parse raises
-    InvalidRequest naming it (a half-written last line of a live session included: import is all
-    or nothing, like every other import)."""
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"cannot read {path}: {exc}") from exc
-    return [(lineno, obj) for lineno, _, obj in json_lines(text, path) if isinstance(obj, dict)]
+    """(line number, object) of every JSON-object line, read line by line (recorder/transcripts/lines.py);
+    a line that does not parse raises InvalidRequest naming it (a half-written last line of a live
+    session included)."""
+    return list(JsonLines(path))
 
 
 def openai_call(call_id: str | None, name: str | None, arguments: Any) -> dict:

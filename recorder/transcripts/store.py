@@ -19,11 +19,17 @@ from recorder.redact import Redactor
 
 class RedactOnce(Redactor):
     """A Redactor that remembers what it made of each dict or list object it was given whole (by
-    identity: the objects are kept alive here, so an id is never reused while remembered)."""
+    identity: the objects are kept alive here, so an id is never reused while remembered). Past
+    `limit` objects it forgets them all: a streamed import must not hold every message of a multi-GB
+    file, and forgetting costs only a second redaction of an object met again."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, limit: int = 20_000, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._done: dict[int, tuple[Any, Any]] = {}
+        self.limit = limit
+
+    def forget(self) -> None:
+        self._done.clear()
 
     def value(self, value: Any, skip: frozenset = frozenset()) -> Any:
         if skip or not isinstance(value, dict):
@@ -32,6 +38,8 @@ class RedactOnce(Redactor):
         if hit is not None and hit[0] is value:
             return hit[1]
         out = super().value(value, skip)
+        if len(self._done) >= self.limit:
+            self._done.clear()
         self._done[id(value)] = (value, out)
         return out
 
@@ -59,6 +67,6 @@ def refuse_poorly_rebuilt(transcripts: list) -> None:
     poor = transcripts.poorly_rebuilt() if hasattr(transcripts, "poorly_rebuilt") else []
     if poor:
         raise InvalidRequest("; ".join(
-            f"{t.source} ({t.harness} {t.version}) rebuilt {len(t.turns)} of its {t.calls} call(s), fewer than half "
+            f"{t.source} ({t.harness} {t.version}) rebuilt {t.rebuilt_count} of its {t.calls} call(s), fewer than half "
             f"({'; '.join(n for n in t.notes if 'left out' in n or 'missing' in n) or 'see import'}): not analysed"
             for t in poor))

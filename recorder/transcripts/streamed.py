@@ -1,0 +1,230 @@
+"""A transcript imported as a stream: turns written in batches as the file is read, memory bounded.
+
+A Codex rollout of gigabytes is read line by line (recorder/transcripts/lines.py) and its calls are
+rebuilt one at a time (`codex.stream`); every BATCH_TURNS turns (or BATCH_BYTES of file) are written
+in one transaction, with the memos that make a shared history cheap to store (item texts, redacted
+objects, body ids) kept across batches and bounded. Other harnesses' files (far smaller) are read
+whole, then written the same way.
+
+What was committed stays: a file cut off mid-line, a line that is not JSON, Ctrl-C or SIGTERM stop
+the import with what it stored and where it stopped (`ImportStopped`), and running the same import
+again replaces those turns (ids are per session, file and call number), never duplicating them.
+Turns an older prefixtrace stored under its id form (session and call number, no file) are
+replaced too (`forget_older_ids`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlite_utils
+
+from prefixtrace.common.errors import InvalidRequest, PrefixtraceError
+from recorder.item_texts import SharedItemTexts
+from recorder.rows import BodyStore, redacted_row, write_rows
+from recorder.schema import open_db
+from recorder.transcripts import HARNESSES, Transcripts, codex, read_transcripts
+from recorder.transcripts.common import Transcript
+from recorder.transcripts.lines import JsonLines
+from recorder.transcripts.store import RedactOnce
+from recorder.turn import Turn
+
+BATCH_TURNS = 64
+BATCH_BYTES = 32 << 20  # of file read: a batch of few calls with huge outputs is still written soon
+BODY_CACHE_ENTRIES = 50_000  # per body-id cache: a miss costs one indexed lookup, a hit saves it
+STREAMED = {codex.HARNESS: codex.stream}  # harnesses whose reader yields turns as it reads
+
+
+@dataclass
+class Progress:
+    """Where an import stands, for a progress line."""
+
+    read_bytes: int
+    total_bytes: int
+    turns: int  # turns written (committed)
+
+
+class ImportStopped(PrefixtraceError):
+    """The import stopped partway (bad line, interrupt); what it committed stays."""
+
+    code = "import_stopped"
+
+    def __init__(self, message: str, *, interrupted: bool = False):
+        super().__init__(message)
+        self.interrupted = interrupted
+
+
+def older_id_prefix(t: Transcript) -> str:
+    """The id form transcript turns had before ids named the file: session and call number only."""
+    digest = hashlib.sha256(f"{t.harness}\0{t.session_id}".encode()).hexdigest()[:12]
+    return f"transcript-{t.harness}-{digest}-"
+
+
+def forget_older_ids(db: sqlite_utils.Database, t: Transcript) -> int:
+    """Deletes the turns an older prefixtrace stored for this session and file under the older id
+    form (its turns' `render` names the file): re-importing the file writes them under today's ids,
+    so keeping them would count every call twice. Returns how many."""
+    prefix = older_id_prefix(t)
+    cur = db.execute("DELETE FROM turn_log WHERE request_id >= ? AND request_id < ? AND "
+                     "json_extract(render, '$.transcript.file') = ?",
+                     [prefix, prefix[:-1] + chr(ord("-") + 1), Path(t.source).name])
+    return cur.rowcount
+
+
+class BatchWriter:
+    """Writes turns in batches to one database, keeping the shared-history memos across batches."""
+
+    def __init__(self, db_path: str | Path, redact_patterns=None):
+        self.db = open_db(db_path)
+        self.redactor = RedactOnce(redact_patterns)
+        self.shared = SharedItemTexts(self.redactor)
+        self.bodies = BodyStore(self.db)
+        self.bodies.cache_limit = BODY_CACHE_ENTRIES
+        self.written = 0
+
+    def write(self, turns: list[Turn], before: Callable[[], None] | None = None) -> None:
+        """One transaction: `before` (e.g. forgetting older ids), then the turns."""
+        rows = [redacted_row(t, self.redactor, self.shared) for t in turns]
+        self.redactor.forget()  # the batch's objects: later calls' shared items are the item-text memo's
+        with self.db.atomic():
+            if before is not None:
+                before()
+            write_rows(self.db, rows, self.bodies)
+        self.written += len(turns)
+
+    def restamp_notes(self, t: Transcript, first_id: str) -> None:
+        """The session's final notes on its turns written before the last note was known: every id
+        of this session and file (today's form: `first_id` less its call number), by key range."""
+        prefix = first_id.rsplit("-", 1)[0] + "-"
+        with self.db.atomic():
+            self.db.execute(
+                "UPDATE turn_log SET render = json_set(render, '$.transcript.not_rebuilt', json(?)) "
+                "WHERE request_id >= ? AND request_id < ?",
+                [json.dumps(t.notes, ensure_ascii=False), prefix, prefix[:-1] + chr(ord("-") + 1)])
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def import_transcript_file(path: Path, harness: str, db_path: str | Path, *, redact_patterns=None,
+                           on_progress: Callable[[Progress], None] | None = None) -> tuple[int, list[Transcript]]:
+    """Imports one session file of `harness` in batches; returns (turns written, its transcripts)."""
+    writer = BatchWriter(db_path, redact_patterns)
+    try:
+        if harness in STREAMED:
+            lines = JsonLines(path)
+            t, turns = STREAMED[harness](path, lines)
+            _write_stream(writer, t, turns, lines, on_progress)
+            return writer.written, [t] if t.rebuilt_count else []
+        size = path.stat().st_size
+        transcripts = HARNESSES[harness].read(path)
+        for t in transcripts:
+            _write_batches(writer, t, iter(t.turns), lambda: size, lambda: None, on_progress, size)
+        return writer.written, transcripts
+    finally:
+        writer.close()
+
+
+def import_read(transcripts: Transcripts, db_path: str | Path, *, redact_patterns=None) -> int:
+    """Sessions already read whole (opencode's database) written session by session, in batches."""
+    writer = BatchWriter(db_path, redact_patterns)
+    try:
+        for t in transcripts:
+            _write_batches(writer, t, iter(t.turns), lambda: 0, lambda: None, None, 0)
+    finally:
+        writer.close()
+    return writer.written
+
+
+def import_directory(path: Path, db_path: str | Path, *, redact_patterns=None,
+                     on_progress: Callable[[Progress], None] | None = None) -> tuple[int, Transcripts]:
+    """Every session under the directory `path`: those read whole written in batches, then each
+    streamed harness's file streamed. A file that stops partway (a bad line) keeps what it wrote and
+    is listed in `skipped` with where it stopped; an interrupt stops the whole import."""
+    found = read_transcripts(path, defer=frozenset(STREAMED))
+    writer = BatchWriter(db_path, redact_patterns)
+    total = sum(f.stat().st_size for f, _ in found.deferred)
+    done = 0
+
+    def moved(p: Progress) -> None:
+        if on_progress is not None:
+            on_progress(Progress(done + p.read_bytes, total, p.turns))
+
+    try:
+        for t in found:
+            _write_batches(writer, t, iter(t.turns), lambda: done, lambda: None, moved, total)
+        for f, harness in found.deferred:
+            lines = JsonLines(f)
+            try:
+                t, turns = STREAMED[harness](f, lines)
+                _write_stream(writer, t, turns, lines, moved)
+            except ImportStopped as exc:
+                if exc.interrupted:
+                    raise
+                found.skipped.append((str(f), exc.message))
+            except InvalidRequest as exc:  # before its first turn: nothing of it written
+                found.skipped.append((str(f), exc.message))
+            else:
+                if t.rebuilt_count:
+                    found.append(t)
+            done += lines.size
+    finally:
+        writer.close()
+    if not found:
+        why = f"; passed over {len(found.skipped)} file(s), e.g. {found.skipped[0][0]}: {found.skipped[0][1]}" \
+            if found.skipped else ""
+        raise InvalidRequest(f"no Claude Code, Codex, pi or opencode session with a model call found under {path}{why}")
+    return writer.written, found
+
+
+def _write_stream(writer: BatchWriter, t: Transcript, turns: Iterator[Turn], lines: JsonLines,
+                  on_progress: Callable[[Progress], None] | None) -> None:
+    stamped = list(t.notes)
+    first = _write_batches(writer, t, turns, lambda: lines.position, lambda: lines.lineno, on_progress, lines.size)
+    t.end_stream()
+    if first is not None and t.notes != stamped:
+        writer.restamp_notes(t, first)
+
+
+def _write_batches(writer: BatchWriter, t: Transcript, turns: Iterator[Turn], position: Callable[[], int],
+                   lineno: Callable[[], int | None], on_progress, total: int) -> str | None:
+    """Writes `turns` in batches; returns the first turn's id (None: none). A stop (bad line,
+    interrupt) raises ImportStopped saying what was kept."""
+    kept = 0
+    first_id: str | None = None
+    batch: list[Turn] = []
+    first = True
+    mark = 0
+
+    def flush() -> None:
+        nonlocal batch, first, mark, kept, first_id
+        if batch or first:
+            writer.write(batch, (lambda: forget_older_ids(writer.db, t)) if first else None)
+            kept += len(batch)
+            first_id = first_id or (batch[0].request_id if batch else None)
+            batch, first, mark = [], False, position()
+        if on_progress is not None:
+            on_progress(Progress(position(), total, writer.written))
+
+    try:
+        for turn in turns:
+            batch.append(turn)
+            if len(batch) >= BATCH_TURNS or position() - mark >= BATCH_BYTES:
+                flush()
+        flush()
+    except InvalidRequest as exc:
+        raise ImportStopped(f"{exc.message}; {_kept(t, kept)}") from exc
+    except KeyboardInterrupt as exc:
+        where = f"line {lineno():,}, " if lineno() else ""
+        raise ImportStopped(f"import of {t.source} interrupted at {where}{position() / 1e6:,.1f} of "
+                            f"{total / 1e6:,.1f} MB read; {_kept(t, kept)}", interrupted=True) from exc
+    return first_id
+
+
+def _kept(t: Transcript, kept: int) -> str:
+    return (f"{kept:,} turn(s) of session {t.session_id} written before it are kept; running the same "
+            "import again redoes the file safely (its turns are replaced, never duplicated)")
