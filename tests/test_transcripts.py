@@ -172,7 +172,7 @@ def test_opencode_database_is_sniffed_and_rebuilt_per_step():
 
 
 def test_opencode_rebuilt_requests_match_the_recorded_ones():
-    turns, [t] = transcript_turns(FIX / "opencode")
+    turns, [t] = transcript_turns(FIX / "opencode" / "opencode.db")
     recorded = recording("opencode")
     title, *loop = recorded  # the side request the notes say is not in the transcript
     assert not title["request"].get("tools") and "Generate a title" in json.dumps(title["request"]["messages"])

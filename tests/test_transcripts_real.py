@@ -14,6 +14,7 @@ import pytest
 
 from analyzer import analyze, check
 from recorder.transcripts import read_transcripts, transcript_turns
+from recorder.transcripts.common import parse_time
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = ROOT / "fixtures" / "transcripts"
@@ -70,6 +71,30 @@ def test_check_allow_compaction_passes_a_pi_session_whose_only_client_breaks_are
     path = REAL / "pi" / "real" / "before-compaction.jsonl"
     assert check(path, allow="compaction").ok
     assert not check(path).ok
+
+
+def test_pi_session_with_two_entries_glued_on_one_line_reads_both():
+    """pi appended an entry to a line that had lost its newline (line 440 of this real file): both
+    entries were in the session pi sent, so both are read, and the notes say so."""
+    path = REAL / "pi" / "real" / "session-glued-line.jsonl"
+    [t] = read_transcripts(path)
+    assert t.version == "session format v1" and t.calls == len(t.turns) == 212
+    assert any("1 line(s) held two entries" in n for n in t.notes)
+    # the user's "ok" glued after an assistant reply is in the next call's history
+    after = [turn for turn in t.turns if turn.started_at > parse_time("2025-12-17T21:20:35Z")][0]
+    assert any(m["role"] == "user" and json.dumps(m["content"]) in ('"ok"', '[{"type": "text", "text": "ok"}]')
+               for m in history(after))
+    # every break the analyzer finds is one the provider's usage shows: 4 full misses
+    assert causes(analyze(path)) == ["server_miss"] * 4
+
+
+def test_pi_session_with_a_compaction_and_misses_names_each_as_the_usage_shows():
+    path = REAL / "pi" / "real" / "compact.jsonl"
+    [t] = read_transcripts(path)
+    assert t.version == "session format v1" and t.calls == len(t.turns) == 348
+    assert len(t.compacted) == 1
+    found = causes(analyze(path))
+    assert sorted(found) == ["compaction"] + ["server_miss"] * 10
 
 
 def test_pi_session_format_newer_than_any_shipped_is_refused_in_one_line_naming_it(tmp_path):
@@ -233,3 +258,105 @@ def test_a_resumed_claude_code_session_repeating_another_files_calls_counts_each
                               f"every call of session {found[0].session_id} is also in a.jsonl")]
     assert found.poorly_rebuilt() == []
     assert check([turn for t in found for turn in t.turns]).ok
+
+
+# --- opencode JSON storage, written here by opencode 1.1.65 (the last minor before opencode.db) ----
+
+OPENCODE_JSON = REAL / "opencode" / "real" / "json-storage-1.1.65"
+
+
+def test_opencode_json_storage_written_by_opencode_rebuilds_the_requests_it_sent():
+    """Two `opencode run` calls (the second `-c`) against a prefixtrace serve, which recorded what
+    opencode sent: the storage's rebuild is those requests, less the system prompt the notes name."""
+    turns, [t] = transcript_turns(OPENCODE_JSON / "storage")
+    assert t.version == "JSON storage (opencode 1.1.65)"
+    recorded = [json.loads(line) for line in (OPENCODE_JSON / "recording.jsonl").read_text().splitlines()]
+    loop = [r for r in recorded if r["request"].get("tools")]  # the rest are title requests (noted)
+    assert len(turns) == len(loop) == 3 and len(recorded) == 6
+    for turn, rec in zip(turns, loop, strict=True):
+        assert turn.request_body["messages"] == [m for m in rec["request"]["messages"] if m["role"] != "system"]
+        assert turn.response_text == rec["response"]["text"]
+        assert (turn.prompt_tokens, turn.cached_tokens) == (rec["tokens"]["prompt"], rec["tokens"]["cached"])
+    # the `-c` run continued the same session: one session, append-only, no break
+    assert causes(analyze(turns)) == []
+
+
+def test_opencode_json_storage_imports_from_the_data_directory(tmp_path):
+    r = cli("import", str(OPENCODE_JSON), "--db", str(tmp_path / "x.db"))
+    assert r.returncode == 0, r.stderr
+    assert "JSON storage (opencode 1.1.65)): 3 of 3 call(s) rebuilt" in r.stdout
+
+
+# --- Codex local compaction, written here by codex-cli 0.171.0 --------------------------------------
+
+def test_codex_rollout_with_local_compactions_names_each_compaction_and_passes_check_allow_compaction():
+    path = next((REAL / "codex" / "real").glob("rollout-2026-12-05T03-17-27-*.jsonl"))
+    [t] = read_transcripts(path)
+    assert t.version == "rollout of codex_exec 0.171.0" and t.calls == 7
+    assert all(history(turn) for turn in t.turns)
+    assert causes(analyze(path)).count("compaction") >= 1 and set(causes(analyze(path))) == {"compaction"}
+    assert check(path, allow="compaction").ok and not check(path).ok
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed on the streamed reader yet: a local compaction's summarisation "
+                   "call (written just before its `compacted` line, whose `message` quotes its reply) is read as "
+                   "a loop call without its prompt; it should be left out with a note")
+def test_codex_rollout_with_local_compactions_rebuilds_the_loop_and_leaves_the_summary_calls_out():
+    """Codex wrote each summarisation call (reply + usage) before its `compacted` line: those 3 calls
+    are left out (their prompt is Codex's own), and the 4 calls of the loop are exactly what the proxy
+    recorded of the same run, less the base-instructions message the notes name."""
+    real = REAL / "codex" / "real"
+    path = next(real.glob("rollout-2026-12-05T03-17-27-*.jsonl"))
+    [t] = read_transcripts(path)
+    assert t.version == "rollout of codex_exec 0.171.0" and t.calls == 7 and len(t.turns) == 4
+    assert "3 compaction request(s) left out: Codex's summarisation prompt is not in the file" in t.notes
+    assert sorted(t.compacted) == [2, 3, 4]  # each call after a `compacted` line
+    recorded = [json.loads(line) for line in (real / "recording-local-compaction.jsonl").read_text().splitlines()]
+    loop = [r for r in recorded if r["request"].get("tools")]  # the rest are the summarisation calls
+    for turn, rec in zip(t.turns, loop, strict=True):
+        sent = [{k: v for k, v in i.items() if k != "internal_chat_message_metadata_passthrough"}
+                for i in rec["request"]["input"][1:]]
+        assert turn.request_body["input"] == sent
+        assert (turn.prompt_tokens, turn.cached_tokens) == (rec["tokens"]["prompt"], rec["tokens"]["cached"])
+    assert causes(analyze(path)) == ["compaction"]  # the later two kept the compacted prefix
+    assert check(path, allow="compaction").ok and not check(path).ok
+
+
+# --- Claude Code 2.1.197, resumed twice (`-r`), a `/compact` that failed in between (written here) ---
+
+CLAUDE_RESUMED = REAL / "claude" / "real" / "resumed-after-failed-compact.jsonl"
+
+
+def _without_cache_control(messages: list) -> list:
+    """The messages less Claude Code's `cache_control` markers (not in the transcript: noted)."""
+    def strip(v):
+        if isinstance(v, dict):
+            return {k: strip(x) for k, x in v.items() if k != "cache_control"}
+        return [strip(x) for x in v] if isinstance(v, list) else v
+    return strip(messages)
+
+
+def _claude_resumed():
+    [t] = read_transcripts(CLAUDE_RESUMED)
+    recorded = [json.loads(line) for line in
+                (REAL / "claude" / "real" / "recording-resumed-after-failed-compact.jsonl").read_text().splitlines()]
+    # the 3rd recorded request is the failed summarisation (a side request, not in the transcript)
+    return t, [r for i, r in enumerate(recorded) if i != 2]
+
+
+def test_claude_code_resumed_session_rebuilds_the_calls_before_the_local_command():
+    t, recorded = _claude_resumed()
+    assert t.version == "2.1.197" and t.calls == len(t.turns) == 3
+    for turn, rec in zip(t.turns[:2], recorded[:2]):
+        # the first user message less the <system-reminder> block the notes name
+        assert turn.request_body["messages"][1:] == _without_cache_control(rec["request"]["messages"][1:])
+        assert (turn.prompt_tokens, turn.cached_tokens) == (rec["tokens"]["prompt"], rec["tokens"]["cached"])
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed yet: Claude Code sends the <synthetic> 'No response requested.' "
+                   "reply between the command and the next prompt, and the local command's stdout (a `system` "
+                   "`local_command` line) merged into that prompt; the reader skips both and merges the prompt "
+                   "into the command's user message")
+def test_claude_code_call_after_a_local_command_is_what_claude_code_sent():
+    t, recorded = _claude_resumed()
+    assert t.turns[2].request_body["messages"][1:] == _without_cache_control(recorded[2]["request"]["messages"][1:])

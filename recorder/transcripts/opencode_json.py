@@ -20,6 +20,12 @@ from recorder.transcripts.common import Transcript
 VERSION = "JSON storage (opencode before opencode.db)"
 
 
+def _version(info: dict) -> str:
+    """The format and, where the session names it (opencode 1.x writes `version`), the writer."""
+    written_by = info.get("version")
+    return f"JSON storage (opencode {written_by})" if isinstance(written_by, str) and written_by else VERSION
+
+
 def find_storage(p: Path) -> Path | None:
     """`p` itself or the first `storage` directory below it holding `session/` and `message/`."""
     for d in (p, *sorted(p.rglob("storage"))):
@@ -54,7 +60,7 @@ def read(storage: Path) -> list[Transcript]:
             parts = m.get("parts") if isinstance(m.get("parts"), list) else \
                 [_load(f) for f in sorted((storage / "part" / m["id"]).glob("*.json"))]
             by_message[m["id"]] = sorted((p for p in parts if isinstance(p, dict)), key=lambda p: str(p.get("id", "")))
-        t = Transcript(opencode.HARNESS, sid, str(storage), version=VERSION)
+        t = Transcript(opencode.HARNESS, sid, str(storage), version=_version(info))
         for note in opencode.SESSION_NOTES:
             t.note(note)
         if info.get("parentID"):

@@ -22,8 +22,7 @@ import json
 from pathlib import Path
 
 from prefixtrace.common.errors import InvalidRequest
-from recorder.transcripts.common import (Transcript, int_or_none, make_turn, openai_call, parse_time,
-                                         read_jsonl_lines)
+from recorder.transcripts.common import Transcript, int_or_none, make_turn, openai_call, parse_time
 
 HARNESS = "pi"
 ENDPOINT = "/v1/chat/completions"  # every call is rebuilt in this API's form (a note says when it was another)
@@ -48,12 +47,38 @@ def format_version(header: dict) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def _entries(path: Path) -> tuple[list[dict], int]:
+    """The file's entries and how many lines held two of them. pi sometimes appends an entry to a
+    line that lost its newline (real files in pi-mono's history: `{…"stopReason":"stop"…}{"type":
+    "message",…}`); pi's loader then drops both, but both were in the session pi had in memory and
+    sent, so both are read (split with the stdlib decoder's raw_decode). Any other line that is not
+    JSON still fails the import, naming it."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"cannot read {path}: {exc}") from exc
+    decoder = json.JSONDecoder()
+    out, glued = [], 0
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        values, rest = [], line.strip()
+        while rest:
+            try:
+                value, end = decoder.raw_decode(rest)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequest(f"{path}:{lineno}: not valid JSON: {exc.msg}", line=lineno) from None
+            values.append(value)
+            rest = rest[end:].lstrip()
+        glued += len(values) > 1
+        out += [v for v in values if isinstance(v, dict)]
+    return out, glued
+
+
 def read(path: Path) -> list[Transcript]:
     """One model call per assistant entry, in file order; its history is the chain of `parentId`
     links back to the root, so a session pi branched (`/tree`, `/fork`) gives each call its own.
     A version-1 file (no entry ids: one linear chain, compactions pointing at a line index) is
     linked the way pi's own migration links it."""
-    lines = [obj for _, obj in read_jsonl_lines(path)]
+    lines, glued = _entries(path)
     header = lines[0] if lines else {}
     version = format_version(header)
     if version not in SUPPORTED_VERSIONS:
@@ -63,6 +88,8 @@ def read(path: Path) -> list[Transcript]:
     t.note("system prompt not in the transcript")
     t.note("tool definitions not recorded")
     t.note("request parameters (max_tokens, stream_options) not recorded")
+    if glued:
+        t.note(f"{glued} line(s) held two entries written without a newline between them: both read")
     if version == 1:
         _link_linear(lines)
     by_id = {o["id"]: o for o in lines if isinstance(o.get("id"), str) and o.get("type") != "session"}
