@@ -298,9 +298,6 @@ def test_codex_rollout_with_local_compactions_names_each_compaction_and_passes_c
     assert check(path, allow="compaction").ok and not check(path).ok
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed on the streamed reader yet: a local compaction's summarisation "
-                   "call (written just before its `compacted` line, whose `message` quotes its reply) is read as "
-                   "a loop call without its prompt; it should be left out with a note")
 def test_codex_rollout_with_local_compactions_rebuilds_the_loop_and_leaves_the_summary_calls_out():
     """Codex wrote each summarisation call (reply + usage) before its `compacted` line: those 3 calls
     are left out (their prompt is Codex's own), and the 4 calls of the loop are exactly what the proxy

@@ -86,6 +86,13 @@ def _effort(turn_context: dict) -> str | None:
     return effort if isinstance(effort, str) else None
 
 
+def _is_summary_call(turn: Turn, compacted: dict) -> bool:
+    """Whether `turn` is the call whose reply a local compaction's `message` quotes (Codex writes the
+    summary's reply and usage, then the `compacted` line holding it)."""
+    message, reply = compacted.get("message"), turn.response_text.strip()
+    return isinstance(message, str) and bool(reply) and reply in message
+
+
 def read(path: Path) -> list[Transcript]:
     """The rollout's session, its turns held (as every reader gives them)."""
     t, turns = stream(path, JsonLines(path))
@@ -166,6 +173,12 @@ def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn]:
         compacted = compacted and not kept
         return turn if kept else None
 
+    # One rebuilt turn is held back before it is handed on: Codex writes a local compaction's
+    # summarisation call (its reply and usage) before the `compacted` line that quotes that reply, so a
+    # call is known to be the loop's only once the next line is read. One turn more in memory.
+    held: Turn | None = None
+    summaries = 0
+
     for _lineno, obj in lines:
         kind, payload = obj.get("type"), obj.get("payload")
         ts = parse_time(obj.get("timestamp"))
@@ -176,7 +189,13 @@ def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn]:
             effort = _effort(payload)
         elif kind == "compacted":
             if (turn := emit()) is not None:
-                yield turn
+                if held is not None:
+                    yield held
+                held = turn
+            if held is not None and _is_summary_call(held, payload):
+                # a local compaction's request: its last input item is Codex's own summarisation prompt,
+                # not in the file, so it is not a call of the loop
+                held, t.rebuilt, summaries = None, t.rebuilt - 1, summaries + 1
             t.note("compacted: Codex replaced the history with a summary; items after it rebuilt from there")
             compacted = True
             replacement = payload.get("replacement_history")
@@ -184,13 +203,17 @@ def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn]:
         elif kind == "token_usage_record":  # written as a call completes, right after its output
             usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else None
             if (turn := emit()) is not None:
-                yield turn
+                if held is not None:
+                    yield held
+                held = turn
         elif kind == "event_msg" and payload.get("type") == "token_count" and out:
             info = payload.get("info")
             if isinstance(info, dict) and isinstance(info.get("last_token_usage"), dict):
                 usage = info["last_token_usage"]
             if (turn := emit()) is not None:
-                yield turn
+                if held is not None:
+                    yield held
+                held = turn
         elif kind == "response_item":
             if _is_output(payload):
                 if not out:
@@ -198,8 +221,16 @@ def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn]:
                 out.append(payload)
             else:
                 if (turn := emit()) is not None:
-                    yield turn
+                    if held is not None:
+                        yield held
+                    held = turn
                 input_ts = ts if ts is not None else input_ts
             items.append(_as_sent(payload))
     if (turn := emit()) is not None:
-        yield turn
+        if held is not None:
+            yield held
+        held = turn
+    if held is not None:
+        yield held
+    if summaries:
+        t.note(f"{summaries} compaction request(s) left out: Codex's summarisation prompt is not in the file")
