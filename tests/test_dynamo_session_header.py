@@ -12,8 +12,8 @@ from proxy.upstream_backend import UpstreamBackend
 from tests.conftest import running_server
 
 
-@pytest.mark.slow  # two servers
-def test_session_id_reaches_the_upstream_as_dynamo_session_header(recorder):
+def _capturing_upstream() -> tuple[FastAPI, list[dict]]:
+    """An OpenAI-style upstream that keeps each request's headers, in order."""
     seen: list[dict] = []
     app = FastAPI()
 
@@ -24,6 +24,13 @@ def test_session_id_reaches_the_upstream_as_dynamo_session_header(recorder):
         return {"id": "c", "object": "chat.completion", "model": "m", "created": 0,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+
+    return app, seen
+
+
+@pytest.mark.slow  # two servers
+def test_session_id_reaches_the_upstream_as_dynamo_session_header(recorder):
+    app, seen = _capturing_upstream()
 
     with running_server(app) as upstream:
         with running_server(create_app(UpstreamBackend(upstream + "/v1"), recorder)) as url:
@@ -39,16 +46,7 @@ def test_session_id_reaches_the_upstream_as_dynamo_session_header(recorder):
 def test_sub_agent_parent_reaches_the_upstream_as_dynamo_parent_header(recorder):
     """Dynamo reads a harness's own sub-agent headers only without X-Dynamo-Session-ID; the proxy sends
     that header, so it must say the sub-agent and its parent in Dynamo's headers (docs/FLEET.md)."""
-    seen: list[dict] = []
-    app = FastAPI()
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        seen.append(dict(request.headers))
-        await request.json()
-        return {"id": "c", "object": "chat.completion", "model": "m", "created": 0,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    app, seen = _capturing_upstream()
 
     @app.post("/v1/messages")
     async def messages(request: Request):

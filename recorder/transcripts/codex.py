@@ -133,10 +133,38 @@ def stream(path: Path, source: Iterable[tuple[int, dict]]) -> tuple[Transcript, 
     t.note("tool definitions not recorded")
     t.note("request parameters (tool_choice, parallel_tool_calls, reasoning, include, store, prompt_cache_key, "
            "client_metadata) not recorded")
-    return t, _turns(t, lines)
+    return t, _without_summary_calls(t, _turns(t, lines))
 
 
-def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn]:
+class _Compacted:
+    """A `compacted` line, as `_turns` reads it: the summary `message` a local compaction quotes."""
+
+    def __init__(self, payload: dict):
+        self.payload = payload
+
+
+def _without_summary_calls(t: Transcript, read: Iterator[Turn | _Compacted]) -> Iterator[Turn]:
+    """The loop's calls: Codex writes a local compaction's summarisation call (its reply and usage) before
+    the `compacted` line that quotes that reply, so a call is known to be the loop's only once the next
+    line is read; one turn is held back until then. The summarisation call's last input item is Codex's
+    own prompt, not in the file: it is left out with a note."""
+    held: Turn | None = None
+    summaries = 0
+    for item in read:
+        if isinstance(item, _Compacted):
+            if held is not None and _is_summary_call(held, item.payload):
+                held, t.rebuilt, summaries = None, t.rebuilt - 1, summaries + 1
+            continue
+        if held is not None:
+            yield held
+        held = item
+    if held is not None:
+        yield held
+    if summaries:
+        t.note(f"{summaries} compaction request(s) left out: Codex's summarisation prompt is not in the file")
+
+
+def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn | _Compacted]:
     model = effort = None
     n = 0  # calls emitted (the turn id's number)
     compacted = False  # the next call is the first after a compaction
@@ -173,12 +201,6 @@ def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn]:
         compacted = compacted and not kept
         return turn if kept else None
 
-    # One rebuilt turn is held back before it is handed on: Codex writes a local compaction's
-    # summarisation call (its reply and usage) before the `compacted` line that quotes that reply, so a
-    # call is known to be the loop's only once the next line is read. One turn more in memory.
-    held: Turn | None = None
-    summaries = 0
-
     for _lineno, obj in lines:
         kind, payload = obj.get("type"), obj.get("payload")
         ts = parse_time(obj.get("timestamp"))
@@ -189,13 +211,8 @@ def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn]:
             effort = _effort(payload)
         elif kind == "compacted":
             if (turn := emit()) is not None:
-                if held is not None:
-                    yield held
-                held = turn
-            if held is not None and _is_summary_call(held, payload):
-                # a local compaction's request: its last input item is Codex's own summarisation prompt,
-                # not in the file, so it is not a call of the loop
-                held, t.rebuilt, summaries = None, t.rebuilt - 1, summaries + 1
+                yield turn
+            yield _Compacted(payload)
             t.note("compacted: Codex replaced the history with a summary; items after it rebuilt from there")
             compacted = True
             replacement = payload.get("replacement_history")
@@ -203,17 +220,13 @@ def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn]:
         elif kind == "token_usage_record":  # written as a call completes, right after its output
             usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else None
             if (turn := emit()) is not None:
-                if held is not None:
-                    yield held
-                held = turn
+                yield turn
         elif kind == "event_msg" and payload.get("type") == "token_count" and out:
             info = payload.get("info")
             if isinstance(info, dict) and isinstance(info.get("last_token_usage"), dict):
                 usage = info["last_token_usage"]
             if (turn := emit()) is not None:
-                if held is not None:
-                    yield held
-                held = turn
+                yield turn
         elif kind == "response_item":
             if _is_output(payload):
                 if not out:
@@ -221,16 +234,8 @@ def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn]:
                 out.append(payload)
             else:
                 if (turn := emit()) is not None:
-                    if held is not None:
-                        yield held
-                    held = turn
+                    yield turn
                 input_ts = ts if ts is not None else input_ts
             items.append(_as_sent(payload))
     if (turn := emit()) is not None:
-        if held is not None:
-            yield held
-        held = turn
-    if held is not None:
-        yield held
-    if summaries:
-        t.note(f"{summaries} compaction request(s) left out: Codex's summarisation prompt is not in the file")
+        yield turn
