@@ -332,7 +332,7 @@ PUBLISHED_RENDERERS: dict[str, str] = {}
 
 def mark_served(builder: TurnBuilder, url: str) -> None:
     """The turn names the upstream member that answered and, when it published one, its renderer."""
-    builder.turn.served_by = url
+    builder.on_served(url)
     builder.turn.renderer_id = PUBLISHED_RENDERERS.get(url)
 
 
@@ -432,6 +432,5 @@ class Relayed:
 
     def fault(self, why: str, event: bytes) -> None:
         """The first unreadable event of a stream, kept as the turn's error (the client got it as sent)."""
-        turn = self.builder.turn
-        if not turn.error:
-            turn.error = f"upstream {self.url} sent an event the proxy cannot read ({why}): {_excerpt(event)}"
+        if not self.builder.turn.error:
+            self.builder.on_error(f"upstream {self.url} sent an event the proxy cannot read ({why}): {_excerpt(event)}")

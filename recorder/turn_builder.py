@@ -32,6 +32,43 @@ class TurnBuilder:
     def elapsed(self) -> float:
         return time.perf_counter() - self._t0
 
+    # What the relay learns of the request (proxy/relay.py).
+
+    def on_request(self, body: Any, raw: str | None = None, *, headers: dict[str, str] | None = None,
+                   fixes: list[dict] | None = None) -> None:
+        """The request as it goes on: its body (parsed, or the text or marker stored in its place), the
+        body's exact text, the headers it is sent with and the `serve --fix` entries applied to it."""
+        turn = self.turn
+        turn.request_body, turn.request_raw = body, raw
+        if headers is not None:
+            turn.request_headers = headers
+        if fixes is not None:
+            turn.fixes = fixes
+
+    def on_session(self, session_id: str | None, *, stream: bool = False) -> None:
+        """The session the request is filed under, and whether its reply streams."""
+        self.turn.session_id, self.turn.stream = session_id, stream
+
+    # What the backend that answers tells of itself and of the prompt it ran.
+
+    def on_served(self, by: str, *, renderer_id: str | None = None) -> None:
+        """Who answered (an engine, an upstream member, a router's worker) and, when known, the id of
+        the renderer that counted the prompt (a later call naming only `by` keeps it)."""
+        self.turn.served_by = by
+        if renderer_id is not None:
+            self.turn.renderer_id = renderer_id
+
+    def on_render(self, **facts: Any) -> None:
+        """Engine-side facts of the prompt and the reply (`prompt_tokens`, `policy`, `reply_token_ids`, ...),
+        added to `turn.render`."""
+        if self.turn.render is None:
+            self.turn.render = {}
+        self.turn.render.update(facts)
+
+    def on_error(self, message: str) -> None:
+        """The reply failed, as its backend told it (in band, or an error body): the turn's error."""
+        self.turn.error = message
+
     def text_so_far(self) -> None:
         """Join the pieces received so far into `turn.response_text` / `reasoning_text` (linear:
         called once a reply is done, not per piece)."""
@@ -86,7 +123,7 @@ class TurnBuilder:
         elif isinstance(event, ReplyDone):
             self.text_so_far()  # the reply is whole: its writers may read the text now
             turn.finish_reason = event.finish_reason
-            self.on_counts(Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens))
+            self.on_counts(Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens, as_sent=event.usage))
 
     def on_whole(self, events) -> None:
         """The reply events of a whole (non-streamed) body: no first token was seen apart from
@@ -101,8 +138,9 @@ class TurnBuilder:
         """One SSE event went out (its time is kept for the recorded chunk timeline)."""
         self.turn.chunk_times.append(round(self.elapsed(), 6))
 
-    def on_response(self, body: dict[str, Any]) -> None:
-        """A whole (non-streamed) chat.completion body."""
+    def on_response(self, body: dict[str, Any], *, ttft_s: float | None = None) -> None:
+        """A whole (non-streamed) chat.completion body; `ttft_s`: the first token's time as the backend
+        measured it (None: not known, the turn's stays)."""
         choices = _listed(body.get("choices"), "choices")
         usage = body.get("usage")
         if choices:
@@ -121,6 +159,8 @@ class TurnBuilder:
             self.turn.finish_reason = finish
         if usage:
             self.on_usage(_object(usage, "usage"))
+        if ttft_s is not None:
+            self.turn.ttft_s = ttft_s
 
     def on_usage(self, usage: dict[str, Any]) -> None:
         """An OpenAI usage object (a chat chunk's or a whole body's)."""
@@ -141,6 +181,13 @@ class TurnBuilder:
         if usage.completion_tokens is not None:
             turn.completion_tokens = usage.completion_tokens
         turn.cached_tokens = usage.cached_tokens
+
+    def cancelled(self, error: str) -> Turn:
+        """The turn of a reply stopped before its end (the client hung up, the server is stopping):
+        499, "cancelled" unless the reply had already said how it ended."""
+        if self.turn.finish_reason is None:
+            self.turn.finish_reason = "cancelled"
+        return self.finish(499, error)
 
     def finish(self, status: int, error: str | None = None) -> Turn:
         self.turn.status = status
