@@ -171,10 +171,10 @@ def read_jsonl(path: str | Path, *, base_ts: float | None = None) -> list[Turn]:
             register(info)  # the writer stores it with the first turn that names it (recorder/renderers.py)
             continue
         try:
-            turn = record_to_turn(obj, lineno=lineno, base_ts=base, source=p.name)
+            turn = record_to_turn(obj, lineno=lineno, base_ts=base, source=p.name,
+                                  request_raw=_raw_request(line, obj))
         except InvalidRequest as exc:
             raise InvalidRequest(f"{p}:{lineno}: {exc.message}", line=lineno) from exc
-        turn.request_raw = _raw_request(line, obj)
         turns.append(turn)
     return turns
 
@@ -247,9 +247,10 @@ def _usage_counts(usage: dict | None) -> tuple[int | None, int | None, int | Non
     return _int(usage, "prompt_tokens"), _int(usage, "completion_tokens"), cached
 
 
-def record_to_turn(obj: Any, *, lineno: int = 0, base_ts: float = 0.0, source: str = "") -> Turn:
+def record_to_turn(obj: Any, *, lineno: int = 0, base_ts: float = 0.0, source: str = "",
+                   request_raw: str | None = None) -> Turn:
     """One JSONL object (wrapped form, or a bare chat-completions request
-    body) as a Turn."""
+    body) as a Turn; `request_raw`: the body's exact text, where the file keeps it."""
     if not isinstance(obj, dict):
         raise InvalidRequest(f"expected a JSON object, got {type(obj).__name__}")
     if "request" not in obj:
@@ -265,6 +266,7 @@ def record_to_turn(obj: Any, *, lineno: int = 0, base_ts: float = 0.0, source: s
             upstream=DEFAULT_UPSTREAM,
             request_body=obj,
             stream=bool(obj.get("stream", False)),
+            request_raw=request_raw,
         )
 
     request = obj["request"]
@@ -308,4 +310,5 @@ def record_to_turn(obj: Any, *, lineno: int = 0, base_ts: float = 0.0, source: s
         render=_get(obj, "render", (dict,)),
         served_by=_get(obj, "served_by", (str,)),
         renderer_id=_get(obj, "renderer_id", (str,)),
+        request_raw=request_raw,
     )

@@ -22,8 +22,12 @@ from recorder.turn import Turn
 
 
 class TurnBuilder:
-    def __init__(self, turn: Turn):
+    """`timed=False`: a reply read from a recording (a HAR), whose times are the recording's and already
+    on the turn: the builder's own clock then stamps nothing (no TTFT, chunk times or total)."""
+
+    def __init__(self, turn: Turn, *, timed: bool = True):
         self.turn = turn
+        self.timed = timed
         self._t0 = time.perf_counter()
         self._tool_calls: dict[int, dict] = {}
         self._text: list[str] = []  # pieces not yet joined into turn.response_text
@@ -65,6 +69,12 @@ class TurnBuilder:
             self.turn.render = {}
         self.turn.render.update(facts)
 
+    def on_stop(self, finish_reason: str | None) -> None:
+        """How the reply ended, where its protocol tells it apart from the rest (Messages' stop_reason,
+        in OpenAI's terms): None keeps what was told before."""
+        if finish_reason is not None:
+            self.turn.finish_reason = finish_reason
+
     def on_error(self, message: str) -> None:
         """The reply failed, as its backend told it (in band, or an error body): the turn's error."""
         self.turn.error = message
@@ -82,7 +92,8 @@ class TurnBuilder:
 
     def on_chunk(self, chunk: dict[str, Any]) -> None:
         turn = self.turn
-        turn.chunk_times.append(round(time.perf_counter() - self._t0, 6))
+        if self.timed:
+            turn.chunk_times.append(round(time.perf_counter() - self._t0, 6))
         usage = chunk.get("usage")
         for choice in _listed(chunk.get("choices"), "choices"):
             if not isinstance(choice, dict):
@@ -93,7 +104,7 @@ class TurnBuilder:
             content = _content(delta.get("content") if "text" not in choice else choice["text"])
             reasoning = _text(delta.get("reasoning_content") or delta.get("reasoning"), "reasoning")
             calls = _listed(delta.get("tool_calls"), "tool_calls")
-            if (content or reasoning or calls) and turn.ttft_s is None:
+            if (content or reasoning or calls) and turn.ttft_s is None and self.timed:
                 turn.ttft_s = self.elapsed()
             if content:
                 self._text.append(content)
@@ -110,7 +121,7 @@ class TurnBuilder:
     def on_event(self, event: ReplyEvent) -> None:
         """One reply event, as the client is sent it (in whatever protocol)."""
         turn = self.turn
-        if isinstance(event, (ContentDelta, ReasoningDelta, ToolCallStart)) and turn.ttft_s is None:
+        if isinstance(event, (ContentDelta, ReasoningDelta, ToolCallStart)) and turn.ttft_s is None and self.timed:
             turn.ttft_s = self.elapsed()
         if isinstance(event, ContentDelta):
             self._text.append(event.text)
@@ -136,7 +147,8 @@ class TurnBuilder:
 
     def on_sent(self) -> None:
         """One SSE event went out (its time is kept for the recorded chunk timeline)."""
-        self.turn.chunk_times.append(round(self.elapsed(), 6))
+        if self.timed:
+            self.turn.chunk_times.append(round(self.elapsed(), 6))
 
     def on_response(self, body: dict[str, Any], *, ttft_s: float | None = None) -> None:
         """A whole (non-streamed) chat.completion body; `ttft_s`: the first token's time as the backend
@@ -196,7 +208,8 @@ class TurnBuilder:
         self.text_so_far()
         if self._tool_calls:
             self.turn.tool_calls = [_joined_call(self._tool_calls[i]) for i in sorted(self._tool_calls)]
-        self.turn.total_s = self.elapsed()
+        if self.timed:
+            self.turn.total_s = self.elapsed()
         return self.turn
 
     def _merge_tool_call(self, call: dict) -> None:
