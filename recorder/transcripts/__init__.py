@@ -183,8 +183,7 @@ def _once(found: list[Transcript], skipped: list[tuple[str, str]]) -> list[Trans
             t.note(f"{len(t.turns) - len(kept)} call(s) also in {Path(first_dropped).name}: counted there once")
             t.calls -= len(t.turns) - len(kept)
             t.turns = kept
-            for turn in t.turns:  # the notes travel on every turn
-                turn.render["transcript"]["not_rebuilt"] = list(t.notes)
+            t.stamp_notes()  # the notes travel on every turn
         if t.turns:
             out.append(t)
         elif first_dropped:
