@@ -1,4 +1,8 @@
-"""Fill a recorder `Turn` from what the client is sent, whichever backend made it.
+"""Fill a recorder `Turn` from what the client is sent, whichever backend made it: with the relay, the
+only writer of a turn's fields (tests/test_turn_fields_owned.py).
+
+The request arrives through the relay's calls (`on_request`, `on_session`); what the backend that
+answers tells of itself through `on_served`, `on_render` and `on_error`.
 
 The turn is built from what goes out: reply events (`on_event`, prefixtrace/wire/events.py),
 which every protocol's writer consumes and every upstream reader produces, or chat-completions
