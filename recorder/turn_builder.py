@@ -53,9 +53,12 @@ class TurnBuilder:
         if fixes is not None:
             turn.fixes = fixes
 
-    def on_session(self, session_id: str | None, *, stream: bool = False) -> None:
-        """The session the request is filed under, and whether its reply streams."""
-        self.turn.session_id, self.turn.stream = session_id, stream
+    def on_session(self, session_id: str | None, *, stream: bool | None = None) -> None:
+        """The session the request is filed under, and whether its reply streams (None: not known
+        here, what was told stands)."""
+        self.turn.session_id = session_id
+        if stream is not None:
+            self.turn.stream = stream
 
     # What the backend that answers tells of itself and of the prompt it ran.
 
