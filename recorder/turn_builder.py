@@ -141,7 +141,8 @@ class TurnBuilder:
         elif isinstance(event, ReplyDone):
             self.text_so_far()  # the reply is whole: its writers may read the text now
             turn.finish_reason = event.finish_reason
-            self.on_counts(Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens, as_sent=event.usage))
+            self.on_counts(Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens,
+                                 as_sent=event.usage))
 
     def on_whole(self, events) -> None:
         """The reply events of a whole (non-streamed) body: no first token was seen apart from

@@ -72,7 +72,8 @@ class Transcript:
 
     def stamp_notes(self) -> None:
         """The session's notes, known once its file is read, on every turn held."""
-        self.turns = [replace(turn, render={"transcript": {**turn.render["transcript"], "not_rebuilt": list(self.notes)}})
+        self.turns = [replace(turn, render={"transcript": {**turn.render["transcript"],
+                                                           "not_rebuilt": list(self.notes)}})
                       for turn in self.turns]
 
     def end_stream(self) -> None:
