@@ -2,8 +2,8 @@
 the request and the reply, and the builder (recorder/turn_builder.py), which sets the fields. Everyone else
 hands facts over (builder methods, reply events) or builds a `Turn` whole with keyword arguments.
 
-Read from the source: an attribute assignment (`=`, `+=`, `x.f: T =`) or an item assignment inside a
-field (`turn.render["k"] = ...`) whose object is a turn is flagged. An object is a turn when it is
+Read from the source: an attribute assignment (`=`, `+=`, `x.f: T =`, `setattr(x, "f", ...)`) or an item
+assignment inside a field (`turn.render["k"] = ...`) whose object is a turn is flagged. An object is a turn when it is
 `<anything>.turn`, a name annotated `Turn` or bound to `Turn(...)` / `<anything>.turn` in the same
 function, or, under proxy/, recorder/ and prefixtrace/ (where the word names the record), a name `turn`
 (analyzer/ and engine/ call their own results `turn`; there only the typed bindings count)."""
@@ -63,6 +63,9 @@ def _field_written(target: ast.expr) -> tuple[ast.expr, str] | None:
 
 
 def _targets(node: ast.AST) -> list[ast.expr]:
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and \
+            len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+        return [ast.Attribute(value=node.args[0], attr=node.args[1].value, ctx=ast.Store())]  # setattr(o, "f", v)
     if isinstance(node, ast.Assign):
         out = []
         for target in node.targets:
@@ -114,7 +117,8 @@ def test_the_check_sees_each_way_of_writing_a_field(tmp_path):
         "def b(t: Turn):\n    t.error += 'x'\n"
         "def c():\n    record = Turn(request_id='r')\n    record.render['k'] = 1\n"
         "def d(turn):\n    turn.session_id, turn.stream = 's', True\n"
-        "def e(result):\n    result.error = 'not a turn'\n    result.turn_count = 2\n")
+        "def e(result):\n    result.error = 'not a turn'\n    result.turn_count = 2\n"
+        "def f(self):\n    setattr(self.turn, 'status', 200)\n")
     assert turn_field_writes(source, True) == [(2, "usage"), (4, "error"), (7, "render"), (9, "session_id"),
-                                                (9, "stream")]
-    assert turn_field_writes(source, False) == [(2, "usage"), (4, "error"), (7, "render")]
+                                                (9, "stream"), (14, "status")]
+    assert turn_field_writes(source, False) == [(2, "usage"), (4, "error"), (7, "render"), (14, "status")]
