@@ -297,7 +297,9 @@ class _ReplyReader:
         if self.protocol == "messages":
             self.builder.on_whole(self.messages.whole(body))
             self.builder.on_stop(messages_wire.finish_reason(body.get("stop_reason")))
-            messages_wire.record_usage(self.builder, body.get("usage") or {})
+            usage = body.get("usage")
+            if isinstance(usage, dict):
+                self.builder.on_counts(messages_wire.usage_counts(usage))
         elif self.protocol == "responses":
             self.builder.on_whole(self.responses.whole(body))  # its ReplyDone carries the usage
         else:
