@@ -98,16 +98,19 @@ def turn_field_writes(path: Path, word_is_the_record: bool) -> list[tuple[int, s
 
 
 def test_only_the_relay_and_the_builder_write_fields_of_the_turn():
-    writes = []
+    writes, allowed = [], set()
     for folder in FOLDERS:
         for path in sorted((ROOT / folder).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             if rel in OWNERS:
                 continue
             for line, name in turn_field_writes(path, folder in WORD_IS_THE_RECORD):
-                if (rel, None) not in NOT_YET and (rel, name) not in NOT_YET:
+                exempt = {(rel, None), (rel, name)} & NOT_YET
+                allowed |= exempt
+                if not exempt:
                     writes.append(f"{rel}:{line} turn.{name}")
     assert writes == [], "fields of the turn written outside the relay and the builder:\n" + "\n".join(writes)
+    assert allowed == NOT_YET, f"no longer written there, take them out of NOT_YET: {NOT_YET - allowed}"
 
 
 def test_the_check_sees_each_way_of_writing_a_field(tmp_path):
