@@ -324,15 +324,18 @@ class EngineChat:
 
 
 class CollectedReply:
-    """A whole reply gathered from its events: text, reasoning, OpenAI-shaped tool calls, the end."""
+    """A whole reply gathered from its events: text, reasoning, OpenAI-shaped tool calls, the end, and
+    the events themselves (what a writer records its turn from)."""
 
     def __init__(self):
+        self.events: list = []
         self.text = ""
         self.reasoning = ""
         self.tool_calls: list[dict] = []
         self.done: ReplyDone | None = None
 
     def add(self, event) -> None:
+        self.events.append(event)
         if isinstance(event, ContentDelta):
             self.text += event.text
         elif isinstance(event, ReasoningDelta):

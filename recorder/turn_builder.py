@@ -32,6 +32,32 @@ class TurnBuilder:
     def elapsed(self) -> float:
         return time.perf_counter() - self._t0
 
+    # What the backend that answers tells of itself and of the prompt it ran.
+
+    def on_served(self, by: str, *, renderer_id: str | None = None) -> None:
+        """Who answered (an engine, an upstream member, a router's worker) and, when known, the id of
+        the renderer that counted the prompt (a later call naming only `by` keeps it)."""
+        self.turn.served_by = by
+        if renderer_id is not None:
+            self.turn.renderer_id = renderer_id
+
+    def on_render(self, **facts: Any) -> None:
+        """Engine-side facts of the prompt and the reply (`prompt_tokens`, `policy`, `reply_token_ids`, ...),
+        added to `turn.render`."""
+        if self.turn.render is None:
+            self.turn.render = {}
+        self.turn.render.update(facts)
+
+    def on_stop(self, finish_reason: str | None) -> None:
+        """How the reply ended, where its protocol tells it apart from the rest (Messages' stop_reason,
+        in OpenAI's terms): None keeps what was told before."""
+        if finish_reason is not None:
+            self.turn.finish_reason = finish_reason
+
+    def on_error(self, message: str) -> None:
+        """The reply failed, as its backend told it (in band, or an error body): the turn's error."""
+        self.turn.error = message
+
     def text_so_far(self) -> None:
         """Join the pieces received so far into `turn.response_text` / `reasoning_text` (linear:
         called once a reply is done, not per piece)."""
@@ -86,12 +112,13 @@ class TurnBuilder:
         elif isinstance(event, ReplyDone):
             self.text_so_far()  # the reply is whole: its writers may read the text now
             turn.finish_reason = event.finish_reason
-            self.on_counts(Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens))
+            self.on_counts(Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens, as_sent=event.usage))
 
-    def on_whole(self, events) -> None:
+    def on_whole(self, events, *, ttft_s: float | None = None) -> None:
         """The reply events of a whole (non-streamed) body: no first token was seen apart from
-        the rest, so TTFT stays what the backend measured (None from an upstream)."""
-        ttft = self.turn.ttft_s
+        the rest, so TTFT stays what the backend measured (`ttft_s`; None: the turn's stays, None
+        from an upstream)."""
+        ttft = self.turn.ttft_s if ttft_s is None else ttft_s
         for event in events:
             self.on_event(event)
         self.text_so_far()
