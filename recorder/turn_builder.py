@@ -18,6 +18,7 @@ from typing import Any
 
 from prefixtrace.wire.events import (ContentDelta, ReasoningDelta, ReplyDone, ReplyEvent, ToolCallArgsDelta, Usage,
                          ToolCallStart)
+from recorder.renderers import RendererInfo
 from recorder.turn import Turn
 
 
@@ -40,6 +41,12 @@ class TurnBuilder:
         self.turn.served_by = by
         if renderer_id is not None:
             self.turn.renderer_id = renderer_id
+
+    def on_renderer(self, renderer: RendererInfo | None) -> None:
+        """The renderer that built and counted the prompt, as the backend that answered knows it
+        (None: not known); the recorder stores its row from the turn."""
+        self.turn.renderer = renderer
+        self.turn.renderer_id = renderer.id if renderer is not None else None
 
     def on_render(self, **facts: Any) -> None:
         """Engine-side facts of the prompt and the reply (`prompt_tokens`, `policy`, `reply_token_ids`, ...),
