@@ -162,6 +162,14 @@ def test_upstream_messages_stream_sends_and_records_as_pinned(tmp_path, pinned):
     assert got == pinned["upstream_stream"]
 
 
+def test_the_messages_writer_records_from_reply_events_not_chat_chunks():
+    """What is recorded comes from the reply events the writer writes: no OpenAI-shaped chunk is built to
+    feed the turn builder, and no field of the turn is set by hand."""
+    source = (Path(__file__).parent.parent / "proxy" / "anthropic.py").read_text()
+    assert "on_chunk(" not in source and '"choices"' not in source
+    assert re.search(r"\bturn\.[a-z_]+\s*=[^=]", source) is None
+
+
 if __name__ == "__main__":
     import tempfile
 

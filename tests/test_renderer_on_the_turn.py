@@ -8,6 +8,7 @@ proxy's turns must name the template its own upstream backend read, and each dat
 from __future__ import annotations
 
 import sqlite3
+import time
 
 import httpx
 from fastapi import FastAPI
@@ -15,7 +16,9 @@ from fastapi import FastAPI
 from proxy.app import create_app
 from proxy.upstream_backend import UpstreamBackend
 from recorder.reader import iter_turns
+from recorder.renderers import RendererInfo
 from recorder.store import Recorder
+from recorder.turn import Turn
 from testsupport.servers import running_server
 
 TEMPLATES = ["{% for m in messages %}A:{{ m.content }}{% endfor %}", "{% for m in messages %}B:{{ m.content }}{% endfor %}"]
@@ -60,3 +63,28 @@ def test_two_proxies_on_one_upstream_url_record_their_own_renderers(tmp_path):
         stored = sqlite3.connect(db).execute("SELECT id, chat_template FROM renderers").fetchall()
         assert len(ids) == 1 and None not in ids, (db.name, ids)
         assert stored == [(ids.pop(), template)], db.name
+
+
+def test_a_spooled_turn_still_stores_the_renderer_it_carried(tmp_path):
+    """The database is locked when the turn arrives: its row waits in the spool, and once written, the
+    renderer the turn carried is stored with it (the recorder keeps it while the row waits)."""
+    db = tmp_path / "traffic.db"
+    info = RendererInfo("upstream", "m", TEMPLATES[0], {"bos_token": "<s>"})
+    with Recorder(db, retry_s=0.3) as rec:
+        rec.record(Turn("t0", 1.0, "/v1/chat/completions", "u", {"messages": []}, status=200))
+        assert rec.flush(30)
+        lock = sqlite3.connect(db, timeout=0)
+        lock.execute("BEGIN EXCLUSIVE")
+        try:
+            rec.record(Turn("t1", 2.0, "/v1/chat/completions", "u", {"messages": []}, status=200,
+                            renderer_id=info.id, renderer=info))
+            deadline = time.monotonic() + 30
+            while rec.spool_state()["spooled"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert rec.spool_state()["spooled"] == 1
+        finally:
+            lock.rollback()
+            lock.close()
+        assert rec.flush(30)
+    stored = sqlite3.connect(db).execute("SELECT id, chat_template FROM renderers").fetchall()
+    assert stored == [(info.id, TEMPLATES[0])]
