@@ -134,7 +134,7 @@ class EngineBackend:
                 renderers.from_model_dir, identity["model"], identity["model_dir"], identity["chat_template"],
                 identity["special"])
         builder.on_renderer(self.renderer)
-        builder.turn.served_by = self.label
+        builder.on_served(self.label)
 
     async def render(self, req: ChatRequest, *, count_only: bool = False):
         """The prompt the engine runs for `req` (chat template, tools, render policies), in a worker

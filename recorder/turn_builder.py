@@ -35,12 +35,9 @@ class TurnBuilder:
 
     # What the backend that answers tells of itself and of the prompt it ran.
 
-    def on_served(self, by: str, *, renderer_id: str | None = None) -> None:
-        """Who answered (an engine, an upstream member, a router's worker) and, when known, the id of
-        the renderer that counted the prompt (a later call naming only `by` keeps it)."""
+    def on_served(self, by: str) -> None:
+        """Who answered: an engine, an upstream member, a router's worker."""
         self.turn.served_by = by
-        if renderer_id is not None:
-            self.turn.renderer_id = renderer_id
 
     def on_renderer(self, renderer: RendererInfo | None) -> None:
         """The renderer that built and counted the prompt, as the backend that answered knows it
