@@ -21,7 +21,8 @@ from recorder.store import Recorder
 from recorder.turn import Turn
 from testsupport.servers import running_server
 
-TEMPLATES = ["{% for m in messages %}A:{{ m.content }}{% endfor %}", "{% for m in messages %}B:{{ m.content }}{% endfor %}"]
+TEMPLATES = ["{% for m in messages %}A:{{ m.content }}{% endfor %}",
+             "{% for m in messages %}B:{{ m.content }}{% endfor %}"]
 
 
 def upstream_publishing_in_turn(templates: list[str]) -> FastAPI:
