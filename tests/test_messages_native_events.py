@@ -2,8 +2,9 @@
 
 Pinned against `tests/data/messages_native_events.json`, captured from the writer as it stood before it
 was fed reply events natively (it built OpenAI-shaped chunks for the turn builder): for an engine
-Messages stream with a forced tool call, the same request whole, and an upstream Messages stream
-through a real loopback upstream, the bytes the client reads and the turn recorded must not move.
+Messages stream with a forced tool call, the same request whole, a text stream, and through a real
+loopback upstream a stream, a whole reply, a refusal and a token count, the bytes the client reads and
+the turn recorded must not move.
 Ids the proxy makes up per request (`msg_…`, `call_…`) and times are the only things normalised.
 
 Regenerate (only when a change of output is intended): `python -m tests.test_messages_native_events`.
@@ -18,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 from proxy.app import create_app
 from proxy.engine_backend import EngineBackend
@@ -77,12 +79,33 @@ def upstream_sse() -> bytes:
                     for kind, data in UPSTREAM_EVENTS)
 
 
+# The same reply whole, and what the upstream says to a count and to a request it refuses.
+UPSTREAM_WHOLE = {"id": "msg_up2", "type": "message", "role": "assistant", "model": "claude-x",
+                  "content": [{"type": "thinking", "thinking": "Let me look.", "signature": "sig"},
+                              {"type": "text", "text": "Reading it now."},
+                              {"type": "tool_use", "id": "toolu_02", "name": "read_file", "input": {"path": "README.md"}}],
+                  "stop_reason": "tool_use", "stop_sequence": None,
+                  "usage": {"input_tokens": 12, "output_tokens": 17, "cache_read_input_tokens": 30,
+                            "cache_creation_input_tokens": 5}}
+UPSTREAM_REFUSAL = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
+UPSTREAM_CASES = ("upstream_stream", "upstream_whole", "upstream_refused", "upstream_count")
+
+
 def scripted_upstream() -> FastAPI:
     app = FastAPI()
 
     @app.post("/v1/messages")
-    async def messages():
-        return Response(upstream_sse(), media_type="text/event-stream")
+    async def messages(request: Request):
+        body = await request.json()
+        if body.get("max_tokens") == 1:
+            return JSONResponse(UPSTREAM_REFUSAL, status_code=429)
+        if body.get("stream"):
+            return Response(upstream_sse(), media_type="text/event-stream")
+        return JSONResponse(UPSTREAM_WHOLE)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count():
+        return {"input_tokens": 47}
 
     return app
 
@@ -101,9 +124,9 @@ def _record(turn) -> dict:
     return out
 
 
-def _exchange(url: str, body: dict, recorder: Recorder) -> dict:
+def _exchange(url: str, body: dict, recorder: Recorder, sub: str = "") -> dict:
     with httpx.Client(timeout=60) as c:
-        r = c.post(url + "/v1/messages", json=body, headers={"x-api-key": "sk-ant-test-0123456789abcdef",
+        r = c.post(url + "/v1/messages" + sub, json=body, headers={"x-api-key": "sk-ant-test-0123456789abcdef",
                                                              "anthropic-version": "2023-06-01"})
     recorder.flush()
     recorded = list(iter_turns(recorder.path))
@@ -117,12 +140,13 @@ def engine_exchange(engine, tmp_path: Path, case: str) -> dict:
             return _exchange(url, engine_request(case), rec)
 
 
-def upstream_exchange(tmp_path: Path) -> dict:
-    with running_server(scripted_upstream()) as upstream, Recorder(tmp_path / "up.db") as rec:
+def upstream_exchange(tmp_path: Path, case: str = "upstream_stream") -> dict:
+    with running_server(scripted_upstream()) as upstream, Recorder(tmp_path / f"{case}.db") as rec:
         with running_server(create_app(UpstreamBackend(upstream), rec)) as url:
-            body = {"model": "claude-x", "max_tokens": 64, "stream": True, "tools": TOOLS,
+            body = {"model": "claude-x", "max_tokens": 1 if case == "upstream_refused" else 64,
+                    "stream": case == "upstream_stream", "tools": TOOLS,
                     "messages": [{"role": "user", "content": "Open README.md please."}]}
-            out = _exchange(url, body, rec)
+            out = _exchange(url, body, rec, "/count_tokens" if case == "upstream_count" else "")
     out["record"]["served_by"] = out["record"]["served_by"] and "UPSTREAM"
     return out
 
@@ -139,7 +163,7 @@ def capture(tmp_path: Path) -> dict:
             out[case] = engine_exchange(engine, tmp_path, case)
         finally:
             engine.shutdown()
-    return {**out, "upstream_stream": upstream_exchange(tmp_path)}
+    return {**out, **{case: upstream_exchange(tmp_path, case) for case in UPSTREAM_CASES}}
 
 
 @pytest.fixture(scope="module")
@@ -156,10 +180,12 @@ def test_engine_messages_send_and_record_as_pinned(tiny_engine, tmp_path, pinned
     assert got["record"]["tool_calls" if case != "engine_text_stream" else "response_text"]
 
 
-def test_upstream_messages_stream_sends_and_records_as_pinned(tmp_path, pinned):
-    got = upstream_exchange(tmp_path)
-    assert got["wire"] == upstream_sse().decode()  # passed through as sent
-    assert got == pinned["upstream_stream"]
+@pytest.mark.parametrize("case", UPSTREAM_CASES)
+def test_upstream_messages_send_and_record_as_pinned(tmp_path, pinned, case):
+    got = upstream_exchange(tmp_path, case)
+    if case == "upstream_stream":
+        assert got["wire"] == upstream_sse().decode()  # passed through as sent
+    assert got == pinned[case]
 
 
 def test_the_messages_writer_records_from_reply_events_not_chat_chunks():
