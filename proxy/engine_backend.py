@@ -71,7 +71,7 @@ class EngineBackend:
         self.grammar_limits = grammar_limits
         self.max_tokens_policy = max_tokens_policy
         self.defaults = defaults
-        self._renderer_id: str | None = None
+        self.renderer: renderers.RendererInfo | None = None  # the model's, read at the first turn (`_identify`)
 
     embedded = True  # proxy/backend.py: requests are parsed, rendered and generated here
 
@@ -129,12 +129,12 @@ class EngineBackend:
         server's renderer"): the model's renderer, once per model in the database, and the prefix cache's
         eviction count when the turn ends (`EngineChat`: a later turn's shortfall after evictions is the
         server's, not the client's)."""
-        if self._renderer_id is None and (identity := self.engine.renderer_identity()) is not None:
-            info = await asyncio.to_thread(  # reads and hashes tokenizer.json (megabytes), once per model
+        if self.renderer is None and (identity := self.engine.renderer_identity()) is not None:
+            self.renderer = await asyncio.to_thread(  # reads and hashes tokenizer.json (megabytes), once per model
                 renderers.from_model_dir, identity["model"], identity["model_dir"], identity["chat_template"],
                 identity["special"])
-            self._renderer_id = renderers.register(info)
-        builder.on_served(self.label, renderer_id=self._renderer_id)
+        builder.on_renderer(self.renderer)
+        builder.on_served(self.label)
 
     async def render(self, req: ChatRequest, *, count_only: bool = False):
         """The prompt the engine runs for `req` (chat template, tools, render policies), in a worker
@@ -323,15 +323,18 @@ class EngineChat:
 
 
 class CollectedReply:
-    """A whole reply gathered from its events: text, reasoning, OpenAI-shaped tool calls, the end."""
+    """A whole reply gathered from its events: text, reasoning, OpenAI-shaped tool calls, the end, and
+    the events themselves (what a writer records its turn from)."""
 
     def __init__(self):
+        self.events: list = []
         self.text = ""
         self.reasoning = ""
         self.tool_calls: list[dict] = []
         self.done: ReplyDone | None = None
 
     def add(self, event) -> None:
+        self.events.append(event)
         if isinstance(event, ContentDelta):
             self.text += event.text
         elif isinstance(event, ReasoningDelta):

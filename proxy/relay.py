@@ -139,6 +139,8 @@ async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recor
         await record_refusal(recorder, builder.finish(status, exc.message), len(raw))
         return JSONResponse(error_body(exc), status_code=status)
     turn.upstream = chat.url or turn.upstream  # the upstream (or pool member) that answered
+    if chat.url is not None:  # its renderer, as the backend instance that read it knows it
+        builder.on_renderer(backend.renderer_of(chat.url))
     return await respond(chat, builder, recorder, stream(chat, builder, recorder), error_body)
 
 

@@ -21,6 +21,7 @@ Import is all or nothing, like JSONL.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
@@ -36,7 +37,7 @@ from prefixtrace.wire.responses_stream import ResponsesReader
 from recorder.jsonl import DEFAULT_ENDPOINT, record_to_turn, turn_to_record
 from recorder import numbers
 from recorder.turn import Turn
-from recorder.renderers import from_record, register, to_record
+from recorder.renderers import from_record, to_record
 from recorder.turn_builder import TurnBuilder
 
 CREATOR = {"name": "prefixtrace", "version": "1"}
@@ -143,8 +144,7 @@ def read_har(path: str | Path) -> list[Turn]:
     entries = log.get("entries") if isinstance(log, dict) else None
     if not isinstance(entries, list):
         raise InvalidRequest(f"{p}: not a HAR file (no log.entries list)")
-    for info in har_renderers(log).values():
-        register(info)  # the writer stores it with the first turn that names it (recorder/renderers.py)
+    renderers = har_renderers(log)  # each goes with the turns that name it (recorder/renderers.py)
     turns = []
     for index, entry in enumerate(entries):
         try:
@@ -152,7 +152,8 @@ def read_har(path: str | Path) -> list[Turn]:
         except InvalidRequest as exc:
             raise InvalidRequest(f"{p}: entry {index}: {exc.message}", entry=index) from exc
         if turn is not None:
-            turns.append(turn)
+            turns.append(dataclasses.replace(turn, renderer=renderers.get(turn.renderer_id))
+                         if turn.renderer_id else turn)
     return turns
 
 

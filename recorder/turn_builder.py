@@ -22,6 +22,7 @@ from typing import Any
 
 from prefixtrace.wire.events import (ContentDelta, ReasoningDelta, ReplyDone, ReplyEvent, ToolCallArgsDelta, Usage,
                          ToolCallStart)
+from recorder.renderers import RendererInfo
 from recorder.turn import Turn
 
 
@@ -62,12 +63,15 @@ class TurnBuilder:
 
     # What the backend that answers tells of itself and of the prompt it ran.
 
-    def on_served(self, by: str, *, renderer_id: str | None = None) -> None:
-        """Who answered (an engine, an upstream member, a router's worker) and, when known, the id of
-        the renderer that counted the prompt (a later call naming only `by` keeps it)."""
+    def on_served(self, by: str) -> None:
+        """Who answered: an engine, an upstream member, a router's worker."""
         self.turn.served_by = by
-        if renderer_id is not None:
-            self.turn.renderer_id = renderer_id
+
+    def on_renderer(self, renderer: RendererInfo | None) -> None:
+        """The renderer that built and counted the prompt, as the backend that answered knows it
+        (None: not known); the recorder stores its row from the turn."""
+        self.turn.renderer = renderer
+        self.turn.renderer_id = renderer.id if renderer is not None else None
 
     def on_render(self, **facts: Any) -> None:
         """Engine-side facts of the prompt and the reply (`prompt_tokens`, `policy`, `reply_token_ids`, ...),
@@ -144,10 +148,11 @@ class TurnBuilder:
             self.on_counts(Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens,
                                  as_sent=event.usage))
 
-    def on_whole(self, events) -> None:
+    def on_whole(self, events, *, ttft_s: float | None = None) -> None:
         """The reply events of a whole (non-streamed) body: no first token was seen apart from
-        the rest, so TTFT stays what the backend measured (None from an upstream)."""
-        ttft = self.turn.ttft_s
+        the rest, so TTFT stays what the backend measured (`ttft_s`; None: the turn's stays, None
+        from an upstream)."""
+        ttft = self.turn.ttft_s if ttft_s is None else ttft_s
         for event in events:
             self.on_event(event)
         self.text_so_far()

@@ -25,7 +25,7 @@ import sqlite_utils
 
 from prefixtrace.common.errors import InvalidRequest, PrefixtraceError
 from recorder.item_texts import SharedItemTexts
-from recorder.rows import BodyStore, redacted_row, write_rows
+from recorder.rows import BodyStore, redacted_row, renderers_of, write_rows
 from recorder.schema import open_db
 from recorder.transcripts import HARNESSES, Transcripts, codex, read_transcripts
 from recorder.transcripts.common import Transcript
@@ -93,7 +93,7 @@ class BatchWriter:
         with self.db.atomic():
             if before is not None:
                 before()
-            write_rows(self.db, rows, self.bodies)
+            write_rows(self.db, rows, self.bodies, renderers_of(turns))
         self.written += len(turns)
 
     def restamp_notes(self, t: Transcript, first_id: str) -> None:
