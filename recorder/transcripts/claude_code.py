@@ -10,8 +10,10 @@ What it does not hold: the system prompt, the tool definitions and the request's
 (`max_tokens`, `thinking`, `metadata`, …), the `<system-reminder>` context block Claude Code puts
 before the first user message, the "Output token limit hit" user message it sends after a reply cut
 by `max_tokens`, and `cache_control` markers. Side requests (title, summaries) are not written.
-Seen on the wire and mirrored here: a reply that was all empty text is not sent back, and user lines
-that follow one another (a tool result, then a prompt) travel as one user message.
+Seen on the wire and mirrored here: a reply that was all empty text is not sent back, user lines
+that follow one another (a tool result, then a prompt) travel as one user message, a local command's
+stdout (a `system` line) is sent as a user message, and the synthetic "No response requested." reply
+Claude Code writes after a local command on resuming is sent back (an API error's is not).
 """
 
 from __future__ import annotations
@@ -42,9 +44,22 @@ def _is_message(obj: dict) -> bool:
 
 
 def _synthetic(obj: dict) -> bool:
-    """A reply Claude Code wrote itself (an API error shown as a message): no model call."""
+    """A reply Claude Code wrote itself (an API error shown as a message, or the "No response
+    requested." it puts after a local command on resuming): no model call."""
     return obj.get("type") == "assistant" and (obj["message"].get("model") == "<synthetic>"
                                                or bool(obj.get("isApiErrorMessage")))
+
+
+def _sent_synthetic(obj: dict) -> bool:
+    """A synthetic reply Claude Code sends back in later requests (seen on the wire): every one but
+    an API error, which it leaves out."""
+    return _synthetic(obj) and not obj.get("isApiErrorMessage")
+
+
+def _local_command_output(obj: dict) -> bool:
+    """A local command's stdout (`/compact`, `/cost`, …): written as a `system` line, sent as a user
+    message (seen on the wire)."""
+    return obj.get("type") == "system" and obj.get("subtype") == "local_command" and isinstance(obj.get("content"), str)
 
 
 def read(path: Path) -> list[Transcript]:
@@ -78,14 +93,14 @@ def read(path: Path) -> list[Transcript]:
         if obj["type"] != "assistant":
             continue
         if _synthetic(obj):
-            t.note("synthetic assistant messages (API errors written by Claude Code) skipped: no model call")
+            t.note("synthetic assistant messages (written by Claude Code, not a model) are no model call")
             continue
         key = (sid, _reply_id(obj))
         if key not in replies:
             replies[key] = []
             order.append(key)
         replies[key].append(obj)
-    histories = _Histories(by_uuid)
+    histories = _Histories(by_uuid, _local_outputs_by_parent(lines))
     for sid, mid in order:
         t = sessions[sid]
         first = replies[(sid, mid)][0]
@@ -113,6 +128,17 @@ def _versions(lines: list[dict]) -> dict[str, str]:
     def key(v: str) -> tuple:
         return tuple(int(x) if x.isdigit() else 0 for x in v.split("."))
     return {sid: " to ".join(dict.fromkeys([min(vs, key=key), max(vs, key=key)])) for sid, vs in seen.items()}
+
+
+def _local_outputs_by_parent(lines: list[dict]) -> dict[str, list[dict]]:
+    """Local command outputs by their parent's uuid, in file order: on resuming after a local command,
+    Claude Code writes its synthetic reply as the command's child, beside the output, and sends the
+    output after that reply; the output is on no later line's chain, so it is found by its parent."""
+    found: dict[str, list[dict]] = {}
+    for o in lines:
+        if _local_command_output(o) and isinstance(o.get("parentUuid"), str):
+            found.setdefault(o["parentUuid"], []).append(o)
+    return found
 
 
 def _link_linear(lines: list[dict]) -> set[str]:
@@ -154,8 +180,9 @@ class _Histories:
     history is already known and only the lines after it are converted: linear in the file, not
     quadratic, and every call's list shares the message objects."""
 
-    def __init__(self, by_uuid: dict[str, dict]):
+    def __init__(self, by_uuid: dict[str, dict], local_outputs: dict[str, list[dict]]):
         self.by_uuid = by_uuid
+        self.local_outputs = local_outputs  # parent uuid -> local command outputs written as its children
         self.known: dict[str, tuple[list[dict], str | None]] = {}  # line uuid -> (messages up to it, trailing stop)
 
     def before(self, t: Transcript, first: dict) -> list[dict]:
@@ -184,15 +211,20 @@ class _Histories:
         while i < len(lines):
             obj = lines[i]
             i += 1
-            if not _is_message(obj) or obj.get("isSidechain") or _synthetic(obj):
+            if _local_command_output(obj):
+                _add_user(messages, obj["content"])
+                stop = None
+                continue
+            if not _is_message(obj) or obj.get("isSidechain"):
+                continue
+            if _synthetic(obj):
+                if _sent_synthetic(obj):
+                    messages.append({"role": "assistant", "content": _blocks(obj["message"].get("content"))})
+                    for out in self.local_outputs.get(obj.get("parentUuid") or "", []):
+                        _add_user(messages, out["content"])
                 continue
             if obj["type"] == "user":
-                msg = {"role": "user", "content": obj["message"].get("content")}
-                if messages and messages[-1]["role"] == "user":  # the Messages API alternates roles
-                    msg = {"role": "user", "content": _blocks(messages[-1]["content"]) + _blocks(msg["content"])}
-                    messages[-1] = msg
-                else:
-                    messages.append(msg)
+                _add_user(messages, obj["message"].get("content"))
                 stop = None
                 continue
             group = [obj]
@@ -230,6 +262,20 @@ def _without_concurrent(t: Transcript, messages: list[dict], stop: str | None) -
     if end < len(messages):
         t.note(CONCURRENT_NOTE)
     return messages[:end]
+
+
+def _add_user(messages: list[dict], content) -> None:
+    """A user line's content as Claude Code sends it: user lines that follow one another are one
+    message (the Messages API alternates roles), and where a text block meets a text block, the first
+    gets a "\n" (seen on the wire: the local-command caveat before the command, its stdout before the
+    next prompt)."""
+    if not messages or messages[-1]["role"] != "user":
+        messages.append({"role": "user", "content": content})
+        return
+    before, after = _blocks(messages[-1]["content"]), _blocks(content)
+    if before and after and before[-1].get("type") == "text" and after[0].get("type") == "text":
+        before[-1] = {**before[-1], "text": before[-1].get("text", "") + "\n"}
+    messages[-1] = {"role": "user", "content": before + after}
 
 
 def _blocks(content) -> list[dict]:
