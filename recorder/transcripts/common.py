@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -111,6 +112,44 @@ class Transcript:
         for n, turn in enumerate(self.turns, start=1):
             turn.render = {"transcript": self.origin(n in self.compacted)}
         return self
+
+
+@dataclass
+class StreamPosition:
+    """How far a reader that reads in more than one pass has got, for a progress line: the byte
+    offset of the call it is rebuilding."""
+
+    size: int
+    position: int = 0
+    lineno: int | None = None  # not known: the stop message names the bytes read only
+
+
+@dataclass
+class Stream:
+    """A session file read as a stream: its sessions (complete once the first turn is handed on),
+    their rebuilt turns as they are rebuilt (each stamped by `Transcript.keep`), and how far the
+    reading has got (a `JsonLines` or a `StreamPosition`: `position`, `size`, `lineno`). The
+    sessions' notes are complete once the turns are spent."""
+
+    sessions: list[Transcript]
+    turns: Iterator[Turn]
+    where: Any
+
+
+def held(stream: Stream) -> list[Transcript]:
+    """A stream's sessions with their turns held, as a whole-file read gives them: the notes written
+    after a turn was rebuilt travel on every turn of its session. Sessions without a model call are
+    left out."""
+    by_id = {t.session_id: t for t in stream.sessions}
+    for turn in stream.turns:
+        by_id[turn.session_id].turns.append(turn)
+    for t in stream.sessions:
+        t.end_stream()
+        for n, turn in enumerate(t.turns, start=1):
+            turn.render["transcript"]["not_rebuilt"] = list(t.notes)
+            if turn.render["transcript"].get("compacted"):
+                t.compacted.add(n)
+    return [t for t in stream.sessions if t.calls]  # one whose calls were all left out still says so
 
 
 def _history_of(body: dict) -> list:
