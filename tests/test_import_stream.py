@@ -218,3 +218,20 @@ def test_pi_and_claude_code_hand_on_their_first_call_before_the_file_is_rebuilt(
     stream = HARNESSES[sniff_transcript(src)].stream(src)
     next(stream.turns)
     assert 0 < stream.where.position < stream.where.size / 2
+
+
+def test_a_directory_import_streams_claude_code_files_and_counts_a_resumed_sessions_calls_once(tmp_path):
+    """A resumed session's new file starts with the lines of the file it resumed (same session, same
+    reply ids): streamed file by file, each call is stored once, by the first file, as a whole read
+    keeps it, and the copy is named in `skipped`."""
+    lines = [line for line in CLAUDE.read_text().splitlines() if line.strip()]
+    home = tmp_path / "projects"
+    home.mkdir()
+    (home / "a.jsonl").write_text("\n".join(lines) + "\n")
+    (home / "b.jsonl").write_text("\n".join(lines) + "\n")
+    whole = read_transcripts(home)
+    count, found = import_path(home, tmp_path / "t.db")
+    assert count == len(stored_ids(tmp_path / "t.db")) == sum(len(t.turns) for t in whole) == 4
+    assert found.skipped == whole.skipped == [(str(home / "b.jsonl"),
+                                               f"every call of session {whole[0].session_id} is also in a.jsonl")]
+    assert [(t.source, t.rebuilt_count) for t in found] == [(str(home / "a.jsonl"), 4)]

@@ -4,9 +4,9 @@ A Codex rollout, a Claude Code or pi session file of gigabytes is read line by l
 (recorder/transcripts/lines.py) and its calls are rebuilt one at a time (each reader's `stream`);
 every BATCH_TURNS turns (or BATCH_BYTES of file) are written in one transaction, with the memos that
 make a shared history cheap to store (item texts, redacted objects, body ids) kept across batches and
-bounded. opencode's storage is read whole, then written the same way. In a directory, Claude Code
-files are read whole: a resumed session's new file repeats the calls of the file it resumed, and
-those are counted once across the files (`recorder/transcripts/__init__.py` `_once`).
+bounded. opencode's storage is read whole, then written the same way. In a directory, a resumed
+Claude Code session's new file repeats the calls of the file it resumed: the first file (in path
+order) keeps them, as a whole read does (`recorder/transcripts/__init__.py` `_once`).
 
 What was committed stays: a file cut off mid-line, a line that is not JSON, Ctrl-C or SIGTERM stop
 the import with what it stored and where it stopped (`ImportStopped`), and running the same import
@@ -47,7 +47,6 @@ def _codex(path: Path) -> Stream:
 
 
 STREAMED = {codex.HARNESS: _codex, claude_code.HARNESS: claude_code.stream, pi.HARNESS: pi.stream}
-IN_DIRECTORIES = frozenset({codex.HARNESS, pi.HARNESS})  # streamed there too (see above for Claude Code)
 
 
 @dataclass
@@ -149,10 +148,11 @@ def import_directory(path: Path, db_path: str | Path, *, redact_patterns=None,
     """Every session under the directory `path`: those read whole written in batches, then each
     streamed harness's file streamed. A file that stops partway (a bad line) keeps what it wrote and
     is listed in `skipped` with where it stopped; an interrupt stops the whole import."""
-    found = read_transcripts(path, defer=IN_DIRECTORIES)
+    found = read_transcripts(path, defer=frozenset(STREAMED))
     writer = BatchWriter(db_path, redact_patterns)
     total = sum(f.stat().st_size for f, _ in found.deferred)
     done = 0
+    first_file: dict[tuple[str, str, str], str] = {}  # (harness, session, call key) -> the file that keeps it
 
     def moved(p: Progress) -> None:
         if on_progress is not None:
@@ -163,7 +163,7 @@ def import_directory(path: Path, db_path: str | Path, *, redact_patterns=None,
             _write_batches(writer, [t], iter(t.turns), lambda: done, lambda: None, moved, total)
         for f, harness in found.deferred:
             try:
-                stream = STREAMED[harness](f)
+                stream = _counted_once(STREAMED[harness](f), first_file, found.skipped)
                 _write_stream(writer, stream, moved)
             except ImportStopped as exc:
                 if exc.interrupted:
@@ -172,7 +172,7 @@ def import_directory(path: Path, db_path: str | Path, *, redact_patterns=None,
             except InvalidRequest as exc:  # before its first turn: nothing of it written
                 found.skipped.append((str(f), exc.message))
             else:
-                found.extend(t for t in stream.sessions if t.calls)
+                found.extend(t for t in stream.sessions if t.rebuilt_count)
             done += f.stat().st_size
     finally:
         writer.close()
@@ -181,6 +181,33 @@ def import_directory(path: Path, db_path: str | Path, *, redact_patterns=None,
             if found.skipped else ""
         raise InvalidRequest(f"no Claude Code, Codex, pi or opencode session with a model call found under {path}{why}")
     return writer.written, found
+
+
+def _counted_once(stream: Stream, first_file: dict[tuple[str, str, str], str],
+                  skipped: list[tuple[str, str]]) -> Stream:
+    """`stream` less the calls an earlier file of the directory already holds (a resumed Claude Code
+    session's new file repeats them: same session, same reply ids): counted in the first file once,
+    noted in this one, and a session left with none is listed in `skipped`."""
+    by_id = {t.session_id: t for t in stream.sessions}
+    dropped: dict[str, tuple[int, str]] = {}
+
+    def turns() -> Iterator[Turn]:
+        for turn in stream.turns:
+            t = by_id[turn.session_id]
+            key = t.call_keys.get(turn.request_id)
+            first = first_file.setdefault((t.harness, t.session_id, key), t.source) if key else t.source
+            if first == t.source:
+                yield turn
+            else:
+                dropped[t.session_id] = (dropped.get(t.session_id, (0, ""))[0] + 1, first)
+        for sid, (n, first) in dropped.items():
+            t = by_id[sid]
+            t.note(f"{n} call(s) also in {Path(first).name}: counted there once")
+            t.calls, t.rebuilt = t.calls - n, t.rebuilt - n
+            if not t.rebuilt:
+                skipped.append((t.source, f"every call of session {sid} is also in {Path(first).name}"))
+
+    return Stream(stream.sessions, turns(), stream.where)
 
 
 def _write_stream(writer: BatchWriter, stream: Stream, on_progress: Callable[[Progress], None] | None) -> None:
