@@ -235,3 +235,24 @@ def test_a_directory_import_streams_claude_code_files_and_counts_a_resumed_sessi
     assert found.skipped == whole.skipped == [(str(home / "b.jsonl"),
                                                f"every call of session {whole[0].session_id} is also in a.jsonl")]
     assert [(t.source, t.rebuilt_count) for t in found] == [(str(home / "a.jsonl"), 4)]
+
+
+@pytest.mark.parametrize("src", [FIX / "opencode" / "opencode.db", FIX / "opencode",
+                                 FIX / "opencode" / "real" / "json-storage-1.1.65"],
+                         ids=["database", "data home", "JSON storage"])
+def test_opencode_streamed_message_by_message_stores_what_the_whole_read_rebuilds(src, tmp_path):
+    """opencode's database (one indexed query per message's parts) and its JSON storage are read
+    session by session, message by message; the database holds what the whole read rebuilds."""
+    from recorder.transcripts.streamed import STREAMED
+    stream = STREAMED["opencode"](src / "opencode.db" if src.name == "opencode" else
+                                  src / "storage" if src.is_dir() else src)
+    assert not any(t.turns for t in stream.sessions) and next(stream.turns).request_body["messages"]
+    whole = read_transcripts(src)
+    count, streamed = import_path(src, tmp_path / "streamed.db")
+    assert [(t.session_id, t.rebuilt_count) for t in streamed] == [(t.session_id, len(t.turns)) for t in whole]
+    assert count == import_read(whole, tmp_path / "whole.db") > 0
+
+    def stored(db: Path) -> list[tuple]:
+        return [(t.request_id, t.request_body, t.render, t.started_at, t.response_text, t.tool_calls,
+                 t.prompt_tokens, t.cached_tokens) for t in iter_turns(db)]
+    assert stored(tmp_path / "streamed.db") == stored(tmp_path / "whole.db")

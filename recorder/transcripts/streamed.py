@@ -4,7 +4,8 @@ A Codex rollout, a Claude Code or pi session file of gigabytes is read line by l
 (recorder/transcripts/lines.py) and its calls are rebuilt one at a time (each reader's `stream`);
 every BATCH_TURNS turns (or BATCH_BYTES of file) are written in one transaction, with the memos that
 make a shared history cheap to store (item texts, redacted objects, body ids) kept across batches and
-bounded. opencode's storage is read whole, then written the same way. In a directory, a resumed
+bounded. opencode's database or JSON storage is read session by session, message by message
+(`opencode.stream`, `opencode_json.stream`). In a directory, a resumed
 Claude Code session's new file repeats the calls of the file it resumed: the first file (in path
 order) keeps them, as a whole read does (`recorder/transcripts/__init__.py` `_once`).
 
@@ -29,7 +30,7 @@ from prefixtrace.common.errors import InvalidRequest, PrefixtraceError
 from recorder.item_texts import SharedItemTexts
 from recorder.rows import BodyStore, redacted_row, write_rows
 from recorder.schema import open_db
-from recorder.transcripts import Transcripts, claude_code, codex, pi, read_transcripts
+from recorder.transcripts import Transcripts, claude_code, codex, opencode, opencode_json, pi, read_transcripts
 from recorder.transcripts.common import Stream, Transcript
 from recorder.transcripts.lines import JsonLines
 from recorder.transcripts.store import RedactOnce
@@ -46,7 +47,13 @@ def _codex(path: Path) -> Stream:
     return Stream([t], turns, lines)
 
 
-STREAMED = {codex.HARNESS: _codex, claude_code.HARNESS: claude_code.stream, pi.HARNESS: pi.stream}
+def _opencode(path: Path) -> Stream:
+    """opencode's database, or its JSON storage (a directory)."""
+    return opencode_json.stream(path) if path.is_dir() else opencode.stream(path)
+
+
+STREAMED = {codex.HARNESS: _codex, claude_code.HARNESS: claude_code.stream, pi.HARNESS: pi.stream,
+            opencode.HARNESS: _opencode}
 
 
 @dataclass
