@@ -18,6 +18,7 @@ Claude Code writes after a local command on resuming is sent back (an API error'
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,7 +75,9 @@ class _Index:
         for _, obj in reader:
             sid, uuid = obj.get("sessionId"), obj.get("uuid")
             if isinstance(uuid, str):
-                self.lines[uuid] = Line(reader.start, obj.get("parentUuid"), parse_time(obj.get("timestamp")))
+                parent = obj.get("parentUuid")
+                # one string object per uuid, shared by its key and its children's parent field
+                self.lines[sys.intern(uuid)] = Line(reader.start, sys.intern(parent) if isinstance(parent, str) else parent)
                 if obj.get("parentUuid"):
                     linked.add(sid)
                     unlinked.pop(sid, None)
@@ -144,7 +147,8 @@ def _calls(path: Path, index: _Index, where: StreamPosition) -> Iterator:
             parent = own.parent if own is not None else first.get("parentUuid")
             history, compacted = histories.before(t, parent, first.get("uuid"))
             # the reply's line is written when it arrives; the request left right after the line before it
-            sent = index.lines[parent].time if isinstance(parent, str) and parent in index.lines else None
+            sent = parse_time(histories.read(parent).get("timestamp")) \
+                if isinstance(parent, str) and parent in index.lines else None
             turn = _turn(t, merged(lines), sent if sent is not None else parse_time(first.get("timestamp")), history)
             t.call_keys[turn.request_id] = mid  # the reply's id: the same call in another file is the same
             if t.keep(turn, compacted=compacted):
