@@ -141,7 +141,7 @@ def _calls(path: Path, index: _Index, where: StreamPosition) -> Iterator:
             del index.replies[(sid, mid)]
             t = index.sessions[sid]
             where.position = starts[0]
-            lines = [at.get(start) for start in starts]
+            lines = [histories.read_at(start) for start in starts]
             first = lines[0]
             own = index.lines.get(first.get("uuid")) if isinstance(first.get("uuid"), str) else None
             parent = own.parent if own is not None else first.get("parentUuid")

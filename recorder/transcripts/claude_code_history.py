@@ -18,6 +18,7 @@ from recorder.transcripts.lines import LinesAt
 
 MESSAGE_TYPES = ("user", "assistant")
 KNOWN_HISTORIES = 64  # histories kept by their last line: the recent calls' (a rewind further back reads again)
+RECENT_LINES = 16  # lines kept as read back: the next call's history usually starts with the last reply's
 MAX_TOKENS_NOTE = ("the user message Claude Code sends after a reply cut by max_tokens is not in the transcript: "
                    "the request after it ends with that reply")
 CONCURRENT_NOTE = ("replies to concurrent requests are interleaved in the file (one reply's parent is another "
@@ -87,11 +88,21 @@ class Histories:
         self.local_outputs = local_outputs
         self.at = at
         self.known: OrderedDict[str, tuple[list[dict], str | None]] = OrderedDict()  # uuid -> (messages, stop)
+        self.recent: OrderedDict[int, dict] = OrderedDict()  # byte offset -> the line read there
+
+    def read_at(self, start: int) -> dict:
+        """The line at `start`, read back (or kept from a moment ago)."""
+        if start in self.recent:
+            return self.recent[start]
+        obj = self.recent[start] = self.at.get(start)
+        if len(self.recent) > RECENT_LINES:
+            self.recent.popitem(last=False)
+        return obj
 
     def read(self, uuid: str) -> dict:
         """The line read back, its parent as the reader linked it (a file without links is linked in order)."""
         line = self.lines[uuid]
-        obj = self.at.get(line.start)
+        obj = self.read_at(line.start)
         obj["parentUuid"] = line.parent
         return obj
 
@@ -142,7 +153,7 @@ class Histories:
                 if sent_synthetic(obj):
                     messages.append({"role": "assistant", "content": blocks(obj["message"].get("content"))})
                     for start in self.local_outputs.get(obj.get("parentUuid") or "", []):
-                        _add_user(messages, self.at.get(start)["content"])
+                        _add_user(messages, self.read_at(start)["content"])
                 continue
             if obj["type"] == "user":
                 _add_user(messages, obj["message"].get("content"))

@@ -107,6 +107,9 @@ def _calls(t: Transcript, lines: JsonLines, source, entries: "_Entries"):
         t.note(f"{lines.glued_lines} line(s) held two entries written without a newline between them: both read")
 
 
+RECENT_ENTRIES = 16  # entries kept as read: those a call's history adds are usually the last few
+
+
 class _Entries:
     """Where each entry lies (byte offset, and which value of a glued line) and its parent: all the
     reader holds of an entry. A version-1 file is linked as pi's `migrateV1ToV2` does: each entry's
@@ -119,6 +122,8 @@ class _Entries:
         self.at = LinesAt(path, glued=True)
         self.count = 0  # entries read, the header included
         self.last: str | None = None  # version 1: the entry before
+        # the last entries read: a call's history adds the entries since the previous call, just read
+        self.recent: OrderedDict[str, dict] = OrderedDict()
 
     def add(self, obj: dict, start: int, part: int) -> dict:
         index, self.count = self.count, self.count + 1
@@ -129,6 +134,9 @@ class _Entries:
             self.last = obj["id"]
         if isinstance(obj.get("id"), str):
             self.where[obj["id"]] = (start, part, obj.get("parentId"))
+            self.recent[obj["id"]] = obj
+            if len(self.recent) > RECENT_ENTRIES:
+                self.recent.popitem(last=False)
         return obj
 
     def _link(self, obj: dict, entry_id: str, parent: str | None) -> None:
@@ -144,6 +152,8 @@ class _Entries:
         return self.where[entry_id][2]
 
     def get(self, entry_id: str) -> dict:
+        if entry_id in self.recent:
+            return self.recent[entry_id]
         start, part, parent = self.where[entry_id]
         obj = self.at.get(start, part)
         if self.linear:
