@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -116,6 +117,42 @@ class Transcript:
         self.turns = [replace(turn, started_at=started, render={"transcript": self.origin(n in compacted)})
                       for n, (turn, started) in enumerate(zip(kept, _in_file_order(kept)), start=1)]
         return self
+
+
+@dataclass
+class StreamPosition:
+    """How far a reader that reads in more than one pass has got, for a progress line: the byte
+    offset of the call it is rebuilding."""
+
+    size: int
+    position: int = 0
+    lineno: int | None = None  # not known: the stop message names the bytes read only
+
+
+@dataclass
+class Stream:
+    """A session file read as a stream: its sessions (complete once the first turn is handed on),
+    their rebuilt turns as they are rebuilt (each stamped by `Transcript.kept`), and how far the
+    reading has got (a `JsonLines` or a `StreamPosition`: `position`, `size`, `lineno`). The
+    sessions' notes are complete once the turns are spent."""
+
+    sessions: list[Transcript]
+    turns: Iterator[Turn]
+    where: Any
+
+
+def held(stream: Stream) -> list[Transcript]:
+    """A stream's sessions with their turns held, as a whole-file read gives them: the notes written
+    after a turn was rebuilt travel on every turn of its session. Sessions without a model call are
+    left out."""
+    by_id = {t.session_id: t for t in stream.sessions}
+    for turn in stream.turns:
+        by_id[turn.session_id].turns.append(turn)
+    for t in stream.sessions:
+        t.end_stream()
+        t.stamp_notes()
+        t.compacted.update(n for n, turn in enumerate(t.turns, start=1) if turn.render["transcript"].get("compacted"))
+    return [t for t in stream.sessions if t.calls]  # one whose calls were all left out still says so
 
 
 def _history_of(body: dict) -> list:
