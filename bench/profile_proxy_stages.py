@@ -98,8 +98,8 @@ def install_stamps(out_path: str) -> None:
 
     read_body = relay.read_request_body
 
-    async def read_request_body(request, turn):
-        raw = await read_body(request, turn)
+    async def read_request_body(request):
+        raw = await read_body(request)
         stamp("body")
         return raw
 

@@ -21,6 +21,7 @@ analyzer reads the Anthropic shape (top-level `system`, `cache_control`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import uuid
@@ -30,7 +31,7 @@ from fastapi import FastAPI, Request
 
 from prefixtrace.common.errors import InvalidRequest, PrefixtraceError
 from prefixtrace.wire import messages as messages_wire
-from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
+from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart, Usage
 from prefixtrace.wire.messages import to_anthropic_error, usage_counts  # noqa: F401 (the route's error shape)
 from prefixtrace.wire import sse
 from proxy.upstream_query import with_query
@@ -132,34 +133,21 @@ class EngineMessages:
         yield _event("message_start", {"message": self._message([], None, start_usage)})
         blocks = _BlockWriter()
         async for event in self.chat.reply_events():
-            if isinstance(event, ContentDelta):
-                self.builder.on_chunk({"choices": [{"index": 0, "delta": {"content": event.text}}]})
-                for out in blocks.text(event.text):
-                    yield out
-            elif isinstance(event, ReasoningDelta):
-                self.builder.on_chunk({"choices": [{"index": 0, "delta": {"reasoning_content": event.text}}]})
-                for out in blocks.thinking(event.text):
-                    yield out
-            elif isinstance(event, ToolCallStart):
-                self.builder.on_chunk({"choices": [{"index": 0, "delta": {"tool_calls": [
-                    {"index": event.index, "id": event.call_id, "function": {"name": event.name}}]}}]})
-                for out in blocks.tool_use(event):
-                    yield out
-            elif isinstance(event, ToolCallArgsDelta):
-                self.builder.on_chunk({"choices": [{"index": 0, "delta": {"tool_calls": [
-                    {"index": event.index, "function": {"arguments": event.text}}]}}]})
-                yield _event("content_block_delta", {"index": blocks.index, "delta": {
-                    "type": "input_json_delta", "partial_json": event.text}})
-            elif isinstance(event, ReplyDone):
+            if isinstance(event, ReplyDone):
                 usage = self._usage(event.prompt_tokens, event.cached_tokens, event.completion_tokens)
-                self.builder.on_counts(usage_counts(usage))
-                self.builder.turn.finish_reason = event.finish_reason
+                # The turn is recorded from the events the client is sent, the end with its usage as written.
+                self.builder.on_event(dataclasses.replace(event, usage=usage))
                 stop_reason, stop_sequence = self._stop(event.finish_reason)
                 for out in blocks.close(empty_text=True):
                     yield out
                 yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                                "usage": usage})
                 yield _event("message_stop", {})
+                continue
+            self.builder.on_sent()  # one point of the chunk timeline per reply event written
+            self.builder.on_event(event)
+            for out in blocks.write(event):
+                yield out
 
     async def whole(self) -> tuple[bytes, str]:
         reply = await self.chat.collect()
@@ -175,13 +163,9 @@ class EngineMessages:
         usage = self._usage(done.prompt_tokens, done.cached_tokens, done.completion_tokens)
         stop_reason, stop_sequence = self._stop(done.finish_reason)
         body = self._message(content, stop_reason, usage, stop_sequence)
-        turn = self.builder.turn
-        turn.response_text, turn.finish_reason = reply.text, done.finish_reason
-        turn.reasoning_text = reply.reasoning
-        turn.tool_calls = reply.tool_calls or None
-        if done.completion_tokens:
-            turn.ttft_s = self.chat.finished.prefill_s
-        self.builder.on_counts(usage_counts(usage))
+        # The same events, the end with its usage as written; TTFT is the engine's prefill when a token came.
+        self.builder.on_whole([*(e for e in reply.events if e is not done), dataclasses.replace(done, usage=usage)],
+                              ttft_s=self.chat.finished.prefill_s if done.completion_tokens else None)
         return json.dumps(body).encode(), "application/json"
 
 
@@ -233,6 +217,22 @@ class _BlockWriter:
     def tool_use(self, start: ToolCallStart) -> list[bytes]:
         return self._open("tool_use", {"type": "tool_use", "id": start.call_id, "name": start.name, "input": {}})
 
+    def tool_arguments(self, delta: ToolCallArgsDelta) -> list[bytes]:
+        return [_event("content_block_delta", {"index": self.index, "delta": {
+            "type": "input_json_delta", "partial_json": delta.text}})]
+
+    def write(self, event) -> list[bytes]:
+        """One reply event (not the end) as Messages stream events."""
+        if isinstance(event, ContentDelta):
+            return self.text(event.text)
+        if isinstance(event, ReasoningDelta):
+            return self.thinking(event.text)
+        if isinstance(event, ToolCallStart):
+            return self.tool_use(event)
+        if isinstance(event, ToolCallArgsDelta):
+            return self.tool_arguments(event)
+        return []
+
 
 # --- upstream pass-through --------------------------------------------------------
 
@@ -246,7 +246,7 @@ class UpstreamMessages(Relayed):
         self.builder = builder
         self.reader = messages_wire.MessagesReader()
         mark_served(builder, url)  # the member that answered (a pool routes by session), its renderer
-        builder.turn.served_by = served_by(response, url)  # the worker behind a router, else `url`
+        builder.on_served(served_by(response, url))  # the worker behind a router, else `url`
         self._usage: dict = {}
 
     async def sse(self) -> AsyncIterator[bytes]:
@@ -264,7 +264,7 @@ class UpstreamMessages(Relayed):
     def _parse(self, data: dict | None) -> None:
         if not data:
             return
-        kind, turn = data.get("type"), self.builder.turn
+        kind = data.get("type")
         self.builder.on_sent()
         for event in self.reader.feed(data):
             self.builder.on_event(event)
@@ -274,11 +274,10 @@ class UpstreamMessages(Relayed):
                 self._usage["diagnostics"] = message["diagnostics"]
             self._merge_usage(message.get("usage") or {})
         elif kind == "message_delta":
-            turn.finish_reason = messages_wire.finish_reason((data.get("delta") or {}).get("stop_reason")) \
-                or turn.finish_reason
+            self.builder.on_stop(messages_wire.finish_reason((data.get("delta") or {}).get("stop_reason")))
             self._merge_usage(data.get("usage") or {})
         elif kind == "error":
-            turn.error = str(data.get("error"))[:2000]
+            self.builder.on_error(str(data.get("error"))[:2000])
 
     def _merge_usage(self, usage: dict) -> None:
         # message_delta counts are cumulative: they overwrite, and absent ones keep message_start's.
@@ -287,15 +286,15 @@ class UpstreamMessages(Relayed):
 
     async def whole(self) -> tuple[bytes, str]:
         data, body = await self.read()
-        turn = self.builder.turn
         if body is not None and self.status < 400:
             with self.reading(body, "content"):  # a body of the wrong shape: a 502 naming the upstream's fault
                 self.builder.on_whole(self.reader.whole(body))
-                turn.finish_reason = messages_wire.finish_reason(body.get("stop_reason"))
+                self.builder.on_stop(messages_wire.finish_reason(body.get("stop_reason")))
                 diagnostics = {"diagnostics": body["diagnostics"]} if isinstance(body.get("diagnostics"), dict) else {}
                 self.builder.on_counts(usage_counts({**(body.get("usage") or {}), **diagnostics}))
         elif self.status >= 400:
-            turn.error = (str(body.get("error", body)) if body is not None else data.decode(errors="replace"))[:2000]
+            self.builder.on_error((str(body.get("error", body)) if body is not None
+                                   else data.decode(errors="replace"))[:2000])
         return data, self.content_type
 
 
@@ -356,8 +355,8 @@ async def open_count(backend: Backend, req: ChatRequest, builder: TurnBuilder, h
         return UpstreamCount(response, builder, url)
     req.stream = False
     rendered = await backend.render(req, count_only=True)
-    builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
-    builder.turn.prompt_tokens = len(rendered.token_ids)
+    builder.on_render(prompt_chars=len(rendered.text), prompt_tokens=len(rendered.token_ids))
+    builder.on_counts(Usage(len(rendered.token_ids), None, None))  # counted, nothing generated
     return TokenCount(len(rendered.token_ids))
 
 
@@ -375,9 +374,9 @@ class UpstreamCount(Relayed):
     async def whole(self) -> tuple[bytes, str]:
         data, body = await self.read()
         if body is not None and self.status < 400 and isinstance(body.get("input_tokens"), int):
-            self.builder.turn.prompt_tokens = body["input_tokens"]
+            self.builder.on_counts(Usage(body["input_tokens"], None, None))  # the upstream's count
         elif self.status >= 400:
-            self.builder.turn.error = data[:2000].decode(errors="replace")
+            self.builder.on_error(data[:2000].decode(errors="replace"))
         return data, self.content_type
 
 

@@ -34,7 +34,7 @@ from proxy.disconnect import CancelOnDisconnect
 from proxy.request_limits import DEFAULT_MAX_REQUEST_MB
 from proxy.turn_routes import TurnRoutes
 from prefixtrace.common.instance_proof import PROOF_PATH, proof
-from proxy.run_session import strip_session_prefix, tag_session
+from proxy.run_session import strip_session_prefix
 from prefixtrace.wire.messages import COUNT_TOKENS_PATH
 
 log = logging.getLogger("prefixtrace.proxy")
@@ -60,9 +60,9 @@ def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str]
     app.state.recorder = recorder
     app.state.max_request_mb = max_request_mb  # proxy/request_limits.py
     # Every turn passes these taps, in this order, before it is recorded (docs/ARCHITECTURE.md "Where state
-    # lives"): a `/s/<id>/` URL files its turns under <id> (proxy/run_session.py); each reply's tool
-    # calls and reasoning, for the fixes of later requests (serve --fix); /ui, /metrics (and OTLP).
-    taps = [tag_session]
+    # lives"): each reply's tool calls and reasoning, for the fixes of later requests (serve --fix); /ui,
+    # /metrics (and OTLP). They read the turn; none writes it.
+    taps = []
     app.state.fixes = fixes
     if fixes is not None:
         taps.append(FixLearner(fixes))

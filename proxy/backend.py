@@ -107,3 +107,7 @@ class ForwardingBackend(Backend, Protocol):
     async def post(self, path: str, body: dict, headers: dict[str, str], *, session_id: str | None = None,
                    raw: bytes | None = None) -> tuple[httpx.Response, str]:
         """`body` POSTed to `path` as sent; the streamed response and the URL that answered."""
+
+    def renderer_of(self, url: str) -> Any:
+        """The `RendererInfo` (recorder/renderers.py) of the upstream that answered at `url`: the template it
+        published, which built the turn's prompt; None when it published none."""

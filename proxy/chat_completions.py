@@ -121,7 +121,7 @@ class EngineChatCompletion:
                         yield self._emit({**self._envelope(), "choices": [], "usage": usage})
         except PrefixtraceError as err:  # after the headers went out: in band
             body = to_openai_error(err)
-            self.builder.turn.error = body["error"]["message"]
+            self.builder.on_error(body["error"]["message"])
             yield sse.encode(body)
         yield sse.DONE
 
@@ -155,9 +155,8 @@ class EngineChatCompletion:
             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}],
             "usage": usage_of(done),
         }
-        self.builder.on_response(body)
-        if done.completion_tokens:
-            self.builder.turn.ttft_s = self.chat.finished.prefill_s
+        # TTFT as the engine measured it: its prefill (no token went out apart from the body).
+        self.builder.on_response(body, ttft_s=self.chat.finished.prefill_s if done.completion_tokens else None)
         return body
 
 
@@ -204,7 +203,7 @@ class UpstreamChat(Relayed):
         self.req = req
         self.builder = builder
         mark_served(builder, url)  # the member that answered (a pool routes by session), its renderer
-        builder.turn.served_by = served_by(response, url)  # a router's worker names itself
+        builder.on_served(served_by(response, url))  # a router's worker names itself
         self._complete = False  # [DONE], a finish_reason or an in-band error seen
         # Called once the turn can take nothing more but [DONE]: the usage chunk after a
         # finish_reason (the last one OpenAI streams). The upstream commits its own turn before
@@ -255,7 +254,7 @@ class UpstreamChat(Relayed):
             self.fault(str(exc), event)
             return event
         if "error" in chunk and not chunk.get("choices"):
-            self.builder.turn.error = str(chunk["error"])
+            self.builder.on_error(str(chunk["error"]))
         usage_only = not choices and chunk.get("usage")
         if usage_only and self._complete and "error" not in chunk and self.on_final is not None:
             self._final = True
@@ -272,7 +271,7 @@ class UpstreamChat(Relayed):
                 with self.reading(body, "choices"):
                     self.builder.on_response(body)
             else:
-                self.builder.turn.error = str(body.get("error", body))[:2000]
+                self.builder.on_error(str(body.get("error", body))[:2000])
         elif self.status >= 400:
-            self.builder.turn.error = data[:2000].decode(errors="replace")
+            self.builder.on_error(data[:2000].decode(errors="replace"))
         return data, self.content_type

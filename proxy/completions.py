@@ -85,7 +85,7 @@ class EngineCompletion:
                 yield sse.encode(self._object(event.text, None))
             elif isinstance(event, ReplyDone):
                 usage = self._usage(event)
-                self.builder.turn.usage = usage
+                self.builder.on_usage(usage)  # as sent (its counts are the ReplyDone's)
                 self.builder.on_sent()
                 yield sse.encode(self._object("", event.finish_reason))
                 if self.req.include_usage:
@@ -101,7 +101,7 @@ class EngineCompletion:
                 parts.append(event.text)
             elif isinstance(event, ReplyDone):
                 body = {**self._object("".join(parts), event.finish_reason), "usage": self._usage(event)}
-                self.builder.turn.usage = body["usage"]
+                self.builder.on_usage(body["usage"])
                 return json.dumps(body, ensure_ascii=False).encode(), "application/json"
         raise RuntimeError("engine stream ended without a result")
 

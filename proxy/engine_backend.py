@@ -71,7 +71,7 @@ class EngineBackend:
         self.grammar_limits = grammar_limits
         self.max_tokens_policy = max_tokens_policy
         self.defaults = defaults
-        self._renderer_id: str | None = None
+        self.renderer: renderers.RendererInfo | None = None  # the model's, read at the first turn (`_identify`)
 
     embedded = True  # proxy/backend.py: requests are parsed, rendered and generated here
 
@@ -118,9 +118,9 @@ class EngineBackend:
     async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str], *,
                    wait_first: bool = True) -> "EngineChat":
         rendered = await self.render(req)
-        builder.turn.render = {"prompt_chars": len(rendered.text), "prompt_tokens": len(rendered.token_ids)}
+        builder.on_render(prompt_chars=len(rendered.text), prompt_tokens=len(rendered.token_ids))
         if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
-            builder.turn.render["policy"] = rendered.policy
+            builder.on_render(policy=rendered.policy)
         await self._identify(builder)
         return await self.start(req, rendered.token_ids, rendered.text, builder, wait_first=wait_first)
 
@@ -129,13 +129,12 @@ class EngineBackend:
         server's renderer"): the model's renderer, once per model in the database, and the prefix cache's
         eviction count when the turn ends (`EngineChat`: a later turn's shortfall after evictions is the
         server's, not the client's)."""
-        if self._renderer_id is None and (identity := self.engine.renderer_identity()) is not None:
-            info = await asyncio.to_thread(  # reads and hashes tokenizer.json (megabytes), once per model
+        if self.renderer is None and (identity := self.engine.renderer_identity()) is not None:
+            self.renderer = await asyncio.to_thread(  # reads and hashes tokenizer.json (megabytes), once per model
                 renderers.from_model_dir, identity["model"], identity["model_dir"], identity["chat_template"],
                 identity["special"])
-            self._renderer_id = renderers.register(info)
-        builder.turn.renderer_id = self._renderer_id
-        builder.turn.served_by = self.label
+        builder.on_renderer(self.renderer)
+        builder.on_served(self.label)
 
     async def render(self, req: ChatRequest, *, count_only: bool = False):
         """The prompt the engine runs for `req` (chat template, tools, render policies), in a worker
@@ -175,7 +174,7 @@ class EngineBackend:
                                  param="prompt") from exc
         if not token_ids:
             raise InvalidRequest("the prompt is empty (no tokens)", param="prompt")
-        builder.turn.render = {"prompt_chars": len(prompt), "prompt_tokens": len(token_ids)}
+        builder.on_render(prompt_chars=len(prompt), prompt_tokens=len(token_ids))
         return await self.start(req, list(token_ids), prompt, builder)
 
     async def start(self, req: ChatRequest, token_ids: list[int], prompt_text: str,
@@ -192,7 +191,7 @@ class EngineBackend:
             tool_choice=req.tool_choice, response_format=req.response_format, messages=req.messages,
             prompt_text=prompt_text, tool_choice_default=self.tool_choice_default, limits=self.grammar_limits)
         if plan.forced:
-            builder.turn.render["constrained"] = plan.forced
+            builder.on_render(constrained=plan.forced)
         chat = EngineChat(req, builder, self.engine.name, plan, prompt_text, engine=self.engine)
         sampling = req.sampling if plan.processor is not None else self.defaults.for_free_reply(req.sampling, req.body)
         seq = Sequence(token_ids, sampling, chat.emit_threadsafe(asyncio.get_running_loop()))
@@ -208,7 +207,7 @@ class EngineBackend:
                 # at its next step (a prefill keeps the blocks it computed), and the turn, which
                 # `serve_turn` records, says how far it got.
                 chat.cancel()
-                builder.turn.error = hang_up_error(chat.stage)
+                builder.on_error(hang_up_error(chat.stage))
                 raise
         return chat
 
@@ -229,7 +228,7 @@ class EngineBackend:
                 "fit, the prompt and at least one output token", prompt_tokens=num_prompt_tokens,
                 max_tokens=asked, retryable=False, **memory.numbers())
         req.sampling.max_tokens = room
-        builder.turn.render["max_tokens_clamped"] = {"asked": asked, "to": room}
+        builder.on_render(max_tokens_clamped={"asked": asked, "to": room})
 
 
 class EngineChat:
@@ -295,12 +294,12 @@ class EngineChat:
                 if self.seq is not None and isinstance(self.builder.turn.render, dict):
                     # The reply's tokens follow the prompt in the engine's cache: the next turn's prefix
                     # reaches into them, and the analyzer predicts how far (docs/ANALYZER.md).
-                    self.builder.turn.render["reply_token_ids"] = list(self.seq.output_ids)
+                    self.builder.on_render(reply_token_ids=list(self.seq.output_ids))
                     # Blocks the prefix cache evicted for room so far: between this turn's end and the
                     # session's next, a growth means the next turn may find its prefix gone.
                     evictions = self.engine.cache_evictions if self.engine is not None else None
                     if evictions is not None:
-                        self.builder.turn.render["cache_evictions"] = evictions
+                        self.builder.on_render(cache_evictions=evictions)
                 for reply_event in self.parser.finish():
                     yield reply_event
                 yield ReplyDone(final_finish_reason(event.finish_reason, self.parser), event.prompt_tokens,
@@ -324,15 +323,18 @@ class EngineChat:
 
 
 class CollectedReply:
-    """A whole reply gathered from its events: text, reasoning, OpenAI-shaped tool calls, the end."""
+    """A whole reply gathered from its events: text, reasoning, OpenAI-shaped tool calls, the end, and
+    the events themselves (what a writer records its turn from)."""
 
     def __init__(self):
+        self.events: list = []
         self.text = ""
         self.reasoning = ""
         self.tool_calls: list[dict] = []
         self.done: ReplyDone | None = None
 
     def add(self, event) -> None:
+        self.events.append(event)
         if isinstance(event, ContentDelta):
             self.text += event.text
         elif isinstance(event, ReasoningDelta):

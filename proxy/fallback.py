@@ -23,6 +23,7 @@ from prefixtrace.wire.messages import PATH as MESSAGES_PREFIX  # /v1/messages an
 from recorder.turn_builder import TurnBuilder
 from proxy.relay import TurnSink, record_durably
 from proxy.request_limits import read_request_body
+from proxy.run_session import filed_under
 from recorder.turn import Turn
 
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
@@ -59,14 +60,16 @@ def add_fallback_routes(app: FastAPI, backend, recorder: TurnSink) -> None:
         status = http_status(exc)
         if request.method == "OPTIONS":
             return JSONResponse(body, status_code=405, headers=headers)
-        turn = Turn(request_id=uuid.uuid4().hex, started_at=time.time(), endpoint=route, upstream=backend.label,
-                    request_body="", request_headers=dict(request.headers),
-                    client_addr=f"{request.client.host}:{request.client.port}" if request.client else None)
+        started = time.time()
         try:  # bounded as on every route (--max-request-mb): an unknown path is no way around the limit
-            turn.request_body = (await read_request_body(request, turn)).decode("utf-8", errors="replace")
+            stored = (await read_request_body(request)).decode("utf-8", errors="replace")
         except PrefixtraceError as unread:  # too large, too slow, a hang-up, a coding not read (request_limits.py)
-            exc, status = unread, http_status(unread)
+            exc, status, stored = unread, http_status(unread), unread.stored_body or ""
             body = to_anthropic_error(exc) if route.startswith(MESSAGES_PREFIX) else to_openai_error(exc)
+        request_headers = dict(request.headers)
+        turn = Turn(request_id=uuid.uuid4().hex, started_at=started, endpoint=route, upstream=backend.label,
+                    request_body=stored, request_headers=request_headers, session_id=filed_under(request_headers, None),
+                    client_addr=f"{request.client.host}:{request.client.port}" if request.client else None)
         await record_durably(recorder, TurnBuilder(turn).finish(status, exc.message))
         if request.method == "HEAD":
             return Response(status_code=status, headers=headers)

@@ -35,6 +35,7 @@ from prefixtrace.common.errors import (ForbiddenHost, PrefixtraceError, RequestH
                                 UnsupportedTransferCoding, http_status, to_openai_error)
 from prefixtrace.wire.request import session_id
 from proxy.request_limits import parse_body, read_request_body
+from proxy.run_session import filed_under
 from recorder.turn import Turn
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -114,25 +115,29 @@ def refusal_recorder(recorder, upstream: str, error_bodies: dict[str, Callable[[
             return JSONResponse(to_openai_error(exc), status_code=status)
         endpoint = request.url.path
         headers = {k: v for k, v in request.headers.items() if k != HEAD_REFUSED}
+        body, raw_text = await _refused_body(request, exc)
         turn = Turn(request_id=uuid.uuid4().hex, started_at=time.time(), endpoint=endpoint, upstream=upstream,
-                    request_body=None, request_headers=headers, status=status, error=exc.message,
+                    request_body=body, request_raw=raw_text, request_headers=headers, status=status,
+                    error=exc.message, session_id=filed_under(headers, session_id(endpoint, body, headers)),
                     client_addr=f"{request.client.host}:{request.client.port}" if request.client else None)
-        raw = None
-        if isinstance(exc, (RequestHeadersTooLarge, UnsupportedTransferCoding)):  # no body to read, or not one to trust
-            turn.request_body = f"[request body not read: {exc.message}]"
-        else:
-            try:  # read within --max-request-mb, like any turn: past it the body is a marker, still refused as it was
-                raw = await read_request_body(request, turn)
-            except PrefixtraceError:
-                raw = None  # too large, too slow, a hang-up: the marker it left says which
-        if raw is not None:
-            turn.request_body = raw.decode("utf-8", errors="replace")
-            try:
-                turn.request_body, turn.request_raw = parse_body(raw), turn.request_body
-            except PrefixtraceError:
-                pass  # stored as the text it was
-        turn.session_id = session_id(endpoint, turn.request_body, turn.request_headers)  # it still has a session
         await record(recorder, turn)
         return JSONResponse(error_body(exc), status_code=status)
 
     return refuse
+
+
+async def _refused_body(request: Request, exc: PrefixtraceError) -> tuple[object, str | None]:
+    """(what a refused turn records as its body, the body's exact text when it parsed): read within
+    --max-request-mb like any turn's (past it, or too slow, or a hang-up: the marker it left), and not
+    read at all after a refusal of the request's framing (no body to read, or not one to trust)."""
+    if isinstance(exc, (RequestHeadersTooLarge, UnsupportedTransferCoding)):
+        return f"[request body not read: {exc.message}]", None
+    try:
+        raw = await read_request_body(request)
+    except PrefixtraceError as unread:  # still refused as it was
+        return unread.stored_body, None
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        return parse_body(raw), text
+    except PrefixtraceError:
+        return text, None  # stored as the text it was

@@ -33,7 +33,7 @@ from analyzer.rule_breaks import RuleBreaks, request_facts
 from analyzer.advice import SIDE_REQUEST
 from analyzer.server_renderer import recorded_choice
 from analyzer.sessions import SessionGrouper, side_reason
-from recorder.renderers import registered
+from recorder.renderers import RendererInfo
 from recorder.replay_mark import is_replay
 from recorder.redact import DEFAULT_REDACTOR, Redactor
 from recorder.turn import Turn
@@ -241,17 +241,17 @@ class LiveSessions:
 
     # --- analysis (under self._lock) ---------------------------------------------
 
-    def _use_renderer(self, renderer_id: str | None) -> None:
+    def _use_renderer(self, info: RendererInfo | None) -> None:
         """Counts with the renderer the server recorded for its turns (its chat template and tokenizer), as
         `analyze` does on the database, so the dashboard's numbers are the CLI's; the first one seen stays
-        (one proxy serves one model; `analyze` too picks one renderer for a recording)."""
-        if renderer_id is None or self.renderer_id is not None:
+        (one proxy serves one model; `analyze` too picks one renderer for a recording). `info`: the
+        renderer the turn carries (None: not known)."""
+        if info is None or self.renderer_id is not None:
             return
-        info = registered(renderer_id)
-        choice = recorded_choice(info) if info is not None else None
+        choice = recorded_choice(info)
         if choice is None:
             return
-        self.renderer_id = renderer_id
+        self.renderer_id = info.id
         self.analyzer = Analyzer(choice.renderer, choice.tokenizer, workers=1)
         self.analyzer.exact_counts = choice.exact
         self.renderer_note = choice.note
@@ -260,7 +260,7 @@ class LiveSessions:
 
     def _add(self, turn: Turn) -> None:
         self._seen += 1
-        self._use_renderer(turn.renderer_id)
+        self._use_renderer(turn.renderer)
         body = turn.request_body if isinstance(turn.request_body, dict) else None
         # What only the body as sent and its headers say (the parameters a provider keys its cache on, the
         # Messages blocks and their breakpoints), read as `analyze` reads it, before anything else does.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from analyzer.fixes.sessions import FixSessions
@@ -21,29 +22,39 @@ from prefixtrace.wire.request import session_id
 log = logging.getLogger("prefixtrace.proxy")
 
 
-def fix_request(fixes: FixSessions | None, endpoint: str, body: Any, raw: bytes, turn: Turn) -> tuple[Any, bytes]:
-    """(body, raw) to send on: the client's own when no fix fired, the fixed body and its JSON otherwise.
-    Never raises: a failure here is recorded in the turn and the request goes on as it came."""
+@dataclass(slots=True)
+class FixedRequest:
+    """A request as it goes on: its body, that body's JSON bytes, the headers it is sent with, and one
+    entry per fix that looked at it (None: no fix did; the turn records them)."""
+    body: Any
+    raw: bytes
+    headers: dict[str, str]
+    fixes: list[dict] | None = None
+
+
+def fix_request(fixes: FixSessions | None, endpoint: str, body: Any, raw: bytes, headers: dict[str, str],
+                request_id: str) -> FixedRequest:
+    """The request to send on: the client's own when no fix fired, the fixed body and its JSON otherwise.
+    Never raises: a failure here is told in the entries and the request goes on as it came."""
     if fixes is None or not fixes.names:
-        return body, raw
+        return FixedRequest(body, raw, headers)
     try:
-        session = session_of(turn.request_headers) or session_id(endpoint, body, turn.request_headers)
+        session = session_of(headers) or session_id(endpoint, body, headers)
         applied = fixes.apply(endpoint, body, session)
         if applied is None:
-            return body, raw
-        turn.fixes = applied.entries
+            return FixedRequest(body, raw, headers)
         if not applied.fired:
-            return body, raw
-        lower = {k.lower() for k in turn.request_headers}
-        for name, value in applied.headers.items():  # a router's session header, where the client sent none
-            if name.lower() not in lower:
-                turn.request_headers[name] = value
-        return applied.body, json.dumps(applied.body, ensure_ascii=False).encode()
+            return FixedRequest(body, raw, headers, applied.entries)
+        lower = {k.lower() for k in headers}
+        added = {name: value for name, value in applied.headers.items()  # a router's session header,
+                 if name.lower() not in lower}                             # where the client sent none
+        return FixedRequest(applied.body, json.dumps(applied.body, ensure_ascii=False).encode(),
+                            {**headers, **added}, applied.entries)
     except Exception as exc:  # the fixes' own bookkeeping failed: the request is not theirs to lose
-        log.exception("fixes failed on request %s", turn.request_id)
-        turn.fixes = [{"name": "*", "fired": False, "error": True, "note": f"the fixes failed: {type(exc).__name__}: {exc}",
-                       "bytes_before": len(raw), "bytes_after": len(raw)}]
-        return body, raw
+        log.exception("fixes failed on request %s", request_id)
+        return FixedRequest(body, raw, headers, [{"name": "*", "fired": False, "error": True,
+                                                  "note": f"the fixes failed: {type(exc).__name__}: {exc}",
+                                                  "bytes_before": len(raw), "bytes_after": len(raw)}])
 
 
 REASONING_PROBE = "prefixtrace-reasoning-probe"

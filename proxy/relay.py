@@ -16,6 +16,7 @@ from prefixtrace.common.errors import PrefixtraceError, http_status
 from prefixtrace.wire.request import session_id
 from proxy.backend import Backend
 from proxy.live_fixes import fix_request
+from proxy.run_session import filed_under
 from proxy.request_limits import parse_body, read_request_body
 from proxy.turn_routes import WATCHED
 from recorder.sink import TurnSink  # the adapters import it from here
@@ -48,9 +49,7 @@ def abandoned(chat, builder: TurnBuilder) -> Turn:
     open: the backend is told to stop (an engine sequence leaves at its next step, an upstream
     response is closed by its reader) and the turn ends as 499 with the stage it had reached."""
     chat.cancel()
-    if builder.turn.finish_reason is None:
-        builder.turn.finish_reason = "cancelled"
-    return builder.finish(499, hang_up_error(stage_of(chat)))
+    return builder.cancelled(hang_up_error(stage_of(chat)))
 
 
 async def record_durably(recorder: TurnSink, turn: Turn) -> None:
@@ -97,16 +96,28 @@ async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recor
     )
     builder = TurnBuilder(turn)
     raw = b""
+
+    def refused_request(stored: str | None) -> None:
+        """What a request the reply never opened for is recorded with: its body as far as it was
+        taken in (`stored`: the marker of one not kept), and the session it still belongs to."""
+        if turn.request_body is None:
+            builder.on_request(stored or raw.decode("utf-8", errors="replace"))
+        if turn.session_id is None:
+            headers = turn.request_headers
+            builder.on_session(filed_under(headers, session_id(endpoint, turn.request_body, headers)))
+
     try:
-        raw = await read_request_body(request, turn)  # 413 past --max-request-mb
+        raw = await read_request_body(request)  # 413 past --max-request-mb
         body = parse_body(raw)
-        body, raw = fix_request(getattr(request.app.state, "fixes", None), endpoint, body, raw, turn)  # serve --fix
-        turn.request_body, turn.request_raw = body, raw.decode("utf-8", errors="replace")
+        fixed = fix_request(getattr(request.app.state, "fixes", None), endpoint, body, raw, turn.request_headers,
+                            turn.request_id)  # serve --fix
+        body, raw = fixed.body, fixed.raw
+        builder.on_request(body, raw.decode("utf-8", errors="replace"), headers=fixed.headers, fixes=fixed.fixes)
         req = parse(body, turn.request_headers)
         if req.body is body:
             req.raw = raw
         req.query = request.scope.get("query_string", b"").decode("latin-1")  # forwarded upstream
-        turn.session_id, turn.stream = req.session_id, req.stream
+        builder.on_session(filed_under(turn.request_headers, req.session_id), stream=req.stream)
         chat = await open_reply(req, builder, turn.request_headers)
     except asyncio.CancelledError:
         # The client hung up (proxy/turn_routes.py, proxy/disconnect.py) or the server is stopping
@@ -114,11 +125,8 @@ async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recor
         # sequence and named the stage in the turn's error), or waiting for the upstream's headers
         # (the upstream request is closed as the cancel unwinds it). Recorded now, without waiting:
         # nothing more can be sent, and this task must end.
-        if turn.request_body is None:  # stopped while the body was read (a server shutting down)
-            turn.request_body = raw.decode("utf-8", errors="replace")
-            turn.session_id = session_id(endpoint, turn.request_body, turn.request_headers)
-        turn.finish_reason = "cancelled"
-        recorder.record(builder.finish(499, hang_up_error(QUEUED if backend.embedded else UPSTREAM_HEADERS)))
+        refused_request(None)  # stopped while the body was read (a server shutting down)
+        recorder.record(builder.cancelled(hang_up_error(QUEUED if backend.embedded else UPSTREAM_HEADERS)))
         raise
     except Exception as exc:
         if not isinstance(exc, PrefixtraceError):
@@ -126,14 +134,13 @@ async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recor
             # so that every request leaves its turn.
             log.exception("request %s failed", turn.request_id)
             exc = PrefixtraceError(f"internal error: {type(exc).__name__}: {exc}")
-        if turn.request_body is None:
-            turn.request_body = raw.decode("utf-8", errors="replace")
-        if turn.session_id is None:  # a refused request still belongs to its session
-            turn.session_id = session_id(endpoint, turn.request_body, turn.request_headers)
+        refused_request(exc.stored_body)  # a refused request still belongs to its session
         status = http_status(exc)
         await record_refusal(recorder, builder.finish(status, exc.message), len(raw))
         return JSONResponse(error_body(exc), status_code=status)
     turn.upstream = chat.url or turn.upstream  # the upstream (or pool member) that answered
+    if chat.url is not None:  # its renderer, as the backend instance that read it knows it
+        builder.on_renderer(backend.renderer_of(chat.url))
     return await respond(chat, builder, recorder, stream(chat, builder, recorder), error_body)
 
 

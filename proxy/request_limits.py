@@ -35,9 +35,8 @@ from typing import Any
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from prefixtrace.common.errors import (ClientGaveUp, InvalidRequest, RequestTimeout, RequestTooLarge,
-                           UnsupportedMediaType)
-from recorder.turn import Turn
+from prefixtrace.common.errors import (ClientGaveUp, InvalidRequest, PrefixtraceError, RequestTimeout,
+                                       RequestTooLarge, UnsupportedMediaType)
 
 DEFAULT_MAX_REQUEST_MB = 32.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
@@ -55,39 +54,45 @@ def body_timeout_s(request: Request) -> float | None:
     return getattr(request.app.state, "request_body_timeout_s", DEFAULT_BODY_TIMEOUT_S)
 
 
-async def read_request_body(request: Request, turn: Turn) -> bytes:
-    """The whole body (decoded, if it came gzip- or deflate-encoded), or a `PrefixtraceError` with
-    `turn.request_body` set to a marker where the body is not kept: `RequestTooLarge` (413),
+async def read_request_body(request: Request) -> bytes:
+    """The whole body (decoded, if it came gzip- or deflate-encoded), or a `PrefixtraceError` whose
+    `stored_body` is the marker its turn records in place of the body: `RequestTooLarge` (413),
     `RequestTimeout` (408, not all of it within `--request-body-timeout-s`), `ClientGaveUp` (499, the
     client hung up while sending it), `UnsupportedMediaType` (415, a coding not read here),
     `InvalidRequest` (400, a compressed body that does not decode)."""
     timeout = body_timeout_s(request)
-    reader = _BodyReader(request, turn, max_request_bytes(request))
+    reader = _BodyReader(request, max_request_bytes(request))
     try:
         async with asyncio.timeout(timeout if timeout and timeout > 0 else None):
             return await reader.read()
     except TimeoutError:
-        turn.request_body = (f"[request body not stored: {reader.received} bytes arrived in {timeout:g} s, "
-                             "not all of it]")
-        raise RequestTimeout(f"the request body did not arrive within {timeout:g} s ({reader.received} bytes "
-                             "received; prefixtrace serve --request-body-timeout-s)") from None
+        raise _not_stored(RequestTimeout(f"the request body did not arrive within {timeout:g} s ({reader.received} "
+                                         "bytes received; prefixtrace serve --request-body-timeout-s)"),
+                          f"{reader.received} bytes arrived in {timeout:g} s, not all of it") from None
     except ClientDisconnect:
-        turn.request_body = f"[request body not stored: the client hung up after {reader.received} bytes]"
-        raise ClientGaveUp(f"client disconnected while sending the request body ({reader.received} bytes "
-                           "received)") from None
+        raise _not_stored(ClientGaveUp(f"client disconnected while sending the request body ({reader.received} "
+                                       "bytes received)"),
+                          f"the client hung up after {reader.received} bytes") from None
+
+
+def _not_stored(error: PrefixtraceError, why: str) -> PrefixtraceError:
+    """`error`, carrying the marker its turn records instead of the body (a truncated body could end
+    inside a secret the redaction patterns no longer recognise)."""
+    error.stored_body = f"[request body not stored: {why}]"
+    return error
 
 
 class _BodyReader:
     """Reads a request's body within `limit` bytes, decoded as it arrives."""
 
-    def __init__(self, request: Request, turn: Turn, limit: int):
-        self.request, self.turn, self.limit = request, turn, limit
+    def __init__(self, request: Request, limit: int):
+        self.request, self.limit = request, limit
         self.received = 0  # bytes off the wire
         coding = request.headers.get("content-encoding", "").strip().lower()
         if coding not in ("", "identity", *DECODED):
-            turn.request_body = f"[request body not stored: Content-Encoding {coding!r} is not read here]"
-            raise UnsupportedMediaType(f"Content-Encoding {coding!r} is not supported: send the body as it is, or "
-                                       "gzip- or deflate-encoded")
+            raise _not_stored(UnsupportedMediaType(f"Content-Encoding {coding!r} is not supported: send the body as "
+                                                   "it is, or gzip- or deflate-encoded"),
+                              f"Content-Encoding {coding!r} is not read here")
         self.coding = coding if coding in DECODED else None
         self.decoder = zlib.decompressobj(zlib.MAX_WBITS | 32) if self.coding else None
 
@@ -111,9 +116,9 @@ class _BodyReader:
                 chunks.append(chunk)
         if not over:
             if self.decoder is not None and not self.decoder.eof:
-                self.turn.request_body = f"[request body not stored: a {self.coding} stream cut short]"
-                raise InvalidRequest(f"the request body is not a whole {self.coding} stream (Content-Encoding: "
-                                     f"{self.coding})")
+                raise _not_stored(InvalidRequest(f"the request body is not a whole {self.coding} stream "
+                                                 f"(Content-Encoding: {self.coding})"),
+                                  f"a {self.coding} stream cut short")
             return b"".join(chunks)
         chunks.clear()
         if size is None or size <= DRAIN_FACTOR * limit:
@@ -126,9 +131,9 @@ class _BodyReader:
             shown = f"{size / (1 << 20):.1f} MB"
         else:
             shown = f"over {mb:g} MB" + (f" once {self.coding}-decoded" if self.decoder is not None else "")
-        self.turn.request_body = f"[request body not stored: {shown}, over the {mb:g} MB limit]"
-        raise RequestTooLarge(f"the request body is {shown}, over this proxy's limit of {mb:g} MB "
-                              "(prefixtrace serve --max-request-mb)", param=None)
+        raise _not_stored(RequestTooLarge(f"the request body is {shown}, over this proxy's limit of {mb:g} MB "
+                                          "(prefixtrace serve --max-request-mb)", param=None),
+                          f"{shown}, over the {mb:g} MB limit")
 
     def _decode(self, chunk: bytes, room: int) -> bytes:
         """What `chunk` decodes to, at most `room` + 1 bytes of it: a bomb stops at the limit, not in memory."""
@@ -137,12 +142,12 @@ class _BodyReader:
             while self.decoder.unconsumed_tail and len(out) <= room:
                 out += self.decoder.decompress(self.decoder.unconsumed_tail, room + 1 - len(out))
         except zlib.error as exc:
-            self.turn.request_body = f"[request body not stored: not a valid {self.coding} stream]"
-            raise InvalidRequest(f"the request body is not valid {self.coding} (Content-Encoding: {self.coding}): "
-                                 f"{exc}") from None
+            raise _not_stored(InvalidRequest(f"the request body is not valid {self.coding} (Content-Encoding: "
+                                             f"{self.coding}): {exc}"),
+                              f"not a valid {self.coding} stream") from None
         if self.decoder.eof and self.decoder.unused_data:
-            self.turn.request_body = f"[request body not stored: bytes after the end of the {self.coding} stream]"
-            raise InvalidRequest(f"the request body has bytes after the end of its {self.coding} stream")
+            raise _not_stored(InvalidRequest(f"the request body has bytes after the end of its {self.coding} stream"),
+                              f"bytes after the end of the {self.coding} stream")
         return out
 
 

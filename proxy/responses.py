@@ -32,7 +32,7 @@ from prefixtrace.common.errors import (InvalidRequest, PrefixtraceError, Unknown
                            to_openai_error)
 from prefixtrace.wire import responses as wire
 from prefixtrace.wire import sse
-from prefixtrace.wire.events import ReplyDone
+from prefixtrace.wire.events import ReplyDone, Usage
 from prefixtrace.wire.responses_stream import TERMINAL, ResponsesReader, ResponsesWriter, encode
 from recorder.turn_builder import TurnBuilder
 from proxy.upstream_query import with_query
@@ -118,8 +118,9 @@ class EngineResponses:
             return []
         self.builder.on_event(event)
         out = self.writer.feed(event)
-        if isinstance(event, ReplyDone):
-            self.builder.turn.usage = self.writer.usage
+        if isinstance(event, ReplyDone):  # the usage object the writer sent, with the event's own counts
+            self.builder.on_counts(Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens,
+                                         as_sent=self.writer.usage))
             self._keep()
         return out
 
@@ -145,7 +146,7 @@ class EngineResponses:
                 for event in self._on(reply):
                     yield encode(event)
         except PrefixtraceError as exc:
-            self.builder.turn.error = exc.message
+            self.builder.on_error(exc.message)
             for event in self.writer.fail(exc.code or "server_error", exc.message):
                 yield encode(event)
 
@@ -163,20 +164,19 @@ class UpstreamResponses(Relayed):
         self.builder = builder
         self.reader = ResponsesReader()
         mark_served(builder, url)  # the member that answered (a pool routes by session), its renderer
-        builder.turn.served_by = served_by(response, url)  # the worker behind a router, else `url`
+        builder.on_served(served_by(response, url))  # the worker behind a router, else `url`
         self._complete = False  # a terminal event or an in-band error seen
 
     def _on(self, data: dict) -> None:
         self._complete = self._complete or data.get("type") in (*TERMINAL, "error")
-        for event in self.reader.feed(data):
+        for event in self.reader.feed(data):  # a terminal event's ReplyDone carries its usage as sent
             self.builder.on_event(event)
         if data.get("type") in TERMINAL:
             response = data.get("response") or {}
-            self.builder.turn.usage = response.get("usage")
             if response.get("error"):
-                self.builder.turn.error = str(response["error"])[:2000]
+                self.builder.on_error(str(response["error"])[:2000])
         elif data.get("type") == "error":
-            self.builder.turn.error = str(data.get("message") or data)[:2000]
+            self.builder.on_error(str(data.get("message") or data)[:2000])
 
     async def sse(self) -> AsyncIterator[bytes]:
         """The events as they came, one item per upstream read (`sse.joined`); a terminal one by itself."""
@@ -196,11 +196,10 @@ class UpstreamResponses(Relayed):
         data, body = await self.read()
         if body is not None and self.status < 400:
             with self.reading(body, "output"):  # a body of the wrong shape: a 502 naming the upstream's fault
-                self.builder.on_whole(self.reader.whole(body))
-                self.builder.turn.usage = body.get("usage")
+                self.builder.on_whole(self.reader.whole(body))  # its ReplyDone carries the usage as sent
         elif self.status >= 400:
-            self.builder.turn.error = (str(body.get("error", body)) if body is not None
-                                       else data.decode(errors="replace"))[:2000]
+            self.builder.on_error((str(body.get("error", body)) if body is not None
+                                   else data.decode(errors="replace"))[:2000])
         return data, self.content_type
 
 

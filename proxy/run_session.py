@@ -6,8 +6,8 @@ recorded under `<id>`.
 made to send a header, and each sends its own session id (or none) in its own place. The
 prefix is taken off before routing, so every route (turns, `/v1/models`, `HEAD /`, the
 fallback) serves it unchanged, and the id rides along as the `X-Prefixtrace-Session` request
-header, which a client may also send itself. `tag_session` (a tap on the recorder) records it as the turn's session
-id, ahead of the one the client sent (the run is the session the user asked about).
+header, which a client may also send itself. Every turn is filed under it (`filed_under`, asked where the
+turn's session is set), ahead of the one the client sent (the run is the session the user asked about).
 """
 
 from __future__ import annotations
@@ -46,9 +46,7 @@ def session_of(headers: dict | None) -> str | None:
     return None
 
 
-def tag_session(turn) -> None:
-    """A tap on the recorder (recorder/sink.py `TappedSink`): files a turn carrying the session
-    header under that session, ahead of any session id the client sent."""
-    sid = session_of(turn.request_headers)
-    if sid is not None:
-        turn.session_id = sid
+def filed_under(headers: dict | None, found: str | None) -> str | None:
+    """The session a turn is filed under: the run's (the session header), ahead of the one the client
+    sent (`found`): the run is the session the user asked about."""
+    return session_of(headers) or found

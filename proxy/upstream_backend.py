@@ -89,6 +89,7 @@ class UpstreamBackend:
             "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
         self.connections = self._direct_connections(without_credentials(url), transport, timeouts)
         self._asked_props = not probe_props
+        self.renderer: renderers.RendererInfo | None = None  # the template this upstream published (`published_renderer`)
 
     def _direct_connections(self, url: str, transport, timeouts: UpstreamTimeouts) -> UpstreamConnections | None:
         """The lean client for the turn's POST (proxy/upstream_http.py) where it can stand in for
@@ -115,6 +116,10 @@ class UpstreamBackend:
 
     def renderer_identity(self) -> None:
         return None  # the upstream's template, where it publishes one, is read by `published_renderer`
+
+    def renderer_of(self, url: str) -> renderers.RendererInfo | None:
+        """The renderer of the upstream that answered at `url` (this one's, when it published one)."""
+        return self.renderer if url == self.base_url else None
 
     def stats(self) -> None:
         return None  # one server: its counters are in the turns themselves
@@ -165,8 +170,7 @@ class UpstreamBackend:
         if isinstance(template, str) and template and len(template) <= renderers.MAX_TEMPLATE_CHARS:
             name = props.get("model_alias") or str(props.get("model_path") or self.base_url).rsplit("/", 1)[-1]
             special = {k: props[k] for k in ("bos_token", "eos_token") if isinstance(props.get(k), str)}
-            PUBLISHED_RENDERERS[self.base_url] = renderers.register(
-                renderers.RendererInfo("upstream", str(name), template, special))
+            self.renderer = renderers.RendererInfo("upstream", str(name), template, special)
 
     async def post(self, path: str, body: dict, headers: dict[str, str], *,
                    session_id: str | None = None, raw: bytes | None = None) -> tuple[httpx.Response, str]:
@@ -326,14 +330,10 @@ def _excerpt(data: bytes | str, limit: int = 200) -> str:
     return repr(text[:limit]) + (f" (… {len(text) - limit} more)" if len(text) > limit else "")
 
 
-# Upstream base URL -> the id of the renderer it publishes (`published_renderer`).
-PUBLISHED_RENDERERS: dict[str, str] = {}
-
-
 def mark_served(builder: TurnBuilder, url: str) -> None:
-    """The turn names the upstream member that answered and, when it published one, its renderer."""
-    builder.turn.served_by = url
-    builder.turn.renderer_id = PUBLISHED_RENDERERS.get(url)
+    """The turn names the upstream member that answered (its renderer is the relay's to hand over:
+    `serve_turn` asks the backend, `renderer_of`)."""
+    builder.on_served(url)
 
 
 def served_by(response: httpx.Response, url: str) -> str:
@@ -432,6 +432,5 @@ class Relayed:
 
     def fault(self, why: str, event: bytes) -> None:
         """The first unreadable event of a stream, kept as the turn's error (the client got it as sent)."""
-        turn = self.builder.turn
-        if not turn.error:
-            turn.error = f"upstream {self.url} sent an event the proxy cannot read ({why}): {_excerpt(event)}"
+        if not self.builder.turn.error:
+            self.builder.on_error(f"upstream {self.url} sent an event the proxy cannot read ({why}): {_excerpt(event)}")

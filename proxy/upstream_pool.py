@@ -108,6 +108,11 @@ class UpstreamPool:
     max_context_tokens = None  # the upstreams' limits are their own
     embedded = False  # proxy/backend.py: bodies go on as sent
 
+    def renderer_of(self, url: str):
+        """The renderer the member at `url` published (None: none, or no such member)."""
+        member = self.members.get(url)
+        return member.backend.renderer_of(url) if member is not None else None
+
     def renderer_identity(self) -> None:
         return None
 

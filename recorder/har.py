@@ -21,6 +21,7 @@ Import is all or nothing, like JSONL.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
@@ -32,11 +33,11 @@ from urllib.parse import urlsplit
 from prefixtrace.common.errors import InvalidRequest
 from prefixtrace.wire import messages as messages_wire
 from prefixtrace.wire.request import protocol_of, session_id
-from prefixtrace.wire.responses_stream import TERMINAL, ResponsesReader
+from prefixtrace.wire.responses_stream import ResponsesReader
 from recorder.jsonl import DEFAULT_ENDPOINT, record_to_turn, turn_to_record
 from recorder import numbers
 from recorder.turn import Turn
-from recorder.renderers import from_record, register, to_record
+from recorder.renderers import from_record, to_record
 from recorder.turn_builder import TurnBuilder
 
 CREATOR = {"name": "prefixtrace", "version": "1"}
@@ -143,8 +144,7 @@ def read_har(path: str | Path) -> list[Turn]:
     entries = log.get("entries") if isinstance(log, dict) else None
     if not isinstance(entries, list):
         raise InvalidRequest(f"{p}: not a HAR file (no log.entries list)")
-    for info in har_renderers(log).values():
-        register(info)  # the writer stores it with the first turn that names it (recorder/renderers.py)
+    renderers = har_renderers(log)  # each goes with the turns that name it (recorder/renderers.py)
     turns = []
     for index, entry in enumerate(entries):
         try:
@@ -152,7 +152,8 @@ def read_har(path: str | Path) -> list[Turn]:
         except InvalidRequest as exc:
             raise InvalidRequest(f"{p}: entry {index}: {exc.message}", entry=index) from exc
         if turn is not None:
-            turns.append(turn)
+            turns.append(dataclasses.replace(turn, renderer=renderers.get(turn.renderer_id))
+                         if turn.renderer_id else turn)
     return turns
 
 
@@ -196,9 +197,8 @@ def entry_to_turn(entry: Any, *, index: int = 0, source: str = "") -> Turn | Non
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"postData.text is not JSON: {exc.msg}") from exc
         record = {k: v for k, v in extra.items() if k != "request_is_json"}
-        turn = record_to_turn({**record, "request": body, "request_headers": headers})
-        turn.request_raw = body_text if is_json else None
-        return turn
+        return record_to_turn({**record, "request": body, "request_headers": headers},
+                              request_raw=body_text if is_json else None)
     if str(request.get("method", "")).upper() != "POST":
         return None
     try:
@@ -225,6 +225,8 @@ def _foreign_turn(entry: dict, body: dict, body_text: str, headers: dict, index:
     url = urlsplit(str(entry["request"].get("url", "")))
     session = session_id(url.path, body, headers)
     digest = hashlib.sha256(f"{source}\0{index}\0{entry.get('startedDateTime')}\0".encode() + body_text.encode())
+    timings = entry.get("timings") if isinstance(entry.get("timings"), dict) else {}
+    wait, total = timings.get("wait"), entry.get("time")
     turn = Turn(
         request_id=f"har-{digest.hexdigest()[:16]}",
         started_at=_ts(entry),
@@ -234,10 +236,14 @@ def _foreign_turn(entry: dict, body: dict, body_text: str, headers: dict, index:
         request_headers=headers,
         session_id=session if isinstance(session, str) else None,
         stream=bool(body.get("stream")),
+        # HAR times are milliseconds; -1 means "not measured". A browser's wait
+        # (time to first byte) is the closest thing to TTFT it records.
+        ttft_s=wait / 1000 if isinstance(wait, (int, float)) and wait >= 0 else None,
+        total_s=total / 1000 if isinstance(total, (int, float)) and total >= 0 else None,
+        request_raw=body_text,
     )
-    turn.request_raw = body_text
     response = entry.get("response") if isinstance(entry.get("response"), dict) else {}
-    builder = TurnBuilder(turn)
+    builder = TurnBuilder(turn, timed=False)  # the HAR's times, not the import's
     content = _text(response.get("content") or {})
     read = _ReplyReader(protocol_of(url.path), builder)
     if "data:" in content:
@@ -258,15 +264,7 @@ def _foreign_turn(entry: dict, body: dict, body_text: str, headers: dict, index:
         if isinstance(parsed, dict):
             read.whole(parsed)
     status = response.get("status") if isinstance(response.get("status"), int) else 0
-    builder.finish(status, None if status < 400 else content[:500] or None)
-    timings = entry.get("timings") if isinstance(entry.get("timings"), dict) else {}
-    wait, total = timings.get("wait"), entry.get("time")
-    # HAR times are milliseconds; -1 means "not measured". A browser's wait
-    # (time to first byte) is the closest thing to TTFT it records.
-    turn.ttft_s = wait / 1000 if isinstance(wait, (int, float)) and wait >= 0 else None
-    turn.total_s = total / 1000 if isinstance(total, (int, float)) and total >= 0 else None
-    turn.chunk_times = []
-    return turn
+    return builder.finish(status, None if status < 400 else content[:500] or None)
 
 
 class _ReplyReader:
@@ -289,23 +287,21 @@ class _ReplyReader:
                 self._usage.update({k: v for k, v in usage.items() if v is not None})
                 self.builder.on_counts(messages_wire.usage_counts(self._usage))
             if kind == "message_delta":
-                reason = messages_wire.finish_reason((data.get("delta") or {}).get("stop_reason"))
-                self.builder.turn.finish_reason = reason or self.builder.turn.finish_reason
+                self.builder.on_stop(messages_wire.finish_reason((data.get("delta") or {}).get("stop_reason")))
         elif self.protocol == "responses":
-            for event in self.responses.feed(data):
+            for event in self.responses.feed(data):  # a terminal event's ReplyDone carries its usage
                 self.builder.on_event(event)
-            if data.get("type") in TERMINAL:
-                self.builder.turn.usage = (data.get("response") or {}).get("usage")
         else:
             self.builder.on_chunk(data)
 
     def whole(self, body: dict) -> None:
         if self.protocol == "messages":
             self.builder.on_whole(self.messages.whole(body))
-            self.builder.turn.finish_reason = messages_wire.finish_reason(body.get("stop_reason"))
-            messages_wire.record_usage(self.builder, body.get("usage") or {})
+            self.builder.on_stop(messages_wire.finish_reason(body.get("stop_reason")))
+            usage = body.get("usage")
+            if isinstance(usage, dict):
+                self.builder.on_counts(messages_wire.usage_counts(usage))
         elif self.protocol == "responses":
-            self.builder.on_whole(self.responses.whole(body))
-            self.builder.turn.usage = body.get("usage")
+            self.builder.on_whole(self.responses.whole(body))  # its ReplyDone carries the usage
         else:
             self.builder.on_response(body)

@@ -9,6 +9,7 @@ line number).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -18,7 +19,7 @@ from typing import IO, Any
 
 from prefixtrace.common.errors import InvalidRequest
 from recorder.reader import iter_turns, read_renderers
-from recorder.renderers import RECORD_KEY, from_record, register, to_record
+from recorder.renderers import RECORD_KEY, from_record, to_record
 from recorder.redact import Redactor
 from recorder.bodies import scan_object
 from recorder.files import open_private
@@ -163,19 +164,20 @@ def read_jsonl(path: str | Path, *, base_ts: float | None = None) -> list[Turn]:
         raise InvalidRequest(f"cannot read {p}: {exc}") from exc
     base = time.time() if base_ts is None else base_ts
     turns = []
+    renderers = {}  # the file's renderer lines, by id: each goes with the turns that name it
     for lineno, line, obj in json_lines(text, p):
         if isinstance(obj, dict) and RECORD_KEY in obj and "request" not in obj:
             info = from_record(obj[RECORD_KEY])
             if info is None:
                 raise InvalidRequest(f"{p}:{lineno}: a renderer line without its id and model", line=lineno)
-            register(info)  # the writer stores it with the first turn that names it (recorder/renderers.py)
+            renderers[info.id] = info
             continue
         try:
-            turn = record_to_turn(obj, lineno=lineno, base_ts=base, source=p.name)
+            turn = record_to_turn(obj, lineno=lineno, base_ts=base, source=p.name,
+                                  request_raw=_raw_request(line, obj))
         except InvalidRequest as exc:
             raise InvalidRequest(f"{p}:{lineno}: {exc.message}", line=lineno) from exc
-        turn.request_raw = _raw_request(line, obj)
-        turns.append(turn)
+        turns.append(dataclasses.replace(turn, renderer=renderers.get(turn.renderer_id)) if turn.renderer_id else turn)
     return turns
 
 
@@ -247,9 +249,10 @@ def _usage_counts(usage: dict | None) -> tuple[int | None, int | None, int | Non
     return _int(usage, "prompt_tokens"), _int(usage, "completion_tokens"), cached
 
 
-def record_to_turn(obj: Any, *, lineno: int = 0, base_ts: float = 0.0, source: str = "") -> Turn:
+def record_to_turn(obj: Any, *, lineno: int = 0, base_ts: float = 0.0, source: str = "",
+                   request_raw: str | None = None) -> Turn:
     """One JSONL object (wrapped form, or a bare chat-completions request
-    body) as a Turn."""
+    body) as a Turn; `request_raw`: the body's exact text, where the file keeps it."""
     if not isinstance(obj, dict):
         raise InvalidRequest(f"expected a JSON object, got {type(obj).__name__}")
     if "request" not in obj:
@@ -265,6 +268,7 @@ def record_to_turn(obj: Any, *, lineno: int = 0, base_ts: float = 0.0, source: s
             upstream=DEFAULT_UPSTREAM,
             request_body=obj,
             stream=bool(obj.get("stream", False)),
+            request_raw=request_raw,
         )
 
     request = obj["request"]
@@ -308,4 +312,5 @@ def record_to_turn(obj: Any, *, lineno: int = 0, base_ts: float = 0.0, source: s
         render=_get(obj, "render", (dict,)),
         served_by=_get(obj, "served_by", (str,)),
         renderer_id=_get(obj, "renderer_id", (str,)),
+        request_raw=request_raw,
     )

@@ -20,15 +20,16 @@ to analyse, and a model cache may be gone by then. A tokenizer.json is 2-11 MB (
 MAX_TOKENIZER_BYTES only the path and hash are kept, for a person to read: the analyzer never opens a
 recorded path (a database may come from anyone, and the path could name a FIFO or /dev/zero).
 
-The proxy registers a renderer in this process (`register`); the writer stores its row the first time a
-turn names its id (`ensure_stored`, in the turn's transaction). Turns carry only the id.
+The backend that renders a prompt owns its renderer (the engine backend its model's, an upstream backend
+the template its upstream published) and hands it to each turn it answers (`TurnBuilder.on_renderer`);
+an imported file's turns get the renderer lines the file carries. The recorder stores the row the first
+time a turn carries it (`ensure_stored`, in the turn's transaction); the turn's row keeps only the id.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -73,22 +74,6 @@ def from_model_dir(model: str, model_dir: str | Path, chat_template: str | None,
     return RendererInfo("embedded", model, chat_template, specials, text, digest, str(path) if digest else None)
 
 
-_registry: dict[str, RendererInfo] = {}
-_lock = threading.Lock()
-
-
-def register(info: RendererInfo) -> str:
-    """Keeps `info` for the writer; returns its id (what a Turn records)."""
-    with _lock:
-        _registry.setdefault(info.id, info)
-    return info.id
-
-
-def registered(renderer_id: str) -> RendererInfo | None:
-    with _lock:
-        return _registry.get(renderer_id)
-
-
 def create_table(db) -> None:
     db.execute(
         "CREATE TABLE IF NOT EXISTS renderers (id TEXT PRIMARY KEY NOT NULL, source TEXT, model TEXT,"
@@ -97,16 +82,14 @@ def create_table(db) -> None:
     )
 
 
-def ensure_stored(db, renderer_id: str | None, known: set[str]) -> None:
-    """Stores the registered renderer `renderer_id` unless the database has it (`known`: ids seen in
-    this connection). A renderer registered in another process (a spool replayed after a restart) is
-    left out: its turns then read as "renderer not recorded", never as another renderer."""
-    if renderer_id is None or renderer_id in known:
+def ensure_stored(db, info: RendererInfo | None, known: set[str]) -> None:
+    """Stores renderer `info` unless the database has it (`known`: ids seen in this connection). A
+    turn whose renderer is not at hand (a spool replayed by another process after a restart) leaves
+    none: its turns then read as "renderer not recorded", never as another renderer."""
+    if info is None or info.id in known:
         return
+    renderer_id = info.id
     if db.execute("SELECT 1 FROM renderers WHERE id = ?", [renderer_id]).fetchone() is None:
-        info = registered(renderer_id)
-        if info is None:
-            return
         blob = zlib.compress(info.tokenizer_json.encode("utf-8"), 6) if info.tokenizer_json is not None else None
         db.execute("INSERT INTO renderers (id, source, model, chat_template, special, tokenizer, tokenizer_sha256,"
                    " tokenizer_path, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",

@@ -16,7 +16,7 @@ import json
 import re
 import sqlite3
 from dataclasses import fields
-from typing import Any
+from typing import Any, Mapping
 
 import sqlite_utils
 
@@ -25,7 +25,7 @@ from recorder import numbers
 from recorder.bodies import SplitBody, message_hash, split_body
 from recorder.item_texts import SharedItemTexts
 from recorder.redact import DEFAULT_REDACTOR, Redactor
-from recorder.renderers import ensure_stored
+from recorder.renderers import RendererInfo, ensure_stored
 from recorder.turn import Turn
 
 JSON_COLUMNS = ("request_headers", "tool_calls", "usage", "chunk_times", "render")
@@ -252,8 +252,8 @@ class BodyStore:
 
 
 def turn_to_row(turn: Turn, bodies: BodyStore, redactor: Redactor = DEFAULT_REDACTOR) -> dict[str, Any]:
-    """The `turn_log` row for `turn`, redacted, its messages stored."""
-    return store_row(redacted_row(turn, redactor), bodies)
+    """The `turn_log` row for `turn`, redacted, its messages (and its renderer's row) stored."""
+    return store_row(redacted_row(turn, redactor), bodies, renderers_of([turn]))
 
 
 def redacted_row(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR,
@@ -301,13 +301,21 @@ def redacted_row(turn: Turn, redactor: Redactor = DEFAULT_REDACTOR,
     return row
 
 
-def store_row(row: dict[str, Any], bodies: BodyStore) -> dict[str, Any]:
-    """A `redacted_row` made a `turn_log` row: its body's messages stored (in the open transaction)."""
+def store_row(row: dict[str, Any], bodies: BodyStore,
+              renderers: Mapping[str, RendererInfo] | None = None) -> dict[str, Any]:
+    """A `redacted_row` made a `turn_log` row: its body's messages stored (in the open transaction), and
+    the row of the renderer it names when `renderers` (what the turns carried, by id) holds it."""
     row = dict(row)
     text, is_json = row.pop("_body"), row.pop("_body_json")
     row.update(bodies.put(text, is_json=is_json))
-    ensure_stored(bodies.db, row.get("renderer_id"), bodies.renderer_ids)
+    if renderers and row.get("renderer_id") is not None:
+        ensure_stored(bodies.db, renderers.get(row["renderer_id"]), bodies.renderer_ids)
     return row
+
+
+def renderers_of(turns) -> dict[str, RendererInfo]:
+    """The renderers `turns` carry, by id (recorder/renderers.py)."""
+    return {turn.renderer.id: turn.renderer for turn in turns if turn.renderer is not None}
 
 
 _TURN_FIELDS = {f.name for f in fields(Turn)}
@@ -348,15 +356,17 @@ def write_turns(
     serialised once."""
     shared = SharedItemTexts(redactor)
     # The CPU work, outside the transaction.
-    write_rows(db, [redacted_row(t, redactor, shared) for t in turns], bodies)
+    write_rows(db, [redacted_row(t, redactor, shared) for t in turns], bodies, renderers_of(turns))
 
 
-def write_rows(db: sqlite_utils.Database, prepared: list[dict[str, Any]], bodies: BodyStore | None = None) -> None:
-    """Writes `redacted_row`s in one transaction (all or nothing), replacing rows of the same request id."""
+def write_rows(db: sqlite_utils.Database, prepared: list[dict[str, Any]], bodies: BodyStore | None = None,
+               renderers: Mapping[str, RendererInfo] | None = None) -> None:
+    """Writes `redacted_row`s in one transaction (all or nothing), replacing rows of the same request id;
+    `renderers`: the renderers their turns carried, by id, stored with the first row that names one."""
     bodies = bodies or BodyStore(db)
     try:
         with db.atomic():
-            rows = [store_row(r, bodies) for r in prepared]
+            rows = [store_row(r, bodies, renderers) for r in prepared]
             db["turn_log"].insert_all(rows, pk="request_id", replace=True)
     except sqlite3.DatabaseError as exc:
         bodies.reset()

@@ -54,8 +54,8 @@ Tap = Callable[[Turn], None]
 
 class TappedSink:
     """`sink` with taps in front: every turn handed to any recording member is first shown to each tap,
-    in the order given, then recorded. A tap may set fields of the turn (the session tag does) before
-    the next tap and the record see it. A tap that raises is logged and skipped: a tap is
+    in the order given, then recorded. A tap reads the turn and never writes it (only the relay and the
+    builder do: tests/test_turn_fields_owned.py). A tap that raises is logged and skipped: a tap is
     observability or learning, and must never cost a response or a recorded turn."""
 
     def __init__(self, sink: TurnSink, taps: Sequence[Tap]):

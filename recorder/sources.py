@@ -92,14 +92,14 @@ def import_path(path: str | Path, db_path: str | Path, *, redact_patterns: list[
     rebuilt into turns first. One session file is imported as a stream, in batches, `on_progress`
     called after each (recorder/transcripts/streamed.py). Returns (turns imported, the transcripts
     read; empty for JSONL/HAR)."""
-    from recorder.transcripts import HARNESSES, Transcripts, read_transcripts, sniff_transcript
+    from recorder.transcripts import Transcripts, read_transcripts, sniff_transcript
     from recorder.transcripts.store import refuse_special
-    from recorder.transcripts.streamed import import_directory, import_read, import_transcript_file
+    from recorder.transcripts.streamed import STREAMED, import_directory, import_read, import_transcript_file
 
     p = Path(path)
     refuse_special(p)
     harness = None if p.is_dir() else sniff_transcript(p)
-    if harness in HARNESSES:  # one session file: written in batches as it is read (a rollout may be GBs)
+    if harness in STREAMED:  # one session file: written in batches as it is read (a rollout may be GBs)
         count, transcripts = import_transcript_file(p, harness, db_path, redact_patterns=redact_patterns,
                                                     on_progress=on_progress)
         return count, Transcripts(transcripts)

@@ -55,6 +55,7 @@ from typing import Any
 from prefixtrace.common.errors import RecorderError
 from prefixtrace.common.heap import trim_heap
 from recorder.redact import Redactor
+from recorder.renderers import RendererInfo
 from recorder.rows import BodyStore, redacted_row, write_rows
 from recorder.schema import open_db
 from recorder.spool import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_MEMORY_BYTES, Spool, spool_path
@@ -157,6 +158,9 @@ class Recorder:
         self._spool = Spool(spool_path(self.path), max_memory_bytes=spool_memory_bytes,
                             max_file_bytes=spool_file_bytes)
         self._unwritable: str | None = None  # why the last write failed, until the spool is written
+        # The renderers the recorded turns carried, by id (one per model served): the writer thread's own,
+        # so a row written later (from the spool) still finds the renderer it names.
+        self._renderers: dict[str, RendererInfo] = {}
         self._next_retry = 0.0  # time.monotonic() of the next attempt at an unwritable database
         self._thread = threading.Thread(target=self._run, name="prefixtrace-recorder", daemon=True)
         self._thread.start()
@@ -362,6 +366,8 @@ class Recorder:
         results: list[Exception | None] = [None] * len(batch)
         rows: list[tuple[int, dict]] = []
         for i, (turn, _) in enumerate(batch):
+            if turn.renderer is not None:  # kept for as long as the recorder runs: spooled rows name it too
+                self._renderers.setdefault(turn.renderer.id, turn.renderer)
             try:  # the CPU work (redaction, serialising), outside the transaction; a bad turn fails alone
                 stored = self.hasher.turn(turn) if self.hasher is not None else turn
                 rows.append((i, redacted_row(stored, self.redactor)))
@@ -372,7 +378,7 @@ class Recorder:
             self._spool_rows(rows, results)
             return results
         try:
-            write_rows(self._db, [row for _, row in rows], self._bodies)
+            write_rows(self._db, [row for _, row in rows], self._bodies, self._renderers)
             return results
         except Exception as exc:
             if self._unwritable_now(exc):
@@ -381,7 +387,7 @@ class Recorder:
         # One bad turn must not take the others with it: retry one by one.
         for k, (i, row) in enumerate(rows):
             try:
-                write_rows(self._db, [row], self._bodies)
+                write_rows(self._db, [row], self._bodies, self._renderers)
             except Exception as exc:
                 if self._unwritable_now(exc):
                     self._spool_rows(rows[k:], results)
@@ -457,7 +463,7 @@ class Recorder:
         counted and logged, so one row cannot hold the spool back for ever. Returns how many
         were written."""
         try:
-            write_rows(self._db, rows, self._bodies)
+            write_rows(self._db, rows, self._bodies, self._renderers)
             return len(rows)
         except Exception as exc:
             if unwritable_reason(exc) is not None:
@@ -465,7 +471,7 @@ class Recorder:
         written = 0
         for row in rows:
             try:
-                write_rows(self._db, [row], self._bodies)
+                write_rows(self._db, [row], self._bodies, self._renderers)
                 written += 1
             except Exception as exc:
                 if unwritable_reason(exc) is not None:

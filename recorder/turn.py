@@ -7,7 +7,10 @@ fills it while it serves; the recorder decides how it is stored.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from recorder.renderers import RendererInfo
 
 
 @dataclass
@@ -39,6 +42,10 @@ class Turn:
     # chat template and tokenizer the analyzer uses by default. None = not known (an upstream that
     # publishes no template, or a turn recorded before this was kept).
     renderer_id: str | None = None
+    # That renderer itself, as the backend that answered knows it (TurnBuilder.on_renderer), or as an
+    # imported file carries it: the recorder stores its `renderers` row from here. None on a turn read back
+    # from a database (its row is there already). Not part of equality: `renderer_id` names it.
+    renderer: RendererInfo | None = field(default=None, compare=False, repr=False)
     served_by: str | None = None  # the upstream member URL or engine that answered (a pool names one of several)
     # `serve --fix`: one entry per named fix ({"name", "fired", "note", "bytes_before", "bytes_after"},
     # analyzer/fixes); `request_body` is then the body as sent upstream. Stored inside `render`.

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from analyzer import analyze
 from conftest import TINY_MODEL
 from prefixtrace.cli import cli
-from recorder.renderers import from_model_dir, register
+from recorder.renderers import from_model_dir
 from recorder.store import Recorder
 from recorder.turn import Turn
 
@@ -27,14 +27,13 @@ def db(tmp_path):
     config = json.loads((TINY_MODEL / "tokenizer_config.json").read_text())
     info = from_model_dir("tiny-llama", TINY_MODEL, config["chat_template"],
                           {k: config[k] for k in ("bos_token", "eos_token", "pad_token") if config.get(k)})
-    rid = register(info)
     path = tmp_path / "traffic.db"
     messages = [{"role": "user", "content": "What does calc.py do? " + "It adds numbers. " * 30}]
     with Recorder(path) as rec:
         for n in range(4):
             body = {"model": "tiny-llama", "messages": [{"role": "system", "content": SYSTEM.format(n=n)}, *messages]}
             rec.record(Turn(f"r{n}", 1000.0 + n, "/v1/chat/completions", "embedded:tiny-llama", body,
-                            session_id="s1", status=200, ttft_s=0.5, renderer_id=rid))
+                            session_id="s1", status=200, ttft_s=0.5, renderer_id=info.id, renderer=info))
             messages = messages + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": f"and {n}?"}]
         rec.flush()
     return path

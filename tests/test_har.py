@@ -188,3 +188,36 @@ def test_a_foreign_har_of_messages_and_responses_traffic_is_read_by_each_apis_re
     assert codex.tool_calls == [{"id": "call_1", "type": "function",
                                  "function": {"name": "exec_command", "arguments": '{"cmd":"ls"}'}}]
     assert (codex.prompt_tokens, codex.cached_tokens, codex.completion_tokens) == (50, 32, 7)
+
+
+def test_a_foreign_har_of_whole_messages_and_responses_bodies_keeps_their_counts_and_the_hars_times(tmp_path):
+    """Non-streamed replies: the Messages body's stop_reason and usage (Anthropic's terms), the Responses
+    body's usage as sent, and the times the HAR measured (not the import's own clock)."""
+    messages_usage = {"input_tokens": 3, "cache_read_input_tokens": 40, "cache_creation_input_tokens": 2,
+                      "output_tokens": 9}
+    messages_body = {"type": "message", "role": "assistant", "stop_reason": "max_tokens", "usage": messages_usage,
+                     "content": [{"type": "text", "text": "Cut"}]}
+    responses_usage = {"input_tokens": 50, "output_tokens": 7, "input_tokens_details": {"cached_tokens": 32}}
+    responses_body = {"status": "completed", "usage": responses_usage, "output": [
+        {"type": "message", "content": [{"type": "output_text", "text": "Done."}]}]}
+
+    def entry(url: str, body: dict, reply: dict, wait: float) -> dict:
+        return {"startedDateTime": "2026-12-01T10:00:00.000Z", "time": 250, "timings": {"wait": wait},
+                "request": {"method": "POST", "url": url, "headers": [], "postData": {"text": json.dumps(body)}},
+                "response": {"status": 200, "content": {"text": json.dumps(reply)}}}
+
+    har = {"log": {"version": "1.2", "entries": [
+        entry("http://127.0.0.1:8765/v1/messages", {"model": "m", "max_tokens": 3,
+                                                    "messages": [{"role": "user", "content": "go"}]}, messages_body, 120),
+        entry("http://127.0.0.1:8765/v1/responses", {"model": "m", "input": "go"}, responses_body, -1)]}}
+    path = tmp_path / "whole.har"
+    path.write_text(json.dumps(har))
+    assert import_file(path, tmp_path / "t.db") == 2
+    claude, codex = iter_turns(tmp_path / "t.db")
+    assert (claude.response_text, claude.finish_reason) == ("Cut", "length")
+    assert (claude.prompt_tokens, claude.cached_tokens, claude.completion_tokens, claude.usage) == \
+        (45, 40, 9, messages_usage)
+    assert (codex.response_text, codex.finish_reason, codex.usage) == ("Done.", "stop", responses_usage)
+    assert (codex.prompt_tokens, codex.cached_tokens, codex.completion_tokens) == (50, 32, 7)
+    assert (claude.ttft_s, claude.total_s, codex.ttft_s, codex.total_s) == (0.12, 0.25, None, 0.25)
+    assert claude.chunk_times == codex.chunk_times == []

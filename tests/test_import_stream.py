@@ -24,7 +24,7 @@ from recorder.reader import iter_turns
 from recorder.sources import import_path
 from recorder.transcripts import codex, read_transcripts
 from recorder.transcripts.lines import JsonLines
-from recorder.transcripts.streamed import BATCH_TURNS, ImportStopped
+from recorder.transcripts.streamed import BATCH_TURNS, ImportStopped, import_read
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "fixtures" / "transcripts"
@@ -186,3 +186,73 @@ def test_the_progress_line_shows_on_a_terminal_and_not_on_a_pipe(tmp_path):
     piped = subprocess.run([sys.executable, "-m", "prefixtrace.cli", "import", str(src), "--db", str(tmp_path / "p.db")],
                            capture_output=True, text=True, env=env(), timeout=120)
     assert piped.returncode == 0 and piped.stderr == "" and "turns written" not in piped.stdout
+
+
+SESSION_FILES = sorted(p for p in FIX.glob("*/real/*.jsonl") if not p.name.startswith("recording")) + \
+    sorted(p for p in FIX.glob("*/*.jsonl") if p.name != "recording.jsonl")
+
+
+@pytest.mark.parametrize("src", SESSION_FILES, ids=lambda p: f"{p.parent.parent.name}/{p.name}")
+def test_every_real_session_file_streamed_stores_what_the_whole_read_rebuilds(src, tmp_path):
+    """Claude Code (two passes, lines read back), pi (one pass, glued lines split) and Codex files are
+    imported as a stream; the database holds what the file read whole and then written holds: the
+    same requests, replies, counts, times and notes, and the same sessions."""
+    whole = read_transcripts(src)
+    count, streamed = import_path(src, tmp_path / "streamed.db")
+    assert [(t.session_id, t.calls, t.rebuilt_count) for t in streamed] == \
+        [(t.session_id, t.calls, len(t.turns)) for t in whole]
+    assert count == import_read(whole, tmp_path / "whole.db") == sum(len(t.turns) for t in whole)
+
+    def stored(db: Path) -> list[tuple]:
+        return [(t.request_id, t.request_body, t.render, t.started_at, t.response_text, t.tool_calls,
+                 t.prompt_tokens, t.cached_tokens) for t in iter_turns(db)]
+    assert stored(tmp_path / "streamed.db") == stored(tmp_path / "whole.db")
+
+
+@pytest.mark.parametrize("src", [FIX / "pi" / "real" / "compact.jsonl",
+                                 FIX / "claude" / "real" / "resumed-after-failed-compact.jsonl"], ids=["pi", "claude"])
+def test_pi_and_claude_code_hand_on_their_first_call_before_the_file_is_rebuilt(src):
+    """Read as a stream: the first call comes while the file is read (pi) or rebuilt (Claude Code's
+    second pass reads back lines by offset), not after every call of the file was made."""
+    from recorder.transcripts import HARNESSES, sniff_transcript
+    stream = HARNESSES[sniff_transcript(src)].stream(src)
+    next(stream.turns)
+    assert 0 < stream.where.position < stream.where.size / 2
+
+
+def test_a_directory_import_streams_claude_code_files_and_counts_a_resumed_sessions_calls_once(tmp_path):
+    """A resumed session's new file starts with the lines of the file it resumed (same session, same
+    reply ids): streamed file by file, each call is stored once, by the first file, as a whole read
+    keeps it, and the copy is named in `skipped`."""
+    lines = [line for line in CLAUDE.read_text().splitlines() if line.strip()]
+    home = tmp_path / "projects"
+    home.mkdir()
+    (home / "a.jsonl").write_text("\n".join(lines) + "\n")
+    (home / "b.jsonl").write_text("\n".join(lines) + "\n")
+    whole = read_transcripts(home)
+    count, found = import_path(home, tmp_path / "t.db")
+    assert count == len(stored_ids(tmp_path / "t.db")) == sum(len(t.turns) for t in whole) == 4
+    assert found.skipped == whole.skipped == [(str(home / "b.jsonl"),
+                                               f"every call of session {whole[0].session_id} is also in a.jsonl")]
+    assert [(t.source, t.rebuilt_count) for t in found] == [(str(home / "a.jsonl"), 4)]
+
+
+@pytest.mark.parametrize("src", [FIX / "opencode" / "opencode.db", FIX / "opencode",
+                                 FIX / "opencode" / "real" / "json-storage-1.1.65"],
+                         ids=["database", "data home", "JSON storage"])
+def test_opencode_streamed_message_by_message_stores_what_the_whole_read_rebuilds(src, tmp_path):
+    """opencode's database (one indexed query per message's parts) and its JSON storage are read
+    session by session, message by message; the database holds what the whole read rebuilds."""
+    from recorder.transcripts.streamed import STREAMED
+    stream = STREAMED["opencode"](src / "opencode.db" if src.name == "opencode" else
+                                  src / "storage" if src.is_dir() else src)
+    assert not any(t.turns for t in stream.sessions) and next(stream.turns).request_body["messages"]
+    whole = read_transcripts(src)
+    count, streamed = import_path(src, tmp_path / "streamed.db")
+    assert [(t.session_id, t.rebuilt_count) for t in streamed] == [(t.session_id, len(t.turns)) for t in whole]
+    assert count == import_read(whole, tmp_path / "whole.db") > 0
+
+    def stored(db: Path) -> list[tuple]:
+        return [(t.request_id, t.request_body, t.render, t.started_at, t.response_text, t.tool_calls,
+                 t.prompt_tokens, t.cached_tokens) for t in iter_turns(db)]
+    assert stored(tmp_path / "streamed.db") == stored(tmp_path / "whole.db")

@@ -69,6 +69,9 @@ class ExplodingBackend:
     async def post(self, path, body, headers, *, session_id=None, raw=None):
         raise RuntimeError("boom")
 
+    def renderer_of(self, url):
+        return None
+
     def renderer_identity(self):
         return None
 

@@ -29,7 +29,13 @@ def test_url_prefix_is_served_and_recorded_as_the_session(engine_server):
         assert plain.status_code == 200
         # an id of other characters is no prefix: the path is unknown
         assert client.post(url + "/s/a%20b/v1/chat/completions", json=body).status_code == 404
+        # refused before any route (not JSON: proxy/guard.py) or by none (proxy/fallback.py): still the run's
+        not_json = client.post(url + "/s/run-1/v1/chat/completions", content=b"{}",
+                               headers={"Content-Type": "text/plain", "X-Session-Id": "client-own"})
+        assert not_json.status_code == 415
+        assert client.post(url + "/s/run-1/v1/nowhere", json=body).status_code == 404
     recorded = [(r["endpoint"], r["session_id"], r["status"]) for r in rows(recorder)]
     assert recorded[:5] == [("/v1/chat/completions", "run-1", 200), ("/v1/chat/completions", "run-1", 200),
                             ("/v1/messages", "run-1", 200), ("/v1/chat/completions", "run-1", 400),
                             ("/v1/chat/completions", "client-own", 200)], recorded
+    assert recorded[6:] == [("/v1/chat/completions", "run-1", 415), ("/v1/nowhere", "run-1", 404)], recorded

@@ -350,10 +350,12 @@ def test_claude_code_resumed_session_rebuilds_the_calls_before_the_local_command
         assert (turn.prompt_tokens, turn.cached_tokens) == (rec["tokens"]["prompt"], rec["tokens"]["cached"])
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed yet: Claude Code sends the <synthetic> 'No response requested.' "
-                   "reply between the command and the next prompt, and the local command's stdout (a `system` "
-                   "`local_command` line) merged into that prompt; the reader skips both and merges the prompt "
-                   "into the command's user message")
 def test_claude_code_call_after_a_local_command_is_what_claude_code_sent():
+    """Resumed after `/compact` (which failed), Claude Code sends its `<synthetic>` "No response
+    requested." reply after the command, then the command's stdout (a `system` line beside that reply,
+    on no chain) merged into the next prompt, with a "\n" ending each text that meets another."""
     t, recorded = _claude_resumed()
     assert t.turns[2].request_body["messages"][1:] == _without_cache_control(recorded[2]["request"]["messages"][1:])
+    assert (t.turns[2].prompt_tokens, t.turns[2].cached_tokens) == (recorded[2]["tokens"]["prompt"],
+                                                                   recorded[2]["tokens"]["cached"])
+    assert not causes(analyze(CLAUDE_RESUMED))  # each call extends the one before it

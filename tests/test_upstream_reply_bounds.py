@@ -68,7 +68,7 @@ def test_a_stream_that_inflates_past_the_bound_ends_in_an_error_event_and_keeps_
 
 def test_a_published_template_past_the_bound_is_not_recorded(tmp_path):
     from proxy.app import create_app
-    from proxy.upstream_backend import PUBLISHED_RENDERERS, UpstreamBackend
+    from proxy.upstream_backend import UpstreamBackend
     from recorder.store import Recorder
     from tests.test_upstream_misbehaves import answer
 
@@ -84,12 +84,12 @@ def test_a_published_template_past_the_bound_is_not_recorded(tmp_path):
         original = misbehaves.MODELS
         misbehaves.MODELS = props
         try:
-            with Recorder(tmp_path / "a.db") as rec, \
-                    running_server(create_app(UpstreamBackend(up, probe_props=True), rec)) as url:
+            backend = UpstreamBackend(up, probe_props=True)
+            with Recorder(tmp_path / "a.db") as rec, running_server(create_app(backend, rec)) as url:
                 r = httpx.post(url + "/v1/chat/completions", json={"messages": USER}, timeout=30)
                 recorded = rows(rec)
         finally:
             misbehaves.MODELS = original
     assert r.status_code == 200
-    assert not any(k.startswith(up.rstrip("/")) for k in PUBLISHED_RENDERERS), PUBLISHED_RENDERERS
+    assert backend.renderer is None
     assert len(recorded) == 1

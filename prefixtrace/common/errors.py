@@ -34,6 +34,9 @@ class PrefixtraceError(Exception):
     """Base of every error prefixtrace raises on purpose."""
 
     code = "internal_error"
+    # What a turn records in place of a request body this error left unread or will not keep
+    # (proxy/request_limits.py: "[request body not stored: ...]"); None: the body as it came.
+    stored_body: str | None = None
 
     def __init__(self, message: str, **details: Any):
         super().__init__(message)

@@ -46,6 +46,7 @@ class ReplyDone:
     completion_tokens: int
     cached_tokens: int | None
     stop_sequence: str | None = None
+    usage: dict | None = None  # the protocol's usage object as the reply carried it (an upstream's), kept as sent
 
 
 @dataclass(slots=True)

@@ -228,7 +228,7 @@ class ResponsesReader:
         reason = {"incomplete": "length", "failed": "error", "cancelled": "cancelled"}.get(
             status, "tool_calls" if calls else "stop")
         return ReplyDone(reason, _int(usage.get("input_tokens")), _int(usage.get("output_tokens")),
-                         cached if isinstance(cached, int) else None)
+                         cached if isinstance(cached, int) else None, usage=response.get("usage"))
 
     def whole(self, response: dict) -> Iterator[ReplyEvent]:
         """The reply events of a non-streamed Response object."""

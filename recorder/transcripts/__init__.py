@@ -125,10 +125,16 @@ def read_transcripts(path: str | Path, defer: frozenset[str] = frozenset()) -> T
         deferred: list[tuple[Path, str]] = []
         for db in sorted(p.rglob(opencode.DB_NAME)):
             if _special(db) is None and opencode.looks_like_file(db):
-                found.extend(opencode.read(db))
+                if opencode.HARNESS in defer:
+                    deferred.append((db, opencode.HARNESS))
+                else:
+                    found.extend(opencode.read(db))
         storage = opencode_json.find_storage(p)
-        if storage is not None:
-            found.extend(opencode_json.read(storage))
+        if storage is not None:  # one without messages is read here: the error below names it
+            if opencode.HARNESS in defer and any((storage / "message").rglob("*.json")):
+                deferred.append((storage, opencode.HARNESS))
+            else:
+                found.extend(opencode_json.read(storage))
         for f in sorted(p.rglob("*.jsonl")):
             if (why := _special(f)) is not None:
                 skipped.append((str(f), why))
@@ -183,8 +189,7 @@ def _once(found: list[Transcript], skipped: list[tuple[str, str]]) -> list[Trans
             t.note(f"{len(t.turns) - len(kept)} call(s) also in {Path(first_dropped).name}: counted there once")
             t.calls -= len(t.turns) - len(kept)
             t.turns = kept
-            for turn in t.turns:  # the notes travel on every turn
-                turn.render["transcript"]["not_rebuilt"] = list(t.notes)
+            t.stamp_notes()  # the notes travel on every turn
         if t.turns:
             out.append(t)
         elif first_dropped:

@@ -10,16 +10,23 @@ What it does not hold: the system prompt, the tool definitions and the request's
 (`max_tokens`, `thinking`, `metadata`, …), the `<system-reminder>` context block Claude Code puts
 before the first user message, the "Output token limit hit" user message it sends after a reply cut
 by `max_tokens`, and `cache_control` markers. Side requests (title, summaries) are not written.
-Seen on the wire and mirrored here: a reply that was all empty text is not sent back, and user lines
-that follow one another (a tool result, then a prompt) travel as one user message.
+Seen on the wire and mirrored here: a reply that was all empty text is not sent back, user lines
+that follow one another (a tool result, then a prompt) travel as one user message, a local command's
+stdout (a `system` line) is sent as a user message, and the synthetic "No response requested." reply
+Claude Code writes after a local command on resuming is sent back (an API error's is not).
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from recorder.transcripts.common import (Transcript, int_or_none, make_turn, openai_call, parse_time,
-                                         read_jsonl_lines)
+from recorder.transcripts.claude_code_history import (Histories, Line, is_message, local_command_output, merged,
+                                                      reply_id, synthetic)
+from recorder.transcripts.common import (Stream, StreamPosition, Transcript, held, int_or_none, make_turn,
+                                         openai_call, parse_time)
+from recorder.transcripts.lines import JsonLines, LinesAt
 
 HARNESS = "claude-code"
 ENDPOINT = "/v1/messages"
@@ -32,213 +39,126 @@ def looks_like(objs: list[dict]) -> bool:
                for o in objs)
 
 
-def _reply_id(obj: dict) -> str:
-    msg = obj["message"]
-    return str(msg.get("id") or obj.get("requestId") or obj.get("uuid"))
-
-
-def _is_message(obj: dict) -> bool:
-    return obj.get("type") in MESSAGE_TYPES and isinstance(obj.get("message"), dict)
-
-
-def _synthetic(obj: dict) -> bool:
-    """A reply Claude Code wrote itself (an API error shown as a message): no model call."""
-    return obj.get("type") == "assistant" and (obj["message"].get("model") == "<synthetic>"
-                                               or bool(obj.get("isApiErrorMessage")))
-
-
 def read(path: Path) -> list[Transcript]:
+    """The file's sessions, their turns held (as every reader gives them)."""
+    return held(stream(path))
+
+
+def stream(path: Path) -> Stream:
     """One model call per reply (`message.id`), in file order. Each call's history is the chain of
     `parentUuid` links from its reply back to the conversation's root (or to a compact boundary),
-    so a rewound or branched conversation gives each call the history it really had."""
-    lines = [obj for _, obj in read_jsonl_lines(path)]
-    linear = _link_linear(lines)
-    by_uuid = {o["uuid"]: o for o in lines if isinstance(o.get("uuid"), str)}
-    replies: dict[tuple[str, str], list[dict]] = {}  # (session, message id) -> its lines, in file order
-    order: list[tuple[str, str]] = []
-    sessions: dict[str, Transcript] = {}
-    for obj in lines:
-        sid = obj.get("sessionId")
-        if not isinstance(sid, str) or not _is_message(obj):
-            continue
-        if sid not in sessions:
-            t = sessions[sid] = Transcript(HARNESS, sid, str(path))
-            if sid in linear:
-                t.note("no parentUuid links in the file: each message's history is the messages before it")
+    so a rewound or branched conversation gives each call the history it really had.
+
+    Read in two passes, neither holding the file: the first keeps where each line lies and its
+    parent (a reply's lines may be apart, and a rewind may point at any earlier line); the second
+    rebuilds the calls in order, reading back only the lines a call's history adds (`Histories`)."""
+    index = _Index(path)
+    where = StreamPosition(index.size)
+    return Stream(list(index.sessions.values()), _calls(path, index, where), where)
+
+
+class _Index:
+    """The first pass: per line with a `uuid`, where it lies and its parent; per reply, where its
+    lines lie; per session, its notes and versions."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.lines: dict[str, Line] = {}
+        self.replies: dict[tuple[str, str], list[int]] = {}  # (session, message id) -> its lines' offsets
+        self.local_outputs: dict[str, list[int]] = {}  # parent uuid -> local command outputs, in file order
+        self.sessions: dict[str, Transcript] = {}
+        linked: set = set()  # sessions with any parentUuid link
+        unlinked: dict[str, list[str]] = {}  # message uuids in order, per session without links so far
+        versions: dict[str, set[str]] = {}
+        reader = JsonLines(path)
+        self.size = reader.size
+        for _, obj in reader:
+            sid, uuid = obj.get("sessionId"), obj.get("uuid")
+            if isinstance(uuid, str):
+                parent = obj.get("parentUuid")
+                # one string object per uuid, shared by its key and its children's parent field
+                self.lines[sys.intern(uuid)] = Line(reader.start, sys.intern(parent) if isinstance(parent, str) else parent)
+                if obj.get("parentUuid"):
+                    linked.add(sid)
+                    unlinked.pop(sid, None)
+                elif is_message(obj) and isinstance(sid, str) and sid not in linked:
+                    unlinked.setdefault(sid, []).append(uuid)
+            if isinstance(sid, str) and isinstance(obj.get("version"), str):
+                versions.setdefault(sid, set()).add(obj["version"])
+            if local_command_output(obj) and isinstance(obj.get("parentUuid"), str):
+                self.local_outputs.setdefault(obj["parentUuid"], []).append(reader.start)
+            if isinstance(sid, str) and is_message(obj):
+                self._message(sid, obj, reader.start)
+        for sid, uuids in unlinked.items():
+            self._link_linear(uuids)
+            self.sessions[sid].notes.insert(0, "no parentUuid links in the file: each message's history is the "
+                                               "messages before it")
+        for sid, t in self.sessions.items():
+            t.version = _version_range(versions.get(sid, set()))
+
+    def _message(self, sid: str, obj: dict, start: int) -> None:
+        if sid not in self.sessions:
+            t = self.sessions[sid] = Transcript(HARNESS, sid, str(self.path))
             t.note("system prompt not in the transcript")
             t.note("tool definitions not recorded")
             t.note("request parameters (max_tokens, thinking, metadata) not recorded")
             t.note("the <system-reminder> context Claude Code adds to the first user message is not in the transcript")
-        t = sessions[sid]
+        t = self.sessions[sid]
         if isinstance(obj.get("version"), str):  # Claude Code stamps each line with its version
             t.harness_version = obj["version"]
         if obj.get("isSidechain"):
             t.note("sub-agent (sidechain) messages skipped: their requests are another conversation")
-            continue
-        if obj["type"] != "assistant":
-            continue
-        if _synthetic(obj):
-            t.note("synthetic assistant messages (API errors written by Claude Code) skipped: no model call")
-            continue
-        key = (sid, _reply_id(obj))
-        if key not in replies:
-            replies[key] = []
-            order.append(key)
-        replies[key].append(obj)
-    histories = _Histories(by_uuid)
-    for sid, mid in order:
-        t = sessions[sid]
-        first = replies[(sid, mid)][0]
-        history = histories.before(t, first)
-        # the reply's line is written when it arrives; the request left right after the line before it
-        parent = by_uuid.get(first.get("parentUuid") or "")
-        sent = parse_time(parent.get("timestamp")) if parent else None
-        _emit(t, _merged(replies[(sid, mid)]), sent if sent is not None else parse_time(first.get("timestamp")),
-              history)
-        t.call_keys[t.turns[-1].request_id] = mid  # the reply's id: the same call in another file is the same
-    versions = _versions(lines)
-    for t in sessions.values():
-        t.version = versions.get(t.session_id, "")
-    return [t.finish() for t in sessions.values() if t.turns]
+        elif obj["type"] == "assistant" and synthetic(obj):
+            t.note("synthetic assistant messages (written by Claude Code, not a model) are no model call")
+        elif obj["type"] == "assistant":
+            self.replies.setdefault((sid, reply_id(obj)), []).append(start)
+
+    def _link_linear(self, uuids: list[str]) -> None:
+        """A session whose messages carry no `parentUuid` at all (early or hand-written files): each
+        message line is linked to the message line before it, so its history is what the file holds
+        before it."""
+        for prev, uuid in zip([None, *uuids], uuids):
+            self.lines[uuid] = self.lines[uuid]._replace(parent=prev)
 
 
-def _versions(lines: list[dict]) -> dict[str, str]:
-    """Per session, the Claude Code versions that wrote it ("2.0.46", or "1.0.0 to 1.0.24" for a
-    session resumed by a newer one); "" where lines carry none."""
-    seen: dict[str, set[str]] = {}
-    for o in lines:
-        if isinstance(o.get("sessionId"), str) and isinstance(o.get("version"), str):
-            seen.setdefault(o["sessionId"], set()).add(o["version"])
+def _version_range(seen: set[str]) -> str:
+    """The Claude Code versions that wrote a session ("2.0.46", or "1.0.0 to 1.0.24" for a session
+    resumed by a newer one); "" where lines carry none."""
+    if not seen:
+        return ""
 
     def key(v: str) -> tuple:
         return tuple(int(x) if x.isdigit() else 0 for x in v.split("."))
-    return {sid: " to ".join(dict.fromkeys([min(vs, key=key), max(vs, key=key)])) for sid, vs in seen.items()}
+    return " to ".join(dict.fromkeys([min(seen, key=key), max(seen, key=key)]))
 
 
-def _link_linear(lines: list[dict]) -> set[str]:
-    """Sessions whose messages carry no `parentUuid` at all (early or hand-written files): each of
-    their message lines is linked to the message line before it in the same session, so its history
-    is what the file holds before it. Returns those sessions."""
-    linked = {o.get("sessionId") for o in lines if isinstance(o.get("uuid"), str) and o.get("parentUuid")}
-    last: dict[str, str | None] = {}
-    for o in lines:
-        sid = o.get("sessionId")
-        if _is_message(o) and isinstance(o.get("uuid"), str) and isinstance(sid, str) and sid not in linked:
-            o["parentUuid"] = last.get(sid)
-            last[sid] = o["uuid"]
-    return set(last)
+def _calls(path: Path, index: _Index, where: StreamPosition) -> Iterator:
+    """The second pass: each reply's call, in the order of its first line."""
+    at = LinesAt(path)
+    histories = Histories(index.lines, index.local_outputs, at)
+    try:
+        for (sid, mid), starts in list(index.replies.items()):
+            del index.replies[(sid, mid)]
+            t = index.sessions[sid]
+            where.position = starts[0]
+            lines = [histories.read_at(start) for start in starts]
+            first = lines[0]
+            own = index.lines.get(first.get("uuid")) if isinstance(first.get("uuid"), str) else None
+            parent = own.parent if own is not None else first.get("parentUuid")
+            history, compacted = histories.before(t, parent, first.get("uuid"))
+            # the reply's line is written when it arrives; the request left right after the line before it
+            sent = parse_time(histories.read(parent).get("timestamp")) \
+                if isinstance(parent, str) and parent in index.lines else None
+            turn = _turn(t, merged(lines), sent if sent is not None else parse_time(first.get("timestamp")), history)
+            t.call_keys[turn.request_id] = mid  # the reply's id: the same call in another file is the same
+            if (kept := t.kept(turn, compacted=compacted)) is not None:
+                yield kept
+        where.position = index.size
+    finally:
+        at.close()
 
 
-def _merged(lines: list[dict]) -> dict:
-    """One reply from its lines (Claude Code writes a streamed reply one content block a line)."""
-    msg = dict(lines[0]["message"])
-    msg["content"] = [b for line in lines for b in _blocks(line["message"].get("content"))]
-    for line in lines:
-        if isinstance(line["message"].get("usage"), dict):
-            msg["usage"] = line["message"]["usage"]
-        if line["message"].get("stop_reason"):
-            msg["stop_reason"] = line["message"]["stop_reason"]
-    return msg
-
-
-MAX_TOKENS_NOTE = ("the user message Claude Code sends after a reply cut by max_tokens is not in the transcript: "
-                   "the request after it ends with that reply")
-
-
-class _Histories:
-    """Each call's history: the messages on the chain of `parentUuid` links from its reply back to
-    the root (or a compact boundary), as Claude Code sends them (seen on the wire): a reply that was
-    all empty text is not sent back, and user lines that follow one another travel as one message.
-
-    A call's history usually extends the previous call's, so the walk stops at the first line whose
-    history is already known and only the lines after it are converted: linear in the file, not
-    quadratic, and every call's list shares the message objects."""
-
-    def __init__(self, by_uuid: dict[str, dict]):
-        self.by_uuid = by_uuid
-        self.known: dict[str, tuple[list[dict], str | None]] = {}  # line uuid -> (messages up to it, trailing stop)
-
-    def before(self, t: Transcript, first: dict) -> list[dict]:
-        key = first.get("parentUuid")
-        lines: list[dict] = []
-        base: tuple[list[dict], str | None] = ([], None)
-        seen = {first.get("uuid")}
-        parent = key
-        while isinstance(parent, str):
-            if parent in self.known:
-                base = self.known[parent]
-                break
-            line = self.by_uuid.get(parent)
-            if line is None or parent in seen:
-                t.note("the history before a message is missing from the file (its parent is not there)")
-                break
-            seen.add(parent)
-            lines.append(line)
-            parent = line.get("parentUuid")
-        lines.reverse()
-        if lines and parent is None and lines[0].get("type") == "system" and lines[0].get("subtype") == "compact_boundary":
-            t.note("compacted: the history before the compact boundary was replaced by its summary, as sent")
-            t.mark_compacted()
-        messages, stop = list(base[0]), base[1]
-        i = 0
-        while i < len(lines):
-            obj = lines[i]
-            i += 1
-            if not _is_message(obj) or obj.get("isSidechain") or _synthetic(obj):
-                continue
-            if obj["type"] == "user":
-                msg = {"role": "user", "content": obj["message"].get("content")}
-                if messages and messages[-1]["role"] == "user":  # the Messages API alternates roles
-                    msg = {"role": "user", "content": _blocks(messages[-1]["content"]) + _blocks(msg["content"])}
-                    messages[-1] = msg
-                else:
-                    messages.append(msg)
-                stop = None
-                continue
-            group = [obj]
-            while i < len(lines) and _is_message(lines[i]) and lines[i]["type"] == "assistant" \
-                    and _reply_id(lines[i]) == _reply_id(obj):
-                group.append(lines[i])
-                i += 1
-            reply = _merged(group)
-            if all(b.get("type") == "text" and not b.get("text") for b in reply["content"]):
-                continue
-            if stop == "max_tokens":
-                t.note(MAX_TOKENS_NOTE)
-            messages.append({"role": "assistant", "content": reply["content"]})
-            stop = reply.get("stop_reason")
-        if stop == "max_tokens":
-            t.note(MAX_TOKENS_NOTE)
-        if isinstance(key, str):
-            self.known[key] = (messages, stop)
-        return _without_concurrent(t, messages, stop)
-
-
-CONCURRENT_NOTE = ("replies to concurrent requests are interleaved in the file (one reply's parent is another "
-                   "reply): each request rebuilt without the replies that came back while it was in flight")
-
-
-def _without_concurrent(t: Transcript, messages: list[dict], stop: str | None) -> list[dict]:
-    """Claude Code never sends a request ending with an assistant message (but after a reply cut by
-    max_tokens, whose follow-up is not in the file). A chain ending with one is a reply to a request
-    sent at the same time, written before this one's: it was not part of this request."""
-    end = len(messages)
-    if stop == "max_tokens":
-        return list(messages)
-    while end and messages[end - 1]["role"] == "assistant":
-        end -= 1
-    if end < len(messages):
-        t.note(CONCURRENT_NOTE)
-    return messages[:end]
-
-
-def _blocks(content) -> list[dict]:
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    return [b for b in content or [] if isinstance(b, dict)]
-
-
-def _emit(t: Transcript, msg: dict, ts: float | None, history: list[dict]) -> None:
+def _turn(t: Transcript, msg: dict, ts: float | None, history: list[dict]):
     body = {"model": msg.get("model"), "messages": history}
     blocks = msg["content"]
     text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
@@ -252,6 +172,6 @@ def _emit(t: Transcript, msg: dict, ts: float | None, history: list[dict]) -> No
         prompt = None if fresh is None else fresh + (read_ or 0) + (written or 0)
         cached = read_
         completion = int_or_none(usage.get("output_tokens"))
-    t.turns.append(make_turn(t, len(t.turns) + 1, ts, ENDPOINT, body, text=text, reasoning=reasoning,
-                             tool_calls=calls, finish_reason=STOP.get(msg.get("stop_reason")), prompt_tokens=prompt,
-                             completion_tokens=completion, cached_tokens=cached, usage=usage))
+    return make_turn(t, t.calls + 1, ts, ENDPOINT, body, text=text, reasoning=reasoning, tool_calls=calls,
+                     finish_reason=STOP.get(msg.get("stop_reason")), prompt_tokens=prompt,
+                     completion_tokens=completion, cached_tokens=cached, usage=usage)

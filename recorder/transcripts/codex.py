@@ -98,10 +98,8 @@ def read(path: Path) -> list[Transcript]:
     t, turns = stream(path, JsonLines(path))
     t.turns = list(turns)
     t.end_stream()
-    for n, turn in enumerate(t.turns, start=1):  # notes written after a turn was rebuilt travel on every turn
-        turn.render["transcript"]["not_rebuilt"] = list(t.notes)
-        if turn.render["transcript"].get("compacted"):
-            t.compacted.add(n)
+    t.stamp_notes()  # notes written after a turn was rebuilt travel on every turn
+    t.compacted.update(n for n, turn in enumerate(t.turns, start=1) if turn.render["transcript"].get("compacted"))
     return [t] if t.turns else []
 
 
@@ -197,9 +195,9 @@ def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn | 
                          tool_calls=calls, finish_reason="tool_calls" if calls else "stop",
                          prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached, usage=usage)
         out, usage = [], None
-        kept = t.keep(turn, compacted=compacted)
-        compacted = compacted and not kept
-        return turn if kept else None
+        kept = t.kept(turn, compacted=compacted)
+        compacted = compacted and kept is None
+        return kept
 
     for _lineno, obj in lines:
         kind, payload = obj.get("type"), obj.get("payload")

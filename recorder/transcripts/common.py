@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -55,20 +56,26 @@ class Transcript:
     def left_out(self) -> int:
         return self.calls - len(self.turns)
 
-    def keep(self, turn: Turn, *, compacted: bool = False) -> bool:
+    def kept(self, turn: Turn, *, compacted: bool = False) -> Turn | None:
         """`finish` for one turn of a transcript read as a stream (recorder/transcripts/streamed.py): the
-        turn is counted, stamped and kept (True), or left out when its history is not in the file. The
-        notes stamped are those known so far; the import rewrites them once the file is read."""
+        turn counted and stamped (a new Turn, the one to hand on), or None when its history is not in the
+        file. The notes stamped are those known so far; the import rewrites them once the file is read."""
         self.calls += 1
         if not _history_of(turn.request_body):
             self.empty += 1
-            return False
+            return None
         self.rebuilt += 1
-        if self._last_started is not None and turn.started_at <= self._last_started:
-            turn.started_at = self._last_started + 1e-6
-        self._last_started = turn.started_at
-        turn.render = {"transcript": self.origin(compacted)}
-        return True
+        started = turn.started_at
+        if self._last_started is not None and started <= self._last_started:
+            started = self._last_started + 1e-6
+        self._last_started = started
+        return replace(turn, started_at=started, render={"transcript": self.origin(compacted)})
+
+    def stamp_notes(self) -> None:
+        """The session's notes, known once its file is read, on every turn held."""
+        self.turns = [replace(turn, render={"transcript": {**turn.render["transcript"],
+                                                           "not_rebuilt": list(self.notes)}})
+                      for turn in self.turns]
 
     def end_stream(self) -> None:
         """The note a streamed read can only write at its end: how many calls were left out."""
@@ -106,11 +113,46 @@ class Transcript:
         self.calls += len(self.turns)
         if empty:
             self.note(f"{empty} call(s) left out: their history (the messages sent) is not in the file")
-        self.turns, self.compacted = kept, compacted
-        _keep_file_order(self.turns)
-        for n, turn in enumerate(self.turns, start=1):
-            turn.render = {"transcript": self.origin(n in self.compacted)}
+        self.compacted = compacted
+        self.turns = [replace(turn, started_at=started, render={"transcript": self.origin(n in compacted)})
+                      for n, (turn, started) in enumerate(zip(kept, _in_file_order(kept)), start=1)]
         return self
+
+
+@dataclass
+class StreamPosition:
+    """How far a reader that reads in more than one pass has got, for a progress line: the byte
+    offset of the call it is rebuilding."""
+
+    size: int
+    position: int = 0
+    lineno: int | None = None  # not known: the stop message names the bytes read only
+
+
+@dataclass
+class Stream:
+    """A session file read as a stream: its sessions (complete once the first turn is handed on),
+    their rebuilt turns as they are rebuilt (each stamped by `Transcript.kept`), and how far the
+    reading has got (a `JsonLines` or a `StreamPosition`: `position`, `size`, `lineno`). The
+    sessions' notes are complete once the turns are spent."""
+
+    sessions: list[Transcript]
+    turns: Iterator[Turn]
+    where: Any
+
+
+def held(stream: Stream) -> list[Transcript]:
+    """A stream's sessions with their turns held, as a whole-file read gives them: the notes written
+    after a turn was rebuilt travel on every turn of its session. Sessions without a model call are
+    left out."""
+    by_id = {t.session_id: t for t in stream.sessions}
+    for turn in stream.turns:
+        by_id[turn.session_id].turns.append(turn)
+    for t in stream.sessions:
+        t.end_stream()
+        t.stamp_notes()
+        t.compacted.update(n for n, turn in enumerate(t.turns, start=1) if turn.render["transcript"].get("compacted"))
+    return [t for t in stream.sessions if t.calls]  # one whose calls were all left out still says so
 
 
 def _history_of(body: dict) -> list:
@@ -118,15 +160,18 @@ def _history_of(body: dict) -> list:
     return value if isinstance(value, list) else []
 
 
-def _keep_file_order(turns: list[Turn]) -> None:
-    """Turns are ordered by time downstream; a file's times are not monotonic (a resumed Claude Code
-    session rewrites many lines to one timestamp, pi's entry and message clocks differ), and the file's
-    order is the call order. A time that goes backwards is raised to just after the previous one."""
-    last = None
+def _in_file_order(turns: list[Turn]) -> list[float]:
+    """The turns' start times, in the file's order. Turns are ordered by time downstream; a file's times
+    are not monotonic (a resumed Claude Code session rewrites many lines to one timestamp, pi's entry and
+    message clocks differ), and the file's order is the call order. A time that goes backwards is raised
+    to just after the previous one."""
+    times: list[float] = []
     for turn in turns:
-        if last is not None and turn.started_at <= last:
-            turn.started_at = last + 1e-6
-        last = turn.started_at
+        started = turn.started_at
+        if times and started <= times[-1]:
+            started = times[-1] + 1e-6
+        times.append(started)
+    return times
 
 
 def parse_time(value: Any) -> float | None:

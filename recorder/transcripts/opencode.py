@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 from prefixtrace.common.errors import InvalidRequest
-from recorder.transcripts.common import Transcript, int_or_none, make_turn, openai_call, parse_time
+from recorder.transcripts.common import (Stream, StreamPosition, Transcript, held, int_or_none, make_turn,
+                                         openai_call, parse_time)
+from recorder.turn import Turn
 
 HARNESS = "opencode"
 ENDPOINT = "/v1/chat/completions"
@@ -75,38 +78,58 @@ def _connect(p: Path) -> sqlite3.Connection:
 
 
 def read(p: Path) -> list[Transcript]:
+    """The database's sessions, their turns held (as every reader gives them)."""
+    return held(stream(p))
+
+
+def stream(p: Path) -> Stream:
+    """Each session's calls, message by message: a message's parts are read when it is (one indexed
+    query each), and its call handed on, so neither the database nor a session is held, only the
+    running history of the session being rebuilt."""
     db = p if p.is_file() else find_storage(p)
     if db is None:
         raise InvalidRequest(f"no {DB_NAME} under {p}")
+    version = f"opencode.db ({_written_by(db)})"
     try:
         con = _connect(db)
-        try:
-            sessions = con.execute("select id, parent_id from session order by time_created, id").fetchall()
-            messages = con.execute("select id, session_id, time_created, data from message "
-                                   "order by session_id, time_created, id").fetchall()
-            parts = con.execute("select id, message_id, time_created, data from part "
-                                "order by message_id, time_created, id").fetchall()
-        finally:
-            con.close()
+        sessions = con.execute("select id, parent_id from session order by time_created, id").fetchall()
+        total = con.execute("select count(*) from message").fetchone()[0]
     except sqlite3.Error as exc:
         raise InvalidRequest(f"cannot read opencode's database {db}: {exc}") from exc
-    by_message: dict[str, list[dict]] = {}
-    for _pid, mid, _ts, data in parts:
-        by_message.setdefault(mid, []).append(_json(data))
-    by_session: dict[str, list[tuple[str, int, dict]]] = {}
-    for mid, sid, ts, data in messages:
-        by_session.setdefault(sid, []).append((mid, ts, _json(data)))
     out = []
     for sid, parent in sessions:
-        t = Transcript(HARNESS, sid, str(db), version=f"opencode.db ({_written_by(db)})")
+        t = Transcript(HARNESS, sid, str(db), version=version)
         for note in SESSION_NOTES:
             t.note(note)
         if parent:
             t.note(f"a sub-agent session of {parent}")
-        rebuild_session(t, by_session.get(sid, []), by_message)
-        if t.turns:
-            out.append(t.finish())
-    return out
+        out.append(t)
+    where = StreamPosition(db.stat().st_size)
+    return Stream(out, _calls(db, con, out, total, where), where)
+
+
+def _calls(db: Path, con: sqlite3.Connection, sessions: list[Transcript], total: int,
+           where: StreamPosition) -> Iterator[Turn]:
+    done = 0
+
+    def parts_of(mid: str) -> list[dict]:
+        return [_json(data) for (data,) in con.execute(
+            "select data from part where message_id = ? order by time_created, id", [mid])]
+
+    try:
+        for t in sessions:
+            history: list[dict] = []
+            messages = con.execute("select id, time_created, data from message where session_id = ? "
+                                   "order by time_created, id", [t.session_id])
+            for mid, created, data in messages:
+                done += 1
+                where.position = where.size * done // max(total, 1)  # read by message, not by byte
+                yield from rebuild_message(t, history, created, _json(data), parts_of(mid))
+    except sqlite3.Error as exc:
+        raise InvalidRequest(f"cannot read opencode's database {db}: {exc}") from exc
+    finally:
+        con.close()
+    where.position = where.size
 
 
 SESSION_NOTES = ("system prompt not in the transcript", "tool definitions not recorded",
@@ -147,26 +170,27 @@ def _steps(parts: list[dict]) -> list[list[dict]]:
     return steps
 
 
-def rebuild_session(t: Transcript, messages: list[tuple[str, int, dict]], by_message: dict[str, list[dict]]) -> None:
-    history: list[dict] = []
-    for mid, created, info in messages:
-        parts = by_message.get(mid, [])
-        role = info.get("role")
-        if role == "user":
-            user = _user(t, parts)
-            if user is not None:
-                history.append(user)
-            continue
-        if role != "assistant":
-            continue
-        if info.get("summary") is True or any(p.get("type") == "compaction" for p in parts):
-            t.note("compaction summaries rebuilt as they are stored; opencode's summary request is not")
-        steps = _steps(parts)
-        for i, step in enumerate(steps):
-            ts = parse_time((info.get("time") or {}).get("created")) if i == 0 else \
-                parse_time(next((p.get("time", {}).get("start") for p in step if isinstance(p.get("time"), dict)), None))
-            _emit(t, info, step, ts if ts is not None else parse_time(created), history, last=i == len(steps) - 1)
-            history.extend(_assistant(t, step))
+def rebuild_message(t: Transcript, history: list[dict], created, info: dict, parts: list[dict]) -> Iterator[Turn]:
+    """One stored message appended to the session's running `history`; an assistant message's calls
+    (one per step) handed on as they are rebuilt."""
+    role = info.get("role")
+    if role == "user":
+        user = _user(t, parts)
+        if user is not None:
+            history.append(user)
+        return
+    if role != "assistant":
+        return
+    if info.get("summary") is True or any(p.get("type") == "compaction" for p in parts):
+        t.note("compaction summaries rebuilt as they are stored; opencode's summary request is not")
+    steps = _steps(parts)
+    for i, step in enumerate(steps):
+        ts = parse_time((info.get("time") or {}).get("created")) if i == 0 else \
+            parse_time(next((p.get("time", {}).get("start") for p in step if isinstance(p.get("time"), dict)), None))
+        turn = _turn(t, info, step, ts if ts is not None else parse_time(created), history, last=i == len(steps) - 1)
+        history.extend(_assistant(t, step))
+        if (kept := t.kept(turn)) is not None:
+            yield kept
 
 
 def _user(t: Transcript, parts: list[dict]) -> dict | None:
@@ -208,7 +232,7 @@ def _assistant(t: Transcript, step: list[dict]) -> list[dict]:
     return out
 
 
-def _emit(t: Transcript, info: dict, step: list[dict], ts: float | None, history: list[dict], last: bool) -> None:
+def _turn(t: Transcript, info: dict, step: list[dict], ts: float | None, history: list[dict], last: bool) -> Turn:
     finish = next((p for p in step if p.get("type") == "step-finish"), {})
     tokens = finish.get("tokens") if isinstance(finish.get("tokens"), dict) else \
         info.get("tokens") if last and isinstance(info.get("tokens"), dict) else None
@@ -222,9 +246,8 @@ def _emit(t: Transcript, info: dict, step: list[dict], ts: float | None, history
              for p in step if p.get("type") == "tool"]
     reason = finish.get("reason") or (info.get("finish") if last else None)
     body = {"model": info.get("modelID"), "messages": list(history)}
-    t.turns.append(make_turn(t, len(t.turns) + 1, ts, ENDPOINT, body,
-                             text="".join(p.get("text", "") for p in step if p.get("type") == "text"),
-                             reasoning="".join(p.get("text", "") for p in step if p.get("type") == "reasoning"),
-                             tool_calls=calls, finish_reason=FINISH.get(reason), prompt_tokens=prompt,
-                             completion_tokens=completion, cached_tokens=cached,
-                             usage=tokens))
+    return make_turn(t, t.calls + 1, ts, ENDPOINT, body,
+                     text="".join(p.get("text", "") for p in step if p.get("type") == "text"),
+                     reasoning="".join(p.get("text", "") for p in step if p.get("type") == "reasoning"),
+                     tool_calls=calls, finish_reason=FINISH.get(reason), prompt_tokens=prompt,
+                     completion_tokens=completion, cached_tokens=cached, usage=tokens)

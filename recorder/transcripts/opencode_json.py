@@ -11,11 +11,13 @@ as the database's (`opencode.py`), so both forms give the same requests.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from prefixtrace.common.errors import InvalidRequest
 from recorder.transcripts import opencode
-from recorder.transcripts.common import Transcript
+from recorder.transcripts.common import Stream, StreamPosition, Transcript, held
+from recorder.turn import Turn
 
 VERSION = "JSON storage (opencode before opencode.db)"
 
@@ -48,24 +50,36 @@ def _created(info: dict) -> float:
 
 
 def read(storage: Path) -> list[Transcript]:
+    """The storage's sessions, their turns held (as every reader gives them)."""
+    return held(stream(storage))
+
+
+def stream(storage: Path) -> Stream:
+    """Each session's calls, message by message: a session's message infos are read to order them
+    (by creation), each message's parts when it is rebuilt."""
     sessions = [_load(f) for f in sorted((storage / "session").rglob("*.json"))]
     sessions = sorted((s for s in sessions if isinstance(s.get("id"), str)), key=lambda s: (_created(s), s["id"]))
     out = []
     for info in sessions:
-        sid = info["id"]
-        messages = [_load(f) for f in sorted((storage / "message" / sid).glob("*.json"))]
-        messages = sorted((m for m in messages if isinstance(m.get("id"), str)), key=lambda m: (_created(m), m["id"]))
-        by_message: dict[str, list[dict]] = {}
-        for m in messages:
-            parts = m.get("parts") if isinstance(m.get("parts"), list) else \
-                [_load(f) for f in sorted((storage / "part" / m["id"]).glob("*.json"))]
-            by_message[m["id"]] = sorted((p for p in parts if isinstance(p, dict)), key=lambda p: str(p.get("id", "")))
-        t = Transcript(opencode.HARNESS, sid, str(storage), version=_version(info))
+        t = Transcript(opencode.HARNESS, info["id"], str(storage), version=_version(info))
         for note in opencode.SESSION_NOTES:
             t.note(note)
         if info.get("parentID"):
             t.note(f"a sub-agent session of {info['parentID']}")
-        opencode.rebuild_session(t, [(m["id"], _created(m), m) for m in messages], by_message)
-        if t.turns:
-            out.append(t.finish())
-    return out
+        out.append(t)
+    where = StreamPosition(len(out))
+    return Stream(out, _calls(storage, out, where), where)
+
+
+def _calls(storage: Path, sessions: list[Transcript], where: StreamPosition) -> Iterator[Turn]:
+    for n, t in enumerate(sessions):
+        where.position = n  # read by session, not by byte
+        messages = [_load(f) for f in sorted((storage / "message" / t.session_id).glob("*.json"))]
+        messages = sorted((m for m in messages if isinstance(m.get("id"), str)), key=lambda m: (_created(m), m["id"]))
+        history: list[dict] = []
+        for m in messages:
+            parts = m.get("parts") if isinstance(m.get("parts"), list) else \
+                [_load(f) for f in sorted((storage / "part" / m["id"]).glob("*.json"))]
+            parts = sorted((p for p in parts if isinstance(p, dict)), key=lambda p: str(p.get("id", "")))
+            yield from opencode.rebuild_message(t, history, _created(m), m, parts)
+    where.position = where.size

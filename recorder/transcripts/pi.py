@@ -19,10 +19,12 @@ switches that change the wire shape, and messages pi adds from extensions or cus
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from pathlib import Path
 
 from prefixtrace.common.errors import InvalidRequest
-from recorder.transcripts.common import Transcript, int_or_none, make_turn, openai_call, parse_time
+from recorder.transcripts.common import Stream, Transcript, held, int_or_none, make_turn, openai_call, parse_time
+from recorder.transcripts.lines import JsonLines, LinesAt
 
 HARNESS = "pi"
 ENDPOINT = "/v1/chat/completions"  # every call is rebuilt in this API's form (a note says when it was another)
@@ -47,39 +49,28 @@ def format_version(header: dict) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def _entries(path: Path) -> tuple[list[dict], int]:
-    """The file's entries and how many lines held two of them. pi sometimes appends an entry to a
-    line that lost its newline (real files in pi-mono's history: `{…"stopReason":"stop"…}{"type":
-    "message",…}`); pi's loader then drops both, but both were in the session pi had in memory and
-    sent, so both are read (split with the stdlib decoder's raw_decode). Any other line that is not
-    JSON still fails the import, naming it."""
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"cannot read {path}: {exc}") from exc
-    decoder = json.JSONDecoder()
-    out, glued = [], 0
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        values, rest = [], line.strip()
-        while rest:
-            try:
-                value, end = decoder.raw_decode(rest)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequest(f"{path}:{lineno}: not valid JSON: {exc.msg}", line=lineno) from None
-            values.append(value)
-            rest = rest[end:].lstrip()
-        glued += len(values) > 1
-        out += [v for v in values if isinstance(v, dict)]
-    return out, glued
-
-
 def read(path: Path) -> list[Transcript]:
+    """The file's session, its turns held (as every reader gives them)."""
+    return held(stream(path))
+
+
+def stream(path: Path) -> Stream:
     """One model call per assistant entry, in file order; its history is the chain of `parentId`
     links back to the root, so a session pi branched (`/tree`, `/fork`) gives each call its own.
     A version-1 file (no entry ids: one linear chain, compactions pointing at a line index) is
-    linked the way pi's own migration links it."""
-    lines, glued = _entries(path)
-    header = lines[0] if lines else {}
+    linked the way pi's own migration links it.
+
+    Read in one pass, line by line: an entry's parents are before it, so each call's history is
+    known when its entry is read. Entries are not held: where each lies and its parent are
+    (`_Entries`), and the entries a call's history adds are read back from the file.
+
+    pi sometimes appends an entry to a line that lost its newline (real files in pi-mono's history:
+    `{…"stopReason":"stop"…}{"type":"message",…}`); pi's loader then drops both, but both were in the
+    session pi had in memory and sent, so both are read (`JsonLines(glued=True)`)."""
+    lines = JsonLines(path, glued=True)
+    source = iter(lines)
+    head = next(source, None)
+    header = head[1] if head else {}
     version = format_version(header)
     if version not in SUPPORTED_VERSIONS:
         raise InvalidRequest(f"{path}: pi session format version {header.get('version')!r} is not supported "
@@ -88,93 +79,152 @@ def read(path: Path) -> list[Transcript]:
     t.note("system prompt not in the transcript")
     t.note("tool definitions not recorded")
     t.note("request parameters (max_tokens, stream_options) not recorded")
-    if glued:
-        t.note(f"{glued} line(s) held two entries written without a newline between them: both read")
-    if version == 1:
-        _link_linear(lines)
-    by_id = {o["id"]: o for o in lines if isinstance(o.get("id"), str) and o.get("type") != "session"}
-    known: dict[str, list[dict]] = {}  # entry id -> the messages up to and including it
-    for obj in lines:
-        msg = obj.get("message")
-        if obj.get("type") != "message" or not isinstance(msg, dict) or msg.get("role") != "assistant":
-            continue
-        api = msg.get("api")
-        if api != "openai-completions":
-            t.note(f"calls over the {api!r} API rebuilt in chat-completions form")
-        history = _history(t, obj, by_id, known)
-        # the message's own time is when the call started; the line's, when it was written after it
-        _emit(t, msg, parse_time(msg.get("timestamp")) or parse_time(obj.get("timestamp")), history, api)
-    return [t.finish()] if t.turns else []
+    entries = _Entries(path, linear=version == 1)
+    if head is not None:
+        entries.add(header, lines.start, lines.part)
+    return Stream([t], _calls(t, lines, source, entries), lines)
 
 
-def _link_linear(lines: list[dict]) -> None:
-    """Version 1 to the tree form, as pi's `migrateV1ToV2` does: each entry's parent is the entry
-    before it, and a compaction's `firstKeptEntryIndex` (an index into the file's lines, the header
-    being 0) becomes `firstKeptEntryId`."""
-    prev = None
-    for i, obj in enumerate(lines):
+def _calls(t: Transcript, lines: JsonLines, source, entries: "_Entries"):
+    known: OrderedDict[str, list[dict]] = OrderedDict()  # entry id -> the messages up to and including it
+    try:
+        for _, obj in source:
+            obj = entries.add(obj, lines.start, lines.part)
+            msg = obj.get("message")
+            if obj.get("type") != "message" or not isinstance(msg, dict) or msg.get("role") != "assistant":
+                continue
+            api = msg.get("api")
+            if api != "openai-completions":
+                t.note(f"calls over the {api!r} API rebuilt in chat-completions form")
+            history, compacted = _history(t, obj, entries, known)
+            # the message's own time is when the call started; the line's, when it was written after it
+            turn = _turn(t, msg, parse_time(msg.get("timestamp")) or parse_time(obj.get("timestamp")), history, api)
+            if (kept := t.kept(turn, compacted=compacted)) is not None:
+                yield kept
+    finally:
+        entries.close()
+    if lines.glued_lines:  # known at the end: the import stamps the final notes on every turn
+        t.note(f"{lines.glued_lines} line(s) held two entries written without a newline between them: both read")
+
+
+RECENT_ENTRIES = 16  # entries kept as read: those a call's history adds are usually the last few
+
+
+class _Entries:
+    """Where each entry lies (byte offset, and which value of a glued line) and its parent: all the
+    reader holds of an entry. A version-1 file is linked as pi's `migrateV1ToV2` does: each entry's
+    parent is the entry before it, and a compaction's `firstKeptEntryIndex` (an index into the
+    file's entries, the header being 0) becomes `firstKeptEntryId`."""
+
+    def __init__(self, path: Path, *, linear: bool):
+        self.linear = linear
+        self.where: dict[str, tuple[int, int, str | None]] = {}  # id -> (start, part, parent id)
+        self.at = LinesAt(path, glued=True)
+        self.count = 0  # entries read, the header included
+        self.last: str | None = None  # version 1: the entry before
+        # the last entries read: a call's history adds the entries since the previous call, just read
+        self.recent: OrderedDict[str, dict] = OrderedDict()
+
+    def add(self, obj: dict, start: int, part: int) -> dict:
+        index, self.count = self.count, self.count + 1
         if obj.get("type") == "session":
-            continue
-        obj["id"], obj["parentId"] = f"line-{i + 1}", prev
-        prev = obj["id"]
-    for obj in lines:
+            return obj
+        if self.linear:
+            self._link(obj, f"line-{index + 1}", self.last)
+            self.last = obj["id"]
+        if isinstance(obj.get("id"), str):
+            self.where[obj["id"]] = (start, part, obj.get("parentId"))
+            self.recent[obj["id"]] = obj
+            if len(self.recent) > RECENT_ENTRIES:
+                self.recent.popitem(last=False)
+        return obj
+
+    def _link(self, obj: dict, entry_id: str, parent: str | None) -> None:
+        obj["id"], obj["parentId"] = entry_id, parent
         index = obj.get("firstKeptEntryIndex")
-        if obj.get("type") == "compaction" and isinstance(index, int) and 0 < index < len(lines):
-            obj["firstKeptEntryId"] = lines[index].get("id")
+        if obj.get("type") == "compaction" and isinstance(index, int) and 0 < index < self.count:
+            obj["firstKeptEntryId"] = f"line-{index + 1}"
+
+    def __contains__(self, entry_id) -> bool:
+        return entry_id in self.where
+
+    def parent(self, entry_id: str) -> str | None:
+        return self.where[entry_id][2]
+
+    def get(self, entry_id: str) -> dict:
+        if entry_id in self.recent:
+            return self.recent[entry_id]
+        start, part, parent = self.where[entry_id]
+        obj = self.at.get(start, part)
+        if self.linear:
+            self._link(obj, entry_id, parent)
+        return obj
+
+    def close(self) -> None:
+        self.at.close()
 
 
-def _history(t: Transcript, obj: dict, by_id: dict[str, dict], known: dict[str, list[dict]]) -> list[dict]:
-    """The messages on the chain of parents of `obj`, as pi's `buildSessionContext` makes them. The
-    walk stops at the first entry whose history is known (usually the previous call's), so a session
-    costs linear time and every call's list shares the converted message objects."""
-    chain: list[dict] = []
+KNOWN_HISTORIES = 64  # histories kept by their last entry: the recent calls' (a branch further back reads again)
+
+
+def _history(t: Transcript, obj: dict, entries: _Entries, known: OrderedDict) -> tuple[list[dict], bool]:
+    """The messages on the chain of parents of `obj`, as pi's `buildSessionContext` makes them, and
+    whether a compaction is on the part of the chain read. The walk stops at the first entry whose
+    history is known (usually the previous call's), so a session costs linear time and every call's
+    list shares the converted message objects."""
+    chain: list[str] = []
     seen = {obj.get("id")}
     key = parent = obj.get("parentId")
     base: list[dict] = []
     while isinstance(parent, str):
         if parent in known:
+            known.move_to_end(parent)
             base = known[parent]
             break
-        entry = by_id.get(parent)
-        if entry is None or parent in seen:
+        if parent not in entries or parent in seen:
             t.note("the history before an entry is missing from the file (its parent is not there)")
             break
         seen.add(parent)
-        chain.append(entry)
-        parent = entry.get("parentId")
+        chain.append(parent)
+        parent = entries.parent(parent)
     history = list(base)
-    for entry in reversed(chain):
+    compacted = False
+    for entry_id in reversed(chain):
+        entry = entries.get(entry_id)
         if entry.get("type") == "compaction":
-            history = _compacted(t, entry, by_id)
-            t.mark_compacted()
+            history = _compacted(t, entry, entries)
+            compacted = True
             continue
         converted = _convert(t, entry)
         if converted is not None:
             history.append(converted)
     if isinstance(key, str):
         known[key] = history
-    return list(history)
+        if len(known) > KNOWN_HISTORIES:
+            known.popitem(last=False)
+    return list(history), compacted
 
 
-def _compacted(t: Transcript, entry: dict, by_id: dict[str, dict]) -> list[dict]:
+def _compacted(t: Transcript, entry: dict, entries: _Entries) -> list[dict]:
     """The history right after a compaction: its summary, then the entries it kept (from
     `firstKeptEntryId` up to the compaction), converted again."""
     t.note("compacted: pi's compaction summary replaced the earlier history (rebuilt as pi sends it)")
     summary = {"role": "user", "content": [{"type": "text", "text": COMPACTION_PREFIX + str(entry.get("summary", ""))
                                             + COMPACTION_SUFFIX}]}
-    kept: list[dict] = []
+    kept: list[str] = []
     first, parent, seen, found = entry.get("firstKeptEntryId"), entry.get("parentId"), set(), False
-    while isinstance(parent, str) and parent not in seen and first is not None and parent in by_id:
+    while isinstance(parent, str) and parent not in seen and first is not None and parent in entries:
         seen.add(parent)
-        kept.append(by_id[parent])
+        kept.append(parent)
         if parent == first:
             found = True
             break
-        parent = by_id[parent].get("parentId")
+        parent = entries.parent(parent)
     if not found:  # the first kept entry is not on this chain: pi then sends the summary alone
         kept = []
     out = [summary]
-    for e in reversed(kept):
+    for entry_id in reversed(kept):
+        e = entries.get(entry_id)
         if e.get("type") == "compaction":
             continue
         converted = _convert(t, e)
@@ -252,7 +302,7 @@ def _assistant(msg: dict) -> dict | None:
     return out
 
 
-def _emit(t: Transcript, msg: dict, ts: float | None, history: list[dict], api: str | None) -> None:
+def _turn(t: Transcript, msg: dict, ts: float | None, history: list[dict], api: str | None):
     body = {"model": msg.get("model"), "messages": history}
     blocks = [b for b in msg.get("content") or [] if isinstance(b, dict)]
     usage = msg.get("usage") if isinstance(msg.get("usage"), dict) else None
@@ -263,11 +313,11 @@ def _emit(t: Transcript, msg: dict, ts: float | None, history: list[dict], api: 
         cached, completion = read_, int_or_none(usage.get("output"))
     if msg.get("stopReason") == "error":
         t.note("failed calls (stopReason error) rebuilt as requests without a reply")
-    t.turns.append(make_turn(
-        t, len(t.turns) + 1, ts, ENDPOINT, body,
+    return make_turn(
+        t, t.calls + 1, ts, ENDPOINT, body,
         text="".join(b.get("text", "") for b in blocks if b.get("type") == "text"),
         reasoning="".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking"),
         tool_calls=[openai_call(b.get("id"), b.get("name"), b.get("arguments", {})) for b in blocks
                     if b.get("type") == "toolCall"],
         finish_reason=STOP.get(msg.get("stopReason")), prompt_tokens=prompt, completion_tokens=completion,
-        cached_tokens=cached, usage=usage))
+        cached_tokens=cached, usage=usage)

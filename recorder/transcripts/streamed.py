@@ -1,10 +1,13 @@
 """A transcript imported as a stream: turns written in batches as the file is read, memory bounded.
 
-A Codex rollout of gigabytes is read line by line (recorder/transcripts/lines.py) and its calls are
-rebuilt one at a time (`codex.stream`); every BATCH_TURNS turns (or BATCH_BYTES of file) are written
-in one transaction, with the memos that make a shared history cheap to store (item texts, redacted
-objects, body ids) kept across batches and bounded. Other harnesses' files (far smaller) are read
-whole, then written the same way.
+A Codex rollout, a Claude Code or pi session file of gigabytes is read line by line
+(recorder/transcripts/lines.py) and its calls are rebuilt one at a time (each reader's `stream`);
+every BATCH_TURNS turns (or BATCH_BYTES of file) are written in one transaction, with the memos that
+make a shared history cheap to store (item texts, redacted objects, body ids) kept across batches and
+bounded. opencode's database or JSON storage is read session by session, message by message
+(`opencode.stream`, `opencode_json.stream`). In a directory, a resumed
+Claude Code session's new file repeats the calls of the file it resumed: the first file (in path
+order) keeps them, as a whole read does (`recorder/transcripts/__init__.py` `_once`).
 
 What was committed stays: a file cut off mid-line, a line that is not JSON, Ctrl-C or SIGTERM stop
 the import with what it stored and where it stopped (`ImportStopped`), and running the same import
@@ -25,10 +28,10 @@ import sqlite_utils
 
 from prefixtrace.common.errors import InvalidRequest, PrefixtraceError
 from recorder.item_texts import SharedItemTexts
-from recorder.rows import BodyStore, redacted_row, write_rows
+from recorder.rows import BodyStore, redacted_row, renderers_of, write_rows
 from recorder.schema import open_db
-from recorder.transcripts import HARNESSES, Transcripts, codex, read_transcripts
-from recorder.transcripts.common import Transcript
+from recorder.transcripts import Transcripts, claude_code, codex, opencode, opencode_json, pi, read_transcripts
+from recorder.transcripts.common import Stream, Transcript
 from recorder.transcripts.lines import JsonLines
 from recorder.transcripts.store import RedactOnce
 from recorder.turn import Turn
@@ -36,7 +39,21 @@ from recorder.turn import Turn
 BATCH_TURNS = 64
 BATCH_BYTES = 32 << 20  # of file read: a batch of few calls with huge outputs is still written soon
 BODY_CACHE_ENTRIES = 50_000  # per body-id cache: a miss costs one indexed lookup, a hit saves it
-STREAMED = {codex.HARNESS: codex.stream}  # harnesses whose reader yields turns as it reads
+
+
+def _codex(path: Path) -> Stream:
+    lines = JsonLines(path)
+    t, turns = codex.stream(path, lines)
+    return Stream([t], turns, lines)
+
+
+def _opencode(path: Path) -> Stream:
+    """opencode's database, or its JSON storage (a directory)."""
+    return opencode_json.stream(path) if path.is_dir() else opencode.stream(path)
+
+
+STREAMED = {codex.HARNESS: _codex, claude_code.HARNESS: claude_code.stream, pi.HARNESS: pi.stream,
+            opencode.HARNESS: _opencode}
 
 
 @dataclass
@@ -93,7 +110,7 @@ class BatchWriter:
         with self.db.atomic():
             if before is not None:
                 before()
-            write_rows(self.db, rows, self.bodies)
+            write_rows(self.db, rows, self.bodies, renderers_of(turns))
         self.written += len(turns)
 
     def restamp_notes(self, t: Transcript, first_id: str) -> None:
@@ -115,16 +132,9 @@ def import_transcript_file(path: Path, harness: str, db_path: str | Path, *, red
     """Imports one session file of `harness` in batches; returns (turns written, its transcripts)."""
     writer = BatchWriter(db_path, redact_patterns)
     try:
-        if harness in STREAMED:
-            lines = JsonLines(path)
-            t, turns = STREAMED[harness](path, lines)
-            _write_stream(writer, t, turns, lines, on_progress)
-            return writer.written, [t] if t.rebuilt_count else []
-        size = path.stat().st_size
-        transcripts = HARNESSES[harness].read(path)
-        for t in transcripts:
-            _write_batches(writer, t, iter(t.turns), lambda: size, lambda: None, on_progress, size)
-        return writer.written, transcripts
+        stream = STREAMED[harness](path)  # every harness of one session file
+        _write_stream(writer, stream, on_progress)
+        return writer.written, [t for t in stream.sessions if t.calls]
     finally:
         writer.close()
 
@@ -134,7 +144,7 @@ def import_read(transcripts: Transcripts, db_path: str | Path, *, redact_pattern
     writer = BatchWriter(db_path, redact_patterns)
     try:
         for t in transcripts:
-            _write_batches(writer, t, iter(t.turns), lambda: 0, lambda: None, None, 0)
+            _write_batches(writer, [t], iter(t.turns), lambda: 0, lambda: None, None, 0)
     finally:
         writer.close()
     return writer.written
@@ -149,6 +159,7 @@ def import_directory(path: Path, db_path: str | Path, *, redact_patterns=None,
     writer = BatchWriter(db_path, redact_patterns)
     total = sum(f.stat().st_size for f, _ in found.deferred)
     done = 0
+    first_file: dict[tuple[str, str, str], str] = {}  # (harness, session, call key) -> the file that keeps it
 
     def moved(p: Progress) -> None:
         if on_progress is not None:
@@ -156,12 +167,11 @@ def import_directory(path: Path, db_path: str | Path, *, redact_patterns=None,
 
     try:
         for t in found:
-            _write_batches(writer, t, iter(t.turns), lambda: done, lambda: None, moved, total)
+            _write_batches(writer, [t], iter(t.turns), lambda: done, lambda: None, moved, total)
         for f, harness in found.deferred:
-            lines = JsonLines(f)
             try:
-                t, turns = STREAMED[harness](f, lines)
-                _write_stream(writer, t, turns, lines, moved)
+                stream = _counted_once(STREAMED[harness](f), first_file, found.skipped)
+                _write_stream(writer, stream, moved)
             except ImportStopped as exc:
                 if exc.interrupted:
                     raise
@@ -169,9 +179,8 @@ def import_directory(path: Path, db_path: str | Path, *, redact_patterns=None,
             except InvalidRequest as exc:  # before its first turn: nothing of it written
                 found.skipped.append((str(f), exc.message))
             else:
-                if t.rebuilt_count:
-                    found.append(t)
-            done += lines.size
+                found.extend(t for t in stream.sessions if t.rebuilt_count)
+            done += f.stat().st_size
     finally:
         writer.close()
     if not found:
@@ -181,31 +190,66 @@ def import_directory(path: Path, db_path: str | Path, *, redact_patterns=None,
     return writer.written, found
 
 
-def _write_stream(writer: BatchWriter, t: Transcript, turns: Iterator[Turn], lines: JsonLines,
-                  on_progress: Callable[[Progress], None] | None) -> None:
-    stamped = list(t.notes)
-    first = _write_batches(writer, t, turns, lambda: lines.position, lambda: lines.lineno, on_progress, lines.size)
-    t.end_stream()
-    if first is not None and t.notes != stamped:
-        writer.restamp_notes(t, first)
+def _counted_once(stream: Stream, first_file: dict[tuple[str, str, str], str],
+                  skipped: list[tuple[str, str]]) -> Stream:
+    """`stream` less the calls an earlier file of the directory already holds (a resumed Claude Code
+    session's new file repeats them: same session, same reply ids): counted in the first file once,
+    noted in this one, and a session left with none is listed in `skipped`."""
+    by_id = {t.session_id: t for t in stream.sessions}
+    dropped: dict[str, tuple[int, str]] = {}
+
+    def turns() -> Iterator[Turn]:
+        for turn in stream.turns:
+            t = by_id[turn.session_id]
+            key = t.call_keys.get(turn.request_id)
+            first = first_file.setdefault((t.harness, t.session_id, key), t.source) if key else t.source
+            if first == t.source:
+                yield turn
+            else:
+                dropped[t.session_id] = (dropped.get(t.session_id, (0, ""))[0] + 1, first)
+        for sid, (n, first) in dropped.items():
+            t = by_id[sid]
+            t.note(f"{n} call(s) also in {Path(first).name}: counted there once")
+            t.calls, t.rebuilt = t.calls - n, t.rebuilt - n
+            if not t.rebuilt:
+                skipped.append((t.source, f"every call of session {sid} is also in {Path(first).name}"))
+
+    return Stream(stream.sessions, turns(), stream.where)
 
 
-def _write_batches(writer: BatchWriter, t: Transcript, turns: Iterator[Turn], position: Callable[[], int],
-                   lineno: Callable[[], int | None], on_progress, total: int) -> str | None:
-    """Writes `turns` in batches; returns the first turn's id (None: none). A stop (bad line,
-    interrupt) raises ImportStopped saying what was kept."""
+def _write_stream(writer: BatchWriter, stream: Stream, on_progress: Callable[[Progress], None] | None) -> None:
+    stamped = {t.session_id: list(t.notes) for t in stream.sessions}
+    where = stream.where
+    firsts = _write_batches(writer, stream.sessions, stream.turns, lambda: where.position, lambda: where.lineno,
+                            on_progress, where.size)
+    for t in stream.sessions:
+        t.end_stream()
+        if t.session_id in firsts and t.notes != stamped.get(t.session_id):
+            writer.restamp_notes(t, firsts[t.session_id])
+
+
+def _write_batches(writer: BatchWriter, sessions: list[Transcript], turns: Iterator[Turn],
+                   position: Callable[[], int], lineno: Callable[[], int | None], on_progress,
+                   total: int) -> dict[str, str]:
+    """Writes `turns` (of `sessions`) in batches; returns each session's first turn id. A stop (bad
+    line, interrupt) raises ImportStopped saying what was kept."""
     kept = 0
-    first_id: str | None = None
+    first_ids: dict[str, str] = {}
     batch: list[Turn] = []
     first = True
     mark = 0
 
+    def forget() -> None:
+        for t in sessions:
+            forget_older_ids(writer.db, t)
+
     def flush() -> None:
-        nonlocal batch, first, mark, kept, first_id
+        nonlocal batch, first, mark, kept
         if batch or first:
-            writer.write(batch, (lambda: forget_older_ids(writer.db, t)) if first else None)
+            writer.write(batch, forget if first else None)
             kept += len(batch)
-            first_id = first_id or (batch[0].request_id if batch else None)
+            for turn in batch:
+                first_ids.setdefault(turn.session_id, turn.request_id)
             batch, first, mark = [], False, position()
         if on_progress is not None:
             on_progress(Progress(position(), total, writer.written))
@@ -217,14 +261,16 @@ def _write_batches(writer: BatchWriter, t: Transcript, turns: Iterator[Turn], po
                 flush()
         flush()
     except InvalidRequest as exc:
-        raise ImportStopped(f"{exc.message}; {_kept(t, kept)}") from exc
+        raise ImportStopped(f"{exc.message}; {_kept(sessions, kept)}") from exc
     except KeyboardInterrupt as exc:
         where = f"line {lineno():,}, " if lineno() else ""
-        raise ImportStopped(f"import of {t.source} interrupted at {where}{position() / 1e6:,.1f} of "
-                            f"{total / 1e6:,.1f} MB read; {_kept(t, kept)}", interrupted=True) from exc
-    return first_id
+        source = sessions[0].source if sessions else "the file"
+        raise ImportStopped(f"import of {source} interrupted at {where}{position() / 1e6:,.1f} of "
+                            f"{total / 1e6:,.1f} MB read; {_kept(sessions, kept)}", interrupted=True) from exc
+    return first_ids
 
 
-def _kept(t: Transcript, kept: int) -> str:
-    return (f"{kept:,} turn(s) of session {t.session_id} written before it are kept; running the same "
+def _kept(sessions: list[Transcript], kept: int) -> str:
+    which = f"session {sessions[0].session_id}" if len(sessions) == 1 else f"the file's {len(sessions)} sessions"
+    return (f"{kept:,} turn(s) of {which} written before it are kept; running the same "
             "import again redoes the file safely (its turns are replaced, never duplicated)")
