@@ -195,11 +195,14 @@ def _counted_once(stream: Stream, first_file: dict[tuple[str, str, str], str],
     """`stream` less the calls an earlier file of the directory already holds (a resumed Claude Code
     session's new file repeats them: same session, same reply ids): counted in the first file once,
     noted in this one, and a session left with none is listed in `skipped`."""
-    by_id = {t.session_id: t for t in stream.sessions}
+    by_id: dict[str, Transcript] = {}
     dropped: dict[str, tuple[int, str]] = {}
 
     def turns() -> Iterator[Turn]:
+        nonlocal by_id
         for turn in stream.turns:
+            if turn.session_id not in by_id:  # sessions listed once the reader's first pass is done
+                by_id = {t.session_id: t for t in stream.sessions}
             t = by_id[turn.session_id]
             key = t.call_keys.get(turn.request_id)
             first = first_file.setdefault((t.harness, t.session_id, key), t.source) if key else t.source
@@ -261,6 +264,8 @@ def _write_batches(writer: BatchWriter, sessions: list[Transcript], turns: Itera
                 flush()
         flush()
     except InvalidRequest as exc:
+        if not kept:  # refused before anything was written: the file's one-line error as it is
+            raise
         raise ImportStopped(f"{exc.message}; {_kept(sessions, kept)}") from exc
     except KeyboardInterrupt as exc:
         where = f"line {lineno():,}, " if lineno() else ""
@@ -271,6 +276,8 @@ def _write_batches(writer: BatchWriter, sessions: list[Transcript], turns: Itera
 
 
 def _kept(sessions: list[Transcript], kept: int) -> str:
+    if not kept:
+        return "nothing of the file was written; running the same import again reads it from the start"
     which = f"session {sessions[0].session_id}" if len(sessions) == 1 else f"the file's {len(sessions)} sessions"
     return (f"{kept:,} turn(s) of {which} written before it are kept; running the same "
             "import again redoes the file safely (its turns are replaced, never duplicated)")
