@@ -51,17 +51,20 @@ def stream(path: Path) -> Stream:
 
     Read in two passes, neither holding the file: the first keeps where each line lies and its
     parent (a reply's lines may be apart, and a rewind may point at any earlier line); the second
-    rebuilds the calls in order, reading back only the lines a call's history adds (`Histories`)."""
-    index = _Index(path)
-    where = StreamPosition(index.size)
-    return Stream(list(index.sessions.values()), _calls(path, index, where), where)
+    rebuilds the calls in order, reading back only the lines a call's history adds (`Histories`).
+    Both run as the turns are asked for, so a bad line or an interrupt in the first stops the
+    import as one in the second does; the sessions are listed once the first pass is done."""
+    lines = JsonLines(path)
+    sessions: list[Transcript] = []
+    where = StreamPosition(lines.size)
+    return Stream(sessions, _calls(path, lines, sessions, where), where)
 
 
 class _Index:
     """The first pass: per line with a `uuid`, where it lies and its parent; per reply, where its
     lines lie; per session, its notes and versions."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, reader: JsonLines, where: StreamPosition):
         self.path = path
         self.lines: dict[str, Line] = {}
         self.replies: dict[tuple[str, str], list[int]] = {}  # (session, message id) -> its lines' offsets
@@ -70,9 +73,9 @@ class _Index:
         linked: set = set()  # sessions with any parentUuid link
         unlinked: dict[str, list[str]] = {}  # message uuids in order, per session without links so far
         versions: dict[str, set[str]] = {}
-        reader = JsonLines(path)
         self.size = reader.size
-        for _, obj in reader:
+        for where.lineno, obj in reader:
+            where.position = reader.position
             sid, uuid = obj.get("sessionId"), obj.get("uuid")
             if isinstance(uuid, str):
                 parent = obj.get("parentUuid")
@@ -132,8 +135,11 @@ def _version_range(seen: set[str]) -> str:
     return " to ".join(dict.fromkeys([min(seen, key=key), max(seen, key=key)]))
 
 
-def _calls(path: Path, index: _Index, where: StreamPosition) -> Iterator:
-    """The second pass: each reply's call, in the order of its first line."""
+def _calls(path: Path, lines: JsonLines, sessions: list[Transcript], where: StreamPosition) -> Iterator:
+    """The first pass, then the second: each reply's call, in the order of its first line."""
+    index = _Index(path, lines, where)
+    sessions.extend(index.sessions.values())
+    where.lineno = None  # the second pass reads by offset: the stop message names the bytes
     at = LinesAt(path)
     histories = Histories(index.lines, index.local_outputs, at)
     try:

@@ -131,7 +131,8 @@ class StreamPosition:
 
 @dataclass
 class Stream:
-    """A session file read as a stream: its sessions (complete once the first turn is handed on),
+    """A session file read as a stream: its sessions (complete once the first turn is handed on, or
+    the turns are spent),
     their rebuilt turns as they are rebuilt (each stamped by `Transcript.kept`), and how far the
     reading has got (a `JsonLines` or a `StreamPosition`: `position`, `size`, `lineno`). The
     sessions' notes are complete once the turns are spent."""
@@ -145,8 +146,10 @@ def held(stream: Stream) -> list[Transcript]:
     """A stream's sessions with their turns held, as a whole-file read gives them: the notes written
     after a turn was rebuilt travel on every turn of its session. Sessions without a model call are
     left out."""
-    by_id = {t.session_id: t for t in stream.sessions}
+    by_id: dict[str, Transcript] = {}
     for turn in stream.turns:
+        if turn.session_id not in by_id:  # a reader may list its sessions once its first pass is done
+            by_id = {t.session_id: t for t in stream.sessions}
         by_id[turn.session_id].turns.append(turn)
     for t in stream.sessions:
         t.end_stream()

@@ -112,7 +112,11 @@ class LinesAt:
         self._fh.seek(start)
         raw = self._fh.readline(MAX_LINE_BYTES + 1)
         # line 1 only matters for its BOM: any other number reads the line alike
-        return parse_line(self.path, 1 if start == 0 else 2, raw, self.glued)[part]
+        values = parse_line(self.path, 1 if start == 0 else 2, raw, self.glued)
+        if len(values) <= part or not isinstance(values[part], dict):
+            raise InvalidRequest(f"{self.path} changed while it was read (byte {start:,} no longer starts the "
+                                 "line read there): import it again")
+        return values[part]
 
     def close(self) -> None:
         if self._fh is not None:
