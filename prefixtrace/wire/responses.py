@@ -22,6 +22,9 @@ from prefixtrace.common.errors import InvalidRequest
 
 log = logging.getLogger("prefixtrace.wire")
 PATH = "/v1/responses"
+# OpenAI's remote compaction: the history in, its replacement (kept items + an opaque `compaction`
+# item) out, unary. Codex calls it for a provider named OpenAI; no model turn of the loop.
+COMPACT_PATH = "/v1/responses/compact"
 _TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
 _logged_once: set[str] = set()
 

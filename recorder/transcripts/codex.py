@@ -33,6 +33,8 @@ ENDPOINT = "/v1/responses"
 OUTPUT_TYPES = ("reasoning", "function_call", "custom_tool_call", "local_shell_call", "web_search_call")
 
 
+# the item Codex ends a remote compaction request's input with (compaction v2, on /v1/responses)
+COMPACTION_TRIGGER = {"type": "compaction_trigger"}
 ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output", "custom_tool_call",
               "custom_tool_call_output", "local_shell_call", "web_search_call")
 
@@ -173,6 +175,7 @@ def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn | 
     sent: float | None = None  # when the current call's input was complete
     input_ts: float | None = None  # time of the last input item written
     usage: dict | None = None
+    trigger_usage: dict | None = None  # a call that wrote no item: a remote compaction's, if `compacted` follows
 
     def emit() -> Turn | None:
         nonlocal out, usage, n, compacted
@@ -212,14 +215,28 @@ def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn | 
         elif kind == "compacted":
             if (turn := emit()) is not None:
                 yield turn
+            replacement = payload.get("replacement_history")
+            if trigger_usage is not None and isinstance(replacement, list) and replacement and \
+                    isinstance(replacement[-1], dict) and replacement[-1].get("type") == "compaction":
+                # Remote compaction (Codex's compaction v2): the history plus Codex's trigger item went
+                # to /v1/responses, the one `compaction` item the replacement ends with came back
+                items.extend([COMPACTION_TRIGGER, replacement[-1]])  # the input, then the call's output
+                out, usage = [replacement[-1]], trigger_usage
+                sent = input_ts
+                if (turn := emit()) is not None:
+                    t.note("remote compaction requests rebuilt: the history and the `compaction_trigger` item Codex "
+                           "adds; their reply is the `compaction` item the `compacted` line ends with")
+                    yield turn
+            trigger_usage = None
             yield _Compacted(payload)
             t.note("compacted: Codex replaced the history with a summary; items after it rebuilt from there")
             compacted = True
-            replacement = payload.get("replacement_history")
             items = [_as_sent(i) for i in replacement if isinstance(i, dict)] if isinstance(replacement, list) else []
         elif kind == "token_usage_record":  # written as a call completes, right after its output
             usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else None
-            if (turn := emit()) is not None:
+            if not out:  # no output item written: a remote compaction's call, known at its `compacted` line
+                trigger_usage, usage = usage, None
+            elif (turn := emit()) is not None:
                 yield turn
         elif kind == "event_msg" and payload.get("type") == "token_count" and out:
             info = payload.get("info")
