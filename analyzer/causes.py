@@ -373,12 +373,16 @@ def payload_cause(prev: Payload, next: Payload) -> Cause | None:
     return Cause("history_edit", _volatile_subtype(v, subtype), k, path, volatile=v)
 
 
-def marked_compaction(req: Any) -> bool:
+def marked_compaction(req: Any, prev_req: Any = None) -> bool:
     """The request is the first after a compaction its harness wrote down (a transcript's compact
-    boundary, compaction entry or `compacted` line: recorder/transcripts): whatever the payload
-    shows, the history was replaced by a summary."""
+    boundary, compaction entry or `compacted` line: recorder/transcripts), or it carries a server's
+    `compaction` item the request before did not (OpenAI's remote compaction, recorded traffic):
+    whatever the payload shows, the history was replaced by a summary."""
     origin = getattr(req, "transcript", None)
-    return isinstance(origin, dict) and origin.get("compacted") is True
+    if isinstance(origin, dict) and origin.get("compacted") is True:
+        return True
+    before = getattr(prev_req, "compactions", frozenset()) if prev_req is not None else frozenset()
+    return bool(getattr(req, "compactions", frozenset()) - before)
 
 
 def render_cause(prev_r, next_r, next: Payload, message_index: int | None) -> Cause:

@@ -19,6 +19,7 @@ from analyzer.lookback import fix_text as lookback_fix
 from analyzer.param_breakers import cache_params, first_change, fix_text, kept_prefix
 from analyzer.race import clock, race
 from analyzer.race import fix_text as race_fix
+from prefixtrace.wire.responses import compaction_marks
 from analyzer.results import Break, TurnResult
 from analyzer.turn_kinds import opened_by
 from analyzer.versions import harness_version
@@ -32,6 +33,7 @@ def request_facts(req) -> None:
     req.cache_params = cache_params(req.body, req.endpoint, req.headers, req.upstream)
     req.cache_blocks = cache_blocks(req.body, req.endpoint)
     req.harness, req.harness_version = harness_version(req.headers, req.body, req.transcript)
+    req.compactions = compaction_marks(req.body)
 
 
 def _carries_a_reply(prev, payload) -> bool:

@@ -86,7 +86,10 @@ def codex_remote_compact(endpoint: str, body: dict) -> Reply:
         return Reply(items=[message_item("The file says: " + str(last.get("output"))[:200])])
     if last.get("type") == "compaction":  # the turn goes on after a compaction mid-turn: its tool ran already
         return Reply(items=[message_item("The command ran; its output is summarised above.")])
-    return Reply(items=[function_call("exec_command", cmd="cat hello.txt")])
+    names = {tool.get("name") for tool in body.get("tools") or [] if isinstance(tool, dict)}
+    if "exec_command" in names or "shell" not in names:
+        return Reply(items=[function_call("exec_command", cmd="cat hello.txt")])
+    return Reply(items=[function_call("shell", command=["bash", "-lc", "cat hello.txt"])])  # before exec_command
 
 
 SCRIPTS = {"claude_compact": claude_compact, "claude_parallel": claude_parallel,
