@@ -47,21 +47,21 @@ def _workdir(body: dict) -> str:
     return found.group(1) if found else "."
 
 
-def _claude(body: dict, files: list[str]) -> Reply:
+def _claude(body: dict, files: list[str], pause_s: float = 0.0) -> Reply:
     """Claude Code's loop: read `files` (all in one reply: parallel tool calls when more than one)
     after a user prompt, then report what the tool results said; a summary for a compaction request;
     a short text for a side request (no tools)."""
     last = body["messages"][-1]
     if CLAUDE_COMPACT_ASK in _text(last.get("content")):
         return Reply(blocks=[text_block(SUMMARY)])
-    if not body.get("tools"):
-        return Reply(blocks=[text_block("Reading hello.txt")])
+    if not body.get("tools") or _text(last.get("content")).strip() == "Warmup":  # a side request, a sub-agent's warm-up
+        return Reply(blocks=[text_block("Ready.")])
     results = _tool_results(last.get("content"))
     if results:
         return Reply(blocks=[text_block("The files say: " + " | ".join(r.strip()[:200] for r in results))])
     where = _workdir(body)
     calls = [tool_use("Read", file_path=f"{where}/{name}") for name in files]
-    return Reply(blocks=[text_block(f"I will read {', '.join(files)}.")] + calls)
+    return Reply(blocks=[text_block(f"I will read {', '.join(files)}.")] + calls, pause_s=pause_s)
 
 
 def claude_compact(endpoint: str, body: dict) -> Reply:
@@ -69,7 +69,9 @@ def claude_compact(endpoint: str, body: dict) -> Reply:
 
 
 def claude_parallel(endpoint: str, body: dict) -> Reply:
-    return _claude(body, ["hello.txt", "world.txt"])
+    """Two Read calls in one reply, 2 s apart in the stream: Claude Code runs the first while the
+    second is still coming, so its file interleaves the reply's lines with the results."""
+    return _claude(body, ["hello.txt", "world.txt"], pause_s=2.0)
 
 
 def codex_remote_compact(endpoint: str, body: dict) -> Reply:

@@ -12,6 +12,7 @@ Every request is kept (`ScriptedUpstream.received`) so a test can check what rea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import uuid
@@ -32,6 +33,7 @@ class Reply:
     Responses: `items` are output items (message, function_call). Compact: `items` is the output."""
     blocks: list[dict] = field(default_factory=list)
     items: list[dict] = field(default_factory=list)
+    pause_s: float = 0.0  # between streamed blocks: a client that acts on a block before the reply ends shows it
 
 
 def text_block(text: str) -> dict:
@@ -115,9 +117,11 @@ class ScriptedUpstream:
             return JSONResponse({**message, "content": reply.blocks, "stop_reason": stop,
                                  "usage": {**usage, "output_tokens": out_tokens}})
 
-        def events():
+        async def events():
             yield _sse("message_start", {"type": "message_start", "message": message})
             for i, block in enumerate(reply.blocks):
+                if i and reply.pause_s:
+                    await asyncio.sleep(reply.pause_s)
                 if block["type"] == "text":
                     yield _sse("content_block_start", {"type": "content_block_start", "index": i,
                                                        "content_block": {"type": "text", "text": ""}})
