@@ -19,8 +19,8 @@ from recorder.transcripts import read_transcripts
 ROOT = Path(__file__).resolve().parent.parent
 CLAUDE = ROOT / "fixtures" / "transcripts" / "claude" / "real"
 CODEX = ROOT / "fixtures" / "transcripts" / "codex" / "real"
-CODEX_V2 = CODEX / "rollout-2026-12-05T04-51-54-01a2448b-5fc7-7692-ab53-40992dce5413.jsonl"
-CODEX_V1 = CODEX / "rollout-2026-12-05T04-53-41-01a2448d-0145-7e01-b275-e83e0b741436.jsonl"
+CODEX_V2 = CODEX / "rollout-2026-12-05T05-01-11-01a24493-e105-7df3-81ff-136f7470f3e9.jsonl"
+CODEX_V1 = CODEX / "rollout-2026-12-05T05-01-19-01a24494-00bc-70d2-a7e6-4c549bc505f1.jsonl"
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

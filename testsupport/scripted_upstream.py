@@ -6,7 +6,7 @@ parallel tool calls, an opaque compaction item).
 Only the model is scripted: `reply(endpoint, body)` (the caller's function) picks each answer from
 the request; this module writes it in the protocol's own shape, streamed when asked. Usage is a
 prefix cache's honest count over the request's JSON text (4 characters a token): the tokens of the
-longest common prefix with the previous request on that endpoint are "cached", the rest are new.
+longest prefix it shares with any earlier request on that endpoint are "cached", the rest are new.
 Every request is kept (`ScriptedUpstream.received`) so a test can check what reached the model.
 """
 
@@ -71,7 +71,7 @@ class ScriptedUpstream:
         self.reply = reply
         self.model = model
         self.received: list[tuple[str, dict]] = []
-        self._last_text: dict[str, str] = {}
+        self._seen: dict[str, list[str]] = {}  # every prompt text so far, per endpoint: the cache never evicts
         self.app = Starlette(routes=[
             Route("/v1/messages", self.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
@@ -90,9 +90,9 @@ class ScriptedUpstream:
         """(prompt tokens, cached tokens) of this request."""
         # in the order the provider caches them: tools and system first, then the conversation
         text = json.dumps([body.get(k) for k in ("tools", "system", "instructions", "messages", "input")])
-        last = self._last_text.get(endpoint, "")
-        common = len(os.path.commonprefix([text, last]))
-        self._last_text[endpoint] = text
+        seen = self._seen.setdefault(endpoint, [])
+        common = max((len(os.path.commonprefix([text, before])) for before in seen), default=0)
+        seen.append(text)
         return len(text) // CHARS_PER_TOKEN, common // CHARS_PER_TOKEN
 
     async def _body(self, request: Request, endpoint: str) -> dict:
