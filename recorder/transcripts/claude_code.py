@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from recorder.transcripts.claude_code_chain import result_ids, with_parallel_results, with_preserved_segment
 from recorder.transcripts.common import (Transcript, int_or_none, make_turn, openai_call, parse_time,
                                          read_jsonl_lines)
 
@@ -159,39 +160,13 @@ class _Histories:
         self.known: dict[str, tuple[list[dict], str | None]] = {}  # line uuid -> (messages up to it, trailing stop)
         self.results: dict[str, list[dict]] | None = None  # line uuid -> the tool-result lines whose parent it is
 
-    def _with_parallel_results(self, chain: list[dict]) -> list[dict]:
-        """Claude Code 2.0.x parents each parallel call's result to that call's own line (a reply is
-        written one content block a line), so the chain back from the next call passes only the last
-        result: the others are siblings off the chain. Put back after the reply, in the order of its
-        calls, as Claude Code sends them (seen on the wire)."""
+    def _results_of(self, uuid: str) -> list[dict]:
         if self.results is None:
             self.results = {}
             for o in self.by_uuid.values():
-                if o.get("type") == "user" and isinstance(o.get("parentUuid"), str) and _result_ids(o):
+                if o.get("type") == "user" and isinstance(o.get("parentUuid"), str) and result_ids(o):
                     self.results.setdefault(o["parentUuid"], []).append(o)
-        out: list[dict] = []
-        i = 0
-        while i < len(chain):
-            group = [chain[i]]
-            i += 1
-            if group[0].get("type") == "assistant":
-                while i < len(chain) and chain[i].get("type") == "assistant" and _reply_id(chain[i]) == _reply_id(group[0]):
-                    group.append(chain[i])
-                    i += 1
-            out.extend(group)
-            calls = [b.get("id") for g in group if g.get("type") == "assistant"
-                     for b in _blocks((g.get("message") or {}).get("content")) if b.get("type") == "tool_use"]
-            if len(calls) < 2:
-                continue
-            following = []
-            while i < len(chain) and chain[i].get("type") == "user" and _result_ids(chain[i]):
-                following.append(chain[i])
-                i += 1
-            found = {o.get("uuid"): o for g in group for o in self.results.get(g.get("uuid"), [])}
-            found.update({o.get("uuid"): o for o in following})
-            order = {c: n for n, c in enumerate(calls)}
-            out.extend(sorted(found.values(), key=lambda o: min(order.get(r, len(order)) for r in _result_ids(o))))
-        return out
+        return self.results.get(uuid, [])
 
     def before(self, t: Transcript, first: dict) -> list[dict]:
         key = first.get("parentUuid")
@@ -210,7 +185,7 @@ class _Histories:
             seen.add(parent)
             lines.append(line)
             parent = line.get("parentUuid")
-        lines = self._with_parallel_results(lines[::-1])
+        lines = with_parallel_results(with_preserved_segment(lines[::-1], self.by_uuid.get), _reply_id, self._results_of)
         if lines and parent is None and lines[0].get("type") == "system" and lines[0].get("subtype") == "compact_boundary":
             t.note("compacted: the history before the compact boundary was replaced by its summary, as sent")
             t.mark_compacted()
@@ -265,13 +240,6 @@ def _without_concurrent(t: Transcript, messages: list[dict], stop: str | None) -
     if end < len(messages):
         t.note(CONCURRENT_NOTE)
     return messages[:end]
-
-
-def _result_ids(line: dict) -> list[str]:
-    """The tool calls a user line answers (its `tool_result` blocks' ids)."""
-    content = (line.get("message") or {}).get("content")
-    return [b.get("tool_use_id") for b in _blocks(content) if b.get("type") == "tool_result"] \
-        if isinstance(content, list) else []
 
 
 def _blocks(content) -> list[dict]:

@@ -1,0 +1,81 @@
+"""Lines Claude Code sends that the `parentUuid` chain back from a call does not pass through:
+what its own loader puts back (seen on the wire, fixtures/transcripts/claude/real/). Pure functions
+over a chain of lines (oldest first) and a lookup, so the whole-file and the streamed reader share them.
+
+- Parallel tool calls (2.0.x): a reply is written one content block a line, and each call's result
+  line has that call's own line as its parent, so the chain passes only the last result.
+- A compact boundary's `compactMetadata.preservedSegment`: the messages the compaction kept (from
+  `headUuid` to `tailUuid`, on the old chain) are sent after its `anchorUuid` (the summary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def result_ids(line: dict) -> list[str]:
+    """The tool calls a user line answers (its `tool_result` blocks' ids)."""
+    content = (line.get("message") or {}).get("content")
+    if not isinstance(content, list):
+        return []
+    return [b.get("tool_use_id") for b in content if isinstance(b, dict) and b.get("type") == "tool_result"]
+
+
+def _calls(group: list[dict]) -> list[str]:
+    out = []
+    for line in group:
+        content = (line.get("message") or {}).get("content")
+        if line.get("type") == "assistant" and isinstance(content, list):
+            out += [b.get("id") for b in content if isinstance(b, dict) and b.get("type") == "tool_use"]
+    return out
+
+
+def with_parallel_results(chain: list[dict], reply_id: Callable[[dict], str],
+                          results_of: Callable[[str], list[dict]]) -> list[dict]:
+    """`chain` with the results of each reply's parallel calls after the reply, in the order of its
+    calls. `results_of(uuid)` gives the tool-result lines whose parent is that line."""
+    out: list[dict] = []
+    i = 0
+    while i < len(chain):
+        group = [chain[i]]
+        i += 1
+        if group[0].get("type") == "assistant":
+            while i < len(chain) and chain[i].get("type") == "assistant" and reply_id(chain[i]) == reply_id(group[0]):
+                group.append(chain[i])
+                i += 1
+        out.extend(group)
+        calls = _calls(group)
+        if len(calls) < 2:
+            continue
+        found = {o.get("uuid"): o for g in group for o in results_of(g.get("uuid"))}
+        while i < len(chain) and chain[i].get("type") == "user" and result_ids(chain[i]):
+            found[chain[i].get("uuid")] = chain[i]
+            i += 1
+        order = {c: n for n, c in enumerate(calls)}
+        out.extend(sorted(found.values(), key=lambda o: min(order.get(r, len(order)) for r in result_ids(o))))
+    return out
+
+
+def with_preserved_segment(chain: list[dict], line_of: Callable[[str], dict | None]) -> list[dict]:
+    """`chain` (from a compact boundary) with the boundary's preserved messages after its anchor."""
+    if not chain or chain[0].get("subtype") != "compact_boundary":
+        return chain
+    segment = (chain[0].get("compactMetadata") or {}).get("preservedSegment")
+    if not isinstance(segment, dict):
+        return chain
+    anchor = next((n for n, line in enumerate(chain) if line.get("uuid") == segment.get("anchorUuid")), None)
+    kept: list[dict] = []
+    uuid = segment.get("tailUuid")
+    while isinstance(uuid, str) and len(kept) < 10_000:  # tail back to head along the old chain
+        line = line_of(uuid)
+        if line is None:
+            return chain  # the segment is not all in the file: the chain as it is
+        kept.append(line)
+        if uuid == segment.get("headUuid"):
+            break
+        uuid = line.get("parentUuid")
+    else:
+        return chain
+    if anchor is None:
+        return chain
+    return chain[: anchor + 1] + kept[::-1] + chain[anchor + 1 :]
