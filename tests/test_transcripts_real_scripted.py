@@ -148,13 +148,14 @@ def test_claude_code_calls_after_a_compact_boundary_are_what_claude_code_sent():
         assert turn.request_body["messages"][1:] == without_cache_control(rec["request"]["messages"][1:])
 
 
-# --- Claude Code 2.0.77: parallel tool calls (each result parented to its own call's line) ----------
+# --- Claude Code parallel tool calls (each result parented to its own call's line) -------------------
 
-def test_claude_code_parallel_tool_calls_send_back_every_result_in_the_calls_order():
-    [t] = read_transcripts(CLAUDE / "parallel-tool-calls-2.0.77.jsonl")
-    loop = [r for r in recorded(CLAUDE / "recording-parallel-tool-calls-2.0.77.jsonl")
+@pytest.mark.parametrize("version", ["2.0.77", "2.1.197"])  # results after the reply's lines / between them
+def test_claude_code_parallel_tool_calls_send_back_one_reply_and_every_result_in_the_calls_order(version):
+    [t] = read_transcripts(CLAUDE / f"parallel-tool-calls-{version}.jsonl")
+    loop = [r for r in recorded(CLAUDE / f"recording-parallel-tool-calls-{version}.jsonl")
             if "Warmup" not in json.dumps(r["request"]["messages"][0])]  # the sub-agents' warm-ups: not this file
-    assert t.version == "2.0.77" and len(t.turns) == len(loop) == 2
+    assert t.version == version and len(t.turns) == len(loop) == 2
     for turn, rec in zip(t.turns, loop, strict=True):
         assert turn.request_body["messages"][1:] == without_cache_control(rec["request"]["messages"][1:])
         assert (turn.prompt_tokens, turn.cached_tokens) == (rec["tokens"]["prompt"], rec["tokens"]["cached"])

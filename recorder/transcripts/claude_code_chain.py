@@ -2,8 +2,11 @@
 what its own loader puts back (seen on the wire, fixtures/transcripts/claude/real/). Pure functions
 over a chain of lines (oldest first) and a lookup, so the whole-file and the streamed reader share them.
 
-- Parallel tool calls (2.0.x): a reply is written one content block a line, and each call's result
-  line has that call's own line as its parent, so the chain passes only the last result.
+- Parallel tool calls: a reply is written one content block a line, and each call's result line has
+  that call's own line as its parent: 2.0.x writes the results after the reply's last line, so the
+  chain back from the next call passes only the last result; 2.1.x writes each result as its call
+  runs, between the reply's lines, so the chain passes the reply in pieces. Sent as one reply, then
+  its results in the order of its calls.
 - A compact boundary's `compactMetadata.preservedSegment`: the messages the compaction kept (from
   `headUuid` to `tailUuid`, on the old chain) are sent after its `anchorUuid` (the summary).
 """
@@ -32,26 +35,32 @@ def _calls(group: list[dict]) -> list[str]:
 
 def with_parallel_results(chain: list[dict], reply_id: Callable[[dict], str],
                           results_of: Callable[[str], list[dict]]) -> list[dict]:
-    """`chain` with the results of each reply's parallel calls after the reply, in the order of its
+    """`chain` with each reply's lines together, then the results of its calls in the order of its
     calls. `results_of(uuid)` gives the tool-result lines whose parent is that line."""
     out: list[dict] = []
     i = 0
     while i < len(chain):
-        group = [chain[i]]
-        i += 1
-        if group[0].get("type") == "assistant":
-            while i < len(chain) and chain[i].get("type") == "assistant" and reply_id(chain[i]) == reply_id(group[0]):
-                group.append(chain[i])
-                i += 1
-        out.extend(group)
-        calls = _calls(group)
-        if len(calls) < 2:
-            continue
-        found = {o.get("uuid"): o for g in group for o in results_of(g.get("uuid"))}
-        while i < len(chain) and chain[i].get("type") == "user" and result_ids(chain[i]):
-            found[chain[i].get("uuid")] = chain[i]
+        if chain[i].get("type") != "assistant":
+            out.append(chain[i])
             i += 1
+            continue
+        rid, group, found = reply_id(chain[i]), [], {}
+        while i < len(chain):
+            line = chain[i]
+            if line.get("type") == "assistant" and reply_id(line) == rid:
+                group.append(line)
+            elif line.get("type") == "user" and result_ids(line) and set(result_ids(line)) <= set(_calls(group)):
+                found[line.get("uuid")] = line  # a result written between the reply's lines (2.1.x)
+            else:
+                break
+            i += 1
+        calls = _calls(group)
+        if len(calls) > 1:  # results parented to their own call's line (2.0.x): off the chain
+            for g in group:
+                found.update({o.get("uuid"): o for o in results_of(g.get("uuid"))
+                              if set(result_ids(o)) <= set(calls)})
         order = {c: n for n, c in enumerate(calls)}
+        out.extend(group)
         out.extend(sorted(found.values(), key=lambda o: min(order.get(r, len(order)) for r in result_ids(o))))
     return out
 
