@@ -55,7 +55,7 @@ def test_codex_remote_compaction_v2_rebuilds_every_call_codex_sent_compaction_re
     [t] = read_transcripts(CODEX_V2)
     recording = recorded(CODEX / "recording-remote-compaction.jsonl")
     assert t.version == "rollout of codex_exec 0.171.0" and t.calls == len(t.turns) == len(recording) == 7
-    assert any("remote compaction requests rebuilt" in n for n in t.notes)
+    assert any("`compaction_trigger` item ending remote compaction requests is not in the file" in n for n in t.notes)
     for turn, rec in zip(t.turns, recording, strict=True):
         # all but the base-instructions message Codex composes first (noted)
         assert turn.request_body["input"] == codex_items(rec)[1:]

@@ -7,7 +7,11 @@ effort, sandbox), `token_usage_record` lines (one per call, as it completes, wit
 conversation, in the Responses API's own shape and with the ids Codex sends: `message` (developer /
 user / assistant), `reasoning`, `function_call`, `function_call_output`, … Items a call returned are
 written after it; everything before them is that call's `input`. A `compacted` line (Codex's
-remote compaction) replaces the history with its `replacement_history`. Rollouts written before
+compaction) replaces the history with its `replacement_history`. A remote compaction's request
+(compaction v2, on `/v1/responses`) writes no item, only its `token_usage_record` before the
+`compacted` line, whose `replacement_history` ends with the `compaction` item it returned: rebuilt as
+sent, the history then `{"type": "compaction_trigger"}`. Before v2 (codex-cli 0.104) Codex called
+`/v1/responses/compact` and wrote no usage for it: no call here. Rollouts written before
 `session_meta` existed hold a bare `{id, timestamp, instructions}` header, then bare items: read
 the same way.
 
@@ -224,8 +228,9 @@ def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn | 
                 out, usage = [replacement[-1]], trigger_usage
                 sent = input_ts
                 if (turn := emit()) is not None:
-                    t.note("remote compaction requests rebuilt: the history and the `compaction_trigger` item Codex "
-                           "adds; their reply is the `compaction` item the `compacted` line ends with")
+                    t.note("the `compaction_trigger` item ending remote compaction requests is not in the file: "
+                           "added back as Codex sends it; their reply is the `compaction` item the `compacted` "
+                           "line ends with")
                     yield turn
             trigger_usage = None
             yield _Compacted(payload)
