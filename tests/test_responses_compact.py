@@ -33,6 +33,8 @@ def test_compact_goes_to_the_upstream_as_sent_and_is_recorded_apart_from_the_loo
         reply = httpx.post(url + "/v1/responses/compact", json=body, timeout=30,
                            headers={"Authorization": "Bearer sk-test-secret-0123456789abcdef"})
         recorded = rows(rec)
+        live = httpx.get(url + "/ui/api/sessions", timeout=30).json()  # the dashboard leaves it out too
+    assert [t["request_id"] for s in live["sessions"] for t in s["turns"]] == [recorded[0]["request_id"]]
     assert loop.status_code == 200
     assert reply.status_code == 200, reply.text
     output = reply.json()["output"]
