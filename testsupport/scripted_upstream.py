@@ -186,14 +186,14 @@ class ScriptedUpstream:
 
 
 def serve_forever(reply: Callable[[str, dict], Reply], port: int, log: str | None = None) -> None:
-    """Run the scripted model in the foreground (a harness run's upstream, as PROVENANCE.md names it)."""
+    """Run the scripted model in the foreground until stopped (SIGINT or SIGTERM); `log`: a JSONL file
+    of every request it received, written when it stops."""
     import uvicorn
 
     upstream = ScriptedUpstream(reply)
-    if log:
-        import atexit
-
-        atexit.register(lambda: open(log, "w").write(
-            "".join(json.dumps({"endpoint": e, "body": b}) + "\n" for e, b in upstream.received)))
-    uvicorn.run(upstream, host="127.0.0.1", port=port, log_level="warning")
-
+    try:
+        uvicorn.run(upstream, host="127.0.0.1", port=port, log_level="warning")
+    finally:
+        if log:
+            with open(log, "w") as out:
+                out.writelines(json.dumps({"endpoint": e, "body": b}) + "\n" for e, b in upstream.received)
