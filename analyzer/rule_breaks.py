@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from analyzer.causes import summary_marks
 from analyzer.divergence import diff_window
 from analyzer.hashed import expand as expand_hashed
 from analyzer.lookback import LOOKBACK_BLOCKS, cache_blocks, lookback_miss
@@ -33,7 +34,7 @@ def request_facts(req) -> None:
     req.cache_params = cache_params(req.body, req.endpoint, req.headers, req.upstream)
     req.cache_blocks = cache_blocks(req.body, req.endpoint)
     req.harness, req.harness_version = harness_version(req.headers, req.body, req.transcript)
-    req.compactions = compaction_marks(req.body)
+    req.compactions = compaction_marks(req.body) | summary_marks(req.body)
 
 
 def _carries_a_reply(prev, payload) -> bool:

@@ -129,6 +129,16 @@ def test_claude_code_compact_boundary_is_named_compaction_and_allowed():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+def test_claude_code_compaction_in_recorded_traffic_is_named_compaction_not_a_system_rewrite():
+    """Through the proxy, the call after /compact opens with Claude Code's summary, and its system prompt's
+    billing fingerprint (`cc_version=2.1.197.<fp>`) changed with it: the summary names the cause."""
+    path = CLAUDE / "recording-compact-boundary.jsonl"
+    systems = [json.dumps(r["request"]["system"]) for r in recorded(path)]
+    assert systems[0] == systems[1] != systems[3]  # the fingerprint moved at the compaction
+    assert breaks(analyze(path)) == [(4, "compaction")]
+    assert check(path, allow="compaction").ok and not check(path).ok
+
+
 def test_claude_code_calls_after_a_compact_boundary_send_the_preserved_segment_after_the_summary():
     """compactMetadata.preservedSegment: the reply the compaction kept (on the old chain) is sent right
     after the summary (its anchor), before what came after the boundary."""
