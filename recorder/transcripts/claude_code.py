@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recorder.transcripts.claude_code_chain import result_ids, with_parallel_results, with_preserved_segment
+from recorder.transcripts.claude_code_chain import (attachment_message, result_ids, with_parallel_results,
+                                                    with_preserved_segment)
 from recorder.transcripts.common import (Transcript, int_or_none, make_turn, openai_call, parse_time,
                                          read_jsonl_lines)
 
@@ -190,10 +191,14 @@ class _Histories:
             t.note("compacted: the history before the compact boundary was replaced by its summary, as sent")
             t.mark_compacted()
         messages, stop = list(base[0]), base[1]
+        attachments: list[dict] = []
         i = 0
         while i < len(lines):
             obj = lines[i]
             i += 1
+            if (attached := attachment_message(obj)) is not None:
+                attachments.append(attached)  # sent after the user message its run of user lines makes
+                continue
             if not _is_message(obj) or obj.get("isSidechain") or _synthetic(obj):
                 continue
             if obj["type"] == "user":
@@ -205,6 +210,8 @@ class _Histories:
                     messages.append(msg)
                 stop = None
                 continue
+            messages.extend(attachments)
+            attachments.clear()
             group = [obj]
             while i < len(lines) and _is_message(lines[i]) and lines[i]["type"] == "assistant" \
                     and _reply_id(lines[i]) == _reply_id(obj):
@@ -217,6 +224,7 @@ class _Histories:
                 t.note(MAX_TOKENS_NOTE)
             messages.append({"role": "assistant", "content": reply["content"]})
             stop = reply.get("stop_reason")
+        messages.extend(attachments)
         if stop == "max_tokens":
             t.note(MAX_TOKENS_NOTE)
         if isinstance(key, str):

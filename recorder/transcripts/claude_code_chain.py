@@ -9,10 +9,14 @@ over a chain of lines (oldest first) and a lookup, so the whole-file and the str
   its results in the order of its calls.
 - A compact boundary's `compactMetadata.preservedSegment`: the messages the compaction kept (from
   `headUuid` to `tailUuid`, on the old chain) are sent after its `anchorUuid` (the summary).
+- A file Claude Code attached (an `attachment` line of type `file`, as it re-attaches the files it
+  read after a compaction) is sent as a `system` message saying the Read tool was called, after the
+  user message its run of user lines makes.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 
@@ -88,3 +92,19 @@ def with_preserved_segment(chain: list[dict], line_of: Callable[[str], dict | No
     if anchor is None:
         return chain
     return chain[: anchor + 1] + kept[::-1] + chain[anchor + 1 :]
+
+
+def attachment_message(line: dict) -> dict | None:
+    """The message Claude Code 2.1 sends for an `attachment` line of a file it read (seen on the wire:
+    the Read tool's call and its numbered lines, as a `system` message); None for any other line."""
+    attachment = line.get("attachment") if line.get("type") == "attachment" else None
+    content = attachment.get("content") if isinstance(attachment, dict) and attachment.get("type") == "file" else None
+    file = content.get("file") if isinstance(content, dict) and content.get("type") == "text" else None
+    if not isinstance(file, dict) or not isinstance(file.get("content"), str):
+        return None
+    start = file.get("startLine") if isinstance(file.get("startLine"), int) else 1
+    numbered = "\n".join(f"{start + n}\t{text}" for n, text in enumerate(file["content"].split("\n")))
+    call = json.dumps({"file_path": attachment.get("filename")}, separators=(",", ":"), ensure_ascii=False)
+    return {"role": "system", "content": f"Called the Read tool with the following input: {call}\n"
+                                         f"Result of calling the Read tool:\n{numbered}"}
+
