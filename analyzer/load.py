@@ -70,7 +70,7 @@ class Request:
     hashed: bool = False  # recorded with `serve --store hashes` (analyzer/hashed.py)
     proxy_fixes: list[dict] | None = None  # `serve --fix`: the fixes that fired on it (analyzer/fixes)
     reply: dict | None = None  # {"text", "reasoning", "tool_calls"} as the server answered (the fixes' record)
-    compactions: frozenset = frozenset()  # the Responses `compaction` items it carries (a server's compaction)
+    compactions: frozenset = frozenset()  # server `compaction` items and compaction summaries it opens with
 
 
 @dataclass

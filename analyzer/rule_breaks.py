@@ -20,10 +20,10 @@ from analyzer.lookback import fix_text as lookback_fix
 from analyzer.param_breakers import cache_params, first_change, fix_text, kept_prefix
 from analyzer.race import clock, race
 from analyzer.race import fix_text as race_fix
-from prefixtrace.wire.responses import compaction_marks
 from analyzer.results import Break, TurnResult
 from analyzer.turn_kinds import opened_by
 from analyzer.versions import harness_version
+from prefixtrace.wire.responses import compaction_marks
 
 MAX_WRITES = 64  # cache writes kept per session (the lookback needs only the newest)
 

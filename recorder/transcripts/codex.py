@@ -224,7 +224,7 @@ def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn | 
                     isinstance(replacement[-1], dict) and replacement[-1].get("type") == "compaction":
                 # Remote compaction (Codex's compaction v2): the history plus Codex's trigger item went
                 # to /v1/responses, the one `compaction` item the replacement ends with came back
-                items.extend([COMPACTION_TRIGGER, replacement[-1]])  # the input, then the call's output
+                items.extend([dict(COMPACTION_TRIGGER), replacement[-1]])  # the input, then the call's output
                 out, usage = [replacement[-1]], trigger_usage
                 sent = input_ts
                 if (turn := emit()) is not None:
