@@ -23,7 +23,7 @@ from prefixtrace.wire.responses_stream import ResponsesReader
 from proxy.backend import Backend
 from proxy.chat_request import ChatRequest, passthrough_request
 from proxy.relay import TurnSink, serve_turn
-from proxy.responses import _stream
+from proxy.responses import _stream  # never used: the reply is unary, but serve_turn takes one
 from proxy.upstream_backend import Relayed, mark_served, served_by
 from proxy.upstream_query import with_query
 from recorder.turn_builder import TurnBuilder
