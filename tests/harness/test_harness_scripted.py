@@ -126,3 +126,29 @@ def test_claude_code_parallel_tool_calls_are_read_back_as_sent(npm_bins, scripte
         assert turn.request_body["messages"][1:] == strip(rec["request"]["messages"][1:])
     results = [b["tool_use_id"] for b in t.turns[1].request_body["messages"][2]["content"]]
     assert len(results) == 2
+
+
+def test_claude_code_compact_with_a_summary_is_read_back_and_named_compaction(npm_bins, scripted, tmp_path):
+    server = scripted("claude_compact")
+    scratch = hs.make_scratch(tmp_path / "claude-compact")
+    args, env = hs.point("claude", scratch, server.url, hs.harness_env(scratch, {}))
+    base = [npm_bins["claude"], *args, "-p", "--model", "default", "--tools=Read", "--allowedTools=Read"]
+    result = hs.run_harness(base + ["Read the file hello.txt"], scratch, env, timeout=300)
+    assert result.returncode == 0, result.output[-3000:]
+    [session] = [p for p in (scratch.home / ".claude" / "projects").rglob("*.jsonl") if not p.name.startswith("agent-")]
+    for prompt in ("/compact", "Read the file hello.txt again"):
+        result = hs.run_harness(base + ["-r", session.stem, prompt], scratch, env, timeout=300)
+        assert result.returncode == 0, result.output[-3000:]
+    lines = [json.loads(line) for line in session.read_text().splitlines()]
+    assert any(o.get("subtype") == "compact_boundary" and o.get("compactMetadata") for o in lines)
+    recorded = hs.export_records(server.db, tmp_path / "compact.jsonl")
+    loop = [r for r in recorded if r["request"].get("tools")  # not the title request
+            and "create a detailed summary" not in json.dumps(r["request"]["messages"][-1])]  # nor the summary's
+    [t] = read_transcripts(session)
+    assert len(t.turns) == len(loop) == 4 and t.compacted == {3}
+    for turn, rec in zip(t.turns, loop):
+        assert (turn.prompt_tokens, turn.cached_tokens) == (rec["tokens"]["prompt"], rec["tokens"]["cached"])
+    assert [t.brk.cause for s in analyze(session).sessions for t in s.turns if t.brk] == ["compaction"]
+    assert check(session, allow="compaction").ok
+    recording = tmp_path / "compact.jsonl"  # the same run as the proxy recorded it: named the same
+    assert check(recording, allow="compaction").ok and not check(recording).ok
