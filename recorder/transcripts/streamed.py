@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +94,34 @@ def forget_older_ids(db: sqlite_utils.Database, t: Transcript) -> int:
     return cur.rowcount
 
 
+class _HeldSignals:
+    """Ctrl-C and SIGTERM noted, not acted on, between `hold` and `release`, which then acts on them
+    as their handlers would. Python runs signal handlers in the main thread only (elsewhere: no-op),
+    and a mask would not do: the kernel may hand the signal to another thread."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.handlers: dict = {}
+        self.noted: int | None = None
+
+    def hold(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self.handlers = {s: signal.signal(s, self._note) for s in self.SIGNALS}
+
+    def _note(self, signum, frame) -> None:
+        self.noted = signum
+
+    def release(self) -> None:
+        for s, handler in self.handlers.items():
+            signal.signal(s, handler)
+        handler = self.handlers.get(self.noted)
+        if callable(handler):
+            handler(self.noted, None)
+        elif self.noted is not None:
+            raise KeyboardInterrupt
+
+
 class BatchWriter:
     """Writes turns in batches to one database, keeping the shared-history memos across batches."""
 
@@ -107,11 +137,18 @@ class BatchWriter:
         """One transaction: `before` (e.g. forgetting older ids), then the turns."""
         rows = [redacted_row(t, self.redactor, self.shared) for t in turns]
         self.redactor.forget()  # the batch's objects: later calls' shared items are the item-text memo's
-        with self.db.atomic():
-            if before is not None:
-                before()
-            write_rows(self.db, rows, self.bodies)
-        self.written += len(turns)
+        # The commit and its count go together: Ctrl-C or SIGTERM lands before the commit (the batch
+        # rolled back) or after the count, never between them (a stop message one batch short).
+        held = _HeldSignals()
+        try:
+            with self.db.atomic():
+                if before is not None:
+                    before()
+                write_rows(self.db, rows, self.bodies)
+                held.hold()
+            self.written += len(turns)
+        finally:
+            held.release()
 
     def restamp_notes(self, t: Transcript, first_id: str) -> None:
         """The session's final notes on its turns written before the last note was known: every id
@@ -236,7 +273,7 @@ def _write_batches(writer: BatchWriter, sessions: list[Transcript], turns: Itera
                    total: int) -> dict[str, str]:
     """Writes `turns` (of `sessions`) in batches; returns each session's first turn id. A stop (bad
     line, interrupt) raises ImportStopped saying what was kept."""
-    kept = 0
+    start = writer.written  # the writer counts a batch with its commit: what this call kept is the difference
     first_ids: dict[str, str] = {}
     batch: list[Turn] = []
     first = True
@@ -247,10 +284,9 @@ def _write_batches(writer: BatchWriter, sessions: list[Transcript], turns: Itera
             forget_older_ids(writer.db, t)
 
     def flush() -> None:
-        nonlocal batch, first, mark, kept
+        nonlocal batch, first, mark
         if batch or first:
             writer.write(batch, forget if first else None)
-            kept += len(batch)
             for turn in batch:
                 first_ids.setdefault(turn.session_id, turn.request_id)
             batch, first, mark = [], False, position()
@@ -264,10 +300,12 @@ def _write_batches(writer: BatchWriter, sessions: list[Transcript], turns: Itera
                 flush()
         flush()
     except InvalidRequest as exc:
+        kept = writer.written - start
         if not kept:  # refused before anything was written: the file's one-line error as it is
             raise
         raise ImportStopped(f"{exc.message}; {_kept(sessions, kept)}") from exc
     except KeyboardInterrupt as exc:
+        kept = writer.written - start
         where = f"line {lineno():,}, " if lineno() else ""
         source = sessions[0].source if sessions else "the file"
         raise ImportStopped(f"import of {source} interrupted at {where}{position() / 1e6:,.1f} of "
