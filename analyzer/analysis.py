@@ -75,6 +75,7 @@ def analyze(source: str | Path | Iterable[Any], *, template: str | Path | None =
     report = analyzer.run(loaded.requests, loaded.skipped)
     report.renderer_source, report.renderer_note = choice.source, choice.note
     report.replayed = loaded.replayed
+    report.remote_compactions = loaded.remote_compactions
     mark_merged(report)
     if policies:
         report.what_if = price_all(report, policies, block_size=block_size, kv_budget=kv_budget, sheet=sheet)

@@ -373,12 +373,40 @@ def payload_cause(prev: Payload, next: Payload) -> Cause | None:
     return Cause("history_edit", _volatile_subtype(v, subtype), k, path, volatile=v)
 
 
-def marked_compaction(req: Any) -> bool:
+# How a harness's compaction summary opens the conversation it replaced (the first user message): a
+# request that opens with a new one follows a compaction, whatever else changed (Claude Code also
+# rewrites a fingerprint in its system prompt then).
+SUMMARY_OPENERS = ("This session is being continued from a previous conversation",  # Claude Code
+                   "The conversation history before this point was compacted")  # pi
+
+
+def summary_marks(body: Any) -> frozenset[str]:
+    """The compaction summary a Messages or chat body's first user message holds (its text), if any."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list):
+        return frozenset()
+    first = next((m for m in messages if isinstance(m, dict) and m.get("role") == "user"), None)
+    content = first.get("content") if first is not None else None
+    if isinstance(content, str):
+        texts = [content]
+    elif isinstance(content, list):
+        texts = [b.get("text") for b in content if isinstance(b, dict) and isinstance(b.get("text"), str)]
+    else:
+        texts = []
+    return frozenset(t for t in texts if t.lstrip().startswith(SUMMARY_OPENERS))
+
+
+def marked_compaction(req: Any, prev_req: Any = None) -> bool:
     """The request is the first after a compaction its harness wrote down (a transcript's compact
-    boundary, compaction entry or `compacted` line: recorder/transcripts): whatever the payload
-    shows, the history was replaced by a summary."""
+    boundary, compaction entry or `compacted` line: recorder/transcripts), or, in recorded traffic, it
+    carries a server's `compaction` item (OpenAI's remote compaction) or opens with a compaction
+    summary (`summary_marks`) the request before did not: whatever the payload shows, the history
+    was replaced by a summary."""
     origin = getattr(req, "transcript", None)
-    return isinstance(origin, dict) and origin.get("compacted") is True
+    if isinstance(origin, dict) and origin.get("compacted") is True:
+        return True
+    before = getattr(prev_req, "compactions", frozenset()) if prev_req is not None else frozenset()
+    return bool(getattr(req, "compactions", frozenset()) - before)
 
 
 def render_cause(prev_r, next_r, next: Payload, message_index: int | None) -> Cause:

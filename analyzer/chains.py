@@ -161,7 +161,7 @@ class Analyzer:
                 turn.note, turn.common_prefix_tokens = "first", 0
             else:
                 self._compare(turn, prev, payload, rendered, req.body)
-                if turn.brk is not None and marked_compaction(req) and turn.brk.cause != "compaction":
+                if turn.brk is not None and marked_compaction(req, prev.req) and turn.brk.cause != "compaction":
                     turn.brk.cause, turn.brk.subtype, turn.brk.volatile = "compaction", None, None
                     turn.brk.suggestion = suggestion("compaction", None, None, turn.brk.location())
                 if turn.brk is None:  # the shared prefix reaches into what the previous turn left cached

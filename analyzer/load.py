@@ -70,6 +70,7 @@ class Request:
     hashed: bool = False  # recorded with `serve --store hashes` (analyzer/hashed.py)
     proxy_fixes: list[dict] | None = None  # `serve --fix`: the fixes that fired on it (analyzer/fixes)
     reply: dict | None = None  # {"text", "reasoning", "tool_calls"} as the server answered (the fixes' record)
+    compactions: frozenset = frozenset()  # server `compaction` items and compaction summaries it opens with
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Loaded:
     skipped: list[dict] = field(default_factory=list)  # {"line": N, "error": "..."}
     renderers: dict[str, Any] = field(default_factory=dict)  # id -> recorder.renderers.RendererInfo (databases)
     replayed: int = 0  # turns `prefixtrace replay` sent (recorder/replay_mark.py): left out, counted
+    remote_compactions: int = 0  # POST /v1/responses/compact turns: no call of the loop, left out, counted
 
 
 def _server_facts(req: Request, render: Any, usage: Any, served_by: Any = None, renderer_id: Any = None) -> Request:
@@ -378,6 +380,9 @@ def read_jsonl(path: Path) -> Loaded:
                 if isinstance(obj, dict) and is_replay(obj.get("request_headers")):  # a replay's, not the user's
                     out.replayed += 1
                     continue
+                if isinstance(obj, dict) and is_remote_compaction(obj.get("endpoint")):
+                    out.remote_compactions += 1
+                    continue
                 out.requests.append(request_from_record(obj, lineno, path.name))
             except json.JSONDecodeError as exc:
                 out.skipped.append({"line": lineno, "error": f"not valid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}"})
@@ -386,6 +391,14 @@ def read_jsonl(path: Path) -> Loaded:
             except RecursionError:  # nesting past the parser's recursion limit: one line, like any bad line
                 out.skipped.append({"line": lineno, "error": "not readable: JSON nested too deeply"})
     return out
+
+
+def is_remote_compaction(endpoint: Any) -> bool:
+    """A turn of OpenAI's `/v1/responses/compact`: the server rewrote the history; its effect is the
+    next call's (a `compaction` item it carries), the request itself is no call of the loop."""
+    from prefixtrace.wire.responses import COMPACT_PATH
+
+    return isinstance(endpoint, str) and endpoint.split("?", 1)[0].rstrip("/") == COMPACT_PATH
 
 
 def _renderer_line(out: Loaded, obj: Any, lineno: int) -> None:
@@ -406,6 +419,9 @@ def _from_turns(turns: Iterable[Any]) -> Loaded:
     for t in turns:
         if is_replay(getattr(t, "request_headers", None)):  # a replay's measurement, not the user's traffic
             out.replayed += 1
+            continue
+        if is_remote_compaction(getattr(t, "endpoint", None)):
+            out.remote_compactions += 1
             continue
         req = Request(t.request_id, t.started_at, t.request_body, session_of(t.session_id), None,
                       t.prompt_tokens, t.cached_tokens, getattr(t, "endpoint", None),

@@ -200,6 +200,7 @@ class Report:
     proxy_fixes: list[dict] = field(default_factory=list)
     fix_proposals: list[dict] = field(default_factory=list)
     replayed: int = 0  # requests `prefixtrace replay` sent through the proxy: left out of the analysis
+    remote_compactions: int = 0  # POST /v1/responses/compact requests: left out of the analysis, counted
 
     @property
     def breaks(self) -> list[tuple[SessionResult, TurnResult]]:
@@ -241,6 +242,9 @@ class Report:
         if self.replayed:
             out.append(f"{plural(self.replayed, 'replayed request')} left out: `prefixtrace replay` sent "
                        f"{'it' if self.replayed == 1 else 'them'} (marked X-Prefixtrace-Replay), not the client")
+        if self.remote_compactions:
+            out.append(f"{plural(self.remote_compactions, 'remote compaction request')} (/v1/responses/compact) "
+                       "left out: the server rewrote the history there; the call after each is compared")
         rebuilt = [s for s in self.sessions if s.transcript]
         if rebuilt:
             out.append(f"{plural(len(rebuilt), 'session')} rebuilt from harness transcripts, not recorded traffic: "
@@ -270,6 +274,7 @@ class Report:
             "skipped_lines": self.skipped,
             "failed_requests": self.failed,
             "replayed_requests": self.replayed,
+            "remote_compaction_requests": self.remote_compactions,
             "sessions": [s.to_dict(self.prefill_rate) for s in self.sessions],
             "totals": _totals((t for s in self.sessions for t in s.turns), self.prefill_rate),
             "top_breaks": [{"session": s.id, "turn": t.number, "cause": t.brk.cause, "subtype": t.brk.subtype,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from analyzer.causes import summary_marks
 from analyzer.divergence import diff_window
 from analyzer.hashed import expand as expand_hashed
 from analyzer.lookback import LOOKBACK_BLOCKS, cache_blocks, lookback_miss
@@ -22,6 +23,7 @@ from analyzer.race import fix_text as race_fix
 from analyzer.results import Break, TurnResult
 from analyzer.turn_kinds import opened_by
 from analyzer.versions import harness_version
+from prefixtrace.wire.responses import compaction_marks
 
 MAX_WRITES = 64  # cache writes kept per session (the lookback needs only the newest)
 
@@ -32,6 +34,7 @@ def request_facts(req) -> None:
     req.cache_params = cache_params(req.body, req.endpoint, req.headers, req.upstream)
     req.cache_blocks = cache_blocks(req.body, req.endpoint)
     req.harness, req.harness_version = harness_version(req.headers, req.body, req.transcript)
+    req.compactions = compaction_marks(req.body) | summary_marks(req.body)
 
 
 def _carries_a_reply(prev, payload) -> bool:

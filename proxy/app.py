@@ -20,6 +20,7 @@ from starlette.datastructures import MutableHeaders
 from prefixtrace.common.errors import PrefixtraceError, http_status, to_openai_error
 from proxy.anthropic import MESSAGES_PATH, add_messages_route, to_anthropic_error
 from proxy.responses import RESPONSES_PATH, add_responses_route
+from proxy.responses_compact import add_compact_route
 from proxy.completions import COMPLETIONS_PATH, add_completions_route
 from proxy.fallback import add_fallback_routes
 from proxy.backend import Backend
@@ -36,9 +37,10 @@ from proxy.turn_routes import TurnRoutes
 from prefixtrace.common.instance_proof import PROOF_PATH, proof
 from proxy.run_session import strip_session_prefix
 from prefixtrace.wire.messages import COUNT_TOKENS_PATH
+from prefixtrace.wire.responses import COMPACT_PATH
 
 log = logging.getLogger("prefixtrace.proxy")
-TURN_PATHS = (CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH, COMPLETIONS_PATH)
+TURN_PATHS = (CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH, COMPACT_PATH, COMPLETIONS_PATH)
 
 
 def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str] | None = None,
@@ -134,6 +136,7 @@ def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str]
     add_chat_route(app, backend, recorder)  # POST /v1/chat/completions (OpenAI)
     add_messages_route(app, backend, recorder)  # POST /v1/messages (Anthropic)
     add_responses_route(app, backend, recorder)  # POST /v1/responses (OpenAI Responses)
+    add_compact_route(app, backend, recorder)  # POST /v1/responses/compact (OpenAI's remote compaction)
     add_completions_route(app, backend, recorder)  # POST /v1/completions (raw prompt)
     add_fallback_routes(app, backend, recorder)  # last: every other path, in the API's error shape
     app.add_middleware(CancelOnDisconnect)  # a hung-up non-streamed request stops generating

@@ -53,8 +53,8 @@ def add_fallback_routes(app: FastAPI, backend, recorder: TurnSink) -> None:
             exc = MethodNotAllowed(f"{request.method} is not allowed on {route}; use {', '.join(sorted(allowed))}")
         else:
             exc = UnknownEndpoint(f"unknown endpoint: {request.method} {route} (this server serves "
-                                  "/v1/chat/completions, /v1/responses, /v1/messages, /v1/completions, "
-                                  "/v1/messages/count_tokens, /v1/models)")
+                                  "/v1/chat/completions, /v1/responses, /v1/responses/compact, /v1/messages, "
+                                  "/v1/completions, /v1/messages/count_tokens, /v1/models)")
         body = to_anthropic_error(exc) if route.startswith(MESSAGES_PREFIX) else to_openai_error(exc)
         headers = {"Allow": ", ".join(sorted(allowed))} if allowed else None
         status = http_status(exc)

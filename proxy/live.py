@@ -27,7 +27,7 @@ from analyzer.chains import Analyzer
 from analyzer.clients import KNOWN, client_of, is_side_request, title_of
 from analyzer.costing import price_breaks
 from analyzer.divergence import SegmentCounter
-from analyzer.load import Request
+from analyzer.load import Request, is_remote_compaction
 from analyzer.results import SessionResult, TurnResult
 from analyzer.rule_breaks import RuleBreaks, request_facts
 from analyzer.advice import SIDE_REQUEST
@@ -145,6 +145,8 @@ class LiveSessions:
         turn stayed in memory, a 30 MB prompt as ~60 MB for good). A body over `LIVE_MAX_BODY_CHARS` is not
         kept at all: the turn is listed without a prompt comparison (analysing it would cost ~15x its size)."""
         if is_replay(turn.request_headers):  # `prefixtrace replay`'s measurement, not the user's traffic
+            return
+        if is_remote_compaction(turn.endpoint):  # the server's rewrite of the history, no call of the loop
             return
         chars = len(turn.request_raw) if isinstance(turn.request_raw, str) else 0
         if chars > LIVE_MAX_BODY_CHARS:

@@ -84,6 +84,7 @@ def test_each_protocol_is_served_by_its_own_adapter_module(tmp_path):
         "/v1/messages": "proxy.anthropic",
         "/v1/messages/count_tokens": "proxy.anthropic",
         "/v1/responses": "proxy.responses",
+        "/v1/responses/compact": "proxy.responses_compact",
         "/v1/completions": "proxy.completions",
     }
     asyncio.run(backend.aclose())

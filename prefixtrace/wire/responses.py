@@ -22,6 +22,9 @@ from prefixtrace.common.errors import InvalidRequest
 
 log = logging.getLogger("prefixtrace.wire")
 PATH = "/v1/responses"
+# OpenAI's remote compaction: the history in, its replacement (kept items + an opaque `compaction`
+# item) out, unary. Codex calls it for a provider named OpenAI; no model turn of the loop.
+COMPACT_PATH = "/v1/responses/compact"
 _TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
 _logged_once: set[str] = set()
 
@@ -184,3 +187,12 @@ def _log_once(what: str, outcome: str) -> None:
         _logged_once.add(what)
         log.info("Responses %s: %s", what, outcome)
 
+
+def compaction_marks(body: Any) -> frozenset[str]:
+    """The `compaction` items a Responses body's input carries (their opaque content): a new one
+    says the server replaced the history since the request before (OpenAI's remote compaction)."""
+    items = body.get("input") if isinstance(body, dict) else None
+    if not isinstance(items, list):
+        return frozenset()
+    return frozenset(str(i.get("encrypted_content") or i.get("id") or "") for i in items
+                     if isinstance(i, dict) and i.get("type") == "compaction")

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from recorder.transcripts.claude_code_chain import result_ids
 from recorder.transcripts.claude_code_history import (Histories, Line, is_message, local_command_output, merged,
                                                       reply_id, synthetic)
 from recorder.transcripts.common import (Stream, StreamPosition, Transcript, held, int_or_none, make_turn,
@@ -69,6 +70,7 @@ class _Index:
         self.lines: dict[str, Line] = {}
         self.replies: dict[tuple[str, str], list[int]] = {}  # (session, message id) -> its lines' offsets
         self.local_outputs: dict[str, list[int]] = {}  # parent uuid -> local command outputs, in file order
+        self.results: dict[str, list[int]] = {}  # parent uuid -> tool-result lines, in file order
         self.sessions: dict[str, Transcript] = {}
         linked: set = set()  # sessions with any parentUuid link
         unlinked: dict[str, list[str]] = {}  # message uuids in order, per session without links so far
@@ -90,6 +92,8 @@ class _Index:
                 versions.setdefault(sid, set()).add(obj["version"])
             if local_command_output(obj) and isinstance(obj.get("parentUuid"), str):
                 self.local_outputs.setdefault(obj["parentUuid"], []).append(reader.start)
+            if obj.get("type") == "user" and isinstance(obj.get("parentUuid"), str) and result_ids(obj):
+                self.results.setdefault(sys.intern(obj["parentUuid"]), []).append(reader.start)
             if isinstance(sid, str) and is_message(obj):
                 self._message(sid, obj, reader.start)
         for sid, uuids in unlinked.items():
@@ -141,7 +145,7 @@ def _calls(path: Path, lines: JsonLines, sessions: list[Transcript], where: Stre
     sessions.extend(index.sessions.values())
     where.lineno = None  # the second pass reads by offset: the stop message names the bytes
     at = LinesAt(path)
-    histories = Histories(index.lines, index.local_outputs, at)
+    histories = Histories(index.lines, index.local_outputs, index.results, at)
     try:
         for (sid, mid), starts in list(index.replies.items()):
             del index.replies[(sid, mid)]

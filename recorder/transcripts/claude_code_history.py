@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import NamedTuple
 
+from recorder.transcripts.claude_code_chain import attachment_message, with_parallel_results, with_preserved_segment
 from recorder.transcripts.common import Transcript
 from recorder.transcripts.lines import LinesAt
 
@@ -81,11 +82,14 @@ def blocks(content) -> list[dict]:
 
 class Histories:
     """Each call's history. `lines` maps a line's uuid to where it lies; `local_outputs` a parent's
-    uuid to the local command outputs written as its children (byte offsets, in file order)."""
+    uuid to the local command outputs written as its children, `results` to the tool-result lines
+    written as its children (byte offsets, in file order)."""
 
-    def __init__(self, lines: dict[str, Line], local_outputs: dict[str, list[int]], at: LinesAt):
+    def __init__(self, lines: dict[str, Line], local_outputs: dict[str, list[int]], results: dict[str, list[int]],
+                 at: LinesAt):
         self.lines = lines
         self.local_outputs = local_outputs
+        self.results = results
         self.at = at
         self.known: OrderedDict[str, tuple[list[dict], str | None]] = OrderedDict()  # uuid -> (messages, stop)
         self.recent: OrderedDict[int, dict] = OrderedDict()  # byte offset -> the line read there
@@ -106,6 +110,13 @@ class Histories:
         obj["parentUuid"] = line.parent
         return obj
 
+    def line_of(self, uuid: str) -> dict | None:
+        return self.read(uuid) if uuid in self.lines else None
+
+    def results_of(self, uuid: str) -> list[dict]:
+        """The tool-result lines whose parent is the line `uuid`."""
+        return [self.read_at(start) for start in self.results.get(uuid, [])]
+
     def before(self, t: Transcript, parent: str | None, own: str | None) -> tuple[list[dict], bool]:
         """The messages sent with the call whose first reply line (uuid `own`) has `parent`, and whether
         the chain starts at a compact boundary (the call is the first after a compaction)."""
@@ -124,7 +135,8 @@ class Histories:
             seen.add(parent)
             chain.append(parent)
             parent = self.lines[parent].parent
-        lines = [self.read(uuid) for uuid in reversed(chain)]
+        lines = with_parallel_results(with_preserved_segment([self.read(uuid) for uuid in reversed(chain)],
+                                                             self.line_of), reply_id, self.results_of)
         compacted = bool(lines) and parent is None and lines[0].get("type") == "system" \
             and lines[0].get("subtype") == "compact_boundary"
         if compacted:
@@ -139,10 +151,14 @@ class Histories:
     def _convert(self, t: Transcript, lines: list[dict], messages: list[dict], stop: str | None):
         """`lines` (a chain, in order) appended to `messages` as Claude Code sends them: a reply that
         was all empty text is not sent back, user lines that follow one another travel as one message."""
+        attachments: list[dict] = []
         i = 0
         while i < len(lines):
             obj = lines[i]
             i += 1
+            if (attached := attachment_message(obj)) is not None:
+                attachments.append(attached)  # sent after the user message its run of user lines makes
+                continue
             if local_command_output(obj):
                 _add_user(messages, obj["content"])
                 stop = None
@@ -151,6 +167,8 @@ class Histories:
                 continue
             if synthetic(obj):
                 if sent_synthetic(obj):
+                    messages.extend(attachments)
+                    attachments.clear()
                     messages.append({"role": "assistant", "content": blocks(obj["message"].get("content"))})
                     for start in self.local_outputs.get(obj.get("parentUuid") or "", []):
                         _add_user(messages, self.read_at(start)["content"])
@@ -159,6 +177,8 @@ class Histories:
                 _add_user(messages, obj["message"].get("content"))
                 stop = None
                 continue
+            messages.extend(attachments)
+            attachments.clear()
             group = [obj]
             while i < len(lines) and is_message(lines[i]) and lines[i]["type"] == "assistant" \
                     and reply_id(lines[i]) == reply_id(obj):
@@ -171,6 +191,7 @@ class Histories:
                 t.note(MAX_TOKENS_NOTE)
             messages.append({"role": "assistant", "content": reply["content"]})
             stop = reply.get("stop_reason")
+        messages.extend(attachments)
         if stop == "max_tokens":
             t.note(MAX_TOKENS_NOTE)
         return messages, stop

@@ -7,7 +7,11 @@ effort, sandbox), `token_usage_record` lines (one per call, as it completes, wit
 conversation, in the Responses API's own shape and with the ids Codex sends: `message` (developer /
 user / assistant), `reasoning`, `function_call`, `function_call_output`, … Items a call returned are
 written after it; everything before them is that call's `input`. A `compacted` line (Codex's
-remote compaction) replaces the history with its `replacement_history`. Rollouts written before
+compaction) replaces the history with its `replacement_history`. A remote compaction's request
+(compaction v2, on `/v1/responses`) writes no item, only its `token_usage_record` before the
+`compacted` line, whose `replacement_history` ends with the `compaction` item it returned: rebuilt as
+sent, the history then `{"type": "compaction_trigger"}`. Before v2 (codex-cli 0.104) Codex called
+`/v1/responses/compact` and wrote no usage for it: no call here. Rollouts written before
 `session_meta` existed hold a bare `{id, timestamp, instructions}` header, then bare items: read
 the same way.
 
@@ -33,6 +37,8 @@ ENDPOINT = "/v1/responses"
 OUTPUT_TYPES = ("reasoning", "function_call", "custom_tool_call", "local_shell_call", "web_search_call")
 
 
+# the item Codex ends a remote compaction request's input with (compaction v2, on /v1/responses)
+COMPACTION_TRIGGER = {"type": "compaction_trigger"}
 ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output", "custom_tool_call",
               "custom_tool_call_output", "local_shell_call", "web_search_call")
 
@@ -171,6 +177,7 @@ def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn | 
     sent: float | None = None  # when the current call's input was complete
     input_ts: float | None = None  # time of the last input item written
     usage: dict | None = None
+    trigger_usage: dict | None = None  # a call that wrote no item: a remote compaction's, if `compacted` follows
 
     def emit() -> Turn | None:
         nonlocal out, usage, n, compacted
@@ -210,14 +217,29 @@ def _turns(t: Transcript, lines: Iterable[tuple[int, dict]]) -> Iterator[Turn | 
         elif kind == "compacted":
             if (turn := emit()) is not None:
                 yield turn
+            replacement = payload.get("replacement_history")
+            if trigger_usage is not None and isinstance(replacement, list) and replacement and \
+                    isinstance(replacement[-1], dict) and replacement[-1].get("type") == "compaction":
+                # Remote compaction (Codex's compaction v2): the history plus Codex's trigger item went
+                # to /v1/responses, the one `compaction` item the replacement ends with came back
+                items.extend([dict(COMPACTION_TRIGGER), replacement[-1]])  # the input, then the call's output
+                out, usage = [replacement[-1]], trigger_usage
+                sent = input_ts
+                if (turn := emit()) is not None:
+                    t.note("the `compaction_trigger` item ending remote compaction requests is not in the file: "
+                           "added back as Codex sends it; their reply is the `compaction` item the `compacted` "
+                           "line ends with")
+                    yield turn
+            trigger_usage = None
             yield _Compacted(payload)
             t.note("compacted: Codex replaced the history with a summary; items after it rebuilt from there")
             compacted = True
-            replacement = payload.get("replacement_history")
             items = [_as_sent(i) for i in replacement if isinstance(i, dict)] if isinstance(replacement, list) else []
         elif kind == "token_usage_record":  # written as a call completes, right after its output
             usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else None
-            if (turn := emit()) is not None:
+            if not out:  # no output item written: a remote compaction's call, known at its `compacted` line
+                trigger_usage, usage = usage, None
+            elif (turn := emit()) is not None:
                 yield turn
         elif kind == "event_msg" and payload.get("type") == "token_count" and out:
             info = payload.get("info")
