@@ -40,7 +40,7 @@ class UpstreamCompaction(Relayed):
         super().__init__(response, url)
         self.builder = builder
         mark_served(builder, url)
-        builder.turn.served_by = served_by(response, url)
+        builder.on_served(served_by(response, url))
 
     @property
     def streams_events(self) -> bool:
@@ -55,8 +55,8 @@ class UpstreamCompaction(Relayed):
             self.builder.on_counts(Usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens,
                                          as_sent=usage))
         elif self.status >= 400:
-            self.builder.turn.error = (str(body.get("error", body)) if body is not None
-                                       else data.decode(errors="replace"))[:2000]
+            self.builder.on_error((str(body.get("error", body)) if body is not None
+                                   else data.decode(errors="replace"))[:2000])
         return data, self.content_type
 
 
