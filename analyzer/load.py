@@ -26,6 +26,7 @@ from typing import Any
 
 from prefixtrace.common.errors import InvalidRequest
 from prefixtrace.wire.messages import plain_session_id
+from prefixtrace.wire.request import is_remote_compaction
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 _MESSAGES_KEY = '"messages":'
@@ -391,14 +392,6 @@ def read_jsonl(path: Path) -> Loaded:
             except RecursionError:  # nesting past the parser's recursion limit: one line, like any bad line
                 out.skipped.append({"line": lineno, "error": "not readable: JSON nested too deeply"})
     return out
-
-
-def is_remote_compaction(endpoint: Any) -> bool:
-    """A turn of OpenAI's `/v1/responses/compact`: the server rewrote the history; its effect is the
-    next call's (a `compaction` item it carries), the request itself is no call of the loop."""
-    from prefixtrace.wire.responses import COMPACT_PATH
-
-    return isinstance(endpoint, str) and endpoint.split("?", 1)[0].rstrip("/") == COMPACT_PATH
 
 
 def _renderer_line(out: Loaded, obj: Any, lineno: int) -> None:

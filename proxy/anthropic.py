@@ -39,7 +39,7 @@ from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.backend import Backend
 from proxy.relay import TurnSink, serve_turn, stream_and_record
 from recorder.turn_builder import TurnBuilder
-from proxy.upstream_backend import Relayed, map_httpx_errors, mark_served, served_by
+from proxy.upstream_backend import Relayed, map_httpx_errors, served_by
 
 MESSAGES_PATH = messages_wire.PATH
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn", "tool_calls": "tool_use"}
@@ -245,7 +245,6 @@ class UpstreamMessages(Relayed):
         super().__init__(response, url)
         self.builder = builder
         self.reader = messages_wire.MessagesReader()
-        mark_served(builder, url)  # the member that answered (a pool routes by session), its renderer
         builder.on_served(served_by(response, url))  # the worker behind a router, else `url`
         self._usage: dict = {}
 
@@ -293,8 +292,7 @@ class UpstreamMessages(Relayed):
                 diagnostics = {"diagnostics": body["diagnostics"]} if isinstance(body.get("diagnostics"), dict) else {}
                 self.builder.on_counts(usage_counts({**(body.get("usage") or {}), **diagnostics}))
         elif self.status >= 400:
-            self.builder.on_error((str(body.get("error", body)) if body is not None
-                                   else data.decode(errors="replace"))[:2000])
+            self.builder.on_error(self.error_text(data, body))
         return data, self.content_type
 
 

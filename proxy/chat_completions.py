@@ -34,7 +34,7 @@ from proxy.upstream_query import with_query
 from proxy.backend import Backend, ForwardingBackend
 from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.relay import TurnSink, serve_turn, stream_and_record
-from proxy.upstream_backend import UNREADABLE, Relayed, mark_served, plain_json_object, served_by
+from proxy.upstream_backend import UNREADABLE, Relayed, plain_json_object, served_by
 
 CHAT_PATH = "/v1/chat/completions"
 USAGE_OPTION = b'"stream_options":{"include_usage":true}'
@@ -202,7 +202,6 @@ class UpstreamChat(Relayed):
         super().__init__(response, url)
         self.req = req
         self.builder = builder
-        mark_served(builder, url)  # the member that answered (a pool routes by session), its renderer
         builder.on_served(served_by(response, url))  # a router's worker names itself
         self._complete = False  # [DONE], a finish_reason or an in-band error seen
         # Called once the turn can take nothing more but [DONE]: the usage chunk after a

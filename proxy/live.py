@@ -27,7 +27,8 @@ from analyzer.chains import Analyzer
 from analyzer.clients import KNOWN, client_of, is_side_request, title_of
 from analyzer.costing import price_breaks
 from analyzer.divergence import SegmentCounter
-from analyzer.load import Request, is_remote_compaction
+from analyzer.load import Request
+from prefixtrace.wire.request import is_remote_compaction
 from analyzer.results import SessionResult, TurnResult
 from analyzer.rule_breaks import RuleBreaks, request_facts
 from analyzer.advice import SIDE_REQUEST

@@ -39,7 +39,7 @@ from proxy.upstream_query import with_query
 from proxy.chat_request import ChatRequest, parse_chat_request, passthrough_request
 from proxy.backend import Backend
 from proxy.relay import TurnSink, serve_turn, stream_and_record
-from proxy.upstream_backend import Relayed, map_httpx_errors, mark_served, served_by
+from proxy.upstream_backend import Relayed, map_httpx_errors, served_by
 
 RESPONSES_PATH = wire.PATH
 STORE_LIMIT = 1024  # conversations kept for previous_response_id (oldest dropped first)
@@ -163,7 +163,6 @@ class UpstreamResponses(Relayed):
         super().__init__(response, url)
         self.builder = builder
         self.reader = ResponsesReader()
-        mark_served(builder, url)  # the member that answered (a pool routes by session), its renderer
         builder.on_served(served_by(response, url))  # the worker behind a router, else `url`
         self._complete = False  # a terminal event or an in-band error seen
 
@@ -198,8 +197,7 @@ class UpstreamResponses(Relayed):
             with self.reading(body, "output"):  # a body of the wrong shape: a 502 naming the upstream's fault
                 self.builder.on_whole(self.reader.whole(body))  # its ReplyDone carries the usage as sent
         elif self.status >= 400:
-            self.builder.on_error((str(body.get("error", body)) if body is not None
-                                   else data.decode(errors="replace"))[:2000])
+            self.builder.on_error(self.error_text(data, body))
         return data, self.content_type
 
 

@@ -24,7 +24,7 @@ from proxy.backend import Backend
 from proxy.chat_request import ChatRequest, passthrough_request
 from proxy.relay import TurnSink, serve_turn
 from proxy.responses import _stream  # never used: the reply is unary, but serve_turn takes one
-from proxy.upstream_backend import Relayed, mark_served, served_by
+from proxy.upstream_backend import Relayed, served_by
 from proxy.upstream_query import with_query
 from recorder.turn_builder import TurnBuilder
 
@@ -39,7 +39,6 @@ class UpstreamCompaction(Relayed):
     def __init__(self, response, builder: TurnBuilder, url: str):
         super().__init__(response, url)
         self.builder = builder
-        mark_served(builder, url)
         builder.on_served(served_by(response, url))
 
     @property
@@ -55,8 +54,7 @@ class UpstreamCompaction(Relayed):
             self.builder.on_counts(Usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens,
                                          as_sent=usage))
         elif self.status >= 400:
-            self.builder.on_error((str(body.get("error", body)) if body is not None
-                                   else data.decode(errors="replace"))[:2000])
+            self.builder.on_error(self.error_text(data, body))
         return data, self.content_type
 
 

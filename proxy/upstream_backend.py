@@ -34,7 +34,6 @@ from prefixtrace.wire.dynamo_identity import PARENT_HEADER as DYNAMO_PARENT, SES
 from proxy.relay import UPSTREAM_BODY
 from proxy.reply_bounds import MAX_PROPS_BYTES, ReplyTooLarge, bounded, read_bounded
 from proxy.upstream_http import WORKER_HEADER, UpstreamConnections
-from recorder.turn_builder import TurnBuilder
 from recorder import renderers
 
 # Headers that describe one hop, not the request; httpx sets its own.
@@ -330,12 +329,6 @@ def _excerpt(data: bytes | str, limit: int = 200) -> str:
     return repr(text[:limit]) + (f" (… {len(text) - limit} more)" if len(text) > limit else "")
 
 
-def mark_served(builder: TurnBuilder, url: str) -> None:
-    """The turn names the upstream member that answered (its renderer is the relay's to hand over:
-    `serve_turn` asks the backend, `renderer_of`)."""
-    builder.on_served(url)
-
-
 def served_by(response: httpx.Response, url: str) -> str:
     """Who answered: the worker a router picked, as it names itself (X-Prefixtrace-Worker), else the
     upstream URL the request went to (one of a pool's)."""
@@ -429,6 +422,12 @@ class Relayed:
         except UNREADABLE as exc:
             self.fault(str(exc), event)
         return data
+
+    @staticmethod
+    def error_text(data: bytes, body: dict | None) -> str:
+        """An error reply as its turn keeps it: the body's `error` (else the body), or the bytes that did
+        not parse, cut at 2,000 characters."""
+        return (str(body.get("error", body)) if body is not None else data.decode(errors="replace"))[:2000]
 
     def fault(self, why: str, event: bytes) -> None:
         """The first unreadable event of a stream, kept as the turn's error (the client got it as sent)."""

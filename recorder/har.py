@@ -21,7 +21,6 @@ Import is all or nothing, like JSONL.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from prefixtrace.wire.responses_stream import ResponsesReader
 from recorder.jsonl import DEFAULT_ENDPOINT, record_to_turn, turn_to_record
 from recorder import numbers
 from recorder.turn import Turn
-from recorder.renderers import from_record, to_record
+from recorder.renderers import from_record, to_record, with_renderer
 from recorder.turn_builder import TurnBuilder
 
 CREATOR = {"name": "prefixtrace", "version": "1"}
@@ -152,8 +151,7 @@ def read_har(path: str | Path) -> list[Turn]:
         except InvalidRequest as exc:
             raise InvalidRequest(f"{p}: entry {index}: {exc.message}", entry=index) from exc
         if turn is not None:
-            turns.append(dataclasses.replace(turn, renderer=renderers.get(turn.renderer_id))
-                         if turn.renderer_id else turn)
+            turns.append(with_renderer(turn, renderers))
     return turns
 
 

@@ -9,7 +9,6 @@ line number).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import time
@@ -19,7 +18,7 @@ from typing import IO, Any
 
 from prefixtrace.common.errors import InvalidRequest
 from recorder.reader import iter_turns, read_renderers
-from recorder.renderers import RECORD_KEY, from_record, to_record
+from recorder.renderers import RECORD_KEY, from_record, to_record, with_renderer
 from recorder.redact import Redactor
 from recorder.bodies import scan_object
 from recorder.files import open_private
@@ -177,7 +176,7 @@ def read_jsonl(path: str | Path, *, base_ts: float | None = None) -> list[Turn]:
                                   request_raw=_raw_request(line, obj))
         except InvalidRequest as exc:
             raise InvalidRequest(f"{p}:{lineno}: {exc.message}", line=lineno) from exc
-        turns.append(dataclasses.replace(turn, renderer=renderers.get(turn.renderer_id)) if turn.renderer_id else turn)
+        turns.append(with_renderer(turn, renderers))
     return turns
 
 

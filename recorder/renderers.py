@@ -32,7 +32,7 @@ import hashlib
 import json
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,13 @@ def from_model_dir(model: str, model_dir: str | Path, chat_template: str | None,
         pass
     specials = {k: v for k, v in special.items() if isinstance(v, str)}
     return RendererInfo("embedded", model, chat_template, specials, text, digest, str(path) if digest else None)
+
+
+def with_renderer(turn, renderers: dict[str, RendererInfo]):
+    """`turn` carrying the renderer it names, from `renderers` (an imported file's renderer lines, by id)."""
+    if turn.renderer_id is None or turn.renderer_id not in renderers:
+        return turn
+    return replace(turn, renderer=renderers[turn.renderer_id])
 
 
 def create_table(db) -> None:

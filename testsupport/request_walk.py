@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from testsupport.servers import ROOT, TINY_MODEL, free_port
+from testsupport.servers import ROOT, TINY_MODEL, free_port, wait_healthy
 
 PROJECT_DIRS = ("proxy", "recorder", "analyzer", "engine", "prefixtrace")
 _GENERATOR_FLAGS = 0x20 | 0x80 | 0x200  # CO_GENERATOR, CO_COROUTINE, CO_ASYNC_GENERATOR
@@ -207,17 +207,9 @@ def measure() -> dict[str, list[FileWalk]]:
 
     def client() -> None:
         try:
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
-                deadline = time.monotonic() + 120
-                while True:
-                    try:
-                        if http.get("/health").status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("serve did not become ready within 120 s")
-                    time.sleep(0.05)
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, None, "serve", 120)
+            with httpx.Client(base_url=url, timeout=60) as http:
                 for stream in (False, True):
                     _chat(http, WARM_UP, stream=stream)
                 results["chat, not streamed"] = _measured(tracer, lambda: _chat(http, CONVERSATION, stream=False))

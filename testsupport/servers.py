@@ -68,17 +68,19 @@ def start_serve(db: Path, log_path: Path, extra: list[str] = (), *, model: Path 
     return proc, url
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float = 180.0, *,
+def wait_healthy(url: str, proc: subprocess.Popen | None, what: str, timeout: float = 180.0, *,
                  log: Path | None = None) -> None:
     """Until `url`/health answers 200. Raises with the end of the server's output (`log`, else its
-    stdout pipe) if it exits first, and kills it if it never answers."""
+    stdout pipe) if it exits first, and kills it if it never answers (`proc` None: a server in this
+    process, nothing to watch or kill)."""
     def output() -> str:
-        text = log.read_text(errors="replace") if log is not None else (proc.stdout.read() if proc.stdout else "")
-        return text[-3000:]
+        if log is not None:
+            return log.read_text(errors="replace")[-3000:]
+        return proc.stdout.read()[-3000:] if proc is not None and proc.stdout else ""
 
     deadline = time.monotonic() + timeout
     while True:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{what} exited early ({proc.returncode}):\n{output()}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
@@ -86,7 +88,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float = 1
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            proc.kill()
+            if proc is not None:
+                proc.kill()
             raise RuntimeError(f"{what} did not become healthy at {url}:\n{output()}")
         time.sleep(0.2)
 

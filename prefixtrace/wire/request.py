@@ -29,6 +29,12 @@ def protocol_of(endpoint: str | None) -> str:
     return "chat"
 
 
+def is_remote_compaction(endpoint: Any) -> bool:
+    """A turn of OpenAI's `/v1/responses/compact`: the server rewrote the history; its effect is the
+    next call's (a `compaction` item it carries), the request itself is no call of the loop."""
+    return isinstance(endpoint, str) and endpoint.split("?", 1)[0].rstrip("/") == responses.COMPACT_PATH
+
+
 def session_id(endpoint: str | None, body: Any, headers: dict[str, str] | None) -> str | None:
     """The session a request belongs to, as its protocol's clients say it (headers first), also
     for a body that does not parse as a request (so a failed turn keeps its session)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from prefixtrace.common.errors import InvalidRequest
 from recorder.transcripts import claude_code, codex, opencode, opencode_json, pi
 from recorder.transcripts.common import UPSTREAM_PREFIX, Transcript
+from recorder.turn import Turn
 
 HARNESSES = {"claude-code": claude_code, "codex": codex, "pi": pi}  # one JSONL file per session
 SNIFF_LINES = 40
@@ -179,22 +180,36 @@ def _once(found: list[Transcript], skipped: list[tuple[str, str]]) -> list[Trans
     for t in found:
         kept, first_dropped = [], None
         for turn in t.turns:
-            key = t.call_keys.get(turn.request_id)
-            first = seen.setdefault((t.harness, t.session_id, key), t.source) if key else t.source
+            first = first_file(seen, t, turn)
             if first == t.source:
                 kept.append(turn)
             else:
                 first_dropped = first_dropped or first
         if len(kept) < len(t.turns):
-            t.note(f"{len(t.turns) - len(kept)} call(s) also in {Path(first_dropped).name}: counted there once")
+            t.note(counted_there(len(t.turns) - len(kept), first_dropped))
             t.calls -= len(t.turns) - len(kept)
             t.turns = kept
             t.stamp_notes()  # the notes travel on every turn
         if t.turns:
             out.append(t)
         elif first_dropped:
-            skipped.append((t.source, f"every call of session {t.session_id} is also in {Path(first_dropped).name}"))
+            skipped.append((t.source, all_counted_there(t, first_dropped)))
     return out
+
+
+def first_file(seen: dict[tuple[str, str, str], str], t: Transcript, turn: Turn) -> str:
+    """The file that keeps `turn`'s call: the first (in path order) of those read so far that holds it
+    (`seen`: (harness, session, call key) -> file; a call without a key is its own file's)."""
+    key = t.call_keys.get(turn.request_id)
+    return seen.setdefault((t.harness, t.session_id, key), t.source) if key else t.source
+
+
+def counted_there(n: int, first: str) -> str:
+    return f"{n} call(s) also in {Path(first).name}: counted there once"
+
+
+def all_counted_there(t: Transcript, first: str) -> str:
+    return f"every call of session {t.session_id} is also in {Path(first).name}"
 
 
 def _starts_with(p: Path, magic: bytes) -> bool:

@@ -32,7 +32,8 @@ from prefixtrace.common.errors import InvalidRequest, PrefixtraceError
 from recorder.item_texts import SharedItemTexts
 from recorder.rows import BodyStore, redacted_row, renderers_of, write_rows
 from recorder.schema import open_db
-from recorder.transcripts import Transcripts, claude_code, codex, opencode, opencode_json, pi, read_transcripts
+from recorder.transcripts import (Transcripts, all_counted_there, claude_code, codex, counted_there, first_file,
+                                  opencode, opencode_json, pi, read_transcripts)
 from recorder.transcripts.common import Stream, Transcript
 from recorder.transcripts.lines import JsonLines
 from recorder.transcripts.store import RedactOnce
@@ -196,7 +197,7 @@ def import_directory(path: Path, db_path: str | Path, *, redact_patterns=None,
     writer = BatchWriter(db_path, redact_patterns)
     total = sum(f.stat().st_size for f, _ in found.deferred)
     done = 0
-    first_file: dict[tuple[str, str, str], str] = {}  # (harness, session, call key) -> the file that keeps it
+    seen: dict[tuple[str, str, str], str] = {}  # (harness, session, call key) -> the file that keeps it
 
     def moved(p: Progress) -> None:
         if on_progress is not None:
@@ -207,7 +208,7 @@ def import_directory(path: Path, db_path: str | Path, *, redact_patterns=None,
             _write_batches(writer, [t], iter(t.turns), lambda: done, lambda: None, moved, total)
         for f, harness in found.deferred:
             try:
-                stream = _counted_once(STREAMED[harness](f), first_file, found.skipped)
+                stream = _counted_once(STREAMED[harness](f), seen, found.skipped)
                 _write_stream(writer, stream, moved)
             except ImportStopped as exc:
                 if exc.interrupted:
@@ -227,7 +228,7 @@ def import_directory(path: Path, db_path: str | Path, *, redact_patterns=None,
     return writer.written, found
 
 
-def _counted_once(stream: Stream, first_file: dict[tuple[str, str, str], str],
+def _counted_once(stream: Stream, seen: dict[tuple[str, str, str], str],
                   skipped: list[tuple[str, str]]) -> Stream:
     """`stream` less the calls an earlier file of the directory already holds (a resumed Claude Code
     session's new file repeats them: same session, same reply ids): counted in the first file once,
@@ -241,18 +242,17 @@ def _counted_once(stream: Stream, first_file: dict[tuple[str, str, str], str],
             if turn.session_id not in by_id:  # sessions listed once the reader's first pass is done
                 by_id = {t.session_id: t for t in stream.sessions}
             t = by_id[turn.session_id]
-            key = t.call_keys.get(turn.request_id)
-            first = first_file.setdefault((t.harness, t.session_id, key), t.source) if key else t.source
+            first = first_file(seen, t, turn)
             if first == t.source:
                 yield turn
             else:
                 dropped[t.session_id] = (dropped.get(t.session_id, (0, ""))[0] + 1, first)
         for sid, (n, first) in dropped.items():
             t = by_id[sid]
-            t.note(f"{n} call(s) also in {Path(first).name}: counted there once")
+            t.note(counted_there(n, first))
             t.calls, t.rebuilt = t.calls - n, t.rebuilt - n
             if not t.rebuilt:
-                skipped.append((t.source, f"every call of session {sid} is also in {Path(first).name}"))
+                skipped.append((t.source, all_counted_there(t, first)))
 
     return Stream(stream.sessions, turns(), stream.where)
 
