@@ -106,13 +106,13 @@ def test_never_fits_is_rejected_with_the_numbers_and_a_fits_later_request_waits(
     small = MemoryModel(mm.weights_bytes, mm.kv_bytes_per_token, mm.transient_bytes,
                         mm.weights_bytes + mm.transient_bytes + 300 * mm.kv_bytes_per_token, mm.context_length)
     with pytest.raises(ContextExceedsCapacity) as info:
-        small.check_fits(200, 200)
+        small.fit(200, 200)
     details = info.value.details
     for key in ("weights_bytes", "kv_bytes_per_token", "prompt_tokens", "max_tokens", "transient_bytes",
                 "capacity_bytes", "max_context_tokens"):
         assert isinstance(details[key], int), key
     assert details["retryable"] is False and details["max_context_tokens"] == 300
-    small.check_fits(100, 200)  # fits alone: never rejected
+    small.fit(100, 200)  # fits alone: never rejected
     engine.shutdown()
 
 
