@@ -93,7 +93,7 @@ class Sequence:
     logits_processors: list = field(default_factory=list)
     # Set by `cancel` from any thread, read by the engine's parts at their next step: one flag written
     # by one thread and read by another, which a plain bool does under the GIL.
-    cancelled: bool = False
+    cancelled: bool = field(default=False, init=False)
     num_prompt_tokens: int = field(init=False)  # the prompt never changes: counted once
 
     def __post_init__(self):
