@@ -21,7 +21,7 @@ def make_penalties(params: SamplingParams) -> list:
 
 
 def make_sampler(params: SamplingParams):
-    """A sampler for one row. Greedy rows share one function so a batch of
+    """A sampler for one row. Greedy rows share one sampler (GREEDY) so a batch of
     them samples in a single argmax; seeded rows carry their own RNG key so
     their draws do not depend on what else is in the batch."""
     if params.temperature == 0.0:
