@@ -16,7 +16,7 @@ Also here, because it is the same protocol class: uvicorn writes its access line
 response head, so every response's first bytes wait for a log record to be
 formatted and written (issue 17: 0.2-0.3 ms on the proxy's path to the first byte
 on a loaded 2-core machine). `_AccessLineAtTheEnd` holds that same line, with the
-same logger, arguments and filters (the query values masked, prefixtrace/serve.py),
+same logger, arguments and filters (the query values masked: `QueryValuesMasked`, below),
 until the response's last bytes have gone out, or the connection ends first: the
 line of a streamed turn comes when it ends, as nginx's does. Not after the first
 body bytes: a streamed turn's first body is often its role chunk, one read before
@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import resource
 
 import h11
@@ -114,6 +115,22 @@ class _HeldAccessLine:
         line, self.line = self.line, None
         if line is not None:
             self.logger.info(line[0], *line[1])
+
+
+class QueryValuesMasked(logging.Filter):
+    """uvicorn's access log prints the request target; a client that put its key in
+    the query string (`?key=...`, `?api-key=...`, Azure's and Google's habit) would
+    have it in the log. Keep the names, mask every value."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+            path, query = args[2].split("?", 1)
+            record.args = (*args[:2], f"{path}?{_MASKED_VALUE.sub('=***', query)}", *args[3:])
+        return True
+
+
+_MASKED_VALUE = re.compile(r"=[^&]*")
 
 
 class _HeadHeld:
