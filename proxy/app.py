@@ -60,9 +60,9 @@ def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str]
     app.state.backend = backend
     app.state.recorder = recorder
     app.state.max_request_mb = max_request_mb  # proxy/request_limits.py
-    # Every turn passes these taps, in this order, before it is recorded (docs/ARCHITECTURE.md "Where state
-    # lives"): each reply's tool calls and reasoning, for the fixes of later requests (serve --fix); /ui,
-    # /metrics (and OTLP). They read the turn; none writes it.
+    # Every recorded turn then passes these taps, in this order, once its response is out (docs/ARCHITECTURE.md
+    # "Where state lives"): each reply's tool calls and reasoning, for the fixes of later requests (serve --fix);
+    # /ui, /metrics (and OTLP). They read the turn; none writes it.
     taps = []
     app.state.fixes = fixes
     if fixes is not None:
