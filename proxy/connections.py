@@ -193,39 +193,23 @@ class _HeadHeld:
 class _AccessLineAtTheEnd:
     """Mixin for a uvicorn HTTP protocol: each request cycle's access line is written after the
     response's last bytes (or when the connection ends before them), not before its head; and
-    (`_hold_head`) the head goes out with the body bytes sent in the same step.
-    `_hold_access_line` is called where the protocol has just made a cycle, before the cycle's
-    task has run (it reads `cycle.send` when it starts)."""
+    the head goes out with the body bytes sent in the same step (`_HeadHeld`). Both through one
+    wrapper of the cycle's `send`, put on by `_hold_access_line`, which is called where the protocol
+    has just made a cycle, before the cycle's task has run (it reads `cycle.send` when it starts)."""
 
     def _hold_access_line(self) -> None:
         cycle = getattr(self, "cycle", None)
-        if cycle is None:
-            return
-        if not cycle.access_log or isinstance(cycle.access_logger, _HeldAccessLine):
-            self._hold_head(cycle)
-            return
-        held = cycle.access_logger = _HeldAccessLine(cycle.access_logger)
-        unsent = self.__dict__.setdefault("_unsent_access_lines", set())  # cycles of this connection
-        unsent.add(held)
-        send = cycle.send
-
-        async def send_then_log(message) -> None:
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False) and held in unsent:
-                unsent.discard(held)
-                held.flush()  # the whole response is out: now the line
-
-        cycle.send = send_then_log
-        self._hold_head(cycle)
-
-    def _hold_head(self, cycle) -> None:
-        """The cycle's response head goes out with its first body bytes (`_HeadHeld`)."""
-        if isinstance(cycle.transport, _HeadHeld):
-            return
+        if cycle is None or isinstance(cycle.transport, _HeadHeld):
+            return  # no cycle, or one whose send is wrapped already
+        line = None
+        if cycle.access_log:
+            line = cycle.access_logger = _HeldAccessLine(cycle.access_logger)
+            unsent = self.__dict__.setdefault("_unsent_access_lines", set())  # cycles of this connection
+            unsent.add(line)
         held = cycle.transport = _HeadHeld(cycle.transport, self.loop)
         send = cycle.send
 
-        async def send_head_with_body(message) -> None:
+        async def send_held(message) -> None:
             kind = message["type"]
             if kind == "http.response.start":
                 self._response_starts(cycle)
@@ -234,12 +218,15 @@ class _AccessLineAtTheEnd:
                     await send(message)
                 finally:
                     held.holding = False
-            else:
-                await send(message)
-                if kind == "http.response.body" and not message.get("more_body", False):
-                    held.flush()  # a response with no body bytes to carry it (HEAD, 204, an empty body)
+                return
+            await send(message)
+            if kind == "http.response.body" and not message.get("more_body", False):
+                held.flush()  # a response with no body bytes to carry its head (HEAD, 204, an empty body)
+                if line is not None and line in unsent:
+                    unsent.discard(line)
+                    line.flush()  # the whole response is out: now the line
 
-        cycle.send = send_head_with_body
+        cycle.send = send_held
 
     def _response_starts(self, cycle) -> None:
         """Called as a cycle's response head is sent (before uvicorn writes it)."""
