@@ -199,8 +199,9 @@ class _AccessLineAtTheEnd:
 
     def _hold_access_line(self) -> None:
         cycle = getattr(self, "cycle", None)
-        if cycle is None or isinstance(cycle.transport, _HeadHeld):
-            return  # no cycle, or one whose send is wrapped already
+        if cycle is None or self.__dict__.get("_wrapped_cycle") is cycle:
+            return  # no cycle, or one whose send is wrapped already (h11 calls this on every read)
+        self._wrapped_cycle = cycle
         line = None
         if cycle.access_log:
             line = cycle.access_logger = _HeldAccessLine(cycle.access_logger)
