@@ -53,7 +53,7 @@ _NOT_IN_A_HEADER = re.compile("[\r\n\0]")
 # session's turns stay on the worker that holds its prefix (docs/FLEET.md): sglang-router's `manual`
 # policy reads X-SMG-Routing-Key, vllm-router's `consistent_hash` and `sticky_least_loaded` X-Session-Id.
 ROUTING_KEY_HEADERS = ("x-smg-routing-key", "x-session-id", "x-dynamo-session-id")
-# What reading a reply of the wrong shape raises (the turn builder's `ValueError`s, and the
+# What reading a reply of the wrong shape raises (a fact's reading, `ChatChunk.read`'s `ValueError`s, and the
 # readers' `.get` on a string): the upstream's fault, not the proxy's.
 UNREADABLE = (ValueError, TypeError, AttributeError, KeyError, IndexError)
 
