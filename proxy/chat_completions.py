@@ -26,9 +26,9 @@ from fastapi import FastAPI, Request
 
 from prefixtrace.common.errors import PrefixtraceError, UpstreamError, to_openai_error
 from prefixtrace.wire import sse
-from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
+from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart, Usage
 from prefixtrace.wire.http import map_httpx_errors
-from recorder.turn_facts import ChatBody, ChatChunk, ErrorText, Fact, Served, SENT, openai_usage
+from recorder.turn_facts import (ChatBody, ChatChunk, ChoicePiece, ErrorText, Fact, Served, SENT, ToolCallPiece)
 from proxy.upstream_query import with_query
 from proxy.backend import Backend, ForwardingBackend, WholeReply
 from proxy.chat_request import ChatRequest, parse_chat_request
@@ -101,47 +101,46 @@ class EngineChatCompletion:
         self.chat.cancel()
 
     async def sse(self) -> AsyncIterator[bytes | Fact]:
-        for out in self._chunk({"role": "assistant", "content": ""}):
-            yield out
+        """The reply as chat.completion.chunk objects, each after the fact it tells the turn: the chunk
+        as the turn reads it (`ChatChunk`), made from the same values the chunk is written from."""
+        yield from_delta(ChoicePiece("", None, [], None))
+        yield self._chunk({"role": "assistant", "content": ""})
         try:
             async for event in self.chat.reply_events():
                 if isinstance(event, ContentDelta):
-                    chunk = {"content": event.text}
+                    yield from_delta(ChoicePiece(event.text, None, [], None))
+                    yield self._chunk({"content": event.text})
                 elif isinstance(event, ReasoningDelta):
-                    chunk = {"reasoning_content": event.text}
+                    yield from_delta(ChoicePiece(None, event.text, [], None))
+                    yield self._chunk({"reasoning_content": event.text})
                 elif isinstance(event, ToolCallStart):
-                    chunk = {"tool_calls": [{"index": event.index, "id": event.call_id, "type": "function",
-                                             "function": {"name": event.name, "arguments": ""}}]}
+                    yield from_delta(ChoicePiece(None, None, [ToolCallPiece(event.index, event.call_id, event.name, "")],
+                                                 None))
+                    yield self._chunk({"tool_calls": [{"index": event.index, "id": event.call_id, "type": "function",
+                                                       "function": {"name": event.name, "arguments": ""}}]})
                 elif isinstance(event, ToolCallArgsDelta):
-                    chunk = {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+                    yield from_delta(ChoicePiece(None, None, [ToolCallPiece(event.index, None, None, event.text)], None))
+                    yield self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})
                 elif isinstance(event, ReplyDone):
                     usage = usage_of(event)
-                    yield openai_usage(usage)
-                    for out in self._chunk({}, finish_reason=event.finish_reason):
-                        yield out
+                    counts = counts_of(event, usage)
+                    yield counts
+                    yield from_delta(ChoicePiece(None, None, [], event.finish_reason))
+                    yield self._chunk({}, finish_reason=event.finish_reason)
                     if self.req.include_usage:
-                        for out in self._emit({**self._envelope(), "choices": [], "usage": usage}):
-                            yield out
-                    continue
+                        yield ChatChunk([], counts)
+                        yield sse.encode({**self._envelope(), "choices": [], "usage": usage})
                 else:  # the engine's facts for the turn (`ReplyTokens`)
                     yield event
-                    continue
-                for out in self._chunk(chunk):
-                    yield out
         except PrefixtraceError as err:  # after the headers went out: in band
             body = to_openai_error(err)
             yield ErrorText(body["error"]["message"])
             yield sse.encode(body)
         yield sse.DONE
 
-    def _chunk(self, delta: dict, finish_reason: str | None = None) -> tuple[ChatChunk, bytes]:
+    def _chunk(self, delta: dict, finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return self._emit({**self._envelope(), "choices": [choice]})
-
-    @staticmethod
-    def _emit(chunk: dict) -> tuple[ChatChunk, bytes]:
-        """A chunk as its turn reads it, then as it is sent."""
-        return ChatChunk.read(chunk), sse.encode(chunk)
+        return sse.encode({**self._envelope(), "choices": [choice]})
 
     def _envelope(self) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
@@ -169,7 +168,19 @@ class EngineChatCompletion:
         }
         # TTFT as the engine measured it: its prefill (no token went out apart from the body).
         ttft = self.chat.finished.prefill_s if done.completion_tokens else None
-        return body, [*reply.facts, ChatBody.read(body, ttft_s=ttft)]
+        told = ChatBody(True, reply.text or "", reply.reasoning or "", reply.tool_calls or None, done.finish_reason,
+                        counts_of(done, body["usage"]), ttft)
+        return body, [*reply.facts, told]
+
+
+def from_delta(piece: ChoicePiece) -> ChatChunk:
+    """The fact of one chunk of the engine's, whose only choice carries `piece` and no usage."""
+    return ChatChunk([piece], None)
+
+
+def counts_of(event: ReplyDone, usage: dict) -> Usage:
+    """The counts of `usage` (`usage_of(event)`), as the turn keeps them: the usage object as sent."""
+    return Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens, as_sent=usage)
 
 
 def usage_of(event: ReplyDone) -> dict:

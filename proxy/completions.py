@@ -20,10 +20,10 @@ from prefixtrace.common.errors import InvalidRequest, to_openai_error
 from prefixtrace.wire import completions as wire
 from prefixtrace.wire import sse
 from prefixtrace.wire.events import ContentDelta, ReplyDone
-from recorder.turn_facts import SENT, Fact, openai_usage
+from recorder.turn_facts import SENT, Fact
 from proxy.chat_request import ChatRequest, parse_chat_request
 from proxy.backend import Backend, WholeReply
-from proxy.chat_completions import FRAMING, open_upstream
+from proxy.chat_completions import FRAMING, counts_of, open_upstream
 from proxy.relay import TurnSink, serve_turn
 
 COMPLETIONS_PATH = wire.PATH
@@ -84,7 +84,7 @@ class EngineCompletion:
                 yield sse.encode(self._object(event.text, None))
             elif isinstance(event, ReplyDone):
                 usage = self._usage(event)
-                yield openai_usage(usage)  # as sent (its counts are the ReplyDone's)
+                yield counts_of(event, usage)  # as sent (its counts are the ReplyDone's)
                 yield SENT
                 yield sse.encode(self._object("", event.finish_reason))
                 if self.req.include_usage:
@@ -101,7 +101,7 @@ class EngineCompletion:
                 parts.append(event.text)
             elif isinstance(event, ReplyDone):
                 body = {**self._object("".join(parts), event.finish_reason), "usage": self._usage(event)}
-                facts.append(openai_usage(body["usage"]))
+                facts.append(counts_of(event, body["usage"]))
                 return WholeReply(json.dumps(body, ensure_ascii=False).encode(), "application/json", facts)
         raise RuntimeError("engine stream ended without a result")
 
