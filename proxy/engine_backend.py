@@ -119,7 +119,7 @@ class EngineBackend:
     async def open(self, req: ChatRequest, headers: dict[str, str], learnt: list[Fact], *,
                    wait_first: bool = True) -> "EngineChat":
         rendered = await self.render(req)
-        # render policies applied, if any (docs/RENDER_POLICIES.md)
+        # the prompt's size, and the render policies applied to it, if any (docs/RENDER_POLICIES.md)
         learnt.append(Rendered(len(rendered.text), len(rendered.token_ids), rendered.policy))
         await self._identify(learnt)
         return await self.start(req, rendered.token_ids, rendered.text, learnt, wait_first=wait_first)
@@ -293,8 +293,9 @@ class EngineChat:
                 self.finished = event
                 if self.seq is not None:
                     # The reply's tokens follow the prompt in the engine's cache: the next turn's prefix
-                    # reaches into them. Blocks the prefix cache evicted for room so far: between this
-                    # turn's end and the session's next, a growth means the next turn may find its prefix gone.
+                    # reaches into them, and the analyzer predicts how far (docs/ANALYZER.md). Blocks the prefix
+                    # cache evicted for room so far: between this turn's end and the session's next, a growth
+                    # means the next turn may find its prefix gone.
                     yield ReplyTokens(list(self.seq.output_ids),
                                       self.engine.cache_evictions if self.engine is not None else None)
                 for reply_event in self.parser.finish():

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable, NamedTuple
+from typing import AsyncIterator, Callable, Iterable, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -87,7 +87,7 @@ class Framing(NamedTuple):
     in_band_error: Callable[[PrefixtraceError], list[bytes]]
 
 
-def feed(builder: TurnBuilder, facts) -> None:
+def feed(builder: TurnBuilder, facts: Iterable[Fact]) -> None:
     """The facts a reply (or its opening) told, fed to the turn in the order they came."""
     for fact in facts:
         builder.feed(fact)
