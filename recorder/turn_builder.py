@@ -10,7 +10,7 @@ as sent, counts, the stop reason, an upstream's error. What is recorded is what 
 A fact is checked where it is read (`ChatChunk.read`), so applying one never fails.
 
 Text arrives in pieces (a token or a few per event) and is kept as a list of them, joined once
-(`text_so_far`, `finish`): `turn.response_text += piece` copies the whole text per piece, quadratic
+(`_text_so_far`, `finish`): `turn.response_text += piece` copies the whole text per piece, quadratic
 on the event loop (issue 25: a 20 MB streamed reply took minutes).
 """
 
@@ -38,7 +38,7 @@ class TurnBuilder:
         self._text: list[str] = []  # pieces not yet joined into turn.response_text
         self._reasoning: list[str] = []
 
-    def elapsed(self) -> float:
+    def _elapsed(self) -> float:
         return time.perf_counter() - self._t0
 
     # What the relay learns of the request (proxy/relay.py).
@@ -106,7 +106,7 @@ class TurnBuilder:
         if not self.turn.error:
             self.turn.error = fact.message
 
-    def text_so_far(self) -> None:
+    def _text_so_far(self) -> None:
         """Join the pieces received so far into `turn.response_text` / `reasoning_text` (linear:
         called once a reply is done, not per piece)."""
         turn = self.turn
@@ -123,7 +123,7 @@ class TurnBuilder:
             turn.chunk_times.append(round(time.perf_counter() - self._t0, 6))
         for choice in chunk.choices:
             if (choice.content or choice.reasoning or choice.calls) and turn.ttft_s is None and self.timed:
-                turn.ttft_s = self.elapsed()
+                turn.ttft_s = self._elapsed()
             if choice.content:
                 self._text.append(choice.content)
             if choice.reasoning:
@@ -132,7 +132,7 @@ class TurnBuilder:
                 self._merge_tool_call(call.index, call.call_id, call.name, call.arguments)
             if choice.finish_reason:
                 turn.finish_reason = choice.finish_reason
-                self.text_so_far()  # the reply is whole
+                self._text_so_far()  # the reply is whole
         if chunk.usage is not None:
             self._counts(chunk.usage)
 
@@ -140,7 +140,7 @@ class TurnBuilder:
         """One reply event, as the client is sent it (in whatever protocol)."""
         turn = self.turn
         if isinstance(event, (ContentDelta, ReasoningDelta, ToolCallStart)) and turn.ttft_s is None and self.timed:
-            turn.ttft_s = self.elapsed()
+            turn.ttft_s = self._elapsed()
         if isinstance(event, ContentDelta):
             self._text.append(event.text)
         elif isinstance(event, ReasoningDelta):
@@ -150,7 +150,7 @@ class TurnBuilder:
         elif isinstance(event, ToolCallArgsDelta):
             self._merge_tool_call(event.index, None, None, event.text)
         elif isinstance(event, ReplyDone):
-            self.text_so_far()  # the reply is whole: its writers may read the text now
+            self._text_so_far()  # the reply is whole
             turn.finish_reason = event.finish_reason
             self._counts(Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens,
                                as_sent=event.usage))
@@ -159,12 +159,12 @@ class TurnBuilder:
         ttft = self.turn.ttft_s if fact.ttft_s is None else fact.ttft_s
         for event in fact.events:
             self._event(event)
-        self.text_so_far()
+        self._text_so_far()
         self.turn.ttft_s = ttft
 
     def _sent(self, fact: Sent) -> None:
         if self.timed:
-            self.turn.chunk_times.append(round(self.elapsed(), 6))
+            self.turn.chunk_times.append(round(self._elapsed(), 6))
 
     def _body(self, body: ChatBody) -> None:
         if body.has_choice:
@@ -200,11 +200,11 @@ class TurnBuilder:
         self.turn.status = status
         if error and not self.turn.error:
             self.turn.error = error
-        self.text_so_far()
+        self._text_so_far()
         if self._tool_calls:
             self.turn.tool_calls = [_joined_call(self._tool_calls[i]) for i in sorted(self._tool_calls)]
         if self.timed:
-            self.turn.total_s = self.elapsed()
+            self.turn.total_s = self._elapsed()
         return self.turn
 
     def _merge_tool_call(self, index: int | None, call_id: Any, name: str | None, arguments: str | None) -> None:

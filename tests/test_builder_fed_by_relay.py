@@ -69,3 +69,13 @@ def test_the_check_sees_each_way_of_holding_the_builder():
     assert set(builder_uses(source, "m.py")) == {"m.py:1 names TurnBuilder", "m.py:2 holds a builder",
                                                  "m.py:5 calls builder.on_request", "m.py:5 holds a builder",
                                                  "m.py:9 holds a builder", "m.py:10 names TurnBuilder"}
+
+
+def test_every_declared_fact_has_one_way_into_the_turn():
+    """`TurnBuilder.feed` applies every fact recorder/turn_facts.py declares, and nothing else."""
+    from typing import get_args
+
+    from recorder import turn_builder
+    from recorder.turn_facts import Fact
+
+    assert set(turn_builder._APPLY) == set(get_args(Fact))
