@@ -103,29 +103,29 @@ class EngineChatCompletion:
     async def sse(self) -> AsyncIterator[bytes | Fact]:
         """The reply as chat.completion.chunk objects, each after the fact it tells the turn: the chunk
         as the turn reads it (`ChatChunk`), made from the same values the chunk is written from."""
-        yield from_delta(ChoicePiece("", None, [], None))
+        yield chunk_fact(ChoicePiece("", None, [], None))
         yield self._chunk({"role": "assistant", "content": ""})
         try:
             async for event in self.chat.reply_events():
                 if isinstance(event, ContentDelta):
-                    yield from_delta(ChoicePiece(event.text, None, [], None))
+                    yield chunk_fact(ChoicePiece(event.text, None, [], None))
                     yield self._chunk({"content": event.text})
                 elif isinstance(event, ReasoningDelta):
-                    yield from_delta(ChoicePiece(None, event.text, [], None))
+                    yield chunk_fact(ChoicePiece(None, event.text, [], None))
                     yield self._chunk({"reasoning_content": event.text})
                 elif isinstance(event, ToolCallStart):
-                    yield from_delta(ChoicePiece(None, None, [ToolCallPiece(event.index, event.call_id, event.name, "")],
+                    yield chunk_fact(ChoicePiece(None, None, [ToolCallPiece(event.index, event.call_id, event.name, "")],
                                                  None))
                     yield self._chunk({"tool_calls": [{"index": event.index, "id": event.call_id, "type": "function",
                                                        "function": {"name": event.name, "arguments": ""}}]})
                 elif isinstance(event, ToolCallArgsDelta):
-                    yield from_delta(ChoicePiece(None, None, [ToolCallPiece(event.index, None, None, event.text)], None))
+                    yield chunk_fact(ChoicePiece(None, None, [ToolCallPiece(event.index, None, None, event.text)], None))
                     yield self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})
                 elif isinstance(event, ReplyDone):
                     usage = usage_of(event)
                     counts = counts_of(event, usage)
                     yield counts
-                    yield from_delta(ChoicePiece(None, None, [], event.finish_reason))
+                    yield chunk_fact(ChoicePiece(None, None, [], event.finish_reason))
                     yield self._chunk({}, finish_reason=event.finish_reason)
                     if self.req.include_usage:
                         yield ChatChunk([], counts)
@@ -173,7 +173,7 @@ class EngineChatCompletion:
         return body, [*reply.facts, told]
 
 
-def from_delta(piece: ChoicePiece) -> ChatChunk:
+def chunk_fact(piece: ChoicePiece) -> ChatChunk:
     """The fact of one chunk of the engine's, whose only choice carries `piece` and no usage."""
     return ChatChunk([piece], None)
 
