@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import resource
 import signal
 import sys
@@ -23,8 +22,8 @@ from prefixtrace.instance_key import remove_key, write_key
 from prefixtrace.preflight import check_database_writable, claim_port, ready_banner
 from proxy.app import create_app
 from analyzer.fixes.sessions import FixSessions
-from proxy.connections import (HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_KB, open_file_limit_not_lowered,
-                               raise_open_file_limit, with_head_timeout)
+from proxy.connections import (HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_KB, QueryValuesMasked,
+                               open_file_limit_not_lowered, raise_open_file_limit, with_head_timeout)
 from proxy.guard import LOOPBACK_HOSTS
 from proxy.sampling_defaults import SamplingDefaults
 from proxy.upstream_backend import UpstreamBackend
@@ -160,22 +159,6 @@ def _engine_backend(config: ServeConfig):
                             tool_choice_default=config.tool_choice_default, defaults=defaults,
                             grammar_limits=replace(DEFAULT_LIMITS, string_chars=config.grammar_max_string))
     return backend
-
-
-class QueryValuesMasked(logging.Filter):
-    """uvicorn's access log prints the request target; a client that put its key in
-    the query string (`?key=...`, `?api-key=...`, Azure's and Google's habit) would
-    have it in the log. Keep the names, mask every value."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
-            path, query = args[2].split("?", 1)
-            record.args = (*args[:2], f"{path}?{_MASKED_VALUE.sub('=***', query)}", *args[3:])
-        return True
-
-
-_MASKED_VALUE = re.compile(r"=[^&]*")
 
 
 def uvicorn_config(app, host: str, port: int, log_level: str, *, head_timeout_s: float = HEAD_TIMEOUT_S,

@@ -22,7 +22,6 @@ analyzer reads the Anthropic shape (top-level `system`, `cache_control`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import uuid
 from typing import Any, AsyncIterator
@@ -32,13 +31,13 @@ from fastapi import FastAPI, Request
 from prefixtrace.common.errors import InvalidRequest, PrefixtraceError
 from prefixtrace.wire import messages as messages_wire
 from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart, Usage
+from recorder.turn_facts import SENT, ErrorText, Fact, Rendered, ReplyTokens, Served, Stop, WholeEvents
 from prefixtrace.wire.messages import to_anthropic_error, usage_counts  # noqa: F401 (the route's error shape)
 from prefixtrace.wire import sse
 from proxy.upstream_query import with_query
 from proxy.chat_request import ChatRequest, parse_chat_request
-from proxy.backend import Backend
-from proxy.relay import TurnSink, serve_turn, stream_and_record
-from recorder.turn_builder import TurnBuilder
+from proxy.backend import Backend, WholeReply
+from proxy.relay import Framing, TurnSink, serve_turn
 from proxy.upstream_backend import Relayed, map_httpx_errors, served_by
 
 MESSAGES_PATH = messages_wire.PATH
@@ -83,8 +82,8 @@ class EngineMessages:
 
     status = 200
 
-    def __init__(self, chat, req: ChatRequest, builder: TurnBuilder, tokenizer=None):
-        self.chat, self.req, self.builder = chat, req, builder
+    def __init__(self, chat, req: ChatRequest, tokenizer=None):
+        self.chat, self.req = chat, req
         self.tokenizer = tokenizer  # to tell which stop sequence ended the output
         self.id = "msg_" + uuid.uuid4().hex
         self.model = req.model or chat.model
@@ -124,9 +123,10 @@ class EngineMessages:
                 return "stop_sequence", stops[min(hits)[1]]
         return STOP_REASONS.get(finish_reason, "end_turn"), None
 
-    async def sse(self) -> AsyncIterator[bytes]:
+    async def sse(self) -> AsyncIterator[bytes | Fact]:
         """The engine's reply events as Messages stream events: a block per run of one kind (thinking,
-        text, each tool_use), opened when its first event arrives."""
+        text, each tool_use), opened when its first event arrives; each reply event told to the turn
+        before what it is written as."""
         seq = self.chat.seq
         # The first event came after admission, so the cached count is known here.
         start_usage = self._usage(seq.num_prompt_tokens, seq.num_cached_tokens, 0)
@@ -136,7 +136,7 @@ class EngineMessages:
             if isinstance(event, ReplyDone):
                 usage = self._usage(event.prompt_tokens, event.cached_tokens, event.completion_tokens)
                 # The turn is recorded from the events the client is sent, the end with its usage as written.
-                self.builder.on_event(dataclasses.replace(event, usage=usage))
+                yield dataclasses.replace(event, usage=usage)
                 stop_reason, stop_sequence = self._stop(event.finish_reason)
                 for out in blocks.close(empty_text=True):
                     yield out
@@ -144,12 +144,15 @@ class EngineMessages:
                                                "usage": usage})
                 yield _event("message_stop", {})
                 continue
-            self.builder.on_sent()  # one point of the chunk timeline per reply event written
-            self.builder.on_event(event)
+            if isinstance(event, ReplyTokens):  # the engine's facts for the turn
+                yield event
+                continue
+            yield SENT  # one point of the chunk timeline per reply event written
+            yield event
             for out in blocks.write(event):
                 yield out
 
-    async def whole(self) -> tuple[bytes, str]:
+    async def whole(self) -> WholeReply:
         reply = await self.chat.collect()
         done = reply.done
         content: list[dict] = []
@@ -164,9 +167,9 @@ class EngineMessages:
         stop_reason, stop_sequence = self._stop(done.finish_reason)
         body = self._message(content, stop_reason, usage, stop_sequence)
         # The same events, the end with its usage as written; TTFT is the engine's prefill when a token came.
-        self.builder.on_whole([*(e for e in reply.events if e is not done), dataclasses.replace(done, usage=usage)],
-                              ttft_s=self.chat.finished.prefill_s if done.completion_tokens else None)
-        return json.dumps(body).encode(), "application/json"
+        told = WholeEvents([*(e for e in reply.events if e is not done), dataclasses.replace(done, usage=usage)],
+                           ttft_s=self.chat.finished.prefill_s if done.completion_tokens else None)
+        return WholeReply(json.dumps(body).encode(), "application/json", [*reply.facts, told])
 
 
 def _arguments_object(arguments: str) -> Any:
@@ -241,67 +244,69 @@ class UpstreamMessages(Relayed):
     """An upstream's Messages response, passed through and read into the turn: its content as
     reply events (`MessagesReader`, tool calls included), its usage and stop_reason as sent."""
 
-    def __init__(self, response, builder: TurnBuilder, url: str):
+    def __init__(self, response, url: str):
         super().__init__(response, url)
-        self.builder = builder
         self.reader = messages_wire.MessagesReader()
-        builder.on_served(served_by(response, url))  # the worker behind a router, else `url`
         self._usage: dict = {}
 
-    async def sse(self) -> AsyncIterator[bytes]:
-        """The events as they came, one item per upstream read (`sse.joined`); message_stop by itself."""
+    async def sse(self) -> AsyncIterator[bytes | Fact]:
+        """The events as they came, one item per upstream read (`sse.joined`), after what that read tells
+        the turn; message_stop by itself."""
         try:
             with map_httpx_errors(self.url):
                 async for batch in self.event_batches():
+                    told: list[Fact] = []
                     for event in batch:
-                        self.read_event(event, self._parse)  # one it cannot read is passed on, its fault recorded
+                        self.read_event(event, self._parse, told)  # one it cannot read is passed on, its fault told
+                    for fact in told:
+                        yield fact
                     for out in sse.joined(batch, _is_stop):
                         yield out
         finally:
             await self.response.aclose()
 
-    def _parse(self, data: dict | None) -> None:
+    def _parse(self, data: dict | None, told: list[Fact]) -> None:
         if not data:
             return
         kind = data.get("type")
-        self.builder.on_sent()
-        for event in self.reader.feed(data):
-            self.builder.on_event(event)
+        told.append(SENT)
+        told.extend(self.reader.feed(data))
         if kind == "message_start":
             message = data.get("message") or {}
             if isinstance(message.get("diagnostics"), dict):  # cache diagnostics, kept beside the usage
                 self._usage["diagnostics"] = message["diagnostics"]
-            self._merge_usage(message.get("usage") or {})
+            self._merge_usage(message.get("usage") or {}, told)
         elif kind == "message_delta":
-            self.builder.on_stop(messages_wire.finish_reason((data.get("delta") or {}).get("stop_reason")))
-            self._merge_usage(data.get("usage") or {})
+            told.append(Stop(messages_wire.finish_reason((data.get("delta") or {}).get("stop_reason"))))
+            self._merge_usage(data.get("usage") or {}, told)
         elif kind == "error":
-            self.builder.on_error(str(data.get("error"))[:2000])
+            told.append(ErrorText(str(data.get("error"))[:2000]))
 
-    def _merge_usage(self, usage: dict) -> None:
+    def _merge_usage(self, usage: dict, told: list[Fact]) -> None:
         # message_delta counts are cumulative: they overwrite, and absent ones keep message_start's.
         self._usage.update({k: v for k, v in usage.items() if v is not None})
-        self.builder.on_counts(usage_counts(self._usage))
+        told.append(usage_counts(self._usage))
 
-    async def whole(self) -> tuple[bytes, str]:
+    async def whole(self) -> WholeReply:
         data, body = await self.read()
+        facts: list[Fact] = []
         if body is not None and self.status < 400:
             with self.reading(body, "content"):  # a body of the wrong shape: a 502 naming the upstream's fault
-                self.builder.on_whole(self.reader.whole(body))
-                self.builder.on_stop(messages_wire.finish_reason(body.get("stop_reason")))
+                facts.append(WholeEvents(list(self.reader.whole(body))))
+                facts.append(Stop(messages_wire.finish_reason(body.get("stop_reason"))))
                 diagnostics = {"diagnostics": body["diagnostics"]} if isinstance(body.get("diagnostics"), dict) else {}
-                self.builder.on_counts(usage_counts({**(body.get("usage") or {}), **diagnostics}))
+                facts.append(usage_counts({**(body.get("usage") or {}), **diagnostics}))
         elif self.status >= 400:
-            self.builder.on_error(self.error_text(data, body))
-        return data, self.content_type
+            facts.append(ErrorText(self.error_text(data, body)))
+        return WholeReply(data, self.content_type, facts)
 
 
-async def open_messages(backend: Backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
+async def open_messages(backend: Backend, req: ChatRequest, headers: dict[str, str], learnt: list[Fact]):
     if backend.embedded:
-        return EngineMessages(await backend.open(req, builder, headers), req, builder,
-                              backend.engine.tokenizer)
+        return EngineMessages(await backend.open(req, headers, learnt), req, backend.engine.tokenizer)
     response, url = await backend.post(with_query(MESSAGES_PATH, req.query), req.body, headers, session_id=req.session_id, raw=req.raw)
-    return UpstreamMessages(response, builder, url)
+    learnt.append(Served(served_by(response, url)))  # the worker behind a router, else `url`
+    return UpstreamMessages(response, url)
 
 
 # --- the route ----------------------------------------------------------------------
@@ -314,16 +319,16 @@ def add_messages_route(app: FastAPI, backend: Backend, recorder: TurnSink) -> No
     async def messages(request: Request):
         return await serve_turn(request, endpoint=MESSAGES_PATH, backend=backend, recorder=recorder,
                                 parse=to_chat_request if backend.embedded else _passthrough_request,
-                                open_reply=lambda req, builder, headers: open_messages(
-                                    backend, req, builder, headers), stream=_stream, error_body=to_anthropic_error)
+                                open_reply=lambda req, headers, learnt: open_messages(backend, req, headers, learnt),
+                                framing=FRAMING, error_body=to_anthropic_error)
 
     @app.post(messages_wire.COUNT_TOKENS_PATH)
     async def count_tokens(request: Request):
         return await serve_turn(request, endpoint=messages_wire.COUNT_TOKENS_PATH, backend=backend,
                                 recorder=recorder,
                                 parse=to_chat_request if backend.embedded else _passthrough_request,
-                                open_reply=lambda req, builder, headers: open_count(backend, req, builder, headers),
-                                stream=_stream, error_body=to_anthropic_error)
+                                open_reply=lambda req, headers, learnt: open_count(backend, req, headers, learnt),
+                                framing=FRAMING, error_body=to_anthropic_error)
 
 
 class TokenCount:
@@ -342,40 +347,37 @@ class TokenCount:
     def cancel(self) -> None:
         pass
 
-    async def whole(self) -> tuple[bytes, str]:
-        return json.dumps({"input_tokens": self.count}).encode(), "application/json"
+    async def whole(self) -> WholeReply:
+        return WholeReply(json.dumps({"input_tokens": self.count}).encode(), "application/json", [])
 
 
-async def open_count(backend: Backend, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
+async def open_count(backend: Backend, req: ChatRequest, headers: dict[str, str], learnt: list[Fact]):
     if not backend.embedded:
         response, url = await backend.post(with_query(messages_wire.COUNT_TOKENS_PATH, req.query), req.body, headers,
                                            session_id=req.session_id, raw=req.raw)
-        return UpstreamCount(response, builder, url)
+        return UpstreamCount(response, url)
     req.stream = False
     rendered = await backend.render(req, count_only=True)
-    builder.on_render(prompt_chars=len(rendered.text), prompt_tokens=len(rendered.token_ids))
-    builder.on_counts(Usage(len(rendered.token_ids), None, None))  # counted, nothing generated
+    learnt.append(Rendered(len(rendered.text), len(rendered.token_ids)))
+    learnt.append(Usage(len(rendered.token_ids), None, None))  # counted, nothing generated
     return TokenCount(len(rendered.token_ids))
 
 
 class UpstreamCount(Relayed):
     """An upstream's count, passed through; its number kept as the turn's prompt tokens."""
 
-    def __init__(self, response, builder: TurnBuilder, url: str):
-        super().__init__(response, url)
-        self.builder = builder
-
     @property
     def streams_events(self) -> bool:
         return False
 
-    async def whole(self) -> tuple[bytes, str]:
+    async def whole(self) -> WholeReply:
         data, body = await self.read()
+        facts: list[Fact] = []
         if body is not None and self.status < 400 and isinstance(body.get("input_tokens"), int):
-            self.builder.on_counts(Usage(body["input_tokens"], None, None))  # the upstream's count
+            facts.append(Usage(body["input_tokens"], None, None))  # the upstream's count
         elif self.status >= 400:
-            self.builder.on_error(data[:2000].decode(errors="replace"))
-        return data, self.content_type
+            facts.append(ErrorText(data[:2000].decode(errors="replace")))
+        return WholeReply(data, self.content_type, facts)
 
 
 def _is_stop(event: bytes) -> bool:
@@ -387,4 +389,4 @@ def _in_band_error(exc: PrefixtraceError) -> list[bytes]:
 
 
 # Every streamed Messages reply: committed before message_stop, errors as an `error` event.
-_stream = functools.partial(stream_and_record, is_end=_is_stop, in_band_error=_in_band_error)
+FRAMING = Framing(_is_stop, _in_band_error)

@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from starlette.datastructures import MutableHeaders
 
 from prefixtrace.common.errors import PrefixtraceError, http_status, to_openai_error
 from proxy.anthropic import MESSAGES_PATH, add_messages_route, to_anthropic_error
@@ -33,9 +32,9 @@ from proxy.dashboard import observe
 from recorder.sink import TappedSink, TurnSink
 from proxy.disconnect import CancelOnDisconnect
 from proxy.request_limits import DEFAULT_MAX_REQUEST_MB
-from proxy.turn_routes import TurnRoutes
+from proxy.turn_routes import MaxContextHeader, TurnRoutes
 from prefixtrace.common.instance_proof import PROOF_PATH, proof
-from proxy.run_session import strip_session_prefix
+from proxy.run_session import HEADER as SESSION_HEADER, PREFIX as SESSION_PREFIX, SESSION_ID
 from prefixtrace.wire.messages import COUNT_TOKENS_PATH
 from prefixtrace.wire.responses import COMPACT_PATH
 
@@ -61,9 +60,9 @@ def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str]
     app.state.backend = backend
     app.state.recorder = recorder
     app.state.max_request_mb = max_request_mb  # proxy/request_limits.py
-    # Every turn passes these taps, in this order, before it is recorded (docs/ARCHITECTURE.md "Where state
-    # lives"): each reply's tool calls and reasoning, for the fixes of later requests (serve --fix); /ui,
-    # /metrics (and OTLP). They read the turn; none writes it.
+    # Every recorded turn then passes these taps, in this order, once its response is out (docs/ARCHITECTURE.md
+    # "Where state lives"): each reply's tool calls and reasoning, for the fixes of later requests (serve --fix);
+    # /ui, /metrics (and OTLP). They read the turn; none writes it.
     taps = []
     app.state.fixes = fixes
     if fixes is not None:
@@ -144,14 +143,15 @@ def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str]
 
 
 class ProxyApp(FastAPI):
-    """FastAPI, with the turn endpoints' accepted POSTs served before Starlette's middleware
-    stack by `turn_routes` (proxy/turn_routes.py); everything else as FastAPI serves it."""
+    """FastAPI, with a run's `/s/<id>` path prefix taken off first (`_strip_session_prefix`) and the
+    turn endpoints' accepted POSTs served before Starlette's middleware stack by `turn_routes`
+    (proxy/turn_routes.py); everything else as FastAPI serves it."""
 
     turn_routes: TurnRoutes | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            strip_session_prefix(scope)  # /s/<id>/v1/... (proxy/run_session.py)
+            _strip_session_prefix(scope)  # /s/<id>/v1/...: served as /v1/..., filed under <id>
         routes = self.turn_routes
         if routes is not None and scope["type"] == "http" and scope["method"] == "POST":
             handler = routes.handler_for(scope)
@@ -160,42 +160,24 @@ class ProxyApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-class MaxContextHeader:
-    """ASGI middleware: `X-Max-Context-Tokens` on every response whose backend has a limit,
-    which lets a harness compact before it hits the wall, and `X-Prefixtrace-Worker` when the
-    server has a worker name. Pure ASGI (it only edits the `http.response.start` message):
-    Starlette's `BaseHTTPMiddleware` would run every response through an extra task and memory
-    stream, ~ms per request (issue 17)."""
-
-    def __init__(self, app, *, backend, worker_name: str | None = None):
-        self.app = app
-        self.backend = backend
-        self.worker = worker_name
-        # An upstream's limits are its own (a plain `None`): then there is no context header to add.
-        # The engine's limit is a property, known once the model has loaded: read per response.
-        self.no_limit = (not isinstance(getattr(type(backend), "max_context_tokens", None), property)
-                         and backend.max_context_tokens is None)
-        self.never = self.no_limit and self.worker is None
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or self.never:
-            return await self.app(scope, receive, send)
-
-        async def send_with_header(message):
-            if message["type"] == "http.response.start":
-                self.add_to(message)
-            await send(message)
-
-        await self.app(scope, receive, send_with_header)
-
-    def add_to(self, start: dict) -> None:
-        """The headers on one `http.response.start` message: the context limit when the backend
-        has one now, the worker's name when it has one."""
-        headers = MutableHeaders(scope=start)
-        if not self.no_limit and (limit := self.backend.max_context_tokens) is not None:
-            headers["X-Max-Context-Tokens"] = str(limit)
-        if self.worker is not None:
-            headers["X-Prefixtrace-Worker"] = self.worker
+def _strip_session_prefix(scope: dict) -> None:
+    """`/s/<id>/rest` -> `/rest` in an HTTP scope, with `<id>` as the session header (`prefixtrace
+    run`'s session, proxy/run_session.py); any other path (or an id of other characters) is left alone."""
+    path = scope.get("path", "")
+    if not path.startswith(SESSION_PREFIX):
+        return
+    sid, slash, rest = path[len(SESSION_PREFIX):].partition("/")
+    if not SESSION_ID.fullmatch(sid):
+        return
+    new_path = slash + rest or "/"
+    scope["path"] = new_path
+    raw = scope.get("raw_path")
+    if raw is not None:
+        cut = len(SESSION_PREFIX) + len(sid.encode())
+        scope["raw_path"] = raw[cut:] or b"/"
+    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != SESSION_HEADER.encode()]
+    headers.append((SESSION_HEADER.encode(), sid.encode()))
+    scope["headers"] = headers
 
 
 def recorder_trouble(recorder: TurnSink) -> JSONResponse | None:

@@ -16,19 +16,33 @@ to guess which kind they hold.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, NamedTuple, Protocol, runtime_checkable
+
+from recorder.turn_facts import Fact
 
 if TYPE_CHECKING:  # typing only: upstream mode never imports the engine (nor MLX)
     import httpx
 
     from engine.engine import Engine
-    from recorder.turn_builder import TurnBuilder
     from proxy.chat_request import ChatRequest
     from proxy.engine_backend import EngineChat
 
 
+class WholeReply(NamedTuple):
+    """A whole (non-streamed) reply: the body as sent, its content type, and the facts it tells its
+    turn (recorder/turn_facts.py), in order."""
+    data: bytes
+    content_type: str
+    facts: list[Fact]
+
+
 class Reply(Protocol):
-    """An opened reply, whatever the protocol (proxy/relay.py `respond` sends it)."""
+    """An opened reply, whatever the protocol (proxy/relay.py `respond` sends it).
+
+    What it tells its turn travels with what it sends, as typed facts (recorder/turn_facts.py): `sse`
+    yields them between the bytes, `whole` returns them with the body, and the facts learnt while the
+    reply opened were listed by its backend (`open(..., learnt)`); the relay alone feeds them to the
+    turn's builder, in order, so a chunk's point on the timeline is where it went out."""
 
     status: int
     # The upstream (or pool member) that answered; None on the engine.
@@ -46,10 +60,11 @@ class Reply(Protocol):
 
     def cancel(self) -> None: ...
 
-    def sse(self) -> AsyncIterator[bytes]:
-        """The streamed reply's SSE events as sent (only called when `streams_events`)."""
+    def sse(self) -> AsyncIterator[bytes | Fact]:
+        """The streamed reply's SSE events as sent, each preceded by the facts it tells (only called
+        when `streams_events`)."""
 
-    async def whole(self) -> tuple[bytes, str]: ...
+    async def whole(self) -> WholeReply: ...
 
 
 @runtime_checkable
@@ -89,11 +104,13 @@ class EmbeddedBackend(Backend, Protocol):
 
     engine: Engine
 
-    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str], *,
+    async def open(self, req: ChatRequest, headers: dict[str, str], learnt: list[Fact], *,
                    wait_first: bool = True) -> EngineChat:
-        """Render `req` and submit it; its reply events come from the returned `EngineChat`."""
+        """Render `req` and submit it; its reply events come from the returned `EngineChat`. What the
+        open learns for the turn (the render, the renderer, who serves) is appended to `learnt` as it
+        is learnt, so a refused or abandoned open still tells it."""
 
-    async def open_prompt(self, req: ChatRequest, prompt: str, builder: TurnBuilder) -> EngineChat:
+    async def open_prompt(self, req: ChatRequest, prompt: str, learnt: list[Fact]) -> EngineChat:
         """Legacy completions: a raw prompt, no chat template."""
 
     async def render(self, req: ChatRequest, *, count_only: bool = False) -> Any:

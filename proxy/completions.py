@@ -9,7 +9,6 @@ Recorded with endpoint "/v1/completions".
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 import uuid
@@ -21,11 +20,11 @@ from prefixtrace.common.errors import InvalidRequest, to_openai_error
 from prefixtrace.wire import completions as wire
 from prefixtrace.wire import sse
 from prefixtrace.wire.events import ContentDelta, ReplyDone
-from recorder.turn_builder import TurnBuilder
+from recorder.turn_facts import SENT, Fact
 from proxy.chat_request import ChatRequest, parse_chat_request
-from proxy.backend import Backend
-from proxy.chat_completions import in_band_error, is_done, open_upstream
-from proxy.relay import TurnSink, serve_turn, stream_and_record
+from proxy.backend import Backend, WholeReply
+from proxy.chat_completions import FRAMING, counts_of, open_upstream
+from proxy.relay import TurnSink, serve_turn
 
 COMPLETIONS_PATH = wire.PATH
 
@@ -47,8 +46,8 @@ class EngineCompletion:
 
     status = 200
 
-    def __init__(self, chat, req: ChatRequest, builder: TurnBuilder):
-        self.chat, self.req, self.builder = chat, req, builder
+    def __init__(self, chat, req: ChatRequest):
+        self.chat, self.req = chat, req
         self.id = "cmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = req.model or chat.model
@@ -77,49 +76,47 @@ class EngineCompletion:
                 "total_tokens": done.prompt_tokens + done.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
-    async def sse(self) -> AsyncIterator[bytes]:
+    async def sse(self) -> AsyncIterator[bytes | Fact]:
         async for event in self.chat.reply_events():
-            self.builder.on_event(event)
+            yield event  # a reply event, or the engine's facts for the turn
             if isinstance(event, ContentDelta):
-                self.builder.on_sent()
+                yield SENT
                 yield sse.encode(self._object(event.text, None))
             elif isinstance(event, ReplyDone):
                 usage = self._usage(event)
-                self.builder.on_usage(usage)  # as sent (its counts are the ReplyDone's)
-                self.builder.on_sent()
+                yield counts_of(event, usage)  # as sent (its counts are the ReplyDone's)
+                yield SENT
                 yield sse.encode(self._object("", event.finish_reason))
                 if self.req.include_usage:
-                    self.builder.on_sent()
+                    yield SENT
                     yield sse.encode({**self._object("", None), "choices": [], "usage": usage})
         yield sse.DONE
 
-    async def whole(self) -> tuple[bytes, str]:
+    async def whole(self) -> WholeReply:
         parts: list[str] = []
+        facts: list[Fact] = []
         async for event in self.chat.reply_events():
-            self.builder.on_event(event)
+            facts.append(event)
             if isinstance(event, ContentDelta):
                 parts.append(event.text)
             elif isinstance(event, ReplyDone):
                 body = {**self._object("".join(parts), event.finish_reason), "usage": self._usage(event)}
-                self.builder.on_usage(body["usage"])
-                return json.dumps(body, ensure_ascii=False).encode(), "application/json"
+                facts.append(counts_of(event, body["usage"]))
+                return WholeReply(json.dumps(body, ensure_ascii=False).encode(), "application/json", facts)
         raise RuntimeError("engine stream ended without a result")
-
-
-# Framed as chat completions are: the turn committed before `data: [DONE]`, a late error as an error chunk.
-_stream = functools.partial(stream_and_record, is_end=is_done, in_band_error=in_band_error)
 
 
 def add_completions_route(app: FastAPI, backend: Backend, recorder: TurnSink) -> None:
     """`POST /v1/completions`, ending like chat completions (`proxy.relay.respond`)."""
 
-    async def open_reply(req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
+    async def open_reply(req: ChatRequest, headers: dict[str, str], learnt: list[Fact]):
         if backend.embedded:
-            return EngineCompletion(await backend.open_prompt(req, wire.prompt_of(req.body), builder), req, builder)
-        return await open_upstream(backend, req, builder, headers, path=COMPLETIONS_PATH)
+            return EngineCompletion(await backend.open_prompt(req, wire.prompt_of(req.body), learnt), req)
+        # Framed as chat completions are: the turn committed before `data: [DONE]`, a late error as an error chunk.
+        return await open_upstream(backend, req, headers, learnt, path=COMPLETIONS_PATH)
 
     @app.post(COMPLETIONS_PATH)
     async def completions(request: Request):
         return await serve_turn(request, endpoint=COMPLETIONS_PATH, backend=backend, recorder=recorder,
-                                parse=parse_completion_request, open_reply=open_reply, stream=_stream,
+                                parse=parse_completion_request, open_reply=open_reply, framing=FRAMING,
                                 error_body=to_openai_error)

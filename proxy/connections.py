@@ -16,7 +16,7 @@ Also here, because it is the same protocol class: uvicorn writes its access line
 response head, so every response's first bytes wait for a log record to be
 formatted and written (issue 17: 0.2-0.3 ms on the proxy's path to the first byte
 on a loaded 2-core machine). `_AccessLineAtTheEnd` holds that same line, with the
-same logger, arguments and filters (the query values masked, prefixtrace/serve.py),
+same logger, arguments and filters (the query values masked: `QueryValuesMasked`, below),
 until the response's last bytes have gone out, or the connection ends first: the
 line of a streamed turn comes when it ends, as nginx's does. Not after the first
 body bytes: a streamed turn's first body is often its role chunk, one read before
@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import resource
 
 import h11
@@ -116,6 +117,22 @@ class _HeldAccessLine:
             self.logger.info(line[0], *line[1])
 
 
+class QueryValuesMasked(logging.Filter):
+    """uvicorn's access log prints the request target; a client that put its key in
+    the query string (`?key=...`, `?api-key=...`, Azure's and Google's habit) would
+    have it in the log. Keep the names, mask every value."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+            path, query = args[2].split("?", 1)
+            record.args = (*args[:2], f"{path}?{_MASKED_VALUE.sub('=***', query)}", *args[3:])
+        return True
+
+
+_MASKED_VALUE = re.compile(r"=[^&]*")
+
+
 class _HeadHeld:
     """Stands in for a request cycle's transport: the write that carries the response head
     (`holding`) is kept and goes out with the next write, or by itself on `flush` (the response's
@@ -176,39 +193,24 @@ class _HeadHeld:
 class _AccessLineAtTheEnd:
     """Mixin for a uvicorn HTTP protocol: each request cycle's access line is written after the
     response's last bytes (or when the connection ends before them), not before its head; and
-    (`_hold_head`) the head goes out with the body bytes sent in the same step.
-    `_hold_access_line` is called where the protocol has just made a cycle, before the cycle's
-    task has run (it reads `cycle.send` when it starts)."""
+    the head goes out with the body bytes sent in the same step (`_HeadHeld`). Both through one
+    wrapper of the cycle's `send`, put on by `_hold_access_line`, which is called where the protocol
+    has just made a cycle, before the cycle's task has run (it reads `cycle.send` when it starts)."""
 
     def _hold_access_line(self) -> None:
         cycle = getattr(self, "cycle", None)
-        if cycle is None:
-            return
-        if not cycle.access_log or isinstance(cycle.access_logger, _HeldAccessLine):
-            self._hold_head(cycle)
-            return
-        held = cycle.access_logger = _HeldAccessLine(cycle.access_logger)
-        unsent = self.__dict__.setdefault("_unsent_access_lines", set())  # cycles of this connection
-        unsent.add(held)
-        send = cycle.send
-
-        async def send_then_log(message) -> None:
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False) and held in unsent:
-                unsent.discard(held)
-                held.flush()  # the whole response is out: now the line
-
-        cycle.send = send_then_log
-        self._hold_head(cycle)
-
-    def _hold_head(self, cycle) -> None:
-        """The cycle's response head goes out with its first body bytes (`_HeadHeld`)."""
-        if isinstance(cycle.transport, _HeadHeld):
-            return
+        if cycle is None or self.__dict__.get("_wrapped_cycle") is cycle:
+            return  # no cycle, or one whose send is wrapped already (h11 calls this on every read)
+        self._wrapped_cycle = cycle
+        line = None
+        if cycle.access_log:
+            line = cycle.access_logger = _HeldAccessLine(cycle.access_logger)
+            unsent = self.__dict__.setdefault("_unsent_access_lines", set())  # cycles of this connection
+            unsent.add(line)
         held = cycle.transport = _HeadHeld(cycle.transport, self.loop)
         send = cycle.send
 
-        async def send_head_with_body(message) -> None:
+        async def send_held(message) -> None:
             kind = message["type"]
             if kind == "http.response.start":
                 self._response_starts(cycle)
@@ -217,12 +219,15 @@ class _AccessLineAtTheEnd:
                     await send(message)
                 finally:
                     held.holding = False
-            else:
-                await send(message)
-                if kind == "http.response.body" and not message.get("more_body", False):
-                    held.flush()  # a response with no body bytes to carry it (HEAD, 204, an empty body)
+                return
+            await send(message)
+            if kind == "http.response.body" and not message.get("more_body", False):
+                held.flush()  # a response with no body bytes to carry its head (HEAD, 204, an empty body)
+                if line is not None and line in unsent:
+                    unsent.discard(line)
+                    line.flush()  # the whole response is out: now the line
 
-        cycle.send = send_head_with_body
+        cycle.send = send_held
 
     def _response_starts(self, cycle) -> None:
         """Called as a cycle's response head is sent (before uvicorn writes it)."""

@@ -2,7 +2,7 @@
 sessions at a time), `GET /ui/report/<session>` (one session's full HTML report), `GET /metrics`.
 
 `observe(app, backend, recorder)` wires them in: it returns the tap
-(`TurnObservers`) that the app puts in front of the recorder, so every recorded
+(`TurnObservers`) that the app puts behind the recorder, so every recorded
 turn also reaches the live analysis (`proxy/live.py`) and the metrics
 (`proxy/metrics.py`). The page (`proxy/static/dashboard.html`, plain HTML/JS, no
 build step) polls the JSON endpoint; analysis runs on the poll, in a worker

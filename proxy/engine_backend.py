@@ -27,8 +27,9 @@ from prefixtrace.common.errors import EngineError, EngineNotReady, InvalidReques
 from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
 from proxy.chat_request import ChatRequest
 from proxy.relay import QUEUED, hang_up_error
-from recorder.turn_builder import TurnBuilder
 from recorder import renderers
+from recorder.turn_facts import (Constrained, ErrorText, Fact, MaxTokensClamped, RenderedBy, Rendered, ReplyTokens,
+                                 Served)
 
 DEFAULT_ALIAS = "default"
 # Client templates rendering at once (each a child process, engine/template_sandbox.py): few, so their
@@ -114,16 +115,15 @@ class EngineBackend:
         if n is not None and n != 1:
             raise InvalidRequest(f"'n' must be 1 here (the embedded engine returns one choice), got {n!r}", param="n")
 
-    async def open(self, req: ChatRequest, builder: TurnBuilder, headers: dict[str, str], *,
+    async def open(self, req: ChatRequest, headers: dict[str, str], learnt: list[Fact], *,
                    wait_first: bool = True) -> "EngineChat":
         rendered = await self.render(req)
-        builder.on_render(prompt_chars=len(rendered.text), prompt_tokens=len(rendered.token_ids))
-        if rendered.policy is not None:  # render policies applied (docs/RENDER_POLICIES.md)
-            builder.on_render(policy=rendered.policy)
-        await self._identify(builder)
-        return await self.start(req, rendered.token_ids, rendered.text, builder, wait_first=wait_first)
+        # the prompt's size, and the render policies applied to it, if any (docs/RENDER_POLICIES.md)
+        learnt.append(Rendered(len(rendered.text), len(rendered.token_ids), rendered.policy))
+        await self._identify(learnt)
+        return await self.start(req, rendered.token_ids, rendered.text, learnt, wait_first=wait_first)
 
-    async def _identify(self, builder: TurnBuilder) -> None:
+    async def _identify(self, learnt: list[Fact]) -> None:
         """What the analyzer needs to count this prompt as the engine did (docs/ANALYZER.md "The
         server's renderer"): the model's renderer, once per model in the database, and the prefix cache's
         eviction count when the turn ends (`EngineChat`: a later turn's shortfall after evictions is the
@@ -132,8 +132,7 @@ class EngineBackend:
             self.renderer = await asyncio.to_thread(  # reads and hashes tokenizer.json (megabytes), once per model
                 renderers.from_model_dir, identity["model"], identity["model_dir"], identity["chat_template"],
                 identity["special"])
-        builder.on_renderer(self.renderer)
-        builder.on_served(self.label)
+        learnt += [RenderedBy(self.renderer), Served(self.label)]
 
     async def render(self, req: ChatRequest, *, count_only: bool = False):
         """The prompt the engine runs for `req` (chat template, tools, render policies), in a worker
@@ -160,7 +159,7 @@ class EngineBackend:
             raise InvalidRequest(f"the messages could not be rendered: {type(exc).__name__}: {exc}") from exc
         return rendered
 
-    async def open_prompt(self, req: ChatRequest, prompt: str, builder: TurnBuilder) -> "EngineChat":
+    async def open_prompt(self, req: ChatRequest, prompt: str, learnt: list[Fact]) -> "EngineChat":
         """Legacy completions: `prompt` is tokenized as it is (no chat template; the tokenizer's
         own BOS, as llama.cpp and vLLM do for a raw prompt)."""
         self._check_model(req)
@@ -173,24 +172,24 @@ class EngineBackend:
                                  param="prompt") from exc
         if not token_ids:
             raise InvalidRequest("the prompt is empty (no tokens)", param="prompt")
-        builder.on_render(prompt_chars=len(prompt), prompt_tokens=len(token_ids))
-        return await self.start(req, list(token_ids), prompt, builder)
+        learnt.append(Rendered(len(prompt), len(token_ids)))
+        return await self.start(req, list(token_ids), prompt, learnt)
 
     async def start(self, req: ChatRequest, token_ids: list[int], prompt_text: str,
-                    builder: TurnBuilder, *, wait_first: bool = True) -> "EngineChat":
+                    learnt: list[Fact], *, wait_first: bool = True) -> "EngineChat":
         """Submit a prompt's tokens; returns once the engine has answered (or raises its refusal).
         `wait_first=False` returns once submitted, before prefill: a failure after that reaches the
         reply's events instead of the HTTP status (the Responses stream says `response.created` first)."""
         req = dataclasses.replace(req, sampling=self.defaults.for_request(req.sampling, req.body))
-        self._fit_max_tokens(req, len(token_ids), builder)
+        self._fit_max_tokens(req, len(token_ids), learnt)
         # Compiling a grammar (and, once per model, llguidance's view of the vocabulary) is CPU work.
         plan = await asyncio.to_thread(
             plan_reply, fmt=self.engine.reply_format, grammar=self.engine.grammar, tools=req.tools,
             tool_choice=req.tool_choice, response_format=req.response_format, messages=req.messages,
             prompt_text=prompt_text, tool_choice_default=self.tool_choice_default, limits=self.grammar_limits)
         if plan.forced:
-            builder.on_render(constrained=plan.forced)
-        chat = EngineChat(req, builder, self.engine.name, plan)
+            learnt.append(Constrained(plan.forced))
+        chat = EngineChat(req, self.engine.name, plan)
         sampling = req.sampling if plan.processor is not None else self.defaults.for_free_reply(req.sampling, req.body)
         seq = Sequence(token_ids, sampling, chat.outbox.put)
         if plan.processor is not None:
@@ -205,19 +204,19 @@ class EngineBackend:
                 # at its next step (a prefill keeps the blocks it computed), and the turn, which
                 # `serve_turn` records, says how far it got.
                 chat.cancel()
-                builder.on_error(hang_up_error(chat.stage))
+                learnt.append(ErrorText(hang_up_error(chat.stage)))
                 raise
         return chat
 
 
-    def _fit_max_tokens(self, req, num_prompt_tokens: int, builder: TurnBuilder) -> None:
+    def _fit_max_tokens(self, req, num_prompt_tokens: int, learnt: list[Fact]) -> None:
         """The engine fits the request (engine/memory.py `MemoryModel.fit`): a 400 with the numbers for one
         that can never run, or under the clamp policy a max_tokens beyond what fits after the prompt
         lowered to what fits, and the turn says so."""
         asked = req.sampling.max_tokens
         req.sampling.max_tokens = self.engine.fit(num_prompt_tokens, asked, clamp=self.max_tokens_policy == "clamp")
         if req.sampling.max_tokens != asked:
-            builder.on_render(max_tokens_clamped={"asked": asked, "to": req.sampling.max_tokens})
+            learnt.append(MaxTokensClamped(asked, req.sampling.max_tokens))
 
 
 class EngineChat:
@@ -227,9 +226,8 @@ class EngineChat:
 
     status = 200
 
-    def __init__(self, req: ChatRequest, builder: TurnBuilder, model: str, plan: ReplyPlan | None = None):
+    def __init__(self, req: ChatRequest, model: str, plan: ReplyPlan | None = None):
         self.req = req
-        self.builder = builder
         self.model = req.model or model
         self.created = int(time.time())  # when the request was submitted: a chat reply's `created`
         self.seq: Sequence | None = None
@@ -256,22 +254,22 @@ class EngineChat:
             event = await self.outbox.get()
 
     async def reply_events(self):
-        """The reply as `prefixtrace.wire.events`, ending with ReplyDone; an engine failure is raised
-        (a PrefixtraceError)."""
+        """The reply as `prefixtrace.wire.events`, ending with ReplyDone, the engine's `ReplyTokens`
+        (recorder/turn_facts.py) just before the reply's last events; an engine failure is raised
+        (a PrefixtraceError). A writer sends the reply events and passes the `ReplyTokens` on to
+        its turn."""
         async for event in self.events():
             if isinstance(event, TextDelta):
                 for reply_event in self.parser.feed(event.text):
                     yield reply_event
             elif isinstance(event, Finished):
                 self.finished = event
-                if self.seq is not None and isinstance(self.builder.turn.render, dict):
+                if self.seq is not None:
                     # The reply's tokens follow the prompt in the engine's cache: the next turn's prefix
-                    # reaches into them, and the analyzer predicts how far (docs/ANALYZER.md).
-                    self.builder.on_render(reply_token_ids=list(self.seq.output_ids))
-                    # Blocks the prefix cache evicted for room so far: between this turn's end and the
-                    # session's next, a growth means the next turn may find its prefix gone.
-                    if event.cache_evictions is not None:
-                        self.builder.on_render(cache_evictions=event.cache_evictions)
+                    # reaches into them, and the analyzer predicts how far (docs/ANALYZER.md). Blocks the prefix
+                    # cache evicted for room so far (on the engine's Finished event): between this turn's end and
+                    # the session's next, a growth means the next turn may find its prefix gone.
+                    yield ReplyTokens(list(self.seq.output_ids), event.cache_evictions)
                 for reply_event in self.parser.finish():
                     yield reply_event
                 yield ReplyDone(final_finish_reason(event.finish_reason, self.parser), event.prompt_tokens,
@@ -295,17 +293,22 @@ class EngineChat:
 
 
 class CollectedReply:
-    """A whole reply gathered from its events: text, reasoning, OpenAI-shaped tool calls, the end, and
-    the events themselves (what a writer records its turn from)."""
+    """A whole reply gathered from its events: text, reasoning, OpenAI-shaped tool calls, the end, the
+    events themselves (what a writer records its turn from) and the engine's facts for the turn
+    (`ReplyTokens`), which the writer passes on with its body."""
 
     def __init__(self):
         self.events: list = []
+        self.facts: list[Fact] = []
         self.text = ""
         self.reasoning = ""
         self.tool_calls: list[dict] = []
         self.done: ReplyDone | None = None
 
     def add(self, event) -> None:
+        if isinstance(event, ReplyTokens):
+            self.facts.append(event)
+            return
         self.events.append(event)
         if isinstance(event, ContentDelta):
             self.text += event.text

@@ -20,7 +20,6 @@ from starlette.routing import Route
 from prefixtrace.common.errors import MethodNotAllowed, PrefixtraceError, UnknownEndpoint, http_status, to_openai_error
 from prefixtrace.wire.messages import to_anthropic_error
 from prefixtrace.wire.messages import PATH as MESSAGES_PREFIX  # /v1/messages and everything under it
-from recorder.turn_builder import TurnBuilder
 from proxy.relay import TurnSink, record_durably
 from proxy.request_limits import read_request_body
 from proxy.run_session import filed_under
@@ -69,8 +68,9 @@ def add_fallback_routes(app: FastAPI, backend, recorder: TurnSink) -> None:
         request_headers = dict(request.headers)
         turn = Turn(request_id=uuid.uuid4().hex, started_at=started, endpoint=route, upstream=backend.label,
                     request_body=stored, request_headers=request_headers, session_id=filed_under(request_headers, None),
-                    client_addr=f"{request.client.host}:{request.client.port}" if request.client else None)
-        await record_durably(recorder, TurnBuilder(turn).finish(status, exc.message))
+                    client_addr=f"{request.client.host}:{request.client.port}" if request.client else None,
+                    status=status, error=exc.message, total_s=time.time() - started)
+        await record_durably(recorder, turn)
         if request.method == "HEAD":
             return Response(status_code=status, headers=headers)
         return JSONResponse(body, status_code=status, headers=headers)

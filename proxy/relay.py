@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Iterable, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -21,6 +21,7 @@ from proxy.request_limits import parse_body, read_request_body
 from proxy.turn_routes import WATCHED
 from recorder.sink import TurnSink  # the adapters import it from here
 from recorder.turn_builder import TurnBuilder
+from recorder.turn_facts import Fact, RenderedBy
 from recorder.turn import Turn
 
 log = logging.getLogger("prefixtrace.proxy")
@@ -78,13 +79,30 @@ async def record_refusal(recorder: TurnSink, turn: Turn, body_bytes: int) -> Non
     await recorder.enqueue(turn)
 
 
+class Framing(NamedTuple):
+    """How a protocol ends its stream: `is_end`, the event the turn is committed before (chat's `[DONE]`,
+    Messages' `message_stop`, a Responses terminal event); `in_band_error`, a failure after the
+    headers went out, in the protocol's shape."""
+    is_end: Callable[[bytes], bool]
+    in_band_error: Callable[[PrefixtraceError], list[bytes]]
+
+
+def feed(builder: TurnBuilder, facts: Iterable[Fact]) -> None:
+    """The facts a reply (or its opening) told, fed to the turn in the order they came."""
+    for fact in facts:
+        builder.feed(fact)
+
+
 async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recorder: TurnSink, parse, open_reply,
-                     stream, error_body: Callable[[PrefixtraceError], dict]):
+                     framing: Framing, error_body: Callable[[PrefixtraceError], dict]):
     """One proxied request, whatever its API, to `backend`: a `Turn` for it, the body parsed into a
-    request (`parse(body, headers)`), the backend's reply opened (`open_reply(req, builder,
-    headers)`), then `respond` with `stream(chat, builder, recorder)` as the SSE generator.
-    A bad body or a refusing backend is answered in the API's error shape and recorded; a request
-    whose client hangs up is recorded as 499 with the stage it reached (`abandoned`)."""
+    request (`parse(body, headers)`), the backend's reply opened (`open_reply(req, headers, learnt)`,
+    which appends to `learnt` the facts it learns on the way), then `respond`, a stream framed by
+    the protocol's `framing`. The turn's builder is this module's alone: it is fed what the request
+    is, the facts learnt while opening (whether the open succeeds, is refused or is abandoned) and
+    then those the reply carries. A bad body or a refusing backend is answered in the API's error
+    shape and recorded; a request whose client hangs up is recorded as 499 with the stage it
+    reached (`abandoned`)."""
     turn = Turn(
         request_id=uuid.uuid4().hex,
         started_at=time.time(),
@@ -96,6 +114,7 @@ async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recor
     )
     builder = TurnBuilder(turn)
     raw = b""
+    learnt: list[Fact] = []  # what the backend learns while it opens the reply, told whatever the outcome
 
     def refused_request(stored: str | None) -> None:
         """What a request the reply never opened for is recorded with: its body as far as it was
@@ -118,13 +137,14 @@ async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recor
             req.raw = raw
         req.query = request.scope.get("query_string", b"").decode("latin-1")  # forwarded upstream
         builder.on_session(filed_under(turn.request_headers, req.session_id), stream=req.stream)
-        chat = await open_reply(req, builder, turn.request_headers)
+        chat = await open_reply(req, turn.request_headers, learnt)
     except asyncio.CancelledError:
         # The client hung up (proxy/turn_routes.py, proxy/disconnect.py) or the server is stopping
         # while the reply was being opened: queued or prefilling in the engine (which cancelled its
         # sequence and named the stage in the turn's error), or waiting for the upstream's headers
         # (the upstream request is closed as the cancel unwinds it). Recorded now, without waiting:
         # nothing more can be sent, and this task must end.
+        feed(builder, learnt)
         refused_request(None)  # stopped while the body was read (a server shutting down)
         recorder.record(builder.cancelled(hang_up_error(QUEUED if backend.embedded else UPSTREAM_HEADERS)))
         raise
@@ -134,30 +154,33 @@ async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recor
             # so that every request leaves its turn.
             log.exception("request %s failed", turn.request_id)
             exc = PrefixtraceError(f"internal error: {type(exc).__name__}: {exc}")
+        feed(builder, learnt)
         refused_request(exc.stored_body)  # a refused request still belongs to its session
         status = http_status(exc)
         await record_refusal(recorder, builder.finish(status, exc.message), len(raw))
         return JSONResponse(error_body(exc), status_code=status)
+    feed(builder, learnt)
     turn.upstream = chat.url or turn.upstream  # the upstream (or pool member) that answered
     if chat.url is not None:  # its renderer, as the backend instance that read it knows it
-        builder.on_renderer(backend.renderer_of(chat.url))
-    return await respond(chat, builder, recorder, stream(chat, builder, recorder), error_body)
+        builder.feed(RenderedBy(backend.renderer_of(chat.url)))
+    return await respond(chat, builder, recorder, framing, error_body)
 
 
-async def stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink, *, is_end: Callable[[bytes], bool],
-                            in_band_error: Callable[[PrefixtraceError], list[bytes]],
-                            on_event: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
+async def stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink, framing: Framing) -> AsyncIterator[bytes]:
     """A streamed reply's SSE as sent, its turn recorded once, the same way for every protocol.
 
-    The turn is committed before the protocol's end marker (`is_end`: chat's `[DONE]`, Messages'
-    `message_stop`, a Responses terminal event) goes out, so a client that has read the end can rely
-    on the turn surviving a crash. A reply that knows its turn is complete earlier (an upstream's
-    usage chunk, `UpstreamChat.on_final`) starts the commit then, and the end marker waits for it.
-    A failure after the headers went out is recorded and told in band (`in_band_error`, in the
-    protocol's shape); a hang-up is recorded as 499 with the stage reached (`abandoned`).
-    `on_event`: called with each item before it is sent (the Responses adapter counts its events)."""
+    The reply's `sse()` yields the bytes to send and, before them, the facts they tell the turn
+    (recorder/turn_facts.py): the bytes go to the client, the facts to the builder, in the order
+    they came. The turn is committed before the protocol's end marker (`framing.is_end`: chat's
+    `[DONE]`, Messages' `message_stop`, a Responses terminal event) goes out, so a client that has
+    read the end can rely on the turn surviving a crash. A reply that knows its turn is complete
+    earlier (an upstream's usage chunk, `UpstreamChat.on_final`) starts the commit then, and the
+    end marker waits for it. A failure after the headers went out is recorded and told in band
+    (`framing.in_band_error`, in the protocol's shape); a hang-up is recorded as 499 with the
+    stage reached (`abandoned`)."""
     recorded = False
     early_commit: asyncio.Task | None = None
+    is_end = framing.is_end
 
     def finish(error: str | None = None) -> Turn:
         nonlocal recorded
@@ -172,8 +195,10 @@ async def stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink, *, i
     chat.on_final = commit_now  # a reply that can tell its turn is complete before the end marker calls it
     try:
         async for event in chat.sse():
-            if on_event is not None:
-                on_event(event)
+            if type(event) is not bytes:
+                if not recorded:  # after an early commit the turn is the recorder's: nothing more is told
+                    builder.feed(event)
+                continue
             if is_end(event):
                 if early_commit is not None:
                     await asyncio.shield(early_commit)
@@ -183,7 +208,7 @@ async def stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink, *, i
     except PrefixtraceError as exc:  # failed after the headers went out: tell the client in band
         if not recorded:
             await record_durably(recorder, finish(exc.message))
-        for out in in_band_error(exc):
+        for out in framing.in_band_error(exc):
             yield out
     except (asyncio.CancelledError, GeneratorExit):  # the client hung up: 499, with the stage reached
         chat.cancel()
@@ -196,13 +221,15 @@ async def stream_and_record(chat, builder: TurnBuilder, recorder: TurnSink, *, i
             recorder.record(finish())
 
 
-async def respond(chat, builder: TurnBuilder, recorder: TurnSink, stream, error_body: Callable[[PrefixtraceError], dict]):
-    """`stream` is the SSE generator to send when the chat streams; otherwise the whole
-    body goes out, recorded first. `error_body` renders an error in the API's shape."""
+async def respond(chat, builder: TurnBuilder, recorder: TurnSink, framing: Framing,
+                  error_body: Callable[[PrefixtraceError], dict]):
+    """A streaming reply goes out as its SSE events (`stream_and_record`, framed by `framing`);
+    otherwise the whole body goes out, recorded first, with the facts it tells. `error_body` renders
+    an error in the API's shape."""
     if chat.streams_events:
-        return EventStreamResponse(stream, status_code=chat.status)
+        return EventStreamResponse(stream_and_record(chat, builder, recorder, framing), status_code=chat.status)
     try:
-        data, content_type = await chat.whole()
+        whole = await chat.whole()
     except PrefixtraceError as exc:
         status = http_status(exc)
         await record_durably(recorder, builder.finish(status, exc.message))
@@ -210,8 +237,9 @@ async def respond(chat, builder: TurnBuilder, recorder: TurnSink, stream, error_
     except asyncio.CancelledError:  # the client hung up (proxy/disconnect.py) or the server is stopping
         recorder.record(abandoned(chat, builder))
         raise
+    feed(builder, whole.facts)
     await record_durably(recorder, builder.finish(chat.status))
-    return Response(data, status_code=chat.status, media_type=content_type)
+    return Response(whole.data, status_code=chat.status, media_type=whole.content_type)
 
 
 # The response that carries a turn's SSE stream to the client (every protocol, every backend).

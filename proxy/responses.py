@@ -32,13 +32,13 @@ from prefixtrace.common.errors import (InvalidRequest, PrefixtraceError, Unknown
                            to_openai_error)
 from prefixtrace.wire import responses as wire
 from prefixtrace.wire import sse
-from prefixtrace.wire.events import ReplyDone, Usage
+from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, Usage
 from prefixtrace.wire.responses_stream import TERMINAL, ResponsesReader, ResponsesWriter, encode
-from recorder.turn_builder import TurnBuilder
+from recorder.turn_facts import SENT, ErrorText, Fact, ReplyTokens, Served, WholeEvents
 from proxy.upstream_query import with_query
 from proxy.chat_request import ChatRequest, parse_chat_request, passthrough_request
-from proxy.backend import Backend
-from proxy.relay import TurnSink, serve_turn, stream_and_record
+from proxy.backend import Backend, WholeReply
+from proxy.relay import Framing, TurnSink, serve_turn
 from proxy.upstream_backend import Relayed, map_httpx_errors, served_by
 
 RESPONSES_PATH = wire.PATH
@@ -91,13 +91,16 @@ def _conversation(req: ChatRequest) -> list[dict]:
 
 
 class EngineResponses:
-    """One Responses request served by the engine; wraps the engine's `EngineChat`."""
+    """One Responses request served by the engine; wraps the engine's `EngineChat`. Each event it writes
+    is a point of the turn's timeline (`SENT`, before its bytes)."""
 
     status = 200
 
-    def __init__(self, chat, req: ChatRequest, builder: TurnBuilder, store: ResponseStore):
-        self.chat, self.req, self.builder, self.store = chat, req, builder, store
+    def __init__(self, chat, req: ChatRequest, store: ResponseStore):
+        self.chat, self.req, self.store = chat, req, store
         self.writer = ResponsesWriter(req.body, req.model or chat.model)
+        self._text: list[str] = []  # the reply as sent, for the stored conversation
+        self._reasoning: list[str] = []
 
     @property
     def streams_events(self) -> bool:
@@ -113,24 +116,31 @@ class EngineResponses:
     def cancel(self) -> None:
         self.chat.cancel()
 
-    def _on(self, event) -> list[dict]:
+    def _on(self, event, told: list[Fact]) -> list[dict]:
+        """The Responses events `event` is written as; what it tells the turn added to `told`."""
+        if isinstance(event, ReplyTokens):  # the engine's facts for the turn
+            told.append(event)
+            return []
         if not self.writer.accepts(event):  # a second call under parallel_tool_calls: false: not sent, not recorded
             return []
-        self.builder.on_event(event)
+        told.append(event)
+        if isinstance(event, ContentDelta):
+            self._text.append(event.text)
+        elif isinstance(event, ReasoningDelta):
+            self._reasoning.append(event.text)
         out = self.writer.feed(event)
         if isinstance(event, ReplyDone):  # the usage object the writer sent, with the event's own counts
-            self.builder.on_counts(Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens,
-                                         as_sent=self.writer.usage))
+            told.append(Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens,
+                              as_sent=self.writer.usage))
             self._keep()
         return out
 
     def _keep(self) -> None:
         if self.req.body.get("store") is False:
             return
-        turn = self.builder.turn
-        reply: dict = {"role": "assistant", "content": turn.response_text}
-        if turn.reasoning_text:
-            reply["reasoning_content"] = turn.reasoning_text
+        reply: dict = {"role": "assistant", "content": "".join(self._text)}
+        if self._reasoning:
+            reply["reasoning_content"] = "".join(self._reasoning)
         calls = [item for item in self.writer.output if item["type"] == "function_call"]
         if calls:
             reply["tool_calls"] = [{"id": c["call_id"], "type": "function",
@@ -138,67 +148,79 @@ class EngineResponses:
         response = json.loads(json.dumps(self.writer.response()))  # a copy: the writer's items stay its own
         self.store.put(self.writer.id, _conversation(self.req) + [reply], response)
 
-    async def sse(self) -> AsyncIterator[bytes]:
+    async def sse(self) -> AsyncIterator[bytes | Fact]:
         for event in self.writer.start():
+            yield SENT
             yield encode(event)
         try:
             async for reply in self.chat.reply_events():
-                for event in self._on(reply):
+                told: list[Fact] = []
+                out = self._on(reply, told)
+                for fact in told:
+                    yield fact
+                for event in out:
+                    yield SENT
                     yield encode(event)
         except PrefixtraceError as exc:
-            self.builder.on_error(exc.message)
+            yield ErrorText(exc.message)
             for event in self.writer.fail(exc.code or "server_error", exc.message):
+                yield SENT
                 yield encode(event)
 
-    async def whole(self) -> tuple[bytes, str]:
+    async def whole(self) -> WholeReply:
+        told: list[Fact] = []
         async for reply in self.chat.reply_events():
-            self._on(reply)
-        return json.dumps(self.writer.response(), ensure_ascii=False).encode(), "application/json"
+            self._on(reply, told)
+        return WholeReply(json.dumps(self.writer.response(), ensure_ascii=False).encode(), "application/json", told)
 
 
 class UpstreamResponses(Relayed):
     """An upstream's Responses reply, passed through and read into the turn."""
 
-    def __init__(self, response, builder: TurnBuilder, url: str):
+    def __init__(self, response, url: str):
         super().__init__(response, url)
-        self.builder = builder
         self.reader = ResponsesReader()
-        builder.on_served(served_by(response, url))  # the worker behind a router, else `url`
         self._complete = False  # a terminal event or an in-band error seen
 
-    def _on(self, data: dict) -> None:
+    def _on(self, data: dict, told: list[Fact]) -> None:
         self._complete = self._complete or data.get("type") in (*TERMINAL, "error")
-        for event in self.reader.feed(data):  # a terminal event's ReplyDone carries its usage as sent
-            self.builder.on_event(event)
+        told.extend(self.reader.feed(data))  # a terminal event's ReplyDone carries its usage as sent
         if data.get("type") in TERMINAL:
             response = data.get("response") or {}
             if response.get("error"):
-                self.builder.on_error(str(response["error"])[:2000])
+                told.append(ErrorText(str(response["error"])[:2000]))
         elif data.get("type") == "error":
-            self.builder.on_error(str(data.get("message") or data)[:2000])
+            told.append(ErrorText(str(data.get("message") or data)[:2000]))
 
-    async def sse(self) -> AsyncIterator[bytes]:
-        """The events as they came, one item per upstream read (`sse.joined`); a terminal one by itself."""
+    async def sse(self) -> AsyncIterator[bytes | Fact]:
+        """The events as they came, one item per upstream read (`sse.joined`), after what that read tells
+        the turn (each event a point of its timeline); a terminal one by itself."""
         try:
             with map_httpx_errors(self.url):
                 async for batch in self.event_batches():
+                    told: list[Fact] = []
                     for event in batch:
-                        self.read_event(event, self._on)  # one it cannot read is passed on, its fault recorded
+                        self.read_event(event, self._on, told)  # one it cannot read is passed on, its fault told
+                    for fact in told:
+                        yield fact
                     for out in sse.joined(batch, _is_terminal):
+                        for _ in range(out.count(b"\n\n")):
+                            yield SENT
                         yield out
         finally:
             await self.response.aclose()
         if not self._complete:  # cut short: only the protocol's own end marks tell (as on chat completions)
             raise UpstreamError(f"the stream from {self.url} ended without response.completed (cut short?)")
 
-    async def whole(self) -> tuple[bytes, str]:
+    async def whole(self) -> WholeReply:
         data, body = await self.read()
+        facts: list[Fact] = []
         if body is not None and self.status < 400:
             with self.reading(body, "output"):  # a body of the wrong shape: a 502 naming the upstream's fault
-                self.builder.on_whole(self.reader.whole(body))  # its ReplyDone carries the usage as sent
+                facts.append(WholeEvents(list(self.reader.whole(body))))  # its ReplyDone carries the usage as sent
         elif self.status >= 400:
-            self.builder.on_error(self.error_text(data, body))
-        return data, self.content_type
+            facts.append(ErrorText(self.error_text(data, body)))
+        return WholeReply(data, self.content_type, facts)
 
 
 def add_responses_route(app: FastAPI, backend: Backend, recorder: TurnSink) -> None:
@@ -220,20 +242,21 @@ def add_responses_route(app: FastAPI, backend: Backend, recorder: TurnSink) -> N
         req.session_id = wire.session_id(body, headers)
         return req
 
-    async def open_reply(req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
+    async def open_reply(req: ChatRequest, headers: dict[str, str], learnt: list[Fact]):
         if on_engine:
             # Streamed: the headers and response.created go out before prefill (a client's idle timeout
             # counts from the request), and an engine failure after that is response.failed in-band.
-            chat = await backend.open(req, builder, headers, wait_first=not req.stream)
-            return EngineResponses(chat, req, builder, store)
+            chat = await backend.open(req, headers, learnt, wait_first=not req.stream)
+            return EngineResponses(chat, req, store)
         response, url = await backend.post(with_query(RESPONSES_PATH, req.query), req.body, headers, session_id=req.session_id,
                                            raw=req.raw)
-        return UpstreamResponses(response, builder, url)
+        learnt.append(Served(served_by(response, url)))  # the worker behind a router, else `url`
+        return UpstreamResponses(response, url)
 
     @app.post(RESPONSES_PATH)
     async def responses(request: Request):
         return await serve_turn(request, endpoint=RESPONSES_PATH, backend=backend, recorder=recorder,
-                                parse=parse, open_reply=open_reply, stream=_stream, error_body=to_openai_error)
+                                parse=parse, open_reply=open_reply, framing=FRAMING, error_body=to_openai_error)
 
     @app.get(RESPONSES_PATH + "/{response_id}")
     async def retrieve(response_id: str):
@@ -254,13 +277,5 @@ def _in_band_error(exc: PrefixtraceError) -> list[bytes]:
     return [encode({"type": "error", "sequence_number": 0, "code": exc.code, "message": exc.message, "param": None})]
 
 
-def _stream(chat, builder: TurnBuilder, recorder):
-    """Every streamed Responses reply: committed before its terminal event, errors as an `error` event;
-    each event counted as sent (an upstream's read may carry several)."""
-
-    def count(event: bytes) -> None:
-        for _ in range(event.count(b"\n\n")):
-            builder.on_sent()
-
-    return stream_and_record(chat, builder, recorder, is_end=_is_terminal, in_band_error=_in_band_error,
-                             on_event=count)
+# Every streamed Responses reply: committed before its terminal event, errors as an `error` event.
+FRAMING = Framing(_is_terminal, _in_band_error)

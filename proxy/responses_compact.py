@@ -20,13 +20,13 @@ from prefixtrace.wire import responses as wire
 from prefixtrace.wire.responses import COMPACT_PATH
 from prefixtrace.wire.events import Usage
 from prefixtrace.wire.responses_stream import ResponsesReader
-from proxy.backend import Backend
+from proxy.backend import Backend, WholeReply
 from proxy.chat_request import ChatRequest, passthrough_request
 from proxy.relay import TurnSink, serve_turn
-from proxy.responses import _stream  # never used: the reply is unary, but serve_turn takes one
+from proxy.responses import FRAMING  # never used: the reply is unary, but serve_turn takes one
 from proxy.upstream_backend import Relayed, served_by
 from proxy.upstream_query import with_query
-from recorder.turn_builder import TurnBuilder
+from recorder.turn_facts import ErrorText, Fact, Served
 
 
 class CompactionNotServed(UnknownEndpoint):
@@ -36,26 +36,21 @@ class CompactionNotServed(UnknownEndpoint):
 class UpstreamCompaction(Relayed):
     """The upstream's compaction, passed through whole; its usage kept as the turn's counts."""
 
-    def __init__(self, response, builder: TurnBuilder, url: str):
-        super().__init__(response, url)
-        self.builder = builder
-        builder.on_served(served_by(response, url))
-
     @property
     def streams_events(self) -> bool:
         return False  # a unary reply, whatever the request's `stream`
 
-    async def whole(self) -> tuple[bytes, str]:
+    async def whole(self) -> WholeReply:
         data, body = await self.read()
+        facts: list[Fact] = []
         if body is not None and self.status < 400:
             # the counts only: the output is the client's new history, not a reply of the model's
             done = ResponsesReader().done({"usage": body.get("usage") or {}})
             usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
-            self.builder.on_counts(Usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens,
-                                         as_sent=usage))
+            facts.append(Usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens, as_sent=usage))
         elif self.status >= 400:
-            self.builder.on_error(self.error_text(data, body))
-        return data, self.content_type
+            facts.append(ErrorText(self.error_text(data, body)))
+        return WholeReply(data, self.content_type, facts)
 
 
 def add_compact_route(app: FastAPI, backend: Backend, recorder: TurnSink) -> None:
@@ -71,12 +66,13 @@ def add_compact_route(app: FastAPI, backend: Backend, recorder: TurnSink) -> Non
         req.stream = False
         return req
 
-    async def open_reply(req: ChatRequest, builder: TurnBuilder, headers: dict[str, str]):
+    async def open_reply(req: ChatRequest, headers: dict[str, str], learnt: list[Fact]):
         response, url = await backend.post(with_query(COMPACT_PATH, req.query), req.body, headers,
                                            session_id=req.session_id, raw=req.raw)
-        return UpstreamCompaction(response, builder, url)
+        learnt.append(Served(served_by(response, url)))
+        return UpstreamCompaction(response, url)
 
     @app.post(COMPACT_PATH)
     async def compact(request: Request):
         return await serve_turn(request, endpoint=COMPACT_PATH, backend=backend, recorder=recorder, parse=parse,
-                                open_reply=open_reply, stream=_stream, error_body=to_openai_error)
+                                open_reply=open_reply, framing=FRAMING, error_body=to_openai_error)

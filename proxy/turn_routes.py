@@ -15,6 +15,9 @@ out, cancels the request's own task (a non-streamed turn stops its backend; a st
 recorded as the client saw it, `EventStreamResponse` in proxy/relay.py). It calls the function the FastAPI route
 holds, so there is one handler per endpoint, registered once (and still in the OpenAPI schema);
 every other request, and every method but POST, goes through FastAPI as before.
+
+The headers every response carries (`MaxContextHeader`) are defined here too: `TurnRoutes` adds
+them to the head it sends, and the full stack runs the same class as its middleware.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import asyncio
 import inspect
 
 from fastapi.routing import APIRoute
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import Request
 
 # Set in the scope of a request whose hang-up `TurnRoutes` watches: a response that would
@@ -120,6 +123,48 @@ class TurnRoutes:
             finished = True
             if watcher is not None and not watcher.done():
                 watcher.cancel()
+
+
+class MaxContextHeader:
+    """ASGI middleware: `X-Max-Context-Tokens` on every response whose backend has a limit,
+    which lets a harness compact before it hits the wall, and `X-Prefixtrace-Worker` when the
+    server has a worker name. Pure ASGI (it only edits the `http.response.start` message):
+    Starlette's `BaseHTTPMiddleware` would run every response through an extra task and memory
+    stream, ~ms per request (issue 17). `TurnRoutes` calls `add_to` on the heads it sends."""
+
+    def __init__(self, app, *, backend, worker_name: str | None = None):
+        self.app = app
+        self.backend = backend
+        self.worker = worker_name
+        # The engine's limit is known once its model has loaded, and fixed from then on (its memory
+        # model is made once, at load): read until it is known, then kept. An upstream's limits are
+        # its own (`max_context_tokens` is None for good): no limit to add.
+        self.reads_limit = backend.embedded
+        self.limit: int | None = None
+        self.never = not self.reads_limit and self.worker is None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.never:
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                self.add_to(message)
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+    def add_to(self, start: dict) -> None:
+        """The headers on one `http.response.start` message: the context limit when the backend
+        has one now, the worker's name when it has one."""
+        headers = MutableHeaders(scope=start)
+        limit = self.limit
+        if limit is None and self.reads_limit:
+            limit = self.limit = self.backend.max_context_tokens
+        if limit is not None:
+            headers["X-Max-Context-Tokens"] = str(limit)
+        if self.worker is not None:
+            headers["X-Prefixtrace-Worker"] = self.worker
 
 
 def _takes_only_a_request(fn) -> bool:

@@ -35,6 +35,7 @@ from proxy.relay import UPSTREAM_BODY
 from proxy.reply_bounds import MAX_PROPS_BYTES, ReplyTooLarge, bounded, read_bounded
 from proxy.upstream_http import WORKER_HEADER, UpstreamConnections
 from recorder import renderers
+from recorder.turn_facts import Fact, UpstreamFault
 
 # Headers that describe one hop, not the request; httpx sets its own.
 _HOP_HEADERS = {
@@ -52,7 +53,7 @@ _NOT_IN_A_HEADER = re.compile("[\r\n\0]")
 # session's turns stay on the worker that holds its prefix (docs/FLEET.md): sglang-router's `manual`
 # policy reads X-SMG-Routing-Key, vllm-router's `consistent_hash` and `sticky_least_loaded` X-Session-Id.
 ROUTING_KEY_HEADERS = ("x-smg-routing-key", "x-session-id", "x-dynamo-session-id")
-# What reading a reply of the wrong shape raises (the turn builder's `ValueError`s, and the
+# What reading a reply of the wrong shape raises (a fact's reading, `ChatChunk.read`'s `ValueError`s, and the
 # readers' `.get` on a string): the upstream's fault, not the proxy's.
 UNREADABLE = (ValueError, TypeError, AttributeError, KeyError, IndexError)
 
@@ -408,20 +409,19 @@ class Relayed:
             raise UpstreamError(f"upstream {self.url} answered a body the proxy cannot read ({exc}): "
                                 f"{_excerpt(json.dumps(body, ensure_ascii=False))}", upstream=self.url) from exc
 
-    def read_event(self, event: bytes, read: Callable[[dict], None]) -> dict | None:
-        """One streamed event into the turn by `read(data)` (its JSON data); returns the data. An
-        event the proxy cannot read (data that is not a JSON object, or one of the wrong shape) is
-        still the client's, as it came: the turn records the upstream's fault (`fault`)."""
+    def read_event(self, event: bytes, read: Callable[[dict, list[Fact]], None], told: list[Fact]) -> None:
+        """One streamed event read by `read(data, told)` (its JSON data), which adds to `told` what it tells
+        the turn. An event the proxy cannot read (data that is not a JSON object, or one of the wrong
+        shape) is still the client's, as it came: the turn is told the upstream's fault (`fault`)."""
         data = sse.decode_data(event)
         if data is None:
             if sse.unreadable(event):
-                self.fault("data that is not a JSON object", event)
-            return None
+                told.append(self.fault("data that is not a JSON object", event))
+            return
         try:
-            read(data)
+            read(data, told)
         except UNREADABLE as exc:
-            self.fault(str(exc), event)
-        return data
+            told.append(self.fault(str(exc), event))
 
     @staticmethod
     def error_text(data: bytes, body: dict | None) -> str:
@@ -429,7 +429,6 @@ class Relayed:
         not parse, cut at 2,000 characters."""
         return (str(body.get("error", body)) if body is not None else data.decode(errors="replace"))[:2000]
 
-    def fault(self, why: str, event: bytes) -> None:
-        """The first unreadable event of a stream, kept as the turn's error (the client got it as sent)."""
-        if not self.builder.turn.error:
-            self.builder.on_error(f"upstream {self.url} sent an event the proxy cannot read ({why}): {_excerpt(event)}")
+    def fault(self, why: str, event: bytes) -> UpstreamFault:
+        """An unreadable event of a stream, as its turn keeps it (the first one; the client got it as sent)."""
+        return UpstreamFault(f"upstream {self.url} sent an event the proxy cannot read ({why}): {_excerpt(event)}")

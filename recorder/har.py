@@ -38,6 +38,7 @@ from recorder import numbers
 from recorder.turn import Turn
 from recorder.renderers import from_record, to_record, with_renderer
 from recorder.turn_builder import TurnBuilder
+from recorder.turn_facts import ChatBody, ChatChunk, Stop, WholeEvents
 
 CREATOR = {"name": "prefixtrace", "version": "1"}
 _EXTRA = "_prefixtrace"
@@ -278,28 +279,28 @@ class _ReplyReader:
     def event(self, data: dict) -> None:
         if self.protocol == "messages":
             for event in self.messages.feed(data):
-                self.builder.on_event(event)
+                self.builder.feed(event)
             kind = data.get("type")
             usage = (data.get("message") or {}).get("usage") if kind == "message_start" else data.get("usage")
             if kind in ("message_start", "message_delta") and isinstance(usage, dict):
                 self._usage.update({k: v for k, v in usage.items() if v is not None})
-                self.builder.on_counts(messages_wire.usage_counts(self._usage))
+                self.builder.feed(messages_wire.usage_counts(self._usage))
             if kind == "message_delta":
-                self.builder.on_stop(messages_wire.finish_reason((data.get("delta") or {}).get("stop_reason")))
+                self.builder.feed(Stop(messages_wire.finish_reason((data.get("delta") or {}).get("stop_reason"))))
         elif self.protocol == "responses":
             for event in self.responses.feed(data):  # a terminal event's ReplyDone carries its usage
-                self.builder.on_event(event)
+                self.builder.feed(event)
         else:
-            self.builder.on_chunk(data)
+            self.builder.feed(ChatChunk.read(data))
 
     def whole(self, body: dict) -> None:
         if self.protocol == "messages":
-            self.builder.on_whole(self.messages.whole(body))
-            self.builder.on_stop(messages_wire.finish_reason(body.get("stop_reason")))
+            self.builder.feed(WholeEvents(list(self.messages.whole(body))))
+            self.builder.feed(Stop(messages_wire.finish_reason(body.get("stop_reason"))))
             usage = body.get("usage")
             if isinstance(usage, dict):
-                self.builder.on_counts(messages_wire.usage_counts(usage))
+                self.builder.feed(messages_wire.usage_counts(usage))
         elif self.protocol == "responses":
-            self.builder.on_whole(self.responses.whole(body))  # its ReplyDone carries the usage
+            self.builder.feed(WholeEvents(list(self.responses.whole(body))))  # its ReplyDone carries the usage
         else:
-            self.builder.on_response(body)
+            self.builder.feed(ChatBody.read(body))

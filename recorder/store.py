@@ -319,7 +319,7 @@ class Recorder:
                 if batch and batch[-1] is _STOP:
                     batch.pop()
                     stop = True
-                if (len(self._spool) or self._db is None) and (stop or time.monotonic() >= self._next_retry):
+                if self._spooling() and (stop or time.monotonic() >= self._next_retry):
                     self._drain()
                 if batch:
                     self._busy_since = time.monotonic()
@@ -343,11 +343,16 @@ class Recorder:
             with self._cond:
                 self._cond.notify_all()
 
+    def _spooling(self) -> bool:
+        """Turns are spooled, or the database is closed until it takes writes again: new turns go to
+        the spool, behind the spooled ones, and the writer tries the database every `retry_s`."""
+        return bool(len(self._spool)) or self._db is None
+
     def _next_batch(self) -> list:
         """Up to `_MAX_BATCH` queued turns (and `_STOP`); waits for the first, or, while turns
         are spooled, only until the next attempt at the database is due ([] then)."""
         try:
-            if len(self._spool) or self._db is None:
+            if self._spooling():
                 first = self._queue.get(timeout=max(0.0, self._next_retry - time.monotonic()))
             else:
                 first = self._queue.get()
@@ -374,7 +379,7 @@ class Recorder:
             except Exception as exc:
                 results[i] = exc if isinstance(exc, RecorderError) else RecorderError(
                     f"writing turns failed: {type(exc).__name__}: {exc}")
-        if len(self._spool) or self._db is None:  # turns wait behind the spooled ones
+        if self._spooling():  # turns wait behind the spooled ones
             self._spool_rows(rows, results)
             return results
         try:

@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 import socket
+import sqlite3
 import threading
 import time
 from contextlib import contextmanager
@@ -117,6 +118,12 @@ def test_requests_abandoned_while_queued_are_cancelled_and_recorded(tmp_path):
             [(r["endpoint"], r["stream"], r["status"], r["error"]) for r in queued]
         assert {(r["endpoint"], bool(r["stream"])) for r in queued} == \
             {(p, s) for p in ENDPOINTS for s in (False, True)}
+        # What the open learnt before the hang-up (the render, who serves) is recorded with it.
+        assert all(json.loads(r["render"])["prompt_tokens"] > 0 for r in queued), [r["render"] for r in queued]
+        with sqlite3.connect(rec.path) as con:  # `turn_log`: who served is not in the v1 `turns` view
+            served = {by for (by,) in con.execute("SELECT served_by FROM turn_log WHERE status = 499 "
+                                                  "AND endpoint != '/v1/completions'")}  # a raw prompt: no renderer
+        assert served == {"embedded:tiny-llama"}
         assert engine.stats["cancelled"] == len(socks) and engine.stats["generated_tokens"] < 20000
 
         blocker.close()  # the decoding one gives up too

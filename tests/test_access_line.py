@@ -15,10 +15,10 @@ import uvicorn
 
 from proxy.connections import (
     H11WithHeadTimeout,
+    QueryValuesMasked,
     _httptools_protocol,
     with_head_timeout,
 )
-from prefixtrace.serve import QueryValuesMasked
 from tests.conftest import answer_lifespan, free_port, read_until, start_uvicorn
 
 PROTOCOLS = {"h11": H11WithHeadTimeout}

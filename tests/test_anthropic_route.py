@@ -4,6 +4,7 @@ its session ids; and max_tokens beyond the context (clamped by default, refused 
 from __future__ import annotations
 
 import json
+import sqlite3
 
 import httpx
 import pytest
@@ -116,3 +117,8 @@ def test_reject_policy_keeps_the_400_with_the_numbers(small_context, recorder):
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["max_tokens"] == 32000 and "can never fit" in error["message"]
+    # What the engine learnt before it refused (the render, who serves, with which renderer) stays on the turn.
+    assert json.loads(rows(recorder)[0]["render"])["prompt_tokens"] > 0
+    with sqlite3.connect(recorder.path) as con:  # `turn_log`: who served is not in the v1 `turns` view
+        ((served_by, renderer_id),) = con.execute("SELECT served_by, renderer_id FROM turn_log").fetchall()
+    assert served_by.startswith("embedded:") and renderer_id is not None

@@ -192,7 +192,7 @@ def test_the_messages_writer_records_from_reply_events_not_chat_chunks():
     """What is recorded comes from the reply events the writer writes: no OpenAI-shaped chunk is built to
     feed the turn builder, and no field of the turn is set by hand."""
     source = (Path(__file__).parent.parent / "proxy" / "anthropic.py").read_text()
-    assert "on_chunk(" not in source and '"choices"' not in source
+    assert "on_chunk(" not in source and "ChatChunk" not in source and '"choices"' not in source
     assert re.search(r"\bturn\.[a-z_]+\s*=[^=]", source) is None
 
 

@@ -297,6 +297,19 @@ def test_a_refused_connection_is_a_502_naming_the_upstream(tmp_path):
         assert rows(rec)[0]["status"] == 502
 
 
+async def _relayed(chat, builder, learnt) -> list[bytes]:
+    """What the relay does with an opened reply's stream: the bytes sent, the facts fed to the turn."""
+    for fact in learnt:
+        builder.feed(fact)
+    sent = []
+    async for out in chat.sse():
+        if isinstance(out, bytes):
+            sent.append(out)
+        else:
+            builder.feed(out)
+    return sent
+
+
 def test_the_events_of_one_upstream_read_go_out_together_and_done_alone():
     """The role chunk and the first content usually come in one read: one write to the client,
     not two (issue 17). [DONE] still comes by itself (the commit waits in front of it), and a
@@ -325,8 +338,9 @@ def test_the_events_of_one_upstream_read_go_out_together_and_done_alone():
         req = parse_chat_request({"stream": True, "messages": [{"role": "user", "content": "hi"}]})
         builder = TurnBuilder(Turn(request_id="r", started_at=0.0, endpoint="/v1/chat/completions",
                                    upstream="u", request_body=None, request_headers={}))
-        chat = await open_upstream(backend, req, builder, {})
-        return [out async for out in chat.sse()], builder.turn
+        learnt = []
+        chat = await open_upstream(backend, req, {}, learnt)
+        return await _relayed(chat, builder, learnt), builder.turn
 
     sent, turn = asyncio.run(run())
     assert sent == [role + first, last, sse.DONE]
@@ -373,9 +387,10 @@ def test_http_chunks_that_arrived_together_go_out_as_one_write(tmp_path):
         req = parse_chat_request({"stream": True, "messages": [{"role": "user", "content": "hi"}]})
         builder = TurnBuilder(Turn(request_id="r", started_at=0.0, endpoint="/v1/chat/completions",
                                    upstream="u", request_body=None, request_headers={}))
-        chat = await open_upstream(backend, req, builder, {})
+        learnt = []
+        chat = await open_upstream(backend, req, {}, learnt)
         try:
-            return [out async for out in chat.sse()], builder.turn
+            return await _relayed(chat, builder, learnt), builder.turn
         finally:
             await backend.aclose()
 

@@ -92,28 +92,35 @@ def test_the_recorder_and_the_app_sink_satisfy_the_protocol(tmp_path):
         assert tapped.health() == rec.health() and tapped.spool_state() == rec.spool_state()
 
 
-def test_taps_run_in_order_and_a_failing_tap_costs_no_turn(tmp_path):
+def test_taps_run_in_order_once_the_turn_is_recorded_and_a_failing_tap_costs_no_turn(tmp_path):
     seen = []
 
+    def committed(request_id: str) -> bool:
+        return request_id in {t.request_id for t in load_turns(tmp_path / "r.db")}
+
     def first(turn):
-        turn.session_id = "tagged"
-        seen.append(("first", turn.session_id))
+        seen.append(("first", turn.request_id))
 
     def broken(turn):
         raise RuntimeError("tap bug")
 
     def last(turn):
-        seen.append(("last", turn.session_id))
+        seen.append(("last", turn.request_id, committed(turn.request_id)))
+
+    async def record_then_respond(sink, turn):
+        await sink.record_async(turn)
+        seen.append(("response", turn.request_id))  # what waited for the commit goes first, then the taps
+        await asyncio.sleep(0)
 
     with Recorder(tmp_path / "r.db") as rec:
         sink = TappedSink(rec, [first, broken, last])
-        asyncio.run(sink.record_async(_turn("a")))
-        sink.record(_turn("b")).result(10)
+        asyncio.run(record_then_respond(sink, _turn("a")))
+        sink.record(_turn("b")).result(10)  # no loop runs here: the taps run at once, after the hand-over
         asyncio.run(_enqueue_and_wait(sink, _turn("c")))
         assert rec.flush(10)
-    assert seen == [("first", "tagged"), ("last", "tagged")] * 3
-    stored = sorted((t.request_id, t.session_id) for t in load_turns(tmp_path / "r.db"))
-    assert stored == [("a", "tagged"), ("b", "tagged"), ("c", "tagged")]
+    assert seen[:3] == [("response", "a"), ("first", "a"), ("last", "a", True)]
+    assert [s[:2] for s in seen[3:]] == [("first", "b"), ("last", "b"), ("first", "c"), ("last", "c")]
+    assert sorted(t.request_id for t in load_turns(tmp_path / "r.db")) == ["a", "b", "c"]
 
 
 def _turn(request_id: str) -> Turn:

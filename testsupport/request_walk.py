@@ -16,8 +16,10 @@ What is counted (docs/ARCHITECTURE.md, "The path of one request"):
 The server is `prefixtrace serve` itself (prefixtrace/serve.py `serve`) on the tiny fixture model, run on this
 process's main thread; a client thread sends the requests. Startup is excluded: the profiler is installed
 before the server starts (so every thread it starts inherits it) but records nothing until the model is
-loaded and one non-streamed and one streamed request have warmed every path up. Each measured request is
-recorded in a window of its own, closed once nothing project-side has run for a moment after the reply.
+loaded and one non-streamed and one streamed request have warmed every path up. Each request is recorded
+in a window of its own, closed once nothing project-side has run for a moment after the reply (work a
+reply leaves for the loop's next turn, the recorder's taps, included); the warm-up's windows are dropped,
+so a measured window opens on a quiet server.
 Python 3.11 has no sys.monitoring: sys.setprofile/threading.setprofile it is, and a generator's fresh start
 is told from a resume by its frame standing at the code's first RESUME instruction.
 """
@@ -210,8 +212,8 @@ def measure() -> dict[str, list[FileWalk]]:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, None, "serve", 120)
             with httpx.Client(base_url=url, timeout=60) as http:
-                for stream in (False, True):
-                    _chat(http, WARM_UP, stream=stream)
+                for stream in (False, True):  # walked and dropped: each window opens on a quiet server
+                    _measured(tracer, lambda: _chat(http, WARM_UP, stream=stream))
                 results["chat, not streamed"] = _measured(tracer, lambda: _chat(http, CONVERSATION, stream=False))
                 results["chat, streamed"] = _measured(tracer, lambda: _chat(http, CONVERSATION, stream=True))
         except BaseException as exc:  # re-raised on the main thread
@@ -233,9 +235,30 @@ def measure() -> dict[str, list[FileWalk]]:
     return results
 
 
+@dataclass(frozen=True)
+class Figures:
+    """What docs/ARCHITECTURE.md states of one walk (tests/test_request_walk.py compares them)."""
+
+    files: int
+    way_in: int  # files first touched before the first reply byte
+    way_out: int  # files touched only after it
+    reentered: int  # files entered again on the way in, from another caller than the first
+
+    @property
+    def target_met(self) -> bool:
+        """Issue 36's target: within 12 files, each entered once on the way in."""
+        return self.files <= 12 and self.reentered == 0
+
+
+def figures_of(walks: list[FileWalk]) -> Figures:
+    way_in = sum(w.way == "in" for w in walks)
+    return Figures(len(walks), way_in, len(walks) - way_in, sum(bool(w.reentries_in) for w in walks))
+
+
 def print_walk(name: str, walks: list[FileWalk]) -> None:
-    inward = [w for w in walks if w.way == "in"]
-    print(f"{name}: {len(walks)} files ({len(inward)} on the way in, {len(walks) - len(inward)} only on the way out)")
+    f = figures_of(walks)
+    print(f"{name}: {f.files} files ({f.way_in} on the way in, {f.way_out} only on the way out; "
+          f"{f.reentered} re-entered on the way in)")
     print(f"  {'#':>2} {'file':<32} {'way':<4} {'thread':<18} {'first entered from':<30} {'function':<40} "
           "re-entered on the way in from")
     for i, w in enumerate(walks, 1):
