@@ -25,6 +25,11 @@ log = logging.getLogger("prefixtrace.scheduler")
 KV_ROOM_STEP = 256
 
 
+def as_restored(cache: list) -> list:
+    """The default `adapt_cache`: prefill runs on a prefix-cache hit's caches as they are."""
+    return cache
+
+
 @dataclass(eq=False)
 class PrefillJob:
     seq: Sequence

@@ -21,7 +21,7 @@ engine keeps dense (`dense_layers`) are "<layer>.k"/".v" in the same block.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -75,14 +75,16 @@ class Block:
     parent: bytes
     tokens: tuple[int, ...]
     layers: list  # per layer: (keys, values) for a dense layer, a TQLayer for a TurboQuant one
+    # Its size, fixed when it is made (a block's arrays are never replaced): what the memory tier adds
+    # and takes off its total.
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(a.nbytes for layer in self.layers for a in _layer_arrays(layer))
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for layer in self.layers for a in _layer_arrays(layer))
 
 
 def is_dense(cache: list) -> bool:

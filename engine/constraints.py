@@ -44,6 +44,9 @@ class ReplyPlan:
     parse_tools: bool
     processor: Any = None  # engine.grammar.GrammarProcessor, or None for free decoding
     forced: str | None = None  # "tool_call" | "json": what the grammar forces, for the record
+    # The template left a reasoning block open (`ReplyFormat.opens_reasoning`): the output starts as
+    # reasoning, and a forced reply's grammar closes it first.
+    reasoning_open: bool = False
 
 
 def parse_tool_choice(tool_choice: Any, tools: list | None) -> tuple[str, str | None]:
@@ -121,7 +124,8 @@ def plan_reply(*, fmt: ReplyFormat, grammar, tools: list | None, tool_choice: An
     schema = response_schema(response_format)
     by_default = mode == "auto" and bool(tools) and forced_by_default(tool_choice_default, messages)
     # A template that opened a reasoning block for the model: a forced reply closes it first.
-    prefix = (fmt.think_end + "\n\n") if fmt.opens_reasoning(prompt_text) else ""
+    reasoning_open = fmt.opens_reasoning(prompt_text)
+    prefix = (fmt.think_end + "\n\n") if reasoning_open else ""
     if mode == "required" or by_default:
         hermes = fmt if fmt.tool_parser_name == "json_tools" else ReplyFormat.hermes(fmt.think_start, fmt.think_end)
         try:
@@ -133,7 +137,7 @@ def plan_reply(*, fmt: ReplyFormat, grammar, tools: list | None, tool_choice: An
             # The client asked for nothing: a schema llguidance cannot compile leaves the reply free.
             log.warning("tool_choice default not applied: %s", exc.message)
         else:
-            return ReplyPlan(hermes, True, processor, "tool_call")
+            return ReplyPlan(hermes, True, processor, "tool_call", reasoning_open)
     if schema is not None:
-        return ReplyPlan(fmt, False, grammar.json_schema(schema, prefix=prefix, limits=limits), "json")
-    return ReplyPlan(fmt, parse_tools=mode == "auto" and bool(tools))
+        return ReplyPlan(fmt, False, grammar.json_schema(schema, prefix=prefix, limits=limits), "json", reasoning_open)
+    return ReplyPlan(fmt, parse_tools=mode == "auto" and bool(tools), reasoning_open=reasoning_open)

@@ -14,18 +14,30 @@ from mlx_lm.models.cache import KVCache
 
 from engine import mlx_batch
 from engine.batch_cache import RowBatchKVCache
-from engine.sampling import GREEDY
+from engine.sampling import GREEDY, make_penalties, make_sampler
 from engine.sequence import Sequence, TextDelta
 from engine.stop_strings import StopMatcher
 
 
 @dataclass(eq=False)
 class Row:
+    """A sequence's place in the batch, with what samples and streams its tokens. It outlives a pause:
+    a resumed row rejoins with the same sampler (a seeded one's key where it was) and processors (the
+    penalties' view of the prompt's length)."""
+
     seq: Sequence
     detok: object
     stops: StopMatcher
+    sampler: object
+    processors: list  # the sampling penalties first, then the request's own (a grammar's mask has the last word)
     started_at: float
     first_token_at: float | None = None
+
+    @classmethod
+    def start(cls, seq: Sequence, detok, started_at: float) -> "Row":
+        """The row of a sequence whose prompt is in, made from its request's settings."""
+        return cls(seq, detok, StopMatcher(seq.params.stop), make_sampler(seq.params),
+                   make_penalties(seq.params) + list(seq.logits_processors), started_at)
 
 
 @dataclass(eq=False)
@@ -45,7 +57,6 @@ class TakenOut:
     row: Row
     pending: int  # sampled ahead by the batch, emitted now; fed first on resume
     remaining: int  # tokens it may still produce after `pending`
-    sampler: object
     cache: list
     cached_ids: list[int]
 
@@ -80,13 +91,13 @@ class DecodeBatch:
         return sum(len(r.seq.prompt_ids) + len(r.seq.output_ids) for r in list(self.rows.values()))
 
     def join(self, rows: list[Row], inputs: list[int], layers: list, cached_ids: list[list[int]],
-             samplers: list, max_tokens: list[int]) -> int:
+             max_tokens: list[int]) -> int:
         """Add rows: `inputs` are the tokens each feeds next, `layers` their batched cache holding
         `cached_ids`. The batch's size after."""
         seqs = [row.seq for row in rows]
         joining = GenerationBatch(
-            self.model, [seq.seq_id for seq in seqs], mx.array(inputs), layers, cached_ids, samplers, GREEDY,
-            [list(seq.logits_processors) for seq in seqs],
+            self.model, [seq.seq_id for seq in seqs], mx.array(inputs), layers, cached_ids,
+            [row.sampler for row in rows], GREEDY, [list(row.processors) for row in rows],
             [StopSequences() if seq.params.ignore_eos else self._eos_stops for seq in seqs], max_tokens,
         )
         if self._batch is None or len(self._batch) == 0:
@@ -137,13 +148,12 @@ class DecodeBatch:
         pending, logprobs = mlx_batch.lookahead(batch, index)
         finish = self._take_token(row, pending, logprobs)
         remaining = mlx_batch.tokens_left(batch, index) - 1
-        sampler = batch.samplers[index]
         cache, cached_ids = batch.extract_cache(index), list(batch.tokens[index])
         batch.filter([i for i in range(len(batch.uids)) if i != index])
         if finish is not None or remaining <= 0:
             return self._end(row, finish or "length", cache, cached_ids)
         del self.rows[uid]
-        return TakenOut(row, pending, remaining, sampler, cache, cached_ids)
+        return TakenOut(row, pending, remaining, cache, cached_ids)
 
     def drop(self, uid: int) -> Row:
         """Let a row go without its KV (an abort)."""

@@ -15,7 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine.kernels import selector
-from engine.chat_render import PromptOverLimit, RenderedPrompt, encode_within, normalize_messages, render_prompt, token_bound
+from engine.chat_render import (PromptOverLimit, RenderedPrompt, encode_within, normalize_messages, render_prompt,
+                                thinking_kwargs, token_bound)
 from engine.disk_cache import CacheDirUnusable
 from engine.grammar import GrammarCompiler
 from engine.memory import (CACHE_FRACTION, DEFAULT_CEILING_FRACTION, MemoryModel, default_cache_bytes, default_prefill_chunk,
@@ -120,6 +121,9 @@ class Engine:
         self.cache_dir, self.cache_disk_bytes, self.block_size = cache_dir, cache_disk_bytes, block_size
         self.memory_ceiling_bytes = memory_ceiling_bytes
         self.memory: MemoryModel | None = None
+        # The longest request that fits (the memory model's, fixed once loaded; None while loading): what
+        # the proxy's X-Max-Context-Tokens header and count_tokens read on every request.
+        self.max_context_tokens: int | None = None
         self.model = None
         self.tokenizer = None
         self.reply_format: ReplyFormat | None = None  # how this model marks reasoning and tool calls
@@ -161,13 +165,16 @@ class Engine:
 
     # --- requests (any thread) --------------------------------------------------
 
-    def render(self, messages, *, tools=None, chat_template_kwargs=None, count_up_to: int | None = None) -> RenderedPrompt:
-        """Render a chat request with the model's template. Thread-safe; no MLX work. A prompt that cannot fit
-        the context is the context error, found without tokenizing all of a huge one; `count_up_to` (a
+    def render(self, messages, *, tools=None, chat_template_kwargs=None, reasoning_effort: str | None = None,
+               count_up_to: int | None = None) -> RenderedPrompt:
+        """Render a chat request with the model's template (`reasoning_effort`: the request's switch, passed
+        to the template as chat_render.thinking_kwargs says). Thread-safe; no MLX work. A prompt that cannot
+        fit the context is the context error, found without tokenizing all of a huge one; `count_up_to` (a
         token count only, nothing runs) counts exactly up to that many tokens instead."""
         if not self.ready:
             raise EngineNotReady("the model is still loading")
-        applied = self._bound_policy.apply(normalize_messages(messages), chat_template_kwargs)
+        kwargs = thinking_kwargs(chat_template_kwargs, reasoning_effort)
+        applied = self._bound_policy.apply(normalize_messages(messages), kwargs)
         try:
             rendered = render_prompt(self.tokenizer, applied.messages, tools=tools,
                                      chat_template_kwargs=applied.template_kwargs,
@@ -223,16 +230,12 @@ class Engine:
                 "chat_template": getattr(self.tokenizer, "chat_template", None),
                 "special": {k: getattr(self.tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}}
 
-    @property
-    def cache_evictions(self) -> int | None:
-        """Prefix-cache blocks lost for room since start (engine/prefix_cache.py), None while loading."""
-        return self.prefix_cache.evictions if self.prefix_cache is not None else None
-
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raise ContextExceedsCapacity (with the numbers) for a request that can never run."""
+    def fit(self, num_prompt_tokens: int, max_tokens: int | None, *, clamp: bool = False) -> int | None:
+        """The max_tokens a request runs with (`clamp`: lowered to what fits after the prompt), or
+        ContextExceedsCapacity with the numbers for one that can never run (engine/memory.py `fit`)."""
         if not self.ready:
             raise EngineNotReady("the model is still loading")
-        self.memory.check_fits(num_prompt_tokens, max_tokens)
+        return self.memory.fit(num_prompt_tokens, max_tokens, clamp=clamp)
 
     def capacity(self) -> dict:
         """The memory model's numbers, what the scheduler holds now, and MLX's own counters."""
@@ -306,6 +309,7 @@ class Engine:
                 self.model, context_length=self.context_length, prefill_chunk=self.prefill_step_size,
                 ceiling_bytes=ceiling,
             )
+            self.max_context_tokens = self.memory.max_context_tokens
             self.scheduler = Scheduler(
                 self.model,
                 self.tokenizer,

@@ -99,11 +99,22 @@ class MemoryModel:
         """KV of a sequence at its final length, plus one prefill chunk's peak."""
         return self.kv_bytes_per_token * num_tokens + self.transient_bytes
 
-    def check_fits(self, prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raise ContextExceedsCapacity if the request could not run even alone."""
+    def fit(self, prompt_tokens: int, max_tokens: int | None, *, clamp: bool = False) -> int | None:
+        """The max_tokens a request runs with, or ContextExceedsCapacity (with the numbers) for one that
+        could not run even alone. With `clamp`, a max_tokens beyond what fits after the prompt is lowered
+        to what fits, so the reply ends with length there (as llama.cpp, Ollama and LM Studio do: Claude
+        Code asks 32,000 of any model); a prompt that leaves no room for one output token is refused."""
+        room = self.max_context_tokens - prompt_tokens
+        if clamp and max_tokens is not None and max_tokens > room:
+            if room < 1:  # no max_tokens would help: say so, not "prompt + max_tokens"
+                raise ContextExceedsCapacity(
+                    f"the prompt ({prompt_tokens} tokens) cannot fit: at most {self.max_context_tokens} tokens "
+                    "fit, the prompt and at least one output token", prompt_tokens=prompt_tokens,
+                    max_tokens=max_tokens, retryable=False, **self.numbers())
+            return room
         total = prompt_tokens + (max_tokens or 1)
         if total <= self.context_length and self.need_bytes(total) <= self.capacity_bytes:
-            return
+            return max_tokens
         why = "the model's context" if total > self.context_length else "the memory ceiling"
         raise ContextExceedsCapacity(
             f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens or 1}) can never fit: limited by {why}; "

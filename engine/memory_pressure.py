@@ -34,8 +34,7 @@ class Paused:
     seq: Sequence
     path: Path | None  # the spilled KV; None for a prefill parked in the prefix cache
     started_at: float
-    row: Row | None = None  # decoding when paused; None for a parked prefill
-    sampler: object = None
+    row: Row | None = None  # decoding when paused (its sampler and processors with it); None for a parked prefill
     pending: int = 0  # already emitted; fed first on resume
     cached_ids: list[int] = field(default_factory=list)
     remaining: int = 0
@@ -122,7 +121,7 @@ class MemoryPressure:
             except EngineError:
                 self.prefix_cache.store(cached_ids, cache)
                 raise
-        paused = Paused(row.seq, path, row.started_at, row=row, sampler=taken.sampler, pending=taken.pending,
+        paused = Paused(row.seq, path, row.started_at, row=row, pending=taken.pending,
                         cached_ids=cached_ids, remaining=taken.remaining, pinned=pinned)
         self.paused.append(paused)
         taken.cache = cache = None

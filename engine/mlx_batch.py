@@ -5,8 +5,8 @@ reader in mlx-lm 0.32.2: the token the batch has already sampled for the row's n
 (`GenerationBatch` samples one step ahead: `_next_tokens`, with its logprobs in `_next_logprobs`),
 and how many tokens the row has produced since it joined (`_num_tokens`, counted against the public
 `max_tokens`). Without them a resumed row would resample a token it already drew (a different one
-under sampling) or overrun its max_tokens. Everything else (uids, samplers, tokens, extract_cache,
-filter, extend) is public and read where it is used. An mlx-lm upgrade that renames these fails
+under sampling) or overrun its max_tokens. Everything else (uids, tokens, extract_cache, filter,
+extend) is public and read where it is used. An mlx-lm upgrade that renames these fails
 tests/test_pressure_edge_cases.py's token-identity tests.
 """
 

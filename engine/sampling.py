@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p, make_logits_processors
 from mlx_lm.sample_utils import make_sampler as make_mlx_sampler
@@ -14,14 +16,15 @@ __all__ = ["SamplingParams", "make_sampler", "make_penalties", "GeneratedTokenPe
 
 def make_penalties(params: SamplingParams) -> list:
     """The row's penalty processor, or none (a row without one keeps GenerationBatch's fast path)."""
-    return [GeneratedTokenPenalties(params)] if params.penalized else []
+    penalized = params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+    return [GeneratedTokenPenalties(params)] if penalized else []
 
 
 def make_sampler(params: SamplingParams):
-    """A sampler for one row. Greedy rows share one function so a batch of
+    """A sampler for one row. Greedy rows share one sampler (GREEDY) so a batch of
     them samples in a single argmax; seeded rows carry their own RNG key so
     their draws do not depend on what else is in the batch."""
-    if params.greedy:
+    if params.temperature == 0.0:
         return GREEDY
     if params.seed is not None:
         return SeededSampler(params.temperature, params.top_p, params.seed)
@@ -61,8 +64,9 @@ class GeneratedTokenPenalties:
         return logits
 
 
-def GREEDY(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
+# Every greedy row's sampler: one object, so a batch of them samples in one argmax (GenerationBatch
+# calls a sampler its rows share once for the whole batch).
+GREEDY = functools.partial(mx.argmax, axis=-1)
 
 
 class SeededSampler:

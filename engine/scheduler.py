@@ -37,15 +37,13 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.admission import Admission, Prefilled
+from engine.admission import Admission, Prefilled, as_restored
 from engine.decode_batch import DecodeBatch, Ended, Row, batch_of_one
 from engine.memory import SOFT_WATERMARK, MemoryModel
 from engine.memory_pressure import MemoryPressure, Paused
 from engine.prefix_cache import PrefixCache
-from engine.sampling import make_sampler
 from engine.sequence import Failed, Finished, Sequence
 from engine.spill import SpillStore
-from engine.stop_strings import StopMatcher
 from prefixtrace.common.errors import EngineError
 
 log = logging.getLogger("prefixtrace.scheduler")
@@ -82,7 +80,7 @@ class Scheduler:
         self.context_length = context_length
         self.max_batch = max_batch
         # Turns a prefix-cache hit into the caches prefill runs on (e.g. engine.tq_cache.to_turboquant).
-        self.adapt_cache = adapt_cache or (lambda cache: cache)
+        self.adapt_cache = adapt_cache or as_restored
         self.admission = Admission(model, prefix_cache, prefill_chunk=prefill_chunk, adapt_cache=self.adapt_cache,
                                    cold_dense_prefill=cold_dense_prefill)
         self.decode = DecodeBatch(model, tokenizer.eos_token_ids)
@@ -214,12 +212,10 @@ class Scheduler:
         seqs = [j.seq for j in jobs]
         for seq in seqs:
             seq.stage = "decoding"
-        rows = [Row(j.seq, self.tokenizer.detokenizer, StopMatcher(j.seq.params.stop), started_at=j.started_at)
-                for j in jobs]
+        rows = [Row.start(j.seq, self.tokenizer.detokenizer, j.started_at) for j in jobs]
         layers = ready.layers if ready.layers is not None else [batch_of_one(layer) for layer in jobs[0].cache]
         size = self._join(rows, [seq.prompt_ids[-1] for seq in seqs], layers,
-                          [list(seq.prompt_ids[:-1]) for seq in seqs], [make_sampler(seq.params) for seq in seqs],
-                          [self.pressure.max_tokens(seq) for seq in seqs])
+                          [list(seq.prompt_ids[:-1]) for seq in seqs], [self.pressure.max_tokens(seq) for seq in seqs])
         self.stats["peak_batch"] = max(self.stats["peak_batch"], size)
         if ready.layers is not None:
             self.stats["waves"] += 1
@@ -303,7 +299,7 @@ class Scheduler:
 
     def _rejoin(self, paused: Paused, cache: list) -> None:
         self._join([paused.row], [paused.pending], [batch_of_one(layer) for layer in cache], [paused.cached_ids],
-                   [paused.sampler], [paused.remaining])
+                   [paused.remaining])
         self.pressure.just_resumed.add(paused.seq.seq_id)
 
     def _abort_one(self) -> None:
@@ -353,7 +349,8 @@ class Scheduler:
         seq = row.seq
         self._retire(seq, ended.finish)
         seq.emit(Finished(ended.finish, seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens,
-                          prefill_s=first - row.started_at, decode_s=end - first))
+                          prefill_s=first - row.started_at, decode_s=end - first,
+                          cache_evictions=self.prefix_cache.evictions))
 
     def _retire(self, seq: Sequence, finish: str) -> None:
         """Bookkeeping for a sequence that ends here (its final event follows): counted, and

@@ -3,19 +3,20 @@
 The Sequence is the only object that crosses between the HTTP side and the
 engine thread. The HTTP side creates it and reads its events; the engine thread
 alone mutates its counters. Events are delivered through `emit`, a callable the
-HTTP side provides (it hops onto the asyncio loop), so the engine never touches
-asyncio.
+engine thread calls: for a server, an `Outbox`'s `put` (below), which hops each event
+onto the reader's asyncio loop, so the engine thread runs no proxy code; tests and
+benches pass a plain `queue.Queue.put`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.sampling import SamplingParams, make_penalties
+from engine.sampling import SamplingParams
 
 _ids = itertools.count()
 
@@ -34,6 +35,9 @@ class Finished:
     cached_tokens: int
     prefill_s: float
     decode_s: float
+    # Blocks the prefix cache had lost for room when the sequence ended (engine/prefix_cache.py
+    # `evictions`): a growth before the session's next turn means that turn may find its prefix gone.
+    cache_evictions: int | None = None
 
 
 @dataclass(slots=True)
@@ -42,6 +46,28 @@ class Failed:
 
 
 Event = TextDelta | Finished | Failed
+
+
+class Outbox:
+    """One sequence's events, from the engine thread to a reader on an asyncio loop: the engine
+    thread `put`s (as the sequence's `emit`), the reader awaits `get`. Made on the reader's loop."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+
+    def put(self, event: Event) -> None:
+        """Any thread. Once the reader's loop is closed (a shutdown while a cancelled row still
+        ends) nobody is listening: the event is dropped, not raised into the engine thread, where a
+        RuntimeError would end every other row's step."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # "Event loop is closed"
+            if not self._loop.is_closed():
+                raise
+
+    async def get(self) -> Event:
+        return await self._events.get()
 
 
 @dataclass(eq=False)
@@ -62,18 +88,16 @@ class Sequence:
     # (its prompt is in; a paused row stays "decoding"). Set by the engine thread only; read by the
     # HTTP side to record where a request its client abandoned had got to.
     stage: str = "queued"
-    # mlx-lm logits processors for this row (engine/grammar.py: a grammar-constrained reply); none keeps
-    # the batch on GenerationBatch's unprocessed path.
+    # The request's own mlx-lm logits processors (engine/grammar.py: a grammar-constrained reply); the
+    # decode batch puts the sampling penalties before them when the row is made (engine/decode_batch.py).
     logits_processors: list = field(default_factory=list)
-    _cancel: threading.Event = field(default_factory=threading.Event)
+    # Set by `cancel` from any thread, read by the engine's parts at their next step: one flag written
+    # by one thread and read by another, which a plain bool does under the GIL.
+    cancelled: bool = field(default=False, init=False)
+    num_prompt_tokens: int = field(init=False)  # the prompt never changes: counted once
 
     def __post_init__(self):
-        # The sampling penalties run first: a grammar's mask, added later, then has the last word.
-        self.logits_processors = make_penalties(self.params) + list(self.logits_processors)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
+        self.num_prompt_tokens = len(self.prompt_ids)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -85,8 +109,4 @@ class Sequence:
 
     def cancel(self) -> None:
         """Ask the engine to stop this sequence at its next step (any thread)."""
-        self._cancel.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
+        self.cancelled = True

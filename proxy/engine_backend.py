@@ -17,14 +17,13 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.chat_render import thinking_kwargs
 from engine.constraints import TOOL_CHOICE_DEFAULTS, ReplyPlan, plan_reply
 from engine.grammar import DEFAULT_LIMITS, GrammarLimits
 from engine.engine import Engine
 from engine.reply_parser import ReplyParser, final_finish_reason
-from engine.sequence import Failed, Finished, Sequence, TextDelta
+from engine.sequence import Failed, Finished, Outbox, Sequence, TextDelta
 from proxy.sampling_defaults import NO_DEFAULTS, SamplingDefaults
-from prefixtrace.common.errors import ContextExceedsCapacity, EngineError, EngineNotReady, InvalidRequest, ModelNotFound, PrefixtraceError
+from prefixtrace.common.errors import EngineError, EngineNotReady, InvalidRequest, ModelNotFound, PrefixtraceError
 from prefixtrace.wire.events import ContentDelta, ReasoningDelta, ReplyDone, ToolCallArgsDelta, ToolCallStart
 from proxy.chat_request import ChatRequest
 from proxy.relay import QUEUED, hang_up_error
@@ -100,7 +99,7 @@ class EngineBackend:
 
     @property
     def max_context_tokens(self) -> int | None:
-        return self.engine.memory.max_context_tokens if self.engine.ready else None
+        return self.engine.max_context_tokens if self.engine.ready else None
 
     async def models(self) -> dict:
         created = int(time.time())
@@ -140,14 +139,14 @@ class EngineBackend:
         thread; also what `count_tokens` counts (`count_only`: exactly, up to `COUNT_FACTOR` x the context;
         a prompt to run is refused once it cannot fit, without tokenizing all of a huge one)."""
         self._check_model(req)
-        kwargs = thinking_kwargs(req.chat_template_kwargs, req.reasoning_effort)
-        count_up_to = COUNT_FACTOR * self.engine.memory.max_context_tokens if count_only and self.engine.ready else None
+        count_up_to = COUNT_FACTOR * self.engine.max_context_tokens if count_only and self.engine.ready else None
         # A client's own template (`--allow-client-templates`) renders in a child that may take its whole
         # budget (engine/template_sandbox.py): those renders wait on threads of their own, so 16 looping
         # templates hold up each other, never the thread pool every other request renders on.
-        client_template = isinstance(kwargs, dict) and "chat_template" in kwargs and self.engine.allow_client_templates
+        kwargs = req.chat_template_kwargs
+        client_template = kwargs is not None and "chat_template" in kwargs and self.engine.allow_client_templates
         render = functools.partial(self.engine.render, req.messages, tools=req.tools, chat_template_kwargs=kwargs,
-                                   count_up_to=count_up_to)
+                                   reasoning_effort=req.reasoning_effort, count_up_to=count_up_to)
         try:
             if client_template:
                 rendered = await asyncio.get_running_loop().run_in_executor(_client_template_pool(), render)
@@ -183,7 +182,6 @@ class EngineBackend:
         reply's events instead of the HTTP status (the Responses stream says `response.created` first)."""
         req = dataclasses.replace(req, sampling=self.defaults.for_request(req.sampling, req.body))
         self._fit_max_tokens(req, len(token_ids), learnt)
-        self.engine.check_fits(len(token_ids), req.sampling.max_tokens)
         # Compiling a grammar (and, once per model, llguidance's view of the vocabulary) is CPU work.
         plan = await asyncio.to_thread(
             plan_reply, fmt=self.engine.reply_format, grammar=self.engine.grammar, tools=req.tools,
@@ -191,9 +189,9 @@ class EngineBackend:
             prompt_text=prompt_text, tool_choice_default=self.tool_choice_default, limits=self.grammar_limits)
         if plan.forced:
             learnt.append(Constrained(plan.forced))
-        chat = EngineChat(req, self.engine.name, plan, prompt_text, engine=self.engine)
+        chat = EngineChat(req, self.engine.name, plan)
         sampling = req.sampling if plan.processor is not None else self.defaults.for_free_reply(req.sampling, req.body)
-        seq = Sequence(token_ids, sampling, chat.emit_threadsafe(asyncio.get_running_loop()))
+        seq = Sequence(token_ids, sampling, chat.outbox.put)
         if plan.processor is not None:
             seq.logits_processors.append(plan.processor)
         chat.seq = seq
@@ -212,22 +210,13 @@ class EngineBackend:
 
 
     def _fit_max_tokens(self, req, num_prompt_tokens: int, learnt: list[Fact]) -> None:
-        """Under the clamp policy, a max_tokens beyond what fits after the prompt is lowered to what
-        fits, so the reply ends with length / max_tokens there (as llama.cpp, Ollama and LM Studio
-        do: Claude Code asks 32,000 of any model). A prompt that cannot fit itself is left to
-        check_fits' 400 with the numbers; so is every overflow under `reject`."""
+        """The engine fits the request (engine/memory.py `MemoryModel.fit`): a 400 with the numbers for one
+        that can never run, or under the clamp policy a max_tokens beyond what fits after the prompt
+        lowered to what fits, and the turn says so."""
         asked = req.sampling.max_tokens
-        memory = self.engine.memory
-        room = memory.max_context_tokens - num_prompt_tokens
-        if self.max_tokens_policy != "clamp" or asked is None or asked <= room:
-            return
-        if room < 1:  # no max_tokens would help: say so, not "prompt + max_tokens"
-            raise ContextExceedsCapacity(
-                f"the prompt ({num_prompt_tokens} tokens) cannot fit: at most {memory.max_context_tokens} tokens "
-                "fit, the prompt and at least one output token", prompt_tokens=num_prompt_tokens,
-                max_tokens=asked, retryable=False, **memory.numbers())
-        req.sampling.max_tokens = room
-        learnt.append(MaxTokensClamped(asked, room))
+        req.sampling.max_tokens = self.engine.fit(num_prompt_tokens, asked, clamp=self.max_tokens_policy == "clamp")
+        if req.sampling.max_tokens != asked:
+            learnt.append(MaxTokensClamped(asked, req.sampling.max_tokens))
 
 
 class EngineChat:
@@ -237,48 +226,32 @@ class EngineChat:
 
     status = 200
 
-    def __init__(self, req: ChatRequest, model: str, plan: ReplyPlan | None = None,
-                 prompt_text: str = "", *, engine: Engine | None = None):
+    def __init__(self, req: ChatRequest, model: str, plan: ReplyPlan | None = None):
         self.req = req
-        self.engine = engine  # read once the reply ends: its prefix cache's eviction count
         self.model = req.model or model
         self.created = int(time.time())  # when the request was submitted: a chat reply's `created`
         self.seq: Sequence | None = None
         self.plan = plan
         self.parser = ReplyParser(plan.fmt, tools=req.tools, parse_tools=plan.parse_tools,
-                                  reasoning=plan.fmt.opens_reasoning(prompt_text),
+                                  reasoning=plan.reasoning_open,
                                   stream_arguments=plan.forced == "tool_call") if plan is not None else None
         self.finished: Finished | None = None  # the engine's last event, for timings
-        self._events: asyncio.Queue = asyncio.Queue()
+        self.outbox = Outbox()  # where the engine thread leaves this request's events (its `emit`)
         self._first = None
-
-    def emit_threadsafe(self, loop: asyncio.AbstractEventLoop):
-        """The engine thread's `emit` for this request. Once the server's loop is closed (a shutdown
-        while a cancelled row still ends) nobody is listening: the event is dropped, not raised into
-        the engine thread, where a RuntimeError would end every other row's step."""
-        events = self._events
-
-        def emit(event) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # "Event loop is closed"
-                if not loop.is_closed():
-                    raise
-        return emit
 
     async def first_event(self) -> None:
         """Wait for the first event so that a failure before any output keeps its HTTP status."""
-        self._first = await self._events.get()
+        self._first = await self.outbox.get()
         if isinstance(self._first, Failed):
             raise self._first.error
 
     async def events(self):
-        event = self._first if self._first is not None else await self._events.get()
+        event = self._first if self._first is not None else await self.outbox.get()
         while True:
             yield event
             if isinstance(event, (Finished, Failed)):
                 return
-            event = await self._events.get()
+            event = await self.outbox.get()
 
     async def reply_events(self):
         """The reply as `prefixtrace.wire.events`, ending with ReplyDone, the engine's `ReplyTokens`
@@ -294,10 +267,9 @@ class EngineChat:
                 if self.seq is not None:
                     # The reply's tokens follow the prompt in the engine's cache: the next turn's prefix
                     # reaches into them, and the analyzer predicts how far (docs/ANALYZER.md). Blocks the prefix
-                    # cache evicted for room so far: between this turn's end and the session's next, a growth
-                    # means the next turn may find its prefix gone.
-                    yield ReplyTokens(list(self.seq.output_ids),
-                                      self.engine.cache_evictions if self.engine is not None else None)
+                    # cache evicted for room so far (on the engine's Finished event): between this turn's end and
+                    # the session's next, a growth means the next turn may find its prefix gone.
+                    yield ReplyTokens(list(self.seq.output_ids), event.cache_evictions)
                 for reply_event in self.parser.finish():
                     yield reply_event
                 yield ReplyDone(final_finish_reason(event.finish_reason, self.parser), event.prompt_tokens,

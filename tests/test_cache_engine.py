@@ -107,3 +107,17 @@ def test_failed_prefill_keeps_its_committed_blocks(tmp_path):
     assert resent.output_ids == reference.output_ids
     restarted.shutdown()
     cold.shutdown()
+
+
+def test_the_end_of_a_sequence_carries_the_prefix_cache_evictions_so_far():
+    sizing = engine()
+    block_bytes = 16 * sizing.memory.kv_bytes_per_token
+    sizing.shutdown()
+    e = engine(cache_bytes=3 * block_bytes)  # three blocks: the next prompt's push the first one's out
+    try:
+        _, first = submit(e, LONG, max_tokens=4)
+        _, second = submit(e, [{"role": "user", "content": "class Cache:\n    pass\n" * 20}], max_tokens=4)
+        assert first.cache_evictions is not None and second.cache_evictions > first.cache_evictions
+        assert second.cache_evictions == e.prefix_cache.evictions
+    finally:
+        e.shutdown()

@@ -106,7 +106,7 @@ def test_prompt_longer_than_the_context_is_rejected_with_numbers(tiny_engine):
     from prefixtrace.common.errors import ContextExceedsCapacity
 
     with pytest.raises(ContextExceedsCapacity) as info:
-        tiny_engine.check_fits(tiny_engine.context_length, 10)
+        tiny_engine.fit(tiny_engine.context_length, 10)
     assert info.value.details["max_context_tokens"] == tiny_engine.context_length
     assert info.value.details["retryable"] is False
 

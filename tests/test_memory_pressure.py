@@ -106,14 +106,26 @@ def test_never_fits_is_rejected_with_the_numbers_and_a_fits_later_request_waits(
     small = MemoryModel(mm.weights_bytes, mm.kv_bytes_per_token, mm.transient_bytes,
                         mm.weights_bytes + mm.transient_bytes + 300 * mm.kv_bytes_per_token, mm.context_length)
     with pytest.raises(ContextExceedsCapacity) as info:
-        small.check_fits(200, 200)
+        small.fit(200, 200)
     details = info.value.details
     for key in ("weights_bytes", "kv_bytes_per_token", "prompt_tokens", "max_tokens", "transient_bytes",
                 "capacity_bytes", "max_context_tokens"):
         assert isinstance(details[key], int), key
     assert details["retryable"] is False and details["max_context_tokens"] == 300
-    small.check_fits(100, 200)  # fits alone: never rejected
+    small.fit(100, 200)  # fits alone: never rejected
     engine.shutdown()
+
+
+def test_fit_clamps_a_max_tokens_past_the_room_after_the_prompt_or_refuses_a_prompt_with_none():
+    small = MemoryModel(weights_bytes=0, kv_bytes_per_token=1, transient_bytes=0, ceiling_bytes=300, context_length=4096)
+    assert small.fit(200, 50, clamp=True) == 50  # fits: as asked
+    assert small.fit(200, 200, clamp=True) == 100  # lowered to the room left
+    assert small.fit(200, None, clamp=True) is None  # unset: the scheduler caps it
+    with pytest.raises(ContextExceedsCapacity) as info:
+        small.fit(200, 200)  # no clamp: refused with the numbers
+    assert info.value.details["max_tokens"] == 200
+    with pytest.raises(ContextExceedsCapacity, match=r"the prompt \(300 tokens\) cannot fit"):
+        small.fit(300, 5, clamp=True)
 
 
 def test_kv_estimate_matches_measured_memory():

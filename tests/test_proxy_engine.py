@@ -123,16 +123,18 @@ def test_secrets_never_reach_the_database(engine_server):
 def test_an_event_for_a_closed_loop_is_dropped_not_raised_into_the_engine_thread():
     import asyncio
 
-    from proxy.engine_backend import EngineChat
     from engine.sequence import TextDelta
 
     loop = asyncio.new_event_loop()
-    chat = EngineChat.__new__(EngineChat)
-    chat._events = asyncio.Queue()
-    emit = chat.emit_threadsafe(loop)
-    emit(TextDelta("a", [1]))  # delivered while the loop is open
+    outbox = loop.run_until_complete(_outbox_on_the_loop())  # made on its reader's loop
+    outbox.put(TextDelta("a", [1]))  # delivered while the loop is open
     loop.run_until_complete(asyncio.sleep(0))
-    assert chat._events.qsize() == 1
+    assert loop.run_until_complete(outbox.get()) == TextDelta("a", [1])
     loop.close()
-    emit(TextDelta("b", [2]))  # after shutdown: nobody listens, nothing raised
-    assert chat._events.qsize() == 1
+    outbox.put(TextDelta("b", [2]))  # after shutdown: nobody listens, nothing raised
+
+
+async def _outbox_on_the_loop():
+    from engine.sequence import Outbox
+
+    return Outbox()

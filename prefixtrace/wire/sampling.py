@@ -40,10 +40,3 @@ class SamplingParams:
             raise InvalidRequest(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
                                  param="repetition_penalty")
 
-    @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
