@@ -22,8 +22,6 @@ ENGINE_SIDE = ("engine/", "prefixtrace/wire/sampling.py")
 KEPT = {
     ("engine/engine.py", "proxy/engine_backend.py"):
         "the prompt renders in a worker thread (so the loop never tokenizes); fit and submit are asked on the loop",
-    ("engine/engine.py", "(prefixtrace-engine)"):
-        "the engine thread's own loop (Engine._serve calls _take_requests), started before the walk's window",
     ("engine/reply_parser.py", "proxy/engine_backend.py"):
         "the planner reads the model's reply format in a worker thread; the reply is parsed on the loop",
     ("engine/sequence.py", "engine/decode_batch.py"):
@@ -63,3 +61,9 @@ def test_engine_files_are_entered_once_on_the_way_in_but_for_the_named_doors(wal
         extra = [f"{file} <- {again}" for file, caller, again in _reentries(walk)
                  if file.startswith(ENGINE_SIDE) and (file, caller) not in KEPT]
         assert not extra, f"{name}: engine files entered again on the way in: {extra}"
+
+
+def test_every_named_door_is_still_used(walks):
+    """A door that no walk takes any more is struck from the list, so the list stays the truth."""
+    seen = {(file, caller) for walk in walks.values() for file, caller, _ in _reentries(walk)}
+    assert not set(KEPT) - seen, f"named doors no walk takes: {sorted(set(KEPT) - seen)}"

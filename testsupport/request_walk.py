@@ -9,7 +9,9 @@ What is counted (docs/ARCHITECTURE.md, "The path of one request"):
 - the way *in* ends when the first reply bytes reach uvicorn (the first non-empty `http.response.body` sent:
   the response head goes out with them, proxy/connections.py); what starts later is on the way *out*;
 - a file is *entered* when one of its functions starts and the nearest project function below it on that
-  thread's stack is in another file (or there is none: the event loop, a thread's own loop). A file's first
+  thread's stack is in another file (or there is none: the event loop, a new thread, a new task). A function
+  called directly by a project function that began before the window (a thread's own loop: the engine's
+  `_serve`, the recorder's writer) has that function's file as its caller. A file's first
   entry names its caller; an entry on the way in from any other caller is a *re-entry*: a round trip back
   into a module already left, or a second door into it. Calls from the same caller again are not.
 
@@ -139,6 +141,10 @@ class WalkTracer:
                 if caller is not None:
                     break
             caller_frame = caller_frame.f_back
+        if caller is None and frame.f_back is not None:
+            # Called straight from a project function that began before the window: a thread's own loop
+            # (the engine's `_serve`, the recorder's writer) calling on in its own module is no entry.
+            caller = self._file(frame.f_back.f_code.co_filename)
         thread = threading.current_thread().name
         entry = Entry(rel, caller or f"({thread})", code.co_qualname, thread, "out" if self._out else "in")
         self.touched.setdefault(rel, entry)
