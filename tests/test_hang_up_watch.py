@@ -131,7 +131,8 @@ def test_the_watch_adds_to_the_head_it_sends_and_stops_reading_when_closed():
     async def main():
         incoming, receive, send, sent = channel()
         watch = HangUpWatch(receive, send, on_start=lambda m: m["headers"].append((b"x-a", b"1")))
-        assert await watch.receive() == BODY
+        incoming.put_nowait(BODY)
+        assert await asyncio.wait_for(watch.receive(), 5) == BODY
         await watch.send({"type": "http.response.start", "status": 200, "headers": []})
         watch.close()
         await asyncio.sleep(0)
