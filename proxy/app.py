@@ -138,7 +138,7 @@ def create_app(backend: Backend, recorder: TurnSink, *, allowed_hosts: list[str]
     add_compact_route(app, backend, recorder)  # POST /v1/responses/compact (OpenAI's remote compaction)
     add_completions_route(app, backend, recorder)  # POST /v1/completions (raw prompt)
     add_fallback_routes(app, backend, recorder)  # last: every other path, in the API's error shape
-    app.add_middleware(CancelOnDisconnect)  # a hung-up non-streamed request stops generating
+    app.add_middleware(CancelOnDisconnect)  # the hang-up watch TurnRoutes also runs (proxy/disconnect.py)
     return app
 
 

@@ -18,7 +18,6 @@ from proxy.backend import Backend
 from proxy.live_fixes import fix_request
 from proxy.run_session import filed_under
 from proxy.request_limits import parse_body, read_request_body
-from proxy.turn_routes import WATCHED
 from recorder.sink import TurnSink  # the adapters import it from here
 from recorder.turn_builder import TurnBuilder
 from recorder.turn_facts import Fact, RenderedBy
@@ -139,7 +138,7 @@ async def serve_turn(request: Request, *, endpoint: str, backend: Backend, recor
         builder.on_session(filed_under(turn.request_headers, req.session_id), stream=req.stream)
         chat = await open_reply(req, turn.request_headers, learnt)
     except asyncio.CancelledError:
-        # The client hung up (proxy/turn_routes.py, proxy/disconnect.py) or the server is stopping
+        # The client hung up (the hang-up watch, proxy/disconnect.py) or the server is stopping
         # while the reply was being opened: queued or prefilling in the engine (which cancelled its
         # sequence and named the stage in the turn's error), or waiting for the upstream's headers
         # (the upstream request is closed as the cancel unwinds it). Recorded now, without waiting:
@@ -247,51 +246,35 @@ async def respond(chat, builder: TurnBuilder, recorder: TurnSink, framing: Frami
 # Starlette's `StreamingResponse` does the same job through an anyio task group: a second task
 # streams while the first listens for `http.disconnect`, with cancel-scope bookkeeping around
 # every chunk, a few percent of the proxy's CPU on a short streamed request (issue 17). This one
-# streams in the app's own task and leaves the listening to one plain task, whose only act is to
-# cancel the streaming task when the client hangs up; where the app's front already watches for
-# the hang-up and cancels the same task (`TurnRoutes`, proxy/turn_routes.py), it adds none. What
-# the stream's generator sees is the same as before: a `CancelledError` where it waits (for the
+# streams in the request's own task and listens for nothing: every path it is sent on runs inside
+# the app's hang-up watch (`HangUpWatch`, proxy/disconnect.py: `TurnRoutes` for the turn POSTs,
+# the `CancelOnDisconnect` middleware on the full stack), which cancels that task when the client
+# hangs up. What the stream's generator sees is a `CancelledError` where it waits (for the
 # upstream, or the engine) or, when it was suspended at a `yield`, a `GeneratorExit` from
 # `aclose()`; either way it records the turn as the client saw it and tells its backend to stop.
 SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
            (b"content-type", b"text/event-stream; charset=utf-8")]
 
 
-class EventStreamResponse:
-    """An ASGI response: `status`, the SSE headers, then each of `events` as it comes."""
+class EventStreamResponse(Response):
+    """An ASGI response: `status`, the SSE headers, then each of `events` as it comes. Sent inside a
+    hang-up watch (proxy/disconnect.py), which cancels it when the client leaves. A Starlette
+    `Response` (whose `__init__` it skips: no body to render) so that where FastAPI's route wrapper
+    serves it (the full stack) it is passed on as a response, its `background` run after it as
+    Starlette's are, rather than serialized as JSON."""
 
     def __init__(self, events: AsyncIterator[bytes], status_code: int = 200):
         self.events = events
         self.status_code = status_code
+        self.background = None
 
     async def __call__(self, scope, receive, send) -> None:
-        task = asyncio.current_task()
-        hung_up = False
-        finished = False
-
-        async def listen() -> None:
-            nonlocal hung_up
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if not finished:  # once the last byte is out, a disconnect is the connection's own end
-                hung_up = True
-                task.cancel()
-
-        # Where the app watches for the hang-up itself (proxy/turn_routes.py), it cancels this task
-        # just as `listen` would: no second listener.
-        listener = None if scope.get(WATCHED) else asyncio.ensure_future(listen())
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": SSE_HEADERS})
             async for event in self.events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
-            finished = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not hung_up:
-                raise  # the server is stopping (or someone else cancelled us): not ours to swallow
-            task.uncancel()  # the client went away: the stream's generator has recorded it
         finally:
-            finished = True
-            if listener is not None:
-                listener.cancel()
             await self.events.aclose()  # a generator left at a `yield` records the hang-up now
+        if self.background is not None:
+            await self.background()

@@ -5,14 +5,14 @@ function `(request) -> response` that does all its own work (`proxy.relay.serve_
 its body, answers every error in its API's shape and never raises for a bad request. FastAPI's
 request path around it (exception middleware, async exit stack, router match, dependency solving,
 the endpoint wrapper) and the app's own middleware (request guard, context-limit header, cancel on
-disconnect, each wrapping `send` and `receive` again, one running the app in a task of its own)
+disconnect, each wrapping `send` and `receive` again)
 add nothing to such a function but their cost, paid on every chunk sent too. So `ProxyApp`
 (proxy/app.py) hands an accepted turn POST to `TurnRoutes.serve`, which does what those layers
 did for it in one place: the guard's check (a request it refuses takes the full stack, where
-`RequestGuard` answers and records it), the `X-Max-Context-Tokens` header, and the hang-up
-watch: once the body is read, one task waits for `http.disconnect` and, until the last byte is
-out, cancels the request's own task (a non-streamed turn stops its backend; a streamed one is
-recorded as the client saw it, `EventStreamResponse` in proxy/relay.py). It calls the function the FastAPI route
+`RequestGuard` answers and records it), the `X-Max-Context-Tokens` header (added as the head
+goes out through the watch's `send`), and the hang-up watch: the same `HangUpWatch` the full
+stack's `CancelOnDisconnect` runs (proxy/disconnect.py), which cancels the request's own task
+when its client hangs up before the last byte is out. It calls the function the FastAPI route
 holds, so there is one handler per endpoint, registered once (and still in the OpenAPI schema);
 every other request, and every method but POST, goes through FastAPI as before.
 
@@ -29,10 +29,7 @@ from fastapi.routing import APIRoute
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import Request
 
-# Set in the scope of a request whose hang-up `TurnRoutes` watches: a response that would
-# listen for `http.disconnect` itself (`EventStreamResponse`, proxy/relay.py) need not.
-WATCHED = "prefixtrace.disconnect_watched"
-
+from proxy.disconnect import HangUpWatch
 
 class TurnRoutes:
     """POSTs to `paths` served by the app's own route functions for them.
@@ -73,56 +70,18 @@ class TurnRoutes:
         return handler
 
     async def serve(self, handler, scope, receive, send) -> None:
-        task = asyncio.current_task()
-        watcher: asyncio.Task | None = None
-        finished = False  # the response's last byte is out: a disconnect now is the connection's own end
-        hung_up = False
-
-        async def watch() -> dict:
-            nonlocal hung_up
-            message = await receive()
-            while message["type"] != "http.disconnect":  # nothing else is expected after the body
-                message = await receive()
-            if not finished:
-                hung_up = True
-                task.cancel()
-            return message
-
-        async def watched_receive() -> dict:
-            nonlocal watcher
-            if watcher is not None:  # one reader of the channel: later callers get its answer
-                return await asyncio.shield(watcher)
-            message = await receive()
-            if message["type"] == "http.request" and not message.get("more_body", False):
-                watcher = asyncio.ensure_future(watch())
-            return message
-
         header = self.context_header
-
-        async def watched_send(message: dict) -> None:
-            nonlocal finished
-            kind = message["type"]
-            if kind == "http.response.body" and not message.get("more_body", False):
-                finished = True
-            elif kind == "http.response.start" and header is not None:
-                header.add_to(message)
-            await send(message)
-
+        watch = HangUpWatch(receive, send, on_start=None if header is None else header.add_to)
         scope["app"] = self.fastapi_app  # what Starlette sets: `request.app` (its state) reads it
-        scope[WATCHED] = True
         try:
-            response = await handler(Request(scope, watched_receive))
-            await response(scope, watched_receive, watched_send)
+            response = await handler(Request(scope, watch.receive))
+            await response(scope, watch.receive, watch.send)
         except asyncio.CancelledError:
-            if not hung_up:
+            if not watch.took_back_its_cancel():
                 raise  # the server is stopping (or someone else cancelled us): not ours to swallow
-            if task.uncancel():
-                raise  # cancelled for a hang-up and for something else too
             # The client hung up: the route has recorded the turn; nothing can be sent to it.
         finally:
-            finished = True
-            if watcher is not None and not watcher.done():
-                watcher.cancel()
+            watch.close()
 
 
 class MaxContextHeader:

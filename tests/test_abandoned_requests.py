@@ -83,12 +83,18 @@ FOREVER = {"model": "default", "max_tokens": 20000, "ignore_eos": True, "stream"
 
 
 @contextmanager
-def engine_server(tmp_path, **engine_kw):
+def engine_server(tmp_path, *, full_stack: bool = False, **engine_kw):
+    """`full_stack`: every request served through Starlette's middleware stack, as a turn POST
+    `TurnRoutes` does not take is (its hang-up watch is then the `CancelOnDisconnect` middleware's)."""
     engine = Engine(TINY_MODEL, name="tiny-llama", dtype="float32", **engine_kw).start()
     engine.wait_ready(60)
     try:
-        with Recorder(tmp_path / "traffic.db") as rec, running_server(create_app(EngineBackend(engine), rec)) as url:
-            yield url, rec, engine
+        with Recorder(tmp_path / "traffic.db") as rec:
+            app = create_app(EngineBackend(engine), rec)
+            if full_stack:
+                app.turn_routes = None
+            with running_server(app) as url:
+                yield url, rec, engine
     finally:
         engine.shutdown()
 
@@ -159,6 +165,22 @@ def test_a_request_abandoned_while_prefilling_stops_at_its_next_chunk_and_keeps_
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_request_abandoned_while_decoding_is_recorded_with_its_stage(tmp_path, stream):
     with engine_server(tmp_path) as (url, rec, engine):
+        sock = post(url, "/v1/chat/completions", {**FOREVER, "stream": stream})
+        wait_for(lambda: capacity(url)["running"] == 1, 30, "never decoding")
+        if stream:
+            read_until(sock, b"data: {")
+        sock.close()
+        wait_for(lambda: in_engine(url) == 0, 5, "the engine kept decoding for a client that left")
+        (row,) = recorded(rec, 1)
+        assert (row["status"], stage_of(row), row["finish_reason"]) == (499, "decoding", "cancelled")
+        answers(url)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_on_the_full_stack_a_request_abandoned_while_decoding_is_recorded_with_its_stage(tmp_path, stream):
+    """The same watch off the turn routes' path: a streamed reply is cancelled mid-stream by the
+    middleware's watch (the response listens for nothing itself), a whole one while it waits."""
+    with engine_server(tmp_path, full_stack=True) as (url, rec, engine):
         sock = post(url, "/v1/chat/completions", {**FOREVER, "stream": stream})
         wait_for(lambda: capacity(url)["running"] == 1, 30, "never decoding")
         if stream:
